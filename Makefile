@@ -1,0 +1,61 @@
+# Two commands for a fresh machine:
+#   make demo   set up .venv, build the tiny default, run the SFT notebook headless into runs/
+#   make test   set up .venv, run the whole test suite (kernels, models, data, notebooks, browser)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.notebookkit-installed
+# On a machine without an NVIDIA GPU we install PyTorch's CPU build (about 200 MB) instead of the
+# multi-GB CUDA build pip would pick by default. A local wheel (pip find-links) is used when present.
+TORCH_CPU_VERSION ?= 2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+CONSTRAINTS := $(if $(HAS_GPU),,-c constraints/ci-cpu.txt)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast test-gpu tiny browser-deps lock clean help
+
+help:
+	@sed -n '1,4p' Makefile
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/ci-cpu.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip >/dev/null
+ifeq ($(HAS_GPU),)
+	@echo "notebookkit: no NVIDIA GPU found, installing PyTorch's CPU build"
+	@$(PIP) install -q "torch==$(TORCH_CPU_VERSION)" 2>/dev/null || \
+	  $(PIP) install -q "torch==$(TORCH_CPU_VERSION)" --extra-index-url $(TORCH_CPU_INDEX)
+endif
+	$(PIP) install -q -e ".[dev]" $(CONSTRAINTS)
+	@touch $(STAMP)
+
+tiny: setup
+	$(PY) -m notebookkit.data.tiny
+
+demo: setup
+	$(PY) scripts/run_demo.py
+
+browser-deps: setup
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  ( (apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y chromium >/dev/null) || \
+	    echo "notebookkit: could not install chromium; the browser test will say so" )
+
+test: setup browser-deps
+	$(PY) -m notebookkit.data.tiny
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -x -q -m "not gpu and not slow and not browser" $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
+
+lock:
+	$(PIP) freeze --exclude-editable | grep -v '^-e ' > constraints/ci-cpu.txt
+
+clean:
+	rm -rf runs .pytest_cache .hypothesis

@@ -1,0 +1,73 @@
+"""Which implementation an op runs: the Triton kernel or its plain-PyTorch reference.
+
+Rule (see DESIGN.md, "Device paths"):
+
+* CUDA tensors run the Triton kernels.
+* CPU tensors run the PyTorch reference, unless Triton is forced on (``use_triton(True)`` or the
+  environment variable ``NOTEBOOKKIT_KERNELS=triton``); that needs ``TRITON_INTERPRET=1`` set
+  before ``triton`` is first imported, which is how the kernel tests run Triton on a CPU.
+* ``use_triton(False)`` or ``NOTEBOOKKIT_KERNELS=torch`` forces the reference everywhere
+  (used by parity tests and as a debugging escape hatch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
+
+import torch
+
+_state = threading.local()
+
+
+def interpreter_on() -> bool:
+    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _forced() -> bool | None:
+    forced = getattr(_state, "forced", None)
+    if forced is not None:
+        return forced
+    env = os.environ.get("NOTEBOOKKIT_KERNELS", "").lower()
+    if env == "triton":
+        return True
+    if env == "torch":
+        return False
+    return None
+
+
+def should_use_triton(tensor: torch.Tensor) -> bool:
+    """Decide the path for an op whose main input is ``tensor``."""
+    forced = _forced()
+    if forced is False:
+        return False
+    if tensor.is_cuda:
+        return True
+    if forced:
+        if not interpreter_on():
+            raise RuntimeError(
+                "Triton kernels were forced on for CPU tensors, but TRITON_INTERPRET=1 is not set. "
+                "Set it in the environment before starting Python (before triton is imported), "
+                "or use the default PyTorch path on CPU."
+            )
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def use_triton(enabled: bool) -> Iterator[None]:
+    """Force the Triton kernels (``True``) or the PyTorch references (``False``) in a block."""
+    previous = getattr(_state, "forced", None)
+    _state.forced = enabled
+    try:
+        yield
+    finally:
+        _state.forced = previous
+
+
+def int64_offsets_needed(*tensors: torch.Tensor) -> bool:
+    """True when any tensor has more than 2**31 - 1 elements, so kernel offsets must be int64."""
+    return any(t.numel() >= 2**31 for t in tensors)
