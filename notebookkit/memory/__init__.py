@@ -1,0 +1,39 @@
+"""Memory: one memory model (:func:`estimate_training_memory`), the activation planner
+(:func:`plan_activations`), GPU cards and memory-size parsing, and memory meters.
+
+    >>> from notebookkit.memory import estimate_training_memory
+    >>> print(estimate_training_memory("meta-llama/Llama-3.1-8B-Instruct", load_in_4bit=True,
+    ...                                batch_size=2, seq_len=4096, activation_plan="offload"))
+"""
+
+from .cards import CARDS, GPUCard, detect_card, parse_card, parse_memory
+from .estimate import (
+    MemoryEstimate,
+    estimate_kwargs_from_model,
+    estimate_training_memory,
+    layer_activation_bytes,
+    lora_param_count,
+    normalize_plan,
+)
+from .meters import gpu_memory, host_memory, reset_gpu_peak
+from .planner import ActivationPlan, DoesNotFitError, plan_activations
+from .shapes import KNOWN_MODELS, ModelShape, model_shape, shape_from_config
+
+
+
+def __getattr__(name: str):
+    if name in ("HostMemoryError", "PinnedBufferPool"):  # imports torch: load on first use
+        from . import offload
+
+        return getattr(offload, name)
+    raise AttributeError(f"module 'notebookkit.memory' has no attribute {name!r}")
+
+
+__all__ = [
+    "CARDS", "GPUCard", "detect_card", "parse_card", "parse_memory",
+    "MemoryEstimate", "estimate_kwargs_from_model", "estimate_training_memory", "layer_activation_bytes",
+    "lora_param_count", "normalize_plan", "HostMemoryError", "PinnedBufferPool",
+    "gpu_memory", "host_memory", "reset_gpu_peak",
+    "ActivationPlan", "DoesNotFitError", "plan_activations",
+    "KNOWN_MODELS", "ModelShape", "model_shape", "shape_from_config",
+]

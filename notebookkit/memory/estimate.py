@@ -1,0 +1,507 @@
+"""The memory model: peak VRAM of one LoRA / QLoRA training step, from the config alone.
+
+This is the single memory model of notebookkit. The VRAM estimate in the model panel, the
+activation planner (``use_gradient_checkpointing="auto"``) and the benchmark's predicted peak all
+call :func:`estimate_training_memory`.
+
+Notation (see :mod:`notebookkit.memory.shapes`): ``N = batch_size * seq_len`` tokens, ``H`` hidden,
+``L`` layers, ``dq = heads*head_dim``, ``dk = kv_heads*head_dim``, ``I`` intermediate, ``V`` vocab,
+``s`` bytes of the compute dtype (2 for fp16/bf16, 4 for fp32), ``r`` LoRA rank, ``P_lin`` the
+linear parameters of all decoder layers, ``P_emb = V*H`` (and the same again for an untied LM head).
+
+Base weights
+    16-bit:  ``s * (P_lin + P_emb [+ P_head] + norms)``
+    NF4:     ``P_lin * (1/2 + 1/64 + 4/(64*256))``: half a byte per weight, one uint8 absmax per
+             block of 64 (double quantisation) and one fp32 second-level absmax per 256 blocks;
+             without double quantisation the absmax is fp32: ``1/2 + 4/64``. Embeddings, LM head
+             and norms stay 16-bit: ``2 * (P_emb [+ P_head] + norms)``.
+
+Adapters (params + grads + optimizer), over the targeted projections, ``P_lora = L * sum r*(in+out)``
+    fp32 adapters: ``P_lora * (4 param + 4 grad + opt)``; 16-bit adapters add an fp32 master copy:
+    ``P_lora * (2 + 2 + 4 + opt)``. ``opt`` = 8 for AdamW (two fp32 moments), ``2 + 8/256`` for the
+    8-bit (blockwise, fp32 absmax per 256 values) AdamW variants, 4 for Lion, 0 for SGD,
+    ``4*(rows+cols)/(rows*cols)`` per matrix for Adafactor.
+
+Activations saved for backward, per decoder layer, by mode
+    keep:      what the fused kernels save, in ``s``-byte elements per token:
+               ``H`` (input of the attention norm) + ``H`` (normed input of q/k/v) + ``dq + 2*dk``
+               (Q, K after RoPE, V) + ``dq`` (attention output = input of o) + ``H`` (residual =
+               input of the MLP norm) + ``H`` (normed input of gate/up) + ``2*I`` (e, g of the
+               gated MLP; the product is recomputed in backward) + ``r`` per LoRA target (x @ A^T)
+               [+ ``dq + dk`` pre-norm q, k on Qwen3/Gemma 3] [+ ``2*H`` inputs of the post-norms
+               on Gemma 2/3]; plus fp32 per token: the norms' ``1/rms`` (2 or 4 values, and one per
+               head for q/k norms) and the attention log-sum-exp (one per head).
+               LoRA dropout > 0 adds the dropped input (``s`` bytes) and its mask (1 byte) per target.
+               Eager attention adds the probabilities ``B * heads * T^2 * s``.
+    recompute: the layer input only, ``N * H * s``.
+    offload:   nothing on the GPU: the input lives in pinned host memory (``N * H * s`` there).
+    Any recompute/offload layer adds, once, the working set of the layer being recomputed (its full
+    keep activations); offloading adds two layer inputs in flight (one being copied each way).
+
+Logits / loss
+    fused linear cross-entropy (default): the final norm's input and output and the gradient of the
+    hidden states computed during the forward (``3 * N * H * s``) plus one chunk of ``C`` rows of
+    logits, overwritten in place by their gradient, with the chunk's hidden rows:
+    ``C * (V * s + 2 * H * s + 16)``. By default ``C = max(256, N / ceil(V / H))`` rows (a chunk as
+    large as the hidden states) capped at 256 MiB, as the kernel chooses it.
+    materialised: ``N * V * (s + 3 * 4)``: 16-bit logits, their fp32 upcast, the fp32 log-softmax
+    kept for backward, and the fp32 gradient. This is what plain transformers does and why long
+    sequences with 128k-256k vocabularies run out of memory there.
+
+Temporaries
+    the dequantised 16-bit copy of the largest projection, twice (NF4 only; gate and up meet in
+    the MLP backward); the CUDA context (``cuda_context_bytes``, not part of
+    ``torch.cuda.max_memory_allocated``, so :attr:`MemoryEstimate.peak_allocated` leaves it out);
+    and the part of the backward working set that exceeds the logits/loss buffers (they are not
+    alive at the same time): gradient buffers ``N * s * (2*H + max(I, 2*dq + 2*dk))``, the fp32
+    attention gradient accumulator ``N * dq * 4`` and the hidden-state gradient ``N*H*s``, plus the
+    recomputed layer's activations above.
+
+Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries``; it is the
+larger of the end-of-forward peak and the start-of-backward peak, plus the CUDA context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from .shapes import PROJECTIONS, ModelShape, model_shape
+
+GiB = 1024**3
+
+MODES = ("keep", "recompute", "offload")
+
+_OPT_STATE_BYTES = {
+    "adamw": 8.0, "adamw_torch": 8.0, "adamw_torch_fused": 8.0, "adamw_hf": 8.0, "adam": 8.0,
+    "paged_adamw_32bit": 8.0, "adamw_apex_fused": 8.0, "adamw_torch_4bit": 1.0 + 8 / 128,
+    "adamw_8bit": 2.0 + 8 / 256, "adamw_bnb_8bit": 2.0 + 8 / 256, "paged_adamw_8bit": 2.0 + 8 / 256,
+    "adam8bit": 2.0 + 8 / 256, "adamw8bit": 2.0 + 8 / 256,
+    "lion": 4.0, "lion_32bit": 4.0, "paged_lion_32bit": 4.0,
+    "lion_8bit": 1.0 + 4 / 256, "paged_lion_8bit": 1.0 + 4 / 256,
+    "sgd": 0.0,
+}
+
+_DTYPE_BYTES = {"float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2, "float32": 4, "fp32": 4, "float": 4}
+
+ALL_TARGETS = list(PROJECTIONS)
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    if dtype is None:
+        return 2
+    name = str(dtype).replace("torch.", "").lower()
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"notebookkit.memory: unknown dtype {dtype!r}; use 'float16', 'bfloat16' or 'float32'.")
+    return _DTYPE_BYTES[name]
+
+
+def default_loss_chunk(tokens: int, hidden: int, vocab: int, dtype_bytes: int = 2) -> int:
+    """Rows of logits the fused linear cross-entropy holds at once on a GPU.
+
+    Mirrors ``kernels.fused_linear_cross_entropy.choose_chunk_size`` (LM head frozen): about
+    ``N / ceil(V / H)`` rows, at least 256, at most 256 MiB of chunk, in equal chunks.
+    """
+    if tokens <= 0:
+        return 1
+    row_bytes = vocab * dtype_bytes + 2 * hidden * dtype_bytes + 16
+    budget_rows = max(1, (256 * 2**20) // row_bytes)
+    vh_rows = math.ceil(tokens / max(1, math.ceil(vocab / max(hidden, 1))))
+    rows = max(1, min(tokens, max(vh_rows, 256), budget_rows))
+    n_chunks = math.ceil(tokens / rows)
+    rows = math.ceil(tokens / n_chunks)
+    if rows > 8:
+        rows = min(tokens, math.ceil(rows / 8) * 8)
+    return rows
+
+
+def normalize_plan(plan: Any, num_layers: int) -> tuple[str, ...]:
+    """Per-layer modes from a plan given as a mode name, a bool, a list, or an ``ActivationPlan``.
+
+    ``False``/``"keep"`` keep everything; ``True``/``"recompute"`` recompute every layer;
+    ``"offload"`` (alias ``"unsloth"``) recomputes every layer from an input kept in host memory.
+    """
+    modes = getattr(plan, "modes", None)
+    if modes is not None:
+        plan = list(modes)
+    if plan is None or plan is False:
+        return ("keep",) * num_layers
+    if plan is True:
+        return ("recompute",) * num_layers
+    if isinstance(plan, str):
+        key = plan.lower()
+        alias = {"keep": "keep", "none": "keep", "no": "keep", "off": "keep",
+                 "recompute": "recompute", "checkpoint": "recompute", "true": "recompute", "full": "recompute",
+                 "offload": "offload", "unsloth": "offload", "cpu": "offload"}
+        if key == "auto":
+            raise ValueError(
+                "notebookkit.memory: activation_plan='auto' is decided by the planner: call "
+                "notebookkit.memory.plan_activations(...) and pass its plan here."
+            )
+        if key not in alias:
+            raise ValueError(f"notebookkit.memory: unknown activation mode {plan!r}; use one of {MODES}.")
+        return (alias[key],) * num_layers
+    modes = [str(m).lower() for m in plan]
+    if len(modes) != num_layers:
+        raise ValueError(
+            f"notebookkit.memory: the activation plan has {len(modes)} entries but the model has {num_layers} layers."
+        )
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"notebookkit.memory: unknown activation modes {sorted(set(bad))}; use {MODES}.")
+    return tuple(modes)
+
+
+def _targets(target_modules: Any) -> list[str]:
+    if target_modules is None or target_modules == "all-linear" or target_modules == "all":
+        return list(ALL_TARGETS)
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
+    out = []
+    for t in target_modules:
+        name = str(t).split(".")[-1]
+        if name not in PROJECTIONS:
+            raise ValueError(f"notebookkit.memory: unknown LoRA target {t!r}; choose from {list(PROJECTIONS)}.")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _fmt(nbytes: float) -> str:
+    if abs(nbytes) >= GiB / 10:
+        return f"{nbytes / GiB:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted peak memory of a training step, in bytes, by part.
+
+    ``total`` is what must fit on the card (CUDA context included);
+    ``peak_allocated`` is the same without the context, comparable to
+    ``torch.cuda.max_memory_allocated()``. ``details`` breaks each part down further;
+    ``host_offload`` is pinned host memory used by offloaded layers.
+    """
+
+    base_weights: int
+    adapters: int
+    activations: int
+    logits_loss: int
+    temporaries: int
+    total: int
+    cuda_context: int = 0
+    host_offload: int = 0
+    per_layer_activations: tuple[int, ...] = ()
+    plan: tuple[str, ...] = ()
+    details: dict[str, int] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    shape: ModelShape | None = None
+
+    @property
+    def peak_allocated(self) -> int:
+        """Predicted ``torch.cuda.max_memory_allocated()`` (the total without the CUDA context)."""
+        return self.total - self.cuda_context
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GiB
+
+    def fits(self, budget_bytes: int) -> bool:
+        return self.total <= budget_bytes
+
+    def parts(self) -> dict[str, int]:
+        """The five parts that add up to ``total``, with readable names."""
+        return {
+            "base weights": self.base_weights,
+            "adapters + optimizer": self.adapters,
+            "activations": self.activations,
+            "logits / loss": self.logits_loss,
+            "temporaries": self.temporaries,
+        }
+
+    def plan_counts(self) -> dict[str, int]:
+        return {m: sum(1 for p in self.plan if p == m) for m in MODES}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "base_weights": self.base_weights, "adapters": self.adapters, "activations": self.activations,
+            "logits_loss": self.logits_loss, "temporaries": self.temporaries, "total": self.total,
+            "peak_allocated": self.peak_allocated, "cuda_context": self.cuda_context,
+            "host_offload": self.host_offload, "plan": list(self.plan), "details": dict(self.details),
+            "inputs": dict(self.inputs),
+        }
+
+    def table(self) -> str:
+        """A readable breakdown (what ``print(estimate)`` shows)."""
+        name = self.shape.name if self.shape is not None else "model"
+        i = self.inputs
+        head = (
+            f"Memory estimate for {name}: {'NF4' if i.get('load_in_4bit') else i.get('dtype')} weights, "
+            f"LoRA r={i.get('lora_r')} on {len(i.get('target_modules', []))} projections, "
+            f"batch {i.get('batch_size')} x seq {i.get('seq_len')}, optimizer {i.get('optimizer')}"
+        )
+        counts = self.plan_counts()
+        plan = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+        lines = [head, f"activation plan: {plan}", ""]
+        width = max(len(k) for k in list(self.parts()) + list(self.details)) + 4
+        for part, value in self.parts().items():
+            lines.append(f"{part:<{width}}{_fmt(value):>12}")
+            for key, sub in self.details.items():
+                if key.startswith(part + ":") and sub:
+                    lines.append(f"  {key.split(':', 1)[1].strip():<{width - 2}}{_fmt(sub):>12}")
+        lines.append("-" * (width + 12))
+        lines.append(f"{'total (peak)':<{width}}{_fmt(self.total):>12}")
+        lines.append(f"{'  of which CUDA context':<{width}}{_fmt(self.cuda_context):>12}")
+        if self.host_offload:
+            lines.append(f"{'pinned host memory':<{width}}{_fmt(self.host_offload):>12}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython
+        p.text(self.table())
+
+
+def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
+    """What a loaded (PEFT) model tells about itself: ``load_in_4bit``, ``dtype``, ``lora_r``,
+    ``target_modules``, ``lora_dropout``. Missing facts are left out (the defaults apply)."""
+    out: dict[str, Any] = {}
+    cfg = getattr(model, "config", None)
+    q = getattr(cfg, "quantization_config", None)
+    if q is not None:
+        get = q.get if isinstance(q, dict) else lambda k, d=None: getattr(q, k, d)
+        out["load_in_4bit"] = bool(get("load_in_4bit", False))
+        if out["load_in_4bit"]:
+            out["double_quant"] = bool(get("bnb_4bit_use_double_quant", False))
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if dtype is not None and str(dtype).replace("torch.", "") in _DTYPE_BYTES:
+        out["dtype"] = str(dtype).replace("torch.", "")
+    peft = getattr(model, "peft_config", None)
+    if isinstance(peft, dict) and peft:
+        pc = next(iter(peft.values()))
+        out["lora_r"] = int(getattr(pc, "r", 16))
+        tm = getattr(pc, "target_modules", None)
+        if tm:
+            names = [t for t in (list(tm) if not isinstance(tm, str) else [tm]) if str(t).split(".")[-1] in PROJECTIONS]
+            if names:
+                out["target_modules"] = sorted({str(t).split(".")[-1] for t in names}, key=PROJECTIONS.index)
+        out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
+    return out
+
+
+def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
+    """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``."""
+    dims = shape.projection_shapes()
+    return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in _targets(target_modules))
+
+
+def layer_activation_bytes(
+    shape: ModelShape,
+    mode: str,
+    *,
+    batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    lora_r: int = 16,
+    target_modules: Iterable[str] | None = None,
+    lora_dropout: float = 0.0,
+    attention: str = "sdpa",
+) -> int:
+    """Bytes one decoder layer keeps on the GPU for backward in ``mode`` (see module docstring)."""
+    N = batch_size * seq_len
+    s = dtype_bytes
+    H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    if mode == "offload":
+        return 0
+    if mode == "recompute":
+        return N * H * s
+    if mode != "keep":
+        raise ValueError(f"unknown mode {mode!r}")
+    targets = _targets(target_modules)
+    elems = 4 * H + 2 * dq + 2 * dk + 2 * I + lora_r * len(targets)
+    fp32 = 2 + shape.num_heads  # norm rstd x2, attention lse per head
+    if shape.qk_norm:
+        elems += dq + dk
+        fp32 += shape.num_heads + shape.num_kv_heads
+    if shape.sandwich_norms:
+        elems += 2 * H
+        fp32 += 2
+    total = N * (elems * s + fp32 * 4)
+    if lora_dropout and lora_dropout > 0:
+        dims = shape.projection_shapes()
+        total += N * sum(dims[t][0] for t in targets) * (s + 1)
+    if attention == "eager":
+        total += batch_size * shape.num_heads * seq_len * seq_len * s
+    return total
+
+
+def estimate_training_memory(
+    model_config: Any,
+    *,
+    load_in_4bit: bool = False,
+    dtype: Any = "bfloat16",
+    lora_r: int = 16,
+    target_modules: Sequence[str] | str | None = None,
+    optimizer: str = "adamw",
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    activation_plan: Any = "recompute",
+    fused_loss: bool = True,
+    loss_chunk_size: int | None = None,
+    double_quant: bool = True,
+    adapter_dtype: str = "float32",
+    lora_dropout: float = 0.0,
+    attention: str = "sdpa",
+    cuda_context_bytes: int = 400 * 2**20,
+) -> MemoryEstimate:
+    """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
+
+    Args:
+        model_config: a Hugging Face config or model, a config dict, a curated hub name
+            (``"meta-llama/Llama-3.1-8B-Instruct"``), a local model folder, or a ``ModelShape``.
+        load_in_4bit: NF4 base weights (QLoRA); otherwise the base weights are in ``dtype``.
+        dtype: compute dtype: ``"float16"`` (T4), ``"bfloat16"``, ``"float32"`` (CPU) or a torch dtype.
+        lora_r: LoRA rank. ``target_modules``: projections with adapters (default: all seven).
+        optimizer: ``"adamw"`` (any fp32 AdamW), ``"adamw_8bit"`` / ``"paged_adamw_8bit"``, ``"lion"``,
+            ``"lion_8bit"``, ``"adafactor"``, ``"sgd"`` (Trainer ``optim`` names work).
+        batch_size, seq_len: tokens per micro-batch are ``batch_size * seq_len`` (use the padded
+            length, or the packed length with packing).
+        activation_plan: ``"keep"`` / ``"recompute"`` / ``"offload"`` for every layer, a per-layer
+            list of those, ``True``/``False`` (as ``use_gradient_checkpointing``), or an ``ActivationPlan``.
+        fused_loss: chunked fused linear cross-entropy (True) or materialised ``[N, V]`` fp32 logits.
+        loss_chunk_size: rows per logits chunk of the fused loss (default: see module docstring).
+        double_quant: NF4 with quantised absmax (bitsandbytes ``bnb_4bit_use_double_quant``).
+        adapter_dtype: dtype of the LoRA weights (PEFT keeps them in float32 by default).
+        lora_dropout: > 0 makes each adapter save its dropped input.
+        attention: ``"sdpa"``/``"flash"`` (no T^2 storage) or ``"eager"`` (saves the probabilities).
+        cuda_context_bytes: memory the CUDA context and libraries take outside PyTorch's allocator.
+
+    Returns:
+        :class:`MemoryEstimate` with ``base_weights``, ``adapters``, ``activations``, ``logits_loss``,
+        ``temporaries`` and ``total`` in bytes; ``print()`` it for a table. The formulas are in the
+        docstring of :mod:`notebookkit.memory.estimate`.
+    """
+    shape = model_shape(model_config)
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"notebookkit.memory: batch_size and seq_len must be >= 1 (got {batch_size}, {seq_len}).")
+    s = _dtype_bytes(dtype)
+    targets = _targets(target_modules)
+    plan = normalize_plan(activation_plan, shape.num_layers)
+    opt = str(optimizer).lower()
+    if opt not in _OPT_STATE_BYTES and opt != "adafactor":
+        raise ValueError(
+            f"notebookkit.memory: unknown optimizer {optimizer!r}; use one of "
+            f"{sorted(_OPT_STATE_BYTES) + ['adafactor']}."
+        )
+    N = batch_size * seq_len
+    H, I, V, L = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.num_layers
+    dq, dk = shape.q_dim, shape.kv_dim
+    details: dict[str, int] = {}
+    notes: list[str] = []
+
+    # ---- base weights ----------------------------------------------------------------------
+    p_lin = L * shape.linear_params_per_layer
+    p_small = shape.embedding_params + shape.lm_head_params + L * shape.norm_params_per_layer + H
+    if load_in_4bit:
+        per = 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
+        lin_bytes = int(p_lin * per)
+        small_bytes = p_small * s
+        details["base weights: decoder projections (NF4)"] = lin_bytes
+    else:
+        lin_bytes = p_lin * s
+        small_bytes = p_small * s
+        details["base weights: decoder projections"] = lin_bytes
+    details["base weights: embeddings, LM head, norms"] = small_bytes
+    base = lin_bytes + small_bytes
+
+    # ---- adapters + optimizer -------------------------------------------------------------
+    p_lora = lora_param_count(shape, lora_r, targets)
+    a_bytes = _dtype_bytes(adapter_dtype)
+    params_b = p_lora * a_bytes
+    grads_b = p_lora * a_bytes
+    master_b = p_lora * 4 if a_bytes < 4 else 0
+    if opt == "adafactor":
+        dims = shape.projection_shapes()
+        opt_b = L * sum(4 * ((lora_r + dims[t][0]) + (dims[t][1] + lora_r)) for t in targets)
+    else:
+        opt_b = int(p_lora * _OPT_STATE_BYTES[opt])
+    details["adapters + optimizer: LoRA weights"] = params_b
+    details["adapters + optimizer: gradients"] = grads_b
+    if master_b:
+        details["adapters + optimizer: fp32 master copy"] = master_b
+    details["adapters + optimizer: optimizer states"] = opt_b
+    adapters = params_b + grads_b + master_b + opt_b
+
+    # ---- activations ------------------------------------------------------------------------
+    kw = dict(batch_size=batch_size, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r, target_modules=targets,
+              lora_dropout=lora_dropout, attention=attention)
+    keep_layer = layer_activation_bytes(shape, "keep", **kw)
+    per_layer = tuple(layer_activation_bytes(shape, m, **kw) for m in plan)
+    saved = sum(per_layer)
+    counts = {m: plan.count(m) for m in MODES}
+    details["activations: saved by kept layers"] = counts["keep"] * keep_layer
+    if counts["recompute"]:
+        details["activations: inputs of recomputed layers"] = counts["recompute"] * N * H * s
+    in_flight = 2 * N * H * s if counts["offload"] else 0
+    if in_flight:
+        details["activations: offloaded inputs in flight"] = in_flight
+    activations = saved + in_flight
+    host_offload = counts["offload"] * N * H * s
+
+    # ---- logits / loss ------------------------------------------------------------------------
+    if fused_loss:
+        chunk = loss_chunk_size or default_loss_chunk(N, H, V, s)
+        chunk = min(chunk, N)
+        hidden_b = 3 * N * H * s + N * 4
+        chunk_b = chunk * (V * s + 2 * H * s + 16)
+        details["logits / loss: final norm, hidden grad"] = hidden_b
+        details[f"logits / loss: logits chunk ({chunk} rows)"] = chunk_b
+        logits_loss = hidden_b + chunk_b
+        loss_in_backward = N * H * s  # the hidden-state gradient waits for backward
+    else:
+        logits_loss = 2 * N * H * s + N * V * (s + 3 * 4)
+        details["logits / loss: materialised [N, V] logits (16-bit + fp32)"] = logits_loss
+        loss_in_backward = N * H * s + N * V * 4
+        if N * V * 4 > 2 * GiB:
+            notes.append("the materialised logits are large; fused_loss=True computes the loss in chunks")
+
+    # ---- temporaries ------------------------------------------------------------------------
+    dequant = 0
+    if load_in_4bit:
+        largest = max(i * o for i, o in shape.projection_shapes().values())
+        dequant = 2 * largest * s
+        details["temporaries: dequantised weights"] = dequant
+    grad_ws = N * s * (2 * H + max(I, 2 * dq + 2 * dk)) + N * dq * 4
+    if attention == "eager":
+        grad_ws += 2 * batch_size * shape.num_heads * seq_len * seq_len * s
+    recompute_ws = keep_layer if (counts["recompute"] or counts["offload"]) else 0
+    backward_extra = loss_in_backward + grad_ws + recompute_ws
+    over = max(0, backward_extra - logits_loss)
+    if over:
+        details["temporaries: backward working set beyond the loss buffers"] = over
+    details["temporaries: CUDA context"] = cuda_context_bytes
+    temporaries = dequant + over + cuda_context_bytes
+
+    if lora_dropout and lora_dropout > 0:
+        notes.append("lora_dropout > 0 stores a dropped copy of every adapter input and leaves the fused path")
+    if opt.startswith("paged"):
+        notes.append("paged optimizer states can move to host memory under pressure; counted on the GPU here")
+
+    total = base + adapters + activations + logits_loss + temporaries
+    inputs = dict(
+        load_in_4bit=bool(load_in_4bit), dtype=str(dtype).replace("torch.", ""), lora_r=lora_r,
+        target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
+        fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
+        lora_dropout=lora_dropout, attention=attention, lora_params=p_lora,
+    )
+    return MemoryEstimate(
+        base_weights=int(base), adapters=int(adapters), activations=int(activations),
+        logits_loss=int(logits_loss), temporaries=int(temporaries), total=int(total),
+        cuda_context=int(cuda_context_bytes), host_offload=int(host_offload),
+        per_layer_activations=per_layer, plan=plan, details={k: int(v) for k, v in details.items()},
+        inputs=inputs, notes=notes, shape=shape,
+    )

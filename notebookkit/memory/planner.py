@@ -1,0 +1,349 @@
+"""Activation planner: per decoder layer, keep / recompute / offload, fastest plan that fits.
+
+Each decoder layer's saved activations can be
+
+- ``keep``: stored on the GPU (no extra work),
+- ``recompute``: only the layer input is stored; backward reruns the layer's forward first,
+- ``offload``: the layer input goes to pinned host memory during the forward and comes back
+  before that layer's backward, which then recomputes as above.
+
+Memory per layer: ``keep > recompute > offload = 0`` (see :mod:`notebookkit.memory.estimate`);
+extra time per layer: ``0 < recompute < offload``. With ``t_f`` the forward time of one layer,
+``b = N * H * s`` the bytes of its input and ``B`` the host link bandwidth:
+
+    recompute  = t_f
+    offload    = t_f + max(0, b/B - 0.7 * t_f) + max(0, b/B - 0.7 * 3 * t_f) + 50 us
+
+(the copy out overlaps the next layer's forward, the copy back the backward of later layers).
+``t_f = N * (2 * P_layer + 2 * P_lora_layer + 2 * T * dq) / rate`` with the card's matmul rate.
+
+All layers of a model have the same shape, so a plan is fixed by how many layers keep (k) and
+recompute (m); the rest offload. For every k (from L down) the largest m that fits is found; the
+plan with the least extra time wins, ties going to more kept layers. Offloaded layers are the
+first ones (their copies back have the most backward work to hide behind), kept layers the last.
+
+The budget is free VRAM by default (``torch.cuda.mem_get_info`` plus what this process's
+allocator already holds, compared against the predicted allocator peak), or a user cap:
+``max_memory="16GB"``, ``"15 GiB"``, a card name (``"t4"``, ``"a100-40gb"``), or bytes; a cap or
+card is the whole card, so the CUDA context counts against it. A safety margin (5%) is left for
+allocator fragmentation. Offloading also needs pinned host memory, checked against available RAM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cards import GPUCard, detect_card, parse_card, parse_memory
+from .estimate import MODES, MemoryEstimate, _dtype_bytes, _fmt, estimate_training_memory, lora_param_count
+from .shapes import KNOWN_MODELS, ModelShape, model_shape
+
+GiB = 1024**3
+
+
+class DoesNotFitError(ValueError):
+    """The training step does not fit in the memory budget even with every layer offloaded."""
+
+    def __init__(self, message: str, estimate: MemoryEstimate | None = None, budget_bytes: int | None = None):
+        super().__init__(message)
+        self.estimate = estimate
+        self.budget_bytes = budget_bytes
+
+
+@dataclass
+class ActivationPlan:
+    """Per-layer activation modes and what they cost.
+
+    ``modes[i]`` is ``"keep"``, ``"recompute"`` or ``"offload"`` for decoder layer ``i``.
+    ``estimate`` is the memory estimate of this plan; ``budget_bytes`` what it had to fit in;
+    ``host_bytes`` the pinned host memory the offloaded layers need; ``step_overhead`` the
+    predicted extra step time as a fraction of a step with every layer kept.
+    """
+
+    modes: tuple[str, ...]
+    budget_bytes: int
+    budget_source: str
+    estimate: MemoryEstimate
+    host_bytes: int = 0
+    step_overhead: float = 0.0
+    extra_seconds: float = 0.0
+    card: GPUCard | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.modes)
+
+    def __iter__(self):
+        return iter(self.modes)
+
+    def __getitem__(self, i: int) -> str:
+        return self.modes[i]
+
+    def counts(self) -> dict[str, int]:
+        return {m: self.modes.count(m) for m in MODES}
+
+    @property
+    def mode(self) -> str:
+        """One word for the whole plan: ``"none"`` (all kept), ``"recompute"`` (no offloading) or
+        ``"offload"`` (some layers offloaded). Per-layer modes are in :attr:`modes`."""
+        c = self.counts()
+        if c["offload"]:
+            return "offload"
+        return "recompute" if c["recompute"] else "none"
+
+    def layers(self, mode: str) -> list[int]:
+        """Indices of the layers in ``mode``."""
+        return [i for i, m in enumerate(self.modes) if m == mode]
+
+    def summary(self) -> str:
+        c = self.counts()
+        parts = ", ".join(f"{v} {k}" for k, v in c.items() if v)
+        used = self.estimate.peak_allocated if "free VRAM" in self.budget_source else self.estimate.total
+        text = (
+            f"{parts} of {len(self.modes)} layers; predicted peak {_fmt(used)} of "
+            f"{_fmt(self.budget_bytes)} ({self.budget_source})"
+        )
+        if self.step_overhead:
+            text += f"; about {100 * self.step_overhead:.0f}% slower than keeping everything"
+        if self.host_bytes:
+            text += f"; {_fmt(self.host_bytes)} pinned host memory"
+        return text
+
+    def __str__(self) -> str:
+        return "ActivationPlan: " + self.summary()
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(str(self))
+
+
+def _resolve_budget(
+    budget_bytes: int | None, max_memory: Any, card: Any
+) -> tuple[int, bool, str, GPUCard | None]:
+    """(bytes, compare against total incl. CUDA context?, description, card for the cost model)."""
+    card_obj: GPUCard | None = None
+    if isinstance(card, GPUCard):
+        card_obj = card
+    elif card is not None and card != "auto":
+        card_obj = parse_card(str(card))
+    if budget_bytes is not None:
+        return int(budget_bytes), True, f"budget {_fmt(budget_bytes)}", card_obj or detect_card()
+    if max_memory is not None:
+        if isinstance(max_memory, str):
+            try:
+                c = parse_card(max_memory)
+                return c.memory_bytes, True, c.name, card_obj or c
+            except ValueError:
+                pass
+        b = parse_memory(max_memory)
+        return b, True, f"max_memory={max_memory!r}", card_obj or detect_card()
+    if card_obj is not None:
+        return card_obj.memory_bytes, True, card_obj.name, card_obj
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info()
+            held = torch.cuda.memory_reserved()
+            detected = detect_card()
+            name = detected.name if detected else "GPU"
+            return int(free + held), False, f"free VRAM on {name}", detected
+    except Exception:
+        pass
+    from .meters import host_memory
+
+    return int(host_memory().available), False, "free host RAM (no GPU)", None
+
+
+def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) -> tuple[float, float, float]:
+    """(forward seconds of one layer, extra seconds to recompute it, extra seconds to offload it)."""
+    N = kw.get("batch_size", 1) * kw.get("seq_len", 2048)
+    T = kw.get("seq_len", 2048)
+    r = kw.get("lora_r", 16)
+    s = _dtype_bytes(kw.get("dtype", "bfloat16"))
+    lora_layer = lora_param_count(shape, r, kw.get("target_modules")) / shape.num_layers
+    flops = N * (2 * shape.linear_params_per_layer + 2 * lora_layer + 2 * T * shape.q_dim)
+    rate = (card.tflops if card else 1.0) * 1e12
+    if kw.get("load_in_4bit"):
+        rate *= 0.8  # dequantisation before each matmul
+    t_f = flops / rate
+    bw = (card.pcie_gbps if card else 10.0) * 1e9
+    copy = N * shape.hidden_size * s / bw
+    recompute = t_f
+    offload = t_f + max(0.0, copy - 0.7 * t_f) + max(0.0, copy - 0.7 * 3 * t_f) + 50e-6
+    return t_f, recompute, offload
+
+
+def _modes(L: int, keep: int, recompute: int) -> tuple[str, ...]:
+    off = L - keep - recompute
+    return ("offload",) * off + ("recompute",) * recompute + ("keep",) * keep
+
+
+def plan_activations(
+    model_config: Any,
+    max_memory: Any = None,
+    *,
+    budget_bytes: int | None = None,
+    card: Any = None,
+    host_memory_bytes: int | None = None,
+    safety_margin: float = 0.05,
+    allow_offload: bool | None = None,
+    **estimate_kwargs: Any,
+) -> ActivationPlan:
+    """Choose keep / recompute / offload per decoder layer: the fastest plan within the budget.
+
+    Args:
+        model_config: anything :func:`estimate_training_memory` accepts (config, dict, name, folder),
+            or a loaded (PEFT) model: its 4-bit setting, dtype and LoRA config are then read from it.
+        max_memory: a cap such as ``"16GB"``, ``"15 GiB"``, a card name (``"t4"``, ``"l4"``,
+            ``"a100-40gb"``, ``"h100"``) or bytes. Default: the free VRAM of this GPU.
+        budget_bytes: the cap in bytes (same as an int ``max_memory``).
+        card: the card for the speed model (and the budget when no cap is given); default: detected.
+        host_memory_bytes: pinned host memory offloading may use; default 80% of available RAM.
+        safety_margin: fraction of the budget left free for allocator fragmentation.
+        allow_offload: default True on a GPU or a named card, False when planning for the CPU.
+        **estimate_kwargs: ``load_in_4bit``, ``dtype``, ``lora_r``, ``target_modules``, ``optimizer``,
+            ``batch_size``, ``seq_len``, ``fused_loss``, ... as for :func:`estimate_training_memory`.
+
+    Returns:
+        :class:`ActivationPlan`; ``plan.modes`` is a tuple of per-layer modes and ``plan.estimate``
+        its memory estimate. Raises :class:`DoesNotFitError` saying what to change when even
+        offloading every layer does not fit.
+    """
+    estimate_kwargs.pop("activation_plan", None)
+    if hasattr(model_config, "parameters") and hasattr(model_config, "config"):  # a loaded model
+        from .estimate import estimate_kwargs_from_model
+
+        estimate_kwargs = {**estimate_kwargs_from_model(model_config), **estimate_kwargs}
+    shape = model_shape(model_config)
+    budget, with_context, source, card_obj = _resolve_budget(budget_bytes, max_memory, card)
+    if allow_offload is None:
+        allow_offload = card_obj is not None or "no GPU" not in source
+    usable = int(budget * (1.0 - safety_margin))
+    if host_memory_bytes is None:
+        from .meters import host_memory
+
+        host_memory_bytes = int(0.8 * host_memory().available)
+
+    def used(est: MemoryEstimate) -> int:
+        return est.total if with_context else est.peak_allocated
+
+    L = shape.num_layers
+    t_f, c_rec, c_off = _layer_costs(shape, estimate_kwargs, card_obj)
+    step = 3 * L * t_f
+
+    def est_for(k: int, m: int) -> MemoryEstimate:
+        return estimate_training_memory(shape, activation_plan=_modes(L, k, m), **estimate_kwargs)
+
+    best: tuple[float, int, int, MemoryEstimate] | None = None
+    host_blocked: MemoryEstimate | None = None
+    for k in range(L, -1, -1):
+        lowest_m = 0 if allow_offload else L - k
+        for m in range(L - k, lowest_m - 1, -1):
+            est = est_for(k, m)
+            if used(est) > usable:
+                continue
+            if est.host_offload > host_memory_bytes:
+                host_blocked = host_blocked or est
+                break
+            cost = m * c_rec + (L - k - m) * c_off
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, k, m, est)
+            break
+        if best is not None and best[0] == 0.0:
+            break
+    if best is None:
+        worst = est_for(0, 0 if allow_offload else L)
+        raise DoesNotFitError(
+            _explain(shape, worst, usable, budget, source, with_context, estimate_kwargs, allow_offload,
+                     host_blocked, host_memory_bytes),
+            estimate=worst, budget_bytes=budget,
+        )
+    cost, k, m, est = best
+    plan = ActivationPlan(
+        modes=_modes(L, k, m), budget_bytes=budget, budget_source=source, estimate=est,
+        host_bytes=est.host_offload, step_overhead=cost / step if step else 0.0, extra_seconds=cost,
+        card=card_obj,
+    )
+    return plan
+
+
+def _explain(
+    shape: ModelShape, worst: MemoryEstimate, usable: int, budget: int, source: str, with_context: bool,
+    kw: dict[str, Any], allow_offload: bool, host_blocked: MemoryEstimate | None, host_bytes: int,
+) -> str:
+    need = worst.total if with_context else worst.peak_allocated
+    mode = "every layer offloaded" if allow_offload else "every layer recomputed"
+    lines = [
+        f"notebookkit: {shape.name} does not fit in {_fmt(budget)} ({source}) even with {mode}: "
+        f"the step needs about {_fmt(need)} (usable after a {100 * (1 - usable / budget):.0f}% margin: "
+        f"{_fmt(usable)}).",
+        "  " + ", ".join(f"{k} {_fmt(v)}" for k, v in worst.parts().items()),
+    ]
+    if host_blocked is not None:
+        lines.append(
+            f"  A plan that offloads would fit on the GPU but needs {_fmt(host_blocked.host_offload)} of pinned host "
+            f"memory and only {_fmt(host_bytes)} is available: free host RAM or lower batch_size / seq_len."
+        )
+    fixes: list[str] = []
+    plan = "offload" if allow_offload else "recompute"
+
+
+    def fits(**change: Any) -> MemoryEstimate | None:
+        args = dict(kw, **change)
+        try:
+            e = estimate_training_memory(shape, activation_plan=plan, **args)
+        except ValueError:
+            return None
+        return e if (e.total if with_context else e.peak_allocated) <= usable else None
+
+    single: list[tuple[str, dict[str, Any]]] = []
+    if not kw.get("load_in_4bit"):
+        single.append(("load_in_4bit=True", {"load_in_4bit": True}))
+    if kw.get("batch_size", 1) > 1:
+        single.append(("batch_size=1 with more gradient_accumulation_steps", {"batch_size": 1}))
+    if "8bit" not in str(kw.get("optimizer", "adamw")):
+        single.append(("optimizer='adamw_8bit'", {"optimizer": "adamw_8bit"}))
+    if kw.get("lora_r", 16) > 8:
+        single.append(("LoRA rank r=8", {"lora_r": 8}))
+    for text, change in single:
+        e = fits(**change)
+        if e:
+            fixes.append(f"{text} (about {_fmt(e.total if with_context else e.peak_allocated)})")
+    # the shortest sequence that fits once every cheap change above is made
+    combo: dict[str, Any] = {}
+    for _, change in single:
+        combo.update(change)
+    seq = kw.get("seq_len", 2048)
+    lo, hi = 0, seq if not fixes else 0
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if fits(**dict(combo, seq_len=mid)):
+            lo = mid
+        else:
+            hi = mid
+    if 64 <= lo < seq:
+        how = ", ".join(f"{k}={v!r}" for k, v in combo.items())
+        fixes.append(f"max_seq_length <= {lo // 32 * 32}" + (f" together with {how}" if how else ""))
+    smaller = []
+    seen: set[tuple] = set()
+    for name, other in KNOWN_MODELS.items():
+        key = (other.num_params, other.model_type)
+        if key in seen:
+            continue
+        seen.add(key)
+        if other.num_params < shape.num_params:
+            try:
+                e = estimate_training_memory(other, activation_plan=plan, **dict(kw, load_in_4bit=True))
+            except ValueError:
+                continue
+            if (e.total if with_context else e.peak_allocated) <= usable:
+                smaller.append((other.num_params, name))
+    if smaller:
+        smaller.sort(reverse=True)
+        fixes.append("a smaller model, e.g. " + ", ".join(n for _, n in smaller[:3]) + " (in 4-bit)")
+    else:
+        fixes.append("a smaller model")
+    if "no GPU" not in source and with_context:
+        fixes.append("a card with more memory")
+    lines.append("What to change: " + "; or ".join(fixes) + ".")
+    return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""Model shapes: the handful of config numbers the memory model needs, and where they come from.
+
+A decoder-only model is, for memory purposes, a list of identical decoder layers between an
+embedding table and an LM head. With
+
+    H  = hidden_size                     L  = num_hidden_layers
+    nh = num_attention_heads             nk = num_key_value_heads
+    hd = head_dim (hidden_size / nh unless the config says otherwise)
+    I  = intermediate_size               V  = vocab_size
+    dq = nh * hd                         dk = nk * hd
+
+one layer holds the seven projections
+
+    q: H -> dq    k: H -> dk    v: H -> dk    o: dq -> H
+    gate: H -> I  up: H -> I    down: I -> H
+
+i.e. ``H*(2*dq + 2*dk) + 3*H*I`` linear parameters, plus small norm vectors (2 or 4 of size H,
+and per-head q/k norms of size hd on Qwen3 / Gemma 3). The embedding table is ``V*H``; the LM head
+is another ``V*H`` unless the embeddings are tied.
+
+``KNOWN_MODELS`` lists the curated hub checkpoints with the numbers copied from their public
+``config.json`` files (text part for multimodal Gemma 3). ``model_shape(x)`` turns a Hugging Face
+config, a plain dict, a known name or a local model folder into a :class:`ModelShape`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Config numbers of a decoder-only LM that decide its memory use."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # extra post-attention / post-MLP norms (Gemma 2, Gemma 3)
+    max_position_embeddings: int | None = None
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{name: (in_features, out_features)}`` for the seven projections of one layer."""
+        H, I, dq, dk = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        return {
+            "q_proj": (H, dq),
+            "k_proj": (H, dk),
+            "v_proj": (H, dk),
+            "o_proj": (dq, H),
+            "gate_proj": (H, I),
+            "up_proj": (H, I),
+            "down_proj": (I, H),
+        }
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        return sum(i * o for i, o in self.projection_shapes().values())
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        n = (4 if self.sandwich_norms else 2) * self.hidden_size
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        return n
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        """Parameters of a separate LM head (0 when tied to the embeddings)."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Total parameter count (tied weights counted once)."""
+        return (
+            self.num_layers * (self.linear_params_per_layer + self.norm_params_per_layer)
+            + self.embedding_params
+            + self.lm_head_params
+            + self.hidden_size  # final norm
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.name} ({self.model_type}): {self.num_params / 1e9:.2f}B params, L={self.num_layers}, "
+            f"H={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, "
+            f"I={self.intermediate_size}, V={self.vocab_size}, tied={self.tie_word_embeddings}"
+        )
+
+
+def _shape(name, model_type, H, L, nh, nk, hd, I, V, tied, max_pos, **kw) -> ModelShape:
+    fam_qk = model_type in ("qwen3", "gemma3_text", "gemma3")
+    fam_sandwich = model_type in ("gemma2", "gemma3_text", "gemma3")
+    return ModelShape(
+        name=name, model_type=model_type, hidden_size=H, num_layers=L, num_heads=nh, num_kv_heads=nk,
+        head_dim=hd, intermediate_size=I, vocab_size=V, tie_word_embeddings=tied,
+        qk_norm=kw.get("qk_norm", fam_qk), sandwich_norms=kw.get("sandwich_norms", fam_sandwich),
+        max_position_embeddings=max_pos,
+    )
+
+
+# Numbers from the public config.json of each checkpoint (instruct and base share them).
+#            name                                   type        H     L   nh  nk  hd    I      V       tied   max_pos
+_ROWS = [
+    ("meta-llama/Llama-3.2-1B-Instruct",       "llama",   2048, 16, 32, 8, 64,  8192, 128256, True,  131072),
+    ("meta-llama/Llama-3.2-1B",                "llama",   2048, 16, 32, 8, 64,  8192, 128256, True,  131072),
+    ("meta-llama/Llama-3.2-3B-Instruct",       "llama",   3072, 28, 24, 8, 128, 8192, 128256, True,  131072),
+    ("meta-llama/Llama-3.2-3B",                "llama",   3072, 28, 24, 8, 128, 8192, 128256, True,  131072),
+    ("meta-llama/Llama-3.1-8B-Instruct",       "llama",   4096, 32, 32, 8, 128, 14336, 128256, False, 131072),
+    ("meta-llama/Llama-3.1-8B",                "llama",   4096, 32, 32, 8, 128, 14336, 128256, False, 131072),
+    ("Qwen/Qwen3-0.6B",                        "qwen3",   1024, 28, 16, 8, 128, 3072, 151936, True,  40960),
+    ("Qwen/Qwen3-1.7B",                        "qwen3",   2048, 28, 16, 8, 128, 6144, 151936, True,  40960),
+    ("Qwen/Qwen3-4B",                          "qwen3",   2560, 36, 32, 8, 128, 9728, 151936, True,  40960),
+    ("Qwen/Qwen3-8B",                          "qwen3",   4096, 36, 32, 8, 128, 12288, 151936, False, 40960),
+    ("google/gemma-2-2b-it",                   "gemma2",  2304, 26, 8, 4, 256,  9216, 256000, True,  8192),
+    ("google/gemma-2-9b-it",                   "gemma2",  3584, 42, 16, 8, 256, 14336, 256000, True,  8192),
+    ("google/gemma-3-1b-it",                   "gemma3_text", 1152, 26, 4, 1, 256, 6912, 262144, True, 32768),
+    ("google/gemma-3-4b-it",                   "gemma3_text", 2560, 34, 8, 4, 256, 10240, 262208, True, 131072),
+    ("mistralai/Mistral-7B-Instruct-v0.3",     "mistral", 4096, 32, 32, 8, 128, 14336, 32768, False, 32768),
+    ("mistralai/Mistral-7B-v0.3",              "mistral", 4096, 32, 32, 8, 128, 14336, 32768, False, 32768),
+]
+
+KNOWN_MODELS: dict[str, ModelShape] = {row[0]: _shape(*row) for row in _ROWS}
+
+
+def _lookup_known(name: str) -> ModelShape | None:
+    if name in KNOWN_MODELS:
+        return KNOWN_MODELS[name]
+    low = name.lower()
+    for key, shape in KNOWN_MODELS.items():
+        if key.lower() == low or key.split("/", 1)[1].lower() == low.split("/")[-1]:
+            return shape
+    return None
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def shape_from_config(cfg: Any, name: str | None = None) -> ModelShape:
+    """Read a :class:`ModelShape` from a Hugging Face config object or a config dict."""
+    tied_outer = _get(cfg, "tie_word_embeddings")
+    text = _get(cfg, "text_config")
+    if text is not None and _get(cfg, "hidden_size") is None:
+        cfg = text
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+               if _get(cfg, k) is None]
+    if missing:
+        raise ValueError(
+            f"notebookkit.memory: this model config lacks {missing}; the memory model needs a decoder-only "
+            "LM config (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size)."
+        )
+    H = int(_get(cfg, "hidden_size"))
+    nh = int(_get(cfg, "num_attention_heads"))
+    nk = _get(cfg, "num_key_value_heads") or nh
+    hd = _get(cfg, "head_dim") or H // nh
+    model_type = str(_get(cfg, "model_type", "llama") or "llama")
+    tied = _get(cfg, "tie_word_embeddings")
+    if tied is None:
+        tied = tied_outer if tied_outer is not None else model_type.startswith("gemma")
+    return _shape(
+        name or str(_get(cfg, "_name_or_path", "") or _get(cfg, "name_or_path", "") or model_type),
+        model_type, H, int(_get(cfg, "num_hidden_layers")), nh, int(nk), int(hd),
+        int(_get(cfg, "intermediate_size")), int(_get(cfg, "vocab_size")), bool(tied),
+        _get(cfg, "max_position_embeddings"),
+    )
+
+
+def model_shape(model_config: Any) -> ModelShape:
+    """Turn what a user has into a :class:`ModelShape`.
+
+    Accepts a :class:`ModelShape`, a Hugging Face ``PretrainedConfig``, a model (its ``.config``), a
+    config ``dict``, a curated hub name from :data:`KNOWN_MODELS`, or a local folder with a
+    ``config.json``. Other hub names are looked up with ``transformers.AutoConfig`` (which needs the
+    network or the local Hugging Face cache).
+    """
+    if isinstance(model_config, ModelShape):
+        return model_config
+    if isinstance(model_config, (str, os.PathLike)):
+        name = str(model_config)
+        known = _lookup_known(name)
+        if known is not None:
+            return known
+        path = Path(name).expanduser()
+        if (path / "config.json").is_file():
+            return shape_from_config(json.loads((path / "config.json").read_text()), name=name)
+        try:
+            from transformers import AutoConfig
+
+            return shape_from_config(AutoConfig.from_pretrained(name), name=name)
+        except Exception as exc:  # network off, gated repo, typo
+            raise ValueError(
+                f"notebookkit.memory: cannot read the config of {name!r} ({type(exc).__name__}: {exc}). "
+                f"Pass a config dict or transformers config instead, a local model folder, or one of the "
+                f"curated names: {', '.join(KNOWN_MODELS)}."
+            ) from exc
+    cfg = getattr(model_config, "config", None)
+    if cfg is not None and not isinstance(model_config, Mapping) and _get(model_config, "hidden_size") is None:
+        return shape_from_config(cfg)
+    return shape_from_config(model_config)
+
+
+def with_overrides(shape: ModelShape, **changes: Any) -> ModelShape:
+    """A copy of ``shape`` with some numbers changed (what-if questions)."""
+    return replace(shape, **changes)

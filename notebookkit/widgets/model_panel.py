@@ -1,0 +1,290 @@
+"""Model panel: which model, 4-bit or not, sequence length, dtype, card, and the live VRAM estimate.
+
+The estimate beside the controls is :func:`notebookkit.memory.estimate_training_memory` for the
+current choices, broken into base weights, adapters + optimizer, activations, logits/loss and the
+rest, with a fits / does-not-fit verdict for the detected GPU or a chosen card. It follows a
+linked LoRA panel (rank, targets, checkpointing mode) and training panel (batch size, optimizer)
+as they change: see :func:`link_estimate` and :class:`notebookkit.widgets.ConfigPanels`.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any
+
+import ipywidgets as W
+
+from notebookkit.memory.cards import GPUCard
+from notebookkit.memory.estimate import MemoryEstimate, estimate_training_memory
+from notebookkit.memory.planner import ActivationPlan, DoesNotFitError, plan_activations
+
+from ._base import Panel, header, styled
+from .cards import card_for, card_options
+from .catalog import CATALOG, family_of, model_names, resolve_shape
+
+GiB = 1024**3
+DTYPES: list[tuple[str, Any]] = [("auto", None), ("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32")]
+PART_COLOURS = {
+    "base weights": "#4e79a7",
+    "adapters + optimizer": "#f28e2b",
+    "activations": "#59a14f",
+    "logits / loss": "#e15759",
+    "other": "#9c9c9c",
+}
+
+
+def _default_model() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "meta-llama/Llama-3.2-1B-Instruct"
+    except Exception:
+        pass
+    return "notebookkit/tiny-llama"
+
+
+@dataclass
+class ModelChoice:
+    """Model settings, named as ``FastLanguageModel.from_pretrained`` takes them (plus the card)."""
+
+    model_name: str = ""
+    load_in_4bit: bool = True
+    max_seq_length: int = 2048
+    dtype: str | None = None
+    card: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            self.model_name = _default_model()
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        return dict(model_name=self.model_name, max_seq_length=self.max_seq_length, dtype=self.dtype,
+                    load_in_4bit=self.load_in_4bit)
+
+
+@dataclass
+class EstimateResult:
+    """What the panel shows: the estimate, the plan (for 'auto'), the budget and the verdict."""
+
+    estimate: MemoryEstimate | None
+    plan: ActivationPlan | None
+    budget_bytes: int
+    budget_label: str
+    fits: bool
+    message: str = ""
+    what: str = "VRAM"  # "VRAM" for a GPU card, "memory" for a CPU run
+
+
+def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None) -> EstimateResult:
+    """Run the memory model (and the planner for checkpointing 'auto') for panel choices.
+
+    ``lora`` / ``training`` are :class:`LoRAChoice` / :class:`TrainingChoice` (or None for defaults).
+    """
+    card: GPUCard | None = card_for(model.card)
+    if card is not None:
+        budget, label = card.memory_bytes, card.name
+    else:
+        from notebookkit.memory.meters import host_memory
+
+        hm = host_memory()
+        budget, label = hm.available, f"free host RAM, CPU run ({hm.total / GiB:.0f} GiB total)"
+    what = "VRAM" if card is not None else "memory"
+    dtype = model.dtype or ("float32" if card is None else ("bfloat16" if card.bf16 else "float16"))
+    r = getattr(lora, "r", 16)
+    targets = list(getattr(lora, "target_modules", None) or []) if lora is not None else None
+    mode = getattr(lora, "activation_mode", "auto") if lora is not None else "auto"
+    batch = getattr(training, "per_device_train_batch_size", 2) if training is not None else 2
+    optim = getattr(training, "optim", "adamw_8bit") if training is not None else "adamw_8bit"
+    if str(optim) not in ("sgd", "adafactor") and "8bit" not in str(optim):
+        optim = "adamw"
+    kw = dict(
+        load_in_4bit=bool(model.load_in_4bit), dtype=dtype, lora_r=int(r), target_modules=targets,
+        optimizer=str(optim), batch_size=int(batch), seq_len=int(model.max_seq_length),
+        lora_dropout=float(getattr(lora, "lora_dropout", 0.0) or 0.0),
+        cuda_context_bytes=400 * 2**20 if card is not None else 0,
+    )
+    try:
+        shape = resolve_shape(model.model_name)
+    except Exception as exc:
+        return EstimateResult(None, None, budget, label, False, f"Cannot estimate {model.model_name!r}: {exc}", what)
+    with_context = card is not None
+    try:
+        if mode == "auto":
+            plan = plan_activations(shape, budget_bytes=budget, card=card, allow_offload=card is not None, **kw)
+            est = plan.estimate
+        else:
+            plan = None
+            est = estimate_training_memory(shape, activation_plan=mode, **kw)
+    except DoesNotFitError as exc:
+        return EstimateResult(exc.estimate, None, budget, label, False, str(exc).split("\n", 1)[-1], what)
+    except ValueError as exc:
+        return EstimateResult(None, None, budget, label, False, str(exc), what)
+    used = est.total if with_context else est.peak_allocated
+    return EstimateResult(est, plan, budget, label, used <= budget, "", what)
+
+
+def _size(nbytes: float) -> str:
+    if nbytes >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+
+def estimate_html(res: EstimateResult) -> str:
+    """The estimate as HTML: headline with verdict, stacked bar, per-part table."""
+    est = res.estimate
+    if est is None:
+        return (f"<div class='nbk-vram'><b>Estimated peak {res.what}: unknown</b><br>"
+                f"<span class='nbk-vram-verdict nbk-unknown' style='color:#a00'>{html.escape(res.message)}</span></div>")
+    parts = est.parts()
+    other = parts.pop("temporaries")
+    parts["other"] = other
+    total = est.total
+    verdict = "fits" if res.fits else "does not fit"
+    colour = "#2e7d32" if res.fits else "#c62828"
+    scale = max(total, res.budget_bytes)
+    bar = "".join(
+        f"<div title='{k}: {_size(v)}' style='display:inline-block;height:14px;"
+        f"width:{100 * v / scale:.2f}%;background:{PART_COLOURS[k]}'></div>"
+        for k, v in parts.items() if v > 0
+    )
+    budget_mark = f"{100 * res.budget_bytes / scale:.2f}%"
+    rows = "".join(
+        f"<tr><td><span style='display:inline-block;width:10px;height:10px;background:{PART_COLOURS[k]}'></span> "
+        f"{k}</td><td style='text-align:right;padding-left:12px'>{_size(v)}</td></tr>"
+        for k, v in parts.items()
+    )
+    c = est.plan_counts()
+    plan_text = ", ".join(f"{v} {k}" for k, v in c.items() if v)
+    if res.plan is not None:
+        plan_text = f"auto plan: {plan_text}"
+        if res.plan.step_overhead > 0.005:
+            plan_text += f" (~{100 * res.plan.step_overhead:.0f}% slower than keeping all)"
+    else:
+        plan_text = f"activations: {plan_text}"
+    extra = ""
+    if res.message:
+        extra = f"<div style='color:#a15c00;max-width:520px;margin-top:4px'>{html.escape(res.message)}</div>"
+    if est.host_offload:
+        extra += f"<div style='color:#555'>pinned host memory for offloaded layers: {_size(est.host_offload)}</div>"
+    lora_params = est.inputs.get("lora_params", 0)
+    return (
+        "<div class='nbk-vram' style='min-width:340px;max-width:560px'>"
+        f"<div class='nbk-vram-headline'><b>Estimated peak {res.what}: {_size(total)}</b> of "
+        f"{_size(res.budget_bytes)} ({html.escape(res.budget_label)}) — "
+        f"<span class='nbk-vram-verdict {'nbk-fits' if res.fits else 'nbk-does-not-fit'}' "
+        f"style='color:{colour};font-weight:600'>{verdict}</span></div>"
+        f"<div style='position:relative;background:#eee;margin:6px 0;white-space:nowrap;font-size:0'>{bar}"
+        f"<div style='position:absolute;top:-2px;left:{budget_mark};width:2px;height:18px;background:#000'></div></div>"
+        f"<table style='font-size:0.9em'>{rows}"
+        f"<tr><td><b>total</b></td><td style='text-align:right;padding-left:12px'><b>{_size(total)}</b></td></tr></table>"
+        f"<div style='color:#555'>{est.shape.name if est.shape else ''}: "
+        f"{_count(est.shape.num_params if est.shape else 0)} params, LoRA {_count(lora_params)} trainable; "
+        f"{plan_text}</div>{extra}</div>"
+    )
+
+
+class ModelPanel(Panel):
+    """Widgets to choose the model, with a live VRAM estimate.
+
+    Keyword arguments override the defaults (headless runs), e.g.
+    ``ModelPanel(model_name="Qwen/Qwen3-4B", load_in_4bit=True, max_seq_length=4096, card="t4")``.
+    """
+
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__()
+        unknown = set(overrides) - set(ModelChoice.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"ModelPanel got unknown settings {sorted(unknown)}; known: {list(ModelChoice.__dataclass_fields__)}")
+        v = ModelChoice(**overrides)
+        st = {"description_width": "120px"}
+        fam = family_of(v.model_name)
+        self.family = styled(W.Dropdown(options=["All"] + list(CATALOG), value=fam or "All", description="family",
+                                        style=st), "nbk-family")
+        self.model_name = styled(
+            W.Combobox(value=v.model_name, options=model_names(fam), ensure_option=False, description="model",
+                       placeholder="hub name or local folder", continuous_update=False, style=st,
+                       layout=W.Layout(width="460px")),
+            "nbk-model-name",
+        )
+        self.load_in_4bit = styled(W.Checkbox(value=bool(v.load_in_4bit), description="load in 4-bit (QLoRA, NF4)",
+                                              indent=False), "nbk-4bit")
+        self.max_seq_length = styled(
+            W.BoundedIntText(value=int(v.max_seq_length), min=16, max=1 << 20, step=256, description="max_seq_length",
+                             style=st, layout=W.Layout(width="260px")), "nbk-max-seq-length")
+        dvals = [d for _, d in DTYPES]
+        self.dtype = styled(W.Dropdown(options=DTYPES if v.dtype in dvals else DTYPES + [(str(v.dtype), v.dtype)],
+                                       value=v.dtype, description="dtype", style=st), "nbk-dtype")
+        opts = card_options()
+        if v.card not in [o[1] for o in opts]:
+            from notebookkit.memory.cards import parse_card
+
+            c = parse_card(v.card)
+            opts.append((c.label(), v.card))
+        self.card = styled(W.Dropdown(options=opts, value=v.card, description="GPU card", style=st,
+                                      layout=W.Layout(width="460px")), "nbk-card")
+        self.estimate = styled(W.HTML("", layout=W.Layout(margin="0 0 0 24px")), "nbk-vram-estimate")
+        self._controls = [self.model_name, self.load_in_4bit, self.max_seq_length, self.dtype, self.card]
+        self.widget = styled(
+            W.VBox([
+                header("Model", "what to fine-tune and where"),
+                W.HBox([W.VBox([self.family, self.model_name, self.load_in_4bit, self.max_seq_length, self.dtype,
+                                self.card]), self.estimate]),
+            ]),
+            "nbk-panel", "nbk-model-panel",
+        )
+        self.family.observe(self._family_changed, names="value")
+        self._lora_source: Panel | None = None
+        self._training_source: Panel | None = None
+        self.last_result: EstimateResult | None = None
+        self._wire()
+        self.on_change(lambda _p: self.refresh())
+        self.refresh()
+
+    def _family_changed(self, change: dict) -> None:
+        fam = change["new"]
+        self.model_name.options = model_names(None if fam == "All" else fam)
+        names = self.model_name.options
+        if fam != "All" and names and self.model_name.value not in names:
+            self.model_name.value = names[0]
+
+    def link(self, lora: Panel | None = None, training: Panel | None = None) -> None:
+        """Follow ``lora`` and ``training`` panels: their changes update this panel's estimate."""
+        if lora is not None:
+            self._lora_source = lora
+            lora.on_change(lambda _p: self.refresh())
+        if training is not None:
+            self._training_source = training
+            training.on_change(lambda _p: self.refresh())
+        self.refresh()
+
+    def refresh(self) -> EstimateResult:
+        """Recompute the estimate for the current choices (called automatically on changes)."""
+        lora = self._lora_source.value if self._lora_source is not None else None
+        training = self._training_source.value if self._training_source is not None else None
+        res = compute_estimate(self.value, lora, training)
+        self.last_result = res
+        self.estimate.value = estimate_html(res)
+        return res
+
+    @property
+    def estimate_text(self) -> str:
+        """The estimate as plain text (what the HTML shows, without markup)."""
+        import re
+
+        return html.unescape(re.sub(r"<[^>]+>", " ", self.estimate.value)).replace("  ", " ").strip()
+
+    @property
+    def value(self) -> ModelChoice:
+        return ModelChoice(
+            model_name=str(self.model_name.value).strip() or _default_model(),
+            load_in_4bit=bool(self.load_in_4bit.value),
+            max_seq_length=int(self.max_seq_length.value),
+            dtype=self.dtype.value,
+            card=str(self.card.value),
+        )

@@ -1,0 +1,151 @@
+"""Training panel: learning rate, epochs or max steps, batch size, accumulation, warm-up, scheduler,
+seed, packing, optimizer.
+
+``TrainingPanel().value`` is a :class:`TrainingChoice`; :meth:`~TrainingChoice.trainer_kwargs`
+returns ``TrainingArguments`` / TRL ``SFTConfig`` field names (``SFTConfig(output_dir=..., **kw)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ipywidgets as W
+
+from ._base import Panel, header, styled
+
+SCHEDULERS = ["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"]
+OPTIMIZERS = ["adamw_8bit", "paged_adamw_8bit", "adamw_torch", "adamw_torch_fused", "adafactor", "sgd"]
+
+
+def _default_optim() -> str:
+    try:
+        import torch
+
+        return "adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
+    except Exception:
+        return "adamw_torch"
+
+
+@dataclass
+class TrainingChoice:
+    """Trainer settings, named as ``TrainingArguments`` / ``SFTConfig`` take them.
+
+    ``max_steps > 0`` stops after that many optimizer steps; ``max_steps = -1`` runs
+    ``num_train_epochs`` epochs instead.
+    """
+
+    learning_rate: float = 2e-4
+    num_train_epochs: float = 1.0
+    max_steps: int = 60
+    per_device_train_batch_size: int = 2
+    gradient_accumulation_steps: int = 4
+    warmup_steps: int = 5
+    lr_scheduler_type: str = "linear"
+    seed: int = 3407
+    packing: bool = False
+    optim: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.optim:
+            self.optim = _default_optim()
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``SFTConfig`` / ``TrainingArguments`` (packing included)."""
+        d = asdict(self)
+        if self.max_steps and self.max_steps > 0:
+            d["num_train_epochs"] = 1.0  # ignored by the Trainer when max_steps > 0
+        else:
+            d["max_steps"] = -1
+        return d
+
+
+class TrainingPanel(Panel):
+    """Widgets for the trainer settings. Keyword arguments override the defaults (headless runs).
+
+    ``TrainingPanel(max_steps=30, per_device_train_batch_size=4).value.trainer_kwargs()``
+    """
+
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__()
+        unknown = set(overrides) - set(TrainingChoice.__dataclass_fields__)
+        if unknown:
+            raise TypeError(
+                f"TrainingPanel got unknown settings {sorted(unknown)}; known: {list(TrainingChoice.__dataclass_fields__)}"
+            )
+        v = TrainingChoice(**overrides)
+        st = {"description_width": "150px"}
+        lay = W.Layout(width="420px")
+        self.learning_rate = styled(
+            W.FloatLogSlider(value=float(v.learning_rate), base=10, min=-6, max=-2, step=0.1,
+                             description="learning rate", readout_format=".1e", continuous_update=False,
+                             style=st, layout=lay), "nbk-lr-slider")
+        by_steps = bool(v.max_steps and v.max_steps > 0)
+        self.stop_by = styled(W.ToggleButtons(options=["max steps", "epochs"], value="max steps" if by_steps else "epochs",
+                                              description="stop after", style={"description_width": "150px", "button_width": "90px"}),
+                              "nbk-stop-by")
+        self.max_steps = styled(W.BoundedIntText(value=int(v.max_steps) if by_steps else 60, min=1, max=10**7,
+                                                 description="max steps", style=st, layout=W.Layout(width="260px")),
+                                "nbk-max-steps")
+        self.epochs = styled(W.BoundedFloatText(value=float(v.num_train_epochs), min=0.01, max=1000, step=0.5,
+                                                description="epochs", style=st, layout=W.Layout(width="260px")),
+                             "nbk-epochs")
+        self.batch_size = styled(W.BoundedIntText(value=int(v.per_device_train_batch_size), min=1, max=4096,
+                                                  description="batch size", style=st, layout=W.Layout(width="260px")),
+                                 "nbk-batch-size")
+        self.grad_accum = styled(W.BoundedIntText(value=int(v.gradient_accumulation_steps), min=1, max=4096,
+                                                  description="grad. accumulation", style=st,
+                                                  layout=W.Layout(width="260px")), "nbk-grad-accum")
+        self.warmup = styled(W.BoundedIntText(value=int(v.warmup_steps), min=0, max=10**6, description="warm-up steps",
+                                              style=st, layout=W.Layout(width="260px")), "nbk-warmup")
+        sched_opts = SCHEDULERS if v.lr_scheduler_type in SCHEDULERS else SCHEDULERS + [v.lr_scheduler_type]
+        self.scheduler = styled(W.Dropdown(options=sched_opts, value=v.lr_scheduler_type, description="scheduler",
+                                           style=st), "nbk-scheduler")
+        opt_opts = OPTIMIZERS if v.optim in OPTIMIZERS else OPTIMIZERS + [v.optim]
+        self.optim = styled(W.Dropdown(options=opt_opts, value=v.optim, description="optimizer", style=st),
+                            "nbk-optim")
+        self.seed = styled(W.IntText(value=int(v.seed), description="seed", style=st, layout=W.Layout(width="260px")),
+                           "nbk-seed")
+        self.packing = styled(W.Checkbox(value=bool(v.packing), description="packing (padding-free batches)",
+                                         indent=False), "nbk-packing")
+        self.summary = styled(W.HTML(""), "nbk-training-summary")
+        self._controls = [self.learning_rate, self.stop_by, self.max_steps, self.epochs, self.batch_size,
+                          self.grad_accum, self.warmup, self.scheduler, self.optim, self.seed, self.packing]
+        self.widget = styled(
+            W.VBox([header("Training", "optimizer steps and schedule"), self.learning_rate, self.stop_by,
+                    self.max_steps, self.epochs, W.HBox([self.batch_size, self.grad_accum]), self.warmup,
+                    self.scheduler, self.optim, self.seed, self.packing, self.summary]),
+            "nbk-panel", "nbk-training-panel",
+        )
+        self._wire()
+        self.on_change(lambda _p: self._update())
+        self._update()
+
+    def _update(self) -> None:
+        steps = self.stop_by.value == "max steps"
+        self.max_steps.layout.display = None if steps else "none"
+        self.epochs.layout.display = "none" if steps else None
+        v = self.value
+        self.summary.value = (
+            f"<div style='color:#555'>effective batch: {v.effective_batch_size} sequences per optimizer step</div>"
+        )
+
+    @property
+    def value(self) -> TrainingChoice:
+        steps = self.stop_by.value == "max steps"
+        return TrainingChoice(
+            learning_rate=float(f"{self.learning_rate.value:.3g}"),
+            num_train_epochs=float(self.epochs.value),
+            max_steps=int(self.max_steps.value) if steps else -1,
+            per_device_train_batch_size=int(self.batch_size.value),
+            gradient_accumulation_steps=int(self.grad_accum.value),
+            warmup_steps=int(self.warmup.value),
+            lr_scheduler_type=str(self.scheduler.value),
+            seed=int(self.seed.value),
+            packing=bool(self.packing.value),
+            optim=str(self.optim.value),
+        )

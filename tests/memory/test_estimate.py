@@ -1,0 +1,117 @@
+"""The memory model: hand-computed sizes for a tiny config, monotonicity, inputs it accepts."""
+
+import pytest
+
+from notebookkit.memory import estimate_training_memory, model_shape, normalize_plan
+from notebookkit.memory.estimate import default_loss_chunk
+
+# H=64, L=2, 4 query heads / 2 kv heads of 16, I=128, V=256, tied embeddings.
+TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
+            tie_word_embeddings=True)
+KW = dict(dtype="bfloat16", lora_r=4, optimizer="adamw", batch_size=2, seq_len=32, cuda_context_bytes=0)
+
+
+def test_tiny_config_matches_hand_computed_sizes_keep():
+    est = estimate_training_memory(TINY, activation_plan="keep", **KW)
+    # Linear params per layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 + 3 * 64*128 = 36864; 2 layers: 73728.
+    # Norms 2*64 per layer (256), final norm 64, embeddings 256*64 = 16384 (tied: no separate head).
+    # bf16: (73728 + 256 + 64 + 16384) * 2 bytes = 180864.
+    assert est.base_weights == 180864
+    # LoRA r=4: q 4*(64+64)=512, k 4*(64+32)=384, v 384, o 512, gate/up/down 4*(64+128)=768 each
+    # -> 4096 per layer, 8192 total; fp32 weights 4 + grads 4 + AdamW 8 = 16 bytes -> 131072.
+    assert est.inputs["lora_params"] == 8192
+    assert est.adapters == 131072
+    # Keep, per token: 4H + 2dq + 2dk + 2I + 7r = 256 + 128 + 64 + 256 + 28 = 732 bf16 values = 1464 B,
+    # plus fp32 (2 norm rstd + 4 heads of lse) = 24 B -> 1488 B; N = 2*32 = 64 tokens -> 95232 per
+    # layer, 190464 for two.
+    assert est.per_layer_activations == (95232, 95232)
+    assert est.activations == 190464
+    # Fused loss: chunk = 64 rows (all tokens: max(256, 64/ceil(256/64)) capped at N); chunk bytes
+    # 64 * (256*2 + 2*64*2 + 16) = 50176; hidden buffers 3*64*64*2 + 64*4 = 24832 -> 75008.
+    assert default_loss_chunk(64, 64, 256, 2) == 64
+    assert est.logits_loss == 75008
+    # Backward working set: hidden grad 64*64*2 = 8192, grads 64*2*(2*64 + max(128, 2*64 + 2*32)) =
+    # 40960, attention accumulator 64*64*4 = 16384 -> 65536 < 75008: nothing beyond the loss buffers.
+    assert est.temporaries == 0
+    assert est.total == 180864 + 131072 + 190464 + 75008 == 577408
+    assert est.peak_allocated == est.total
+
+
+def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
+    est = estimate_training_memory(TINY, activation_plan="recompute", **KW)
+    # Layer inputs only: 64 tokens * 64 * 2 B = 8192 per layer.
+    assert est.activations == 2 * 8192
+    # Backward: 65536 (above) + the recomputed layer's 95232 = 160768; minus the loss buffers 75008.
+    assert est.temporaries == 160768 - 75008
+    assert est.total == 180864 + 131072 + 16384 + 75008 + 85760
+    q = estimate_training_memory(TINY, activation_plan="recompute", load_in_4bit=True, **KW)
+    # NF4: 73728 * (1/2 + 1/64 + 4/(64*256)) = 36864 + 1152 + 18 = 38034; the rest stays bf16:
+    # (16384 + 256 + 64) * 2 = 33408.
+    assert q.base_weights == 38034 + 33408
+    # Dequantised buffers: 2 * largest projection (64*128) * 2 B = 32768 more temporaries.
+    assert q.temporaries == est.temporaries + 32768
+    off = estimate_training_memory(TINY, activation_plan="offload", **KW)
+    assert off.host_offload == 2 * 8192
+    assert off.activations == 2 * 8192  # two inputs in flight, none resident
+
+
+@pytest.mark.parametrize("plan", ["keep", "recompute", "offload"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_monotonic_in_batch_and_seq(plan, fused):
+    name = "meta-llama/Llama-3.2-1B-Instruct"
+    totals = [estimate_training_memory(name, batch_size=b, seq_len=1024, activation_plan=plan, fused_loss=fused).total
+              for b in (1, 2, 4, 8)]
+    assert totals == sorted(totals) and len(set(totals)) == 4
+    totals = [estimate_training_memory(name, batch_size=2, seq_len=t, activation_plan=plan, fused_loss=fused).total
+              for t in (128, 512, 2048, 8192)]
+    assert totals == sorted(totals) and len(set(totals)) == 4
+
+
+def test_more_memory_for_more_kept_layers_bigger_rank_and_fp32_optimizer():
+    name = "Qwen/Qwen3-4B"
+    keep = estimate_training_memory(name, activation_plan="keep", seq_len=4096)
+    rec = estimate_training_memory(name, activation_plan="recompute", seq_len=4096)
+    off = estimate_training_memory(name, activation_plan="offload", seq_len=4096)
+    assert keep.total > rec.total > off.total
+    assert (estimate_training_memory(name, lora_r=64).adapters > estimate_training_memory(name, lora_r=16).adapters)
+    assert (estimate_training_memory(name, optimizer="adamw_8bit").adapters
+            < estimate_training_memory(name, optimizer="adamw").adapters)
+    assert estimate_training_memory(name, load_in_4bit=True).base_weights < 0.4 * keep.base_weights
+    assert (estimate_training_memory(name, fused_loss=False, seq_len=4096).logits_loss
+            > 10 * estimate_training_memory(name, fused_loss=True, seq_len=4096).logits_loss)
+
+
+def test_8b_qlora_matches_published_shapes():
+    est = estimate_training_memory("meta-llama/Llama-3.1-8B-Instruct", load_in_4bit=True, batch_size=2,
+                                   seq_len=4096, activation_plan="offload")
+    assert est.inputs["lora_params"] == 41943040  # r=16 on all seven projections, as PEFT counts it
+    assert 5.0 < est.base_weights / 2**30 < 5.7
+    assert est.shape.num_params == pytest.approx(8.03e9, rel=0.01)
+
+
+def test_parts_add_up_and_table_names_them():
+    est = estimate_training_memory("google/gemma-2-2b-it", load_in_4bit=True, activation_plan="recompute")
+    assert sum(est.parts().values()) == est.total
+    text = str(est)
+    for word in ("base weights", "adapters + optimizer", "activations", "logits / loss", "temporaries", "total"):
+        assert word in text
+
+
+def test_accepts_hf_config_dict_with_text_config_and_per_layer_plans():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"})
+    a = estimate_training_memory(cfg, activation_plan=["keep", "recompute"], **KW)
+    b = estimate_training_memory({"model_type": "gemma3", "text_config": TINY}, activation_plan="keep", **KW)
+    assert a.plan == ("keep", "recompute")
+    assert model_shape(cfg).num_layers == 2 and b.shape.hidden_size == 64
+    assert normalize_plan(True, 3) == ("recompute",) * 3
+    assert normalize_plan("unsloth", 2) == ("offload", "offload")
+
+
+@pytest.mark.parametrize("bad", [dict(optimizer="adamq"), dict(activation_plan="auto"), dict(dtype="int3"),
+                                 dict(activation_plan=["keep"]), dict(target_modules=["qkv"]), dict(seq_len=0)])
+def test_bad_inputs_raise_readable_errors(bad):
+    with pytest.raises(ValueError, match="notebookkit"):
+        estimate_training_memory(TINY, **{**KW, **bad})

@@ -1,0 +1,142 @@
+"""The activation planner: budget respected, keep > recompute > offload, errors that say what to change."""
+
+import pytest
+
+from notebookkit.memory import DoesNotFitError, estimate_training_memory, parse_card, parse_memory, plan_activations
+
+GiB = 2**30
+LLAMA8B = "meta-llama/Llama-3.1-8B-Instruct"
+QLORA = dict(load_in_4bit=True, dtype="float16", batch_size=2, seq_len=4096, host_memory_bytes=64 * GiB)
+
+
+def _ordered(modes):
+    rank = {"offload": 0, "recompute": 1, "keep": 2}
+    return [rank[m] for m in modes] == sorted(rank[m] for m in modes)
+
+
+def test_big_budget_keeps_everything():
+    plan = plan_activations(LLAMA8B, "h200", **QLORA)
+    assert set(plan.modes) == {"keep"} and plan.step_overhead == 0
+    plan = plan_activations("meta-llama/Llama-3.2-1B-Instruct", max_memory="80GB", batch_size=8, seq_len=2048,
+                            host_memory_bytes=64 * GiB)
+    assert set(plan.modes) == {"keep"}
+
+
+def test_t4_budget_on_8b_offloads_and_fits():
+    plan = plan_activations(LLAMA8B, "t4", **QLORA)
+    assert plan.counts()["offload"] > 0
+    assert plan.estimate.total <= parse_card("t4").memory_bytes * 0.95
+    assert plan.host_bytes == plan.counts()["offload"] * 2 * 4096 * 4096 * 2
+    assert _ordered(plan.modes)  # offloaded first, kept last
+
+
+@pytest.mark.parametrize("gib", [12, 16, 20, 24, 28, 32, 40])
+def test_budget_is_respected(gib):
+    plan = plan_activations(LLAMA8B, budget_bytes=gib * GiB, **QLORA)
+    assert plan.estimate.total <= gib * GiB * 0.95
+    assert _ordered(plan.modes)
+
+
+def test_per_layer_costs_rank_keep_then_recompute_then_offload():
+    from notebookkit.memory.planner import _layer_costs
+    from notebookkit.memory.shapes import model_shape
+
+    for card in ("t4", "l4", "a100-80gb", "h200"):
+        _, recompute, offload = _layer_costs(model_shape(LLAMA8B), dict(QLORA), parse_card(card))
+        assert 0 < recompute < offload
+
+
+def test_prefers_keep_over_recompute_over_offload():
+    kw = {k: v for k, v in QLORA.items() if k != "host_memory_bytes"}
+    full = estimate_training_memory(LLAMA8B, activation_plan="keep", **kw)
+    # Enough for everything kept: nothing recomputed.
+    plan = plan_activations(LLAMA8B, budget_bytes=int(full.total / 0.95) + 2**20, card="t4", **QLORA)
+    assert plan.counts() == {"keep": 32, "recompute": 0, "offload": 0}
+    # Without offloading allowed, a budget between all-recompute and all-keep mixes keep and recompute.
+    plan = plan_activations(LLAMA8B, budget_bytes=24 * GiB, card="t4", allow_offload=False, **QLORA)
+    assert plan.counts()["offload"] == 0 and plan.counts()["recompute"] > 0 and plan.counts()["keep"] > 0
+    # Shrinking the budget never keeps more layers, and never makes the step faster.
+    previous = None
+    for gib in (40, 30, 24, 18, 14, 10):
+        plan = plan_activations(LLAMA8B, budget_bytes=gib * GiB, card="t4", **QLORA)
+        if previous is not None:
+            assert plan.counts()["keep"] <= previous.counts()["keep"]
+            assert plan.extra_seconds >= previous.extra_seconds
+        previous = plan
+
+
+@pytest.mark.parametrize("budget_kib", [1200, 1400, 1600, 1800, 2200, 3000])
+def test_plan_is_the_cheapest_that_fits_brute_force(budget_kib):
+    """On a 6-layer toy model, compare with every (keep, recompute, offload) split."""
+    from notebookkit.memory.planner import _layer_costs, _modes
+    from notebookkit.memory.shapes import model_shape
+
+    cfg = dict(model_type="llama", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, intermediate_size=256, vocab_size=128)
+    kw = dict(batch_size=2, seq_len=64, dtype="float16", cuda_context_bytes=0)
+    budget = budget_kib * 1024
+    card = parse_card("t4")
+    _, c_rec, c_off = _layer_costs(model_shape(cfg), kw, card)
+    best = None
+    for k in range(7):
+        for m in range(7 - k):
+            est = estimate_training_memory(cfg, activation_plan=_modes(6, k, m), **kw)
+            if est.total <= budget * 0.95:
+                cost = m * c_rec + (6 - k - m) * c_off
+                if best is None or cost < best - 1e-15:
+                    best = cost
+    if best is None:
+        with pytest.raises(DoesNotFitError):
+            plan_activations(cfg, budget_bytes=budget, card=card, host_memory_bytes=GiB, **kw)
+        return
+    plan = plan_activations(cfg, budget_bytes=budget, card=card, host_memory_bytes=GiB, **kw)
+    assert plan.extra_seconds == pytest.approx(best)
+    assert plan.estimate.total <= budget * 0.95
+
+
+def test_cpu_plan_never_offloads():
+    plan = plan_activations("Qwen/Qwen3-0.6B", budget_bytes=12 * GiB, allow_offload=False, batch_size=4,
+                            seq_len=2048, dtype="float32")
+    assert plan.counts()["offload"] == 0
+
+
+def test_error_when_nothing_fits_says_what_to_change():
+    with pytest.raises(DoesNotFitError) as info:
+        plan_activations(LLAMA8B, "12GB", load_in_4bit=False, batch_size=2, seq_len=2048, host_memory_bytes=64 * GiB)
+    msg = str(info.value)
+    assert "does not fit" in msg and "What to change" in msg
+    assert "load_in_4bit=True" in msg and "smaller model" in msg
+    assert info.value.estimate is not None and info.value.budget_bytes == 12 * 10**9
+    # When no single change is enough, the longest sequence that fits with all of them is named.
+    with pytest.raises(DoesNotFitError, match=r"max_seq_length <= \d+ together with"):
+        plan_activations(LLAMA8B, "8GB", load_in_4bit=True, batch_size=1, seq_len=65536, host_memory_bytes=64 * GiB)
+
+
+def test_host_memory_is_checked_for_offloading():
+    with pytest.raises(DoesNotFitError, match="pinned host"):
+        plan_activations(LLAMA8B, "9GiB", load_in_4bit=True, batch_size=2, seq_len=4096, host_memory_bytes=2**20)
+
+
+def test_card_and_size_parsing():
+    assert parse_card("t4").key == "t4" and parse_card("Tesla T4").key == "t4"
+    assert parse_card("a100-40gb").key == "a100-40gb" and parse_card("A100 80GB").key == "a100-80gb"
+    assert parse_card("NVIDIA A100-SXM4-40GB").key == "a100-40gb"
+    assert parse_card("NVIDIA H200").key == "h200" and parse_card("L4").key == "l4"
+    assert parse_memory("16GB") == 16 * 10**9
+    assert parse_memory("16 GiB") == 16 * 2**30
+    assert parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("1.5gb") == 1_500_000_000
+    assert parse_memory(123) == 123
+    assert parse_memory("t4") == parse_card("t4").memory_bytes
+    with pytest.raises(ValueError, match="no unit"):
+        parse_memory("16")
+    with pytest.raises(ValueError, match="ambiguous"):
+        parse_card("a100")
+    with pytest.raises(ValueError, match="Known cards"):
+        parse_card("voodoo2")
+
+
+def test_plan_from_card_name_and_max_memory_agree():
+    a = plan_activations(LLAMA8B, "t4", **QLORA)
+    b = plan_activations(LLAMA8B, card="t4", **QLORA)
+    assert a.modes == b.modes and "T4" in a.summary()

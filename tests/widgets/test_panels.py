@@ -1,0 +1,99 @@
+"""Panels construct headless, `.value` follows the widgets, the VRAM estimate follows the rank."""
+
+import re
+
+import pytest
+
+from notebookkit.widgets import ConfigPanels, LoRAPanel, ModelPanel, TrainingPanel
+
+
+def _gib(text: str) -> float:
+    m = re.search(r"Estimated peak VRAM: ([0-9.]+) (GiB|MiB)", text)
+    assert m, text
+    return float(m.group(1)) * (1 if m.group(2) == "GiB" else 1 / 1024)
+
+
+def test_model_panel_overrides_and_value():
+    p = ModelPanel(model_name="Qwen/Qwen3-4B", load_in_4bit=True, max_seq_length=4096, card="t4")
+    v = p.value
+    assert (v.model_name, v.load_in_4bit, v.max_seq_length, v.card) == ("Qwen/Qwen3-4B", True, 4096, "t4")
+    assert v.from_pretrained_kwargs() == dict(model_name="Qwen/Qwen3-4B", max_seq_length=4096, dtype=None,
+                                              load_in_4bit=True)
+    p.load_in_4bit.value = False
+    p.max_seq_length.value = 1024
+    assert p.value.load_in_4bit is False and p.value.max_seq_length == 1024
+    assert "nbk-vram-estimate" in p.estimate._dom_classes
+    assert "Estimated peak VRAM" in p.estimate_text and "T4" in p.estimate_text
+    with pytest.raises(TypeError, match="unknown settings"):
+        ModelPanel(model="x")
+
+
+def test_estimate_verdict_changes_with_model_and_card():
+    p = ModelPanel(model_name="meta-llama/Llama-3.1-8B-Instruct", load_in_4bit=False, max_seq_length=2048, card="t4")
+    assert "does not fit" in p.estimate_text
+    p.card.value = "a100-80gb"
+    assert re.search(r"— fits", p.estimate_text)
+    p.model_name.value = "not/a-model-anyone-has"
+    assert "unknown" in p.estimate_text
+
+
+def test_lora_panel_value_and_fast_path_note():
+    p = LoRAPanel(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    v = p.value
+    assert (v.r, v.lora_alpha, v.target_modules, v.use_gradient_checkpointing) == (8, 16, ["q_proj", "v_proj"], "auto")
+    assert "nbk-rank-slider" in p.rank._dom_classes
+    assert p.note.value == ""
+    p.dropout.value = 0.1
+    assert "fast path" in p.note.value and not p.value.fast_path
+    p.targets["o_proj"].value = True
+    p.checkpointing.value = "offload"
+    kw = p.value.peft_kwargs()
+    assert kw["target_modules"] == ["q_proj", "v_proj", "o_proj"] and kw["use_gradient_checkpointing"] == "offload"
+    assert LoRAPanel(use_gradient_checkpointing="unsloth").value.use_gradient_checkpointing == "offload"
+
+
+def test_training_panel_value_and_epochs_switch():
+    p = TrainingPanel(max_steps=30, per_device_train_batch_size=4, gradient_accumulation_steps=2, optim="adamw_torch")
+    v = p.value
+    assert (v.max_steps, v.per_device_train_batch_size, v.effective_batch_size) == (30, 4, 8)
+    p.stop_by.value = "epochs"
+    p.epochs.value = 2
+    kw = p.value.trainer_kwargs()
+    assert kw["max_steps"] == -1 and kw["num_train_epochs"] == 2
+    p.learning_rate.value = 1e-4
+    p.packing.value = True
+    assert p.value.learning_rate == pytest.approx(1e-4) and p.value.packing
+
+
+def test_rank_change_updates_vram_estimate_text():
+    panels = ConfigPanels(model=dict(model_name="meta-llama/Llama-3.2-1B-Instruct", card="l4", max_seq_length=2048),
+                          lora=dict(r=16, use_gradient_checkpointing=True), training=dict(per_device_train_batch_size=2))
+    before = panels.model.estimate.value
+    gib_before = _gib(panels.model.estimate_text)
+    panels.lora.rank.value = 128
+    assert panels.model.estimate.value != before
+    assert _gib(panels.model.estimate_text) > gib_before
+    # batch size in the training panel moves the estimate too
+    gib_mid = _gib(panels.model.estimate_text)
+    panels.training.batch_size.value = 8
+    assert _gib(panels.model.estimate_text) > gib_mid
+    v = panels.value
+    assert v.lora.r == 128 and v.training.per_device_train_batch_size == 8
+    assert panels.estimate.estimate.inputs["lora_r"] == 128
+
+
+def test_tiny_model_estimate_on_cpu_changes_with_rank():
+    panels = ConfigPanels(model=dict(model_name="notebookkit/tiny-llama", load_in_4bit=False, max_seq_length=256,
+                                     card="auto"))
+    before = panels.model.estimate_text
+    assert "Estimated peak" in before
+    panels.lora.rank.value = 64
+    assert panels.model.estimate_text != before
+
+
+def test_panels_render_as_widgets():
+    panels = ConfigPanels()
+    bundle = panels.model.widget._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    for cls in ("nbk-model-panel", "nbk-lora-panel", "nbk-training-panel"):
+        assert any(cls in w.widget._dom_classes for w in (panels.model, panels.lora, panels.training))
