@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# What the lead runs on the GPU machine (device tool), in one call:
+#   bash benchmarks/gpu_session.sh tests|kernels|train [extra args]
+# Installs carried wheels (.whl/, .whl2/) into /tmp/site once per machine, then runs the step,
+# writing logs and results under $OUT (or ./gpu-out when OUT is unset).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+for d in .whl .whl2; do
+  if [ -d "$d" ] && [ ! -f "/tmp/site/.$d-done" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl \
+      && touch "/tmp/site/.$d-done"
+  fi
+done
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
+step=${1:-tests}; shift || true
+case "$step" in
+  tests)   python3 -m pytest -m gpu -q -p no:cacheprovider -x --timeout 300 "$@" 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40 ;;
+  kernels) python3 benchmarks/kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
+  train)   python3 benchmarks/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/train.log" | tail -40 ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac

@@ -1,0 +1,126 @@
+"""Side-by-side training benchmark: every available system on every configuration, one run.
+
+    python benchmarks/run.py --out benchmarks/results            # all configurations
+    python benchmarks/run.py --only 8b-nf4-4096x2 --systems hf,notebookkit
+
+Each (configuration, system) row runs in its own process (`benchmarks/train_step.py`). A system
+whose package is missing is reported as "not installed", never silently dropped. Results go to
+``<out>/<date>-<gpu>.json`` and ``.md`` plus a PNG bar chart; the markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# name -> (shape, quant, seq, batch)
+CONFIGS: dict[str, tuple[str, str, int, int]] = {
+    "8b-nf4-4096x2": ("llama-3.1-8b", "nf4", 4096, 2),
+    "8b-bf16-4096x2": ("llama-3.1-8b", "bf16", 4096, 2),
+    "1b-bf16-2048x8": ("llama-3.2-1b", "bf16", 2048, 8),
+    "8b-nf4-16384x1": ("llama-3.1-8b", "nf4", 16384, 1),
+    "qwen3-4b-bf16-2048x4": ("qwen3-4b", "bf16", 2048, 4),
+    "gemma2-2b-bf16-2048x4": ("gemma-2-2b", "bf16", 2048, 4),
+}
+SYSTEMS = ["hf", "compile", "liger", "unsloth", "notebookkit"]
+NEEDS = {"liger": "liger_kernel", "unsloth": "unsloth"}
+
+
+def available(system: str) -> bool:
+    module = NEEDS.get(system)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def run_row(config: str, system: str, steps: int, timeout: int, extra: list[str]) -> dict:
+    shape, quant, seq, batch = CONFIGS[config]
+    row = dict(config=config, system=system, shape=shape, quant=quant, seq=seq, batch=batch)
+    if not available(system):
+        return row | dict(status="not installed")
+    cmd = [sys.executable, os.path.join(HERE, "train_step.py"), "--system", system, "--shape", shape,
+           "--quant", quant, "--seq", str(seq), "--batch", str(batch), "--steps", str(steps), *extra]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return row | dict(status=f"timed out after {timeout}s")
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return row | json.loads(line[7:]) | dict(status="ok")
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
+    return row | dict(status="out of memory" if oom else "failed: " + " | ".join(tail)[-300:])
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| config | system | tokens/s | × hf | × unsloth | peak GiB | predicted GiB | loss first → last | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = r.get("status") == "ok"
+        ref = {s: x.get("tok_s") for x in rows if x["config"] == r["config"] and x.get("status") == "ok" for s in [x["system"]]}
+        ratio = lambda s: f"{r['tok_s'] / ref[s]:.2f}" if ok and ref.get(s) else "–"  # noqa: E731
+        lines.append(
+            f"| {r['config']} | {r['system']} | {r['tok_s']:,.0f} | {ratio('hf')} | {ratio('unsloth')} | "
+            f"{r['peak_gib']:.2f} | {r.get('predicted_gib') or '–'} | {r['loss_first']:.4f} → {r['loss_last']:.4f} | ok |"
+            if ok else f"| {r['config']} | {r['system']} | – | – | – | – | – | – | {r['status']} |"
+        )
+    return "\n".join(lines)
+
+
+def bar_chart(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return
+    labels = [f"{r['config']}\n{r['system']}" for r in ok]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, len(ok) * 0.9), 7), sharex=True)
+    ax1.bar(labels, [r["tok_s"] for r in ok], color="tab:blue")
+    ax1.set_ylabel("tokens / s")
+    ax2.bar(labels, [r["peak_gib"] for r in ok], color="tab:orange")
+    ax2.set_ylabel("peak VRAM (GiB)")
+    ax2.tick_params(axis="x", rotation=70, labelsize=7)
+    fig.suptitle(f"LoRA training step, {ok[0].get('gpu', 'GPU')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configuration names")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--tag", default="")
+    args, extra = ap.parse_known_args()
+    import torch
+
+    gpu = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{dt.date.today()}-{gpu}{('-' + args.tag) if args.tag else ''}")
+    rows = []
+    for config in args.only.split(","):
+        for system in args.systems.split(","):
+            row = run_row(config, system, args.steps, args.timeout, extra)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(stem + ".json", "w") as fh:
+                json.dump(rows, fh, indent=1)
+    table = markdown(rows)
+    with open(stem + ".md", "w") as fh:
+        fh.write(table + "\n")
+    bar_chart(rows, stem + ".png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

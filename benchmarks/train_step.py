@@ -1,0 +1,235 @@
+"""Time LoRA / QLoRA training steps of one system on one model shape, in this process.
+
+One configuration per process, so that one system's allocator state, patches or compiled
+graphs cannot leak into another's numbers. `benchmarks/run.py` starts one process per row.
+
+Systems (``--system``):
+
+* ``hf``        transformers + PEFT with gradient checkpointing, as most notebooks run it
+                (``prepare_model_for_kbit_training`` for 4-bit).
+* ``compile``   the same, with ``torch.compile`` on each decoder layer.
+* ``liger``     ``hf`` plus Liger-Kernel's patches (needs its wheel).
+* ``unsloth``   Unsloth's FastLanguageModel with its offloaded checkpointing (needs its wheels).
+* ``notebookkit`` our FastLanguageModel, ``use_gradient_checkpointing`` from ``--checkpointing``
+                (default ``"auto"``: the memory planner decides).
+
+Prints one line ``RESULT {json}`` with tokens/s over the timed steps, peak allocated and reserved
+VRAM, first and last loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unsloth":
+    import unsloth  # noqa: F401  (Unsloth must be imported before transformers)
+
+import torch
+
+SHAPES: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+    ),
+    "gemma-2-2b": dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        sliding_window=4096,
+    ),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def checkpoint_dir(shape: str) -> str:
+    root = os.environ.get("NOTEBOOKKIT_BENCH_CKPT", os.path.expanduser("~/.cache/notebookkit/bench"))
+    return os.path.join(root, shape)
+
+
+def build_checkpoint(shape: str) -> str:
+    """Save a random-weight bf16 checkpoint of ``shape`` (once) with a byte-level tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    folder = checkpoint_dir(shape)
+    if os.path.exists(os.path.join(folder, "done")):
+        return folder
+    spec = dict(SHAPES[shape])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(folder)
+    open(os.path.join(folder, "done"), "w").close()
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+def load_peers(system: str, folder: str, quant: str):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if system == "liger":
+        from liger_kernel.transformers import AutoLigerKernelForCausalLM  # noqa: F401
+        from liger_kernel.transformers import _apply_liger_kernel
+
+        cfg = json.load(open(os.path.join(folder, "config.json")))
+        _apply_liger_kernel(cfg["model_type"])
+    kwargs = dict(dtype=torch.bfloat16, device_map={"": 0}, attn_implementation="sdpa")
+    if quant == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if quant == "nf4":
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=TARGETS, task_type="CAUSAL_LM")
+    )
+    if system == "compile":
+        for layer in model.base_model.model.model.layers:
+            layer.compile()
+    return model
+
+
+def load_unsloth(folder: str, quant: str, seq: int):
+    from unsloth import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(
+        model_name=folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=(quant == "nf4")
+    )
+    return FastLanguageModel.get_peft_model(
+        model, r=16, lora_alpha=16, lora_dropout=0, bias="none", target_modules=TARGETS,
+        use_gradient_checkpointing="unsloth", random_state=3407,
+    )
+
+
+def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str):
+    from notebookkit import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(
+        folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=(quant == "nf4")
+    )
+    gc_mode: object = {"true": True, "false": False}.get(checkpointing, checkpointing)
+    return FastLanguageModel.get_peft_model(
+        model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=TARGETS,
+        use_gradient_checkpointing=gc_mode, random_state=3407, planning_batch_size=batch,
+    )
+
+
+def predicted_peak(shape: str, quant: str, seq: int, batch: int, model) -> float | None:
+    """Our memory model's prediction (GiB) for this row, or None when it cannot say."""
+    try:
+        from notebookkit.memory.estimate import estimate_kwargs_from_model, estimate_training_memory
+
+        plan = getattr(model, "notebookkit_activation_plan", "recompute")
+        estimate = estimate_training_memory(
+            model.config, **estimate_kwargs_from_model(model), batch_size=batch, seq_len=seq, activation_plan=plan
+        )
+        return round(estimate.peak_allocated / 2**30, 2)
+    except Exception as exc:  # the prediction is informative, never fatal to a benchmark row
+        print(f"(no memory prediction: {exc})", file=sys.stderr)
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", required=True, choices=["hf", "compile", "liger", "unsloth", "notebookkit"])
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--quant", default="nf4", choices=["nf4", "bf16"])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--checkpointing", default="auto")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="enforce a VRAM cap (max-context search)")
+    ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
+    args = ap.parse_args()
+
+    folder = build_checkpoint(args.shape)
+    if args.prepare:
+        print("prepared", folder)
+        return
+    if args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    if args.system == "unsloth":
+        model = load_unsloth(folder, args.quant, args.seq)
+    elif args.system == "notebookkit":
+        model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing)
+    else:
+        model = load_peers(args.system, folder, args.quant)
+    load_s = time.time() - t0
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batches = [
+        torch.randint(3, vocab, (args.batch, args.seq), device="cuda", generator=gen)
+        for _ in range(args.warmup + args.steps)
+    ]
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    losses = [step(ids).item() for ids in batches[: args.warmup]]
+    torch.cuda.synchronize()
+    start = time.time()
+    losses += [step(ids) for ids in batches[args.warmup :]]
+    torch.cuda.synchronize()
+    elapsed = time.time() - start
+    tokens = args.batch * args.seq * args.steps
+    result = dict(
+        system=args.system, shape=args.shape, quant=args.quant, seq=args.seq, batch=args.batch,
+        checkpointing=args.checkpointing if args.system == "notebookkit" else None,
+        memory_cap_gib=args.memory_cap_gib,
+        tok_s=round(tokens / elapsed, 1), s_step=round(elapsed / args.steps, 4),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+        reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
+        predicted_gib=predicted_peak(args.shape, args.quant, args.seq, args.batch, model) if args.system == "notebookkit" else None,
+        trainable=sum(p.numel() for p in params), load_s=round(load_s, 1),
+        loss_first=round(float(losses[0]), 5), loss_last=round(float(losses[-1]), 5),
+        gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+    )
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
