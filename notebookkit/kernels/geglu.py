@@ -1,0 +1,260 @@
+"""GeGLU gate, ``h = gelu(e) * g``, exact (erf) or tanh-approximated, fused forward and backward.
+
+``e`` is the gate projection output, ``g`` the up projection output (Gemma MLPs use the tanh form,
+``gelu_pytorch_tanh``). Element-wise, in fp32::
+
+    exact:  a = e * P(e),   P(e) = (1 + erf(e / sqrt(2))) / 2
+            da/de = P(e) + e * exp(-e**2 / 2) / sqrt(2 * pi)
+    tanh:   u = sqrt(2 / pi) * (e + 0.044715 * e**3),  t = tanh(u)
+            a = e * (1 + t) / 2
+            da/de = (1 + t) / 2 + e * (1 - t**2) / 2 * sqrt(2 / pi) * (1 + 3 * 0.044715 * e**2)
+
+    h  = a * g
+    dg = dh * a
+    de = dh * g * da/de
+
+``tanh`` is computed as ``2 * sigmoid(2u) - 1`` with ``u`` clamped to ``[-15, 15]`` (portable across
+Triton versions, exact to fp32 rounding). The backward
+recomputes ``a`` from ``e``; buffers as in :mod:`notebookkit.kernels.swiglu`:
+
+* ``geglu_backward_(dh, e, g, approximate)`` overwrites ``dh`` with ``h``, ``e`` with ``de`` and
+  ``g`` with ``dg`` (zero allocations; for the LoRA MLP).
+* ``geglu(e, g)``'s autograd backward writes new buffers, or ``e``/``g`` with ``inplace_backward=True``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from notebookkit.kernels.runtime import should_use_triton
+
+__all__ = ["geglu", "geglu_reference", "geglu_backward_", "geglu_forward", "geglu_backward_launch"]
+
+_APPROX = {"none": 0, "tanh": 1}
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _gelu_and_grad(e, APPROX_TANH: tl.constexpr):
+    """(gelu(e), d gelu / de) in fp32."""
+    if APPROX_TANH:
+        k0 = 0.7978845608028654  # sqrt(2 / pi)
+        k1 = 0.044715
+        u = k0 * (e + k1 * e * e * e)
+        u = tl.minimum(tl.maximum(u, -15.0), 15.0)  # tanh(+-15) == +-1 in fp32; keeps exp finite
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+        a = 0.5 * e * (1.0 + t)
+        da = 0.5 * (1.0 + t) + 0.5 * e * (1.0 - t * t) * k0 * (1.0 + 3.0 * k1 * e * e)
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(e * 0.7071067811865476))
+        a = e * cdf
+        da = cdf + e * tl.exp(-0.5 * e * e) * 0.3989422804014327
+    return a, da
+
+
+@triton.jit
+def _geglu_fwd_kernel(E, G, H, n_elements, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    e = tl.load(E + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _gelu_and_grad(e, APPROX_TANH)
+    tl.store(H + offs, (a * g).to(H.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _geglu_bwd_kernel(
+    DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements,
+    APPROX_TANH: tl.constexpr, STORE_H: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+    e = tl.load(E + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    a, da = _gelu_and_grad(e, APPROX_TANH)
+    if STORE_H:
+        tl.store(H_OUT + offs, (a * g).to(H_OUT.dtype.element_ty), mask=mask)
+    tl.store(DE_OUT + offs, (dh * g * da).to(DE_OUT.dtype.element_ty), mask=mask)
+    tl.store(DG_OUT + offs, (dh * a).to(DG_OUT.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+def _approx_flag(approximate: str) -> int:
+    if approximate not in _APPROX:
+        raise ValueError(f"geglu: approximate must be 'none' (exact erf) or 'tanh', got {approximate!r}.")
+    return _APPROX[approximate]
+
+
+def _block(t: torch.Tensor) -> tuple[int, int]:
+    # GPU: 1024 elements, 4 warps; the CPU interpreter gets fewer, larger programs.
+    return (1024, 4) if t.is_cuda else (4096, 4)
+
+
+def _check_pair(e: torch.Tensor, g: torch.Tensor, op: str) -> None:
+    if e.shape != g.shape or e.dtype != g.dtype or e.device != g.device:
+        raise ValueError(
+            f"{op}: e and g must have the same shape, dtype and device; got {tuple(e.shape)} {e.dtype} "
+            f"{e.device} and {tuple(g.shape)} {g.dtype} {g.device}."
+        )
+
+
+def geglu_forward(
+    e: torch.Tensor, g: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Launch the forward kernel on contiguous ``e``, ``g``; ``out`` (contiguous, any values) is overwritten."""
+    flag = _approx_flag(approximate)
+    if out is None:
+        out = torch.empty_like(e, memory_format=torch.contiguous_format)
+    n = e.numel()
+    if n:
+        block, warps = _block(e)
+        _geglu_fwd_kernel[(triton.cdiv(n, block),)](e, g, out, n, APPROX_TANH=flag, BLOCK=block, num_warps=warps)
+    return out
+
+
+def geglu_backward_launch(
+    dh: torch.Tensor,
+    e: torch.Tensor,
+    g: torch.Tensor,
+    h_out: torch.Tensor | None,
+    de_out: torch.Tensor,
+    dg_out: torch.Tensor,
+    approximate: str = "none",
+) -> None:
+    """Launch the backward kernel on contiguous tensors of one shape; outputs may be any of the
+    inputs (element-wise read-then-write). ``h_out=None`` skips recomputing ``h``."""
+    flag = _approx_flag(approximate)
+    n = e.numel()
+    if n:
+        block, warps = _block(e)
+        _geglu_bwd_kernel[(triton.cdiv(n, block),)](
+            dh, e, g, h_out if h_out is not None else de_out, de_out, dg_out, n,
+            APPROX_TANH=flag, STORE_H=h_out is not None, BLOCK=block, num_warps=warps,
+        )
+
+
+def _bump_version(*tensors: torch.Tensor) -> None:
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        for t in tensors:
+            bump(t)
+
+
+class _GeGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, e, g, approximate, inplace_backward):
+        e = e.contiguous()
+        g = g.contiguous()
+        h = geglu_forward(e, g, approximate)
+        ctx.save_for_backward(e, g)
+        ctx.approximate = approximate
+        ctx.inplace_backward = inplace_backward
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        e, g = ctx.saved_tensors
+        dh_c = dh.contiguous()
+        if ctx.inplace_backward:
+            de, dg = e, g
+        else:
+            de = dh_c if dh_c is not dh and dh_c.dtype == e.dtype else torch.empty_like(e)
+            dg = torch.empty_like(g)
+        geglu_backward_launch(dh_c, e, g, None, de, dg, ctx.approximate)
+        if ctx.inplace_backward:
+            _bump_version(e, g)
+        return (de if ctx.needs_input_grad[0] else None), (dg if ctx.needs_input_grad[1] else None), None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+def geglu_reference(e: torch.Tensor, g: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """Plain-PyTorch ``gelu(e) * g`` in fp32 (fp64 for fp64 inputs), cast back once: the CPU path and oracle."""
+    _approx_flag(approximate)
+    acc = torch.float64 if e.dtype == torch.float64 else torch.float32
+    return (F.gelu(e.to(acc), approximate=approximate) * g.to(acc)).to(e.dtype)
+
+
+def geglu(e: torch.Tensor, g: torch.Tensor, approximate: str = "none", inplace_backward: bool = False) -> torch.Tensor:
+    """GeGLU gate ``gelu(e) * g`` with a fused backward.
+
+    Args:
+        e: gate projection output ``[..., I]`` (fp32, fp16 or bf16).
+        g: up projection output, same shape and dtype as ``e``.
+        approximate: ``"none"`` for the exact erf GELU, ``"tanh"`` for the tanh approximation
+            (Gemma's ``gelu_pytorch_tanh``), as in ``torch.nn.functional.gelu``.
+        inplace_backward: let the backward overwrite ``e`` with ``de`` and ``g`` with ``dg`` (no new
+            allocation). Only when nothing else uses ``e``/``g`` after this op.
+
+    Returns:
+        ``h`` with ``e``'s shape and dtype.
+    """
+    _check_pair(e, g, "geglu")
+    _approx_flag(approximate)
+    if should_use_triton(e):
+        return _GeGLUFunction.apply(e, g, approximate, bool(inplace_backward))
+    return geglu_reference(e, g, approximate)
+
+
+@torch.no_grad()
+def geglu_backward_(
+    dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, approximate: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In-place GeGLU backward for callers that own the buffers (the LoRA MLP).
+
+    Overwrites ``dh`` with ``h = gelu(e) * g``, ``e`` with ``de`` and ``g`` with ``dg``, and returns
+    ``(h, de, dg)``, which are those same three tensors. All three must be contiguous with one shape
+    and dtype. Allocates nothing on the Triton path.
+    """
+    _check_pair(e, g, "geglu_backward_")
+    _check_pair(dh, e, "geglu_backward_")
+    _approx_flag(approximate)
+    if not (dh.is_contiguous() and e.is_contiguous() and g.is_contiguous()):
+        raise ValueError("geglu_backward_: dh, e and g are overwritten in place and must be contiguous; call .contiguous() first.")
+    if should_use_triton(e):
+        geglu_backward_launch(dh, e, g, dh, e, g, approximate)
+    else:
+        acc = torch.float64 if e.dtype == torch.float64 else torch.float32
+        ef, gf, dhf = e.to(acc), g.to(acc), dh.to(acc)
+        if approximate == "tanh":
+            k0, k1 = 0.7978845608028654, 0.044715
+            t = torch.tanh(k0 * (ef + k1 * ef**3))
+            a = 0.5 * ef * (1.0 + t)
+            da = 0.5 * (1.0 + t) + 0.5 * ef * (1.0 - t * t) * k0 * (1.0 + 3.0 * k1 * ef * ef)
+        else:
+            cdf = 0.5 * (1.0 + torch.erf(ef * 0.7071067811865476))
+            a = ef * cdf
+            da = cdf + ef * torch.exp(-0.5 * ef * ef) * 0.3989422804014327
+        dh.copy_(a * gf)
+        e.copy_(dhf * gf * da)
+        g.copy_(dhf * a)
+    return dh, e, g
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile specs (tests/kernels/test_aot_compile.py): (kernel, signature, constexprs, options)
+# --------------------------------------------------------------------------------------------------
+def _aot_specs() -> list:
+    def fwd(dt, approx):
+        return (_geglu_fwd_kernel, {"E": f"*{dt}", "G": f"*{dt}", "H": f"*{dt}", "n_elements": "i32"},
+                {"APPROX_TANH": approx, "BLOCK": 1024}, {"num_warps": 4})
+
+    def bwd(dt, approx, store_h):
+        return (_geglu_bwd_kernel,
+                {"DH": f"*{dt}", "E": f"*{dt}", "G": f"*{dt}", "H_OUT": f"*{dt}", "DE_OUT": f"*{dt}",
+                 "DG_OUT": f"*{dt}", "n_elements": "i32"},
+                {"APPROX_TANH": approx, "STORE_H": store_h, "BLOCK": 1024}, {"num_warps": 4})
+
+    return [fwd("fp16", 0), fwd("bf16", 1), bwd("fp16", 1, True), bwd("bf16", 0, False)]
+
+
+AOT_SPECS = _aot_specs()

@@ -1,0 +1,361 @@
+"""RMSNorm, fused forward and backward (Llama and Gemma flavours).
+
+Math, per row ``x`` of length ``N`` (all reductions in fp32)::
+
+    rstd = 1 / sqrt(mean(x**2) + eps)            one fp32 value per row, saved for backward
+    n    = x * rstd                              fp32
+
+    Llama (HF ``LlamaRMSNorm``, also Mistral/Qwen2/Qwen3 and Qwen3/Gemma3 q/k norms):
+        y = cast(n, x.dtype) * w                 the cast happens *before* the weight multiply
+    Gemma (HF ``GemmaRMSNorm``, ``gemma=True``):
+        y = cast(n * (1 + w), x.dtype)           everything in fp32, one cast at the end
+
+Backward, with ``a = w`` (Llama) or ``a = 1 + w`` (Gemma) and ``dn = dy * a``::
+
+    dx = rstd * (dn - n * mean(dn * n))          per row
+    dw = sum_rows(dy * cast(n, x.dtype))         Llama
+    dw = sum_rows(dy * n)                        Gemma
+
+``dw`` is only computed when the weight requires grad: each program of the backward kernel walks a
+strided set of row tiles, keeps an fp32 partial sum of ``dw`` in registers and writes it to one row of
+an ``[programs, N]`` fp32 buffer that is summed at the end. ``dx`` can be written into ``dy``'s
+buffer (``inplace_backward=True``) so the backward allocates nothing activation-sized.
+
+The normalised dimension is the last one; any leading dims are rows, so the same op serves the
+hidden-state norms (``[B, T, hidden]``) and per-head q/k norms (``[B, T, H, head_dim]``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from notebookkit.kernels.runtime import should_use_triton
+
+__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_forward", "rms_norm_backward"]
+
+_MAX_COLS = 65536
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, Y, RSTD,
+    n_rows, n_cols, stride_x, stride_y, eps,
+    GEMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    rows64 = rows.to(tl.int64)
+
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    n = x * rstd[:, None]
+    if GEMMA:
+        y = n * (1.0 + w)[None, :]
+    else:
+        y = n.to(X.dtype.element_ty).to(tl.float32) * w[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DX, DW_PARTIAL,
+    n_rows, n_cols, n_tiles, stride_dy, stride_x, stride_dx,
+    GEMMA: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = w + 1.0
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+
+    tile = pid.to(tl.int64)
+    for _ in range(pid, n_tiles, n_progs):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        n = x * rstd[:, None]
+        if COMPUTE_DW:
+            if GEMMA:
+                dw_acc += tl.sum(dy * n, axis=0)
+            else:
+                dw_acc += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+        if COMPUTE_DX:
+            dn = dy * w[None, :]
+            proj = tl.sum(dn * n, axis=1) / n_cols
+            dx = (dn - n * proj[:, None]) * rstd[:, None]
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        tile += n_progs
+
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+def _blocks(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): a whole row per tile, ~4K elements per program."""
+    if n_cols > _MAX_COLS:
+        raise ValueError(
+            f"rms_norm: the normalised dimension has {n_cols} elements; the fused kernel keeps a whole "
+            f"row in registers and supports at most {_MAX_COLS}. Use rms_norm_reference for wider rows."
+        )
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(4096 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    tile = block_m * block_n
+    num_warps = 1 if tile <= 256 else 2 if tile <= 1024 else 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+    return block_m, block_n, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4  # interpreter: programs run one after another, a few are enough
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D ``[rows, N]`` view with unit column stride (a copy only if needed)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.shape[1] > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def rms_norm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    gemma: bool = False,
+    out: torch.Tensor | None = None,
+    rstd: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. Returns ``(y, rstd)``; ``y`` has ``x``'s shape, ``rstd`` is fp32 ``[rows]``.
+
+    ``out``/``rstd`` may be given (any values, e.g. NaN) and are fully overwritten. The output dtype is
+    ``x.dtype`` for Gemma and ``torch.promote_types(x.dtype, weight.dtype)`` for Llama, as in HF.
+    """
+    n_cols = x.shape[-1]
+    x2 = _as_rows(x)
+    weight = weight.contiguous()
+    n_rows = x2.shape[0]
+    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y2 = out.view(-1, n_cols)
+    if rstd is None:
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return out, rstd
+    block_m, block_n, num_warps = _blocks(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, block_m),)
+    _rms_norm_fwd_kernel[grid](
+        x2, weight, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
+        GEMMA=gemma, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out, rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    gemma: bool = False,
+    compute_dx: bool = True,
+    compute_dw: bool = True,
+    dx_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward kernel. Returns ``(dx, dw)`` (``None`` for what was not asked).
+
+    ``dx_out`` is where ``dx`` goes (``x``'s shape and dtype, rows with unit column stride); it may be
+    ``dy`` itself (each tile reads its ``dy`` rows before writing ``dx``). ``dw`` has ``weight``'s dtype.
+    """
+    n_cols = x.shape[-1]
+    x2 = _as_rows(x)
+    dy2 = _as_rows(dy)
+    weight = weight.contiguous()
+    n_rows = x2.shape[0]
+    dx = None
+    if compute_dx:
+        if dx_out is None:
+            dx_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = dx_out
+        dx2 = dx_out.view(-1, n_cols)
+    else:
+        dx2 = x2  # never written (COMPUTE_DX=False)
+    if n_rows == 0:
+        dw = torch.zeros_like(weight) if compute_dw else None
+        return dx, dw
+    block_m, block_n, num_warps = _blocks(n_rows, n_cols)
+    n_tiles = triton.cdiv(n_rows, block_m)
+    n_progs = min(n_tiles, 4 * _sm_count(x.device)) if compute_dw else n_tiles
+    partial = (
+        torch.empty((n_progs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else rstd
+    )
+    _rms_norm_bwd_kernel[(n_progs,)](
+        dy2, x2, weight, rstd, dx2, partial,
+        n_rows, n_cols, n_tiles, dy2.stride(0), x2.stride(0), dx2.stride(0),
+        GEMMA=gemma, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    dw = partial.sum(0).to(weight.dtype) if compute_dw else None
+    return dx, dw
+
+
+def _bump_version(t: torch.Tensor) -> None:
+    """Tell autograd that ``t`` was written behind its back (a Triton kernel wrote into it)."""
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        bump(t)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, gemma, inplace_backward):
+        x2 = _as_rows(x)
+        y, rstd = rms_norm_forward(x2, weight, eps, gemma)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.gemma = gemma
+        ctx.inplace_backward = inplace_backward
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_dx or need_dw):
+            return None, None, None, None, None
+        dy2 = dy.reshape(x2.shape)
+        dx_out = None
+        if need_dx and ctx.inplace_backward and dy2.dtype == x2.dtype and dy2.is_contiguous():
+            dx_out = dy2
+        dx, dw = rms_norm_backward(
+            dy2, x2, weight, rstd, ctx.gemma, compute_dx=need_dx, compute_dw=need_dw, dx_out=dx_out
+        )
+        if dx is not None:
+            if dx_out is not None:
+                _bump_version(dy)
+            dx = dx.view(ctx.x_shape)
+        return dx, dw, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma: bool = False
+) -> torch.Tensor:
+    """Plain-PyTorch RMSNorm with the same casting as the kernel (the CPU path and the test oracle).
+
+    Reductions run in fp32 (in fp64 for fp64 inputs, so it doubles as a float64 oracle).
+    """
+    acc = _acc_dtype(x.dtype)
+    xf = x.to(acc)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (xf * rstd * (1.0 + weight.to(acc))).to(x.dtype)
+    return weight * (xf * rstd).to(x.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    gemma: bool = False,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
+    """Root-mean-square normalisation over the last dimension, fused forward and backward.
+
+    Args:
+        x: activations ``[..., N]`` in fp32, fp16 or bf16 (any leading dims, e.g. ``[B, T, hidden]``
+            or per-head ``[B, T, H, head_dim]`` for Qwen3/Gemma3 q/k norms).
+        weight: ``[N]`` scale (the norm module's ``weight``).
+        eps: added to the mean square (``variance_epsilon`` / ``eps`` of the HF module).
+        gemma: ``False`` for Llama-style casting (``cast(n) * w``), ``True`` for Gemma's
+            ``cast(n * (1 + w))`` computed in fp32.
+        inplace_backward: let the backward write ``dx`` into the incoming gradient's buffer (no new
+            activation-sized allocation). Only safe when this output's gradient is used by nothing
+            else, e.g. a pre-norm feeding linear projections; leave ``False`` when the output is
+            added to something else that needs the same gradient (Gemma-2/3 post-norms).
+
+    Returns:
+        ``y`` with ``x``'s shape (dtype ``x.dtype``; for Llama the promotion of ``x`` and ``weight``
+        dtypes, exactly as HF). CUDA tensors run the Triton kernels, CPU tensors the PyTorch reference
+        (see ``notebookkit.kernels.runtime``).
+    """
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"rms_norm: weight has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}; "
+            "pass the norm's 1-D weight of that size."
+        )
+    if should_use_triton(x):
+        if weight.device != x.device:
+            raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}; move them together.")
+        return _RMSNormFunction.apply(x, weight, float(eps), bool(gemma), bool(inplace_backward))
+    return rms_norm_reference(x, weight, eps, gemma)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile specs (tests/kernels/test_aot_compile.py): (kernel, signature, constexprs, options)
+# --------------------------------------------------------------------------------------------------
+def _aot_specs() -> list:
+    def fwd(dt, gemma, block_m, block_n, warps):
+        return (
+            _rms_norm_fwd_kernel,
+            {"X": f"*{dt}", "W": f"*{dt}", "Y": f"*{dt}", "RSTD": "*fp32", "n_rows": "i32",
+             "n_cols": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"},
+            {"GEMMA": gemma, "BLOCK_M": block_m, "BLOCK_N": block_n},
+            {"num_warps": warps},
+        )
+
+    def bwd(dt, gemma, dx, dw, block_m, block_n, warps):
+        return (
+            _rms_norm_bwd_kernel,
+            {"DY": f"*{dt}", "X": f"*{dt}", "W": f"*{dt}", "RSTD": "*fp32", "DX": f"*{dt}",
+             "DW_PARTIAL": "*fp32", "n_rows": "i32", "n_cols": "i32", "n_tiles": "i32",
+             "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32"},
+            {"GEMMA": gemma, "COMPUTE_DX": dx, "COMPUTE_DW": dw, "BLOCK_M": block_m, "BLOCK_N": block_n},
+            {"num_warps": warps},
+        )
+
+    # one entry per code path, alternating dtypes (fp16 and bf16 both reach sm_75)
+    return [
+        fwd("fp16", False, 1, 4096, 8),
+        fwd("bf16", True, 1, 4096, 8),
+        fwd("fp16", False, 32, 128, 8),  # q/k norm shape (head_dim 128)
+        bwd("fp16", False, True, True, 1, 4096, 8),
+        bwd("bf16", True, True, True, 1, 4096, 8),
+        bwd("bf16", False, True, False, 32, 128, 8),
+        bwd("fp16", True, False, True, 32, 128, 8),
+    ]
+
+
+AOT_SPECS = _aot_specs()
