@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | te
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 step=${1:-tests}; shift || true
 case "$step" in
-  tests)   python3 -m pytest -m gpu -q -p no:cacheprovider -x --timeout 300 "$@" 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40 ;;
+  tests)   python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 300 "$@" 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40 ;;
   kernels) python3 benchmarks/kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
   train)   python3 benchmarks/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/train.log" | tail -40 ;;
   *) echo "unknown step $step"; exit 2 ;;

@@ -11,7 +11,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64; NaN/Inf anywhere in ``out`` gives ``inf``."""
     out64 = out.detach().to(torch.float64)
-    ref64 = ref.detach().to(torch.float64)
+    ref64 = ref.detach().to(device=out64.device, dtype=torch.float64)
     if not torch.isfinite(out64).all():
         return float("inf")
     denom = ref64.norm().item()

@@ -24,7 +24,7 @@ SHAPES = [(2, 4, 2, 7, 16, "BTD"), (1, 3, 1, 5, 10, "TD")]
 
 def _tables(position_ids: torch.Tensor, head_dim: int, dtype, base: float = 10000.0):
     """HF-style cos/sin ``[B, T, D]`` from position ids ``[B, T]``, cast to the model dtype."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim)
     freqs = position_ids.to(torch.float64)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
