@@ -224,7 +224,7 @@ def geglu_backward_(
         geglu_backward_launch(dh, e, g, dh, e, g, approximate)
     else:
         acc = torch.float64 if e.dtype == torch.float64 else torch.float32
-        ef, gf, dhf = e.to(acc), g.to(acc), dh.to(acc)
+        ef, gf, dhf = e.to(acc, copy=True), g.to(acc, copy=True), dh.to(acc, copy=True)
         if approximate == "tanh":
             k0, k1 = 0.7978845608028654, 0.044715
             t = torch.tanh(k0 * (ef + k1 * ef**3))

@@ -190,7 +190,7 @@ def swiglu_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor) -> tupl
         swiglu_backward_launch(dh, e, g, dh, e, g)
     else:
         acc = torch.float64 if e.dtype == torch.float64 else torch.float32
-        ef, gf, dhf = e.to(acc), g.to(acc), dh.to(acc)
+        ef, gf, dhf = e.to(acc, copy=True), g.to(acc, copy=True), dh.to(acc, copy=True)
         s = torch.sigmoid(ef)
         a = ef * s
         dh.copy_(a * gf)

@@ -1,0 +1,187 @@
+"""Gated LoRA MLP (gate / up / down projections around SwiGLU or GeGLU) as one autograd function.
+
+With ``X [N, hidden]``, each projection ``P(Z) = Z W_P^T + s_P (Z A_P^T) B_P^T`` (see
+:mod:`notebookkit.kernels.lora_projection`) and ``act`` = SiLU, exact GELU or tanh-GELU:
+
+    forward     e = gate(X),   g = up(X),   h = act(e) * g,   Y = down(h)
+                (saves X, e, g and the adapters; h is recomputed in backward)
+
+    backward    U_d  = s_d (dY B_d)
+                dh   = dY W_d + U_d A_d
+                h, de, dg = act(e) g,  dh act'(e) g,  dh act(e)     (written over dh, e, g in place)
+                dA_d = U_d^T h,        dB_d = s_d dY^T (h A_d^T)
+                U_g  = s_g (de B_g),   U_u = s_u (dg B_u)
+                dX   = de W_g + dg W_u + U_g A_g + U_u A_u          (one buffer, addmm_)
+                dA_g = U_g^T X,  dB_g = s_g de^T (X A_g^T);  same for up with dg
+
+The activation backward comes from :mod:`notebookkit.kernels.swiglu` / :mod:`notebookkit.kernels.geglu`
+(in-place Triton kernels on CUDA). Base weights are frozen; ``B A`` is never formed. Because e and g
+are overwritten, the backward can run once per forward (``retain_graph=True`` is refused).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .geglu import geglu, geglu_backward_
+from .lora_projection import (
+    LoRAProjection,
+    accumulate_input_grad_,
+    adapter_grads,
+    compute_dtype,
+    flatten_tokens,
+    lora_rank_grad,
+    no_autocast,
+    projection_forward,
+    projection_reference,
+)
+from .swiglu import swiglu, swiglu_backward_
+
+__all__ = ["lora_mlp", "lora_mlp_reference", "LoRAMLPFunction", "ACTIVATIONS"]
+
+ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation: forward h = act(e) * g, in-place backward (dh, e, g) -> (h, de, dg)
+# --------------------------------------------------------------------------------------------------
+
+
+def _torch_act(activation: str, e: torch.Tensor) -> torch.Tensor:
+    if activation == "swiglu":
+        return torch.nn.functional.silu(e)
+    return torch.nn.functional.gelu(e, approximate="tanh" if activation == "geglu_tanh" else "none")
+
+
+def _activation_ops(activation: str) -> tuple[Callable, Callable]:
+    """``(forward(e, g) -> h, backward_(dh, e, g) -> (h, de, dg))`` for the activation name."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
+    if activation == "swiglu":
+        return swiglu, swiglu_backward_
+    approximate = "tanh" if activation == "geglu_tanh" else "none"
+    return (
+        lambda e, g: geglu(e, g, approximate=approximate),
+        lambda dh, e, g: geglu_backward_(dh, e, g, approximate),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd function
+# --------------------------------------------------------------------------------------------------
+
+
+class LoRAMLPFunction(torch.autograd.Function):
+    """Autograd function of :func:`lora_mlp`; tensors of the projections are passed explicitly."""
+
+    @staticmethod
+    def forward(ctx, x, projs, activation, *tensors):
+        gate, up, down = projs
+        act_forward, _ = _activation_ops(activation)
+        x2d = flatten_tokens(x)
+        A, B = gate.adapters(x.dtype)
+        e = projection_forward(x2d, gate, A, B)
+        A, B = up.adapters(x.dtype)
+        g = projection_forward(x2d, up, A, B)
+        h = act_forward(e, g)
+        A, B = down.adapters(x.dtype)
+        y = projection_forward(h, down, A, B)
+        del h
+        ctx.save_for_backward(x, e, g, *tensors)
+        ctx.meta = [(p.quant_state, p.scaling) for p in projs]
+        ctx.activation = activation
+        ctx.consumed = False
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.consumed:
+            raise RuntimeError(
+                "lora_mlp's backward overwrites its saved activations, so it can run only once per forward "
+                "(retain_graph=True with a second backward is not supported). Run the forward again."
+            )
+        ctx.consumed = True
+        x, e, g, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # x, projs, activation, then (weight, A, B) x 3
+        gate, up, down = (
+            LoRAProjection(tensors[3 * i], qs, tensors[3 * i + 1], tensors[3 * i + 2], s)
+            for i, (qs, s) in enumerate(ctx.meta)
+        )
+        _, act_backward_ = _activation_ops(ctx.activation)
+        grads = [None] * 9
+        with no_autocast(x.device.type):
+            dtype = x.dtype
+            x2d = flatten_tokens(x)
+            dy2d = flatten_tokens(dy).to(dtype)
+
+            A_d, B_d = down.adapters(dtype)
+            u_d = lora_rank_grad(dy2d, down, B_d)
+            dh = accumulate_input_grad_(None, dy2d, down, u_d, A_d)
+            h, de, dg = act_backward_(dh, e, g)
+            grads[7], grads[8] = adapter_grads(dy2d, h, u_d, down, A_d, needs[3 + 7], needs[3 + 8])
+            del h, dh, u_d
+
+            dx = None
+            for i, (proj, d) in enumerate(((gate, de), (up, dg))):
+                A, B = proj.adapters(dtype)
+                u = lora_rank_grad(d, proj, B)
+                grads[3 * i + 1], grads[3 * i + 2] = adapter_grads(
+                    d, x2d, u, proj, A, needs[3 + 3 * i + 1], needs[3 + 3 * i + 2]
+                )
+                if needs[0]:
+                    dx = accumulate_input_grad_(dx, d, proj, u, A)
+        return (dx.view(x.shape) if dx is not None else None), None, None, *grads
+
+
+def lora_mlp(
+    x: torch.Tensor,
+    gate: LoRAProjection,
+    up: LoRAProjection,
+    down: LoRAProjection,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """Gated MLP with LoRA on each projection: ``down(act(gate(x)) * up(x))``.
+
+    Args:
+        x: hidden states ``[..., hidden]``.
+        gate, up, down: the three projections as :class:`LoRAProjection` (16-bit or NF4 bases,
+            adapters optional per projection).
+        activation: ``"swiglu"`` (Llama, Mistral, Qwen), ``"geglu"`` (exact erf GELU) or
+            ``"geglu_tanh"`` (tanh-approximated GELU, Gemma).
+
+    Returns:
+        ``[..., hidden]`` in the compute dtype (autocast dtype if autocast is on, else ``x.dtype``).
+        Gradients flow to ``x`` and every ``lora_A`` / ``lora_B``; base weights are frozen.
+    """
+    _activation_ops(activation)  # validates the name
+    projs = (gate, up, down)
+    for p in projs:
+        p.check_frozen()
+    if gate.out_features != up.out_features or down.in_features != up.out_features:
+        raise ValueError(
+            f"MLP shapes do not chain: gate out {gate.out_features}, up out {up.out_features}, "
+            f"down in {down.in_features} must all be the intermediate size."
+        )
+    dtype = compute_dtype(x)
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    tensors = [t for p in projs for t in (p.weight, p.lora_A, p.lora_B)]
+    with no_autocast(x.device.type):
+        return LoRAMLPFunction.apply(x, projs, activation, *tensors)
+
+
+def lora_mlp_reference(
+    x: torch.Tensor,
+    gate: LoRAProjection,
+    up: LoRAProjection,
+    down: LoRAProjection,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """Plain PyTorch autograd composition of :func:`lora_mlp` (the test oracle)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
+    e = projection_reference(x, gate)
+    g = projection_reference(x, up)
+    return projection_reference(_torch_act(activation, e) * g, down)

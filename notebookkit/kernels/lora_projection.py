@@ -1,0 +1,247 @@
+"""One LoRA projection (frozen 16-bit or NF4 base weight + low-rank adapter) and the GEMM helpers
+that the LoRA autograd functions (``lora_mlp``, ``lora_qkv``, ``lora_o``) are built from.
+
+For an input ``X [N, in]`` (tokens flattened), base weight ``W [out, in]``, adapter
+``A [r, in]``, ``B [out, r]`` and scaling ``s`` (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA):
+
+    forward     Y  = X W^T + s (X A^T) B^T
+
+    backward    U  = s (dY B)                    [N, r]   (rank order: B A is never formed)
+                dX = dY W + U A                  accumulated in place (``addmm_``) into one buffer
+                dA = U^T X                       [r, in]
+                dB = s dY^T (X A^T)              [out, r]
+
+The base weight is frozen: no gradient is computed for it. An NF4 base weight is dequantised on
+the fly (forward and again in backward) with :func:`notebookkit.kernels.nf4.dequantize_nf4`, so the
+dense weight never outlives one GEMM.
+
+dtypes: everything is computed in the *compute dtype*, which is the autocast dtype when autocast
+is on for the input's device and ``x.dtype`` otherwise. Adapter matrices kept in another dtype
+(PEFT keeps them in fp32 under mixed precision) are cast to the compute dtype for the GEMMs, and
+their gradients are returned in the adapters' own dtype (as autocast would do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .nf4 import dequantize_nf4
+
+__all__ = [
+    "LoRAProjection",
+    "compute_dtype",
+    "no_autocast",
+    "projection_forward",
+    "lora_rank_grad",
+    "accumulate_input_grad_",
+    "adapter_grads",
+    "flatten_tokens",
+    "projection_reference",
+]
+
+_DENSE_NF4_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class LoRAProjection:
+    """A linear layer ``y = x W^T + scaling * (x A^T) B^T`` with a frozen base weight.
+
+    Args:
+        weight: the base weight: a dense ``[out, in]`` tensor, or a bitsandbytes NF4 weight
+            (``Params4bit`` or its packed uint8 data) together with ``quant_state``.
+        quant_state: the NF4 ``QuantState``; taken from ``weight.quant_state`` when omitted.
+            ``None`` for a 16-bit base weight.
+        lora_A: adapter down-projection ``[r, in]`` (PEFT's ``lora_A[adapter].weight``), or ``None``.
+        lora_B: adapter up-projection ``[out, r]`` (PEFT's ``lora_B[adapter].weight``), or ``None``.
+        scaling: ``lora_alpha / r`` (or ``lora_alpha / sqrt(r)`` with rsLoRA): PEFT's
+            ``scaling[adapter]``.
+
+    Only the fast path is covered: no bias, LoRA dropout 0. A layer with a bias or dropout must use
+    the ordinary (unfused) module forward.
+    """
+
+    weight: torch.Tensor
+    quant_state: Any = None
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
+    scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.quant_state is None:
+            self.quant_state = getattr(self.weight, "quant_state", None)
+        if isinstance(self.weight, torch.nn.Parameter) and self.quant_state is not None:
+            self.weight = self.weight.data  # Params4bit -> its packed storage
+        if (self.lora_A is None) != (self.lora_B is None):
+            raise ValueError(
+                "LoRAProjection needs both lora_A and lora_B, or neither (a projection without adapter); "
+                f"got lora_A={'None' if self.lora_A is None else tuple(self.lora_A.shape)}, "
+                f"lora_B={'None' if self.lora_B is None else tuple(self.lora_B.shape)}."
+            )
+        if self.quant_state is None and self.weight.dim() != 2:
+            raise ValueError(f"A dense base weight must be [out, in], got shape {tuple(self.weight.shape)}.")
+        if self.quant_state is not None and len(self.quant_state.shape) != 2:
+            raise ValueError(f"The NF4 weight must be a [out, in] matrix, got shape {tuple(self.quant_state.shape)}.")
+        if self.lora_A is not None:
+            r = self.lora_A.shape[0]
+            if tuple(self.lora_A.shape) != (r, self.in_features) or tuple(self.lora_B.shape) != (self.out_features, r):
+                raise ValueError(
+                    f"Adapter shapes do not fit the base weight [{self.out_features}, {self.in_features}]: "
+                    f"lora_A is {tuple(self.lora_A.shape)} (expected [r, {self.in_features}]) and lora_B is "
+                    f"{tuple(self.lora_B.shape)} (expected [{self.out_features}, r])."
+                )
+        self.scaling = float(self.scaling)
+
+    @property
+    def quantized(self) -> bool:
+        """True for an NF4 base weight."""
+        return self.quant_state is not None
+
+    @property
+    def out_features(self) -> int:
+        return int(self.quant_state.shape[0]) if self.quantized else int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.quant_state.shape[1]) if self.quantized else int(self.weight.shape[1])
+
+    @property
+    def has_adapter(self) -> bool:
+        return self.lora_A is not None
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.lora_A is None else int(self.lora_A.shape[0])
+
+    def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense base weight ``[out, in]`` in ``dtype`` (NF4 is dequantised, fresh each call)."""
+        if not self.quantized:
+            return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        if dtype in _DENSE_NF4_DTYPES:
+            return dequantize_nf4(self.weight, self.quant_state, out_dtype=dtype)
+        return dequantize_nf4(self.weight, self.quant_state, out_dtype=torch.float32).to(dtype)
+
+    def adapters(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(A, B)`` cast to the compute dtype (``(None, None)`` without adapter)."""
+        if self.lora_A is None:
+            return None, None
+        return self.lora_A.to(dtype), self.lora_B.to(dtype)
+
+    def check_frozen(self) -> None:
+        if self.weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                "The LoRA fast path treats the base weight as frozen, but this base weight requires grad. "
+                "Freeze it (weight.requires_grad_(False), as PEFT does) or use the unfused module forward."
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# dtype / autocast
+# --------------------------------------------------------------------------------------------------
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the LoRA GEMMs run in: the autocast dtype when autocast is on, else ``x.dtype``."""
+    device_type = x.device.type
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError):  # device type without autocast support
+        pass
+    return x.dtype
+
+
+def no_autocast(device_type: str):
+    """Context in which autocast is off for ``device_type`` (the functions cast explicitly)."""
+    try:
+        return torch.autocast(device_type=device_type, enabled=False)
+    except RuntimeError:
+        return contextlib.nullcontext()
+
+
+def flatten_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[..., in] -> [N, in]`` (a view when possible)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# GEMM helpers (forward and backward of one projection)
+# --------------------------------------------------------------------------------------------------
+
+
+def projection_forward(
+    x2d: torch.Tensor, proj: LoRAProjection, A: torch.Tensor | None, B: torch.Tensor | None
+) -> torch.Tensor:
+    """``Y = X W^T + s (X A^T) B^T`` for ``X [N, in]``, with ``A``/``B`` already in ``x2d.dtype``."""
+    W = proj.base_weight(x2d.dtype)
+    y = x2d @ W.t()
+    del W
+    if A is not None:
+        xa = (x2d @ A.t()).mul_(proj.scaling)
+        y.addmm_(xa, B.t())
+    return y
+
+
+def lora_rank_grad(dy: torch.Tensor, proj: LoRAProjection, B: torch.Tensor | None) -> torch.Tensor | None:
+    """``U = s (dY B)`` ``[N, r]``, the rank-space gradient shared by dX and dA (None without adapter)."""
+    if B is None:
+        return None
+    return (dy @ B).mul_(proj.scaling)
+
+
+def accumulate_input_grad_(
+    dx: torch.Tensor | None,
+    dy: torch.Tensor,
+    proj: LoRAProjection,
+    u: torch.Tensor | None,
+    A: torch.Tensor | None,
+) -> torch.Tensor:
+    """``dX (+)= dY W + U A`` in place into ``dx`` (allocated by the first call when ``dx`` is None)."""
+    W = proj.base_weight(dy.dtype)
+    if dx is None:
+        dx = dy @ W
+    else:
+        dx.addmm_(dy, W)
+    del W
+    if u is not None:
+        dx.addmm_(u, A)
+    return dx
+
+
+def adapter_grads(
+    dy: torch.Tensor,
+    inp: torch.Tensor,
+    u: torch.Tensor | None,
+    proj: LoRAProjection,
+    A: torch.Tensor | None,
+    need_dA: bool,
+    need_dB: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``dA = U^T X`` and ``dB = s dY^T (X A^T)``, returned in the adapters' own dtypes."""
+    if u is None:
+        return None, None
+    dA = dB = None
+    if need_dA:
+        dA = (u.t() @ inp).to(proj.lora_A.dtype)
+    if need_dB:
+        xa = (inp @ A.t()).mul_(proj.scaling)
+        dB = (dy.t() @ xa).to(proj.lora_B.dtype)
+    return dA, dB
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch autograd)
+# --------------------------------------------------------------------------------------------------
+
+
+def projection_reference(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
+    """Plain-autograd ``x W^T + s (x A^T) B^T`` in ``x.dtype`` (the base weight gets no gradient)."""
+    W = proj.base_weight(x.dtype).detach()
+    y = torch.nn.functional.linear(x, W)
+    if proj.has_adapter:
+        xa = torch.nn.functional.linear(x, proj.lora_A.to(x.dtype))
+        y = y + proj.scaling * torch.nn.functional.linear(xa, proj.lora_B.to(x.dtype))
+    return y

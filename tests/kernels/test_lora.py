@@ -1,0 +1,268 @@
+"""LoRA autograd functions (lora_o, lora_qkv, lora_mlp) against a float64 plain-autograd composition:
+outputs and gradients of x, A, B; 16-bit and NF4 bases; adapters missing; rsLoRA scaling; dtypes,
+autocast, and the Triton path (NF4 dequant + activation kernels under the interpreter)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from notebookkit.kernels.lora_mlp import lora_mlp, lora_mlp_reference
+from notebookkit.kernels.lora_o import lora_o, lora_o_reference
+from notebookkit.kernels.lora_projection import LoRAProjection
+from notebookkit.kernels.lora_qkv import lora_qkv, lora_qkv_reference
+from notebookkit.kernels.nf4 import dequantize_nf4_reference
+from notebookkit.kernels.runtime import interpreter_on, use_triton
+from notebookkit.kernels.testing import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+HIDDEN, INTER, RANK, TOKENS = 123, 77, 5, 37
+needs_interp = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
+
+
+# --------------------------------------------------------------------------------------------------
+# Building projections: the fast one (given dtype/device) and its float64 twin (leaf A, B)
+# --------------------------------------------------------------------------------------------------
+
+
+class Pair:
+    """A projection under test and its float64 twin with the same (dequantised) weights."""
+
+    def __init__(self, out_f, in_f, *, nf4, adapter, dtype, device, gen, rank=RANK, rslora=False,
+                 adapter_dtype=None):
+        w = torch.randn(out_f, in_f, generator=gen) / math.sqrt(in_f)
+        if nf4:
+            import bitsandbytes.functional as bnbF
+
+            packed, qs = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+            w64 = dequantize_nf4_reference(packed, qs).double()
+            qs.to(device)  # QuantState.to moves in place (returns None)
+            weight = packed.to(device)
+        else:
+            w = w.to(dtype)
+            w64 = w.double()
+            weight, qs = w.to(device), None
+        self.A = self.B = self.A64 = self.B64 = None
+        alpha = 16.0
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        if adapter:
+            adt = adapter_dtype or dtype
+            a = torch.randn(rank, in_f, generator=gen) / math.sqrt(in_f)
+            b = torch.randn(out_f, rank, generator=gen) * 0.05
+            self.A = a.to(adt).to(device).requires_grad_()
+            self.B = b.to(adt).to(device).requires_grad_()
+            self.A64 = self.A.detach().double().cpu().requires_grad_()
+            self.B64 = self.B.detach().double().cpu().requires_grad_()
+        self.proj = LoRAProjection(weight, qs, self.A, self.B, scaling)
+        self.proj64 = LoRAProjection(w64, None, self.A64, self.B64, scaling)
+
+    def check_grads(self, dtype, what, factor=1.0):
+        if self.A is None:
+            return
+        assert self.A.grad is not None and self.A.grad.dtype == self.A.dtype
+        assert self.B.grad is not None and self.B.grad.dtype == self.B.dtype
+        assert_close(self.A.grad, self.A64.grad, dtype, f"{what} dA", factor)
+        assert_close(self.B.grad, self.B64.grad, dtype, f"{what} dB", factor)
+
+
+def _x(dtype, device, gen, shape=(1, TOKENS, HIDDEN)):
+    x = torch.randn(shape, generator=gen).to(dtype)
+    return x.clone().to(device).requires_grad_(), x.double().requires_grad_()
+
+
+def _backward(outs, outs64, gen):
+    """Same random upstream gradient into both graphs."""
+    loss = loss64 = 0
+    for y, y64 in zip(outs, outs64):
+        dy = torch.randn(y64.shape, generator=gen, dtype=torch.float64)
+        loss = loss + (y.double() * dy.to(y.device)).sum()
+        loss64 = loss64 + (y64 * dy).sum()
+    loss.backward()
+    loss64.backward()
+
+
+# --------------------------------------------------------------------------------------------------
+# lora_o
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("rslora", [False, True], ids=["alpha_r", "rslora"])
+def test_lora_o(rslora, nf4, dtype, device):
+    gen = torch.Generator().manual_seed(1)
+    o = Pair(INTER, HIDDEN, nf4=nf4, adapter=True, dtype=dtype, device=device, gen=gen, rslora=rslora)
+    x, x64 = _x(dtype, device, gen)
+    y = lora_o(x, o.proj)
+    y64 = lora_o_reference(x64, o.proj64)
+    assert y.dtype == dtype and y.shape == (1, TOKENS, INTER)
+    assert_close(y, y64, dtype, "y")
+    _backward([y], [y64], gen)
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    o.check_grads(dtype, "o")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_o_without_adapter_and_without_input_grad(device):
+    gen = torch.Generator().manual_seed(2)
+    o = Pair(INTER, HIDDEN, nf4=True, adapter=False, dtype=torch.float32, device=device, gen=gen)
+    x, x64 = _x(torch.float32, device, gen, shape=(TOKENS, HIDDEN))
+    y = lora_o(x, o.proj)
+    y64 = lora_o_reference(x64, o.proj64)
+    _backward([y], [y64], gen)
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+    # x that does not need grad: only the adapters get gradients
+    o2 = Pair(INTER, HIDDEN, nf4=False, adapter=True, dtype=torch.float32, device=device, gen=gen)
+    x2 = torch.randn(TOKENS, HIDDEN, generator=gen).to(device)
+    lora_o(x2, o2.proj).sum().backward()
+    lora_o_reference(x2.double().cpu(), o2.proj64).sum().backward()
+    o2.check_grads(torch.float32, "o2")
+
+
+# --------------------------------------------------------------------------------------------------
+# lora_qkv
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_lora_qkv(nf4, dtype, device):
+    gen = torch.Generator().manual_seed(3)
+    q = Pair(INTER, HIDDEN, nf4=nf4, adapter=True, dtype=dtype, device=device, gen=gen)
+    k = Pair(40, HIDDEN, nf4=nf4, adapter=True, dtype=dtype, device=device, gen=gen, rslora=True)
+    v = Pair(40, HIDDEN, nf4=nf4, adapter=False, dtype=dtype, device=device, gen=gen)
+    x, x64 = _x(dtype, device, gen, shape=(2, 19, HIDDEN))
+    outs = lora_qkv(x, q.proj, k.proj, v.proj)
+    outs64 = lora_qkv_reference(x64, q.proj64, k.proj64, v.proj64)
+    for name, y, y64 in zip("QKV", outs, outs64):
+        assert y.dtype == dtype and y.shape == y64.shape
+        assert_close(y, y64, dtype, name)
+    _backward(outs, outs64, gen)
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    q.check_grads(dtype, "q")
+    k.check_grads(dtype, "k")
+
+
+# --------------------------------------------------------------------------------------------------
+# lora_mlp
+# --------------------------------------------------------------------------------------------------
+
+
+def _mlp_case(activation, dtype, device, nf4, gen, up_adapter=True, adapter_dtype=None):
+    kw = dict(nf4=nf4, dtype=dtype, device=device, gen=gen, adapter_dtype=adapter_dtype)
+    gate = Pair(INTER, HIDDEN, adapter=True, **kw)
+    up = Pair(INTER, HIDDEN, adapter=up_adapter, **kw)
+    down = Pair(HIDDEN, INTER, adapter=True, rslora=True, **kw)
+    x, x64 = _x(dtype, device, gen)
+    y = lora_mlp(x, gate.proj, up.proj, down.proj, activation)
+    y64 = lora_mlp_reference(x64, gate.proj64, up.proj64, down.proj64, activation)
+    return (gate, up, down), x, x64, y, y64
+
+
+def _check_mlp(pairs, x, x64, y, y64, dtype, gen):
+    assert y.dtype == dtype and y.shape == y64.shape
+    assert_close(y, y64, dtype, "y")
+    _backward([y], [y64], gen)
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    for name, p in zip(("gate", "up", "down"), pairs):
+        p.check_grads(dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "geglu_tanh"])
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_lora_mlp(nf4, activation, dtype, device):
+    gen = torch.Generator().manual_seed(4)
+    _check_mlp(*_mlp_case(activation, dtype, device, nf4, gen, up_adapter=not nf4), dtype, gen)
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh"])
+def test_lora_mlp_triton_path(activation, dtype):
+    """NF4 dequant and activation kernels under the interpreter, inside the LoRA MLP."""
+    gen = torch.Generator().manual_seed(5)
+    with use_triton(True):
+        pairs, x, x64, y, y64 = _mlp_case(activation, dtype, "cpu", True, gen)
+        _check_mlp(pairs, x, x64, y, y64, dtype, gen)
+
+
+@needs_interp
+def test_lora_qkv_o_triton_path():
+    gen = torch.Generator().manual_seed(6)
+    dtype = torch.float16
+    with use_triton(True):
+        q, k, v = (Pair(n, HIDDEN, nf4=True, adapter=True, dtype=dtype, device="cpu", gen=gen) for n in (77, 40, 40))
+        x, x64 = _x(dtype, "cpu", gen)
+        outs = lora_qkv(x, q.proj, k.proj, v.proj)
+        o = Pair(HIDDEN, 77, nf4=True, adapter=True, dtype=dtype, device="cpu", gen=gen)
+        y = lora_o(outs[0], o.proj)
+        y64 = lora_o_reference(lora_qkv_reference(x64, q.proj64, k.proj64, v.proj64)[0], o.proj64)
+        _backward([y, outs[1], outs[2]], [y64, *lora_qkv_reference(x64, q.proj64, k.proj64, v.proj64)[1:]], gen)
+    assert_close(y, y64, dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    for name, p in zip("qkvo", (q, k, v, o)):
+        p.check_grads(dtype, name)
+
+
+# --------------------------------------------------------------------------------------------------
+# dtypes: fp32 adapters with 16-bit activations, autocast
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp32_adapters_with_16bit_input(dtype, device):
+    gen = torch.Generator().manual_seed(7)
+    pairs, x, x64, y, y64 = _mlp_case("swiglu", dtype, device, True, gen, adapter_dtype=torch.float32)
+    assert pairs[0].A.dtype == torch.float32
+    _check_mlp(pairs, x, x64, y, y64, dtype, gen)  # grads come back in fp32, values to the 16-bit bound
+
+
+def test_autocast_cpu_bf16():
+    gen = torch.Generator().manual_seed(8)
+    o = Pair(INTER, HIDDEN, nf4=True, adapter=True, dtype=torch.float32, device="cpu", gen=gen)
+    x, x64 = _x(torch.float32, "cpu", gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lora_o(x, o.proj)
+    assert y.dtype == torch.bfloat16
+    y64 = lora_o_reference(x64, o.proj64)
+    _backward([y], [y64], gen)
+    assert x.grad.dtype == torch.float32 and o.A.grad.dtype == torch.float32
+    assert_close(y, y64, torch.bfloat16, "y")
+    assert_close(x.grad, x64.grad, torch.bfloat16, "dx")
+    o.check_grads(torch.bfloat16, "o")
+
+
+# --------------------------------------------------------------------------------------------------
+# Misuse
+# --------------------------------------------------------------------------------------------------
+
+
+def test_errors():
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(INTER, HIDDEN, generator=gen)
+    with pytest.raises(ValueError, match="both lora_A and lora_B"):
+        LoRAProjection(w, None, torch.randn(RANK, HIDDEN), None, 1.0)
+    with pytest.raises(ValueError, match="Adapter shapes"):
+        LoRAProjection(w, None, torch.randn(RANK, HIDDEN + 1), torch.randn(INTER, RANK), 1.0)
+    frozen_not = LoRAProjection(w.clone().requires_grad_(), None, None, None, 1.0)
+    with pytest.raises(ValueError, match="frozen"):
+        lora_o(torch.randn(3, HIDDEN), frozen_not)
+    p = LoRAProjection(w, None, None, None, 1.0)
+    with pytest.raises(ValueError, match="activation"):
+        lora_mlp(torch.randn(3, HIDDEN), p, p, p, "relu")
+
+
+def test_mlp_backward_runs_once():
+    gen = torch.Generator().manual_seed(10)
+    pairs, x, x64, y, y64 = _mlp_case("swiglu", torch.float32, "cpu", False, gen)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once|inplace|modified"):
+        y.sum().backward()
