@@ -1,0 +1,153 @@
+"""Worker for the data-parallel tests: runs ``scripts/train_sft.py``'s trainer for several variants in
+one launch (``python ddp_worker.py ...`` or ``torchrun --nproc_per_node 2 ddp_worker.py ...``) and
+records, per variant and rank, the trained LoRA weights and what DDP did.
+
+Recorded per variant (``<out>/<variant>.rank<r>.pt``):
+
+* ``lora``: every LoRA parameter after training (float32, CPU);
+* ``losses``: the logged training losses;
+* ``allreduce_calls``: gradient all-reduce calls, each tagged with the optimizer step it ran in
+  (a DDP communication hook counts them; one per gradient bucket per synchronised backward);
+* ``micro_batches``: backward passes run; ``find_unused_parameters``: DDP's setting;
+* ``buckets``: distinct gradient buckets DDP reduced.
+
+``force_offload`` swaps every decoder layer's checkpoint function for notebookkit's offload
+checkpoint (``notebookkit.models.checkpointing.offload_checkpoint``). On a CPU the layer input stays
+in place, but the backward is the same code as on a GPU: a recompute and a nested
+``torch.autograd.backward`` inside the custom Function's backward, which is what must cooperate
+with DDP's gradient hooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("train_sft_script", REPO / "scripts" / "train_sft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _force_offload(model, record: dict) -> None:
+    from notebookkit.models.checkpointing import _decoder_layers, apply_checkpointing, offload_checkpoint
+
+    base = model.get_base_model()
+    apply_checkpointing(model, True)
+    state: dict = {}
+    record["offload_calls"] = 0
+
+    def counted(*args, **kwargs):
+        record["offload_calls"] += 1
+        return offload_checkpoint(*args, keep_on_device=False, state=state, **kwargs)
+
+    for layer in _decoder_layers(base):
+        layer._gradient_checkpointing_func = counted
+
+
+def _plain_trainer(sft_trainer, callbacks):
+    """A plain ``transformers.Trainer`` on the SFT trainer's tokenised data: the loss is then the one of
+    notebookkit's patched causal-LM forward (fused linear cross-entropy with ``num_items_in_batch``),
+    not TRL's fused LM head."""
+    from transformers import Trainer
+
+    return Trainer(
+        model=sft_trainer.model,
+        args=sft_trainer.args,
+        train_dataset=sft_trainer.train_dataset,
+        data_collator=sft_trainer.data_collator,
+        callbacks=callbacks,
+    )
+
+
+def run_variant(script, name: str, settings: dict, out: Path, force_offload: bool = False,
+                trainer_kind: str = "sft") -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    record: dict = {"allreduce_calls": [], "buckets": set(), "micro_batches": 0}
+    holder: dict = {}
+
+    class Probe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            wrapped = holder["trainer"].model_wrapped
+            record["wrapper"] = type(wrapped).__name__
+            if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                record["find_unused_parameters"] = wrapped.find_unused_parameters
+                trainer_state = state
+
+                def counting_allreduce(process_group, bucket):
+                    record["allreduce_calls"].append(trainer_state.global_step)
+                    record["buckets"].add(bucket.index())
+                    group = process_group if process_group is not None else dist.group.WORLD
+                    tensor = bucket.buffer().div_(group.size())
+                    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+                    return fut.then(lambda f: f.value()[0])
+
+                wrapped.register_comm_hook(None, counting_allreduce)
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            record["micro_batches"] += 1
+
+        def on_step_end(self, args, state, control, **kwargs):
+            record["micro_batches"] += 1
+
+    config = script.parse_config([])
+    config.update(settings)
+    trainer, model, tokenizer, cfg = script.build(config, callbacks=[Probe()])
+    if trainer_kind == "hf":
+        trainer = _plain_trainer(trainer, [Probe()])
+    record["trainer"] = type(trainer).__name__
+    holder["trainer"] = trainer
+    if force_offload:
+        _force_offload(model, record)
+    base = model.get_base_model()
+    record["hf_device_map"] = getattr(base, "hf_device_map", None)
+    record["lm_head_calls"] = 0
+
+    def count_lm_head(module, inputs, output):
+        record["lm_head_calls"] += 1
+
+    handle = base.get_output_embeddings().register_forward_hook(count_lm_head)
+    trainer.train()
+    handle.remove()
+    lora = {k: v.detach().float().cpu().clone() for k, v in model.named_parameters() if "lora_" in k}
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    rank = int(os.environ.get("RANK", "0"))
+    record["buckets"] = sorted(record["buckets"])
+    record.update(lora=lora, losses=losses, world_size=cfg["world_size"], global_batch=cfg["global_batch"],
+                  steps=trainer.state.global_step)
+    torch.save(record, out / f"{name}.rank{rank}.pt")
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variants", required=True, help="JSON list of {name, settings, force_offload}")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    script = _load_script()
+    for variant in json.loads(args.variants):
+        run_variant(script, variant["name"], variant["settings"], out, bool(variant.get("force_offload")),
+                    variant.get("trainer", "sft"))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
