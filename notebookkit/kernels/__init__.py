@@ -1,24 +1,19 @@
 """Fused Triton training primitives with hand-derived backward passes.
 
-One op per module; each has Triton kernels, a launcher, a ``torch.autograd.Function`` and a
-plain-PyTorch ``*_reference`` of the same math (the CPU path and the test oracle). CUDA tensors run
-Triton; CPU tensors run the reference unless ``runtime.use_triton(True)`` (see ``runtime``).
+One op per module, named after its public function, imported from there::
+
+    from notebookkit.kernels.rms_norm import rms_norm
+    from notebookkit.kernels.rope import apply_rope
+    from notebookkit.kernels.swiglu import swiglu          # geglu: notebookkit.kernels.geglu
+    from notebookkit.kernels.cross_entropy import cross_entropy
+    from notebookkit.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from notebookkit.kernels.nf4 import dequantize_nf4
+    from notebookkit.kernels.lora_projection import LoRAProjection
+    from notebookkit.kernels.lora_mlp import lora_mlp     # lora_qkv, lora_o likewise
+
+Each module has Triton kernels, a launcher, a ``torch.autograd.Function`` and a plain-PyTorch
+``*_reference`` of the same math (the CPU path and the test oracle). CUDA tensors run Triton; CPU
+tensors run the reference unless ``runtime.use_triton(True)``. The package deliberately re-exports
+nothing: a function re-exported under its module's name would hide the module (``notebookkit.kernels.
+cross_entropy`` would stop being the module after the first import), an import-order trap.
 """
-
-from notebookkit.kernels.cross_entropy import cross_entropy
-from notebookkit.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from notebookkit.kernels.geglu import geglu
-from notebookkit.kernels.lora_mlp import lora_mlp
-from notebookkit.kernels.lora_o import lora_o
-from notebookkit.kernels.lora_projection import LoRAProjection
-from notebookkit.kernels.lora_qkv import lora_qkv
-from notebookkit.kernels.nf4 import dequantize_nf4
-from notebookkit.kernels.rms_norm import rms_norm
-from notebookkit.kernels.rope import apply_rope
-from notebookkit.kernels.runtime import use_triton
-from notebookkit.kernels.swiglu import swiglu
-
-__all__ = [
-    "LoRAProjection", "apply_rope", "cross_entropy", "dequantize_nf4", "fused_linear_cross_entropy",
-    "geglu", "lora_mlp", "lora_o", "lora_qkv", "rms_norm", "swiglu", "use_triton",
-]

@@ -1,0 +1,304 @@
+"""Gradient checkpointing modes: ``False``, ``True`` (recompute), ``"offload"`` and ``"auto"``.
+
+* recompute: each decoder layer keeps only its input; its activations are recomputed in the
+  backward pass (``torch.utils.checkpoint``, non-reentrant). A layer's saved activations (many
+  ``[B, T, H]``- and ``[B, T, I]``-sized tensors) shrink to its ``[B, T, H]`` input.
+* offload: like recompute, but the kept input of every layer but the last is copied to pinned host
+  memory on a side CUDA stream while the next layers compute, and copied back (prefetched one layer
+  ahead) during the backward pass. Device activation memory is then about one layer's worth.
+  On a CPU there is no device memory to save: it degrades to plain recompute, and the banner says so.
+* auto: asks ``notebookkit.memory.planner`` for the fastest per-layer plan (keep / recompute /
+  offload) that fits in free VRAM; without a GPU it picks no checkpointing (host memory is not the
+  constraint, and recomputing costs time). A per-layer list of modes can also be passed directly.
+
+``"unsloth"`` is accepted as an alias of ``"offload"`` so ported notebooks run unchanged.
+
+The backward of an offloaded layer ``y = f(x; θ)``: restore ``x`` on the device, recompute
+``y = f(x)`` with grad enabled (same RNG state as the forward), then back-propagate ``dL/dy``,
+which accumulates ``dL/dθ`` into the parameters and yields ``dL/dx`` for the layer below.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+Mode = Union[bool, str]
+_MODES = {False: "none", None: "none", "none": "none", True: "recompute", "recompute": "recompute",
+          "true": "recompute", "offload": "offload", "unsloth": "offload", "auto": "auto"}
+
+
+def normalize_mode(value: Mode) -> str:
+    """Map user values (``False``, ``True``, ``"offload"``, ``"unsloth"``, ``"auto"``) to a mode name."""
+    key = value.lower() if isinstance(value, str) else value
+    if key not in _MODES:
+        raise ValueError(
+            f"use_gradient_checkpointing={value!r} is not one of False, True, 'offload' (alias 'unsloth') or 'auto'."
+        )
+    return _MODES[key]
+
+
+def auto_plan(model: nn.Module, seq_len: Optional[int] = None, batch_size: Optional[int] = None) -> tuple[list[str] | str, str]:
+    """(per-layer modes or a mode name, why) for ``"auto"``.
+
+    On a GPU, ``notebookkit.memory.planner.plan_activations`` picks keep / recompute / offload per
+    layer: the fastest plan predicted to fit in free VRAM (``batch_size`` rows, default 1, of
+    ``seq_len`` tokens). Without a GPU it is no checkpointing.
+    """
+    device = _model_device(model)
+    if device.type != "cuda":
+        return "none", "auto on CPU: no checkpointing (host memory is not the limit; recompute costs time)"
+    try:
+        from notebookkit.memory.planner import plan_activations
+
+        kwargs = {"seq_len": int(seq_len)} if seq_len else {}
+        if batch_size:
+            kwargs["batch_size"] = int(batch_size)
+        plan = plan_activations(model, **kwargs)
+        return list(plan.modes), f"auto: {plan.summary()}"
+    except Exception as exc:  # noqa: BLE001 - fall back to the safe choice
+        return "recompute", f"auto: memory planner failed ({type(exc).__name__}: {exc}); using recompute"
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+_side_streams: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
+def _pool(state: dict):
+    pool = state.get("pool")
+    if pool is None:
+        try:
+            from notebookkit.memory.offload import PinnedBufferPool
+
+            pool = PinnedBufferPool()
+        except Exception:  # noqa: BLE001 - plain pinned allocations then
+            pool = False
+        state["pool"] = pool
+    return pool or None
+
+
+class _HostCopy:
+    """One layer input parked in pinned host memory, with the events ordering the copies."""
+
+    def __init__(self, x: torch.Tensor, state: dict) -> None:
+        self.device = x.device
+        self.pool = _pool(state)
+        stream = _side_stream(x.device)
+        if self.pool is not None:
+            self.host = self.pool.acquire(x.shape, x.dtype)
+        else:
+            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            self.host.copy_(x, non_blocking=True)
+        x.record_stream(stream)
+        self.back: Optional[torch.Tensor] = None
+        self.ready: Optional[torch.cuda.Event] = None
+
+    def prefetch(self) -> None:
+        if self.back is not None:
+            return
+        stream = _side_stream(self.device)
+        with torch.cuda.stream(stream):
+            self.back = self.host.to(self.device, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(stream)
+
+    def fetch(self) -> torch.Tensor:
+        self.prefetch()
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(self.ready)
+        self.back.record_stream(current)
+        out, self.back = self.back, None
+        self.ready.synchronize()  # the host buffer may be reused only after the copy back
+        self._release()
+        return out
+
+    def _release(self) -> None:
+        if self.pool is not None and self.host is not None:
+            self.pool.release(self.host)
+        self.host = None
+
+    def __del__(self) -> None:  # graph dropped without a backward (e.g. forward under grad, no loss)
+        try:
+            if self.host is not None:
+                torch.cuda.synchronize(self.device)
+                self._release()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+
+class _OffloadedLayer(torch.autograd.Function):
+    """Run a layer without keeping activations; keep its input on the host (or device, last layer)."""
+
+    @staticmethod
+    def forward(ctx, run: Callable[[torch.Tensor], Any], state: dict, keep_on_device: bool, info: dict, x: torch.Tensor, _anchor: torch.Tensor):
+        ctx.run = run
+        ctx.state = state
+        ctx.rng_cpu = torch.get_rng_state()
+        ctx.rng_cuda = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+        with torch.no_grad():
+            out = run(x)
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+        info["rest"] = tuple(out[1:]) if isinstance(out, (tuple, list)) else None
+        if keep_on_device or not x.is_cuda:
+            ctx.save_for_backward(x)
+            ctx.host = None
+        else:
+            ctx.host = _HostCopy(x, state)
+            chain = state.setdefault("chain", [])
+            chain[:] = [r for r in chain if r() is not None]  # drop copies of graphs already freed
+            chain.append(weakref.ref(ctx.host))
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad_hidden: torch.Tensor):
+        if ctx.host is None:
+            (x,) = ctx.saved_tensors
+        else:
+            chain = ctx.state.get("chain", [])
+            hosts = [r() for r in chain]
+            if ctx.host in hosts:
+                i = hosts.index(ctx.host)
+                if i > 0 and hosts[i - 1] is not None:
+                    hosts[i - 1].prefetch()  # overlap the previous layer's copy with this recompute
+                chain.pop(i)
+            x = ctx.host.fetch()
+            ctx.host = None
+        x = x.detach().requires_grad_(True)
+        devices = [x.device] if x.is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.rng_cpu)
+            if ctx.rng_cuda is not None:
+                torch.cuda.set_rng_state(ctx.rng_cuda, x.device)
+            with torch.enable_grad():
+                out = ctx.run(x)
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+        torch.autograd.backward(hidden, grad_hidden)
+        return None, None, None, None, x.grad, None
+
+
+def offload_checkpoint(function: Callable[..., Any], *args: Any, keep_on_device: bool = False, state: Optional[dict] = None, **kwargs: Any):
+    """Checkpoint function for one decoder layer with host offload of its input (first positional arg)."""
+    x, rest = args[0], args[1:]
+    run = functools.partial(_call_first, function, rest, kwargs)
+    anchor = torch.empty(0, requires_grad=True)
+    info: dict = {}
+    hidden = _OffloadedLayer.apply(run, state if state is not None else {}, keep_on_device, info, x, anchor)
+    # Decoder layers of recent transformers return a tensor; older ones a tuple (hidden, ...).
+    return hidden if info.get("rest") is None else (hidden, *info["rest"])
+
+
+def _call_first(function, rest, kwargs, x):
+    return function(x, *rest, **kwargs)
+
+
+def _is_checkpointing(base: nn.Module) -> bool:
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(base)):
+            return bool(getattr(base, name))
+    return False
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and hasattr(m, "self_attn")]
+
+
+def apply_checkpointing(
+    model: nn.Module, value: Mode, banner=None, seq_len: Optional[int] = None, batch_size: Optional[int] = None
+) -> str:
+    """Configure gradient checkpointing on ``model`` (PEFT-wrapped or not); returns the mode applied.
+
+    ``value`` is ``False``/``True``/``"offload"``/``"unsloth"``/``"auto"``, or a per-layer list of
+    ``"keep"``/``"recompute"``/``"offload"`` (as ``notebookkit.memory`` plans it). ``seq_len`` and
+    ``batch_size`` size the ``"auto"`` plan (default: the model's ``max_seq_length``, batch 1).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = _decoder_layers(base)
+    why = ""
+    if isinstance(value, (list, tuple)):
+        modes = [str(m) for m in value]
+    else:
+        mode = normalize_mode(value)
+        if mode == "auto":
+            planned, why = auto_plan(base, seq_len or getattr(base, "max_seq_length", None), batch_size)
+            modes = planned if isinstance(planned, list) else [{"none": "keep"}.get(planned, planned)] * len(layers)
+        else:
+            modes = [{"none": "keep"}.get(mode, mode)] * len(layers)
+    if len(modes) != len(layers):
+        raise ValueError(f"activation plan has {len(modes)} entries but the model has {len(layers)} decoder layers.")
+    bad = set(modes) - {"keep", "recompute", "offload"}
+    if bad:
+        raise ValueError(f"unknown activation modes {sorted(bad)}; use 'keep', 'recompute' or 'offload'.")
+    if "offload" in modes and _model_device(base).type != "cuda":
+        modes = ["recompute" if m == "offload" else m for m in modes]
+        why = "offload needs a CUDA device; on CPU it is plain recompute"
+
+    if all(m == "keep" for m in modes) or not layers:
+        if _is_checkpointing(base):
+            disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
+            disable()
+        object.__setattr__(base, "_notebookkit_checkpointing", "none")
+        if banner is not None:
+            banner.feature("checkpointing", False, why or "use_gradient_checkpointing=False")
+        return "none"
+
+    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=False))
+    state: dict = {}
+    last_offload = max((i for i, m in enumerate(modes) if m == "offload"), default=-1)
+    for i, (layer, m) in enumerate(zip(layers, modes)):
+        layer.gradient_checkpointing = m != "keep"
+        if m == "offload":
+            # The last offloaded layer's input is needed first in backward: keep it on the device.
+            keep = i == len(layers) - 1 or (i == last_offload and all(x == "offload" for x in modes))
+            layer._gradient_checkpointing_func = functools.partial(offload_checkpoint, keep_on_device=keep, state=state)
+    mode = "offload" if "offload" in modes else "recompute"
+    object.__setattr__(base, "_notebookkit_checkpointing", list(modes))
+    _guard_trainer_override(base)
+    if getattr(base.config, "use_cache", False):
+        base.config.use_cache = False
+    if banner is not None:
+        counts = ", ".join(f"{modes.count(k)} {k}" for k in ("keep", "recompute", "offload") if modes.count(k))
+        text = {
+            "recompute": "recompute: layer inputs kept, activations recomputed in backward",
+            "offload": "offload: layer inputs in pinned host memory via a side CUDA stream",
+        }[mode]
+        banner.feature("checkpointing", True, f"{text} [{counts}]" + (f" ({why})" if why else ""))
+    return mode
+
+
+def _guard_trainer_override(base: nn.Module) -> None:
+    """Keep notebookkit's checkpointing mode when a trainer calls ``gradient_checkpointing_enable``.
+
+    ``transformers.Trainer`` (and TRL, whose configs default to ``gradient_checkpointing=True``)
+    re-enable checkpointing with their own function at the start of training, which would silently
+    replace offloading by plain recompute. The instance methods below re-apply our mode instead.
+    """
+    if "_notebookkit_gc_guard" in base.__dict__:
+        return
+    object.__setattr__(base, "_notebookkit_gc_guard", True)
+
+    def _reapply(*args: Any, **kwargs: Any) -> None:
+        mode = base.__dict__.get("_notebookkit_checkpointing", "none")
+        apply_checkpointing(base, True if mode == "none" else mode)
+
+    for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+        if hasattr(base, name):
+            object.__setattr__(base, name, _reapply)

@@ -1,0 +1,228 @@
+"""Decoder self-attention instances -> fused projections, RoPE kernel and PyTorch SDPA.
+
+For hidden states ``x`` of shape ``[B, T, H]`` the patched forward computes::
+
+    Q, K, V = x Wq^T (+ s A_q^T B_q ...), x Wk^T ..., x Wv^T ...     kernels.lora_qkv (or the modules)
+    Q, K    = q_norm(Q), k_norm(K)                                  Qwen3, Gemma3 (per head, RMSNorm)
+    Q, K    = Q * cos + rotate_half(Q) * sin, same for K             kernels.apply_rope
+    K, V    = cache.update(K, V)                                     generation with a KV cache
+    S       = scaling * Q K^T  (+ soft-cap c * tanh(S / c): Gemma2)  masked, softmax, times V
+    y       = O Wo^T (+ s A_o^T B_o)                                 kernels.lora_o (or o_proj)
+
+``cos``/``sin`` come from the model's own rotary embedding, computed from ``position_ids`` (so they
+already carry rope scaling such as Llama-3.1's and per-token positions of packed rows). The mask is
+the one Hugging Face built for this layer (causal, padding, sliding window), combined with a
+block-diagonal causal mask whenever ``position_ids`` restart inside a row (packed batches), so
+packed examples never attend to each other. Scores go through
+``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient backends on GPU)
+except with a soft-cap, which SDPA cannot express: then an explicit fp32 softmax is used.
+
+Backward: SDPA's and the kernels' own autograd; nothing is hand-written here.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .kernel_ops import kernel
+from .lora_fast_path import views
+from .patching import rebind
+
+_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
+
+
+class _PackedMaskCache:
+    """One-slot cache: the block-diagonal mask of the last ``position_ids`` tensor seen.
+
+    Every layer of one forward receives the same ``position_ids`` object, so the mask (and the
+    host sync deciding whether the batch is packed at all) is built once per forward.
+    """
+
+    def __init__(self) -> None:
+        self.key: Optional[weakref.ref] = None
+        self.version = -1
+        self.value: Optional[torch.Tensor] = None
+
+    def get(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.key is not None and self.key() is position_ids and self.version == position_ids._version:
+            return self.value
+        self.value = packed_causal_mask(position_ids)
+        self.key = weakref.ref(position_ids)
+        self.version = position_ids._version
+        return self.value
+
+
+_packed_cache = _PackedMaskCache()
+
+
+def packed_causal_mask(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Block-diagonal causal mask ``[B, 1, T, T]`` (True = may attend) for packed rows, else ``None``.
+
+    A new example starts wherever a position is not the previous one plus one (so rows whose
+    positions restart at 0 split into segments); a query attends to earlier keys of its segment only.
+    """
+    pos = position_ids if position_ids.dim() == 2 else position_ids.reshape(1, -1)
+    if pos.shape[-1] < 2:
+        return None
+    boundary = torch.ones_like(pos, dtype=torch.bool)
+    boundary[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    segment = boundary.cumsum(-1)
+    if bool((segment[:, -1] == 1).all()):
+        return None
+    T = pos.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=pos.device).tril()
+    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+
+
+def _as_bool_mask(mask: Optional[torch.Tensor], q_len: int, kv_len: int) -> Optional[torch.Tensor]:
+    """Hugging Face's layer mask as a boolean ``[B, 1|H, q, kv]`` (True = may attend), or None."""
+    if mask is None or not isinstance(mask, torch.Tensor):
+        return None
+    if mask.dim() == 2:  # flash-attention style [B, kv] padding mask
+        pad = mask[:, None, None, :].bool()
+        offset = kv_len - q_len
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril(diagonal=offset)
+        return pad & causal
+    if mask.dtype == torch.bool:
+        return mask[..., :kv_len]
+    return (mask > torch.finfo(mask.dtype).min / 2)[..., :kv_len]
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scaling: float,
+    softcap: Optional[float] = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of ``q [B,Hq,T,D]`` over ``k, v [B,Hkv,S,D]``; ``mask`` boolean or None.
+
+    ``mask=None`` means plain causal attention aligned to the end of the keys (a cache prefix
+    before the queries is fully visible). Rows with no visible key (padding) attend to everything,
+    so they stay finite; their outputs are never used.
+    """
+    q_len, kv_len = q.shape[2], k.shape[2]
+    n_rep = q.shape[1] // k.shape[1]
+    if mask is not None:
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+    if softcap is None:
+        use_gqa = _HAS_GQA and n_rep > 1 and q.is_cuda and mask is None
+        if not use_gqa:
+            k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+        extra: dict[str, Any] = {"enable_gqa": True} if use_gqa else {}
+        if mask is None:
+            if q_len == 1:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, **extra)
+            if q_len == kv_len:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, **extra)
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - q_len)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and q_len > 1:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout, training=True)
+    return torch.matmul(probs, v)
+
+
+def make_attention_forward(softcap: Optional[float], qk_norm: bool):
+    """The patched forward of one decoder self-attention module."""
+    apply_rope = kernel("rope", "apply_rope")
+    lora_qkv = kernel("lora_qkv", "lora_qkv")
+    lora_o = kernel("lora_o", "lora_o")
+
+    def attention_forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Any = None,
+        cache_position: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        cache = kwargs.pop("cache", None)
+        if cache is None:
+            cache = past_key_values
+        bsz, q_len = hidden_states.shape[:2]
+        head_dim = self.head_dim
+
+        q = k = v = None
+        if lora_qkv is not None:
+            parts, _ = views(self.q_proj, self.k_proj, self.v_proj)
+            if parts is not None:
+                q, k, v = lora_qkv(hidden_states, parts[0].projection, parts[1].projection, parts[2].projection)
+                q = q if parts[0].bias is None else q + parts[0].bias
+                k = k if parts[1].bias is None else k + parts[1].bias
+                v = v if parts[2].bias is None else v + parts[2].bias
+        if q is None:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+
+        q = q.view(bsz, q_len, -1, head_dim)
+        k = k.view(bsz, q_len, -1, head_dim)
+        v = v.view(bsz, q_len, -1, head_dim).transpose(1, 2)
+        if qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+
+        cos, sin = position_embeddings
+        q, k = apply_rope(q, k, cos, sin)
+
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+
+        kv_len = k.shape[2]
+        mask = _as_bool_mask(attention_mask, q_len, kv_len)
+        position_ids = kwargs.get("position_ids")
+        if isinstance(position_ids, torch.Tensor) and q_len == kv_len and q_len > 1:
+            packed = _packed_cache.get(position_ids)
+            if packed is not None:
+                mask = packed if mask is None else mask & packed
+        dropout = float(getattr(self, "attention_dropout", 0.0) or 0.0) if self.training else 0.0
+        out = attend(q, k, v, mask, float(self.scaling), softcap=softcap, dropout=dropout)
+        out = out.transpose(1, 2).reshape(bsz, q_len, -1)
+
+        if lora_o is not None:
+            parts, _ = views(self.o_proj)
+            if parts is not None:
+                y = lora_o(out, parts[0].projection)
+                return (y if parts[0].bias is None else y + parts[0].bias), None
+        return self.o_proj(out), None
+
+    return attention_forward
+
+
+def attention_ready(module: nn.Module) -> Optional[str]:
+    """None when this attention module can be patched, else the reason it cannot."""
+    if kernel("rope", "apply_rope") is None:
+        return "notebookkit.kernels.rope is unavailable"
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx"):
+        if not hasattr(module, name):
+            return f"{type(module).__name__} has no {name}"
+    if not math.isfinite(float(module.scaling)):
+        return "non-finite attention scaling"
+    return None
+
+
+def patch_attention(module: nn.Module, softcap: Optional[float], qk_norm: bool) -> None:
+    """Rebind one self-attention instance."""
+    rebind(module, make_attention_forward(softcap, qk_norm), "attention")

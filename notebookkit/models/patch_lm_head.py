@@ -1,0 +1,214 @@
+"""Causal-LM head instance -> fused linear cross-entropy in training.
+
+With labels ``y`` and final hidden states ``h`` (``[B, T, H]``), the next-token loss is::
+
+    z_t  = h_t W^T                       (optionally z_t = c * tanh(z_t / c): Gemma2 final soft-cap)
+    loss = sum_{t: y_{t+1} != -100} ( logsumexp(z_t) - z_t[y_{t+1}] ) / N
+
+where ``N = num_items_in_batch`` when the trainer passes it (so gradient accumulation over uneven
+micro-batches equals one big batch), else the number of non-ignored labels. In training the
+``kernels.fused_linear_cross_entropy`` computes this chunk by chunk and returns the gradient with
+respect to ``h`` (and ``W`` if trainable) without ever holding the ``[B*T, V]`` logits.
+
+Contract of the patched forward (documented for trainers):
+
+* ``model.train()`` and ``labels`` given: ``loss`` is set and ``logits`` is ``None`` (never the full
+  logits). Hugging Face ``Trainer``/TRL read ``outputs.loss`` only. Pass ``return_logits=True`` to
+  the forward, or call it in eval mode, to get both.
+* otherwise: ``logits`` are returned for the positions selected by ``logits_to_keep`` (``0`` = all),
+  and ``loss`` is computed from them when ``labels`` are given.
+* ``shift_labels`` (already shifted labels) is honoured like in ``transformers``.
+* In training, a batch longer than the ``max_seq_length`` given at load time raises a ``ValueError``
+  that says how to fix it (checked in the backbone, so trainers that run their own LM head, like
+  TRL's chunked one, are covered too); in inference it warns once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .kernel_ops import kernel
+from .patching import rebind
+
+
+def _cache_kwarg(base_model: nn.Module) -> str:
+    try:
+        params = inspect.signature(type(base_model).forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
+def _output_cache_field(output_cls: type) -> str:
+    fields = getattr(output_cls, "__dataclass_fields__", {})
+    return "cache" if "cache" in fields and "past_key_values" not in fields else "past_key_values"
+
+
+def _keep(hidden: torch.Tensor, logits_to_keep: Any) -> torch.Tensor:
+    if isinstance(logits_to_keep, int):
+        return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 1:
+        return hidden[:, logits_to_keep, :]
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        return slice_logits_to_keep(hidden, logits_to_keep)
+    except ImportError:
+        return hidden[:, logits_to_keep, :]
+
+
+def _softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _check_length(model: nn.Module, seq_len: int, training: bool) -> None:
+    limit = model.__dict__.get("max_seq_length")
+    if limit is None or seq_len <= limit:
+        return
+    if training:
+        raise ValueError(
+            f"This training batch has sequences of {seq_len} tokens, longer than max_seq_length={limit} "
+            "given to FastLanguageModel.from_pretrained. Either truncate the data (for TRL: "
+            f"SFTConfig(max_length={limit}) / DPOConfig(max_length={limit})) or reload the model with "
+            f"max_seq_length={seq_len} or more."
+        )
+    if not model.__dict__.get("_notebookkit_warned_length"):
+        object.__setattr__(model, "_notebookkit_warned_length", True)
+        warnings.warn(
+            f"Input of {seq_len} tokens is longer than max_seq_length={limit}; results past that length "
+            "depend on how the model extrapolates.",
+            stacklevel=3,
+        )
+
+
+def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
+    """Backbone forward that checks the batch length against ``max_seq_length`` first.
+
+    Trainers that compute the loss themselves (TRL's chunked LM head) call the backbone directly,
+    so the check lives here rather than in the causal-LM forward. The owning causal LM (which holds
+    ``max_seq_length``) is kept as a plain attribute, so ``copy.deepcopy`` maps it to the copy.
+    """
+    ref = kwargs.get("input_ids", args[0] if args else None)
+    if ref is None:
+        ref = kwargs.get("inputs_embeds")
+    owner = self.__dict__.get("_notebookkit_owner")
+    if owner is not None and isinstance(ref, torch.Tensor) and ref.dim() >= 2:
+        _check_length(owner, ref.shape[1], self.training)
+    return type(self).forward(self, *args, **kwargs)
+
+
+def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """``labels[:, 1:]`` padded with ``ignore_index`` at the end, flattened (next-token targets)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
+
+
+def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float]):
+    """The patched forward of a ``*ForCausalLM`` instance (its backbone is ``model.model``)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fused_ce = kernel("fused_linear_cross_entropy", "fused_linear_cross_entropy")
+    cross_entropy = kernel("cross_entropy", "cross_entropy")
+    backbone_cache = _cache_kwarg(model.model)
+    out_cache = _output_cache_field(CausalLMOutputWithPast)
+
+    def causal_lm_forward(
+        self: nn.Module,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Any = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: Any = 0,
+        num_items_in_batch: Any = None,
+        shift_labels: Optional[torch.Tensor] = None,
+        return_dict: Optional[bool] = None,
+        return_logits: bool = False,
+        **kwargs: Any,
+    ):
+        cache = kwargs.pop("cache", None)
+        if cache is None:
+            cache = past_key_values
+        kwargs.pop("ignore_index", None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **{backbone_cache: cache},
+            **kwargs,
+        )
+        hidden = outputs[0]
+        lm_head = self.get_output_embeddings()
+        loss = logits = None
+        targets = None
+        if labels is not None or shift_labels is not None:
+            targets = shift_labels.reshape(-1) if shift_labels is not None else shifted_labels(labels)
+        n_items = num_items_in_batch
+        if isinstance(n_items, torch.Tensor):
+            n_items = n_items.to(hidden.device)
+
+        if targets is not None and self.training and not return_logits and fused_ce is not None and isinstance(lm_head, nn.Linear):
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            loss = fused_ce(
+                flat,
+                lm_head.weight,
+                targets.to(flat.device),
+                bias=lm_head.bias,
+                softcap=final_softcap,
+                n_items=n_items,
+            )
+        else:
+            logits = _softcap(lm_head(_keep(hidden, logits_to_keep)), final_softcap)
+            if targets is not None:
+                flat = logits.reshape(-1, logits.shape[-1])
+                if flat.shape[0] != targets.shape[0]:
+                    raise ValueError(
+                        "labels cover every position but logits_to_keep selected fewer; pass logits_to_keep=0 with labels."
+                    )
+                if cross_entropy is not None:
+                    loss = cross_entropy(flat, targets.to(flat.device), n_items=n_items)
+                else:
+                    reduction = "sum" if n_items is not None else "mean"
+                    loss = F.cross_entropy(flat.float(), targets.to(flat.device), ignore_index=-100, reduction=reduction)
+                    if n_items is not None:
+                        loss = loss / n_items
+        fields = {
+            "loss": loss,
+            "logits": logits,
+            out_cache: getattr(outputs, "cache", None) if hasattr(outputs, "cache") else getattr(outputs, "past_key_values", None),
+            "hidden_states": getattr(outputs, "hidden_states", None),
+            "attentions": getattr(outputs, "attentions", None),
+        }
+        result = CausalLMOutputWithPast(**fields)
+        if return_dict is False:
+            return result.to_tuple()
+        return result
+
+    return causal_lm_forward
+
+
+def lm_head_ready(model: nn.Module) -> Optional[str]:
+    """None when the causal-LM forward of ``model`` can be patched, else the reason."""
+    if not isinstance(getattr(model, "model", None), nn.Module):
+        return f"{type(model).__name__} has no .model backbone"
+    if not isinstance(model.get_output_embeddings(), nn.Linear):
+        return "output embedding is not a plain linear layer"
+    if kernel("fused_linear_cross_entropy", "fused_linear_cross_entropy") is None:
+        return "notebookkit.kernels.fused_linear_cross_entropy is unavailable"
+    return None
+
+
+def patch_lm_head(model: nn.Module, final_softcap: Optional[float]) -> None:
+    """Rebind the causal-LM forward of ``model`` (and its backbone's, for the length check)."""
+    rebind(model, make_causal_lm_forward(model, final_softcap), "causal_lm")
+    object.__setattr__(model.model, "_notebookkit_owner", model)  # not a submodule: no cycle
+    rebind(model.model, backbone_forward, "backbone")

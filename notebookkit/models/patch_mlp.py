@@ -1,0 +1,60 @@
+"""Gated decoder MLP instances -> fused kernels.
+
+``mlp(x) = down(act(gate(x)) * up(x))`` with ``act`` = SiLU (SwiGLU) or GELU (GeGLU, exact or tanh).
+
+* When gate/up/down are all frozen linears (16-bit or NF4), with or without one active LoRA
+  adapter of dropout 0 and no trainable bias, the whole block runs ``kernels.lora_mlp`` (fused
+  dequantisation, base + low-rank matmuls, activation and its hand-written backward).
+* Otherwise (trainable base weights, LoRA dropout, DoRA, 8-bit...) the projections run their own
+  modules (stock PEFT / bitsandbytes) and only ``act(e) * g`` runs the fused activation kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .kernel_ops import kernel
+from .lora_fast_path import views
+from .patching import rebind
+
+
+def _activation_kernel(activation: str):
+    if activation == "swiglu":
+        fn = kernel("swiglu", "swiglu")
+        return None if fn is None else fn
+    fn = kernel("geglu", "geglu")
+    if fn is None:
+        return None
+    approximate = "tanh" if activation == "geglu_tanh" else "none"
+    return lambda e, g: fn(e, g, approximate=approximate)
+
+
+def make_mlp_forward(activation: str):
+    """The patched forward of a gated MLP with the given fused activation name."""
+    act = _activation_kernel(activation)
+    lora_mlp = kernel("lora_mlp", "lora_mlp")
+
+    def mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if lora_mlp is not None:
+            parts, _ = views(self.gate_proj, self.up_proj, self.down_proj)
+            if parts is not None and all(p.bias is None for p in parts):
+                return lora_mlp(x, parts[0].projection, parts[1].projection, parts[2].projection, activation=activation)
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
+
+    return mlp_forward
+
+
+def mlp_ready(activation: str | None) -> str | None:
+    """None when the MLP can be patched for ``activation``, else the reason it cannot."""
+    if activation is None:
+        return "activation has no fused kernel"
+    if _activation_kernel(activation) is None:
+        module = "swiglu" if activation == "swiglu" else "geglu"
+        return f"notebookkit.kernels.{module} is unavailable"
+    return None
+
+
+def patch_mlp(mlp: nn.Module, activation: str) -> None:
+    """Rebind one MLP instance (it must have gate_proj, up_proj, down_proj)."""
+    rebind(mlp, make_mlp_forward(activation), "mlp")

@@ -1,0 +1,149 @@
+"""Walk a loaded Hugging Face causal LM and rebind its pieces onto the fused kernels (and back).
+
+``patch_model(model)`` looks the model's ``model_type`` up in :mod:`.architectures` and rebinds the
+``forward`` of instances: every RMSNorm, every decoder MLP, every decoder self-attention and the
+causal-LM head. A family that is not in the table is left entirely on stock code (never
+half-patched), and the banner says so. ``unpatch_model(model)`` restores every original forward.
+Each feature is independent: if one kernel file is missing, only that feature stays stock.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+
+from . import architectures
+from .banner import Banner
+from .lora_fast_path import describe_lora
+from .patch_attention import attention_ready, patch_attention
+from .patch_lm_head import lm_head_ready, patch_lm_head
+from .patch_mlp import mlp_ready, patch_mlp
+from .patch_norms import patch_norms
+from .patching import patched_modules, restore
+from .kernel_ops import why_missing
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The Hugging Face ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
+    if hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def _decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
+    backbone = getattr(causal_lm, "model", None)
+    layers = getattr(backbone, "layers", None)
+    if layers is None:
+        return []
+    return list(layers)
+
+
+def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
+    """Patch ``model`` in place onto the fused path; returns the banner with one line per feature."""
+    banner = banner if banner is not None else Banner()
+    causal_lm = _unwrap(model)
+    config = causal_lm.config
+    spec = architectures.lookup(config)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text_config, "model_type", "?")
+    if spec is None:
+        banner.feature(
+            "fast path",
+            False,
+            f"model_type {model_type!r} is not in notebookkit's architecture table "
+            f"({', '.join(architectures.supported_model_types())}): the whole model runs stock Hugging Face code",
+        )
+        return banner
+    attn_impl = getattr(text_config, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
+
+    n_norms = patch_norms(causal_lm, gemma=spec.gemma_norm)
+    if n_norms:
+        style = "gemma (1 + w)" if spec.gemma_norm else "llama"
+        banner.feature("RMSNorm", True, f"{n_norms} norms on kernels.rms_norm ({style})")
+    else:
+        banner.feature("RMSNorm", False, why_missing("rms_norm", "rms_norm") or "no RMSNorm modules found")
+
+    layers = _decoder_layers(causal_lm)
+    # MLPs
+    mlp_done, mlp_reason = 0, None
+    activation = None
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            mlp_reason = f"{type(mlp).__name__} is not a gated MLP"
+            continue
+        activation = architectures.activation_of(getattr(mlp, "act_fn", None), config, spec)
+        reason = mlp_ready(activation)
+        if reason is not None:
+            mlp_reason = reason
+            continue
+        patch_mlp(mlp, activation)
+        mlp_done += 1
+    if mlp_done:
+        banner.feature("MLP", True, f"{mlp_done}/{len(layers)} layers: fused {activation} (lora_mlp when LoRA/frozen weights allow)")
+    else:
+        banner.feature("MLP", False, mlp_reason or "no decoder MLPs found")
+
+    # Attention
+    softcap = architectures.attn_softcap(config, spec)
+    attn_done, attn_reason = 0, None
+    if attn_impl not in (None, "sdpa", "eager"):
+        # flash-attention / flex masks have other formats (2-D, BlockMask); leave those layers stock.
+        attn_reason = f"attn_implementation={attn_impl!r} requested: attention stays on Hugging Face's {attn_impl}"
+    else:
+        for layer in layers:
+            attn = getattr(layer, "self_attn", None)
+            reason = attention_ready(attn) if attn is not None else "no self_attn"
+            if reason is None and spec.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
+                reason = "q/k norms expected but not found"
+            if reason is not None:
+                attn_reason = reason
+                continue
+            patch_attention(attn, softcap, spec.qk_norm)
+            attn_done += 1
+    if attn_done:
+        how = "eager fp32 softmax (attention soft-cap)" if softcap else "PyTorch SDPA"
+        extra = ", q/k norm" if spec.qk_norm else ""
+        banner.feature(
+            "attention", True, f"{attn_done}/{len(layers)} layers: fused QKV/O + RoPE kernel{extra} + {how}; packed rows isolated"
+        )
+    else:
+        banner.feature("attention", False, attn_reason or "no decoder attention found")
+
+    # Causal-LM head
+    reason = lm_head_ready(causal_lm)
+    if reason is None:
+        patch_lm_head(causal_lm, architectures.final_softcap(config, spec))
+        cap = architectures.final_softcap(config, spec)
+        banner.feature(
+            "fused CE loss",
+            True,
+            "training loss via fused linear cross-entropy, no full logits" + (f" (final soft-cap {cap:g})" if cap else ""),
+        )
+    else:
+        banner.feature("fused CE loss", False, reason)
+
+    if len(layers) and (mlp_done != len(layers) or attn_done != len(layers)):
+        banner.note("some layers stay on stock Hugging Face code; outputs are still exact, only slower")
+    if hasattr(model, "peft_config"):
+        describe_lora(model, banner)
+    return banner
+
+
+def unpatch_model(model: nn.Module) -> int:
+    """Restore every forward that notebookkit rebound in ``model``; returns how many were restored."""
+    count = 0
+    for _, module in list(patched_modules(model)):
+        count += restore(module)
+        module.__dict__.pop("_notebookkit_owner", None)
+    return count
+
+
+def patch_summary(model: nn.Module) -> dict[str, int]:
+    """How many modules of each kind are currently patched (``{"rms_norm": 9, "mlp": 2, ...}``)."""
+    counts: dict[str, int] = {}
+    for _, module in patched_modules(model):
+        tag = module.__dict__.get("_notebookkit_patch", "?")
+        counts[tag] = counts.get(tag, 0) + 1
+    return counts

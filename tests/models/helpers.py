@@ -1,0 +1,118 @@
+"""Small random models of every supported family, for the model-layer tests (CPU, fp32).
+
+``tiny_folder(family)`` prefers the project's embedded tiny default (``notebookkit.data.tiny``)
+and falls back to a folder built here (hidden 64, 2 layers, a byte-level tokenizer) so the tests
+also run while that module is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
+_CACHE = Path(os.environ.get("NOTEBOOKKIT_TEST_MODELS", tempfile.gettempdir())) / "notebookkit-models-tests"
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def family_config(family: str, vocab_size: int = 300, **overrides):
+    import transformers as tf
+
+    c = dict(_COMMON, vocab_size=vocab_size, bos_token_id=256, eos_token_id=257, pad_token_id=None)
+    if family == "llama":
+        c["rope_parameters"] = {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        }
+        cfg = tf.LlamaConfig(**c)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(sliding_window=12, **c)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**c)
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**c)
+    elif family == "gemma":
+        cfg = tf.GemmaConfig(hidden_act="gelu_pytorch_tanh", **c)
+    elif family == "gemma2":
+        cfg = tf.Gemma2Config(
+            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=8,
+            attn_logit_softcapping=20.0, final_logit_softcapping=15.0, **c,
+        )
+    elif family == "gemma3":
+        cfg = tf.Gemma3TextConfig(
+            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"], **c,
+        )
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def random_model(family: str, seed: int = 0, **overrides):
+    """A randomly initialised causal LM (fp32, eager weights) with non-trivial norm weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = family_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer without merges: 256 byte tokens + <s>, </s> (no pad token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    return fast
+
+
+def tiny_folder(family: str) -> str:
+    """A saved model folder for ``family`` (the embedded tiny default when available)."""
+    try:
+        from notebookkit.data.tiny import TINY_MODELS, ensure_tiny_model
+
+        name = f"notebookkit/tiny-{family}"
+        if name in TINY_MODELS:
+            return str(ensure_tiny_model(name))
+    except Exception:  # noqa: BLE001 - fall back to a local build
+        pass
+    return local_folder(family)
+
+
+def local_folder(family: str) -> str:
+    """A model folder built by this helper (cached per process run in the temp dir)."""
+    folder = _CACHE / family
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        model = random_model(family)
+        model.save_pretrained(folder)
+        byte_tokenizer().save_pretrained(folder)
+    return str(folder)

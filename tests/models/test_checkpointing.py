@@ -1,0 +1,72 @@
+"""Gradient checkpointing modes give the same gradients as no checkpointing (CPU)."""
+
+from __future__ import annotations
+
+import copy
+import pytest
+import torch
+
+from notebookkit.kernels.testing import rel_err
+from notebookkit.models import patch_model
+from notebookkit.models.checkpointing import apply_checkpointing, normalize_mode, offload_checkpoint
+
+from .helpers import random_model
+from .test_patch_parity import _lora
+
+
+def _grads(model, x, labels):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=x, labels=labels)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_mode_names():
+    assert normalize_mode("unsloth") == "offload"
+    assert normalize_mode(True) == "recompute"
+    assert normalize_mode(False) == "none"
+    with pytest.raises(ValueError):
+        normalize_mode("maybe")
+
+
+@pytest.mark.parametrize("plan", [True, ["keep", "recompute"], "offload", "direct-offload-function"])
+def test_checkpointed_grads_match(plan):
+    base = random_model("gemma2", attention_dropout=0.0)
+    patch_model(base)
+    ref = _lora(base)
+    ref.train()
+    model = copy.deepcopy(ref)
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 12))
+    labels = x.clone()
+    labels[:, :3] = -100
+    loss_ref, g_ref = _grads(ref, x, labels)
+    if plan == "direct-offload-function":
+        # The offload autograd function itself (on CPU the input stays on the device).
+        apply_checkpointing(model, True)
+        calls = []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return offload_checkpoint(*args, keep_on_device=False, state={}, **kwargs)
+
+        for layer in model.get_base_model().model.layers:
+            layer._gradient_checkpointing_func = counted
+    else:
+        apply_checkpointing(model, plan)
+    layers = model.get_base_model().model.layers
+    assert any(layer.gradient_checkpointing for layer in layers)
+    loss, g = _grads(model, x, labels)
+    if plan == "direct-offload-function":
+        assert len(calls) == len(layers)
+    assert torch.allclose(loss, loss_ref, rtol=1e-6)
+    for n in g_ref:
+        assert rel_err(g[n], g_ref[n]) < 1e-5, n
+
+
+def test_trainer_cannot_silently_replace_our_mode():
+    model = _lora(random_model("llama"))
+    apply_checkpointing(model, ["recompute", "keep"])
+    base = model.get_base_model()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert [layer.gradient_checkpointing for layer in base.model.layers] == [True, False]
