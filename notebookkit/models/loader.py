@@ -115,6 +115,10 @@ def _default_device_map(device_map: Any) -> Any:
     if device_map is not None:
         return device_map
     if torch.cuda.is_available():
+        # Under torchrun / accelerate launch every process owns the GPU of its LOCAL_RANK; CUDA's
+        # current device is still 0 there unless the script set it, so read the launcher's variables.
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("LOCAL_RANK", "") != "":
+            return {"": int(os.environ["LOCAL_RANK"])}
         return {"": torch.cuda.current_device()}
     return None
 

@@ -154,10 +154,11 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float]):
             targets = shift_labels.reshape(-1) if shift_labels is not None else shifted_labels(labels)
         n_items = num_items_in_batch
         if isinstance(n_items, torch.Tensor):
-            n_items = n_items.to(hidden.device)
+            n_items = n_items.to(lm_head.weight.device)
 
         if targets is not None and self.training and not return_logits and fused_ce is not None and isinstance(lm_head, nn.Linear):
-            flat = hidden.reshape(-1, hidden.shape[-1])
+            # With device_map placement the head may sit on another device than the last layer.
+            flat = hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.device)
             loss = fused_ce(
                 flat,
                 lm_head.weight,

@@ -55,6 +55,15 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
             f"({', '.join(architectures.supported_model_types())}): the whole model runs stock Hugging Face code",
         )
         return banner
+    placed = {str(d) for d in (getattr(causal_lm, "hf_device_map", None) or {}).values()}
+    if placed & {"cpu", "disk"} and placed - {"cpu", "disk"}:
+        banner.feature(
+            "fast path",
+            False,
+            "device_map offloads some weights to CPU/disk (they are fetched by accelerate hooks on each call, "
+            "which the fused kernels would bypass): the whole model runs stock Hugging Face code",
+        )
+        return banner
     attn_impl = getattr(text_config, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
 
     n_norms = patch_norms(causal_lm, gemma=spec.gemma_norm)

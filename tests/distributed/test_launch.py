@@ -114,11 +114,6 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
 # ---- device_map placement hooks --------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="notebookkit.models.patching.rebind replaces accelerate's forward wrapper; see .notes/ddp-findings.md "
-    "and .notes/ddp.patch (models layer)",
-)
 def test_accelerate_placement_hooks_survive_patching():
     """With ``device_map`` placement accelerate wraps ``forward`` of the placed modules (and the
     model) to move inputs to each module's device. Patching must keep those wrappers running around
