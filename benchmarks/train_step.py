@@ -151,7 +151,9 @@ def predicted_peak(shape: str, quant: str, seq: int, batch: int, model) -> float
     try:
         from notebookkit.memory.estimate import estimate_kwargs_from_model, estimate_training_memory
 
-        plan = getattr(model, "notebookkit_activation_plan", "recompute")
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        plan = getattr(base, "_notebookkit_checkpointing", "recompute")  # per-layer modes the model runs
+        plan = "keep" if plan == "none" else plan
         estimate = estimate_training_memory(
             model.config, **estimate_kwargs_from_model(model), batch_size=batch, seq_len=seq, activation_plan=plan
         )
