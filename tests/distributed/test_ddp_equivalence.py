@@ -42,7 +42,7 @@ TOL = 1e-5
 STEPS = 5
 
 COMMON = dict(
-    max_steps=STEPS, dataset_rows=48, n_eval=0, max_length=256, learning_rate=2e-3, warmup_steps=0,
+    model_name="notebookkit/tiny-llama", max_steps=STEPS, dataset_rows=48, n_eval=0, max_length=256, learning_rate=2e-3, warmup_steps=0,
     seed=3407, save_adapter=False, logging_steps=1, dtype="float32", load_in_4bit=False,
     use_gradient_checkpointing=False, lora_dropout=0.0,
 )

@@ -149,7 +149,9 @@ def test_single_step_memory_and_time_vs_hf_peft(llama_1b_folder, load_in_4bit):
 
 def test_offload_matches_recompute_and_saves_memory(llama_1b_folder):
     batch = _batches(1, batch=2, seq=1024)[0]
-    ours = _ours(llama_1b_folder, torch.bfloat16, checkpointing=True)
+    # fp32: offload must do exactly the arithmetic of recompute; in bf16 the comparison would only
+    # measure the run-to-run noise of the attention backward.
+    ours = _ours(llama_1b_folder, torch.float32, checkpointing=True)
     ours.train()
     out = ours(**batch)
     out.loss.backward()
@@ -166,7 +168,7 @@ def test_offload_matches_recompute_and_saves_memory(llama_1b_folder):
     worst = max(rel_err(g_off[n], g_rec[n]) for n in g_rec)
     print(f"\n[gpu offload] grad rel diff vs recompute {worst:.2e}; recompute {t_rec*1e3:.1f} ms "
           f"{m_rec/2**30:.2f} GiB, offload {t_off*1e3:.1f} ms {m_off/2**30:.2f} GiB")
-    assert worst < 1e-2  # same arithmetic (flash-attention backward may use atomics: bf16 tolerance)
+    assert worst < 1e-4  # same arithmetic; only reduction order inside attention may differ
     assert m_off <= m_rec
 
 
