@@ -1,0 +1,52 @@
+"""Data helpers: chat templates, ShareGPT conversion, response-only labels, length profile,
+masking check, padding-free packing, and the bundled tiny models and datasets.
+
+Everything is imported on first use, so ``import notebookkit.data`` stays light::
+
+    from notebookkit.data import get_chat_template, standardize_sharegpt, train_on_responses_only
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "get_chat_template": "chat_templates",
+    "list_chat_templates": "chat_templates",
+    "apply_generation_eos": "chat_templates",
+    "guess_chat_template": "chat_templates",
+    "template_spec": "chat_templates",
+    "CHAT_TEMPLATES": "chat_templates",
+    "standardize_sharegpt": "sharegpt",
+    "to_role_content": "sharegpt",
+    "alpaca_to_messages": "sharegpt",
+    "train_on_responses_only": "responses_only",
+    "detect_markers": "responses_only",
+    "MarkerNotFoundError": "responses_only",
+    "profile_lengths": "profile",
+    "LengthProfile": "profile",
+    "round_up_length": "profile",
+    "check_masking": "masking",
+    "MaskingReport": "masking",
+    "PaddingFreeCollator": "packing",
+    "pack_examples": "packing",
+    "packing_stats": "packing",
+    "ensure_tiny_model": "tiny",
+    "resolve_model_name": "tiny",
+    "TINY_MODELS": "tiny",
+    "load_bundled": "bundled",
+    "dataset_path": "bundled",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = list(_LAZY)

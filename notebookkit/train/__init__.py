@@ -1,0 +1,39 @@
+"""Training presets around TRL trainers, the calibration run, held-out evaluation, and the
+headless notebook runner. Imported on first use::
+
+    from notebookkit.train import make_sft_trainer, calibrate, answer_loss, exact_match
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "sft_config": "sft",
+    "make_sft_trainer": "sft",
+    "precision_flags": "sft",
+    "calibrate": "calibration",
+    "CalibrationResult": "calibration",
+    "QAItem": "evaluation",
+    "split_heldout": "evaluation",
+    "qa_items": "evaluation",
+    "answer_loss": "evaluation",
+    "exact_match": "evaluation",
+    "generate_reply": "evaluation",
+    "normalize_answer": "evaluation",
+    "run_notebook": "headless",
+    "NotebookRun": "headless",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = list(_LAZY)

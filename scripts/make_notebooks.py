@@ -1,0 +1,560 @@
+"""Write the SFT notebooks (notebooks/sft/*.ipynb) from the cell lists below.
+
+The notebooks are generated so that a review reads this file, and so that every notebook shares the
+same install / parameters / evaluation cells. Outputs are never stored: run
+
+    .venv/bin/python scripts/make_notebooks.py          # rewrite the notebooks
+    .venv/bin/python scripts/make_notebooks.py --check  # exit 1 if a notebook differs from this file
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------------------------------------
+# shared cells
+
+INSTALL = '''\
+# Install notebookkit where it is missing (Colab, Kaggle). Where it is already installed
+# (for example after `make setup` in a clone of the repository) this cell does nothing.
+import importlib.util
+
+NOTEBOOKKIT_PIP_SPEC = "notebookkit"  # or a git URL / wheel path of the version you want
+if importlib.util.find_spec("notebookkit") is None:
+    get_ipython().run_line_magic("pip", f"install -q {NOTEBOOKKIT_PIP_SPEC}")
+'''
+
+RESOLVE = '''\
+import torch
+
+ON_GPU = torch.cuda.is_available()
+MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
+LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
+MAX_SEQ_LENGTH = MAX_SEQ_LENGTH or (2048 if ON_GPU else 512)
+MAX_STEPS = MAX_STEPS or (60 if ON_GPU else CPU_STEPS)
+CALIBRATION_STEPS = (30 if ON_GPU else 4) if CALIBRATION_STEPS is None else CALIBRATION_STEPS
+LEARNING_RATE = LEARNING_RATE or (2e-4 if ON_GPU else CPU_LEARNING_RATE)
+torch.manual_seed(SEED)
+print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | "
+      f"4-bit: {LOAD_IN_4BIT} | steps: {MAX_STEPS} | calibration steps: {CALIBRATION_STEPS}")
+'''
+
+PANELS_MD = '''\
+## 1. Choose the model, the adapter and the training run
+
+The panels below hold every setting the rest of the notebook reads (nothing is hidden in globals).
+Beside the model panel, the **VRAM estimate** is recomputed as you change anything: base weights
+(halved again by 4-bit), LoRA adapters with their optimizer state, activations (which gradient
+checkpointing trades for recomputation), and the logits/loss buffer (which grows with
+`max_seq_length` × vocabulary). The verdict compares it with your GPU, or with a card you pick.
+
+Change the panels, then run the cells below again from the next one.'''
+
+PANELS = '''\
+from notebookkit.widgets import ConfigPanels
+
+panels = ConfigPanels(
+    model=dict(model_name=MODEL_NAME, load_in_4bit=LOAD_IN_4BIT, max_seq_length=MAX_SEQ_LENGTH),
+    lora=dict(r=LORA_R, lora_alpha=LORA_R, random_state=SEED),
+    training=dict(max_steps=MAX_STEPS, per_device_train_batch_size=BATCH_SIZE,
+                  gradient_accumulation_steps=GRAD_ACCUM, learning_rate=LEARNING_RATE,
+                  warmup_steps=WARMUP_STEPS, seed=SEED),
+)
+panels
+'''
+
+LOAD = '''\
+cfg = panels.value  # the panels' current values
+from notebookkit import FastLanguageModel
+from notebookkit.data import get_chat_template, guess_chat_template
+
+model, tokenizer = FastLanguageModel.from_pretrained(**cfg.model.from_pretrained_kwargs())
+CHAT_TEMPLATE = CHAT_TEMPLATE or {chat_template_default}
+tokenizer = get_chat_template(tokenizer, CHAT_TEMPLATE, model=model)
+print(f"chat template: {{CHAT_TEMPLATE}}; generation stops at {{tokenizer.eos_token!r}}")
+'''
+
+LORA_MD = '''\
+## 3. Add LoRA adapters
+
+LoRA freezes the pretrained weight `W` and learns a low-rank update: a projection computes
+`y = x Wᵀ + (α / r) · x Aᵀ Bᵀ` with `A` of shape `r × in` and `B` of shape `out × r`. `B` starts at
+zero, so training starts from exactly the pretrained model, and only `A` and `B` (well under 1 % of
+the parameters here) get gradients and optimizer state. With dropout 0 and bias `"none"` the
+adapters run inside notebookkit's fused kernels; the banner says which layers do.'''
+
+LORA = '''\
+model = FastLanguageModel.get_peft_model(model, **cfg.lora.peft_kwargs())
+'''
+
+CALIBRATION_MD = '''\
+## 5. Calibration: notebookkit against plain PEFT on this machine
+
+Before the real run, train a few steps twice, from the same checkpoint, seed, adapters and batches:
+once with notebookkit's fused kernels and once with plain Hugging Face + PEFT. Both minimise the same
+loss from the same starting point, so **the two loss curves should lie on top of each other**; what
+may differ is the **peak memory** and the **tokens per second**. On a GPU this tells you what the
+fused path buys on *your* card; on a CPU both run PyTorch code and the comparison only checks
+that the two paths agree. Set `CALIBRATION_STEPS = 0` to skip it.'''
+
+CALIBRATION = '''\
+from notebookkit.train import calibrate
+
+if CALIBRATION_STEPS:
+    calibration = calibrate(
+        cfg.model.model_name, train_ds, steps=CALIBRATION_STEPS, seed=SEED, max_seq_length=MAX_LENGTH,
+        load_in_4bit=cfg.model.load_in_4bit, dtype=cfg.model.dtype, r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha,
+        target_modules=cfg.lora.target_modules, chat_template=CHAT_TEMPLATE,
+        use_gradient_checkpointing=cfg.lora.use_gradient_checkpointing,
+        per_device_train_batch_size=cfg.training.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.training.gradient_accumulation_steps,
+        learning_rate=cfg.training.learning_rate, warmup_steps=0,
+    )
+    print(calibration.table())
+    calibration.plot().savefig(f"{OUTPUT_DIR}/calibration.png", dpi=100)
+    print(calibration.summary())
+else:
+    print("calibration skipped (CALIBRATION_STEPS = 0)")
+'''
+
+TRAIN_MD = '''\
+## 6. Train, with the live dashboard
+
+`trainer.train()` runs the optimizer steps. The dashboard updates in place while it runs: training
+loss (and held-back loss at each evaluation), learning rate, gradient norm, memory now and at peak
+(GPU, or this process's RAM on a CPU), tokens per second and the time left. When training ends it
+leaves a static figure, so the saved notebook still shows it.'''
+
+TRAIN = '''\
+from notebookkit.widgets import LiveDashboard
+
+from transformers import ProgressCallback
+
+dashboard = LiveDashboard()
+trainer.remove_callback(ProgressCallback)  # the dashboard replaces the text progress bar
+trainer.add_callback(dashboard)
+train_result = trainer.train()
+dashboard.save_figure(f"{OUTPUT_DIR}/dashboard.png")
+print(f"trained {train_result.global_step} steps in {train_result.metrics['train_runtime']:.0f} s")
+'''
+
+LOSS_CURVE = '''\
+import matplotlib.pyplot as plt
+
+train_log = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+eval_log = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+fig, ax = plt.subplots(figsize=(7, 3.2))
+ax.plot(*zip(*train_log), label="training loss")
+if eval_log:
+    ax.plot(*zip(*eval_log), "o-", label="held-back loss")
+ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("Loss curve"); ax.legend()
+fig.tight_layout(); fig.savefig(f"{OUTPUT_DIR}/loss_curve.png", dpi=100)
+'''
+
+SAVE_MD = '''\
+## 9. Save the adapter
+
+Only the LoRA matrices are saved (a few MB for a real model); the base model is referenced by name.
+`FastLanguageModel.from_pretrained("<this folder>")` loads base + adapter again.'''
+
+SAVE = '''\
+adapter_dir = f"{OUTPUT_DIR}/lora_adapter"
+model.save_pretrained(adapter_dir)
+tokenizer.save_pretrained(adapter_dir)
+print("saved:", sorted(p.name for p in __import__("pathlib").Path(adapter_dir).iterdir()))
+'''
+
+SIGNAL_MD = '''\
+## 10. Did it learn? (checked automatically)
+
+CI runs this notebook on the tiny default and this cell fails the run unless the model learned:
+the training loss must fall by at least `MIN_LOSS_DROP` (first three logged steps against the last
+three), and on the held-back questions the answer loss must be lower and exact match no worse
+than before training.'''
+
+SIGNAL = '''\
+import statistics
+
+losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
+drop = 1 - last / first
+print(f"training loss {first:.3f} -> {last:.3f} ({drop:.0%} lower; required: {MIN_LOSS_DROP:.0%})")
+print(f"held-back answer loss {loss_before:.3f} -> {loss_after:.3f}; "
+      f"exact match {em_before.score:.0%} -> {em_after.score:.0%}")
+assert drop >= MIN_LOSS_DROP, f"training loss fell only {drop:.1%} (< {MIN_LOSS_DROP:.0%})"
+assert loss_after < loss_before, "the tuned model is not better on the held-back answers"
+assert em_after.score >= em_before.score, "exact match on held-back questions got worse"
+print("learning signal: OK")
+'''
+
+
+def md(text: str) -> nbformat.NotebookNode:
+    return nbformat.v4.new_markdown_cell(text.strip("\n"))
+
+
+def code(text: str, tags: list[str] | None = None) -> nbformat.NotebookNode:
+    cell = nbformat.v4.new_code_cell(text.strip("\n"))
+    if tags:
+        cell.metadata["tags"] = tags
+    return cell
+
+
+# ------------------------------------------------------------------------------------------------
+# chat_sft.ipynb
+
+
+def chat_sft() -> list[nbformat.NotebookNode]:
+    return [
+        md('''\
+# Chat fine-tuning with response-only loss
+
+This notebook teaches a small language model to hold a conversation in a chat format, with LoRA
+adapters, on one GPU (a free Colab or Kaggle T4 is enough) or, with the built-in tiny model, on a
+laptop CPU in a few minutes.
+
+The steps: choose settings in **panels** → **load** the model and its chat template → add **LoRA**
+adapters → prepare the **data** (length profile, response-only labels, masking check, a held-back
+split) → a short **calibration** against plain PEFT → **train** with a live dashboard → **evaluate**
+on the held-back conversations → **chat** with the tuned model → **save** the adapter.
+
+*Run it top to bottom. On a CPU it uses `notebookkit/tiny-llama`, a small model built and
+pre-trained offline on the bundled corpus, so nothing is downloaded.*'''),
+        code(INSTALL),
+        md('''\
+**Parameters.** `None` means "choose for this machine": the tiny model and a handful of steps on a
+CPU, a real model on a GPU. CI and `make demo` override this cell (it is tagged `parameters`).'''),
+        code('''\
+MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
+GPU_MODEL = "Qwen/Qwen3-0.6B"
+CHAT_TEMPLATE = None       # None: guessed from the model name / tokenizer ("llama-3", "chatml", ...)
+LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
+MAX_SEQ_LENGTH = None      # None: 2048 on a GPU, 512 on CPU (capped by the length profile below)
+LORA_R = 16
+MAX_STEPS = None           # None: 60 on a GPU, CPU_STEPS on CPU
+CPU_STEPS = 24
+CALIBRATION_STEPS = None   # None: 30 on a GPU, 4 on CPU; 0 skips the calibration
+BATCH_SIZE = 4
+GRAD_ACCUM = 1
+LEARNING_RATE = None       # None: 2e-4 on a GPU, CPU_LEARNING_RATE on CPU
+CPU_LEARNING_RATE = 2e-3   # the tiny model learns in few steps with a larger rate
+WARMUP_STEPS = 2
+N_EVAL = 12                # held-back conversations to evaluate on
+N_EXACT = 4                # of those, how many are answered by generation (exact match)
+SEED = 3407
+OUTPUT_DIR = "outputs/chat_sft"
+MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at least this fraction''',
+             tags=["parameters"]),
+        code(RESOLVE + 'import os\nos.makedirs(OUTPUT_DIR, exist_ok=True)'),
+        md(PANELS_MD),
+        code(PANELS),
+        md('''\
+## 2. Load the model and its chat template
+
+`FastLanguageModel.from_pretrained` loads a Hugging Face checkpoint (4-bit NF4 if chosen) and swaps
+the forward passes of its norms, MLPs, attention and loss for fused kernels. The banner lists what
+was patched.
+
+A **chat template** turns a list of messages into the exact text the model reads, with markers
+around each turn. `get_chat_template` installs one and makes the end-of-turn token the EOS token,
+so that generation stops when the assistant's turn ends instead of rambling on.'''),
+        code(LOAD.format(chat_template_default="guess_chat_template(tokenizer, cfg.model.model_name)")),
+        md(LORA_MD),
+        code(LORA),
+        md('''\
+## 4. Data: conversations, length profile, response-only labels
+
+The bundled dataset stores conversations in ShareGPT style (`from`/`value`). `standardize_sharegpt`
+renames them to `role`/`content`, which chat templates read. The bundled data comes with a
+**held-back** `eval` split, never trained on, about facts the training conversations do not
+mention: it tells us whether the model learned something general rather than memorising. (With your
+own data, `notebookkit.train.split_heldout(dataset, n_eval=...)` holds back rows the same way.)'''),
+        code('''\
+from notebookkit.data import load_bundled, standardize_sharegpt
+
+raw = load_bundled("chat_sharegpt")
+print(raw)
+print(raw[0]["conversations"][:2])
+train_ds = standardize_sharegpt(raw, output_column="messages")
+heldout_ds = standardize_sharegpt(load_bundled("chat_sharegpt", split="eval"), output_column="messages")
+heldout_ds = heldout_ds.select(range(min(N_EVAL, len(heldout_ds))))
+print(f"{len(train_ds)} conversations to train on, {len(heldout_ds)} held back")
+print(tokenizer.apply_chat_template(train_ds[0]["messages"], tokenize=False))'''),
+        md('''\
+**Token-length profile.** Memory for activations and logits grows with the sequence length, so we
+pick `max_seq_length` from the data: the 99th percentile of the token counts, rounded up to a
+multiple of 64 (about 1 conversation in 100 gets truncated).'''),
+        code('''\
+from notebookkit.data import profile_lengths
+
+profile = profile_lengths(train_ds, tokenizer)
+print(profile)
+profile.plot()
+MAX_LENGTH = min(cfg.model.max_seq_length, profile.suggested_max_seq_length)
+print("training with max_length =", MAX_LENGTH)'''),
+        md('''\
+**Response-only loss.** By default a language model is trained to predict *every* token, including
+the user's questions and the system prompt. We only want it to learn the answers, so
+`train_on_responses_only` sets the label of every token outside the assistant turns to `-100`
+(ignored by the loss). The turn markers are read from the chat template. The assistant's
+end-of-turn token stays in the loss: that is how the model learns to stop.
+
+The **masking check** decodes one batch exactly as the trainer will see it: green tokens are
+trained on, grey ones are masked. If you see user text in green, the markers are wrong.'''),
+        code('''\
+from notebookkit.data import check_masking
+from notebookkit.train import make_sft_trainer
+
+steps = cfg.training.max_steps  # held-back loss is computed every `eval_every` steps (once at the end on CPU)
+eval_every = max(1, steps // 2 if ON_GPU else steps) if steps > 0 else None
+trainer = make_sft_trainer(
+    model, tokenizer, train_ds, heldout_ds, responses_only=True,
+    **{**cfg.training.trainer_kwargs(), "output_dir": OUTPUT_DIR, "max_length": MAX_LENGTH,
+       "eval_steps": eval_every},
+)
+check_masking(trainer, n_examples=2)'''),
+        md('''\
+**Before training**, measure the model on the held-back conversations: the *answer loss* (the
+average cross-entropy of the reference answers, teacher-forced) and *exact match* (greedy
+generation compared with the reference) on a few of them.'''),
+        code('''\
+from notebookkit.train import answer_loss, exact_match, qa_items
+
+heldout_items = qa_items(heldout_ds)
+loss_before = answer_loss(model, tokenizer, heldout_items)
+em_before = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
+print(f"held-back answer loss before training: {loss_before:.3f}")
+em_before'''),
+        md(CALIBRATION_MD),
+        code(CALIBRATION),
+        md(TRAIN_MD),
+        code(TRAIN),
+        md('''\
+## 7. Evaluate on the held-back conversations
+
+The same two measurements as before training. A lower answer loss means the model now puts more
+probability on the right answers to questions it never saw in training.'''),
+        code('''\
+loss_after = answer_loss(model, tokenizer, heldout_items)
+em_after = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
+print(f"held-back answer loss: {loss_before:.3f} -> {loss_after:.3f}")
+print(f"exact match:          {em_before.score:.0%} -> {em_after.score:.0%}")
+em_after'''),
+        code(LOSS_CURVE),
+        md('''\
+## 8. Chat with the tuned model
+
+`for_inference` switches to generation mode (KV cache on). The reply streams token by token and
+stops at the end-of-turn token thanks to the EOS mapping done with the chat template.'''),
+        code('''\
+from notebookkit.train import generate_reply
+
+FastLanguageModel.for_inference(model)
+conversation = heldout_items[0].messages
+print("user:", conversation[-1]["content"])
+print("model: ", end="")
+reply = generate_reply(model, tokenizer, conversation, max_new_tokens=48, stream=True)
+print("reference:", heldout_items[0].reference)'''),
+        md(SAVE_MD),
+        code(SAVE),
+        md(SIGNAL_MD),
+        code(SIGNAL),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# alpaca_sft.ipynb
+
+
+def alpaca_sft() -> list[nbformat.NotebookNode]:
+    return [
+        md('''\
+# Instruction tuning (Alpaca format)
+
+Instruction tuning teaches a model to follow a request: each example is an *instruction* (plus an
+optional *input*) and the desired *output*. This notebook fine-tunes LoRA adapters on the bundled
+Alpaca-style rows, rendered with the Alpaca prompt format, and trains only on the responses.
+
+Steps: **panels** → **load** → **LoRA** → **data** (format, length profile, masking check, held-back
+split) → **calibration** against plain PEFT → **train** with a live dashboard → **evaluate** on the
+held-back instructions → **generate** → **save**.
+
+*On a CPU it uses `notebookkit/tiny-llama` (built offline, nothing is downloaded) and runs in a few
+minutes.*'''),
+        code(INSTALL),
+        md('''\
+**Parameters.** `None` means "choose for this machine". CI and `make demo` override this cell
+(it is tagged `parameters`).'''),
+        code('''\
+MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
+GPU_MODEL = "Qwen/Qwen3-0.6B"
+CHAT_TEMPLATE = "alpaca"   # the prompt format; "### Instruction:" / "### Response:" blocks
+LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
+MAX_SEQ_LENGTH = None      # None: 2048 on a GPU, 512 on CPU (capped by the length profile below)
+LORA_R = 16
+MAX_STEPS = None           # None: 60 on a GPU, CPU_STEPS on CPU
+CPU_STEPS = 24
+CALIBRATION_STEPS = None   # None: 30 on a GPU, 4 on CPU; 0 skips the calibration
+BATCH_SIZE = 4
+GRAD_ACCUM = 1
+LEARNING_RATE = None       # None: 2e-4 on a GPU, CPU_LEARNING_RATE on CPU
+CPU_LEARNING_RATE = 2e-3
+WARMUP_STEPS = 2
+N_EVAL = 12                # held-back instructions to evaluate on
+N_EXACT = 4                # of those, how many are answered by generation (exact match)
+SEED = 3407
+OUTPUT_DIR = "outputs/alpaca_sft"
+MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at least this fraction''',
+             tags=["parameters"]),
+        code(RESOLVE + 'import os\nos.makedirs(OUTPUT_DIR, exist_ok=True)'),
+        md(PANELS_MD),
+        code(PANELS),
+        md('''\
+## 2. Load the model and the Alpaca prompt format
+
+`FastLanguageModel.from_pretrained` loads the checkpoint and patches it onto fused kernels (see the
+banner). The Alpaca format is plain text — a preamble, then `### Instruction:` and `### Response:`
+blocks — installed here as a chat template so that the same code renders training examples and
+prompts. Each response ends with the tokenizer's EOS token, which is where generation stops.'''),
+        code(LOAD.format(chat_template_default='"alpaca"')),
+        md(LORA_MD),
+        code(LORA),
+        md('''\
+## 4. Data: instructions, length profile, response-only labels
+
+Each Alpaca row (`instruction`, `input`, `output`) becomes a two-turn conversation: the instruction
+(and input, if any) as the user turn, the output as the assistant turn. The bundled `eval` split is
+**held back**: never trained on, it measures generalisation. (With your own data,
+`notebookkit.train.split_heldout(dataset, n_eval=...)` holds back rows the same way.)'''),
+        code('''\
+from notebookkit.data import alpaca_to_messages, load_bundled
+
+raw = load_bundled("alpaca")
+print(raw)
+print(raw[0])
+train_ds = raw.map(alpaca_to_messages, remove_columns=raw.column_names)
+held = load_bundled("alpaca", split="eval")
+heldout_ds = held.map(alpaca_to_messages, remove_columns=held.column_names)
+heldout_ds = heldout_ds.select(range(min(N_EVAL, len(heldout_ds))))
+print(f"{len(train_ds)} instructions to train on, {len(heldout_ds)} held back")
+print(tokenizer.apply_chat_template(train_ds[0]["messages"], tokenize=False))'''),
+        md('''\
+**Token-length profile**: the suggested `max_seq_length` is the 99th percentile of the token counts,
+rounded up to a multiple of 64.'''),
+        code('''\
+from notebookkit.data import profile_lengths
+
+profile = profile_lengths(train_ds, tokenizer)
+print(profile)
+profile.plot()
+MAX_LENGTH = min(cfg.model.max_seq_length, profile.suggested_max_seq_length)
+print("training with max_length =", MAX_LENGTH)'''),
+        md('''\
+**Response-only loss**: labels before `### Response:` (the preamble and the instruction) become
+`-100`, so the loss — and every gradient step — is spent on writing responses. The masking check
+shows one batch: green is trained on, grey is masked.'''),
+        code('''\
+from notebookkit.data import check_masking
+from notebookkit.train import make_sft_trainer
+
+steps = cfg.training.max_steps  # held-back loss is computed every `eval_every` steps (once at the end on CPU)
+eval_every = max(1, steps // 2 if ON_GPU else steps) if steps > 0 else None
+trainer = make_sft_trainer(
+    model, tokenizer, train_ds, heldout_ds, responses_only=True,
+    **{**cfg.training.trainer_kwargs(), "output_dir": OUTPUT_DIR, "max_length": MAX_LENGTH,
+       "eval_steps": eval_every},
+)
+check_masking(trainer, n_examples=2)'''),
+        md('''\
+**Before training**: answer loss (teacher-forced cross-entropy of the reference responses) and exact
+match of greedy generations on held-back instructions.'''),
+        code('''\
+from notebookkit.train import answer_loss, exact_match, qa_items
+
+heldout_items = qa_items(heldout_ds)
+loss_before = answer_loss(model, tokenizer, heldout_items)
+em_before = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
+print(f"held-back answer loss before training: {loss_before:.3f}")
+em_before'''),
+        md(CALIBRATION_MD),
+        code(CALIBRATION),
+        md(TRAIN_MD),
+        code(TRAIN),
+        md('''\
+## 7. Evaluate on the held-back instructions'''),
+        code('''\
+loss_after = answer_loss(model, tokenizer, heldout_items)
+em_after = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
+print(f"held-back answer loss: {loss_before:.3f} -> {loss_after:.3f}")
+print(f"exact match:          {em_before.score:.0%} -> {em_after.score:.0%}")
+em_after'''),
+        code(LOSS_CURVE),
+        md('''\
+## 8. Follow a new instruction
+
+Generation streams token by token and stops at the EOS token that ends every training response.'''),
+        code('''\
+from notebookkit.train import generate_reply
+
+FastLanguageModel.for_inference(model)
+item = heldout_items[0]
+print("instruction:", item.question)
+print("response: ", end="")
+reply = generate_reply(model, tokenizer, item.messages, max_new_tokens=48, stream=True)
+print("reference:", item.reference)'''),
+        md(SAVE_MD),
+        code(SAVE),
+        md(SIGNAL_MD),
+        code(SIGNAL),
+    ]
+
+
+NOTEBOOKS = {
+    "notebooks/sft/chat_sft.ipynb": chat_sft,
+    "notebooks/sft/alpaca_sft.ipynb": alpaca_sft,
+}
+
+
+def build(cells: list[nbformat.NotebookNode], slug: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+        "accelerator": "GPU",
+        "colab": {"provenance": []},
+    }
+    for i, cell in enumerate(cells):
+        cell["id"] = f"{slug}-{i:02d}"
+    nb.cells = cells
+    nbformat.validate(nb)
+    return nb
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if a notebook is out of date")
+    args = parser.parse_args()
+    stale = []
+    for rel, make in NOTEBOOKS.items():
+        path = ROOT / rel
+        text = nbformat.writes(build(make(), path.stem.replace("_", "-"))) + "\n"
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(rel)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print("wrote", rel)
+    if stale:
+        print("out of date (run scripts/make_notebooks.py):", ", ".join(stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""GPU run of chat_sft.ipynb on a real-size, random-weight model (run on the GPU machine: `pytest -m gpu`).
+
+The model has the shapes of Llama-3.2-1B (or Llama-3.1-8B with NOTEBOOKKIT_GPU_SHAPE=8b) and random
+weights, with the tiny default's tokenizer, so nothing is downloaded. The notebook runs with 4-bit
+loading, the 30-step calibration and 60 training steps; the executed notebook and its figures
+(dashboard.png, loss_curve.png, calibration.png) are kept in runs/gpu-chat-sft/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def _random_llama(folder: Path, shape: str) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from notebookkit.data.tiny import resolve_model_name
+
+    tiny = Path(resolve_model_name("notebookkit/tiny-llama"))
+    cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.mark.gpu
+def test_chat_sft_on_gpu_real_size_random_weights(tmp_path, monkeypatch):
+    from notebookkit.train.headless import run_notebook
+
+    shape = os.environ.get("NOTEBOOKKIT_GPU_SHAPE", "1b")
+    folder = _random_llama(tmp_path / f"random-llama-{shape}", shape)
+    monkeypatch.chdir(ROOT)
+    out = ROOT / "runs" / "gpu-chat-sft"
+    params = dict(
+        MODEL_NAME=str(folder), CHAT_TEMPLATE="llama-3", LOAD_IN_4BIT=True, MAX_STEPS=60, CALIBRATION_STEPS=30,
+        LEARNING_RATE=1e-3, MIN_LOSS_DROP=0.1, OUTPUT_DIR=str(out),
+    )
+    result = run_notebook("notebooks/sft/chat_sft.ipynb", params, out / "chat_sft.ipynb", cell_timeout=1800)
+    print(result.log_line())
+    assert result.ok, result.error
+    assert (out / "dashboard.png").exists() and (out / "calibration.png").exists()
