@@ -171,7 +171,7 @@ print("saved:", sorted(p.name for p in __import__("pathlib").Path(adapter_dir).i
 '''
 
 SIGNAL_MD = '''\
-## 10. Did it learn? (checked automatically)
+## Last: did it learn? (checked automatically)
 
 CI runs this notebook on the tiny default and this cell fails the run unless the model learned:
 the training loss must fall by at least `MIN_LOSS_DROP` (first three logged steps against the last
@@ -192,6 +192,64 @@ assert loss_after < loss_before, "the tuned model is not better on the held-back
 assert em_after.score >= em_before.score, "exact match on held-back questions got worse"
 print("learning signal: OK")
 '''
+
+
+SCALE_OUT_MD = '''\
+## 10. Scale out: the same run on several GPUs
+
+A notebook drives one process, so it trains on one GPU. When that is too slow, run the same
+training as a script on several GPUs: `scripts/train_sft.py` does what this notebook does (load,
+chat template, LoRA, response-only labels, train, save the adapter) and reads the settings you
+chose above from a file. Each GPU gets its own process and a full copy of the model; PyTorch
+`DistributedDataParallel` averages the gradients once per optimizer step.
+
+* **Global batch** = batch size × accumulation steps × GPUs. With 2 GPUs, halve the accumulation
+  steps to train on the same number of sequences per step as here.
+* The loss is normalised by the label tokens of the whole global batch, so 2 GPUs × 2 sequences
+  train exactly like 1 GPU × 4 (checked in CI on 2 CPU processes).
+* For a model that does not fit on one GPU, stay in one process and spread its layers:
+  `FastLanguageModel.from_pretrained(..., device_map="balanced")` (or `--device_map balanced`).
+  The layers then run one after another: more memory, not more speed.
+
+The cell below saves this notebook's settings and prints the commands to run in a terminal.'''
+
+SCALE_OUT = '''\
+import json, pathlib, shlex
+
+script = pathlib.Path("scripts/train_sft.py")
+for parent in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents]:
+    if (parent / "scripts" / "train_sft.py").is_file():
+        script = parent / "scripts" / "train_sft.py"
+        break
+
+run_config = {
+    "model_name": cfg.model.model_name,
+    "load_in_4bit": cfg.model.load_in_4bit,
+    "max_seq_length": cfg.model.max_seq_length,
+    "max_length": MAX_LENGTH,
+    "chat_template": CHAT_TEMPLATE,
+    "r": cfg.lora.r,
+    "lora_alpha": cfg.lora.lora_alpha,
+    "use_gradient_checkpointing": cfg.lora.use_gradient_checkpointing,
+    "learning_rate": cfg.training.learning_rate,
+    "max_steps": cfg.training.max_steps,
+    "per_device_train_batch_size": cfg.training.per_device_train_batch_size,
+    "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
+    "warmup_steps": WARMUP_STEPS,
+    "n_eval": N_EVAL,
+    "seed": SEED,
+    "output_dir": f"{OUTPUT_DIR}/scale_out",
+}
+config_path = pathlib.Path(OUTPUT_DIR) / "run_config.json"
+config_path.write_text(json.dumps(run_config, indent=2))
+print(f"settings saved to {config_path}:\\n{config_path.read_text()}")
+args = f"{shlex.quote(str(script))} --config {shlex.quote(str(config_path))}"
+print("one GPU (or CPU):       python", args)
+print("2 GPUs, torchrun:       torchrun --nproc_per_node 2", args)
+print("2 GPUs, accelerate:     accelerate launch --multi_gpu --num_processes 2", args)
+print("too big for one GPU:    python", args, "--device_map balanced")
+if not script.is_file():
+    print("\\n(scripts/train_sft.py is in the notebookkit repository: clone it, or download that one file.)")'''
 
 
 def md(text: str) -> nbformat.NotebookNode:
@@ -362,6 +420,8 @@ reply = generate_reply(model, tokenizer, conversation, max_new_tokens=48, stream
 print("reference:", heldout_items[0].reference)'''),
         md(SAVE_MD),
         code(SAVE),
+        md(SCALE_OUT_MD),
+        code(SCALE_OUT),
         md(SIGNAL_MD),
         code(SIGNAL),
     ]
