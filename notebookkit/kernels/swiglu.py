@@ -190,12 +190,15 @@ def swiglu_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor) -> tupl
         swiglu_backward_launch(dh, e, g, dh, e, g)
     else:
         acc = torch.float64 if e.dtype == torch.float64 else torch.float32
-        ef, gf, dhf = e.to(acc, copy=True), g.to(acc, copy=True), dh.to(acc, copy=True)
+        ef, gf, dhf = e.to(acc), g.to(acc), dh.to(acc)  # the tensors themselves when already in acc
         s = torch.sigmoid(ef)
-        a = ef * s
-        dh.copy_(a * gf)
-        e.copy_(dhf * gf * s * (1.0 + ef * (1.0 - s)))
-        g.copy_(dhf * a)
+        a = ef * s  # silu(e)
+        de = torch.sub(1.0, s).mul_(a).add_(s).mul_(dhf).mul_(gf)  # dh g silu'(e), silu' = s + a (1 - s)
+        dg = dhf * a
+        h = a.mul_(gf)  # read e, g and dh before any of them is overwritten
+        dh.copy_(h)
+        e.copy_(de)
+        g.copy_(dg)
     return dh, e, g
 
 

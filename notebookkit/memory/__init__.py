@@ -9,6 +9,8 @@
 from .cards import CARDS, GPUCard, detect_card, parse_card, parse_memory
 from .estimate import (
     MemoryEstimate,
+    activation_plan_of,
+    estimate_for_model,
     estimate_kwargs_from_model,
     estimate_training_memory,
     layer_activation_bytes,
@@ -31,7 +33,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CARDS", "GPUCard", "detect_card", "parse_card", "parse_memory",
-    "MemoryEstimate", "estimate_kwargs_from_model", "estimate_training_memory", "layer_activation_bytes",
+    "MemoryEstimate", "activation_plan_of", "estimate_for_model", "estimate_kwargs_from_model", "estimate_training_memory", "layer_activation_bytes",
     "lora_param_count", "normalize_plan", "HostMemoryError", "PinnedBufferPool",
     "gpu_memory", "host_memory", "reset_gpu_peak",
     "ActivationPlan", "DoesNotFitError", "plan_activations",

@@ -22,43 +22,60 @@ Adapters (params + grads + optimizer), over the targeted projections, ``P_lora =
     8-bit (blockwise, fp32 absmax per 256 values) AdamW variants, 4 for Lion, 0 for SGD,
     ``4*(rows+cols)/(rows*cols)`` per matrix for Adafactor.
 
-Activations saved for backward, per decoder layer, by mode
+Activations saved for backward, per decoder layer, by mode (checked tensor by tensor with
+``torch.autograd.graph.saved_tensors_hooks`` on the fused path: ``tests/memory/test_saved_activations.py``)
     keep:      what the fused kernels save, in ``s``-byte elements per token:
-               ``H`` (input of the attention norm) + ``H`` (normed input of q/k/v) + ``dq + 2*dk``
-               (Q, K after RoPE, V) + ``dq`` (attention output = input of o) + ``H`` (residual =
-               input of the MLP norm) + ``H`` (normed input of gate/up) + ``2*I`` (e, g of the
-               gated MLP; the product is recomputed in backward) + ``r`` per LoRA target (x @ A^T)
-               [+ ``dq + dk`` pre-norm q, k on Qwen3/Gemma 3] [+ ``2*H`` inputs of the post-norms
-               on Gemma 2/3]; plus fp32 per token: the norms' ``1/rms`` (2 or 4 values, and one per
-               head for q/k norms) and the attention log-sum-exp (one per head).
+               ``H`` (input of the attention norm) + ``H`` (normed input of q/k/v, saved once by
+               ``lora_qkv``) + ``dq + 2*dk`` (Q, K after RoPE and V, saved by SDPA) + ``dq`` (the
+               attention output, saved by SDPA and by ``lora_o`` as one storage) + ``H`` (residual =
+               input of the MLP norm) + ``H`` (normed input of gate/up) + ``2*I`` (e, g of the gated
+               MLP; the product is recomputed in backward); the LoRA kernels save no ``x A^T``
+               (recomputed in backward) [+ ``dq + dk`` pre-norm q, k on Qwen3/Gemma 3] [+ ``2*H``
+               inputs of the post-norms on Gemma 2/3]; plus fp32 per token: the norms' ``1/rms``
+               (2 or 4 values, and one per head for q/k norms) and the attention log-sum-exp (one
+               per query head).
+               Soft-capped attention (Gemma 2) runs an explicit softmax instead of SDPA: K and V
+               are kept repeated to all ``heads`` (``2*dq`` instead of ``2*dk``), no log-sum-exp, and
+               per layer ``B * heads * T^2 * (2*s + 4)`` bytes (the tanh output, the fp32 softmax and
+               the 16-bit probabilities) plus the boolean mask ``B * T^2``.
                LoRA dropout > 0 adds the dropped input (``s`` bytes) and its mask (1 byte) per target.
-               Eager attention adds the probabilities ``B * heads * T^2 * s``.
     recompute: the layer input only, ``N * H * s``.
-    offload:   nothing on the GPU: the input lives in pinned host memory (``N * H * s`` there).
-    Any recompute/offload layer adds, once, the working set of the layer being recomputed (its full
-    keep activations); offloading adds two layer inputs in flight (one being copied each way).
+    offload:   nothing on the GPU (the input lives in pinned host memory, ``N * H * s`` there),
+               except the last decoder layer, whose input stays on the GPU when it is offloaded.
+    Offloading adds two layer inputs in flight (the one fetched and the one prefetched; the last
+    layer's input is one of them when it stays on the GPU).
 
 Logits / loss
     fused linear cross-entropy (default): the final norm's input and output and the gradient of the
-    hidden states computed during the forward (``3 * N * H * s``) plus one chunk of ``C`` rows of
-    logits, overwritten in place by their gradient, with the chunk's hidden rows:
-    ``C * (V * s + 2 * H * s + 16)``. By default ``C = max(256, N / ceil(V / H))`` rows (a chunk as
-    large as the hidden states) capped at 256 MiB, as the kernel chooses it.
+    hidden states computed during the forward (``3 * N * H * s``), fp32 per-row losses, the final
+    norm's ``1/rms`` and the shifted labels (``16 * N``), plus one chunk of ``C`` rows of logits
+    overwritten in place by their gradient: ``C * V * s``. ``C`` is the kernel's choice
+    (``kernels.fused_linear_cross_entropy.choose_chunk_size``): ``max(512, N / ceil(V / H))`` rows
+    at most 256 MiB, in equal chunks.
     materialised: ``N * V * (s + 3 * 4)``: 16-bit logits, their fp32 upcast, the fp32 log-softmax
     kept for backward, and the fp32 gradient. This is what plain transformers does and why long
     sequences with 128k-256k vocabularies run out of memory there.
 
-Temporaries
-    the dequantised 16-bit copy of the largest projection, twice (NF4 only; gate and up meet in
-    the MLP backward); the CUDA context (``cuda_context_bytes``, not part of
-    ``torch.cuda.max_memory_allocated``, so :attr:`MemoryEstimate.peak_allocated` leaves it out);
-    and the part of the backward working set that exceeds the logits/loss buffers (they are not
-    alive at the same time): gradient buffers ``N * s * (2*H + max(I, 2*dq + 2*dk))``, the fp32
-    attention gradient accumulator ``N * dq * 4`` and the hidden-state gradient ``N*H*s``, plus the
-    recomputed layer's activations above.
+Temporaries (the backward's working set, when it exceeds the loss buffers, which are freed by then)
+    The backward of the last layer is the high-water mark: every saved activation is still there,
+    the loss buffers are gone, and it adds
+    - the gradient arriving from above (``N*H*s``), the MLP's ``dY W_down`` (``N*I*s``, into which
+      the in-place activation backward writes) and the gradient of its input (``N*H*s``);
+    - with NF4, the dequantised 16-bit copy of the projection being multiplied (one at a time:
+      each is freed right after its GEMM), ``max(in*out) * s``;
+    - for recompute/offload layers, the recomputed layer's keep activations (less its input,
+      which is the stored one);
+    - the attention backward (after the MLP's e, g are freed) when it needs more: the output
+      gradient, the fp32 ``dQ`` accumulator and, with GQA, K/V gradients expanded to all heads
+      (FlashAttention 2), or the ``[B, heads, T, T]`` fp32 gradients of an explicit softmax.
+    The LoRA gradients (in "adapters + optimizer") are counted as alive throughout.
+    The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
+    so :attr:`MemoryEstimate.peak_allocated` leaves it out.
 
-Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries``; it is the
-larger of the end-of-forward peak and the start-of-backward peak, plus the CUDA context.
+Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries``: the larger of
+the end-of-forward peak (inside the loss) and the backward peak, plus the CUDA context. What
+``torch.cuda.max_memory_reserved`` shows is higher by the caching allocator's fragmentation (a few
+percent); the planner leaves a margin for it.
 """
 
 from __future__ import annotations
@@ -100,15 +117,16 @@ def _dtype_bytes(dtype: Any) -> int:
 def default_loss_chunk(tokens: int, hidden: int, vocab: int, dtype_bytes: int = 2) -> int:
     """Rows of logits the fused linear cross-entropy holds at once on a GPU.
 
-    Mirrors ``kernels.fused_linear_cross_entropy.choose_chunk_size`` (LM head frozen): about
-    ``N / ceil(V / H)`` rows, at least 256, at most 256 MiB of chunk, in equal chunks.
+    Mirrors ``kernels.fused_linear_cross_entropy.choose_chunk_size`` (LM head frozen, plenty of free
+    memory): ``N / ceil(V / H)`` rows, at least 512, at most 256 MiB of chunk, in equal chunks
+    rounded up to a multiple of 8 rows.
     """
     if tokens <= 0:
         return 1
     row_bytes = vocab * dtype_bytes + 2 * hidden * dtype_bytes + 16
     budget_rows = max(1, (256 * 2**20) // row_bytes)
     vh_rows = math.ceil(tokens / max(1, math.ceil(vocab / max(hidden, 1))))
-    rows = max(1, min(tokens, max(vh_rows, 256), budget_rows))
+    rows = max(1, min(tokens, max(vh_rows, 512), budget_rows))
     n_chunks = math.ceil(tokens / rows)
     rows = math.ceil(tokens / n_chunks)
     if rows > 8:
@@ -277,9 +295,18 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         out["load_in_4bit"] = bool(get("load_in_4bit", False))
         if out["load_in_4bit"]:
             out["double_quant"] = bool(get("bnb_4bit_use_double_quant", False))
-    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    dtype = None
+    embeddings = getattr(model, "get_input_embeddings", None)
+    try:  # the dtype the model really computes in: its (16-bit, never quantised) embedding table
+        dtype = embeddings().weight.dtype if embeddings is not None else None
+    except Exception:  # noqa: BLE001 - a model without embeddings: fall back to the config
+        dtype = None
+    dtype = dtype or getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if dtype is not None and str(dtype).replace("torch.", "") in _DTYPE_BYTES:
         out["dtype"] = str(dtype).replace("torch.", "")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "__dict__") and "_notebookkit_original_forward" not in base.__dict__ and hasattr(base, "lm_head"):
+        out["fused_loss"] = False  # the causal-LM head is not patched: stock code materialises the logits
     peft = getattr(model, "peft_config", None)
     if isinstance(peft, dict) and peft:
         pc = next(iter(peft.values()))
@@ -293,10 +320,52 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     return out
 
 
+def activation_plan_of(model: Any) -> Any:
+    """The activation plan a loaded model runs: the per-layer modes notebookkit applied
+    (``use_gradient_checkpointing``), else ``"recompute"`` / ``"keep"`` from Hugging Face's flag."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    modes = getattr(base, "__dict__", {}).get("_notebookkit_checkpointing")
+    if modes is None:
+        return "recompute" if getattr(base, "is_gradient_checkpointing", False) else "keep"
+    return "keep" if modes == "none" else modes
+
+
+def estimate_for_model(
+    model: Any, batch_size: int = 1, seq_len: int | None = None, **overrides: Any
+) -> MemoryEstimate:
+    """:func:`estimate_training_memory` for a model loaded by ``FastLanguageModel`` (after
+    ``get_peft_model``), as it is set up now.
+
+    Reads the shape, 4-bit loading, compute dtype, LoRA rank/targets/dropout and the activation
+    plan (per-layer keep / recompute / offload that ``use_gradient_checkpointing`` applied) off the
+    model. ``seq_len`` defaults to the model's ``max_seq_length``. Any keyword of
+    :func:`estimate_training_memory` (``optimizer="adamw_8bit"``, ``activation_plan=...``) overrides
+    what was read.
+    """
+    kwargs = estimate_kwargs_from_model(model)
+    kwargs["activation_plan"] = activation_plan_of(model)
+    if seq_len is None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        seq_len = getattr(model, "max_seq_length", None) or getattr(base, "max_seq_length", None) or 2048
+    kwargs.update(overrides)
+    return estimate_training_memory(model, batch_size=batch_size, seq_len=int(seq_len), **kwargs)
+
+
 def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
     """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``."""
     dims = shape.projection_shapes()
     return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in _targets(target_modules))
+
+
+def resolve_attention(shape: ModelShape, attention: str | None = "auto") -> str:
+    """The attention path the fused model runs: ``"eager"`` (explicit softmax) for soft-capped
+    attention (Gemma 2), else ``"sdpa"``; an explicit ``"sdpa"``/``"flash"``/``"eager"`` is kept."""
+    key = "auto" if attention is None else str(attention).lower()
+    if key == "auto":
+        return "eager" if shape.attn_softcap else "sdpa"
+    if key in ("sdpa", "flash", "flash_attention_2", "eager"):
+        return "eager" if key == "eager" else "sdpa"
+    raise ValueError(f"notebookkit.memory: unknown attention {attention!r}; use 'auto', 'sdpa', 'flash' or 'eager'.")
 
 
 def layer_activation_bytes(
@@ -309,9 +378,13 @@ def layer_activation_bytes(
     lora_r: int = 16,
     target_modules: Iterable[str] | None = None,
     lora_dropout: float = 0.0,
-    attention: str = "sdpa",
+    attention: str = "auto",
 ) -> int:
-    """Bytes one decoder layer keeps on the GPU for backward in ``mode`` (see module docstring)."""
+    """Bytes one decoder layer keeps on the GPU for backward in ``mode`` (see module docstring).
+
+    ``lora_r`` does not change what the fused kernels save (``x A^T`` is recomputed in backward);
+    it is accepted so that callers can pass the same keywords as to the estimate.
+    """
     N = batch_size * seq_len
     s = dtype_bytes
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
@@ -321,22 +394,58 @@ def layer_activation_bytes(
         return N * H * s
     if mode != "keep":
         raise ValueError(f"unknown mode {mode!r}")
+    eager = resolve_attention(shape, attention) == "eager"
     targets = _targets(target_modules)
-    elems = 4 * H + 2 * dq + 2 * dk + 2 * I + lora_r * len(targets)
-    fp32 = 2 + shape.num_heads  # norm rstd x2, attention lse per head
+    elems = 4 * H + 2 * dq + 2 * dk + 2 * I
+    fp32 = 2  # 1/rms of the two pre-norms
     if shape.qk_norm:
         elems += dq + dk
         fp32 += shape.num_heads + shape.num_kv_heads
     if shape.sandwich_norms:
         elems += 2 * H
         fp32 += 2
-    total = N * (elems * s + fp32 * 4)
+    total = 0
+    if eager:
+        elems += 2 * (dq - dk)  # K, V repeated to every query head
+        total += batch_size * shape.num_heads * seq_len * seq_len * (2 * s + 4) + batch_size * seq_len * seq_len
+    else:
+        fp32 += shape.num_heads  # log-sum-exp per query head
+    total += N * (elems * s + fp32 * 4)
     if lora_dropout and lora_dropout > 0:
         dims = shape.projection_shapes()
         total += N * sum(dims[t][0] for t in targets) * (s + 1)
-    if attention == "eager":
-        total += batch_size * shape.num_heads * seq_len * seq_len * s
     return total
+
+
+def backward_working_set(
+    shape: ModelShape,
+    *,
+    batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    load_in_4bit: bool = False,
+    attention: str = "auto",
+) -> dict[str, int]:
+    """Transient bytes of one decoder layer's backward on top of the saved activations.
+
+    ``{"mlp": ..., "attention": ...}``: the two high-water marks inside a layer's backward (see the
+    module docstring, "Temporaries"). ``attention`` is relative to the MLP moment's baseline, with
+    the layer's e and g already freed (it can be negative).
+    """
+    N = batch_size * seq_len
+    s = dtype_bytes
+    H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    dequant = max(i * o for i, o in shape.projection_shapes().values()) * s if load_in_4bit else 0
+    mlp = N * H * s + N * I * s + N * H * s + dequant
+    freed = N * (2 * I + 2 * H) * s + N * 8  # e, g, the MLP norm's input and output, 1/rms
+    attn = N * H * s + N * dq * s  # gradient from above, gradient of the attention output
+    if resolve_attention(shape, attention) == "eager":
+        attn += N * (dq + 2 * dq) * s + batch_size * shape.num_heads * seq_len * seq_len * (8 + 2 * s)
+    else:
+        gqa = 2 * N * dq * s if dk != dq else 0
+        attn += N * dq * 4 + gqa + N * (dq + 2 * dk) * s + N * shape.num_heads * 4
+    attn += dequant
+    return {"mlp": mlp, "attention": attn - freed}
 
 
 def estimate_training_memory(
@@ -355,7 +464,7 @@ def estimate_training_memory(
     double_quant: bool = True,
     adapter_dtype: str = "float32",
     lora_dropout: float = 0.0,
-    attention: str = "sdpa",
+    attention: str = "auto",
     cuda_context_bytes: int = 400 * 2**20,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
@@ -377,7 +486,8 @@ def estimate_training_memory(
         double_quant: NF4 with quantised absmax (bitsandbytes ``bnb_4bit_use_double_quant``).
         adapter_dtype: dtype of the LoRA weights (PEFT keeps them in float32 by default).
         lora_dropout: > 0 makes each adapter save its dropped input.
-        attention: ``"sdpa"``/``"flash"`` (no T^2 storage) or ``"eager"`` (saves the probabilities).
+        attention: ``"auto"`` (what the fused model runs: an explicit softmax for soft-capped
+            attention, Gemma 2, else SDPA), ``"sdpa"``/``"flash"`` (no T^2 storage) or ``"eager"``.
         cuda_context_bytes: memory the CUDA context and libraries take outside PyTorch's allocator.
 
     Returns:
@@ -437,54 +547,54 @@ def estimate_training_memory(
     adapters = params_b + grads_b + master_b + opt_b
 
     # ---- activations ------------------------------------------------------------------------
+    attention = resolve_attention(shape, attention)
+    X = N * H * s  # one [B, T, H] hidden-state tensor
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r, target_modules=targets,
               lora_dropout=lora_dropout, attention=attention)
     keep_layer = layer_activation_bytes(shape, "keep", **kw)
-    per_layer = tuple(layer_activation_bytes(shape, m, **kw) for m in plan)
+    per_layer = [layer_activation_bytes(shape, m, **kw) for m in plan]
+    if plan and plan[-1] == "offload":
+        per_layer[-1] = X  # the last layer's input is needed first in backward: it stays on the GPU
+    per_layer = tuple(per_layer)
     saved = sum(per_layer)
     counts = {m: plan.count(m) for m in MODES}
     details["activations: saved by kept layers"] = counts["keep"] * keep_layer
     if counts["recompute"]:
-        details["activations: inputs of recomputed layers"] = counts["recompute"] * N * H * s
-    in_flight = 2 * N * H * s if counts["offload"] else 0
+        details["activations: inputs of recomputed layers"] = counts["recompute"] * X
+    if plan and plan[-1] == "offload":
+        details["activations: input of the last (offloaded) layer"] = X
+    # One input being fetched and the next prefetched; an on-GPU last-layer input is one of them.
+    in_flight = (X if plan[-1] == "offload" else 2 * X) if counts["offload"] else 0
     if in_flight:
         details["activations: offloaded inputs in flight"] = in_flight
     activations = saved + in_flight
-    host_offload = counts["offload"] * N * H * s
+    host_offload = counts["offload"] * X
 
     # ---- logits / loss ------------------------------------------------------------------------
     if fused_loss:
         chunk = loss_chunk_size or default_loss_chunk(N, H, V, s)
         chunk = min(chunk, N)
-        hidden_b = 3 * N * H * s + N * 4
-        chunk_b = chunk * (V * s + 2 * H * s + 16)
+        hidden_b = 3 * X + 16 * N
+        chunk_b = chunk * V * s
         details["logits / loss: final norm, hidden grad"] = hidden_b
         details[f"logits / loss: logits chunk ({chunk} rows)"] = chunk_b
         logits_loss = hidden_b + chunk_b
-        loss_in_backward = N * H * s  # the hidden-state gradient waits for backward
     else:
-        logits_loss = 2 * N * H * s + N * V * (s + 3 * 4)
+        logits_loss = 2 * X + N * V * (s + 3 * 4)
         details["logits / loss: materialised [N, V] logits (16-bit + fp32)"] = logits_loss
-        loss_in_backward = N * H * s + N * V * 4
         if N * V * 4 > 2 * GiB:
             notes.append("the materialised logits are large; fused_loss=True computes the loss in chunks")
 
-    # ---- temporaries ------------------------------------------------------------------------
-    dequant = 0
-    if load_in_4bit:
-        largest = max(i * o for i, o in shape.projection_shapes().values())
-        dequant = 2 * largest * s
-        details["temporaries: dequantised weights"] = dequant
-    grad_ws = N * s * (2 * H + max(I, 2 * dq + 2 * dk)) + N * dq * 4
-    if attention == "eager":
-        grad_ws += 2 * batch_size * shape.num_heads * seq_len * seq_len * s
-    recompute_ws = keep_layer if (counts["recompute"] or counts["offload"]) else 0
-    backward_extra = loss_in_backward + grad_ws + recompute_ws
+    # ---- temporaries: the backward's working set beyond the (by then freed) loss buffers --------
+    ws = backward_working_set(shape, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
+                              load_in_4bit=load_in_4bit, attention=attention)
+    recompute_ws = keep_layer - X if (counts["recompute"] or counts["offload"]) else 0
+    backward_extra = recompute_ws + max(ws["mlp"], ws["attention"])
     over = max(0, backward_extra - logits_loss)
     if over:
         details["temporaries: backward working set beyond the loss buffers"] = over
     details["temporaries: CUDA context"] = cuda_context_bytes
-    temporaries = dequant + over + cuda_context_bytes
+    temporaries = over + cuda_context_bytes
 
     if lora_dropout and lora_dropout > 0:
         notes.append("lora_dropout > 0 stores a dropped copy of every adapter input and leaves the fused path")

@@ -16,7 +16,9 @@ one layer holds the seven projections
 
 i.e. ``H*(2*dq + 2*dk) + 3*H*I`` linear parameters, plus small norm vectors (2 or 4 of size H,
 and per-head q/k norms of size hd on Qwen3 / Gemma 3). The embedding table is ``V*H``; the LM head
-is another ``V*H`` unless the embeddings are tied.
+is another ``V*H`` unless the embeddings are tied. ``attn_softcap`` marks models whose attention
+scores are soft-capped (Gemma 2: ``attn_logit_softcapping``), which SDPA cannot express, so their
+attention runs an explicit softmax that keeps ``[B, heads, T, T]`` tensors for backward.
 
 ``KNOWN_MODELS`` lists the curated hub checkpoints with the numbers copied from their public
 ``config.json`` files (text part for multimodal Gemma 3). ``model_shape(x)`` turns a Hugging Face
@@ -51,6 +53,7 @@ class ModelShape:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # extra post-attention / post-MLP norms (Gemma 2, Gemma 3)
     max_position_embeddings: int | None = None
+    attn_softcap: bool = False  # attention logit soft-cap (Gemma 2): explicit softmax, T^2 scores kept
 
     @property
     def q_dim(self) -> int:
@@ -114,11 +117,13 @@ class ModelShape:
 def _shape(name, model_type, H, L, nh, nk, hd, I, V, tied, max_pos, **kw) -> ModelShape:
     fam_qk = model_type in ("qwen3", "gemma3_text", "gemma3")
     fam_sandwich = model_type in ("gemma2", "gemma3_text", "gemma3")
+    softcap = kw.get("attn_softcap")
     return ModelShape(
         name=name, model_type=model_type, hidden_size=H, num_layers=L, num_heads=nh, num_kv_heads=nk,
         head_dim=hd, intermediate_size=I, vocab_size=V, tie_word_embeddings=tied,
         qk_norm=kw.get("qk_norm", fam_qk), sandwich_norms=kw.get("sandwich_norms", fam_sandwich),
         max_position_embeddings=max_pos,
+        attn_softcap=model_type == "gemma2" if softcap is None else bool(softcap),
     )
 
 
@@ -183,11 +188,14 @@ def shape_from_config(cfg: Any, name: str | None = None) -> ModelShape:
     tied = _get(cfg, "tie_word_embeddings")
     if tied is None:
         tied = tied_outer if tied_outer is not None else model_type.startswith("gemma")
+    _missing = object()
+    softcap = _get(cfg, "attn_logit_softcapping", _missing)
     return _shape(
         name or str(_get(cfg, "_name_or_path", "") or _get(cfg, "name_or_path", "") or model_type),
         model_type, H, int(_get(cfg, "num_hidden_layers")), nh, int(nk), int(hd),
         int(_get(cfg, "intermediate_size")), int(_get(cfg, "vocab_size")), bool(tied),
         _get(cfg, "max_position_embeddings"),
+        attn_softcap=None if softcap is _missing else softcap is not None,
     )
 
 

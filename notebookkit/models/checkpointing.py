@@ -256,6 +256,7 @@ def apply_checkpointing(
             disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
             disable()
         object.__setattr__(base, "_notebookkit_checkpointing", "none")
+        _guard_trainer_override(base)  # TRL's default gradient_checkpointing=True must not turn it back on
         if banner is not None:
             banner.feature("checkpointing", False, why or "use_gradient_checkpointing=False")
         return "none"
@@ -289,16 +290,20 @@ def _guard_trainer_override(base: nn.Module) -> None:
 
     ``transformers.Trainer`` (and TRL, whose configs default to ``gradient_checkpointing=True``)
     re-enable checkpointing with their own function at the start of training, which would silently
-    replace offloading by plain recompute. The instance methods below re-apply our mode instead.
+    replace offloading by plain recompute, or recompute every layer that the plan keeps (on a CPU,
+    "auto" keeps all of them: recomputing only costs time there). The instance methods below
+    re-apply our mode instead; ``FastLanguageModel.for_training(model, True)`` changes it.
     """
     if "_notebookkit_gc_guard" in base.__dict__:
         return
     object.__setattr__(base, "_notebookkit_gc_guard", True)
-
-    def _reapply(*args: Any, **kwargs: Any) -> None:
-        mode = base.__dict__.get("_notebookkit_checkpointing", "none")
-        apply_checkpointing(base, True if mode == "none" else mode)
+    from .patching import WeakBoundMethod  # a closure over `base` kept in its own __dict__ would be a cycle
 
     for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
         if hasattr(base, name):
-            object.__setattr__(base, name, _reapply)
+            object.__setattr__(base, name, WeakBoundMethod(_reapply_checkpointing, base))
+
+
+def _reapply_checkpointing(base: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``gradient_checkpointing_enable`` of a model notebookkit configured: re-apply its own mode."""
+    apply_checkpointing(base, base.__dict__.get("_notebookkit_checkpointing", "none"))

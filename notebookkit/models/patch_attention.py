@@ -121,7 +121,8 @@ def attend(
     if mask is not None:
         mask = mask | ~mask.any(dim=-1, keepdim=True)
     if softcap is None:
-        use_gqa = _HAS_GQA and n_rep > 1 and q.is_cuda and mask is None
+        # enable_gqa skips materialising repeated K/V; with a mask, CUDA would fall back to the math kernel.
+        use_gqa = _HAS_GQA and n_rep > 1 and (mask is None or not q.is_cuda)
         if not use_gqa:
             k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         extra: dict[str, Any] = {"enable_gqa": True} if use_gqa else {}
@@ -131,7 +132,7 @@ def attend(
             if q_len == kv_len:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, **extra)
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - q_len)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, **extra)
     k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling
     scores = torch.tanh(scores / softcap) * softcap

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernel_ops import kernel
-from .patching import rebind
+from .patching import WeakOwner, rebind
 
 
 def _cache_kwarg(base_model: nn.Module) -> str:
@@ -87,17 +87,26 @@ def _check_length(model: nn.Module, seq_len: int, training: bool) -> None:
         )
 
 
+def owner_of(backbone: nn.Module) -> Optional[nn.Module]:
+    """The causal LM whose patched head owns ``backbone`` (``None`` when not patched or gone)."""
+    holder = backbone.__dict__.get("_notebookkit_owner")
+    if isinstance(holder, WeakOwner):
+        return holder()
+    return holder if isinstance(holder, nn.Module) else None
+
+
 def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     """Backbone forward that checks the batch length against ``max_seq_length`` first.
 
     Trainers that compute the loss themselves (TRL's chunked LM head) call the backbone directly,
     so the check lives here rather than in the causal-LM forward. The owning causal LM (which holds
-    ``max_seq_length``) is kept as a plain attribute, so ``copy.deepcopy`` maps it to the copy.
+    ``max_seq_length``) is found through a weak reference (:func:`owner_of`), so the model has no
+    reference cycle and ``copy.deepcopy`` maps it to the copy.
     """
     ref = kwargs.get("input_ids", args[0] if args else None)
     if ref is None:
         ref = kwargs.get("inputs_embeds")
-    owner = self.__dict__.get("_notebookkit_owner")
+    owner = owner_of(self)
     if owner is not None and isinstance(ref, torch.Tensor) and ref.dim() >= 2:
         _check_length(owner, ref.shape[1], self.training)
     return type(self).forward(self, *args, **kwargs)
@@ -211,5 +220,5 @@ def lm_head_ready(model: nn.Module) -> Optional[str]:
 def patch_lm_head(model: nn.Module, final_softcap: Optional[float]) -> None:
     """Rebind the causal-LM forward of ``model`` (and its backbone's, for the length check)."""
     rebind(model, make_causal_lm_forward(model, final_softcap), "causal_lm")
-    object.__setattr__(model.model, "_notebookkit_owner", model)  # not a submodule: no cycle
+    object.__setattr__(model.model, "_notebookkit_owner", WeakOwner(model))  # weak: no reference cycle
     rebind(model.model, backbone_forward, "backbone")

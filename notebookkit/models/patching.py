@@ -1,9 +1,17 @@
 """Reversible rebinding of ``forward`` on module instances.
 
-``rebind(module, fn, tag)`` makes ``module.forward`` the bound method ``fn.__get__(module)`` and keeps
-whatever the instance had before (usually nothing: the class's ``forward`` applies). ``restore(module)``
-puts it back. Nothing is changed on any class, so other models in the same process, and models
-loaded later, are untouched; there is no import-order dependence.
+``rebind(module, fn, tag)`` makes ``module.forward`` call ``fn(module, ...)`` and keeps whatever the
+instance had before (usually nothing: the class's ``forward`` applies). ``restore(module)`` puts it
+back. Nothing is changed on any class, so other models in the same process, and models loaded
+later, are untouched; there is no import-order dependence.
+
+The rebound forward is a :class:`WeakBoundMethod`: it behaves like the bound method
+``fn.__get__(module)`` (``__self__``, ``__func__``, the signature without ``self``, ``copy.deepcopy``
+rebinding it to the copy) but holds its module through a weak reference. A bound method stored in
+the module's own ``__dict__`` would make a reference cycle (module -> method -> module), so
+``del model`` would not free the weights (GPU memory included) until Python's cycle collector
+happens to run; with the weak reference, dropping the last reference frees the model at once, as
+with stock Hugging Face models.
 
 Models placed with ``device_map`` (``"balanced"``, ``"auto"``...) carry accelerate hooks: accelerate
 replaces ``module.forward`` by a wrapper that moves the inputs to the module's device and then calls
@@ -14,9 +22,11 @@ first tensor argument current, so Triton kernels launch on the device that holds
 
 from __future__ import annotations
 
+import copy
 import functools
-import types
+import inspect
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -55,6 +65,66 @@ def _on_tensor_device(fn: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+class WeakBoundMethod:
+    """``fn`` bound to ``owner`` like a method, through a weak reference to ``owner``.
+
+    Calling it calls ``fn(owner, *args, **kwargs)``. ``__self__`` is the owner (``None`` once it is
+    gone), ``__func__`` the function, and ``inspect.signature`` shows the parameters after ``self``.
+    ``copy.deepcopy`` binds the copy to the copied owner (when the owner is being copied too).
+    """
+
+    def __init__(self, fn: Callable[..., Any], owner: Any) -> None:
+        self.__func__ = fn
+        self._owner = weakref.ref(owner)
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            value = getattr(fn, attr, None)
+            if value is not None:
+                object.__setattr__(self, attr, value)
+
+    @property
+    def __self__(self) -> Any:
+        return self._owner()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        sig = inspect.signature(self.__func__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._owner()
+        if owner is None:
+            raise ReferenceError(
+                f"{getattr(self.__func__, '__qualname__', 'this forward')} belongs to a module that no longer exists."
+            )
+        return self.__func__(owner, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> "WeakBoundMethod":
+        owner = self._owner()
+        return self if owner is None else WeakBoundMethod(self.__func__, copy.deepcopy(owner, memo))
+
+    def __repr__(self) -> str:
+        owner = self._owner()
+        return f"<notebookkit forward {getattr(self.__func__, '__qualname__', '?')} of {type(owner).__name__}>"
+
+
+class WeakOwner:
+    """A weak reference to ``owner`` that ``copy.deepcopy`` maps to the copied owner.
+
+    Call it to get the owner (``None`` once it is gone). Used where a submodule must find the
+    module that holds it without a reference cycle (the backbone finding its causal LM).
+    """
+
+    def __init__(self, owner: Any) -> None:
+        self._ref = weakref.ref(owner)
+
+    def __call__(self) -> Any:
+        return self._ref()
+
+    def __deepcopy__(self, memo: dict) -> "WeakOwner":
+        owner = self._ref()
+        return self if owner is None else WeakOwner(copy.deepcopy(owner, memo))
+
+
 def rebind(module: nn.Module, fn: Callable[..., Any], tag: str) -> None:
     """Rebind ``module.forward`` to ``fn`` (called as ``fn(module, *args, **kwargs)``).
 
@@ -64,7 +134,7 @@ def rebind(module: nn.Module, fn: Callable[..., Any], tag: str) -> None:
     slot = _HOOK_SLOT if _hooked(module) else "forward"
     if _ORIGINAL not in module.__dict__:
         object.__setattr__(module, _ORIGINAL, (slot, module.__dict__.get(slot, _ABSENT)))
-    bound = types.MethodType(_on_tensor_device(fn), module)
+    bound = WeakBoundMethod(_on_tensor_device(fn), module)
     object.__setattr__(module, slot, bound)
     object.__setattr__(module, _PATCHED, bound)
     object.__setattr__(module, _TAG, tag)

@@ -22,19 +22,20 @@ def test_tiny_config_matches_hand_computed_sizes_keep():
     # -> 4096 per layer, 8192 total; fp32 weights 4 + grads 4 + AdamW 8 = 16 bytes -> 131072.
     assert est.inputs["lora_params"] == 8192
     assert est.adapters == 131072
-    # Keep, per token: 4H + 2dq + 2dk + 2I + 7r = 256 + 128 + 64 + 256 + 28 = 732 bf16 values = 1464 B,
-    # plus fp32 (2 norm rstd + 4 heads of lse) = 24 B -> 1488 B; N = 2*32 = 64 tokens -> 95232 per
-    # layer, 190464 for two.
-    assert est.per_layer_activations == (95232, 95232)
-    assert est.activations == 190464
-    # Fused loss: chunk = 64 rows (all tokens: max(256, 64/ceil(256/64)) capped at N); chunk bytes
-    # 64 * (256*2 + 2*64*2 + 16) = 50176; hidden buffers 3*64*64*2 + 64*4 = 24832 -> 75008.
+    # Keep, per token (what the fused kernels save; x A^T is recomputed): 4H + 2dq + 2dk + 2I =
+    # 256 + 128 + 64 + 256 = 704 bf16 values = 1408 B, plus fp32 (2 norm rstd + 4 heads of lse) = 24 B
+    # -> 1432 B; N = 2*32 = 64 tokens -> 91648 per layer, 183296 for two.
+    assert est.per_layer_activations == (91648, 91648)
+    assert est.activations == 183296
+    # Fused loss: the kernel's chunk is max(512, 64/ceil(256/64)) rows capped at N = 64 rows of
+    # 256 bf16 logits = 32768 B; final-norm input and output + hidden grad 3*64*64*2 = 24576, plus
+    # 16 B per token (fp32 row losses and 1/rms, int64 shifted labels) = 1024 -> 58368.
     assert default_loss_chunk(64, 64, 256, 2) == 64
-    assert est.logits_loss == 75008
-    # Backward working set: hidden grad 64*64*2 = 8192, grads 64*2*(2*64 + max(128, 2*64 + 2*32)) =
-    # 40960, attention accumulator 64*64*4 = 16384 -> 65536 < 75008: nothing beyond the loss buffers.
+    assert est.logits_loss == 58368
+    # Backward of the last layer: gradient from above 8192 + dY W_down 64*128*2 = 16384 + dX 8192 =
+    # 32768 (the attention moment is lower) < 58368: nothing beyond the loss buffers.
     assert est.temporaries == 0
-    assert est.total == 180864 + 131072 + 190464 + 75008 == 577408
+    assert est.total == 180864 + 131072 + 183296 + 58368 == 553600
     assert est.peak_allocated == est.total
 
 
@@ -42,18 +43,21 @@ def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
     est = estimate_training_memory(TINY, activation_plan="recompute", **KW)
     # Layer inputs only: 64 tokens * 64 * 2 B = 8192 per layer.
     assert est.activations == 2 * 8192
-    # Backward: 65536 (above) + the recomputed layer's 95232 = 160768; minus the loss buffers 75008.
-    assert est.temporaries == 160768 - 75008
-    assert est.total == 180864 + 131072 + 16384 + 75008 + 85760
+    # Backward: the recomputed layer's 91648 less its (stored) input 8192, plus 32768 (above) =
+    # 116224; minus the loss buffers 58368 -> 57856.
+    assert est.temporaries == 116224 - 58368
+    assert est.total == 180864 + 131072 + 16384 + 58368 + 57856
     q = estimate_training_memory(TINY, activation_plan="recompute", load_in_4bit=True, **KW)
     # NF4: 73728 * (1/2 + 1/64 + 4/(64*256)) = 36864 + 1152 + 18 = 38034; the rest stays bf16:
     # (16384 + 256 + 64) * 2 = 33408.
     assert q.base_weights == 38034 + 33408
-    # Dequantised buffers: 2 * largest projection (64*128) * 2 B = 32768 more temporaries.
-    assert q.temporaries == est.temporaries + 32768
+    # One dequantised projection at a time in backward: the largest, 64*128 * 2 B = 16384 more.
+    assert q.temporaries == est.temporaries + 16384
     off = estimate_training_memory(TINY, activation_plan="offload", **KW)
     assert off.host_offload == 2 * 8192
-    assert off.activations == 2 * 8192  # two inputs in flight, none resident
+    # The last layer's input stays on the GPU; with the one being prefetched: two inputs.
+    assert off.per_layer_activations == (0, 8192)
+    assert off.activations == 2 * 8192
 
 
 @pytest.mark.parametrize("plan", ["keep", "recompute", "offload"])

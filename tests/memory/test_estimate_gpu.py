@@ -1,56 +1,83 @@
 """On the GPU: the memory model's predicted peak against the measured peak of real training steps.
 
-A Llama-3.2-1B-shaped model (4 of its 16 layers, random weights, saved as a HF folder) is loaded
-through FastLanguageModel, LoRA r=16 on all seven projections, AdamW, batch 2 x 2048 random tokens.
-``torch.cuda.max_memory_allocated`` over a step (after optimizer states exist) is compared with
-``estimate_training_memory(...).peak_allocated`` for each activation mode and for NF4. The issue
-asks for 15% on the benchmark rows; this test holds the model to the same bound.
+Reduced-layer, random-weight versions of the benchmark rows (Llama-3.2-1B shape with 4 layers,
+Llama-3.1-8B shape with 2 layers), loaded through FastLanguageModel, LoRA r=16 on all seven
+projections, AdamW, random tokens. Each case starts from a clean allocator and measures
+``torch.cuda.max_memory_allocated`` above the pre-load baseline over a step taken after the
+optimizer states exist; ``estimate_for_model(...).peak_allocated`` must be within 15% (the issue's
+bound for benchmark rows). Each case also checks that ``del model`` gives the memory back, so one
+case cannot leak into the next.
 """
+
+import gc
 
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=32,
-             num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-             max_position_embeddings=4096)
+COMMON = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+              max_position_embeddings=16384, rope_theta=500000.0)
+SHAPES = {
+    "llama-1b-4l": dict(COMMON, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, head_dim=64,
+                        tie_word_embeddings=True),
+    "llama-8b-2l": dict(COMMON, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                        tie_word_embeddings=False),
+}
+# (shape, activation mode, NF4?, batch, seq)
+CASES = [
+    ("llama-1b-4l", "recompute", True, 2, 2048),
+    ("llama-1b-4l", "keep", False, 2, 2048),
+    ("llama-1b-4l", "recompute", False, 2, 2048),
+    ("llama-1b-4l", "offload", False, 2, 2048),
+    ("llama-1b-4l", "keep", False, 8, 2048),
+    ("llama-8b-2l", "keep", True, 2, 4096),
+    ("llama-8b-2l", "offload", True, 1, 16384),
+]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def folders(tmp_path_factory):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("llama1b4")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16)
-    model.save_pretrained(path)
-    # a tokenizer is not needed for random tokens, but the loader may want one
-    try:
-        from notebookkit.data.tiny import ensure_tiny_model
-        from transformers import AutoTokenizer
+    from notebookkit.data.tiny import ensure_tiny_model
 
-        AutoTokenizer.from_pretrained(ensure_tiny_model("notebookkit/tiny-llama")).save_pretrained(path)
-    except Exception:
-        pass
-    return path
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("notebookkit/tiny-llama"))
+    out = {}
+    for name, shape in SHAPES.items():
+        path = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        out[name] = path
+    return out
 
 
-def _measure(folder, mode, load_in_4bit, batch=2, seq=2048, steps=3):
+def _measure(folder, mode, load_in_4bit, batch, seq, steps=3):
     import torch
 
     from notebookkit import FastLanguageModel
+    from notebookkit.memory.estimate import estimate_for_model
 
+    gc.collect()
     torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    ids = torch.randint(3, SHAPES_VOCAB, (batch, seq), device="cuda")
     model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=seq, dtype=torch.bfloat16,
                                                  load_in_4bit=load_in_4bit, show_banner=False)
     ckpt = {"keep": False, "recompute": True, "offload": "offload"}[mode]
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
-                                             use_gradient_checkpointing=ckpt)
+                                             use_gradient_checkpointing=ckpt, show_banner=False)
     model.train()
+    est = estimate_for_model(model, batch_size=batch, seq_len=seq, optimizer="adamw", cuda_context_bytes=0)
+    assert est.plan == (mode,) * len(est.plan)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, SHAPE["vocab_size"], (batch, seq), device="cuda")
-    peak = 0
     for step in range(steps):
         if step == 1:
             torch.cuda.synchronize()
@@ -60,22 +87,37 @@ def _measure(folder, mode, load_in_4bit, batch=2, seq=2048, steps=3):
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del model, opt, loss
+    peak = torch.cuda.max_memory_allocated() - baseline
+    del loss, opt  # torch optimizers hold a reference cycle of their own: collect it below
+    gc.collect()
+    with_model = torch.cuda.memory_allocated() - baseline
+    gc.disable()
+    try:
+        del model  # no gc: a patched model must be freed by reference counting alone
+        torch.cuda.synchronize()
+        left = torch.cuda.memory_allocated() - baseline
+    finally:
+        gc.enable()
+    gc.collect()
+    left_after_gc = torch.cuda.memory_allocated() - baseline
     torch.cuda.empty_cache()
-    return peak
+    return peak, est, left, left_after_gc, with_model
 
 
-@pytest.mark.parametrize("mode,load_in_4bit", [("keep", False), ("recompute", False), ("offload", False),
-                                               ("recompute", True)])
-def test_predicted_peak_within_15_percent(folder, mode, load_in_4bit):
-    from notebookkit.memory import estimate_training_memory
+SHAPES_VOCAB = COMMON["vocab_size"]
 
-    measured = _measure(folder, mode, load_in_4bit)
-    est = estimate_training_memory(dict(SHAPE, model_type="llama"), load_in_4bit=load_in_4bit, dtype="bfloat16",
-                                   lora_r=16, optimizer="adamw", batch_size=2, seq_len=2048, activation_plan=mode,
-                                   cuda_context_bytes=0)
+
+@pytest.mark.parametrize("shape,mode,load_in_4bit,batch,seq", CASES,
+                         ids=[f"{s}-{m}-{'nf4' if q else 'bf16'}-{b}x{t}" for s, m, q, b, t in CASES])
+def test_predicted_peak_within_15_percent(folders, shape, mode, load_in_4bit, batch, seq):
+    measured, est, left, left_after_gc, with_model = _measure(folders[shape], mode, load_in_4bit, batch, seq)
     ratio = est.peak_allocated / measured
-    print(f"{mode} 4bit={load_in_4bit}: predicted {est.peak_allocated / 2**30:.2f} GiB, "
-          f"measured {measured / 2**30:.2f} GiB, ratio {ratio:.3f}\n{est}")
+    print(f"\n{shape} {mode} {'nf4' if load_in_4bit else 'bf16'} {batch}x{seq}: predicted "
+          f"{est.peak_allocated / 2**30:.3f} GiB, measured {measured / 2**30:.3f} GiB, ratio {ratio:.3f}; "
+          f"after del model {left / 2**20:.1f} MiB of {with_model / 2**20:.1f} MiB left\n{est}")
+    if load_in_4bit:
+        # Seen on the H200: NF4 models left 120-215 MiB to the cycle collector after `del model` (not yet
+        # traced; bitsandbytes' quantised parameters are the suspects), so NF4 cases may need gc.
+        left = left_after_gc
+    assert left < 0.1 * with_model, "del model left its memory allocated (a reference cycle?)"
     assert 0.85 <= ratio <= 1.15

@@ -3,8 +3,10 @@
 import pytest
 
 from notebookkit.memory import DoesNotFitError, estimate_training_memory, parse_card, parse_memory, plan_activations
+from notebookkit.memory.planner import DEFAULT_SAFETY_MARGIN
 
 GiB = 2**30
+USABLE = 1.0 - DEFAULT_SAFETY_MARGIN  # the share of a budget a plan may fill
 LLAMA8B = "meta-llama/Llama-3.1-8B-Instruct"
 QLORA = dict(load_in_4bit=True, dtype="float16", batch_size=2, seq_len=4096, host_memory_bytes=64 * GiB)
 
@@ -25,7 +27,7 @@ def test_big_budget_keeps_everything():
 def test_t4_budget_on_8b_offloads_and_fits():
     plan = plan_activations(LLAMA8B, "t4", **QLORA)
     assert plan.counts()["offload"] > 0
-    assert plan.estimate.total <= parse_card("t4").memory_bytes * 0.95
+    assert plan.estimate.total <= parse_card("t4").memory_bytes * USABLE
     assert plan.host_bytes == plan.counts()["offload"] * 2 * 4096 * 4096 * 2
     assert _ordered(plan.modes)  # offloaded first, kept last
 
@@ -33,7 +35,7 @@ def test_t4_budget_on_8b_offloads_and_fits():
 @pytest.mark.parametrize("gib", [12, 16, 20, 24, 28, 32, 40])
 def test_budget_is_respected(gib):
     plan = plan_activations(LLAMA8B, budget_bytes=gib * GiB, **QLORA)
-    assert plan.estimate.total <= gib * GiB * 0.95
+    assert plan.estimate.total <= gib * GiB * USABLE
     assert _ordered(plan.modes)
 
 
@@ -50,7 +52,7 @@ def test_prefers_keep_over_recompute_over_offload():
     kw = {k: v for k, v in QLORA.items() if k != "host_memory_bytes"}
     full = estimate_training_memory(LLAMA8B, activation_plan="keep", **kw)
     # Enough for everything kept: nothing recomputed.
-    plan = plan_activations(LLAMA8B, budget_bytes=int(full.total / 0.95) + 2**20, card="t4", **QLORA)
+    plan = plan_activations(LLAMA8B, budget_bytes=int(full.total / USABLE) + 2**20, card="t4", **QLORA)
     assert plan.counts() == {"keep": 32, "recompute": 0, "offload": 0}
     # Without offloading allowed, a budget between all-recompute and all-keep mixes keep and recompute.
     plan = plan_activations(LLAMA8B, budget_bytes=24 * GiB, card="t4", allow_offload=False, **QLORA)
@@ -81,7 +83,7 @@ def test_plan_is_the_cheapest_that_fits_brute_force(budget_kib):
     for k in range(7):
         for m in range(7 - k):
             est = estimate_training_memory(cfg, activation_plan=_modes(6, k, m), **kw)
-            if est.total <= budget * 0.95:
+            if est.total <= budget * USABLE:
                 cost = m * c_rec + (6 - k - m) * c_off
                 if best is None or cost < best - 1e-15:
                     best = cost
@@ -91,7 +93,7 @@ def test_plan_is_the_cheapest_that_fits_brute_force(budget_kib):
         return
     plan = plan_activations(cfg, budget_bytes=budget, card=card, host_memory_bytes=GiB, **kw)
     assert plan.extra_seconds == pytest.approx(best)
-    assert plan.estimate.total <= budget * 0.95
+    assert plan.estimate.total <= budget * USABLE
 
 
 def test_cpu_plan_never_offloads():

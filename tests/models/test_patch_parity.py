@@ -12,6 +12,7 @@ import torch
 
 from notebookkit.kernels.testing import rel_err
 from notebookkit.models import patch_model, patch_summary, unpatch_model
+from notebookkit.models.patch_lm_head import owner_of
 
 from .helpers import FAMILIES, random_model
 
@@ -110,7 +111,7 @@ def test_deepcopy_of_a_patched_model_is_independent():
     patch_model(model)
     object.__setattr__(model, "max_seq_length", 32)
     twin = copy.deepcopy(model)
-    assert twin.model.__dict__["_notebookkit_owner"] is twin
+    assert owner_of(twin.model) is twin
     assert twin.model.forward.__self__ is twin.model
     x = torch.randint(0, 256, (1, 9))
     with torch.no_grad():

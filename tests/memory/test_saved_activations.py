@@ -1,0 +1,62 @@
+"""The memory model's per-layer activations are what the fused path really saves for backward.
+
+Tiny models of three families are loaded in bf16 through ``FastLanguageModel`` (LoRA r=8 on all
+seven projections) and run on the CUDA code paths under the Triton interpreter
+(``activation_probe.cuda_like``). Every storage saved for backward is counted once, per decoder
+layer, and compared byte for byte with ``layer_activation_bytes``:
+
+* llama: the plain SDPA path (Q, K, V, output, log-sum-exp; norms' inputs and 1/rms; e, g);
+* qwen3: plus the per-head q/k norms;
+* gemma2: sandwich norms and soft-capped attention (explicit softmax: K/V repeated to every head,
+  the tanh output, the fp32 softmax and 16-bit probabilities, the boolean mask).
+
+The last layer is compared (the first one also pays for tables shared by all layers, such as
+RoPE's cos/sin, and saves nothing for its first norm since the embeddings are frozen).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from notebookkit.memory import layer_activation_bytes, model_shape
+
+from .activation_probe import cuda_like, decoder_layers, saved_bytes_by_layer
+
+B, T = 2, 32
+
+
+def _load(family: str, checkpointing):
+    from notebookkit import FastLanguageModel
+    from notebookkit.data.tiny import ensure_tiny_model
+
+    path = str(ensure_tiny_model(f"notebookkit/tiny-{family}"))
+    model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=T, dtype=torch.bfloat16, load_in_4bit=False,
+                                                 show_banner=False)
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=8, use_gradient_checkpointing=checkpointing,
+                                             show_banner=False)
+    return model.train(), model_shape(path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_kept_layer_saves_exactly_what_the_model_says(family):
+    model, shape = _load(family, False)
+    ids = torch.randint(0, shape.vocab_size, (B, T))
+    with cuda_like():
+        saved = saved_bytes_by_layer(model, input_ids=ids, labels=ids)
+    last = len(decoder_layers(model)) - 1
+    predicted = layer_activation_bytes(shape, "keep", batch_size=B, seq_len=T, dtype_bytes=2, lora_r=8)
+    assert sum(saved[last].values()) == predicted, (family, dict(saved[last]))
+    # After the layers: the final norm's input (bf16) and its 1/rms (fp32), nothing else.
+    assert dict(saved["other"]) == {"bfloat16": B * T * shape.hidden_size * 2, "float32": B * T * 4}
+
+
+def test_recomputed_layers_keep_only_their_input():
+    model, shape = _load("llama", True)
+    ids = torch.randint(0, shape.vocab_size, (B, T))
+    with cuda_like():
+        saved = saved_bytes_by_layer(model, input_ids=ids, labels=ids)
+    per_layer = layer_activation_bytes(shape, "recompute", batch_size=B, seq_len=T, dtype_bytes=2)
+    assert per_layer == B * T * shape.hidden_size * 2
+    for i in range(len(decoder_layers(model))):
+        assert sum(saved[i].values()) == per_layer, (i, dict(saved[i]))
