@@ -7,23 +7,16 @@ Import what you need; heavy modules load on first use::
 
 from __future__ import annotations
 
+from notebookkit._lazy import lazy_exports
+
 __version__ = "0.1.0"
 
 _LAZY = {
-    "FastLanguageModel": ("notebookkit.models", "FastLanguageModel"),
-    "get_chat_template": ("notebookkit.data", "get_chat_template"),
-    "standardize_sharegpt": ("notebookkit.data", "standardize_sharegpt"),
-    "train_on_responses_only": ("notebookkit.data", "train_on_responses_only"),
+    "FastLanguageModel": "models",
+    "get_chat_template": "data",
+    "standardize_sharegpt": "data",
+    "train_on_responses_only": "data",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        module_name, attr = _LAZY[name]
-        return getattr(importlib.import_module(module_name), attr)
-    raise AttributeError(f"module 'notebookkit' has no attribute {name!r}")
-
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 __all__ = ["__version__", *_LAZY]

@@ -252,6 +252,53 @@ if not script.is_file():
     print("\\n(scripts/train_sft.py is in the notebookkit repository: clone it, or download that one file.)")'''
 
 
+# data section: token-length profile -> MAX_LENGTH
+PROFILE = '''\
+from notebookkit.data import profile_lengths
+
+profile = profile_lengths(train_ds, tokenizer)
+print(profile)
+profile.plot()
+MAX_LENGTH = min(cfg.model.max_seq_length, profile.suggested_max_seq_length)
+print("training with max_length =", MAX_LENGTH)
+'''
+
+# data section: the SFT trainer with response-only labels, and the masking check
+TRAINER = '''\
+from notebookkit.data import check_masking
+from notebookkit.train import make_sft_trainer
+
+steps = cfg.training.max_steps  # held-back loss is computed every `eval_every` steps (once at the end on CPU)
+eval_every = max(1, steps // 2 if ON_GPU else steps) if steps > 0 else None
+trainer = make_sft_trainer(
+    model, tokenizer, train_ds, heldout_ds, responses_only=True,
+    **{**cfg.training.trainer_kwargs(), "output_dir": OUTPUT_DIR, "max_length": MAX_LENGTH,
+       "eval_steps": eval_every},
+)
+check_masking(trainer, n_examples=2)
+'''
+
+# held-back answer loss and exact match before training
+EVAL_BEFORE = '''\
+from notebookkit.train import answer_loss, exact_match, qa_items
+
+heldout_items = qa_items(heldout_ds)
+loss_before = answer_loss(model, tokenizer, heldout_items)
+em_before = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
+print(f"held-back answer loss before training: {loss_before:.3f}")
+em_before
+'''
+
+# the same measurements after training
+EVAL_AFTER = '''\
+loss_after = answer_loss(model, tokenizer, heldout_items)
+em_after = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
+print(f"held-back answer loss: {loss_before:.3f} -> {loss_after:.3f}")
+print(f"exact match:          {em_before.score:.0%} -> {em_after.score:.0%}")
+em_after
+'''
+
+
 def md(text: str) -> nbformat.NotebookNode:
     return nbformat.v4.new_markdown_cell(text.strip("\n"))
 
@@ -347,14 +394,7 @@ print(tokenizer.apply_chat_template(train_ds[0]["messages"], tokenize=False))'''
 **Token-length profile.** Memory for activations and logits grows with the sequence length, so we
 pick `max_seq_length` from the data: the 99th percentile of the token counts, rounded up to a
 multiple of 64 (about 1 conversation in 100 gets truncated).'''),
-        code('''\
-from notebookkit.data import profile_lengths
-
-profile = profile_lengths(train_ds, tokenizer)
-print(profile)
-profile.plot()
-MAX_LENGTH = min(cfg.model.max_seq_length, profile.suggested_max_seq_length)
-print("training with max_length =", MAX_LENGTH)'''),
+        code(PROFILE),
         md('''\
 **Response-only loss.** By default a language model is trained to predict *every* token, including
 the user's questions and the system prompt. We only want it to learn the answers, so
@@ -364,30 +404,12 @@ end-of-turn token stays in the loss: that is how the model learns to stop.
 
 The **masking check** decodes one batch exactly as the trainer will see it: green tokens are
 trained on, grey ones are masked. If you see user text in green, the markers are wrong.'''),
-        code('''\
-from notebookkit.data import check_masking
-from notebookkit.train import make_sft_trainer
-
-steps = cfg.training.max_steps  # held-back loss is computed every `eval_every` steps (once at the end on CPU)
-eval_every = max(1, steps // 2 if ON_GPU else steps) if steps > 0 else None
-trainer = make_sft_trainer(
-    model, tokenizer, train_ds, heldout_ds, responses_only=True,
-    **{**cfg.training.trainer_kwargs(), "output_dir": OUTPUT_DIR, "max_length": MAX_LENGTH,
-       "eval_steps": eval_every},
-)
-check_masking(trainer, n_examples=2)'''),
+        code(TRAINER),
         md('''\
 **Before training**, measure the model on the held-back conversations: the *answer loss* (the
 average cross-entropy of the reference answers, teacher-forced) and *exact match* (greedy
 generation compared with the reference) on a few of them.'''),
-        code('''\
-from notebookkit.train import answer_loss, exact_match, qa_items
-
-heldout_items = qa_items(heldout_ds)
-loss_before = answer_loss(model, tokenizer, heldout_items)
-em_before = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
-print(f"held-back answer loss before training: {loss_before:.3f}")
-em_before'''),
+        code(EVAL_BEFORE),
         md(CALIBRATION_MD),
         code(CALIBRATION),
         md(TRAIN_MD),
@@ -397,12 +419,7 @@ em_before'''),
 
 The same two measurements as before training. A lower answer loss means the model now puts more
 probability on the right answers to questions it never saw in training.'''),
-        code('''\
-loss_after = answer_loss(model, tokenizer, heldout_items)
-em_after = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
-print(f"held-back answer loss: {loss_before:.3f} -> {loss_after:.3f}")
-print(f"exact match:          {em_before.score:.0%} -> {em_after.score:.0%}")
-em_after'''),
+        code(EVAL_AFTER),
         code(LOSS_CURVE),
         md('''\
 ## 8. Chat with the tuned model
@@ -506,53 +523,23 @@ print(tokenizer.apply_chat_template(train_ds[0]["messages"], tokenize=False))'''
         md('''\
 **Token-length profile**: the suggested `max_seq_length` is the 99th percentile of the token counts,
 rounded up to a multiple of 64.'''),
-        code('''\
-from notebookkit.data import profile_lengths
-
-profile = profile_lengths(train_ds, tokenizer)
-print(profile)
-profile.plot()
-MAX_LENGTH = min(cfg.model.max_seq_length, profile.suggested_max_seq_length)
-print("training with max_length =", MAX_LENGTH)'''),
+        code(PROFILE),
         md('''\
 **Response-only loss**: labels before `### Response:` (the preamble and the instruction) become
 `-100`, so the loss — and every gradient step — is spent on writing responses. The masking check
 shows one batch: green is trained on, grey is masked.'''),
-        code('''\
-from notebookkit.data import check_masking
-from notebookkit.train import make_sft_trainer
-
-steps = cfg.training.max_steps  # held-back loss is computed every `eval_every` steps (once at the end on CPU)
-eval_every = max(1, steps // 2 if ON_GPU else steps) if steps > 0 else None
-trainer = make_sft_trainer(
-    model, tokenizer, train_ds, heldout_ds, responses_only=True,
-    **{**cfg.training.trainer_kwargs(), "output_dir": OUTPUT_DIR, "max_length": MAX_LENGTH,
-       "eval_steps": eval_every},
-)
-check_masking(trainer, n_examples=2)'''),
+        code(TRAINER),
         md('''\
 **Before training**: answer loss (teacher-forced cross-entropy of the reference responses) and exact
 match of greedy generations on held-back instructions.'''),
-        code('''\
-from notebookkit.train import answer_loss, exact_match, qa_items
-
-heldout_items = qa_items(heldout_ds)
-loss_before = answer_loss(model, tokenizer, heldout_items)
-em_before = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
-print(f"held-back answer loss before training: {loss_before:.3f}")
-em_before'''),
+        code(EVAL_BEFORE),
         md(CALIBRATION_MD),
         code(CALIBRATION),
         md(TRAIN_MD),
         code(TRAIN),
         md('''\
 ## 7. Evaluate on the held-back instructions'''),
-        code('''\
-loss_after = answer_loss(model, tokenizer, heldout_items)
-em_after = exact_match(model, tokenizer, heldout_items[:N_EXACT], max_new_tokens=24)
-print(f"held-back answer loss: {loss_before:.3f} -> {loss_after:.3f}")
-print(f"exact match:          {em_before.score:.0%} -> {em_after.score:.0%}")
-em_after'''),
+        code(EVAL_AFTER),
         code(LOSS_CURVE),
         md('''\
 ## 8. Follow a new instruction

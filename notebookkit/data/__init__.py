@@ -8,7 +8,7 @@ Everything is imported on first use, so ``import notebookkit.data`` stays light:
 
 from __future__ import annotations
 
-import importlib
+from notebookkit._lazy import lazy_exports
 
 _LAZY = {
     "get_chat_template": "chat_templates",
@@ -38,15 +38,5 @@ _LAZY = {
     "dataset_path": "bundled",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_LAZY))
-
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 __all__ = list(_LAZY)

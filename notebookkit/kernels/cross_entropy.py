@@ -382,16 +382,18 @@ def _owned_by_user(t: torch.Tensor) -> bool:
     return base.grad_fn is None or t.grad_fn is None
 
 
-def _check_inputs(logits: torch.Tensor, labels: torch.Tensor, softcap: Optional[float]) -> None:
-    if logits.dim() < 1:
-        raise ValueError("cross_entropy expects logits of shape [N, V] (or [..., V]), got a scalar.")
-    n_rows = logits.numel() // max(logits.shape[-1], 1)
+def check_labels_and_softcap(
+    rows_name: str, rows: torch.Tensor, labels: torch.Tensor, softcap: Optional[float]
+) -> None:
+    """Checks shared with the fused linear cross-entropy: one integer label per row of ``rows``
+    (``[..., V]`` logits or ``[..., H]`` hidden states, called ``rows_name`` in the message) and a
+    positive ``softcap`` or ``None``."""
+    n_rows = rows.numel() // max(rows.shape[-1], 1)
     if labels.numel() != n_rows:
         raise ValueError(
-            f"labels has {labels.numel()} entries but logits has {n_rows} rows of {logits.shape[-1]} "
-            f"classes (shape {tuple(logits.shape)}). cross_entropy pairs row i with labels[i]: shift "
-            f"the labels for next-token prediction before calling (logits[..., :-1, :] with "
-            f"labels[..., 1:])."
+            f"labels has {labels.numel()} entries but {rows_name} has {n_rows} rows (shape "
+            f"{tuple(rows.shape)}). Row i is scored against labels[i]: shift the labels for "
+            f"next-token prediction before calling ({rows_name}[..., :-1, :] with labels[..., 1:])."
         )
     if labels.is_floating_point() or labels.is_complex():
         raise TypeError(f"labels must be an integer tensor (token ids), got {labels.dtype}.")
@@ -435,7 +437,9 @@ def cross_entropy(
     CUDA tensors run the Triton kernel; CPU tensors run :func:`cross_entropy_reference` (unless
     Triton is forced with ``notebookkit.kernels.runtime.use_triton(True)`` under the interpreter).
     """
-    _check_inputs(logits, labels, softcap)
+    if logits.dim() < 1:
+        raise ValueError("cross_entropy expects logits of shape [N, V] (or [..., V]), got a scalar.")
+    check_labels_and_softcap("logits", logits, labels, softcap)
     if not should_use_triton(logits):
         return cross_entropy_reference(logits, labels, ignore_index, softcap, logit_scale, z_loss, n_items)
     if logits.dtype not in _SUPPORTED_DTYPES:

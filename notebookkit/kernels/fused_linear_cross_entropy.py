@@ -39,6 +39,7 @@ from notebookkit.kernels import cross_entropy as _ce
 from notebookkit.kernels.cross_entropy import (
     NItems,
     _SUPPORTED_DTYPES,
+    check_labels_and_softcap,
     cross_entropy_reference,
     denominator,
     is_exactly_one,
@@ -266,19 +267,10 @@ def fused_linear_cross_entropy(
             f"hidden has last dimension {hidden.shape[-1]} but weight is [V={vocab}, H={n_hidden}]: "
             f"pass the final hidden states and lm_head.weight (not its transpose)."
         )
+    check_labels_and_softcap("hidden", hidden, labels, softcap)
     n_rows = hidden.numel() // max(n_hidden, 1)
-    if labels.numel() != n_rows:
-        raise ValueError(
-            f"labels has {labels.numel()} entries but hidden has {n_rows} token rows (shape "
-            f"{tuple(hidden.shape)}). Row i predicts labels[i]: shift the labels first "
-            f"(hidden[..., :-1, :] with labels[..., 1:])."
-        )
-    if labels.is_floating_point():
-        raise TypeError(f"labels must be an integer tensor (token ids), got {labels.dtype}.")
     if bias is not None and bias.shape != (vocab,):
         raise ValueError(f"bias must have shape [{vocab}], got {tuple(bias.shape)}.")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}.")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size!r}.")
 

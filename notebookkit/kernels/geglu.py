@@ -20,15 +20,21 @@ recomputes ``a`` from ``e``; buffers as in :mod:`notebookkit.kernels.swiglu`:
 * ``geglu_backward_(dh, e, g, approximate)`` overwrites ``dh`` with ``h``, ``e`` with ``de`` and
   ``g`` with ``dg`` (zero allocations; for the LoRA MLP).
 * ``geglu(e, g)``'s autograd backward writes new buffers, or ``e``/``g`` with ``inplace_backward=True``.
+
+The launchers and the autograd function are shared with SwiGLU
+(:mod:`notebookkit.kernels.gated_activation`); this module holds the GeGLU kernels and math.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from notebookkit.kernels import gated_activation as gated
 from notebookkit.kernels.runtime import should_use_triton
 
 __all__ = ["geglu", "geglu_reference", "geglu_backward_", "geglu_forward", "geglu_backward_launch"]
@@ -93,31 +99,11 @@ def _approx_flag(approximate: str) -> int:
     return _APPROX[approximate]
 
 
-def _block(t: torch.Tensor) -> tuple[int, int]:
-    # GPU: 1024 elements, 4 warps; the CPU interpreter gets fewer, larger programs.
-    return (1024, 4) if t.is_cuda else (4096, 4)
-
-
-def _check_pair(e: torch.Tensor, g: torch.Tensor, op: str) -> None:
-    if e.shape != g.shape or e.dtype != g.dtype or e.device != g.device:
-        raise ValueError(
-            f"{op}: e and g must have the same shape, dtype and device; got {tuple(e.shape)} {e.dtype} "
-            f"{e.device} and {tuple(g.shape)} {g.dtype} {g.device}."
-        )
-
-
 def geglu_forward(
     e: torch.Tensor, g: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Launch the forward kernel on contiguous ``e``, ``g``; ``out`` (contiguous, any values) is overwritten."""
-    flag = _approx_flag(approximate)
-    if out is None:
-        out = torch.empty_like(e, memory_format=torch.contiguous_format)
-    n = e.numel()
-    if n:
-        block, warps = _block(e)
-        _geglu_fwd_kernel[(triton.cdiv(n, block),)](e, g, out, n, APPROX_TANH=flag, BLOCK=block, num_warps=warps)
-    return out
+    return gated.launch_forward(_geglu_fwd_kernel, e, g, out, APPROX_TANH=_approx_flag(approximate))
 
 
 def geglu_backward_launch(
@@ -131,47 +117,7 @@ def geglu_backward_launch(
 ) -> None:
     """Launch the backward kernel on contiguous tensors of one shape; outputs may be any of the
     inputs (element-wise read-then-write). ``h_out=None`` skips recomputing ``h``."""
-    flag = _approx_flag(approximate)
-    n = e.numel()
-    if n:
-        block, warps = _block(e)
-        _geglu_bwd_kernel[(triton.cdiv(n, block),)](
-            dh, e, g, h_out if h_out is not None else de_out, de_out, dg_out, n,
-            APPROX_TANH=flag, STORE_H=h_out is not None, BLOCK=block, num_warps=warps,
-        )
-
-
-def _bump_version(*tensors: torch.Tensor) -> None:
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        for t in tensors:
-            bump(t)
-
-
-class _GeGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, e, g, approximate, inplace_backward):
-        e = e.contiguous()
-        g = g.contiguous()
-        h = geglu_forward(e, g, approximate)
-        ctx.save_for_backward(e, g)
-        ctx.approximate = approximate
-        ctx.inplace_backward = inplace_backward
-        return h
-
-    @staticmethod
-    def backward(ctx, dh):
-        e, g = ctx.saved_tensors
-        dh_c = dh.contiguous()
-        if ctx.inplace_backward:
-            de, dg = e, g
-        else:
-            de = dh_c if dh_c is not dh and dh_c.dtype == e.dtype else torch.empty_like(e)
-            dg = torch.empty_like(g)
-        geglu_backward_launch(dh_c, e, g, None, de, dg, ctx.approximate)
-        if ctx.inplace_backward:
-            _bump_version(e, g)
-        return (de if ctx.needs_input_grad[0] else None), (dg if ctx.needs_input_grad[1] else None), None, None
+    gated.launch_backward(_geglu_bwd_kernel, dh, e, g, h_out, de_out, dg_out, APPROX_TANH=_approx_flag(approximate))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,7 +126,7 @@ class _GeGLUFunction(torch.autograd.Function):
 def geglu_reference(e: torch.Tensor, g: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """Plain-PyTorch ``gelu(e) * g`` in fp32 (fp64 for fp64 inputs), cast back once: the CPU path and oracle."""
     _approx_flag(approximate)
-    acc = torch.float64 if e.dtype == torch.float64 else torch.float32
+    acc = gated.accumulation_dtype(e)
     return (F.gelu(e.to(acc), approximate=approximate) * g.to(acc)).to(e.dtype)
 
 
@@ -198,10 +144,12 @@ def geglu(e: torch.Tensor, g: torch.Tensor, approximate: str = "none", inplace_b
     Returns:
         ``h`` with ``e``'s shape and dtype.
     """
-    _check_pair(e, g, "geglu")
+    gated.check_pair(e, g, "geglu")
     _approx_flag(approximate)
     if should_use_triton(e):
-        return _GeGLUFunction.apply(e, g, approximate, bool(inplace_backward))
+        forward = functools.partial(geglu_forward, approximate=approximate)
+        backward_launch = functools.partial(geglu_backward_launch, approximate=approximate)
+        return gated.GatedActivationFunction.apply(e, g, forward, backward_launch, bool(inplace_backward))
     return geglu_reference(e, g, approximate)
 
 
@@ -215,15 +163,12 @@ def geglu_backward_(
     ``(h, de, dg)``, which are those same three tensors. All three must be contiguous with one shape
     and dtype. Allocates nothing on the Triton path.
     """
-    _check_pair(e, g, "geglu_backward_")
-    _check_pair(dh, e, "geglu_backward_")
+    gated.check_inplace_trio(dh, e, g, "geglu_backward_")
     _approx_flag(approximate)
-    if not (dh.is_contiguous() and e.is_contiguous() and g.is_contiguous()):
-        raise ValueError("geglu_backward_: dh, e and g are overwritten in place and must be contiguous; call .contiguous() first.")
     if should_use_triton(e):
         geglu_backward_launch(dh, e, g, dh, e, g, approximate)
     else:
-        acc = torch.float64 if e.dtype == torch.float64 else torch.float32
+        acc = gated.accumulation_dtype(e)
         ef, gf, dhf = e.to(acc, copy=True), g.to(acc, copy=True), dh.to(acc, copy=True)
         if approximate == "tanh":
             k0, k1 = 0.7978845608028654, 0.044715
@@ -245,13 +190,11 @@ def geglu_backward_(
 # --------------------------------------------------------------------------------------------------
 def _aot_specs() -> list:
     def fwd(dt, approx):
-        return (_geglu_fwd_kernel, {"E": f"*{dt}", "G": f"*{dt}", "H": f"*{dt}", "n_elements": "i32"},
-                {"APPROX_TANH": approx, "BLOCK": 1024}, {"num_warps": 4})
+        return (_geglu_fwd_kernel, gated.aot_forward_signature(dt), {"APPROX_TANH": approx, "BLOCK": 1024},
+                {"num_warps": 4})
 
     def bwd(dt, approx, store_h):
-        return (_geglu_bwd_kernel,
-                {"DH": f"*{dt}", "E": f"*{dt}", "G": f"*{dt}", "H_OUT": f"*{dt}", "DE_OUT": f"*{dt}",
-                 "DG_OUT": f"*{dt}", "n_elements": "i32"},
+        return (_geglu_bwd_kernel, gated.aot_backward_signature(dt),
                 {"APPROX_TANH": approx, "STORE_H": store_h, "BLOCK": 1024}, {"num_warps": 4})
 
     return [fwd("fp16", 0), fwd("bf16", 1), bwd("fp16", 1, True), bwd("bf16", 0, False)]

@@ -17,6 +17,9 @@ its results into buffers that already exist:
   for the down projection's LoRA gradient without having been saved.
 * ``swiglu(e, g)``'s autograd backward writes ``de``/``dg`` into new buffers by default, or into
   ``e``/``g`` themselves with ``inplace_backward=True``.
+
+The launchers and the autograd function are shared with GeGLU
+(:mod:`notebookkit.kernels.gated_activation`); this module holds the SwiGLU kernels and math.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from notebookkit.kernels import gated_activation as gated
 from notebookkit.kernels.runtime import should_use_triton
 
 __all__ = ["swiglu", "swiglu_reference", "swiglu_backward_", "swiglu_forward", "swiglu_backward_launch"]
@@ -64,29 +68,9 @@ def _swiglu_bwd_kernel(DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, STORE_H: tl.
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-def _block(t: torch.Tensor) -> tuple[int, int]:
-    # GPU: 1024 elements, 4 warps (8 per thread: 16-byte accesses in 16-bit dtypes). The CPU
-    # interpreter runs programs one by one, so it gets fewer, larger ones.
-    return (1024, 4) if t.is_cuda else (4096, 4)
-
-
-def _check_pair(e: torch.Tensor, g: torch.Tensor, op: str) -> None:
-    if e.shape != g.shape or e.dtype != g.dtype or e.device != g.device:
-        raise ValueError(
-            f"{op}: e and g must have the same shape, dtype and device; got {tuple(e.shape)} {e.dtype} "
-            f"{e.device} and {tuple(g.shape)} {g.dtype} {g.device}."
-        )
-
-
 def swiglu_forward(e: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the forward kernel on contiguous ``e``, ``g``; ``out`` (contiguous, any values) is overwritten."""
-    if out is None:
-        out = torch.empty_like(e, memory_format=torch.contiguous_format)
-    n = e.numel()
-    if n:
-        block, warps = _block(e)
-        _swiglu_fwd_kernel[(triton.cdiv(n, block),)](e, g, out, n, BLOCK=block, num_warps=warps)
-    return out
+    return gated.launch_forward(_swiglu_fwd_kernel, e, g, out)
 
 
 def swiglu_backward_launch(
@@ -100,46 +84,7 @@ def swiglu_backward_launch(
     """Launch the backward kernel on contiguous tensors of one shape. Outputs may be any of the inputs
     (element ``i`` of every output is written after element ``i`` of every input is read);
     ``h_out=None`` skips recomputing ``h``."""
-    n = e.numel()
-    if n:
-        block, warps = _block(e)
-        _swiglu_bwd_kernel[(triton.cdiv(n, block),)](
-            dh, e, g, h_out if h_out is not None else de_out, de_out, dg_out, n,
-            STORE_H=h_out is not None, BLOCK=block, num_warps=warps,
-        )
-
-
-def _bump_version(*tensors: torch.Tensor) -> None:
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        for t in tensors:
-            bump(t)
-
-
-class _SwiGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, e, g, inplace_backward):
-        e = e.contiguous()
-        g = g.contiguous()
-        h = swiglu_forward(e, g)
-        ctx.save_for_backward(e, g)
-        ctx.inplace_backward = inplace_backward
-        return h
-
-    @staticmethod
-    def backward(ctx, dh):
-        e, g = ctx.saved_tensors
-        dh_c = dh.contiguous()
-        if ctx.inplace_backward:
-            de, dg = e, g
-        else:
-            # a contiguous copy of dh made just above is ours to overwrite
-            de = dh_c if dh_c is not dh and dh_c.dtype == e.dtype else torch.empty_like(e)
-            dg = torch.empty_like(g)
-        swiglu_backward_launch(dh_c, e, g, None, de, dg)
-        if ctx.inplace_backward:
-            _bump_version(e, g)
-        return (de if ctx.needs_input_grad[0] else None), (dg if ctx.needs_input_grad[1] else None), None
+    gated.launch_backward(_swiglu_bwd_kernel, dh, e, g, h_out, de_out, dg_out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,7 +92,7 @@ class _SwiGLUFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 def swiglu_reference(e: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Plain-PyTorch ``silu(e) * g`` in fp32 (fp64 for fp64 inputs), cast back once: the CPU path and oracle."""
-    acc = torch.float64 if e.dtype == torch.float64 else torch.float32
+    acc = gated.accumulation_dtype(e)
     return (F.silu(e.to(acc)) * g.to(acc)).to(e.dtype)
 
 
@@ -164,17 +109,12 @@ def swiglu(e: torch.Tensor, g: torch.Tensor, inplace_backward: bool = False) -> 
     Returns:
         ``h`` with ``e``'s shape and dtype.
     """
-    _check_pair(e, g, "swiglu")
+    gated.check_pair(e, g, "swiglu")
     if should_use_triton(e):
-        return _SwiGLUFunction.apply(e, g, bool(inplace_backward))
+        return gated.GatedActivationFunction.apply(
+            e, g, swiglu_forward, swiglu_backward_launch, bool(inplace_backward)
+        )
     return swiglu_reference(e, g)
-
-
-def _check_inplace_trio(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, op: str) -> None:
-    _check_pair(e, g, op)
-    _check_pair(dh, e, op)
-    if not (dh.is_contiguous() and e.is_contiguous() and g.is_contiguous()):
-        raise ValueError(f"{op}: dh, e and g are overwritten in place and must be contiguous; call .contiguous() first.")
 
 
 @torch.no_grad()
@@ -185,11 +125,11 @@ def swiglu_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor) -> tupl
     ``(h, de, dg)``, which are those same three tensors. All three must be contiguous with one shape
     and dtype. Allocates nothing on the Triton path.
     """
-    _check_inplace_trio(dh, e, g, "swiglu_backward_")
+    gated.check_inplace_trio(dh, e, g, "swiglu_backward_")
     if should_use_triton(e):
         swiglu_backward_launch(dh, e, g, dh, e, g)
     else:
-        acc = torch.float64 if e.dtype == torch.float64 else torch.float32
+        acc = gated.accumulation_dtype(e)
         ef, gf, dhf = e.to(acc), g.to(acc), dh.to(acc)  # the tensors themselves when already in acc
         s = torch.sigmoid(ef)
         a = ef * s  # silu(e)
@@ -207,14 +147,11 @@ def swiglu_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor) -> tupl
 # --------------------------------------------------------------------------------------------------
 def _aot_specs() -> list:
     def fwd(dt):
-        return (_swiglu_fwd_kernel, {"E": f"*{dt}", "G": f"*{dt}", "H": f"*{dt}", "n_elements": "i32"},
-                {"BLOCK": 1024}, {"num_warps": 4})
+        return (_swiglu_fwd_kernel, gated.aot_forward_signature(dt), {"BLOCK": 1024}, {"num_warps": 4})
 
     def bwd(dt, store_h):
-        return (_swiglu_bwd_kernel,
-                {"DH": f"*{dt}", "E": f"*{dt}", "G": f"*{dt}", "H_OUT": f"*{dt}", "DE_OUT": f"*{dt}",
-                 "DG_OUT": f"*{dt}", "n_elements": "i32"},
-                {"STORE_H": store_h, "BLOCK": 1024}, {"num_warps": 4})
+        return (_swiglu_bwd_kernel, gated.aot_backward_signature(dt), {"STORE_H": store_h, "BLOCK": 1024},
+                {"num_warps": 4})
 
     return [fwd("bf16"), bwd("fp16", True), bwd("bf16", False)]
 

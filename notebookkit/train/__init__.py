@@ -6,7 +6,7 @@ headless notebook runner. Imported on first use::
 
 from __future__ import annotations
 
-import importlib
+from notebookkit._lazy import lazy_exports
 
 _LAZY = {
     "sft_config": "sft",
@@ -25,15 +25,5 @@ _LAZY = {
     "NotebookRun": "headless",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_LAZY))
-
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 __all__ = list(_LAZY)

@@ -9,27 +9,17 @@
 
 from __future__ import annotations
 
+from notebookkit._lazy import lazy_exports
+
 _LAZY = {
-    "ModelPanel": ".model_panel", "ModelChoice": ".model_panel", "compute_estimate": ".model_panel",
-    "LoRAPanel": ".lora_panel", "LoRAChoice": ".lora_panel",
-    "TrainingPanel": ".training_panel", "TrainingChoice": ".training_panel",
-    "ConfigPanels": ".panels", "PanelValues": ".panels", "link_estimate": ".panels",
-    "LiveDashboard": ".dashboard",
-    "CATALOG": ".catalog", "resolve_shape": ".catalog",
-    "card_options": ".cards",
+    "ModelPanel": "model_panel", "ModelChoice": "model_panel", "compute_estimate": "model_panel",
+    "LoRAPanel": "lora_panel", "LoRAChoice": "lora_panel",
+    "TrainingPanel": "training_panel", "TrainingChoice": "training_panel",
+    "ConfigPanels": "panels", "PanelValues": "panels", "link_estimate": "panels",
+    "LiveDashboard": "dashboard",
+    "CATALOG": "catalog", "resolve_shape": "catalog",
+    "card_options": "cards",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module 'notebookkit.widgets' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_LAZY))
-
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 __all__ = list(_LAZY)

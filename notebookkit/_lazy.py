@@ -1,0 +1,33 @@
+"""Lazy package exports: a package names what it offers and from which submodule, and each name's
+submodule is imported only when the name is first used (keeps ``import notebookkit.data`` light).
+
+Used in a package ``__init__``::
+
+    _LAZY = {"get_chat_template": "chat_templates", "pack_examples": "packing"}
+    __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+    __all__ = list(_LAZY)
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable
+
+
+def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """Module-level ``__getattr__`` and ``__dir__`` for ``package`` (PEP 562).
+
+    ``table`` maps each exported name to the submodule of ``package`` that defines it
+    (``"packing"`` for ``package + ".packing"``); the attribute of that name is returned from it.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in table:
+            return getattr(importlib.import_module(f"{package}.{table[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(list(vars(sys.modules[package])) + list(table))
+
+    return __getattr__, __dir__

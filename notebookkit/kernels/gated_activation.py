@@ -1,0 +1,153 @@
+"""Plumbing shared by the two gated activations, ``h = act(e) * g`` (SwiGLU and GeGLU).
+
+Not an op of its own: the kernels and the math live in :mod:`notebookkit.kernels.swiglu` and
+:mod:`notebookkit.kernels.geglu`. Both ops are element-wise over ``e`` and ``g`` (gate and up
+projection outputs of one shape) and their kernels take the same arguments::
+
+    forward kernel:   (E, G, H, n_elements, <op constexprs>, BLOCK)
+    backward kernel:  (DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, <op constexprs>, STORE_H, BLOCK)
+
+so one launcher pair, one input check and one ``torch.autograd.Function`` serve both. The
+autograd function saves only ``e`` and ``g``; its backward recomputes ``act(e)`` in the op's
+backward kernel and writes ``de`` / ``dg`` into new buffers, or over ``e`` / ``g`` themselves with
+``inplace_backward=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import triton
+
+__all__ = [
+    "block_config",
+    "check_pair",
+    "check_inplace_trio",
+    "accumulation_dtype",
+    "launch_forward",
+    "launch_backward",
+    "GatedActivationFunction",
+    "aot_forward_signature",
+    "aot_backward_signature",
+]
+
+
+def block_config(t: torch.Tensor) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` for an element-wise kernel over ``t``.
+
+    GPU: 1024 elements, 4 warps (8 per thread: 16-byte accesses in 16-bit dtypes). The CPU
+    interpreter runs programs one by one, so it gets fewer, larger ones.
+    """
+    return (1024, 4) if t.is_cuda else (4096, 4)
+
+
+def check_pair(e: torch.Tensor, g: torch.Tensor, op: str) -> None:
+    """Raise unless ``e`` and ``g`` have one shape, dtype and device (``op`` names the caller)."""
+    if e.shape != g.shape or e.dtype != g.dtype or e.device != g.device:
+        raise ValueError(
+            f"{op}: e and g must have the same shape, dtype and device; got {tuple(e.shape)} {e.dtype} "
+            f"{e.device} and {tuple(g.shape)} {g.dtype} {g.device}."
+        )
+
+
+def check_inplace_trio(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, op: str) -> None:
+    """Raise unless ``dh``, ``e``, ``g`` match each other and are contiguous (in-place backward)."""
+    check_pair(e, g, op)
+    check_pair(dh, e, op)
+    if not (dh.is_contiguous() and e.is_contiguous() and g.is_contiguous()):
+        raise ValueError(f"{op}: dh, e and g are overwritten in place and must be contiguous; call .contiguous() first.")
+
+
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs (the test oracle), fp32 for everything else: the torch paths' math dtype."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def launch_forward(
+    kernel, e: torch.Tensor, g: torch.Tensor, out: Optional[torch.Tensor] = None, **constexprs
+) -> torch.Tensor:
+    """Run a forward ``kernel`` on contiguous ``e``, ``g``; ``out`` (contiguous, any values) is
+    overwritten, or allocated when ``None``. ``constexprs`` are the op's own (e.g. ``APPROX_TANH``)."""
+    if out is None:
+        out = torch.empty_like(e, memory_format=torch.contiguous_format)
+    n = e.numel()
+    if n:
+        block, warps = block_config(e)
+        kernel[(triton.cdiv(n, block),)](e, g, out, n, **constexprs, BLOCK=block, num_warps=warps)
+    return out
+
+
+def launch_backward(
+    kernel,
+    dh: torch.Tensor,
+    e: torch.Tensor,
+    g: torch.Tensor,
+    h_out: Optional[torch.Tensor],
+    de_out: torch.Tensor,
+    dg_out: torch.Tensor,
+    **constexprs,
+) -> None:
+    """Run a backward ``kernel`` on contiguous tensors of one shape. Outputs may be any of the inputs
+    (element ``i`` of every output is written after element ``i`` of every input is read);
+    ``h_out=None`` skips recomputing ``h``."""
+    n = e.numel()
+    if n:
+        block, warps = block_config(e)
+        kernel[(triton.cdiv(n, block),)](
+            dh, e, g, h_out if h_out is not None else de_out, de_out, dg_out, n,
+            **constexprs, STORE_H=h_out is not None, BLOCK=block, num_warps=warps,
+        )
+
+
+def _bump_version(*tensors: torch.Tensor) -> None:
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        for t in tensors:
+            bump(t)
+
+
+class GatedActivationFunction(torch.autograd.Function):
+    """Autograd function of a gated activation, given the op's two launchers.
+
+    ``apply(e, g, forward, backward_launch, inplace_backward)`` with ``forward(e, g) -> h`` and
+    ``backward_launch(dh, e, g, h_out, de_out, dg_out)`` (the op's launchers, its options bound).
+    """
+
+    @staticmethod
+    def forward(ctx, e, g, forward: Callable, backward_launch: Callable, inplace_backward: bool):
+        e = e.contiguous()
+        g = g.contiguous()
+        h = forward(e, g)
+        ctx.save_for_backward(e, g)
+        ctx.backward_launch = backward_launch
+        ctx.inplace_backward = inplace_backward
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        e, g = ctx.saved_tensors
+        dh_c = dh.contiguous()
+        if ctx.inplace_backward:
+            de, dg = e, g
+        else:
+            # a contiguous copy of dh made just above is ours to overwrite
+            de = dh_c if dh_c is not dh and dh_c.dtype == e.dtype else torch.empty_like(e)
+            dg = torch.empty_like(g)
+        ctx.backward_launch(dh_c, e, g, None, de, dg)
+        if ctx.inplace_backward:
+            _bump_version(e, g)
+        de = de if ctx.needs_input_grad[0] else None
+        dg = dg if ctx.needs_input_grad[1] else None
+        return de, dg, None, None, None
+
+
+def aot_forward_signature(dt: str) -> dict:
+    """Runtime-argument types of a forward kernel for one Triton dtype (``"fp16"``, ``"bf16"``)."""
+    return {"E": f"*{dt}", "G": f"*{dt}", "H": f"*{dt}", "n_elements": "i32"}
+
+
+def aot_backward_signature(dt: str) -> dict:
+    """Runtime-argument types of a backward kernel for one Triton dtype."""
+    return {"DH": f"*{dt}", "E": f"*{dt}", "G": f"*{dt}", "H_OUT": f"*{dt}", "DE_OUT": f"*{dt}",
+            "DG_OUT": f"*{dt}", "n_elements": "i32"}
