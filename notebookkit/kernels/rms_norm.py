@@ -72,7 +72,7 @@ def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     n_rows, n_cols, n_tiles, stride_dy, stride_x, stride_dx,
     GEMMA: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -83,9 +83,9 @@ def _rms_norm_bwd_kernel(
         w = w + 1.0
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
-    tile = pid.to(tl.int64)
-    for _ in range(pid, n_tiles, n_progs):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # NUM_STAGES > 1 lets the compiler prefetch the next tile's dy/x while this one is reduced.
+    for tile in tl.range(pid, n_tiles, n_progs, num_stages=NUM_STAGES):
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64 offsets below
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -102,7 +102,6 @@ def _rms_norm_bwd_kernel(
             proj = tl.sum(dn * n, axis=1) / n_cols
             dx = (dn - n * proj[:, None]) * rstd[:, None]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        tile += n_progs
 
     if COMPUTE_DW:
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_ok)
@@ -123,6 +122,33 @@ def _blocks(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     tile = block_m * block_n
     num_warps = 1 if tile <= 256 else 2 if tile <= 1024 else 4 if tile <= 2048 else 8 if tile <= 8192 else 16
     return block_m, block_n, num_warps
+
+
+# Backward launch shape, from a sweep on an H200 (benchmarks/tune_rms_norm.py, bf16):
+# * dw reduced (trainable weight): each program keeps one fp32 partial row of dw, so fewer, fatter
+#   programs win: tiles of 8K elements, 8 programs per SM (16 for narrow q/k-norm rows). 8192 x 4096:
+#   0.080 -> 0.070 ms; 262144 x 128: 0.116 -> 0.074 ms.
+# * frozen weight (LoRA): one tile per program, two pipelining stages: 98% of copy bandwidth.
+def _bwd_launch(n_rows: int, n_cols: int, compute_dw: bool, device: torch.device, config: dict | None = None):
+    """(BLOCK_M, BLOCK_N, num_warps, n_programs, num_stages) of the backward kernel.
+
+    ``config`` overrides any of ``block_m``, ``num_warps``, ``programs_per_sm``, ``num_stages``
+    (used by the tuning sweep only).
+    """
+    config = config or {}
+    block_m, block_n, num_warps = _blocks(n_rows, n_cols)
+    if compute_dw:
+        wide = block_n >= 1024
+        block_m = max(1, min(8192 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+        num_warps, per_sm, stages = (8, 8, 1) if wide else (4, 16, 1)
+    else:
+        per_sm, stages = 0, 2
+    block_m = config.get("block_m", block_m)
+    num_warps = config.get("num_warps", num_warps)
+    per_sm = config.get("programs_per_sm", per_sm)
+    n_tiles = triton.cdiv(n_rows, block_m)
+    n_progs = min(n_tiles, per_sm * _sm_count(device)) if compute_dw else n_tiles
+    return block_m, block_n, num_warps, n_progs, config.get("num_stages", stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,6 +213,7 @@ def rms_norm_backward(
     compute_dx: bool = True,
     compute_dw: bool = True,
     dx_out: torch.Tensor | None = None,
+    _config: dict | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel. Returns ``(dx, dw)`` (``None`` for what was not asked).
 
@@ -209,9 +236,8 @@ def rms_norm_backward(
     if n_rows == 0:
         dw = torch.zeros_like(weight) if compute_dw else None
         return dx, dw
-    block_m, block_n, num_warps = _blocks(n_rows, n_cols)
+    block_m, block_n, num_warps, n_progs, num_stages = _bwd_launch(n_rows, n_cols, compute_dw, x.device, _config)
     n_tiles = triton.cdiv(n_rows, block_m)
-    n_progs = min(n_tiles, 4 * _sm_count(x.device)) if compute_dw else n_tiles
     partial = (
         torch.empty((n_progs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else rstd
     )
@@ -219,7 +245,7 @@ def rms_norm_backward(
         dy2, x2, weight, rstd, dx2, partial,
         n_rows, n_cols, n_tiles, dy2.stride(0), x2.stride(0), dx2.stride(0),
         GEMMA=gemma, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     dw = partial.sum(0).to(weight.dtype) if compute_dw else None
     return dx, dw
@@ -342,7 +368,8 @@ def _aot_specs() -> list:
             {"DY": f"*{dt}", "X": f"*{dt}", "W": f"*{dt}", "RSTD": "*fp32", "DX": f"*{dt}",
              "DW_PARTIAL": "*fp32", "n_rows": "i32", "n_cols": "i32", "n_tiles": "i32",
              "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32"},
-            {"GEMMA": gemma, "COMPUTE_DX": dx, "COMPUTE_DW": dw, "BLOCK_M": block_m, "BLOCK_N": block_n},
+            {"GEMMA": gemma, "COMPUTE_DX": dx, "COMPUTE_DW": dw, "BLOCK_M": block_m, "BLOCK_N": block_n,
+             "NUM_STAGES": 2},
             {"num_warps": warps},
         )
 
