@@ -29,8 +29,28 @@ CONFIGS: dict[str, tuple[str, str, int, int]] = {
     "qwen3-4b-bf16-2048x4": ("qwen3-4b", "bf16", 2048, 4),
     "gemma2-2b-bf16-2048x4": ("gemma-2-2b", "bf16", 2048, 4),
 }
-SYSTEMS = ["hf", "compile", "liger", "unsloth", "notebookkit"]
+# Long rows: fewer steps (warm-up, timed) so a full run fits in one device call.
+STEPS = {"8b-nf4-16384x1": (1, 3)}
+SYSTEMS = ["hf", "compile", "liger", "unsloth", "notebookkit", "notebookkit-offload"]
 NEEDS = {"liger": "liger_kernel", "unsloth": "unsloth"}
+# Variants of our system: (train_step --system, extra arguments). "notebookkit" is the default a user
+# gets ("auto": the planner fits free VRAM, so on a 139 GiB card it keeps every activation);
+# "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
+# runs; "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB.
+VARIANTS = {
+    "notebookkit": ("notebookkit", []),
+    "notebookkit-offload": ("notebookkit", ["--checkpointing", "offload"]),
+    "notebookkit-recompute": ("notebookkit", ["--checkpointing", "true"]),
+}
+
+
+def resolve_system(system: str) -> tuple[str, list[str]]:
+    """(train_step system, extra arguments) for a system name of the table."""
+    if system in VARIANTS:
+        return VARIANTS[system]
+    if system.startswith("notebookkit-") and system.endswith("GiB"):
+        return "notebookkit", ["--max-memory", system[len("notebookkit-"):]]
+    return system, []
 
 
 def available(system: str) -> bool:
@@ -41,33 +61,37 @@ def available(system: str) -> bool:
 def run_row(config: str, system: str, steps: int, timeout: int, extra: list[str]) -> dict:
     shape, quant, seq, batch = CONFIGS[config]
     row = dict(config=config, system=system, shape=shape, quant=quant, seq=seq, batch=batch)
-    if not available(system):
+    base_system, variant_args = resolve_system(system)
+    if not available(base_system):
         return row | dict(status="not installed")
-    cmd = [sys.executable, os.path.join(HERE, "train_step.py"), "--system", system, "--shape", shape,
-           "--quant", quant, "--seq", str(seq), "--batch", str(batch), "--steps", str(steps), *extra]
+    warmup, steps = STEPS.get(config, (2, steps))
+    cmd = [sys.executable, os.path.join(HERE, "train_step.py"), "--system", base_system, "--shape", shape,
+           "--quant", quant, "--seq", str(seq), "--batch", str(batch), "--warmup", str(warmup), "--steps", str(steps),
+           *variant_args, *extra]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return row | dict(status=f"timed out after {timeout}s")
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return row | json.loads(line[7:]) | dict(status="ok")
+            return row | json.loads(line[7:]) | dict(system=system, status="ok")
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
     return row | dict(status="out of memory" if oom else "failed: " + " | ".join(tail)[-300:])
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| config | system | tokens/s | × hf | × unsloth | peak GiB | predicted GiB | loss first → last | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | system | tokens/s | × hf | × unsloth | peak GiB | predicted GiB | activation plan | loss first → last | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.get("status") == "ok"
         ref = {s: x.get("tok_s") for x in rows if x["config"] == r["config"] and x.get("status") == "ok" for s in [x["system"]]}
         ratio = lambda s: f"{r['tok_s'] / ref[s]:.2f}" if ok and ref.get(s) else "–"  # noqa: E731
         lines.append(
             f"| {r['config']} | {r['system']} | {r['tok_s']:,.0f} | {ratio('hf')} | {ratio('unsloth')} | "
-            f"{r['peak_gib']:.2f} | {r.get('predicted_gib') or '–'} | {r['loss_first']:.4f} → {r['loss_last']:.4f} | ok |"
-            if ok else f"| {r['config']} | {r['system']} | – | – | – | – | – | – | {r['status']} |"
+            f"{r['peak_gib']:.2f} | {r.get('predicted_gib') or '–'} | {r.get('plan') or '–'} | "
+            f"{r['loss_first']:.4f} → {r['loss_last']:.4f} | ok |"
+            if ok else f"| {r['config']} | {r['system']} | – | – | – | – | – | – | – | {r['status']} |"
         )
     return "\n".join(lines)
 
@@ -93,8 +117,35 @@ def bar_chart(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def header(rows: list[dict]) -> str:
+    """Title and method lines of the markdown table."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    gpu = ok[0].get("gpu", "GPU") if ok else "GPU"
+    versions = ok[0].get("versions", {}) if ok else {}
+    return (
+        f"# Training-step benchmark, one {gpu}, {dt.date.today()}\n\n"
+        f"Versions: {', '.join(f'{k} {v}' for k, v in versions.items()) or '–'}. Random-weight checkpoints of the real "
+        "shapes, LoRA r=16 alpha=16 on all 7 projections, AdamW (fused), random tokens, warm-up then timed steps "
+        "(2 + 4; 1 + 3 for the 16k row), one process per row. Peak = `torch.cuda.max_memory_allocated`; predicted = "
+        "notebookkit's memory model for the plan the row ran. `notebookkit` is the default "
+        "(`use_gradient_checkpointing=\"auto\"`, planned for free VRAM); `notebookkit-offload` the memory-lean mode; "
+        "`notebookkit-<N>GiB` the planner under `max_memory=\"<N>GiB\"`.\n\n"
+    )
+
+
+def write_results(rows: list[dict], stem: str) -> str:
+    table = header(rows) + markdown(rows)
+    with open(stem + ".json", "w") as fh:
+        json.dump(rows, fh, indent=1)
+    with open(stem + ".md", "w") as fh:
+        fh.write(table + "\n")
+    bar_chart(rows, stem + ".png")
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--merge", nargs="+", default=None, help="merge earlier .json results into one table")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configuration names")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
@@ -102,6 +153,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--tag", default="")
     args, extra = ap.parse_known_args()
+    if args.merge:
+        os.makedirs(args.out, exist_ok=True)
+        rows = [r for path in args.merge for r in json.load(open(path))]
+        print(write_results(rows, os.path.join(args.out, f"{dt.date.today()}-merged{('-' + args.tag) if args.tag else ''}")))
+        return
     import torch
 
     gpu = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "cpu"
@@ -115,11 +171,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             with open(stem + ".json", "w") as fh:
                 json.dump(rows, fh, indent=1)
-    table = markdown(rows)
-    with open(stem + ".md", "w") as fh:
-        fh.write(table + "\n")
-    bar_chart(rows, stem + ".png")
-    print(table)
+    print(write_results(rows, stem))
 
 
 if __name__ == "__main__":

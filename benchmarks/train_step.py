@@ -133,7 +133,7 @@ def load_unsloth(folder: str, quant: str, seq: int):
     )
 
 
-def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str):
+def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str, max_memory: str | None = None):
     from notebookkit import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
@@ -142,7 +142,7 @@ def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointin
     gc_mode: object = {"true": True, "false": False}.get(checkpointing, checkpointing)
     return FastLanguageModel.get_peft_model(
         model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=TARGETS,
-        use_gradient_checkpointing=gc_mode, random_state=3407, planning_batch_size=batch,
+        use_gradient_checkpointing=gc_mode, random_state=3407, planning_batch_size=batch, max_memory=max_memory,
     )
 
 
@@ -163,6 +163,31 @@ def predicted_peak(shape: str, quant: str, seq: int, batch: int, model) -> float
         return None
 
 
+def versions(system: str) -> dict[str, str]:
+    """Versions of the packages this row ran with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ["torch", "triton", "transformers", "peft", "bitsandbytes"]
+    names += {"liger": ["liger-kernel"], "unsloth": ["unsloth", "unsloth_zoo"]}.get(system, [])
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def plan_counts(model) -> str:
+    """'32 keep' / '2 recompute, 30 offload': the per-layer activation plan the model runs."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    modes = getattr(base, "_notebookkit_checkpointing", "none")
+    modes = ["keep"] if modes == "none" else modes
+    if isinstance(modes, str):
+        return modes
+    return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "recompute", "offload") if modes.count(m))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--system", required=True, choices=["hf", "compile", "liger", "unsloth", "notebookkit"])
@@ -173,6 +198,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--checkpointing", default="auto")
+    ap.add_argument("--max-memory", default=None, help='notebookkit: VRAM cap for the "auto" plan, e.g. 10GiB')
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="enforce a VRAM cap (max-context search)")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     args = ap.parse_args()
@@ -190,7 +216,7 @@ def main() -> None:
     if args.system == "unsloth":
         model = load_unsloth(folder, args.quant, args.seq)
     elif args.system == "notebookkit":
-        model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing)
+        model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, args.max_memory)
     else:
         model = load_peers(args.system, folder, args.quant)
     load_s = time.time() - t0
@@ -221,14 +247,15 @@ def main() -> None:
     result = dict(
         system=args.system, shape=args.shape, quant=args.quant, seq=args.seq, batch=args.batch,
         checkpointing=args.checkpointing if args.system == "notebookkit" else None,
-        memory_cap_gib=args.memory_cap_gib,
+        plan=plan_counts(model) if args.system == "notebookkit" else None,
+        max_memory=args.max_memory, memory_cap_gib=args.memory_cap_gib,
         tok_s=round(tokens / elapsed, 1), s_step=round(elapsed / args.steps, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
         reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
         predicted_gib=predicted_peak(args.shape, args.quant, args.seq, args.batch, model) if args.system == "notebookkit" else None,
         trainable=sum(p.numel() for p in params), load_s=round(load_s, 1),
         loss_first=round(float(losses[0]), 5), loss_last=round(float(losses[-1]), 5),
-        gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+        gpu=torch.cuda.get_device_name(0), torch=torch.__version__, versions=versions(args.system),
     )
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -1,0 +1,482 @@
+"""Longest sequence (batch 1) that trains under a VRAM cap, for each system.
+
+For every system and every cap (GiB) this finds the longest input, a multiple of ``--step``
+tokens, for which one full LoRA / QLoRA training step completes: forward with labels, backward,
+fused AdamW step, ``zero_grad``. The cap is enforced with
+``torch.cuda.set_per_process_memory_fraction(cap GiB / card memory)``, so a big card behaves like a
+16 GiB or 24 GiB one as far as PyTorch's caching allocator is concerned (the CUDA context, library
+handles and pinned host memory are outside that cap).
+
+    python benchmarks/max_context.py --out benchmarks/results --systems hf,liger,unsloth,notebookkit \\
+        --caps 16,24 --shape llama-3.1-8b --quant nf4 [--step 1024] [--max-seq 131072] [--time-budget 150]
+
+The search per (system, cap): grow geometrically from ``--start`` (or the previous cap's answer)
+until a step runs out of memory, then bisect between the last length that fitted and the first
+that did not, down to ``--step`` tokens. When even the start does not fit it halves instead.
+``notebookkit`` re-plans its activation memory (keep / recompute / offload per layer) for each
+probed length under the cap, as ``use_gradient_checkpointing="auto"`` would for that run.
+
+Each system runs in its own process (Unsloth must be imported before transformers, and one
+system's patches or allocator state must not touch another's numbers). The parent writes
+``<out>/<date>-<gpu>-max-context.json`` and ``.md`` and prints the table last. To debug one system
+in this process: ``python benchmarks/max_context.py --child --system notebookkit --caps 16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+SYSTEMS = ["hf", "liger", "unsloth", "notebookkit"]
+OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+# --------------------------------------------------------------------------- the search (pure)
+
+
+@dataclass
+class SearchOutcome:
+    """Result of :func:`search_longest`: the longest length that fitted (0 if none), every probe
+    as ``(length, fitted)`` in the order run, and why the search stopped."""
+
+    longest: int
+    probes: list[tuple[int, bool]] = field(default_factory=list)
+    reason: str = "ok"
+
+
+def _round_down(length: int, step: int) -> int:
+    return (length // step) * step
+
+
+def search_longest(
+    try_len: Callable[[int], bool],
+    start: int,
+    step: int,
+    max_seq: int,
+    growth: float = 2.0,
+    out_of_time: Callable[[], bool] = lambda: False,
+) -> SearchOutcome:
+    """Longest multiple of ``step`` (at most ``max_seq``) for which ``try_len(length)`` is True.
+
+    ``try_len`` is assumed monotone (if a length fits, every shorter one does). From ``start``
+    (rounded down to a multiple of ``step``) the length grows by ``growth`` while it fits; when
+    even ``start`` does not fit it halves until one fits (giving up, with 0, below ``step``).
+    Then it bisects between the longest fit and the shortest failure to ``step`` granularity.
+    ``out_of_time()`` is asked before each probe; when it says True the best length so far is
+    returned with reason ``"time budget reached"``. Other reasons: ``"ok"``, ``"reached --max-seq"``,
+    ``"nothing fits"``.
+    """
+    if step <= 0:
+        raise ValueError(f"--step must be a positive number of tokens, got {step}.")
+    ceiling = _round_down(max_seq, step)
+    if ceiling < step:
+        raise ValueError(f"--max-seq {max_seq} is shorter than --step {step}; raise --max-seq or lower --step.")
+    outcome = SearchOutcome(longest=0)
+
+    def probe(length: int) -> bool:
+        fitted = bool(try_len(length))
+        outcome.probes.append((length, fitted))
+        return fitted
+
+    def stop(reason: str) -> SearchOutcome:
+        outcome.longest, outcome.reason = good, reason
+        return outcome
+
+    good, bad = 0, None
+    length = min(max(_round_down(start, step), step), ceiling)
+    while True:  # bracket the answer: good fits, bad does not
+        if out_of_time():
+            return stop("time budget reached")
+        if probe(length):
+            good = length
+            if length >= ceiling:
+                return stop("reached --max-seq")
+            if bad is not None:
+                break
+            length = min(ceiling, max(length + step, _round_down(int(length * growth), step)))
+        else:
+            bad = length
+            if good:
+                break
+            if length <= step:
+                return stop("nothing fits")
+            length = max(step, _round_down(length // 2, step))
+    while bad - good > step:  # bisect
+        if out_of_time():
+            return stop("time budget reached")
+        middle = _round_down((good + bad) // 2, step)
+        if probe(middle):
+            good = middle
+        else:
+            bad = middle
+    return stop("ok")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for CUDA allocation failures (PyTorch's OOM error or a library's failed allocation)."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in OOM_MARKERS)
+
+
+# --------------------------------------------------------------------------- report (pure)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The results table: system | cap GiB | longest seq | tokens/s there | peak GiB | probes | status."""
+    lines = ["| system | cap GiB | longest seq | tokens/s there | peak GiB | probes | status |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        longest = r.get("max_seq")
+        tok_s = r.get("tok_s")
+        peak = r.get("peak_gib")
+        lines.append(
+            f"| {r.get('system', '?')} | {r.get('cap_gib', '?')} | "
+            f"{f'{longest:,}' if longest else '–'} | {f'{tok_s:,.0f}' if tok_s else '–'} | "
+            f"{f'{peak:.2f}' if peak else '–'} | {r['probes'] if r.get('probes') is not None else '–'} | {str(r.get('status', '?')).replace('|', '/')} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_report(rows: list[dict], settings: dict) -> str:
+    """Table plus the notes a reader needs to interpret it."""
+    known = next((r for r in rows if r.get("gpu")), {})
+    notes = [
+        f"# Longest trainable sequence under a VRAM cap ({settings.get('shape')}, {settings.get('quant')}, batch 1)",
+        "",
+        markdown_table(rows),
+        "",
+        f"- GPU: {known.get('gpu', '?')}, torch {known.get('torch', '?')}; lengths are multiples of "
+        f"{settings.get('step')} tokens, at most {settings.get('max_seq')}; LoRA r=16 on all seven projections.",
+        "- A length counts when one full step fits: forward with labels, backward, fused AdamW step, zero_grad.",
+        "- The cap is `torch.cuda.set_per_process_memory_fraction(cap / card memory)`: it limits PyTorch's "
+        "caching allocator only. The CUDA context (about 0.5 GiB), library workspaces allocated outside "
+        "PyTorch and pinned host memory (offloaded activations) are not counted, so on a real card of that "
+        "size leave room for the context.",
+        "- tokens/s and peak GiB are from a step at the longest length (a confirmation step when it ran). "
+        "probes counts the search's steps, not the warm-up step or the confirmation step.",
+        "- notebookkit re-plans its per-layer activation plan (keep / recompute / offload) for each probed "
+        "length under the cap; the plan at the longest length is in the status column.",
+    ]
+    return "\n".join(notes) + "\n"
+
+
+def parse_child_output(lines: list[str]) -> list[dict]:
+    """The ``RESULT {json}`` rows a child printed (lines that do not parse are skipped)."""
+    rows = []
+    for line in lines:
+        if line.startswith("RESULT "):
+            try:
+                rows.append(json.loads(line[len("RESULT "):]))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def parse_caps(text: str) -> list[float]:
+    """``"16,24"`` -> ``[16.0, 24.0]`` in increasing order."""
+    try:
+        caps = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"--caps takes GiB numbers separated by commas, e.g. 16,24; got {text!r}.") from None
+    if not caps or min(caps) <= 0:
+        raise SystemExit(f"--caps needs at least one positive number of GiB; got {text!r}.")
+    return caps
+
+
+def _cap_label(cap: float) -> float | int:
+    return int(cap) if float(cap).is_integer() else cap
+
+
+# --------------------------------------------------------------------------- child: one system
+
+
+def _load(system: str, folder: str, quant: str, max_seq: int):
+    import train_step
+
+    if system == "unsloth":
+        return train_step.load_unsloth(folder, quant, max_seq)
+    if system == "notebookkit":
+        return train_step.load_notebookkit(folder, quant, max_seq, 1, "auto")
+    return train_step.load_peers(system, folder, quant)
+
+
+def _plan_summary(model) -> Optional[str]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    plan = getattr(base, "_notebookkit_checkpointing", None)
+    if isinstance(plan, (list, tuple)):
+        return ", ".join(f"{plan.count(k)} {k}" for k in ("keep", "recompute", "offload") if plan.count(k))
+    return plan if isinstance(plan, str) else None
+
+
+def _replanner(model, cap: float) -> Callable[[int], None]:
+    """For notebookkit: re-plan the activation memory for a length under ``cap`` GiB."""
+    import inspect
+
+    from notebookkit.models.checkpointing import apply_checkpointing
+
+    capped = "max_memory" in inspect.signature(apply_checkpointing).parameters
+    if not capped:
+        print("WARNING: apply_checkpointing has no max_memory keyword; the planner sees the whole card.",
+              file=sys.stderr, flush=True)
+    extra = {"max_memory": f"{_cap_label(cap)}GiB"} if capped else {}
+    return lambda length: apply_checkpointing(model, "auto", None, batch_size=1, seq_len=length, **extra)
+
+
+def _one_step(model, optimizer, ids) -> None:
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _release(optimizer) -> None:
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+class Prober:
+    """Runs one training step at a given length and remembers time and peak memory per length."""
+
+    def __init__(self, model, optimizer, vocab: int, replan: Optional[Callable[[int], None]]):
+        self.model, self.optimizer, self.vocab, self.replan = model, optimizer, vocab, replan
+        self.stats: dict[int, dict] = {}
+
+    def __call__(self, length: int) -> bool:
+        fitted = False
+        started = time.perf_counter()
+        try:
+            fitted = self._timed_step(length)
+        except Exception as exc:  # noqa: BLE001 - only OOM is a "does not fit"; the rest stops the search
+            if not is_out_of_memory(exc):
+                raise
+            print(f"  OOM at {length}: {str(exc).splitlines()[0][:160]}", file=sys.stderr, flush=True)
+        _release(self.optimizer)
+        print("PROBE " + json.dumps(dict(seq=length, fits=fitted, s=round(time.perf_counter() - started, 2),
+                                         peak_gib=self.stats.get(length, {}).get("peak_gib") if fitted else None)),
+              flush=True)
+        return fitted
+
+    def _timed_step(self, length: int) -> bool:
+        import torch
+
+        if self.replan is not None:
+            self.replan(length)
+        ids = torch.randint(3, self.vocab, (1, length), device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        _one_step(self.model, self.optimizer, ids)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        self.stats[length] = dict(
+            s_step=round(seconds, 3), tok_s=round(length / seconds, 1),
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+            reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
+            plan=_plan_summary(self.model) if self.replan is not None else None,
+        )
+        return True
+
+
+def search_one_cap(prober: Prober, cap: float, start: int, args, seconds: float) -> dict:
+    """Set the cap, search, confirm the answer with one more step; returns the RESULT row."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
+    _release(prober.optimizer)
+    prober.stats.clear()
+    started = time.time()
+    deadline = started + seconds
+    row: dict = dict(cap_gib=_cap_label(cap), start=start, budget_s=round(seconds))
+    try:
+        outcome = search_longest(prober, start, args.step, args.max_seq, args.growth, lambda: time.time() > deadline)
+    except Exception as exc:  # noqa: BLE001 - report, do not lose the other rows
+        last = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return row | dict(max_seq=0, probes=None, status=f"failed: {last}")
+    row |= dict(max_seq=outcome.longest, probes=len(outcome.probes), probe_log=outcome.probes)
+    status = {
+        "reached --max-seq": f"fits at --max-seq {args.max_seq}",
+        "nothing fits": f"nothing fits (not even {args.step} tokens)",
+        "time budget reached": "time budget reached (longest so far)",
+    }.get(outcome.reason, outcome.reason)
+    if outcome.longest and args.confirm:
+        if not prober(outcome.longest):
+            status += "; OOM when re-run at that length"
+    row |= prober.stats.get(outcome.longest, {})
+    if row.get("plan"):
+        status += f" (plan: {row['plan']})"
+    return row | dict(status=status, search_s=round(time.time() - started, 1))
+
+
+def child_main(args) -> None:
+    """Load ``args.system`` once, then search every cap in increasing order; print RESULT rows."""
+    if args.system == "unsloth":
+        import unsloth  # noqa: F401  (before transformers, which train_step imports)
+    import torch
+    import train_step
+
+    folder = train_step.build_checkpoint(args.shape)
+    load_started = time.time()
+    model = _load(args.system, folder, args.quant, args.max_seq)
+    load_s = round(time.time() - load_started, 1)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
+    vocab = train_step.SHAPES[args.shape]["vocab_size"]
+    caps = parse_caps(args.caps)
+    prober = Prober(model, optimizer, vocab, _replanner(model, caps[0]) if args.system == "notebookkit" else None)
+    print("warm-up step (compiles kernels, creates optimizer state):", file=sys.stderr, flush=True)
+    prober(args.step)
+    prober.stats.clear()
+    common = dict(system=args.system, shape=args.shape, quant=args.quant, gpu=torch.cuda.get_device_name(0),
+                  torch=torch.__version__, load_s=load_s)
+    budget_end = time.time() + args.time_budget
+    start = args.start
+    for i, cap in enumerate(caps):
+        if args.system == "notebookkit":
+            prober.replan = _replanner(model, cap)
+        share = max(0.0, budget_end - time.time()) / (len(caps) - i)
+        row = search_one_cap(prober, cap, start, args, share)
+        print("RESULT " + json.dumps(common | row), flush=True)
+        start = max(args.start, row.get("max_seq") or 0)
+
+
+# --------------------------------------------------------------------------- parent: all systems
+
+
+def gpu_name() -> str:
+    """The card's name for file names, from nvidia-smi (so the parent holds no CUDA context)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        name = out.stdout.strip().splitlines()[0].strip()
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "gpu"
+    return name.replace(" ", "-") or "gpu"
+
+
+def child_command(system: str, args) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--child", "--system", system, "--shape", args.shape,
+            "--quant", args.quant, "--caps", args.caps, "--step", str(args.step), "--max-seq", str(args.max_seq),
+            "--start", str(args.start), "--growth", str(args.growth), "--time-budget", str(args.time_budget),
+            *([] if args.confirm else ["--no-confirm"])]
+
+
+def run_child(system: str, args, log_path: str) -> tuple[list[dict], list[str]]:
+    """Run one system's search in a fresh process; stream its output to ``log_path``.
+
+    Returns its RESULT rows and the last lines it printed (for the failure message).
+    """
+    timeout = args.timeout or args.time_budget + 600
+    proc = subprocess.Popen(child_command(system, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    lines: list[str] = []
+    try:
+        with open(log_path, "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                lines.append(line.rstrip("\n"))
+                if line.startswith(("PROBE ", "RESULT ")):
+                    print(f"[{system}] {line}", end="", flush=True)
+        proc.wait()
+    finally:
+        timed_out = not timer.is_alive() and proc.returncode not in (0, None)
+        timer.cancel()
+    if timed_out:
+        lines.append(f"timed out after {timeout}s")
+    return parse_child_output(lines), lines[-4:]
+
+
+def rows_for_system(system: str, args, out_dir: str) -> list[dict]:
+    """One row per cap: the child's results, or why there are none."""
+    caps = [_cap_label(c) for c in parse_caps(args.caps)]
+    if not _available(system):
+        return [dict(system=system, cap_gib=cap, status="not installed") for cap in caps]
+    results, tail = run_child(system, args, os.path.join(out_dir, f"max-context-{system}.log"))
+    by_cap = {r.get("cap_gib"): r for r in results}
+    last = next((t.strip() for t in reversed(tail) if t.strip()), "no output")
+    oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
+    why = "timed out" if last.startswith("timed out") else ("out of memory" if oom else "failed")
+    missing = f"{why}: {last[-200:]} (see max-context-{system}.log)"
+    return [by_cap.get(cap) or dict(system=system, cap_gib=cap, status=missing) for cap in caps]
+
+
+def _available(system: str) -> bool:
+    from run import available
+
+    return available(system)
+
+
+def parent_main(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{dt.date.today()}-{gpu_name()}{('-' + args.tag) if args.tag else ''}-max-context")
+    settings = dict(shape=args.shape, quant=args.quant, caps=args.caps, step=args.step, max_seq=args.max_seq,
+                    start=args.start, growth=args.growth, time_budget_s=args.time_budget)
+    rows: list[dict] = []
+    for system in [s.strip() for s in args.systems.split(",") if s.strip()]:
+        rows += rows_for_system(system, args, args.out)
+        with open(stem + ".json", "w") as fh:
+            json.dump(dict(settings=settings, rows=rows), fh, indent=1)
+        with open(stem + ".md", "w") as fh:
+            fh.write(markdown_report(rows, settings))
+    print(markdown_table(rows))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the .json / .md / logs")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
+    ap.add_argument("--caps", default="16,24", help="VRAM caps in GiB, comma-separated")
+    ap.add_argument("--shape", default="llama-3.1-8b", help="a shape of benchmarks/train_step.py")
+    ap.add_argument("--quant", default="nf4", choices=["nf4", "bf16"])
+    ap.add_argument("--step", type=int, default=1024, help="granularity of the answer, in tokens")
+    ap.add_argument("--max-seq", type=int, default=131072, help="longest length tried (also the models' max_seq_length)")
+    ap.add_argument("--start", type=int, default=4096, help="first length tried at the smallest cap")
+    ap.add_argument("--growth", type=float, default=2.0, help="factor between lengths while they still fit")
+    ap.add_argument("--time-budget", type=float, default=150.0,
+                    help="seconds of searching per system, all caps together (model loading excluded); "
+                         "each cap gets an equal share of what is left, and one probe may overrun it")
+    ap.add_argument("--no-confirm", dest="confirm", action="store_false",
+                    help="skip the extra step at the answer (it times a warm step and checks the fit repeats)")
+    ap.add_argument("--timeout", type=int, default=0, help="kill a system's process after this many seconds "
+                                                          "(default: time budget + 600 for building and loading)")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--child", action="store_true", help="run one --system in this process (debugging)")
+    ap.add_argument("--system", choices=SYSTEMS, help="with --child: the system to search")
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.growth <= 1.0:
+        raise SystemExit(f"--growth must be above 1, got {args.growth}.")
+    if args.child:
+        if not args.system:
+            raise SystemExit("--child needs --system (one of " + ", ".join(SYSTEMS) + ").")
+        child_main(args)
+    else:
+        parent_main(args)
+
+
+if __name__ == "__main__":
+    main()

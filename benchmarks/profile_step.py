@@ -1,0 +1,352 @@
+"""Where one training step spends its GPU time: a per-kernel breakdown from ``torch.profiler``.
+
+Loads one system exactly as ``benchmarks/train_step.py`` does, runs two warm-up steps, then
+profiles one step (forward with labels, backward, fused AdamW step, ``zero_grad``) with CUDA
+activity only (no shapes, no stacks). It writes
+``<out>/profile-<shape>-<quant>-<seq>x<batch>-<system>[-tag].md`` (and the raw per-kernel totals as
+``.json``) with:
+
+* the step's wall time (profiled, and the last warm-up step without the profiler),
+* total GPU time (sum of kernel and copy durations), GPU busy time (the union of those intervals,
+  so copies that overlap compute on a side stream count once) and the idle share ``1 - busy / wall``,
+* a table of kernel categories (GEMM, attention, each Triton kernel family, bitsandbytes,
+  memcpy per direction, optimizer, elementwise / reduction, ...) with ms and % of GPU time,
+* the 25 kernels with the most total time, with their launch counts.
+
+    python benchmarks/profile_step.py --system notebookkit --shape llama-3.1-8b --quant nf4 \\
+        --seq 4096 --batch 2 [--checkpointing auto|offload|true|false] [--max-memory 8GiB] --out DIR
+
+``--checkpointing`` and ``--max-memory`` (the budget the "auto" planner plans for; the allocator
+itself is not capped) apply to ``notebookkit``; the peers use their own gradient checkpointing as
+in ``train_step.py``. ``--trace`` also saves a Chrome trace (large).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Callable, Iterable, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+SYSTEMS = ["hf", "compile", "liger", "unsloth", "notebookkit"]
+
+# --------------------------------------------------------------------------- categories (pure)
+
+
+def _has(*needles: str) -> Callable[[str], bool]:
+    lowered = tuple(n.lower() for n in needles)
+    return lambda name: any(n in name.lower() for n in lowered)
+
+
+def _looks_like_triton(name: str) -> bool:
+    """Triton kernels are named after their Python function: no C++ scope, template or signature."""
+    return not any(mark in name for mark in ("::", "<", "(", " "))
+
+
+def _triton(*needles: str) -> Callable[[str], bool]:
+    match = _has(*needles)
+    return lambda name: _looks_like_triton(name) and match(name)
+
+
+_BITSANDBYTES = re.compile(r"^k(Dequantize|Quantize|gemm_4bit|Optimizer|Percentile|Histogram|spm|dequant)")
+_SYNC_EVENTS = ("Context Sync", "Stream Sync", "Event Sync", "Stream Wait Event", "Device Synchronize")
+
+# (category, test) in priority order: the first test that matches names the category.
+CATEGORY_RULES: list[tuple[str, Callable[[str], bool]]] = [
+    ("memcpy HtoD", lambda n: n.startswith("Memcpy HtoD")),
+    ("memcpy DtoH", lambda n: n.startswith("Memcpy DtoH")),
+    ("memcpy DtoD", lambda n: n.startswith("Memcpy DtoD")),
+    ("memcpy other", lambda n: n.startswith("Memcpy")),
+    ("memset", lambda n: n.startswith("Memset")),
+    ("bitsandbytes", lambda n: bool(_BITSANDBYTES.match(n)) or "bitsandbytes" in n.lower()),
+    ("optimizer (AdamW)", _has("multi_tensor_apply", "fusedadam", "fused_adam", "adamw")),
+    ("attention", _has("flash", "fmha", "efficient_attention", "sdpa", "attention", "attn")),
+    ("triton rms_norm", _triton("rms_norm", "rmsnorm", "rms_layernorm")),
+    ("triton rope", _triton("rope", "rotary")),
+    ("triton swiglu", _triton("swiglu", "_fg_kernel", "dwf_dw_dfg")),
+    ("triton geglu", _triton("geglu", "_exact_forward", "_exact_backward", "_approx_forward", "_approx_backward")),
+    ("triton nf4 dequant", _triton("nf4", "dequant")),
+    ("triton cross_entropy", _triton("cross_entropy", "crossentropy", "_flce")),
+    ("triton lora", _triton("lora")),
+    ("inductor (torch.compile)", lambda n: n.startswith(("triton_poi", "triton_red", "triton_per", "triton_tem"))),
+    ("GEMM", _has("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "wgmma", "ampere_", "sm80_", "sm90_",
+                  "sm100_", "turing_", "volta_", "splitkreduce", "matmul")),
+    ("torch log_softmax / nll", _has("softmax", "nll_loss", "cross_entropy")),
+    ("elementwise / reduction", _has("elementwise", "reduce", "index", "scatter", "gather", "catarray", "fill",
+                                     "copy", "embedding", "norm", "foreach", "where", "sort", "distribution",
+                                     "at::native")),
+    ("other Triton-style name", _looks_like_triton),
+]
+
+
+def categorize(kernel_name: str) -> str:
+    """The category of a GPU kernel or copy, by its name (``"other"`` when no rule matches).
+
+    Never raises: a name it cannot handle is ``"other"``.
+    """
+    if not isinstance(kernel_name, str) or not kernel_name.strip():
+        return "other"
+    try:
+        name = kernel_name.strip()
+        if name.startswith("void "):
+            name = name[len("void "):]
+        for category, test in CATEGORY_RULES:
+            if test(name):
+                return category
+    except Exception:  # noqa: BLE001 - a report must not die on an odd name
+        pass
+    return "other"
+
+
+# --------------------------------------------------------------------------- tables (pure)
+
+
+def aggregate(kernels: Iterable[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
+    """Merge rows of the same name: ``(name, total_us, count)`` sorted by total time, longest first."""
+    totals: dict[str, list[float]] = {}
+    for name, total_us, count in kernels:
+        entry = totals.setdefault(str(name), [0.0, 0])
+        entry[0] += float(total_us)
+        entry[1] += int(count)
+    return sorted(((n, t, int(c)) for n, (t, c) in totals.items()), key=lambda r: -r[1])
+
+
+def category_table(kernels: Iterable[tuple[str, float, int]]) -> list[dict]:
+    """Per category: ``ms``, ``share`` of all GPU time (0..1), launch ``count``, largest first."""
+    per_category: dict[str, list[float]] = {}
+    for name, total_us, count in kernels:
+        entry = per_category.setdefault(categorize(name), [0.0, 0])
+        entry[0] += float(total_us)
+        entry[1] += int(count)
+    grand = sum(t for t, _ in per_category.values()) or 1.0
+    rows = [dict(category=c, ms=t / 1e3, share=t / grand, count=int(n)) for c, (t, n) in per_category.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (overlapping streams count once)."""
+    total, current_start, current_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+def _cell(name: str, width: int = 110) -> str:
+    short = name if len(name) <= width else name[: width - 1] + "…"
+    return "`" + short.replace("`", "'").replace("|", "\\|") + "`"
+
+
+def render_report(title: str, facts: Sequence[tuple[str, str]], wall_ms: float, busy_ms: float,
+                  kernels: Iterable[tuple[str, float, int]], top: int = 25) -> str:
+    """The markdown report from a list of ``(kernel name, total_us, count)``."""
+    merged = aggregate(kernels)
+    gpu_ms = sum(t for _, t, _ in merged) / 1e3
+    idle = max(0.0, wall_ms - busy_ms)
+    lines = [f"# {title}", ""]
+    lines += [f"- {key}: {value}" for key, value in facts]
+    lines += [
+        f"- wall time of the profiled step: {wall_ms:.1f} ms",
+        f"- GPU time (sum of kernel and copy durations): {gpu_ms:.1f} ms",
+        f"- GPU busy (union over streams): {busy_ms:.1f} ms; idle: {idle:.1f} ms = "
+        f"{(idle / wall_ms if wall_ms else 0):.1%} of the wall time",
+        "",
+        "| category | ms | % of GPU time | launches |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [f"| {r['category']} | {r['ms']:.2f} | {r['share']:.1%} | {r['count']} |" for r in category_table(merged)]
+    lines += ["", f"Top {top} kernels by total time:", "",
+              "| # | kernel | category | ms | launches | % of GPU time |", "|---:|---|---|---:|---:|---:|"]
+    for i, (name, total_us, count) in enumerate(merged[:top], 1):
+        share = total_us / 1e3 / gpu_ms if gpu_ms else 0.0
+        lines.append(f"| {i} | {_cell(name)} | {categorize(name)} | {total_us / 1e3:.2f} | {count} | {share:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def report_name(shape: str, quant: str, seq: int, batch: int, system: str, tag: str = "") -> str:
+    """``profile-<shape>-<quant>-<seq>x<batch>-<system>[-tag].md``"""
+    return f"profile-{shape}-{quant}-{seq}x{batch}-{system}{('-' + tag) if tag else ''}.md"
+
+
+# --------------------------------------------------------------------------- profiler events
+
+
+def _is_device_event(evt) -> bool:
+    device = getattr(evt, "device_type", None)
+    kind = getattr(device, "name", str(device))
+    if not str(kind).upper().endswith("CUDA") or getattr(evt, "is_user_annotation", False):
+        return False
+    return not str(getattr(evt, "name", "")).startswith(_SYNC_EVENTS)
+
+
+def _interval(evt) -> tuple[float, float] | None:
+    span = getattr(evt, "time_range", None)
+    if span is not None:
+        return float(span.start), float(span.end)
+    return None
+
+
+def device_kernels(events) -> tuple[list[tuple[str, float, int]], list[tuple[float, float]]]:
+    """From profiler events: ``(name, total_us, count)`` per device kernel / copy, and their intervals."""
+    rows: list[tuple[str, float, int]] = []
+    intervals: list[tuple[float, float]] = []
+    for evt in events:
+        if not _is_device_event(evt):
+            continue
+        span = _interval(evt)
+        if span is not None:
+            duration = span[1] - span[0]
+            intervals.append(span)
+        else:
+            duration = float(getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0) or 0)
+        rows.append((str(evt.name), duration, 1))
+    return aggregate(rows), intervals
+
+
+# --------------------------------------------------------------------------- GPU run
+
+
+def load_system(args):
+    """Load ``args.system`` the way ``benchmarks/train_step.py`` does; returns (model, plan note)."""
+    import train_step
+
+    folder = train_step.build_checkpoint(args.shape)
+    if args.system == "unsloth":
+        return train_step.load_unsloth(folder, args.quant, args.seq), "unsloth offloaded checkpointing"
+    if args.system != "notebookkit":
+        return train_step.load_peers(args.system, folder, args.quant), "HF gradient checkpointing (all layers)"
+    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing)
+    if args.max_memory:
+        import inspect
+
+        from notebookkit.models.checkpointing import apply_checkpointing
+
+        if "max_memory" not in inspect.signature(apply_checkpointing).parameters:
+            raise SystemExit("--max-memory needs apply_checkpointing(..., max_memory=...), which this notebookkit lacks.")
+        mode = {"true": True, "false": False}.get(args.checkpointing, args.checkpointing)
+        apply_checkpointing(model, mode, None, batch_size=args.batch, seq_len=args.seq, max_memory=args.max_memory)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    plan = getattr(base, "_notebookkit_checkpointing", "?")
+    if isinstance(plan, (list, tuple)):
+        plan = ", ".join(f"{plan.count(k)} {k}" for k in ("keep", "recompute", "offload") if plan.count(k))
+    return model, f"notebookkit --checkpointing {args.checkpointing}: {plan}"
+
+
+def profile_one_step(step: Callable[[], None], with_cpu: bool = False):
+    """Run ``step`` once under the profiler (CUDA activity, plus CPU ops if asked); returns (profiler, wall ms)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if with_cpu else [ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with profile(activities=activities, record_shapes=False, with_stack=False,
+                 profile_memory=False) as prof:
+        started = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - started) * 1e3
+    return prof, wall_ms
+
+
+def run(args) -> str:
+    """Load, warm up, profile one step, write the report; returns its path."""
+    if args.system == "unsloth":
+        import unsloth  # noqa: F401  (before transformers)
+    import torch
+    import train_step
+
+    model, plan_note = load_system(args)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4, fused=True)
+    vocab = train_step.SHAPES[args.shape]["vocab_size"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batches = [torch.randint(3, vocab, (args.batch, args.seq), device="cuda", generator=gen)
+               for _ in range(args.warmup + 1)]
+
+    def step(ids):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    warm_ms = None
+    for ids in batches[:-1]:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        step(ids)
+        torch.cuda.synchronize()
+        warm_ms = (time.perf_counter() - started) * 1e3
+    torch.cuda.reset_peak_memory_stats()
+    prof, wall_ms = profile_one_step(lambda: step(batches[-1]), args.with_cpu)
+    kernels, intervals = device_kernels(prof.events())
+    if not kernels:
+        print("WARNING: the profiler recorded no GPU kernels; try again with --with-cpu.", file=sys.stderr)
+    facts = [
+        ("GPU", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"),
+        ("activation plan", plan_note),
+        ("max_memory given to the planner", args.max_memory or "–"),
+        ("peak allocated in the profiled step", f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"),
+        ("last warm-up step without the profiler", f"{warm_ms:.1f} ms" if warm_ms else "–"),
+        ("tokens / s (profiled step)", f"{args.batch * args.seq / (wall_ms / 1e3):,.0f}"),
+    ]
+    title = f"One training step of {args.system}: {args.shape} {args.quant}, {args.seq} tokens × {args.batch}"
+    text = render_report(title, facts, wall_ms, busy_us(intervals) / 1e3, kernels)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, report_name(args.shape, args.quant, args.seq, args.batch, args.system, args.tag))
+    with open(path, "w") as fh:
+        fh.write(text)
+    with open(path[: -len(".md")] + ".json", "w") as fh:
+        json.dump(dict(facts=dict(facts), wall_ms=wall_ms, kernels=kernels), fh, indent=1)
+    if args.trace:
+        prof.export_chrome_trace(path[: -len(".md")] + ".trace.json")
+    print(text)
+    return path
+
+
+def default_tag(args) -> str:
+    parts = []
+    if args.system == "notebookkit" and args.checkpointing != "auto":
+        parts.append(f"gc-{args.checkpointing}")
+    if args.max_memory:
+        parts.append(f"cap-{args.max_memory}")
+    return "-".join(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", required=True, choices=SYSTEMS)
+    ap.add_argument("--shape", default="llama-3.1-8b", help="a shape of benchmarks/train_step.py")
+    ap.add_argument("--quant", default="nf4", choices=["nf4", "bf16"])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2, help="unprofiled steps before the profiled one")
+    ap.add_argument("--checkpointing", default="auto", choices=["auto", "offload", "true", "false"],
+                    help="notebookkit only: use_gradient_checkpointing")
+    ap.add_argument("--max-memory", default=None, help='notebookkit only: budget for the "auto" plan, e.g. 8GiB')
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default=None, help="file-name suffix (default: from --checkpointing / --max-memory)")
+    ap.add_argument("--trace", action="store_true", help="also save a Chrome trace next to the report")
+    ap.add_argument("--with-cpu", action="store_true", help="also record CPU ops (heavier; the kernel table is the same)")
+    args = ap.parse_args()
+    if args.warmup < 1:
+        raise SystemExit("--warmup must be at least 1: the first step compiles kernels and creates optimizer state.")
+    if args.tag is None:
+        args.tag = default_tag(args)
+    print("wrote", run(args))
+
+
+if __name__ == "__main__":
+    main()

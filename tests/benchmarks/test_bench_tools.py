@@ -1,0 +1,298 @@
+"""CPU tests of the pure parts of benchmarks/max_context.py and benchmarks/profile_step.py.
+
+The GPU parts (loading the systems, the training steps, the profiler run) are run by the lead on
+the GPU machine; here: the length search, kernel categories, report tables, child-process plumbing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks")
+sys.path.insert(0, os.path.abspath(BENCHMARKS))
+
+import max_context  # noqa: E402
+import profile_step  # noqa: E402
+from max_context import search_longest  # noqa: E402
+from profile_step import categorize  # noqa: E402
+
+
+# --------------------------------------------------------------------------- search_longest
+
+
+def fits_up_to(limit: int):
+    calls: list[int] = []
+
+    def try_len(length: int) -> bool:
+        calls.append(length)
+        return length <= limit
+
+    return try_len, calls
+
+
+def test_search_finds_the_longest_multiple_of_step_with_few_probes():
+    try_len, calls = fits_up_to(37000)
+    outcome = search_longest(try_len, start=4096, step=1024, max_seq=131072)
+    assert outcome.longest == 36864  # 36 * 1024 <= 37000 < 37 * 1024
+    assert outcome.reason == "ok"
+    assert len(calls) == len(outcome.probes) <= 11
+    assert len(set(calls)) == len(calls), "no length is probed twice"
+    assert all(length % 1024 == 0 for length in calls)
+
+
+@pytest.mark.parametrize("limit", [1024, 1500, 4096, 5000, 65535, 65536, 100000, 131071])
+def test_search_is_exact_for_any_threshold(limit):
+    try_len, calls = fits_up_to(limit)
+    outcome = search_longest(try_len, start=4096, step=1024, max_seq=131072)
+    assert outcome.longest == (limit // 1024) * 1024
+    assert max(calls) <= 131072
+    assert len(calls) <= 16
+
+
+def test_search_respects_max_seq():
+    try_len, calls = fits_up_to(10**9)
+    outcome = search_longest(try_len, start=4096, step=1024, max_seq=100000)
+    assert outcome.longest == 99328  # largest multiple of 1024 <= 100000
+    assert outcome.reason == "reached --max-seq"
+    assert max(calls) == 99328
+
+
+def test_search_goes_down_when_the_start_does_not_fit():
+    try_len, calls = fits_up_to(3000)
+    outcome = search_longest(try_len, start=16384, step=1024, max_seq=131072)
+    assert outcome.longest == 2048
+    assert calls[:3] == [16384, 8192, 4096]
+    assert outcome.reason == "ok"
+
+
+def test_search_reports_zero_when_nothing_fits():
+    try_len, calls = fits_up_to(500)
+    outcome = search_longest(try_len, start=4096, step=1024, max_seq=131072)
+    assert outcome.longest == 0
+    assert outcome.reason == "nothing fits"
+    assert calls == [4096, 2048, 1024]
+
+
+def test_search_stops_at_the_time_budget_with_the_best_so_far():
+    try_len, calls = fits_up_to(37000)
+    outcome = search_longest(try_len, start=4096, step=1024, max_seq=131072, out_of_time=lambda: len(calls) >= 3)
+    assert outcome.reason == "time budget reached"
+    assert outcome.longest == 16384
+    assert len(calls) == 3
+
+
+def test_search_starting_from_a_previous_answer():
+    try_len, calls = fits_up_to(60000)
+    outcome = search_longest(try_len, start=36864, step=1024, max_seq=131072, growth=1.5)
+    assert outcome.longest == 59392
+    assert calls[0] == 36864
+
+
+def test_search_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="--max-seq"):
+        search_longest(lambda n: True, start=4096, step=1024, max_seq=1000)
+    with pytest.raises(ValueError, match="--step"):
+        search_longest(lambda n: True, start=4096, step=0, max_seq=1000)
+
+
+def test_out_of_memory_detection():
+    OutOfMemoryError = type("OutOfMemoryError", (RuntimeError,), {})
+    assert max_context.is_out_of_memory(OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert max_context.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not max_context.is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not max_context.is_out_of_memory(ValueError("out of memory"))
+
+
+# --------------------------------------------------------------------------- max_context reports and plumbing
+
+
+ROWS = [
+    dict(system="hf", cap_gib=16, max_seq=9216, tok_s=1234.5, peak_gib=15.1, probes=7, status="ok",
+         gpu="NVIDIA H200", torch="2.11.0"),
+    dict(system="liger", cap_gib=16, status="not installed"),
+    dict(system="notebookkit", cap_gib=24, max_seq=0, probes=3, status="nothing fits (not even 1024 tokens)"),
+]
+
+
+def test_markdown_table_rows():
+    table = max_context.markdown_table(ROWS)
+    lines = table.splitlines()
+    assert lines[0].startswith("| system | cap GiB | longest seq | tokens/s there | peak GiB | probes | status |")
+    assert "| hf | 16 | 9,216 | 1,234 | 15.10 | 7 | ok |" in table
+    assert "| liger | 16 | – | – | – | – | not installed |" in table
+    assert "| notebookkit | 24 | – | – | – | 3 | nothing fits" in table
+    report = max_context.markdown_report(ROWS, dict(shape="llama-3.1-8b", quant="nf4", step=1024, max_seq=131072))
+    assert "set_per_process_memory_fraction" in report and "CUDA context" in report and "NVIDIA H200" in report
+
+
+def test_parse_child_output_and_caps():
+    lines = ["loading...", 'PROBE {"seq": 4096, "fits": true}', 'RESULT {"cap_gib": 16, "max_seq": 8192}',
+             "RESULT {broken", 'RESULT {"cap_gib": 24, "max_seq": 12288}']
+    assert [r["cap_gib"] for r in max_context.parse_child_output(lines)] == [16, 24]
+    assert max_context.parse_caps("24, 16") == [16.0, 24.0]
+    with pytest.raises(SystemExit):
+        max_context.parse_caps("sixteen")
+
+
+def _args(**overrides):
+    args = max_context.build_parser().parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_missing_package_is_reported_not_dropped(monkeypatch, tmp_path):
+    monkeypatch.setattr(max_context, "_available", lambda system: False)
+    rows = max_context.rows_for_system("unsloth", _args(caps="16,24"), str(tmp_path))
+    assert [(r["cap_gib"], r["status"]) for r in rows] == [(16, "not installed"), (24, "not installed")]
+
+
+def test_child_rows_and_missing_caps(monkeypatch, tmp_path):
+    script = "print('PROBE {}'); print('RESULT {\"system\": \"hf\", \"cap_gib\": 16, \"max_seq\": 8192, \"status\": \"ok\"}')"
+    monkeypatch.setattr(max_context, "_available", lambda system: True)
+    monkeypatch.setattr(max_context, "child_command", lambda system, args: [sys.executable, "-c", script])
+    rows = max_context.rows_for_system("hf", _args(caps="16,24"), str(tmp_path))
+    assert rows[0]["max_seq"] == 8192
+    assert rows[1]["cap_gib"] == 24 and rows[1]["status"].startswith("failed")
+    assert (tmp_path / "max-context-hf.log").read_text().count("RESULT") == 1
+
+
+def test_child_timeout_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setattr(max_context, "_available", lambda system: True)
+    monkeypatch.setattr(max_context, "child_command",
+                        lambda system, args: [sys.executable, "-c", "import time; time.sleep(30)"])
+    rows = max_context.rows_for_system("hf", _args(caps="16", timeout=1), str(tmp_path))
+    assert rows[0]["status"].startswith("timed out")
+
+
+def test_child_command_passes_the_search_settings():
+    cmd = max_context.child_command("unsloth", _args(caps="16,24", step=512, max_seq=65536))
+    joined = " ".join(cmd)
+    assert "--child --system unsloth" in joined and "--caps 16,24" in joined
+    assert "--step 512" in joined and "--max-seq 65536" in joined
+
+
+# --------------------------------------------------------------------------- profile_step categories and tables
+
+
+@pytest.mark.parametrize("name, category", [
+    ("nvjet_tst_192x192_64x4_1x2_h_bz_coopB_TNT", "GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas", "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(Params)", "GEMM"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", "GEMM"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>(...)", "GEMM"),
+    ("flash_fwd_kernel", "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128>>(Flash_bwd_params)", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
+    ("_rms_norm_bwd_kernel", "triton rms_norm"),
+    ("_rms_norm_fwd_kernel", "triton rms_norm"),
+    ("_rms_layernorm_backward", "triton rms_norm"),
+    ("_rope_kernel", "triton rope"),
+    ("_swiglu_fwd_kernel", "triton swiglu"),
+    ("_geglu_bwd_kernel", "triton geglu"),
+    ("_nf4_dequant_kernel", "triton nf4 dequant"),
+    ("_cross_entropy_kernel", "triton cross_entropy"),
+    ("liger_cross_entropy_kernel", "triton cross_entropy"),
+    ("_lora_qkv_bwd_kernel", "triton lora"),
+    ("Memcpy HtoD (Pinned -> Device)", "memcpy HtoD"),
+    ("Memcpy DtoH (Device -> Pinned)", "memcpy DtoH"),
+    ("Memcpy DtoD (Device -> Device)", "memcpy DtoD"),
+    ("Memset (Device)", "memset"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, 1, true>>(...)",
+     "optimizer (AdamW)"),
+    ("kDequantizeBlockwise", "bitsandbytes"),
+    ("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, unsigned char*, float*, __nv_bfloat16*, int, int)",
+     "bitsandbytes"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+     "std::array<char*, 3ul>>(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)",
+     "elementwise / reduction"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>(...)",
+     "elementwise / reduction"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16, float>(...)", "torch log_softmax / nll"),
+    ("triton_poi_fused_add_mul_0", "inductor (torch.compile)"),
+    ("some_vendor_kernel(int)", "other"),
+])
+def test_categorize(name, category):
+    assert categorize(name) == category
+
+
+def test_categorize_never_raises():
+    assert categorize(None) == "other"
+    assert categorize(12345) == "other"
+    assert categorize("") == "other"
+    assert categorize("_some_future_triton_kernel") == "other Triton-style name"
+
+
+KERNELS = [
+    ("nvjet_tst_192x192_64x4_1x2_h_bz_coopB_TNT", 6000.0, 300),
+    ("flash_fwd_kernel", 2000.0, 32),
+    ("_rms_norm_fwd_kernel", 500.0, 65),
+    ("Memcpy HtoD (Pinned -> Device)", 1000.0, 31),
+    ("nvjet_tst_192x192_64x4_1x2_h_bz_coopB_TNT", 500.0, 20),
+]
+
+
+def test_category_table_shares_and_merging():
+    rows = profile_step.category_table(KERNELS)
+    by = {r["category"]: r for r in rows}
+    assert rows[0]["category"] == "GEMM"
+    assert by["GEMM"]["ms"] == pytest.approx(6.5) and by["GEMM"]["count"] == 320
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    assert by["memcpy HtoD"]["share"] == pytest.approx(1000 / 10000)
+    assert profile_step.category_table([]) == []
+
+
+def test_busy_time_is_the_union_of_intervals():
+    assert profile_step.busy_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert profile_step.busy_us([]) == 0
+
+
+def test_render_report_contents():
+    text = profile_step.render_report("One step", [("GPU", "test")], wall_ms=12.0, busy_ms=9.0, kernels=KERNELS)
+    assert "wall time of the profiled step: 12.0 ms" in text
+    assert "GPU time (sum of kernel and copy durations): 10.0 ms" in text
+    assert "idle: 3.0 ms = 25.0% of the wall time" in text
+    assert "| GEMM | 6.50 | 65.0% | 320 |" in text
+    assert "| 1 | `nvjet_tst_192x192_64x4_1x2_h_bz_coopB_TNT` | GEMM | 6.50 | 320 | 65.0% |" in text
+    assert text.count("\n| 4 |") == 1 and "\n| 5 |" not in text  # four distinct kernels
+
+
+def test_render_report_escapes_long_and_piped_names():
+    long_name = "void f<" + "x" * 300 + "|y>(int)"
+    text = profile_step.render_report("t", [], 1.0, 1.0, [(long_name, 1.0, 1)])
+    row = [line for line in text.splitlines() if line.startswith("| 1 |")][0]
+    assert "…" in row and len(row) < 250
+
+
+def test_device_kernels_from_fake_profiler_events():
+    cuda = types.SimpleNamespace(name="CUDA")
+    cpu = types.SimpleNamespace(name="CPU")
+    span = lambda a, b: types.SimpleNamespace(start=a, end=b)  # noqa: E731
+    events = [
+        types.SimpleNamespace(name="aten::mm", device_type=cpu, time_range=span(0, 50), is_user_annotation=False),
+        types.SimpleNamespace(name="nvjet_x", device_type=cuda, time_range=span(0, 10), is_user_annotation=False),
+        types.SimpleNamespace(name="nvjet_x", device_type=cuda, time_range=span(12, 20), is_user_annotation=False),
+        types.SimpleNamespace(name="ProfilerStep#1", device_type=cuda, time_range=span(0, 99), is_user_annotation=True),
+        types.SimpleNamespace(name="Memcpy HtoD (Pinned -> Device)", device_type=cuda, time_range=span(5, 25),
+                              is_user_annotation=False),
+        types.SimpleNamespace(name="Event Sync", device_type=cuda, time_range=span(0, 90), is_user_annotation=False),
+        types.SimpleNamespace(name="old_style", device_type=cuda, cuda_time_total=7),
+    ]
+    kernels, intervals = profile_step.device_kernels(events)
+    assert ("nvjet_x", 18.0, 2) in kernels
+    assert ("Memcpy HtoD (Pinned -> Device)", 20.0, 1) in kernels
+    assert ("old_style", 7.0, 1) in kernels
+    assert len(kernels) == 3
+    assert profile_step.busy_us(intervals) == 25
+
+
+def test_report_name():
+    assert profile_step.report_name("llama-3.1-8b", "nf4", 4096, 2, "notebookkit") == \
+        "profile-llama-3.1-8b-nf4-4096x2-notebookkit.md"
+    assert profile_step.report_name("llama-3.1-8b", "nf4", 4096, 2, "hf", "cap-8GiB").endswith("-hf-cap-8GiB.md")
