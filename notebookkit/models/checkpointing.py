@@ -43,24 +43,31 @@ def normalize_mode(value: Mode) -> str:
     return _MODES[key]
 
 
-def auto_plan(model: nn.Module, seq_len: Optional[int] = None, batch_size: Optional[int] = None) -> tuple[list[str] | str, str]:
+def auto_plan(
+    model: nn.Module, seq_len: Optional[int] = None, batch_size: Optional[int] = None, max_memory: Any = None
+) -> tuple[list[str] | str, str]:
     """(per-layer modes or a mode name, why) for ``"auto"``.
 
     On a GPU, ``notebookkit.memory.planner.plan_activations`` picks keep / recompute / offload per
-    layer: the fastest plan predicted to fit in free VRAM (``batch_size`` rows, default 1, of
-    ``seq_len`` tokens). Without a GPU it is no checkpointing.
+    layer: the fastest plan predicted to fit in free VRAM, or in ``max_memory`` (``"16GB"``, a card
+    name such as ``"t4"``, or bytes) when given, for ``batch_size`` rows (default 1) of ``seq_len``
+    tokens. Without a GPU it is no checkpointing.
     """
     device = _model_device(model)
     if device.type != "cuda":
         return "none", "auto on CPU: no checkpointing (host memory is not the limit; recompute costs time)"
+    from notebookkit.memory.planner import DoesNotFitError
+
     try:
         from notebookkit.memory.planner import plan_activations
 
         kwargs = {"seq_len": int(seq_len)} if seq_len else {}
         if batch_size:
             kwargs["batch_size"] = int(batch_size)
-        plan = plan_activations(model, **kwargs)
+        plan = plan_activations(model, max_memory=max_memory, **kwargs)
         return list(plan.modes), f"auto: {plan.summary()}"
+    except DoesNotFitError:
+        raise
     except Exception as exc:  # noqa: BLE001 - fall back to the safe choice
         return "recompute", f"auto: memory planner failed ({type(exc).__name__}: {exc}); using recompute"
 
@@ -222,13 +229,19 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_checkpointing(
-    model: nn.Module, value: Mode, banner=None, seq_len: Optional[int] = None, batch_size: Optional[int] = None
+    model: nn.Module,
+    value: Mode,
+    banner=None,
+    seq_len: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    max_memory: Any = None,
 ) -> str:
     """Configure gradient checkpointing on ``model`` (PEFT-wrapped or not); returns the mode applied.
 
     ``value`` is ``False``/``True``/``"offload"``/``"unsloth"``/``"auto"``, or a per-layer list of
     ``"keep"``/``"recompute"``/``"offload"`` (as ``notebookkit.memory`` plans it). ``seq_len`` and
-    ``batch_size`` size the ``"auto"`` plan (default: the model's ``max_seq_length``, batch 1).
+    ``batch_size`` size the ``"auto"`` plan (default: the model's ``max_seq_length``, batch 1);
+    ``max_memory`` caps it (default: free VRAM). Calling it again re-plans in place.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = _decoder_layers(base)
@@ -238,7 +251,7 @@ def apply_checkpointing(
     else:
         mode = normalize_mode(value)
         if mode == "auto":
-            planned, why = auto_plan(base, seq_len or getattr(base, "max_seq_length", None), batch_size)
+            planned, why = auto_plan(base, seq_len or getattr(base, "max_seq_length", None), batch_size, max_memory)
             modes = planned if isinstance(planned, list) else [{"none": "keep"}.get(planned, planned)] * len(layers)
         else:
             modes = [{"none": "keep"}.get(mode, mode)] * len(layers)

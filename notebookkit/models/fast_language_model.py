@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Optional, Sequence, Union
 
@@ -29,35 +28,7 @@ class FastLanguageModel:
         model.generate(**tokenizer("Hello", return_tensors="pt"), max_new_tokens=20)
     """
 
-    @staticmethod
-    def from_pretrained(
-        model_name: Union[str, os.PathLike] = "notebookkit/tiny-llama",
-        max_seq_length: int = 2048,
-        dtype: Union[None, str, torch.dtype] = None,
-        load_in_4bit: bool = True,
-        load_in_8bit: bool = False,
-        full_finetuning: bool = False,
-        token: Optional[str] = None,
-        device_map: Any = None,
-        trust_remote_code: bool = False,
-        attn_implementation: Optional[str] = None,
-        **kwargs: Any,
-    ):
-        return loader.from_pretrained(
-            model_name,
-            max_seq_length=max_seq_length,
-            dtype=dtype,
-            load_in_4bit=load_in_4bit,
-            load_in_8bit=load_in_8bit,
-            full_finetuning=full_finetuning,
-            token=token,
-            device_map=device_map,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-            **kwargs,
-        )
-
-    from_pretrained.__doc__ = loader.from_pretrained.__doc__
+    from_pretrained = staticmethod(loader.from_pretrained)  # same signature and docstring as the loader
 
     @staticmethod
     def get_peft_model(
@@ -76,6 +47,7 @@ class FastLanguageModel:
         init_lora_weights: Any = True,
         max_seq_length: Optional[int] = None,
         planning_batch_size: Optional[int] = None,
+        max_memory: Any = None,
         show_banner: bool = True,
         **kwargs: Any,
     ):
@@ -99,6 +71,9 @@ class FastLanguageModel:
             modules_to_save: extra modules trained in full and saved with the adapter (e.g. ``lm_head``).
             max_seq_length: override the length limit given to ``from_pretrained``.
             planning_batch_size: per-device batch size the ``"auto"`` checkpointing plan should fit.
+            max_memory: VRAM the ``"auto"`` plan may use: ``"16GB"``, ``"15 GiB"``, a card name
+                (``"t4"``, ``"l4"``, ``"a100-40gb"``) or bytes; default the GPU's free memory. Use it
+                to leave room for something else, or to plan for a smaller card than this one.
 
         Returns:
             a ``peft.PeftModel`` whose layers run the fused LoRA kernels where possible.
@@ -148,7 +123,9 @@ class FastLanguageModel:
             peft_model = peft_get_peft_model(model, lora_config)
         object.__setattr__(peft_model, "notebookkit_banner", banner)
 
-        apply_checkpointing(peft_model, use_gradient_checkpointing, banner, batch_size=planning_batch_size)
+        apply_checkpointing(
+            peft_model, use_gradient_checkpointing, banner, batch_size=planning_batch_size, max_memory=max_memory
+        )
         describe_lora(peft_model, banner)
         trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in peft_model.parameters())
@@ -173,14 +150,17 @@ class FastLanguageModel:
         return model
 
     @staticmethod
-    def for_training(model: nn.Module, use_gradient_checkpointing: Union[bool, str, None] = None) -> nn.Module:
-        """Switch back to training mode (KV cache off). Optionally change the checkpointing mode."""
+    def for_training(
+        model: nn.Module, use_gradient_checkpointing: Union[bool, str, None] = None, max_memory: Any = None
+    ) -> nn.Module:
+        """Switch back to training mode (KV cache off). Optionally change the checkpointing mode
+        (``"auto"`` re-plans, within ``max_memory`` when given)."""
         model.train()
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(base.config, "use_cache", None) is not None:
             base.config.use_cache = False
         if use_gradient_checkpointing is not None:
-            apply_checkpointing(model, use_gradient_checkpointing, get_banner(model))
+            apply_checkpointing(model, use_gradient_checkpointing, get_banner(model), max_memory=max_memory)
         return model
 
     @staticmethod

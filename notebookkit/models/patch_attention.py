@@ -15,14 +15,19 @@ the one Hugging Face built for this layer (causal, padding, sliding window), com
 block-diagonal causal mask whenever ``position_ids`` restart inside a row (packed batches), so
 packed examples never attend to each other. Scores go through
 ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient backends on GPU)
-except with a soft-cap, which SDPA cannot express: then an explicit fp32 softmax is used.
+except with a soft-cap, which SDPA cannot express: then an explicit fp32 softmax is used. Which SDPA
+backend runs is PyTorch's choice unless ``NOTEBOOKKIT_SDPA_BACKEND`` names one to try first
+(``cudnn``, ``flash`` or ``efficient``; the others stay as fall-backs).
 
 Backward: SDPA's and the kernels' own autograd; nothing is hand-written here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import os
 import weakref
 from typing import Any, Optional
 
@@ -94,6 +99,31 @@ def _as_bool_mask(mask: Optional[torch.Tensor], q_len: int, kv_len: int) -> Opti
     return (mask > torch.finfo(mask.dtype).min / 2)[..., :kv_len]
 
 
+@functools.lru_cache(maxsize=None)
+def _preferred_backends(name: str) -> tuple:
+    from torch.nn.attention import SDPBackend
+
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}.get(name)
+    if first is None:
+        raise ValueError(f"NOTEBOOKKIT_SDPA_BACKEND={name!r}: use 'cudnn', 'flash' or 'efficient', or unset it.")
+    rest = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return (first, *[b for b in rest if b != first])
+
+
+def _sdpa_backend(q: torch.Tensor):
+    """Context choosing the SDPA backend order (``NOTEBOOKKIT_SDPA_BACKEND``), or a no-op."""
+    name = os.environ.get("NOTEBOOKKIT_SDPA_BACKEND", "").strip().lower()
+    if not name or not q.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    try:
+        return sdpa_kernel(list(_preferred_backends(name)), set_priority=True)
+    except TypeError:  # torch without set_priority: the listed backends, in PyTorch's order
+        return sdpa_kernel(list(_preferred_backends(name)))
+
+
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return x
@@ -126,13 +156,16 @@ def attend(
         if not use_gqa:
             k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         extra: dict[str, Any] = {"enable_gqa": True} if use_gqa else {}
-        if mask is None:
-            if q_len == 1:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, **extra)
-            if q_len == kv_len:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, **extra)
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - q_len)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, **extra)
+        with _sdpa_backend(q):
+            if mask is None:
+                if q_len == 1:
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, **extra)
+                if q_len == kv_len:
+                    return F.scaled_dot_product_attention(
+                        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, **extra
+                    )
+                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - q_len)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, **extra)
     k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling
     scores = torch.tanh(scores / softcap) * softcap
