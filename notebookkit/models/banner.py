@@ -34,6 +34,13 @@ class Banner:
         """True when the named feature is recorded as on."""
         return self.features.get(name, (False, ""))[0]
 
+    def line(self, name: str) -> str:
+        """The rendered ``[on ]`` / ``[off]`` line of one feature (``""`` when it is not recorded)."""
+        if name not in self.features:
+            return ""
+        on, why = self.features[name]
+        return f"[{'on ' if on else 'off'}] {name}  {why}"
+
     def render(self) -> str:
         width = max([len(k) for k in self.features] + [8])
         lines = ["==((====))==  notebookkit"]

@@ -13,7 +13,7 @@ respect to ``h`` (and ``W`` if trainable) without ever holding the ``[B*T, V]`` 
 Contract of the patched forward (documented for trainers):
 
 * ``model.train()`` and ``labels`` given: ``loss`` is set and ``logits`` is ``None`` (never the full
-  logits). Hugging Face ``Trainer``/TRL read ``outputs.loss`` only. Pass ``return_logits=True`` to
+  logits). Hugging Face ``Trainer`` reads ``outputs.loss`` only. Pass ``return_logits=True`` to
   the forward, or call it in eval mode, to get both.
 * otherwise: ``logits`` are returned for the positions selected by ``logits_to_keep`` (``0`` = all),
   and ``loss`` is computed from them when ``labels`` are given.
@@ -21,6 +21,17 @@ Contract of the patched forward (documented for trainers):
 * In training, a batch longer than the ``max_seq_length`` given at load time raises a ``ValueError``
   that says how to fix it (checked in the backbone, so trainers that run their own LM head, like
   TRL's chunked one, are covered too); in inference it warns once.
+
+TRL (1.15, 1.16): its trainers never read ``outputs.loss``. At construction ``SFTTrainer``,
+``DPOTrainer``, ``GRPOTrainer`` (and KTO / RLOO) call ``trl.trainer.utils.add_fused_lm_head``,
+which wraps ``model.forward``: a call with ``fused_lm_head=True`` runs the backbone
+(``model.base_model``) and TRL's own chunked log-prob function on ``lm_head.weight`` (per-token
+log-probs, entropy, top-1 flags; no full logits either), and never reaches this forward; other
+calls pass through to it. The trainers need those per-token values (DPO / GRPO sum them per
+sequence), which a scalar fused loss cannot give, so only SFT can use this head:
+``notebookkit.train.sft.FastSFTTrainer`` (what ``make_sft_trainer`` builds) calls the model with
+``labels`` and ``num_items_in_batch`` and so runs the fused cross-entropy. :func:`describe_lm_head`
+writes this into the banner.
 """
 
 from __future__ import annotations
@@ -215,6 +226,45 @@ def lm_head_ready(model: nn.Module) -> Optional[str]:
     if kernel("fused_linear_cross_entropy", "fused_linear_cross_entropy") is None:
         return "notebookkit.kernels.fused_linear_cross_entropy is unavailable"
     return None
+
+
+def trl_own_lm_head() -> Optional[str]:
+    """The installed TRL version when its trainers score tokens with their own LM head, else ``None``.
+
+    True of every TRL whose ``trl.trainer`` exports ``add_fused_lm_head`` (1.15 and 1.16 do); with
+    older TRL, ``SFTTrainer`` reads the loss this model's forward returns. Reads TRL's lazy export
+    table only, so nothing heavy is imported.
+    """
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("trl") is None:
+            return None
+        import trl
+        from importlib.metadata import version
+
+        if "add_fused_lm_head" not in dir(trl.trainer):
+            return None
+        return version("trl")
+    except Exception:  # noqa: BLE001 - a broken TRL install only loses a banner note
+        return None
+
+
+def describe_lm_head(banner: Any, final_softcap: Optional[float]) -> None:
+    """Write the ``fused CE loss`` line (and, with TRL 1.15+, which trainers use it) into ``banner``."""
+    banner.feature(
+        "fused CE loss",
+        True,
+        "model(..., labels=...) in training: fused linear cross-entropy, no full logits"
+        + (f" (final soft-cap {final_softcap:g})" if final_softcap else ""),
+    )
+    trl_version = trl_own_lm_head()
+    if trl_version is not None:
+        banner.note(
+            f"TRL {trl_version} trainers score tokens with TRL's own chunked LM head (no full logits either); "
+            "SFT runs the fused CE only through notebookkit.train.make_sft_trainer / "
+            "notebookkit.train.sft.FastSFTTrainer"
+        )
 
 
 def patch_lm_head(model: nn.Module, final_softcap: Optional[float]) -> None:

@@ -17,7 +17,7 @@ from . import architectures
 from .banner import Banner
 from .lora_fast_path import describe_lora
 from .patch_attention import attention_ready, patch_attention
-from .patch_lm_head import lm_head_ready, patch_lm_head
+from .patch_lm_head import describe_lm_head, lm_head_ready, patch_lm_head
 from .patch_mlp import mlp_ready, patch_mlp
 from .patch_norms import patch_norms
 from .patching import patched_modules, restore
@@ -124,12 +124,7 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
     reason = lm_head_ready(causal_lm)
     if reason is None:
         patch_lm_head(causal_lm, architectures.final_softcap(config, spec))
-        cap = architectures.final_softcap(config, spec)
-        banner.feature(
-            "fused CE loss",
-            True,
-            "training loss via fused linear cross-entropy, no full logits" + (f" (final soft-cap {cap:g})" if cap else ""),
-        )
+        describe_lm_head(banner, architectures.final_softcap(config, spec))
     else:
         banner.feature("fused CE loss", False, reason)
 

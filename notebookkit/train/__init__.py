@@ -11,6 +11,7 @@ from notebookkit._lazy import lazy_exports
 _LAZY = {
     "sft_config": "sft",
     "make_sft_trainer": "sft",
+    "FastSFTTrainer": "sft",
     "precision_flags": "sft",
     "calibrate": "calibration",
     "CalibrationResult": "calibration",

@@ -13,6 +13,27 @@ accumulation matches one big batch.
 The preset only picks defaults (precision from the model's dtype, 8-bit AdamW on CUDA, no
 checkpoint saving, no external loggers) and drops arguments the installed TRL does not know, so the
 same notebook runs on the CI's TRL and on an older Colab one.
+
+Which LM head computes the loss. TRL 1.15+ ``SFTTrainer.compute_loss`` never reads the model's
+loss: it calls ``model(**batch, fused_lm_head=True)``, a forward TRL installs at construction that
+runs the backbone and TRL's own chunked log-prob function on ``lm_head.weight`` (per-token
+log-probs, entropy and top-1 flags, for the ``entropy`` / ``mean_token_accuracy`` metrics), and
+divides ``-sum(log p)`` by ``num_items_in_batch`` (or the batch's label count). :class:`FastSFTTrainer`
+(what :func:`make_sft_trainer` builds) is that ``SFTTrainer`` with one method changed: in training
+its ``compute_loss`` calls the model with ``labels`` and ``num_items_in_batch``, so a notebookkit model
+returns the same quantity from ``notebookkit.kernels.fused_linear_cross_entropy``,
+
+    loss = sum_{t : y_{t+1} != -100} ( logsumexp(h_t W^T) - (h_t W^T)[y_{t+1}] ) / N ,
+
+with ``N = num_items_in_batch`` (the label count of the whole accumulated step, so gradient
+accumulation equals one big batch) or the micro-batch's label count, clamped at 1, exactly as TRL
+(its gradients too: the kernel returns dL/dh and dL/dW). Completion-only and assistant-only
+losses are already in ``labels`` (-100 elsewhere) when the batch arrives, so they hold unchanged.
+The per-token entropy and top-1 flags are not computed on that path, so the training logs lack
+``entropy`` and ``mean_token_accuracy`` (evaluation keeps them: it runs TRL's head). Settings that
+need TRL's per-token values (``loss_type="dft"``, label smoothing, a ``compute_loss_func``, MoE
+router losses, sequence/context parallelism, prompt-learning adapters) or a model whose head is
+not notebookkit's run TRL's own path; the trainer prints one banner line saying which.
 """
 
 from __future__ import annotations
@@ -21,7 +42,7 @@ import dataclasses
 import warnings
 from typing import Any
 
-__all__ = ["sft_config", "make_sft_trainer", "precision_flags"]
+__all__ = ["sft_config", "make_sft_trainer", "precision_flags", "FastSFTTrainer", "fused_loss_blocker"]
 
 
 def precision_flags(model: Any = None) -> dict[str, bool]:
@@ -130,6 +151,167 @@ def sft_config(
         return SFTConfig(**kwargs)
 
 
+FUSED_CE_FEATURE = "fused CE loss"
+
+
+def fused_loss_blocker(trainer: Any) -> str | None:
+    """Why ``trainer`` cannot compute its SFT training loss with notebookkit's fused cross-entropy.
+
+    ``None`` when it can: the loss is TRL's plain negative log-likelihood and the model (or the
+    base model under a PEFT adapter) runs notebookkit's patched causal-LM forward. Otherwise a
+    short reason for the banner line.
+    """
+    from ..models.patching import patch_tag
+
+    args = trainer.args
+    loss_type = getattr(args, "loss_type", "nll")
+    if loss_type not in (None, "nll"):
+        return f"loss_type={loss_type!r} weights every token by its probability (TRL's per-token head)"
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return "a compute_loss_func is set (it needs the model's full logits)"
+    if getattr(trainer, "label_smoother", None) is not None:
+        return "label_smoothing_factor > 0 needs the full logits"
+    if getattr(trainer, "aux_loss_enabled", False):
+        return "the MoE router auxiliary loss is added by TRL's LM head"
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
+        return "sequence / context parallelism shards the labels (TRL's path)"
+    model = trainer.model
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        return "prompt-learning adapters prepend virtual tokens (TRL's path)"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if patch_tag(base) != "causal_lm":
+        from ..models.banner import get_banner
+
+        banner = get_banner(model)
+        if banner is not None and FUSED_CE_FEATURE in banner.features and not banner.is_on(FUSED_CE_FEATURE):
+            return banner.features[FUSED_CE_FEATURE][1]
+        return "the model's causal-LM head is not notebookkit's (load it with FastLanguageModel)"
+    return None
+
+
+def _count_train_tokens(trainer: Any, inputs: dict[str, Any]) -> None:
+    """Keep TRL's cumulative ``num_tokens`` metric (the dashboard's tokens/s) on the fused path."""
+    import torch
+
+    metrics = getattr(trainer, "_metrics", None)
+    if not isinstance(metrics, dict) or "train" not in metrics or not hasattr(trainer, "_total_train_tokens"):
+        return
+    if "attention_mask" in inputs:
+        local = inputs["attention_mask"].sum()
+    elif "position_ids" in inputs:  # padding-free: one packed row, every position is a token
+        local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
+    else:
+        return
+    total = trainer.accelerator.gather_for_metrics(local).sum().item()
+    trainer._total_train_tokens += total // getattr(trainer, "_tp_size", 1)
+    metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+
+
+def fused_sft_loss(trainer: Any, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
+    """The SFT training loss of one micro-batch from the model's own (fused cross-entropy) forward.
+
+    Equals TRL's ``SFTTrainer.compute_loss`` for ``loss_type="nll"``: the summed next-token
+    negative log-likelihood over labels != -100, divided by ``num_items_in_batch`` when the Trainer
+    passes it (else by the micro-batch's label count, at least 1), times the process count when
+    ``average_tokens_across_devices`` is on (DDP then averages the gradients back).
+    """
+    import torch
+
+    call = dict(inputs)
+    call["use_cache"] = False
+    if num_items_in_batch is not None:
+        n = num_items_in_batch
+        if not isinstance(n, torch.Tensor) and not n > 0:
+            n = torch.tensor(0.0)  # no label in the whole step: 0 / 1, like TRL
+        call["num_items_in_batch"] = n
+    outputs = model(**call)
+    loss = getattr(outputs, "loss", None) if not isinstance(outputs, tuple) else outputs[0]
+    if loss is None:
+        raise RuntimeError(
+            "The model returned no loss for a batch with labels, so notebookkit's fused SFT loss cannot be used. "
+            "Build the trainer with fused_loss=False (TRL computes the loss itself) or reload the model with "
+            "FastLanguageModel.from_pretrained."
+        )
+    if getattr(trainer.args, "average_tokens_across_devices", False) and num_items_in_batch is not None:
+        tp = trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
+        loss = loss * (trainer.accelerator.num_processes // tp)
+    _count_train_tokens(trainer, inputs)
+    return loss
+
+
+def _report_fused_loss(trainer: Any, show: bool) -> None:
+    """Record (and print once per change) the banner line saying which head computes the SFT loss."""
+    from ..models.banner import Banner, get_banner
+
+    off = trainer.fused_loss_off
+    if off is None:
+        why = (
+            "SFT training loss via fused linear cross-entropy, no full logits (FastSFTTrainer); TRL's train "
+            "metrics entropy / mean_token_accuracy are off (eval keeps them; fused_loss=False restores TRL's head)"
+        )
+    else:
+        from ..models.patch_lm_head import trl_own_lm_head
+
+        head = "TRL's own chunked LM head (no full logits either)" if trl_own_lm_head() else "TRL's compute_loss"
+        why = f"SFT training loss by {head}: {off}"
+    banner = get_banner(trainer.model)
+    target = banner if banner is not None else Banner()
+    unchanged = target.features.get(FUSED_CE_FEATURE) == (off is None, why)
+    target.feature(FUSED_CE_FEATURE, off is None, why)
+    if show and not unchanged and trainer.is_world_process_zero():
+        print(f"notebookkit: {target.line(FUSED_CE_FEATURE)}", flush=True)
+
+
+_TRAINER_CLASS: Any = None
+
+
+def _fast_sft_trainer_class() -> type:
+    global _TRAINER_CLASS
+    if _TRAINER_CLASS is not None:
+        return _TRAINER_CLASS
+    from trl import SFTTrainer
+
+    class FastSFTTrainer(SFTTrainer):
+        """TRL's ``SFTTrainer`` whose training loss runs notebookkit's fused linear cross-entropy.
+
+        Same arguments as ``trl.SFTTrainer``, plus:
+
+        Args:
+            fused_loss: ``True`` (default) computes the training loss with the model's fused
+                cross-entropy (same value and gradients as TRL's; no ``entropy`` /
+                ``mean_token_accuracy`` in the training logs). ``False`` keeps TRL's own LM head.
+            show_banner: print the one-line banner saying which head computes the loss.
+
+        Evaluation, ``return_outputs=True`` and the settings listed by :func:`fused_loss_blocker`
+        run TRL's own ``compute_loss`` unchanged.
+        """
+
+        def __init__(self, *args: Any, fused_loss: bool = True, show_banner: bool = True, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.fused_loss_off = fused_loss_blocker(self) if fused_loss else "fused_loss=False was passed"
+            _report_fused_loss(self, show_banner)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if self.fused_loss_off is not None or return_outputs or not self.model.training or "labels" not in inputs:
+                return super().compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
+            return fused_sft_loss(self, model, inputs, num_items_in_batch)
+
+    FastSFTTrainer.__module__ = __name__
+    FastSFTTrainer.__qualname__ = "FastSFTTrainer"
+    _TRAINER_CLASS = FastSFTTrainer
+    return FastSFTTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FastSFTTrainer":  # built on first use: importing TRL takes seconds
+        return _fast_sft_trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def make_sft_trainer(
     model: Any,
     tokenizer: Any,
@@ -141,9 +323,11 @@ def make_sft_trainer(
     responses_only: bool = False,
     instruction_part: str | None = None,
     response_part: str | None = None,
+    fused_loss: bool = True,
+    show_banner: bool = True,
     **config_kwargs: Any,
 ) -> Any:
-    """Build a TRL ``SFTTrainer`` with the :func:`sft_config` preset.
+    """Build a :class:`FastSFTTrainer` (TRL's ``SFTTrainer``, fused loss) with the :func:`sft_config` preset.
 
     Args:
         model, tokenizer: from ``FastLanguageModel.from_pretrained`` / ``get_peft_model``.
@@ -152,9 +336,11 @@ def make_sft_trainer(
         callbacks: e.g. ``[LiveDashboard()]``.
         responses_only: train only on assistant turns (calls ``train_on_responses_only``).
         instruction_part, response_part: markers for ``responses_only`` (detected when left out).
+        fused_loss: compute the training loss with notebookkit's fused cross-entropy (``False``:
+            TRL's own LM head, which also logs ``entropy`` / ``mean_token_accuracy``).
+        show_banner: print the one-line banner saying which head computes the loss.
     """
-    from trl import SFTTrainer
-
+    trainer_class = _fast_sft_trainer_class()
     if args is None:
         args = sft_config(model=model, **config_kwargs)
     elif config_kwargs:
@@ -166,8 +352,10 @@ def make_sft_trainer(
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         callbacks=callbacks,
+        fused_loss=fused_loss,
+        show_banner=show_banner,
     )
-    trainer = SFTTrainer(**kwargs)
+    trainer = trainer_class(**kwargs)
     if responses_only:
         from ..data.responses_only import train_on_responses_only
 
