@@ -182,7 +182,8 @@ def plan_counts(model) -> str:
     """'32 keep' / '2 recompute, 30 offload': the per-layer activation plan the model runs."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     modes = getattr(base, "_notebookkit_checkpointing", "none")
-    modes = ["keep"] if modes == "none" else modes
+    if modes == "none":
+        return "all keep"
     if isinstance(modes, str):
         return modes
     return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "recompute", "offload") if modes.count(m))

@@ -98,9 +98,19 @@ class CalibrationResult:
                 f", leaving {self.card_memory_gib - nk.peak_memory_gib:.1f} GiB of the card free for a longer "
                 "max_seq_length or a bigger batch"
             )
+        saving = self.memory_saving
+        if saving != saving:
+            compared = "memory not compared"
+        elif saving >= 0:
+            compared = f"{saving:.0%} less memory"
+        else:
+            compared = (
+                f"{-saving:.0%} more memory: use_gradient_checkpointing=\"auto\" keeps activations when the card "
+                "has room, which is faster; True or \"offload\" trade that speed for memory"
+            )
         return (
             f"On this {card}, notebookkit peaked at {nk.peak_memory_gib:.2f} GiB vs {pe.peak_memory_gib:.2f} GiB "
-            f"for plain PEFT ({self.memory_saving:+.0%} memory) and ran {self.speedup:.2f}x the tokens/s "
+            f"for plain PEFT ({compared}) and ran {self.speedup:.2f}x the tokens/s "
             f"({nk.tokens_per_s:,.0f} vs {pe.tokens_per_s:,.0f}){headroom}; {same}."
         )
 

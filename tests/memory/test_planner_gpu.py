@@ -50,7 +50,8 @@ def _train(folder, max_memory):
                                                  load_in_4bit=False, show_banner=False)
     model = FastLanguageModel.get_peft_model(model, use_gradient_checkpointing="auto", planning_batch_size=BATCH,
                                              max_memory=max_memory, show_banner=False)
-    plan = list(model.get_base_model()._notebookkit_checkpointing)
+    plan = model.get_base_model()._notebookkit_checkpointing  # "none" when every layer keeps
+    plan = ["keep"] * SHAPE["num_hidden_layers"] if plan == "none" else list(plan)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(3, SHAPE["vocab_size"], (BATCH, SEQ), device="cuda")
     torch.cuda.reset_peak_memory_stats()
