@@ -32,3 +32,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test with one intra-op thread: the tiny models' matmuls are small, and on a shared 2-core CI
+    machine two threads mostly wait on each other (measured 7x slower under load)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

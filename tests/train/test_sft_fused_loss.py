@@ -27,12 +27,7 @@ KEY = ("fused_linear_cross_entropy", "fused_linear_cross_entropy")
 FEATURE = "fused CE loss"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class Probe:
