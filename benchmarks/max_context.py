@@ -223,9 +223,15 @@ def _plan_summary(model) -> Optional[str]:
 
 
 def _replanner(model, cap: float) -> Callable[[int], None]:
-    """For notebookkit: re-plan the activation memory for a length under ``cap`` GiB."""
+    """For notebookkit: re-plan the activation memory for a length under ``cap`` GiB.
+
+    When the planner predicts that even offloading every layer does not fit (``DoesNotFitError``),
+    the leanest plan (every layer offloaded) is applied anyway and the step itself decides: the
+    planner keeps a safety margin, and the search measures what really trains.
+    """
     import inspect
 
+    from notebookkit.memory.planner import DoesNotFitError
     from notebookkit.models.checkpointing import apply_checkpointing
 
     capped = "max_memory" in inspect.signature(apply_checkpointing).parameters
@@ -233,7 +239,14 @@ def _replanner(model, cap: float) -> Callable[[int], None]:
         print("WARNING: apply_checkpointing has no max_memory keyword; the planner sees the whole card.",
               file=sys.stderr, flush=True)
     extra = {"max_memory": f"{_cap_label(cap)}GiB"} if capped else {}
-    return lambda length: apply_checkpointing(model, "auto", None, batch_size=1, seq_len=length, **extra)
+
+    def replan(length: int) -> None:
+        try:
+            apply_checkpointing(model, "auto", None, batch_size=1, seq_len=length, **extra)
+        except DoesNotFitError:
+            apply_checkpointing(model, "offload", None)
+
+    return replan
 
 
 def _one_step(model, optimizer, ids) -> None:

@@ -296,3 +296,23 @@ def test_report_name():
     assert profile_step.report_name("llama-3.1-8b", "nf4", 4096, 2, "notebookkit") == \
         "profile-llama-3.1-8b-nf4-4096x2-notebookkit.md"
     assert profile_step.report_name("llama-3.1-8b", "nf4", 4096, 2, "hf", "cap-8GiB").endswith("-hf-cap-8GiB.md")
+
+
+def test_notebookkit_replan_falls_back_to_full_offload_when_the_planner_refuses(monkeypatch):
+    """A length the planner predicts will not fit is still tried, fully offloaded: the step decides."""
+    import notebookkit.models.checkpointing as checkpointing
+    from notebookkit.memory.planner import DoesNotFitError
+
+    calls = []
+
+    def fake_apply(model, value, banner=None, seq_len=None, batch_size=None, max_memory=None):
+        calls.append((value, seq_len, max_memory))
+        if value == "auto" and seq_len > 50_000:
+            raise DoesNotFitError("does not fit")
+        return value
+
+    monkeypatch.setattr(checkpointing, "apply_checkpointing", fake_apply)
+    replan = max_context._replanner(object(), 16.0)
+    replan(8192)
+    replan(65536)
+    assert calls == [("auto", 8192, "16GiB"), ("auto", 65536, "16GiB"), ("offload", None, None)]
