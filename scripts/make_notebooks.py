@@ -30,6 +30,29 @@ if importlib.util.find_spec("notebookkit") is None:
     get_ipython().run_line_magic("pip", f"install -q {NOTEBOOKKIT_PIP_SPEC}")
 '''
 
+# the parameters cell (tagged `parameters`); the fields are what differs between notebooks
+PARAMETERS = '''\
+MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
+GPU_MODEL = "Qwen/Qwen3-0.6B"
+CHAT_TEMPLATE = {chat_template:<10} # {chat_template_note}
+LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
+MAX_SEQ_LENGTH = None      # None: 2048 on a GPU, 512 on CPU (capped by the length profile below)
+LORA_R = 16
+MAX_STEPS = None           # None: 60 on a GPU, CPU_STEPS on CPU
+CPU_STEPS = 24
+CALIBRATION_STEPS = None   # None: 30 on a GPU, 4 on CPU; 0 skips the calibration
+BATCH_SIZE = 4
+GRAD_ACCUM = 1
+LEARNING_RATE = None       # None: 2e-4 on a GPU, CPU_LEARNING_RATE on CPU
+CPU_LEARNING_RATE = 2e-3{cpu_learning_rate_note}
+WARMUP_STEPS = 2
+N_EVAL = 12                # held-back {heldout_rows} to evaluate on
+N_EXACT = 4                # of those, how many are answered by generation (exact match)
+SEED = 3407
+OUTPUT_DIR = "outputs/{slug}"
+MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at least this fraction
+'''
+
 RESOLVE = '''\
 import torch
 
@@ -310,6 +333,31 @@ def code(text: str, tags: list[str] | None = None) -> nbformat.NotebookNode:
     return cell
 
 
+def setup_cells(parameters_md: str, **parameters: str) -> list[nbformat.NotebookNode]:
+    """The parameters cell (``PARAMETERS`` filled with ``parameters``), the resolve cell and the panels."""
+    return [
+        md(parameters_md),
+        code(PARAMETERS.format(**parameters), tags=["parameters"]),
+        code(RESOLVE + 'import os\nos.makedirs(OUTPUT_DIR, exist_ok=True)'),
+        md(PANELS_MD),
+        code(PANELS),
+    ]
+
+
+def training_cells(masking_md: str, before_md: str) -> list[nbformat.NotebookNode]:
+    """Trainer + masking check, evaluation before training, calibration, and the training run."""
+    return [
+        md(masking_md),
+        code(TRAINER),
+        md(before_md),
+        code(EVAL_BEFORE),
+        md(CALIBRATION_MD),
+        code(CALIBRATION),
+        md(TRAIN_MD),
+        code(TRAIN),
+    ]
+
+
 # ------------------------------------------------------------------------------------------------
 # chat_sft.ipynb
 
@@ -331,33 +379,16 @@ on the held-back conversations → **chat** with the tuned model → **save** th
 *Run it top to bottom. On a CPU it uses `notebookkit/tiny-llama`, a small model built and
 pre-trained offline on the bundled corpus, so nothing is downloaded.*'''),
         code(INSTALL),
-        md('''\
+        *setup_cells(
+            '''\
 **Parameters.** `None` means "choose for this machine": the tiny model and a handful of steps on a
-CPU, a real model on a GPU. CI and `make demo` override this cell (it is tagged `parameters`).'''),
-        code('''\
-MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
-GPU_MODEL = "Qwen/Qwen3-0.6B"
-CHAT_TEMPLATE = None       # None: guessed from the model name / tokenizer ("llama-3", "chatml", ...)
-LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
-MAX_SEQ_LENGTH = None      # None: 2048 on a GPU, 512 on CPU (capped by the length profile below)
-LORA_R = 16
-MAX_STEPS = None           # None: 60 on a GPU, CPU_STEPS on CPU
-CPU_STEPS = 24
-CALIBRATION_STEPS = None   # None: 30 on a GPU, 4 on CPU; 0 skips the calibration
-BATCH_SIZE = 4
-GRAD_ACCUM = 1
-LEARNING_RATE = None       # None: 2e-4 on a GPU, CPU_LEARNING_RATE on CPU
-CPU_LEARNING_RATE = 2e-3   # the tiny model learns in few steps with a larger rate
-WARMUP_STEPS = 2
-N_EVAL = 12                # held-back conversations to evaluate on
-N_EXACT = 4                # of those, how many are answered by generation (exact match)
-SEED = 3407
-OUTPUT_DIR = "outputs/chat_sft"
-MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at least this fraction''',
-             tags=["parameters"]),
-        code(RESOLVE + 'import os\nos.makedirs(OUTPUT_DIR, exist_ok=True)'),
-        md(PANELS_MD),
-        code(PANELS),
+CPU, a real model on a GPU. CI and `make demo` override this cell (it is tagged `parameters`).''',
+            chat_template="None",
+            chat_template_note='None: guessed from the model name / tokenizer ("llama-3", "chatml", ...)',
+            cpu_learning_rate_note="   # the tiny model learns in few steps with a larger rate",
+            heldout_rows="conversations",
+            slug="chat_sft",
+        ),
         md('''\
 ## 2. Load the model and its chat template
 
@@ -395,7 +426,8 @@ print(tokenizer.apply_chat_template(train_ds[0]["messages"], tokenize=False))'''
 pick `max_seq_length` from the data: the 99th percentile of the token counts, rounded up to a
 multiple of 64 (about 1 conversation in 100 gets truncated).'''),
         code(PROFILE),
-        md('''\
+        *training_cells(
+            '''\
 **Response-only loss.** By default a language model is trained to predict *every* token, including
 the user's questions and the system prompt. We only want it to learn the answers, so
 `train_on_responses_only` sets the label of every token outside the assistant turns to `-100`
@@ -403,17 +435,12 @@ the user's questions and the system prompt. We only want it to learn the answers
 end-of-turn token stays in the loss: that is how the model learns to stop.
 
 The **masking check** decodes one batch exactly as the trainer will see it: green tokens are
-trained on, grey ones are masked. If you see user text in green, the markers are wrong.'''),
-        code(TRAINER),
-        md('''\
+trained on, grey ones are masked. If you see user text in green, the markers are wrong.''',
+            '''\
 **Before training**, measure the model on the held-back conversations: the *answer loss* (the
 average cross-entropy of the reference answers, teacher-forced) and *exact match* (greedy
-generation compared with the reference) on a few of them.'''),
-        code(EVAL_BEFORE),
-        md(CALIBRATION_MD),
-        code(CALIBRATION),
-        md(TRAIN_MD),
-        code(TRAIN),
+generation compared with the reference) on a few of them.''',
+        ),
         md('''\
 ## 7. Evaluate on the held-back conversations
 
@@ -464,33 +491,16 @@ held-back instructions → **generate** → **save**.
 *On a CPU it uses `notebookkit/tiny-llama` (built offline, nothing is downloaded) and runs in a few
 minutes.*'''),
         code(INSTALL),
-        md('''\
+        *setup_cells(
+            '''\
 **Parameters.** `None` means "choose for this machine". CI and `make demo` override this cell
-(it is tagged `parameters`).'''),
-        code('''\
-MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
-GPU_MODEL = "Qwen/Qwen3-0.6B"
-CHAT_TEMPLATE = "alpaca"   # the prompt format; "### Instruction:" / "### Response:" blocks
-LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
-MAX_SEQ_LENGTH = None      # None: 2048 on a GPU, 512 on CPU (capped by the length profile below)
-LORA_R = 16
-MAX_STEPS = None           # None: 60 on a GPU, CPU_STEPS on CPU
-CPU_STEPS = 24
-CALIBRATION_STEPS = None   # None: 30 on a GPU, 4 on CPU; 0 skips the calibration
-BATCH_SIZE = 4
-GRAD_ACCUM = 1
-LEARNING_RATE = None       # None: 2e-4 on a GPU, CPU_LEARNING_RATE on CPU
-CPU_LEARNING_RATE = 2e-3
-WARMUP_STEPS = 2
-N_EVAL = 12                # held-back instructions to evaluate on
-N_EXACT = 4                # of those, how many are answered by generation (exact match)
-SEED = 3407
-OUTPUT_DIR = "outputs/alpaca_sft"
-MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at least this fraction''',
-             tags=["parameters"]),
-        code(RESOLVE + 'import os\nos.makedirs(OUTPUT_DIR, exist_ok=True)'),
-        md(PANELS_MD),
-        code(PANELS),
+(it is tagged `parameters`).''',
+            chat_template='"alpaca"',
+            chat_template_note='the prompt format; "### Instruction:" / "### Response:" blocks',
+            cpu_learning_rate_note="",
+            heldout_rows="instructions",
+            slug="alpaca_sft",
+        ),
         md('''\
 ## 2. Load the model and the Alpaca prompt format
 
@@ -524,19 +534,15 @@ print(tokenizer.apply_chat_template(train_ds[0]["messages"], tokenize=False))'''
 **Token-length profile**: the suggested `max_seq_length` is the 99th percentile of the token counts,
 rounded up to a multiple of 64.'''),
         code(PROFILE),
-        md('''\
+        *training_cells(
+            '''\
 **Response-only loss**: labels before `### Response:` (the preamble and the instruction) become
 `-100`, so the loss — and every gradient step — is spent on writing responses. The masking check
-shows one batch: green is trained on, grey is masked.'''),
-        code(TRAINER),
-        md('''\
+shows one batch: green is trained on, grey is masked.''',
+            '''\
 **Before training**: answer loss (teacher-forced cross-entropy of the reference responses) and exact
-match of greedy generations on held-back instructions.'''),
-        code(EVAL_BEFORE),
-        md(CALIBRATION_MD),
-        code(CALIBRATION),
-        md(TRAIN_MD),
-        code(TRAIN),
+match of greedy generations on held-back instructions.''',
+        ),
         md('''\
 ## 7. Evaluate on the held-back instructions'''),
         code(EVAL_AFTER),

@@ -1,4 +1,5 @@
-"""A small byte-level BPE tokenizer for data-helper tests (built in well under a second, offline).
+"""A small byte-level BPE tokenizer for data-helper tests (built in well under a second, offline),
+and ``CONVO``, the sample conversation those tests render.
 
 It knows the special tokens of every chat format in notebookkit.data.chat_templates, so each format
 can be rendered and tokenised without downloading anything.
@@ -17,6 +18,15 @@ CORPUS = [
     "You are a helpful assistant. Answer briefly and politely, please.",
     "user assistant system model [INST] [/INST] hello world good morning",
 ] * 20
+
+# A short conversation with a system turn and two user/assistant exchanges (tests must not change it).
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is two plus three?"},
+    {"role": "assistant", "content": "Five."},
+    {"role": "user", "content": "And the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+]
 
 
 @functools.lru_cache(maxsize=None)

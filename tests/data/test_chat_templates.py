@@ -15,15 +15,7 @@ from notebookkit.data.chat_templates import (
 )
 from notebookkit.data.responses_only import detect_markers
 from notebookkit.data.sharegpt import standardize_sharegpt, to_role_content
-from tests.data.chat_tokenizer import make_tokenizer
-
-CONVO = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "What is two plus three?"},
-    {"role": "assistant", "content": "Five."},
-    {"role": "user", "content": "And the capital of France?"},
-    {"role": "assistant", "content": "Paris."},
-]
+from tests.data.chat_tokenizer import CONVO, make_tokenizer
 
 
 @pytest.mark.parametrize("name", list_chat_templates())

@@ -13,15 +13,7 @@ from notebookkit.data.responses_only import (
     response_only_labels,
     train_on_responses_only,
 )
-from tests.data.chat_tokenizer import make_tokenizer
-
-CONVO = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "What is two plus three?"},
-    {"role": "assistant", "content": "Five."},
-    {"role": "user", "content": "And the capital of France?"},
-    {"role": "assistant", "content": "Paris."},
-]
+from tests.data.chat_tokenizer import CONVO, make_tokenizer
 
 
 def _kept_text(tok, ids, labels):

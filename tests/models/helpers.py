@@ -116,3 +116,20 @@ def local_folder(family: str) -> str:
         model.save_pretrained(folder)
         byte_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+def train_losses(model, batches: list[dict], steps: int, lr: float) -> list[float]:
+    """``steps`` AdamW steps over ``batches`` (cycled) on the trainable parameters; the loss of each step."""
+    model.train()
+    params = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
+    # eps=1e-6: coordinates whose gradient is at rounding-noise level (|g| << eps) then get tiny updates
+    # instead of full +-lr steps of arbitrary sign, so two runs compare arithmetic, not noise.
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, eps=1e-6)
+    losses = []
+    for step in range(steps):
+        out = model(**batches[step % len(batches)])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+    return losses

@@ -17,6 +17,8 @@ import torch
 from notebookkit.kernels.testing import rel_err
 from notebookkit.models import FastLanguageModel
 
+from .helpers import train_losses
+
 pytestmark = pytest.mark.gpu
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -82,17 +84,7 @@ def _ours(folder, dtype, load_in_4bit=False, checkpointing=False):
 
 
 def _train(model, batches, steps=20, lr=2e-4):
-    model.train()
-    params = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, eps=1e-6)
-    losses = []
-    for i in range(steps):
-        out = model(**batches[i % len(batches)])
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.item())
-    return losses
+    return train_losses(model, batches, steps, lr)
 
 
 def test_bf16_parity_llama_1b_shape(llama_1b_folder):

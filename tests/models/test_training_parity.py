@@ -16,7 +16,7 @@ from notebookkit.kernels.runtime import interpreter_on, use_triton
 from notebookkit.kernels.testing import rel_err
 from notebookkit.models import FastLanguageModel
 
-from .helpers import FAMILIES, local_folder, tiny_folder
+from .helpers import FAMILIES, local_folder, tiny_folder, train_losses
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEPS = 20
@@ -66,18 +66,7 @@ def notebookkit_model(folder: str, load_in_4bit: bool, seed: int = 3407):
 
 
 def train(model, batches: list[dict], steps: int = STEPS, lr: float = 5e-3) -> tuple[list[float], dict]:
-    model.train()
-    params = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
-    # eps=1e-6: coordinates whose gradient is at rounding-noise level (|g| << eps) then get tiny updates
-    # instead of full +-lr steps of arbitrary sign, so the two runs compare arithmetic, not noise.
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, eps=1e-6)
-    losses = []
-    for step in range(steps):
-        out = model(**batches[step % len(batches)])
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.item())
+    losses = train_losses(model, batches, steps, lr)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     return losses, weights
 
