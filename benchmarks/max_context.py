@@ -137,15 +137,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def markdown_table(rows: list[dict]) -> str:
     """The results table: system | cap GiB | longest seq | tokens/s there | peak GiB | probes | status."""
-    lines = ["| system | cap GiB | longest seq | tokens/s there | peak GiB | probes | status |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| system | cap GiB | longest seq | predicted (planner) | tokens/s there | peak GiB | probes | status |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         longest = r.get("max_seq")
+        predicted = r.get("predicted_seq")
         tok_s = r.get("tok_s")
         peak = r.get("peak_gib")
         lines.append(
             f"| {r.get('system', '?')} | {r.get('cap_gib', '?')} | "
-            f"{f'{longest:,}' if longest else '–'} | {f'{tok_s:,.0f}' if tok_s else '–'} | "
+            f"{f'{longest:,}' if longest else '–'} | {f'{predicted:,}' if predicted else '–'} | "
+            f"{f'{tok_s:,.0f}' if tok_s else '–'} | "
             f"{f'{peak:.2f}' if peak else '–'} | {r['probes'] if r.get('probes') is not None else '–'} | {str(r.get('status', '?')).replace('|', '/')} |"
         )
     return "\n".join(lines)
@@ -247,6 +249,20 @@ def _replanner(model, cap: float) -> Callable[[int], None]:
             apply_checkpointing(model, "offload", None)
 
     return replan
+
+
+def predicted_longest(model, cap: float, step: int, max_seq: int) -> Optional[int]:
+    """notebookkit's own prediction (``notebookkit.memory.longest_sequence``) for a card of ``cap`` GiB.
+
+    The planner counts the CUDA context and keeps an 8% margin, so it predicts less than the
+    allocator-only cap lets the search find."""
+    try:
+        from notebookkit.memory import longest_sequence
+
+        return longest_sequence(model, f"{_cap_label(cap)}GiB", step=step, max_seq=max_seq).seq_len
+    except Exception as exc:  # noqa: BLE001 - informative only
+        print(f"(no prediction: {type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        return None
 
 
 def _one_step(model, optimizer, ids) -> None:
@@ -368,6 +384,8 @@ def child_main(args) -> None:
             prober.replan = _replanner(model, cap)
         share = max(0.0, budget_end - time.time()) / (len(caps) - i)
         row = search_one_cap(prober, cap, start, args, share)
+        if args.system == "notebookkit":
+            row["predicted_seq"] = predicted_longest(model, cap, args.step, args.max_seq)
         print("RESULT " + json.dumps(common | row), flush=True)
         start = max(args.start, row.get("max_seq") or 0)
 

@@ -7,6 +7,7 @@
 """
 
 from .cards import CARDS, GPUCard, detect_card, parse_card, parse_memory
+from .context import LongestSequence, longest_sequence
 from .estimate import (
     MemoryEstimate,
     activation_plan_of,
@@ -36,6 +37,6 @@ __all__ = [
     "MemoryEstimate", "activation_plan_of", "estimate_for_model", "estimate_kwargs_from_model", "estimate_training_memory", "layer_activation_bytes",
     "lora_param_count", "normalize_plan", "HostMemoryError", "PinnedBufferPool",
     "gpu_memory", "host_memory", "reset_gpu_peak",
-    "ActivationPlan", "DoesNotFitError", "plan_activations",
+    "ActivationPlan", "DoesNotFitError", "plan_activations", "LongestSequence", "longest_sequence",
     "KNOWN_MODELS", "ModelShape", "model_shape", "shape_from_config",
 ]

@@ -9,6 +9,7 @@ as they change: see :func:`link_estimate` and :class:`notebookkit.widgets.Config
 
 from __future__ import annotations
 
+import functools
 import html
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import ipywidgets as W
 
 from notebookkit.memory.cards import GPUCard
+from notebookkit.memory.context import longest_sequence
 from notebookkit.memory.estimate import MemoryEstimate, estimate_training_memory
 from notebookkit.memory.planner import ActivationPlan, DoesNotFitError, plan_activations
 
@@ -75,6 +77,15 @@ class EstimateResult:
     fits: bool
     message: str = ""
     what: str = "VRAM"  # "VRAM" for a GPU card, "memory" for a CPU run
+    longest_seq: int | None = None  # GPU card, checkpointing "auto": the longest max_seq_length that fits
+
+
+@functools.lru_cache(maxsize=64)
+def _longest_seq(shape: Any, card: GPUCard, limit: int, settings: tuple) -> int:
+    """The planner's longest trainable sequence for these settings (cached: the sequence-length
+    slider changes nothing here, so moving it stays instant)."""
+    found = longest_sequence(shape, budget_bytes=card.memory_bytes, card=card, step=256, max_seq=limit, **dict(settings))
+    return found.seq_len
 
 
 def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None) -> EstimateResult:
@@ -122,7 +133,14 @@ def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None)
     except ValueError as exc:
         return EstimateResult(None, None, budget, label, False, str(exc), what)
     used = est.total if with_context else est.peak_allocated
-    return EstimateResult(est, plan, budget, label, used <= budget, "", what)
+    longest = None
+    if mode == "auto" and card is not None:
+        settings = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items() if k != "seq_len"))
+        try:
+            longest = _longest_seq(shape, card, shape.max_position_embeddings or 131072, settings)
+        except (ValueError, TypeError):  # a shape the planner cannot bisect: leave the line out
+            longest = None
+    return EstimateResult(est, plan, budget, label, used <= budget, "", what, longest)
 
 
 def _size(nbytes: float) -> str:
@@ -172,6 +190,9 @@ def estimate_html(res: EstimateResult) -> str:
         extra = f"<div style='color:#a15c00;max-width:520px;margin-top:4px'>{html.escape(res.message)}</div>"
     if est.host_offload:
         extra += f"<div style='color:#555'>pinned host memory for offloaded layers: {_size(est.host_offload)}</div>"
+    if res.longest_seq:
+        extra += (f"<div class='nbk-vram-longest' style='color:#555'>longest max_seq_length that trains on this card "
+                  f"with these settings: {res.longest_seq:,} tokens</div>")
     lora_params = est.inputs.get("lora_params", 0)
     return (
         "<div class='nbk-vram' style='min-width:340px;max-width:560px'>"

@@ -121,10 +121,10 @@ ROWS = [
 def test_markdown_table_rows():
     table = max_context.markdown_table(ROWS)
     lines = table.splitlines()
-    assert lines[0].startswith("| system | cap GiB | longest seq | tokens/s there | peak GiB | probes | status |")
-    assert "| hf | 16 | 9,216 | 1,234 | 15.10 | 7 | ok |" in table
-    assert "| liger | 16 | – | – | – | – | not installed |" in table
-    assert "| notebookkit | 24 | – | – | – | 3 | nothing fits" in table
+    assert lines[0].startswith("| system | cap GiB | longest seq | predicted (planner) | tokens/s there | peak GiB | probes | status |")
+    assert "| hf | 16 | 9,216 | – | 1,234 | 15.10 | 7 | ok |" in table
+    assert "| liger | 16 | – | – | – | – | – | not installed |" in table
+    assert "| notebookkit | 24 | – | – | – | – | 3 | nothing fits" in table
     report = max_context.markdown_report(ROWS, dict(shape="llama-3.1-8b", quant="nf4", step=1024, max_seq=131072))
     assert "set_per_process_memory_fraction" in report and "CUDA context" in report and "NVIDIA H200" in report
 
@@ -316,3 +316,9 @@ def test_notebookkit_replan_falls_back_to_full_offload_when_the_planner_refuses(
     replan(8192)
     replan(65536)
     assert calls == [("auto", 8192, "16GiB"), ("auto", 65536, "16GiB"), ("offload", None, None)]
+
+
+def test_markdown_table_shows_the_planner_prediction():
+    row = dict(system="notebookkit", cap_gib=16, max_seq=51200, predicted_seq=47616, tok_s=4321.0, peak_gib=15.2,
+               probes=9, status="ok (plan: 32 offload)")
+    assert "| notebookkit | 16 | 51,200 | 47,616 | 4,321 | 15.20 | 9 | ok (plan: 32 offload) |" in max_context.markdown_table([row])

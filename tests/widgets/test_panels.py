@@ -97,3 +97,14 @@ def test_panels_render_as_widgets():
     assert "application/vnd.jupyter.widget-view+json" in bundle
     for cls in ("nbk-model-panel", "nbk-lora-panel", "nbk-training-panel"):
         assert any(cls in w.widget._dom_classes for w in (panels.model, panels.lora, panels.training))
+
+
+def test_estimate_says_the_longest_sequence_for_the_card():
+    from notebookkit.widgets.model_panel import ModelChoice, compute_estimate, estimate_html
+
+    name = "meta-llama/Llama-3.1-8B-Instruct"
+    longest = {card: compute_estimate(ModelChoice(name, True, 2048, None, card)).longest_seq for card in ("t4", "l4")}
+    assert 2048 < longest["t4"] < longest["l4"]
+    assert longest["t4"] == compute_estimate(ModelChoice(name, True, 8192, None, "t4")).longest_seq  # slider-independent
+    text = estimate_html(compute_estimate(ModelChoice(name, True, 2048, None, "t4")))
+    assert f"{longest['t4']:,} tokens" in text
