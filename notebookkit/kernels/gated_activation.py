@@ -20,6 +20,8 @@ from typing import Callable, Optional
 import torch
 import triton
 
+from notebookkit.kernels.runtime import mark_written
+
 __all__ = [
     "block_config",
     "check_pair",
@@ -100,13 +102,6 @@ def launch_backward(
         )
 
 
-def _bump_version(*tensors: torch.Tensor) -> None:
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        for t in tensors:
-            bump(t)
-
-
 class GatedActivationFunction(torch.autograd.Function):
     """Autograd function of a gated activation, given the op's two launchers.
 
@@ -136,7 +131,7 @@ class GatedActivationFunction(torch.autograd.Function):
             dg = torch.empty_like(g)
         ctx.backward_launch(dh_c, e, g, None, de, dg)
         if ctx.inplace_backward:
-            _bump_version(e, g)
+            mark_written(e, g)
         de = de if ctx.needs_input_grad[0] else None
         dg = dg if ctx.needs_input_grad[1] else None
         return de, dg, None, None, None

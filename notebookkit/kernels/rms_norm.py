@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.runtime import should_use_triton
+from notebookkit.kernels.runtime import mark_written, should_use_triton
 
 __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_forward", "rms_norm_backward"]
 
@@ -251,13 +251,6 @@ def rms_norm_backward(
     return dx, dw
 
 
-def _bump_version(t: torch.Tensor) -> None:
-    """Tell autograd that ``t`` was written behind its back (a Triton kernel wrote into it)."""
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        bump(t)
-
-
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, gemma, inplace_backward):
@@ -284,7 +277,7 @@ class _RMSNormFunction(torch.autograd.Function):
         )
         if dx is not None:
             if dx_out is not None:
-                _bump_version(dy)
+                mark_written(dy)
             dx = dx.view(ctx.x_shape)
         return dx, dw, None, None, None
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.runtime import should_use_triton
+from notebookkit.kernels.runtime import mark_written, should_use_triton
 
 __all__ = ["apply_rope", "rope_reference", "rope_launch"]
 
@@ -164,12 +164,6 @@ def rope_launch(
     )
 
 
-def _bump_version(t: torch.Tensor) -> None:
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        bump(t)
-
-
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, inplace_backward):
@@ -202,7 +196,7 @@ class _RoPEFunction(torch.autograd.Function):
         rope_launch(dq_in, dk_in, cos, sin, dq, dk, backward=True)
         for out, g in ((dq, dq_out), (dk, dk_out)):
             if out is g:
-                _bump_version(g)
+                mark_written(g)
         return (dq if dq_out is not None else None), (dk if dk_out is not None else None), None, None, None
 
 

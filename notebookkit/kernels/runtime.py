@@ -71,3 +71,12 @@ def use_triton(enabled: bool) -> Iterator[None]:
 def int64_offsets_needed(*tensors: torch.Tensor) -> bool:
     """True when any tensor has more than 2**31 - 1 elements, so kernel offsets must be int64."""
     return any(t.numel() >= 2**31 for t in tensors)
+
+
+def mark_written(*tensors: torch.Tensor) -> None:
+    """Tell autograd that ``tensors`` were written behind its back (a Triton kernel wrote into them),
+    so a node that saved one of them raises at backward instead of using stale values."""
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        for t in tensors:
+            bump(t)
