@@ -17,6 +17,11 @@ With ``X [N, hidden]``, each projection ``P(Z) = Z W_P^T + s_P (Z A_P^T) B_P^T``
 The activation backward comes from :mod:`notebookkit.kernels.swiglu` / :mod:`notebookkit.kernels.geglu`
 (in-place Triton kernels on CUDA). Base weights are frozen; ``B A`` is never formed. Because e and g
 are overwritten, the backward can run once per forward (``retain_graph=True`` is refused).
+
+The backward never reads ``Y``. A checkpointed decoder layer whose MLP output only enters the
+residual sum (Llama, Mistral, Qwen, Gemma 1) recomputes its forward in the backward pass only to
+rebuild what is saved, so there ``compute_output=False`` skips the down projection (a quarter of a
+Llama layer's matmul work) and returns zeros of Y's shape for the graph to go through.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ class LoRAMLPFunction(torch.autograd.Function):
     """Autograd function of :func:`lora_mlp`; tensors of the projections are passed explicitly."""
 
     @staticmethod
-    def forward(ctx, x, projs, activation, *tensors):
+    def forward(ctx, x, projs, activation, compute_output, *tensors):
         gate, up, down = projs
         act_forward, _ = _activation_ops(activation)
         x2d = flatten_tokens(x)
@@ -85,10 +90,13 @@ class LoRAMLPFunction(torch.autograd.Function):
         e = projection_forward(x2d, gate, A, B)
         A, B = up.adapters(x.dtype)
         g = projection_forward(x2d, up, A, B)
-        h = act_forward(e, g)
-        A, B = down.adapters(x.dtype)
-        y = projection_forward(h, down, A, B)
-        del h
+        if compute_output:
+            h = act_forward(e, g)
+            A, B = down.adapters(x.dtype)
+            y = projection_forward(h, down, A, B)
+            del h
+        else:  # the caller only back-propagates through Y (see the module docstring)
+            y = x2d.new_zeros(x2d.shape[0], down.out_features)
         ctx.save_for_backward(x, e, g, *tensors)
         ctx.meta = [(p.quant_state, p.scaling) for p in projs]
         ctx.activation = activation
@@ -104,7 +112,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             )
         ctx.consumed = True
         x, e, g, *tensors = ctx.saved_tensors
-        needs = ctx.needs_input_grad  # x, projs, activation, then (weight, A, B) x 3
+        needs = ctx.needs_input_grad[4:]  # after x, projs, activation, compute_output: (weight, A, B) x 3
         gate, up, down = (
             LoRAProjection(tensors[3 * i], qs, tensors[3 * i + 1], tensors[3 * i + 2], s)
             for i, (qs, s) in enumerate(ctx.meta)
@@ -120,7 +128,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             u_d = lora_rank_grad(dy2d, down, B_d)
             dh = accumulate_input_grad_(None, dy2d, down, u_d, A_d)
             h, de, dg = act_backward_(dh, e, g)
-            grads[7], grads[8] = adapter_grads(dy2d, h, u_d, down, A_d, needs[3 + 7], needs[3 + 8])
+            grads[7], grads[8] = adapter_grads(dy2d, h, u_d, down, A_d, needs[7], needs[8])
             del h, dh, u_d
 
             dx = None
@@ -128,11 +136,11 @@ class LoRAMLPFunction(torch.autograd.Function):
                 A, B = proj.adapters(dtype)
                 u = lora_rank_grad(d, proj, B)
                 grads[3 * i + 1], grads[3 * i + 2] = adapter_grads(
-                    d, x2d, u, proj, A, needs[3 + 3 * i + 1], needs[3 + 3 * i + 2]
+                    d, x2d, u, proj, A, needs[3 * i + 1], needs[3 * i + 2]
                 )
-                if needs[0]:
+                if ctx.needs_input_grad[0]:
                     dx = accumulate_input_grad_(dx, d, proj, u, A)
-        return (dx.view(x.shape) if dx is not None else None), None, None, *grads
+        return (dx.view(x.shape) if dx is not None else None), None, None, None, *grads
 
 
 def lora_mlp(
@@ -141,6 +149,7 @@ def lora_mlp(
     up: LoRAProjection,
     down: LoRAProjection,
     activation: str = "swiglu",
+    compute_output: bool = True,
 ) -> torch.Tensor:
     """Gated MLP with LoRA on each projection: ``down(act(gate(x)) * up(x))``.
 
@@ -150,6 +159,9 @@ def lora_mlp(
             adapters optional per projection).
         activation: ``"swiglu"`` (Llama, Mistral, Qwen), ``"geglu"`` (exact erf GELU) or
             ``"geglu_tanh"`` (tanh-approximated GELU, Gemma).
+        compute_output: ``False`` skips the down projection and returns zeros; gradients are
+            unchanged, because the backward never reads the output. Only for a recompute pass
+            whose output value nobody reads.
 
     Returns:
         ``[..., hidden]`` in the compute dtype (autocast dtype if autocast is on, else ``x.dtype``).
@@ -169,7 +181,7 @@ def lora_mlp(
         x = x.to(dtype)
     tensors = [t for p in projs for t in (p.weight, p.lora_A, p.lora_B)]
     with no_autocast(x.device.type):
-        return LoRAMLPFunction.apply(x, projs, activation, *tensors)
+        return LoRAMLPFunction.apply(x, projs, activation, bool(compute_output), *tensors)
 
 
 def lora_mlp_reference(

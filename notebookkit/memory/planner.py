@@ -11,11 +11,13 @@ Memory per layer: ``keep > recompute > offload = 0`` (see :mod:`notebookkit.memo
 extra time per layer: ``0 < recompute < offload``. With ``t_f`` the forward time of one layer,
 ``b = N * H * s`` the bytes of its input and ``B`` the host link bandwidth:
 
-    recompute  = t_f
-    offload    = t_f + max(0, b/B - 0.7 * t_f) + max(0, b/B - 0.7 * 3 * t_f) + 50 us
+    recompute  = t_f - t_down
+    offload    = recompute + max(0, b/B - 0.7 * t_f) + max(0, b/B - 0.7 * 3 * t_f) + 50 us
 
 (the copy out overlaps the next layer's forward, the copy back the backward of later layers).
-``t_f = N * (2 * P_layer + 2 * P_lora_layer + 2 * T * dq) / rate`` with the card's matmul rate.
+``t_f = N * (2 * P_layer + 2 * P_lora_layer + 2 * T * dq) / rate`` with the card's matmul rate;
+``t_down = N * 2 * H * I / rate`` is the down projection, which the recompute skips unless a
+post-MLP norm (Gemma 2/3) reads the MLP output (``t_down = 0`` there).
 
 All layers of a model have the same shape, so a plan is fixed by how many layers keep (k) and
 recompute (m); the rest offload. For every k (from L down) the largest m that fits is found; the
@@ -171,8 +173,9 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
     t_f = flops / rate
     bw = (card.pcie_gbps if card else 10.0) * 1e9
     copy = N * shape.hidden_size * s / bw
-    recompute = t_f
-    offload = t_f + max(0.0, copy - 0.7 * t_f) + max(0.0, copy - 0.7 * 3 * t_f) + 50e-6
+    # The recompute skips the down projection where nothing reads the MLP output (no post-MLP norm).
+    recompute = t_f if shape.sandwich_norms else t_f - N * 2 * shape.hidden_size * shape.intermediate_size / rate
+    offload = recompute + max(0.0, copy - 0.7 * t_f) + max(0.0, copy - 0.7 * 3 * t_f) + 50e-6
     return t_f, recompute, offload
 
 

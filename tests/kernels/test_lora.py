@@ -266,3 +266,22 @@ def test_mlp_backward_runs_once():
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="only once|inplace|modified"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_mlp_without_output_has_the_same_gradients(nf4, dtype, device):
+    """compute_output=False (a recompute pass) returns zeros; the gradients still match float64."""
+    gen = torch.Generator().manual_seed(11)
+    kw = dict(nf4=nf4, dtype=dtype, device=device, gen=gen)
+    gate, up = Pair(INTER, HIDDEN, adapter=True, **kw), Pair(INTER, HIDDEN, adapter=True, **kw)
+    down = Pair(HIDDEN, INTER, adapter=True, **kw)
+    x, x64 = _x(dtype, device, gen, shape=(2, 19, HIDDEN))
+    y = lora_mlp(x, gate.proj, up.proj, down.proj, "swiglu", compute_output=False)
+    y64 = lora_mlp_reference(x64, gate.proj64, up.proj64, down.proj64, "swiglu")
+    assert y.shape == y64.shape and y.dtype == dtype and not y.any()
+    _backward([y], [y64], gen)
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    for name, p in zip(("gate", "up", "down"), (gate, up, down)):
+        p.check_grads(dtype, name)

@@ -29,9 +29,10 @@ def test_mode_names():
         normalize_mode("maybe")
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("plan", [True, ["keep", "recompute"], "offload", "direct-offload-function"])
-def test_checkpointed_grads_match(plan):
-    base = random_model("gemma2", attention_dropout=0.0)
+def test_checkpointed_grads_match(plan, family):
+    base = random_model(family, attention_dropout=0.0)
     patch_model(base)
     ref = _lora(base)
     ref.train()
@@ -70,3 +71,24 @@ def test_trainer_cannot_silently_replace_our_mode():
     base = model.get_base_model()
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     assert [layer.gradient_checkpointing for layer in base.model.layers] == [True, False]
+
+
+@pytest.mark.parametrize("family,skipped", [("llama", True), ("qwen3", True), ("gemma2", False)])
+def test_recompute_skips_the_unread_down_projection(family, skipped, monkeypatch):
+    """A recomputed layer runs gate and up again but not down, unless a post-MLP norm reads its output."""
+    import notebookkit.kernels.lora_mlp as lora_mlp_module
+
+    base = random_model(family, attention_dropout=0.0)
+    patch_model(base)
+    model = _lora(base)
+    model.train()
+    layers = model.get_base_model().model.layers
+    apply_checkpointing(model, True)
+    calls = []
+    real = lora_mlp_module.projection_forward
+    monkeypatch.setattr(lora_mlp_module, "projection_forward", lambda *a: calls.append(1) or real(*a))
+    x = torch.randint(0, 256, (2, 12))
+    model(input_ids=x, labels=x).loss.backward()
+    per_layer = 3 + (2 if skipped else 3)  # forward, then the recompute in backward
+    assert len(calls) == per_layer * len(layers)
+    assert all(getattr(layer.mlp, "_notebookkit_output_unused", False) is False for layer in layers)
