@@ -76,7 +76,8 @@ class FastLanguageModel:
                 to leave room for something else, or to plan for a smaller card than this one.
 
         Returns:
-            a ``peft.PeftModel`` whose layers run the fused LoRA kernels where possible.
+            a ``peft.PeftModel`` whose layers run the fused LoRA kernels where possible, in
+            training mode (as after :meth:`for_training`: ``model.train()``, KV cache off).
         """
         from peft import LoraConfig
         from peft import get_peft_model as peft_get_peft_model
@@ -135,7 +136,9 @@ class FastLanguageModel:
         )
         if show_banner:
             banner.show()
-        return peft_model
+        # Ready to train, as the name promises: the fused loss and checkpointing act in training mode
+        # only, and a manual loop that forgot model.train() would materialise the [N, V] logits.
+        return FastLanguageModel.for_training(peft_model)
 
     @staticmethod
     def for_inference(model: nn.Module) -> nn.Module:

@@ -172,3 +172,15 @@ def test_unknown_architecture_loads_on_stock_code(tmp_path):
 def test_fast_path_off_switch():
     model, _ = _load(fast_path=False)
     assert patch_summary(model) == {}
+
+
+def test_get_peft_model_returns_a_model_ready_to_train():
+    """Training mode, so a manual loop gets the fused loss (no [N, V] logits) and the checkpointing plan."""
+    model, _ = _load()
+    assert not model.training  # from_pretrained, like Hugging Face, loads for inference
+    model = FastLanguageModel.get_peft_model(model, r=4, show_banner=False)
+    assert model.training and all(m.training for m in model.modules())
+    assert model.get_base_model().config.use_cache is False
+    x = torch.randint(0, 200, (2, 8))
+    out = model(input_ids=x, labels=x)
+    assert out.logits is None, "training with labels should not return full logits"
