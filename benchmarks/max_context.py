@@ -141,12 +141,13 @@ def markdown_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         longest = r.get("max_seq")
+        shown = f"{longest:,}" if longest else (f"≥ {r['at_least']:,} (cut short)" if r.get("at_least") else "–")
         predicted = r.get("predicted_seq")
         tok_s = r.get("tok_s")
         peak = r.get("peak_gib")
         lines.append(
             f"| {r.get('system', '?')} | {r.get('cap_gib', '?')} | "
-            f"{f'{longest:,}' if longest else '–'} | {f'{predicted:,}' if predicted else '–'} | "
+            f"{shown} | {f'{predicted:,}' if predicted else '–'} | "
             f"{f'{tok_s:,.0f}' if tok_s else '–'} | "
             f"{f'{peak:.2f}' if peak else '–'} | {r['probes'] if r.get('probes') is not None else '–'} | {str(r.get('status', '?')).replace('|', '/')} |"
         )
@@ -186,6 +187,23 @@ def parse_child_output(lines: list[str]) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return rows
+
+
+def longest_fitted_after_last_result(lines: list[str]) -> int:
+    """The longest ``PROBE`` length that fitted after the child's last ``RESULT`` line (0 if none):
+    a lower bound for the cap whose search was cut short."""
+    longest = 0
+    for line in lines:
+        if line.startswith("RESULT "):
+            longest = 0
+        elif line.startswith("PROBE "):
+            try:
+                probe = json.loads(line[len("PROBE "):])
+            except json.JSONDecodeError:
+                continue
+            if probe.get("fits"):
+                longest = max(longest, int(probe.get("seq") or 0))
+    return longest
 
 
 def parse_caps(text: str) -> list[float]:
@@ -435,7 +453,7 @@ def run_child(system: str, args, log_path: str) -> tuple[list[dict], list[str]]:
         timer.cancel()
     if timed_out:
         lines.append(f"timed out after {timeout}s")
-    return parse_child_output(lines), lines[-4:]
+    return parse_child_output(lines), lines
 
 
 def rows_for_system(system: str, args, out_dir: str) -> list[dict]:
@@ -443,13 +461,18 @@ def rows_for_system(system: str, args, out_dir: str) -> list[dict]:
     caps = [_cap_label(c) for c in parse_caps(args.caps)]
     if not _available(system):
         return [dict(system=system, cap_gib=cap, status="not installed") for cap in caps]
-    results, tail = run_child(system, args, os.path.join(out_dir, f"max-context-{system}.log"))
+    results, lines = run_child(system, args, os.path.join(out_dir, f"max-context-{system}.log"))
+    tail = lines[-4:]
     by_cap = {r.get("cap_gib"): r for r in results}
     last = next((t.strip() for t in reversed(tail) if t.strip()), "no output")
     oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
     why = "timed out" if last.startswith("timed out") else ("out of memory" if oom else "failed")
     missing = f"{why}: {last[-200:]} (see max-context-{system}.log)"
-    return [by_cap.get(cap) or dict(system=system, cap_gib=cap, status=missing) for cap in caps]
+    rows = [by_cap.get(cap) or dict(system=system, cap_gib=cap, status=missing) for cap in caps]
+    cut = next((r for r in rows if "max_seq" not in r), None)
+    if cut is not None and longest_fitted_after_last_result(lines):
+        cut["at_least"] = longest_fitted_after_last_result(lines)  # the search stopped inside this cap
+    return rows
 
 
 def _available(system: str) -> bool:

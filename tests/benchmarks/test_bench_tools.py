@@ -322,3 +322,13 @@ def test_markdown_table_shows_the_planner_prediction():
     row = dict(system="notebookkit", cap_gib=16, max_seq=51200, predicted_seq=47616, tok_s=4321.0, peak_gib=15.2,
                probes=9, status="ok (plan: 32 offload)")
     assert "| notebookkit | 16 | 51,200 | 47,616 | 4,321 | 15.20 | 9 | ok (plan: 32 offload) |" in max_context.markdown_table([row])
+
+
+def test_a_search_cut_short_reports_its_lower_bound():
+    lines = ['PROBE {"seq": 16384, "fits": true}', 'RESULT {"cap_gib": 16, "max_seq": 20480}',
+             'PROBE {"seq": 20480, "fits": true}', 'PROBE {"seq": 40960, "fits": true}',
+             'PROBE {"seq": 81920, "fits": false}', "PROBE {broken", "timed out after 90s"]
+    assert max_context.longest_fitted_after_last_result(lines) == 40960
+    assert max_context.longest_fitted_after_last_result(lines[:2]) == 0
+    row = dict(system="unsloth", cap_gib=24, at_least=40960, status="timed out: timed out after 90s")
+    assert "| unsloth | 24 | ≥ 40,960 (cut short) | – |" in max_context.markdown_table([row])
