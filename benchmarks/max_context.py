@@ -432,9 +432,11 @@ def child_command(system: str, args) -> list[str]:
 def run_child(system: str, args, log_path: str) -> tuple[list[dict], list[str]]:
     """Run one system's search in a fresh process; stream its output to ``log_path``.
 
-    Returns its RESULT rows and the last lines it printed (for the failure message).
+    Returns its RESULT rows and every line it printed (probes, failure message).
     """
-    timeout = args.timeout or args.time_budget + 600
+    from run import FIRST_ROW_GRACE_S  # Unsloth's first import compiles: not search time
+
+    timeout = (args.timeout or args.time_budget + 600) + FIRST_ROW_GRACE_S.get(system, 0)
     proc = subprocess.Popen(child_command(system, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     timer = threading.Timer(timeout, proc.kill)

@@ -33,6 +33,9 @@ CONFIGS: dict[str, tuple[str, str, int, int]] = {
 STEPS = {"8b-nf4-16384x1": (1, 3)}
 SYSTEMS = ["hf", "compile", "liger", "unsloth", "notebookkit", "notebookkit-offload"]
 NEEDS = {"liger": "liger_kernel", "unsloth": "unsloth"}
+# Extra seconds for a system's first row in a run: Unsloth compiles its patched modules on first import
+# (over a minute on a fresh machine), which is not training time and must not eat the row's --timeout.
+FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # Variants of our system: (train_step --system, extra arguments). "notebookkit" is the default a user
 # gets ("auto": the planner fits free VRAM, so on a 139 GiB card it keeps every activation);
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
@@ -150,7 +153,8 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configuration names")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--timeout", type=int, default=300,
+                    help="seconds per row (a system's first row gets FIRST_ROW_GRACE_S more)")
     ap.add_argument("--tag", default="")
     args, extra = ap.parse_known_args()
     if args.merge:
@@ -164,9 +168,12 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{dt.date.today()}-{gpu}{('-' + args.tag) if args.tag else ''}")
     rows = []
+    started: set[str] = set()
     for config in args.only.split(","):
         for system in args.systems.split(","):
-            row = run_row(config, system, args.steps, args.timeout, extra)
+            grace = 0 if system in started else FIRST_ROW_GRACE_S.get(system, 0)
+            started.add(system)
+            row = run_row(config, system, args.steps, args.timeout + grace, extra)
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(stem + ".json", "w") as fh:

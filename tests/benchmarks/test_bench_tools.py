@@ -332,3 +332,18 @@ def test_a_search_cut_short_reports_its_lower_bound():
     assert max_context.longest_fitted_after_last_result(lines[:2]) == 0
     row = dict(system="unsloth", cap_gib=24, at_least=40960, status="timed out: timed out after 90s")
     assert "| unsloth | 24 | ≥ 40,960 (cut short) | – |" in max_context.markdown_table([row])
+
+
+def test_first_row_of_a_compiling_system_gets_extra_time(monkeypatch, tmp_path):
+    """Unsloth's first import compiles for over a minute: only its first row gets the grace."""
+    import run
+
+    seen = []
+    monkeypatch.setattr(run, "run_row", lambda c, s, steps, timeout, extra: seen.append((c, s, timeout)) or dict(config=c, system=s, status="ok"))
+    monkeypatch.setattr(run, "write_results", lambda rows, stem: "table")
+    monkeypatch.setattr(sys, "argv", ["run.py", "--out", str(tmp_path), "--only", "8b-nf4-4096x2,1b-bf16-2048x8",
+                                      "--systems", "unsloth,hf", "--timeout", "50"])
+    run.main()
+    grace = run.FIRST_ROW_GRACE_S["unsloth"]
+    assert seen == [("8b-nf4-4096x2", "unsloth", 50 + grace), ("8b-nf4-4096x2", "hf", 50),
+                    ("1b-bf16-2048x8", "unsloth", 50), ("1b-bf16-2048x8", "hf", 50)]
