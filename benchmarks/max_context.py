@@ -472,8 +472,9 @@ def rows_for_system(system: str, args, out_dir: str) -> list[dict]:
     missing = f"{why}: {last[-200:]} (see max-context-{system}.log)"
     rows = [by_cap.get(cap) or dict(system=system, cap_gib=cap, status=missing) for cap in caps]
     cut = next((r for r in rows if "max_seq" not in r), None)
-    if cut is not None and longest_fitted_after_last_result(lines):
-        cut["at_least"] = longest_fitted_after_last_result(lines)  # the search stopped inside this cap
+    at_least = longest_fitted_after_last_result(lines)
+    if cut is not None and at_least:
+        cut["at_least"] = at_least  # the search stopped inside this cap
     return rows
 
 
