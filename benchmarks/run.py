@@ -44,6 +44,8 @@ VARIANTS = {
     "notebookkit": ("notebookkit", []),
     "notebookkit-offload": ("notebookkit", ["--checkpointing", "offload"]),
     "notebookkit-recompute": ("notebookkit", ["--checkpointing", "true"]),
+    "notebookkit-fp8": ("notebookkit", ["--fp8"]),
+    "notebookkit-fp8-offload": ("notebookkit", ["--fp8", "--checkpointing", "offload"]),
 }
 
 

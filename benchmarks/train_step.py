@@ -133,7 +133,8 @@ def load_unsloth(folder: str, quant: str, seq: int):
     )
 
 
-def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str, max_memory: str | None = None):
+def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str, max_memory: str | None = None,
+                     fp8: bool = False):
     from notebookkit import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
@@ -143,6 +144,7 @@ def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointin
     return FastLanguageModel.get_peft_model(
         model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=TARGETS,
         use_gradient_checkpointing=gc_mode, random_state=3407, planning_batch_size=batch, max_memory=max_memory,
+        fp8_base_matmul=fp8,
     )
 
 
@@ -201,6 +203,7 @@ def main() -> None:
     ap.add_argument("--checkpointing", default="auto")
     ap.add_argument("--max-memory", default=None, help='notebookkit: VRAM cap for the "auto" plan, e.g. 10GiB')
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="enforce a VRAM cap (max-context search)")
+    ap.add_argument("--fp8", action="store_true", help="notebookkit: FP8 forward for the frozen base GEMMs")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     args = ap.parse_args()
 
@@ -217,7 +220,7 @@ def main() -> None:
     if args.system == "unsloth":
         model = load_unsloth(folder, args.quant, args.seq)
     elif args.system == "notebookkit":
-        model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, args.max_memory)
+        model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, args.max_memory, args.fp8)
     else:
         model = load_peers(args.system, folder, args.quant)
     load_s = time.time() - t0

@@ -15,6 +15,12 @@ The base weight is frozen: no gradient is computed for it. An NF4 base weight is
 the fly (forward and again in backward) with :func:`notebookkit.kernels.nf4.dequantize_nf4`, so the
 dense weight never outlives one GEMM.
 
+FP8 forward (opt-in, ``LoRAProjection(..., fp8_forward=True)``): the base part of the forward,
+``X W^T``, is computed by :func:`notebookkit.kernels.fp8_matmul.fp8_linear` (X and W quantised
+rowwise to FP8 e4m3, one fp32 scale per token and per output channel; ``torch._scaled_mm`` on
+sm_89+ GPUs). The low-rank path and the whole backward are unchanged: ``dX = dY W + U A`` and the
+adapter gradients use the 16-bit (dequantised) W, as without the flag.
+
 dtypes: everything is computed in the *compute dtype*, which is the autocast dtype when autocast
 is on for the input's device and ``x.dtype`` otherwise. Adapter matrices kept in another dtype
 (PEFT keeps them in fp32 under mixed precision) are cast to the compute dtype for the GEMMs, and
@@ -29,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .fp8_matmul import fp8_linear
 from .nf4 import dequantize_nf4
 
 __all__ = [
@@ -59,6 +66,8 @@ class LoRAProjection:
         lora_B: adapter up-projection ``[out, r]`` (PEFT's ``lora_B[adapter].weight``), or ``None``.
         scaling: ``lora_alpha / r`` (or ``lora_alpha / sqrt(r)`` with rsLoRA): PEFT's
             ``scaling[adapter]``.
+        fp8_forward: compute the forward's base GEMM ``x W^T`` with FP8 e4m3 operands and rowwise
+            scales (:func:`notebookkit.kernels.fp8_matmul.fp8_linear`). The backward is unchanged.
 
     Only the fast path is covered: no bias, LoRA dropout 0. A layer with a bias or dropout must use
     the ordinary (unfused) module forward.
@@ -69,6 +78,7 @@ class LoRAProjection:
     lora_A: torch.Tensor | None = None
     lora_B: torch.Tensor | None = None
     scaling: float = 1.0
+    fp8_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.quant_state is None:
@@ -94,6 +104,7 @@ class LoRAProjection:
                     f"{tuple(self.lora_B.shape)} (expected [{self.out_features}, r])."
                 )
         self.scaling = float(self.scaling)
+        self.fp8_forward = bool(self.fp8_forward)
 
     @property
     def quantized(self) -> bool:
@@ -175,9 +186,12 @@ def flatten_tokens(x: torch.Tensor) -> torch.Tensor:
 def projection_forward(
     x2d: torch.Tensor, proj: LoRAProjection, A: torch.Tensor | None, B: torch.Tensor | None
 ) -> torch.Tensor:
-    """``Y = X W^T + s (X A^T) B^T`` for ``X [N, in]``, with ``A``/``B`` already in ``x2d.dtype``."""
+    """``Y = X W^T + s (X A^T) B^T`` for ``X [N, in]``, with ``A``/``B`` already in ``x2d.dtype``.
+
+    With ``proj.fp8_forward`` the base part ``X W^T`` runs in FP8 (``fp8_linear``); the rest is the same.
+    """
     W = proj.base_weight(x2d.dtype)
-    y = x2d @ W.t()
+    y = fp8_linear(x2d, W) if proj.fp8_forward else x2d @ W.t()
     del W
     if A is not None:
         xa = (x2d @ A.t()).mul_(proj.scaling)

@@ -67,7 +67,10 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
       which is the stored one);
     - the attention backward (after the MLP's e, g are freed) when it needs more: the output
       gradient, the fp32 ``dQ`` accumulator and, with GQA, K/V gradients expanded to all heads
-      (FlashAttention 2), or the ``[B, heads, T, T]`` fp32 gradients of an explicit softmax.
+      (FlashAttention 2), or the ``[B, heads, T, T]`` fp32 gradients of an explicit softmax;
+    - with the FP8 forward (``fp8_forward=True``), the GEMM of a (re)computed forward when it needs
+      more: the one-byte copies of the projection's input and weight, ``N*in + in*out`` for the
+      largest projection (plus its dequantised 16-bit weight with NF4), alive only during that GEMM.
     The LoRA gradients (in "adapters + optimizer") are counted as alive throughout.
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
     so :attr:`MemoryEstimate.peak_allocated` leaves it out.
@@ -317,6 +320,8 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
             if names:
                 out["target_modules"] = sorted({str(t).split(".")[-1] for t in names}, key=PROJECTIONS.index)
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
+    if any(vars(m).get("_notebookkit_fp8_forward", False) for m in getattr(model, "modules", lambda: [])()):
+        out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
     return out
 
 
@@ -425,12 +430,15 @@ def backward_working_set(
     dtype_bytes: int = 2,
     load_in_4bit: bool = False,
     attention: str = "auto",
+    fp8_forward: bool = False,
 ) -> dict[str, int]:
     """Transient bytes of one decoder layer's backward on top of the saved activations.
 
-    ``{"mlp": ..., "attention": ...}``: the two high-water marks inside a layer's backward (see the
-    module docstring, "Temporaries"). ``attention`` is relative to the MLP moment's baseline, with
-    the layer's e and g already freed (it can be negative).
+    ``{"mlp": ..., "attention": ..., "fp8_forward": ...}``: the high-water marks inside a layer's
+    backward (see the module docstring, "Temporaries"). ``attention`` is relative to the MLP
+    moment's baseline, with the layer's e and g already freed (it can be negative).
+    ``fp8_forward`` is the FP8 copies of one projection's input and weight during a (recomputed)
+    forward GEMM (0 without the FP8 forward).
     """
     N = batch_size * seq_len
     s = dtype_bytes
@@ -445,7 +453,10 @@ def backward_working_set(
         gqa = 2 * N * dq * s if dk != dq else 0
         attn += N * dq * 4 + gqa + N * (dq + 2 * dk) * s + N * shape.num_heads * 4
     attn += dequant
-    return {"mlp": mlp, "attention": attn - freed}
+    fp8 = 0
+    if fp8_forward:
+        fp8 = max(N * i + i * o for i, o in shape.projection_shapes().values()) + dequant
+    return {"mlp": mlp, "attention": attn - freed, "fp8_forward": fp8}
 
 
 def estimate_training_memory(
@@ -465,6 +476,7 @@ def estimate_training_memory(
     adapter_dtype: str = "float32",
     lora_dropout: float = 0.0,
     attention: str = "auto",
+    fp8_forward: bool = False,
     cuda_context_bytes: int = 400 * 2**20,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
@@ -488,6 +500,8 @@ def estimate_training_memory(
         lora_dropout: > 0 makes each adapter save its dropped input.
         attention: ``"auto"`` (what the fused model runs: an explicit softmax for soft-capped
             attention, Gemma 2, else SDPA), ``"sdpa"``/``"flash"`` (no T^2 storage) or ``"eager"``.
+        fp8_forward: the base GEMMs of the forward run in FP8 (``get_peft_model(fp8_base_matmul=True)``):
+            their one-byte copies of input and weight join the temporaries.
         cuda_context_bytes: memory the CUDA context and libraries take outside PyTorch's allocator.
 
     Returns:
@@ -587,9 +601,9 @@ def estimate_training_memory(
 
     # ---- temporaries: the backward's working set beyond the (by then freed) loss buffers --------
     ws = backward_working_set(shape, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
-                              load_in_4bit=load_in_4bit, attention=attention)
+                              load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
     recompute_ws = keep_layer - X if (counts["recompute"] or counts["offload"]) else 0
-    backward_extra = recompute_ws + max(ws["mlp"], ws["attention"])
+    backward_extra = recompute_ws + max(ws["mlp"], ws["attention"], ws["fp8_forward"])
     over = max(0, backward_extra - logits_loss)
     if over:
         details["temporaries: backward working set beyond the loss buffers"] = over
@@ -606,7 +620,7 @@ def estimate_training_memory(
         load_in_4bit=bool(load_in_4bit), dtype=str(dtype).replace("torch.", ""), lora_r=lora_r,
         target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
-        lora_dropout=lora_dropout, attention=attention, lora_params=p_lora,
+        lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
     )
     return MemoryEstimate(
         base_weights=int(base), adapters=int(adapters), activations=int(activations),

@@ -12,6 +12,12 @@ a model before and after ``get_peft_model``, inside ``disable_adapter()``, and a
 A layer stays on stock PEFT code, and the banner says why, when it has: LoRA dropout > 0 while
 training, a trainable bias (``bias="all"``/``"lora_only"``), DoRA, a LoRA bias, several active
 adapters, 8-bit base weights, or a base weight that requires grad (full fine-tuning).
+
+FP8 forward (``get_peft_model(..., fp8_base_matmul=True)``, or :func:`set_fp8_base_matmul`): a flag
+on each frozen base linear of the decoder layers (the module PEFT keeps as ``base_layer``, so it
+holds for a plain, a 4-bit and a LoRA-wrapped projection alike, inside ``disable_adapter()`` and
+after ``merge_and_unload``). :func:`projection_view` hands it to the kernels as
+``LoRAProjection.fp8_forward``; only the fused path reads it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import torch
 import torch.nn as nn
 
 from .kernel_ops import kernel
+
+FP8_ATTR = "_notebookkit_fp8_forward"
+PROJECTION_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
 @dataclass
@@ -102,12 +111,72 @@ def projection_view(module: nn.Module, training: Optional[bool] = None) -> tuple
     weight, quant_state, bias = parts
     if bias is not None and bias.requires_grad:
         return None, "trainable bias (bias='all' or 'lora_only')"
+    fp8 = bool(vars(base).get(FP8_ATTR, False))
     if lora is None:
-        proj = make(weight, quant_state, None, None, 1.0)
+        proj = make(weight, quant_state, None, None, 1.0, fp8_forward=fp8)
         return ProjectionView(proj, bias, False), None
     lora_a, lora_b, scaling = lora
-    proj = make(weight, quant_state, lora_a, lora_b, scaling)
+    proj = make(weight, quant_state, lora_a, lora_b, scaling, fp8_forward=fp8)
     return ProjectionView(proj, bias, True), None
+
+
+def _base_linears(model: nn.Module) -> list[nn.Module]:
+    """The frozen base linear of every q/k/v/o and gate/up/down projection of the decoder layers."""
+    out = []
+    for layer in _decoder_layers(model):
+        for owner_name, names in PROJECTION_NAMES.items():
+            owner = getattr(layer, owner_name)
+            for name in names:
+                module = getattr(owner, name, None)
+                if module is None:
+                    continue
+                out.append(module.base_layer if hasattr(module, "base_layer") else module)
+    return out
+
+
+def set_fp8_base_matmul(model: nn.Module, enabled: bool = True) -> int:
+    """Switch the FP8 forward of the base-weight GEMMs on (or off) for a whole model.
+
+    With it on, the fused LoRA kernels compute ``x W^T`` of the forward pass (and of the
+    checkpointing recompute) with FP8 e4m3 operands and rowwise scales
+    (:mod:`notebookkit.kernels.fp8_matmul`): about twice the bf16 GEMM throughput on sm_89+ GPUs,
+    at a relative error of a few percent per product. The LoRA path and the whole backward stay
+    in the 16-bit compute dtype. It applies to every q/k/v/o/gate/up/down projection of the decoder
+    layers (adapted or not) that runs the fused path; layers on stock PEFT code are unaffected.
+
+    Raises:
+        ValueError: ``enabled`` on a GPU without FP8 tensor cores (before sm_89: T4, A100) or a
+            device other than CUDA/CPU. CPU is accepted (the product is emulated, for tests).
+
+    Returns:
+        the number of projections flagged.
+    """
+    linears = _base_linears(model)
+    if enabled:
+        supported = kernel("fp8_matmul", "fp8_supported")
+        if supported is None:
+            from .kernel_ops import why_missing
+
+            raise ValueError(f"fp8_base_matmul=True needs notebookkit.kernels.fp8_matmul: {why_missing('fp8_matmul', 'fp8_supported')}")
+        devices = {m.weight.device for m in linears if getattr(m, "weight", None) is not None}
+        for device in sorted(devices, key=str):
+            ok, reason = supported(device)
+            if not ok:
+                raise ValueError(
+                    f"fp8_base_matmul=True cannot run on {device}: {reason} "
+                    "Call get_peft_model with fp8_base_matmul=False (the default)."
+                )
+    for module in linears:
+        if enabled:
+            setattr(module, FP8_ATTR, True)
+        else:
+            vars(module).pop(FP8_ATTR, None)
+    return len(linears) if enabled else 0
+
+
+def fp8_base_matmul_count(model: nn.Module) -> int:
+    """How many decoder projections of ``model`` have the FP8 forward switched on."""
+    return sum(1 for m in _base_linears(model) if vars(m).get(FP8_ATTR, False))
 
 
 def views(*modules: nn.Module, training: Optional[bool] = None) -> tuple[Optional[list[ProjectionView]], Optional[str]]:
@@ -152,8 +221,15 @@ def lora_fast_path_status(model: nn.Module) -> tuple[int, int, list[str]]:
 
 
 def describe_lora(model: nn.Module, banner) -> None:
-    """Write the LoRA fast-path line of the banner for a PEFT-wrapped model."""
+    """Write the LoRA fast-path line (and the FP8 forward line, when on) of the banner."""
     fast, total, reasons = lora_fast_path_status(model)
+    n_fp8 = fp8_base_matmul_count(model)
+    if n_fp8:
+        banner.feature(
+            "FP8 forward", fast > 0,
+            f"{n_fp8} base projections compute x W^T in FP8 e4m3 (rowwise scales) in the forward and the "
+            "recompute of fused layers; LoRA path and backward stay 16-bit",
+        )
     if total == 0:
         banner.feature("LoRA fast path", False, "no decoder layers found: stock PEFT code")
     elif fast == total:

@@ -77,10 +77,10 @@ def _reference(folder, dtype, load_in_4bit=False):
     return get_peft_model(model, cfg)
 
 
-def _ours(folder, dtype, load_in_4bit=False, checkpointing=False):
+def _ours(folder, dtype, load_in_4bit=False, checkpointing=False, fp8=False):
     model, _ = FastLanguageModel.from_pretrained(folder, dtype=dtype, load_in_4bit=load_in_4bit, max_seq_length=4096)
     return FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, random_state=3407,
-                                            use_gradient_checkpointing=checkpointing)
+                                            use_gradient_checkpointing=checkpointing, fp8_base_matmul=fp8)
 
 
 def _train(model, batches, steps=20, lr=2e-4):
@@ -137,6 +137,35 @@ def test_single_step_memory_and_time_vs_hf_peft(llama_1b_folder, load_in_4bit):
         f"notebookkit {t_ours * 1e3:.1f} ms / {m_ours / 2**30:.2f} GiB peak extra"
     )
     assert m_ours < m_ref  # no [N, 128256] fp32 logits
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True])
+def test_fp8_forward_loss_and_speed_vs_bf16(llama_1b_folder, load_in_4bit):
+    """get_peft_model(fp8_base_matmul=True): 20 steps within 2% of the bf16 forward's loss curve
+    (same weights, seed, batches); one-step time of both printed. A GPU before sm_89 must refuse."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match="fp8_base_matmul=False"):
+            _ours(llama_1b_folder, torch.bfloat16, load_in_4bit, checkpointing=True, fp8=True)
+        return
+    batches = _batches(4, batch=2, seq=512)
+    step_batch = _batches(1, batch=4, seq=1024, seed=1)[0]
+    results = {}
+    for fp8 in (False, True):
+        model = _ours(llama_1b_folder, torch.bfloat16, load_in_4bit, checkpointing=True, fp8=fp8)
+        t, m = _one_step(model, step_batch)
+        results[fp8] = (_train(model, batches), t, m)
+        del model
+        torch.cuda.empty_cache()
+    (l16, t16, m16), (l8, t8, m8) = results[False], results[True]
+    diffs = [abs(a - b) / abs(b) for a, b in zip(l8, l16)]
+    print(
+        f"\n[gpu fp8 forward, Llama-3.2-1B shape, bf16{' 4-bit' if load_in_4bit else ''}, 4x1024 tokens, recompute] "
+        f"bf16 {t16 * 1e3:.1f} ms / {m16 / 2**30:.2f} GiB; fp8 {t8 * 1e3:.1f} ms / {m8 / 2**30:.2f} GiB; "
+        f"max rel loss diff over 20 steps {max(diffs):.2e}"
+    )
+    print("  bf16:", [round(x, 4) for x in l16])
+    print("  fp8 :", [round(x, 4) for x in l8])
+    assert diffs[0] < 1e-2 and max(diffs) < 2e-2
 
 
 def test_offload_matches_recompute_and_saves_memory(llama_1b_folder):

@@ -1,0 +1,272 @@
+"""FP8 (e4m3) matmul with rowwise scales, for the frozen base-weight GEMM of a LoRA forward pass.
+
+For ``X [N, K]`` (tokens) and a frozen base weight ``W [O, K]``, each row ``z`` of ``X`` (one token)
+and of ``W`` (one output channel) is quantised with its own fp32 scale (``FP8_MAX = 448``, the
+largest finite ``float8_e4m3fn``)::
+
+    scale(z) = max(max_k |z_k|, AMAX_FLOOR) / FP8_MAX                          fp32, > 0
+    q(z)     = round_e4m3(clamp(z / scale(z), -FP8_MAX, FP8_MAX))            float8_e4m3fn
+
+    forward  Y = diag(s_x) (Q_x Q_w^T) diag(s_w)    i.e.  Y[n, o] = s_x[n] s_w[o] sum_k q_x[n, k] q_w[o, k]
+
+computed in fp32 accumulation and returned in ``X``'s dtype. ``torch._scaled_mm`` runs it on FP8
+tensor cores (Ada/Hopper: about twice the bf16 throughput). Where ``_scaled_mm`` cannot run (a
+dimension that is not a multiple of 16, a GPU older than sm_89, another device), the same
+quantised product is emulated: ``(Q_x s_x) (Q_w s_w)^T`` in fp32, cast to ``X``'s dtype.
+
+There is no backward here: the LoRA autograd functions use this op for the base part of their
+forward only (and of the checkpointing recompute); their backward (``dX = dY W + U A`` and the
+adapter gradients) is unchanged and stays in the 16-bit compute dtype with the dequantised ``W``.
+
+Error: ``round_e4m3`` keeps 3 mantissa bits, a relative rounding error of at most ``2^-4`` per
+element (normal range; values below ``2^-6 * scale`` are subnormal and have an absolute error of at
+most ``2^-10 * scale``). See ``tests/kernels/test_fp8_matmul.py`` for the bound on ``Y``.
+
+Quantisation: a Triton kernel (one program per row: an amax pass, then a quantise pass, one read of
+the 16-bit row and one write of fp8 bytes) on CUDA, or under ``use_triton(True)`` with the
+interpreter; :func:`quantize_rowwise_fp8_reference` (plain PyTorch, fp32) on CPU. The kernel rounds
+to e4m3 explicitly (integer RTNE on the fp32 bits, then an exact cast), so it does not depend on how
+a backend converts fp32 to fp8; the Triton 3.9 interpreter's own conversion drops the carry into
+the exponent (31.8 becomes 16, not 32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from notebookkit.kernels.runtime import should_use_triton
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "AMAX_FLOOR",
+    "fp8_supported",
+    "quantize_rowwise_fp8",
+    "quantize_rowwise_fp8_reference",
+    "fp8_linear",
+    "fp8_linear_reference",
+    "scaled_mm_applies",
+    "USE_FAST_ACCUM",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Floor of a row's amax: an all-zero row gets scale AMAX_FLOOR / 448 (a normal fp32 number, so no
+# 0/0 and no denormal that a flush-to-zero GPU would turn into 0) and quantises to zeros.
+AMAX_FLOOR = 1e-12
+_MIN_CAPABILITY = (8, 9)
+# torch._scaled_mm's use_fast_accum (Hopper: accumulate in the tensor cores' reduced precision, a
+# faster but less exact sum). Off by default; a knob for GPU benchmarks.
+USE_FAST_ACCUM = False
+
+
+# --------------------------------------------------------------------------------------------------
+# Support
+# --------------------------------------------------------------------------------------------------
+
+
+def fp8_supported(device: torch.device | str | int | None = None) -> tuple[bool, str]:
+    """Whether the FP8 forward can run on ``device``, and why (a sentence for the notebook).
+
+    CUDA needs compute capability 8.9 or newer (Ada: L4, RTX 4090, L40S; Hopper: H100, H200;
+    Blackwell): older GPUs (a T4 is sm_75, an A100 sm_80) have no FP8 tensor cores. CPU is allowed:
+    the same math is emulated in fp32 (correct, not faster; meant for tests).
+    """
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        return False, (
+            f"this PyTorch ({torch.__version__}) has no float8_e4m3fn / torch._scaled_mm; "
+            "upgrade PyTorch (2.5 or newer) or turn the FP8 forward off."
+        )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type == "cpu":
+        return True, "CPU: the FP8 product is emulated in fp32 (same numbers as on a GPU, no speed-up)."
+    if device.type != "cuda":
+        return False, (
+            f"the FP8 forward runs on NVIDIA GPUs (compute capability 8.9+) and, emulated, on CPU; "
+            f"not on {device.type!r}. Turn it off on this device."
+        )
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available in this runtime, so there is no GPU to run FP8 matmuls on."
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
+    if (major, minor) < _MIN_CAPABILITY:
+        return False, (
+            f"{name} (sm_{major}{minor}) has no FP8 tensor cores: FP8 matmuls need compute capability "
+            f"8.9 or newer (L4, RTX 4090, L40S, H100, H200). Leave the FP8 forward off on this GPU; "
+            f"the 16-bit base matmuls are the fastest path here."
+        )
+    return True, f"{name} (sm_{major}{minor}) has FP8 tensor cores."
+
+
+def scaled_mm_applies(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``torch._scaled_mm`` can run ``x2d [N, K] @ weight[O, K]^T`` (else: emulation).
+
+    ``_scaled_mm`` wants ``K`` and ``O`` multiples of 16 (cuBLAS/CUTLASS FP8 alignment; ``N`` is
+    free), an FP8-capable GPU (sm_89+) or the CPU. The CPU kernel takes any shape, but the rule is
+    the same everywhere so that a shape runs the same path on every device.
+    """
+    K, O = x2d.shape[1], weight.shape[0]
+    if K % 16 or O % 16 or K == 0 or O == 0 or x2d.shape[0] == 0:
+        return False
+    if x2d.device.type == "cpu":
+        return True
+    if x2d.device.type == "cuda":
+        return torch.cuda.get_device_capability(x2d.device) >= _MIN_CAPABILITY
+    return False
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernel: rowwise quantisation
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    q_row = Q + row * stride_q
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    nans = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+        nans += (x != x).to(tl.int32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), FLOOR), 448.0)
+    # NaN in, NaN out (as torch.amax): the scale carries it, whatever a backend casts NaN to in fp8.
+    scale = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
+    tl.store(S + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # IEEE x / scale
+        # Round to e4m3 in fp32, then the cast below is exact:
+        # normal range (|v| >= 2^-6): round-to-nearest-even on the fp32 bits, 3 mantissa bits kept
+        # (a carry out of the mantissa correctly bumps the exponent);
+        # subnormal range: the spacing is 2^-9; adding 1.5 * 2^14 (whose fp32 ulp is 2^-9) rounds.
+        # (on |v|, the sign put back after, so that a tiny negative value rounds to -0 as in torch).
+        v_bits = v.to(tl.int32, bitcast=True)
+        bits = (v_bits + (0x7FFFF + ((v_bits >> 20) & 1))) & -1048576  # -1048576 == ~0xFFFFF
+        normal = bits.to(tl.float32, bitcast=True)
+        sub = (tl.abs(v) + 24576.0) - 24576.0
+        sub = tl.where(v_bits < 0, -sub, sub)
+        r = tl.where(tl.abs(v) >= 0.015625, normal, sub)
+        tl.store(q_row + offs, r.to(Q.dtype.element_ty), mask=mask)
+
+
+def _block_k(K: int) -> int:
+    return max(16, min(4096, triton.next_power_of_2(K)))
+
+
+def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, scale
+    _quantize_rowwise_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FLOOR=AMAX_FLOOR, BLOCK_K=_block_k(K))
+    return q, scale
+
+
+# --------------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------------
+
+
+def quantize_rowwise_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch :func:`quantize_rowwise_fp8` (fp32 math; the CPU path and the test oracle)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
+    scale = amax.clamp_min(AMAX_FLOOR).div_(FP8_MAX)
+    q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise each row of ``x [M, K]`` to FP8 e4m3 with its own scale.
+
+    ``scale = max(amax_row(|x|), 1e-12) / 448`` and ``q = round_e4m3(clamp(x / scale, ±448))``, in
+    fp32, so ``q * scale`` approximates ``x`` to a relative ``2^-4`` per element. A zero row gives
+    zeros (no NaN).
+
+    Returns:
+        ``(q, scale)``: ``q`` is ``float8_e4m3fn [M, K]`` (row-major), ``scale`` is ``float32 [M, 1]``
+        (positive).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rowwise_fp8 expects a [rows, cols] matrix, got shape {tuple(x.shape)}.")
+    if not x.is_floating_point():
+        raise ValueError(f"quantize_rowwise_fp8 expects a floating-point tensor, got {x.dtype}.")
+    if x.shape[1] and should_use_triton(x):
+        return _quantize_triton(x)
+    return quantize_rowwise_fp8_reference(x)
+
+
+def _emulated_product(qx, sx, qw, sw, dtype: torch.dtype) -> torch.Tensor:
+    return ((qx.float() * sx) @ (qw.float() * sw).t()).to(dtype)
+
+
+def fp8_linear_reference(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Emulated :func:`fp8_linear`: quantise with the reference, multiply in fp32, cast to ``x2d.dtype``."""
+    qx, sx = quantize_rowwise_fp8_reference(x2d)
+    qw, sw = quantize_rowwise_fp8_reference(weight)
+    return _emulated_product(qx, sx, qw, sw, x2d.dtype)
+
+
+def fp8_linear(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2d @ weight.T`` with both operands quantised to FP8 e4m3, rowwise (per token, per output).
+
+    Args:
+        x2d: activations ``[N, K]`` (fp32, fp16 or bf16).
+        weight: the dense base weight ``[O, K]`` (any floating dtype; an NF4 weight must be
+            dequantised first).
+
+    Returns:
+        ``[N, O]`` in ``x2d.dtype``. Runs ``torch._scaled_mm`` (FP8 tensor cores on sm_89+, PyTorch's
+        kernel on CPU) when ``K`` and ``O`` are multiples of 16, else the same quantised product
+        emulated in fp32. No autograd: the LoRA functions call it inside their forward only.
+    """
+    if x2d.dim() != 2 or weight.dim() != 2 or x2d.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"fp8_linear needs x [N, K] and weight [O, K] with the same K; got {tuple(x2d.shape)} and "
+            f"{tuple(weight.shape)}."
+        )
+    dtype = x2d.dtype
+    N, K = x2d.shape
+    O = weight.shape[0]
+    if N == 0 or K == 0 or O == 0:
+        return x2d.new_zeros(N, O)
+    qx, sx = quantize_rowwise_fp8(x2d)
+    qw, sw = quantize_rowwise_fp8(weight)
+    if not scaled_mm_applies(x2d, weight):
+        return _emulated_product(qx, sx, qw, sw, dtype)
+    # Rowwise _scaled_mm on CUDA: mat1 row-major, mat2 column-major (qw.t() of a row-major [O, K]),
+    # fp32 scales [N, 1] and [1, O]; bf16 is the output dtype every FP8-capable build supports, so
+    # other dtypes take bf16 and are cast (a 2^-9 rounding, far below the FP8 error).
+    out_dtype = dtype if (x2d.device.type == "cpu" or dtype == torch.bfloat16) else torch.bfloat16
+    y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.t(), out_dtype=out_dtype, use_fast_accum=USE_FAST_ACCUM)
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile specs (tests/kernels/test_aot_compile.py): (kernel, signature, constexprs, options)
+# FP8 needs sm_89+, so the specs target Hopper only (the flag is refused on a T4).
+# --------------------------------------------------------------------------------------------------
+def _aot_specs() -> list:
+    def spec(dt):
+        signature = {"X": f"*{dt}", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32", "stride_x": "i32", "stride_q": "i32"}
+        return (_quantize_rowwise_kernel, signature, {"FLOOR": AMAX_FLOOR, "BLOCK_K": 4096},
+                {"num_warps": 8, "targets": [90]})
+
+    return [spec("bf16"), spec("fp16"), spec("fp32")]
+
+
+AOT_SPECS = _aot_specs()

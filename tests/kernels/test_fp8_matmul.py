@@ -1,0 +1,311 @@
+"""FP8 forward of the base GEMM: rowwise quantisation, ``fp8_linear`` (``torch._scaled_mm`` and its
+emulation) against float64, and the LoRA functions with ``fp8_forward`` on (outputs within the FP8
+bound; backward unchanged).
+
+Error bound used below. e4m3 keeps 3 mantissa bits, so rounding a value in the normal range
+(``|v| >= 2^-6`` after scaling) to nearest moves it by at most half an ulp, ``2^-4 |v|``; below that
+(subnormals) by at most ``2^-10`` times the row scale, i.e. ``2^-10 * amax / 448`` (negligible). So
+``q_x = x (1 + d_x)`` and ``q_w = w (1 + d_w)`` with ``|d| <= 2^-4``, and each product term of
+``Y = X W^T`` is off by the relative factor ``d_x + d_w + d_x d_w``, at most ``2^-3 + 2^-8`` in
+magnitude. In the norm, the per-term errors are independent with zero mean, so
+``||Y_fp8 - Y|| / ||Y||`` is about ``sqrt(E[d_x^2] + E[d_w^2])``: with ``d`` spread over
+``[-2^-4, 2^-4]`` (rms ``2^-4 / sqrt(3)`` at most) that is at most ``2^-4 * sqrt(2/3) ~ 0.051``
+(measured: 0.034-0.037 on Gaussian data). The tests allow ``2^-3 = 0.125``, the worst-case
+per-term bound, which no norm error can reach without adversarial cancellation and is 2.5x the
+expected value. The 16-bit output rounding (``2^-9`` for bf16) and the LoRA path add far less.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from notebookkit.kernels import lora_projection
+from notebookkit.kernels.fp8_matmul import (
+    AMAX_FLOOR,
+    FP8_DTYPE,
+    FP8_MAX,
+    fp8_linear,
+    fp8_linear_reference,
+    fp8_supported,
+    quantize_rowwise_fp8,
+    quantize_rowwise_fp8_reference,
+    scaled_mm_applies,
+)
+from notebookkit.kernels.lora_mlp import lora_mlp, lora_mlp_reference
+from notebookkit.kernels.lora_o import lora_o, lora_o_reference
+from notebookkit.kernels.lora_qkv import lora_qkv, lora_qkv_reference
+from notebookkit.kernels.runtime import interpreter_on, use_triton
+from notebookkit.kernels.testing import assert_close, rel_err
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_lora import Pair, _x  # noqa: E402  (shared builders of the LoRA kernel tests)
+
+FP8_TOL = 2.0**-3  # see the module docstring
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+needs_interp = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
+ODD = (37, 123, 77)  # tokens, in, out: emulation (K, O not multiples of 16)
+ALIGNED = (37, 128, 96)  # torch._scaled_mm
+
+
+def _operands(shape, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n, k, o = shape
+    x = torch.randn(n, k, generator=gen)
+    w = torch.randn(o, k, generator=gen) / math.sqrt(k)
+    return x.to(dtype).to(device), w.to(dtype).to(device)
+
+
+# --------------------------------------------------------------------------------------------------
+# quantize_rowwise_fp8
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_quantized(x, q, scale):
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == (x.shape[0], 1)
+    assert (scale > 0).all()
+    back = q.float() * scale
+    assert torch.isfinite(back).all()
+    xf = x.float()
+    row_norm = xf.norm(dim=1)
+    row_err = (back - xf).norm(dim=1)
+    nonzero = row_norm > 0
+    assert (row_err[nonzero] / row_norm[nonzero] <= 2.0**-4).all(), (row_err / row_norm).max()
+    assert (back[~nonzero] == 0).all()
+    assert (q.float().abs() <= FP8_MAX).all()
+    return (row_err[nonzero] / row_norm[nonzero]).max().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_round_trip(dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    # rows over 11 decades of magnitude, a zero row, a row with subnormal-range entries
+    x = torch.randn(12, 200, generator=gen) * torch.logspace(-4, 4, 12)[:, None]
+    x[3] = 0.0
+    x[5, :40] *= 1e-5
+    x = x.to(dtype).to(device)
+    q, scale = quantize_rowwise_fp8(x)
+    _check_quantized(x, q, scale)
+    assert (q[3].float() == 0).all() and scale[3].item() == pytest.approx(AMAX_FLOOR / FP8_MAX)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interp), pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_triton_matches_reference(dtype, device):
+    """The kernel's explicit e4m3 rounding equals torch's cast, bit for bit (incl. subnormals, carries)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 300, generator=gen) * torch.logspace(-6, 3, 9)[:, None]
+    x[2] = 0.0
+    x[4, :60] *= 1e-4
+    x = x.to(dtype).to(device)
+    strided = torch.randn(9, 600, generator=gen).to(dtype).to(device)[:, ::2]  # a non-contiguous row stride
+    for inp in (x, strided):
+        with use_triton(True):
+            q, s = quantize_rowwise_fp8(inp)
+        with use_triton(False):
+            q_ref, s_ref = quantize_rowwise_fp8(inp)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        _check_quantized(inp, q, s)
+
+
+def test_quantize_nan_row_stays_nan():
+    x = torch.randn(3, 32)
+    x[1, 5] = float("nan")
+    for triton_path in ([False, True] if interpreter_on() else [False]):
+        with use_triton(triton_path):
+            q, s = quantize_rowwise_fp8(x)
+        back = q.float() * s
+        assert back[1].isnan().all() and torch.isfinite(back[[0, 2]]).all()
+
+
+def test_quantize_errors():
+    with pytest.raises(ValueError, match=r"\[rows, cols\]"):
+        quantize_rowwise_fp8(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize_rowwise_fp8(torch.ones(2, 3, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8_linear
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [ODD, ALIGNED, (1, 16, 16), (64, 48, 32)], ids=str)
+def test_fp8_linear_against_float64(shape, dtype, device):
+    x, w = _operands(shape, dtype, device, seed=2)
+    y = fp8_linear(x, w)
+    assert y.dtype == dtype and y.shape == (shape[0], shape[2]) and y.device.type == device
+    assert scaled_mm_applies(x, w) == (shape[1] % 16 == 0 and shape[2] % 16 == 0)
+    err = rel_err(y, x.double().cpu() @ w.double().cpu().t())
+    assert err <= FP8_TOL, err
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scaled_mm_and_emulation_agree(dtype, device):
+    """On an aligned shape both paths compute the same quantised product (up to fp32 summation order
+    and the output's 16-bit rounding)."""
+    x, w = _operands(ALIGNED, dtype, device, seed=3)
+    assert scaled_mm_applies(x, w)
+    y = fp8_linear(x, w)
+    y_emulated = fp8_linear_reference(x, w)
+    assert_close(y, y_emulated, dtype, "scaled_mm vs emulation", factor=2.0)
+    # the emulation path of an odd shape is the reference itself
+    x, w = _operands(ODD, dtype, device, seed=3)
+    assert torch.equal(fp8_linear(x, w), fp8_linear_reference(x, w))
+
+
+def test_fp8_linear_edges():
+    assert fp8_linear(torch.randn(0, 32), torch.randn(16, 32)).shape == (0, 16)
+    with pytest.raises(ValueError, match="same K"):
+        fp8_linear(torch.randn(4, 32), torch.randn(16, 31))
+
+
+def test_fp8_supported(monkeypatch):
+    ok, why = fp8_supported("cpu")
+    assert ok and "emulated" in why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (7, 5))
+    ok, why = fp8_supported("cuda")
+    assert not ok and "sm_75" in why and "8.9" in why and "Tesla T4" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
+    assert fp8_supported("cuda:0")[0]
+    ok, why = fp8_supported("mps")
+    assert not ok and "mps" in why
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA functions with fp8_forward
+# --------------------------------------------------------------------------------------------------
+
+
+def _fp8_twin(pair: Pair) -> lora_projection.LoRAProjection:
+    p = pair.proj
+    return lora_projection.LoRAProjection(p.weight, p.quant_state, p.lora_A, p.lora_B, p.scaling, fp8_forward=True)
+
+
+def _grads_of(fn, x, pairs, dys):
+    """Run ``fn(x)``, back-propagate ``dys``; return (outputs, dx, [(dA, dB) per pair]) and clear grads."""
+    x = x.detach().clone().requires_grad_()
+    outs = fn(x)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, [dy.to(o.dtype) for o, dy in zip(outs, dys)])
+    grads = []
+    for p in pairs:
+        grads.append(None if p.A is None else (p.A.grad.clone(), p.B.grad.clone()))
+        if p.A is not None:
+            p.A.grad = p.B.grad = None
+    return [o.detach() for o in outs], x.grad, grads
+
+
+class _Counter:
+    """Counts ``fp8_linear`` calls made by ``projection_forward`` (to prove the backward makes none)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = lora_projection.fp8_linear
+
+        def counted(*args):
+            self.calls += 1
+            return real(*args)
+
+        monkeypatch.setattr(lora_projection, "fp8_linear", counted)
+
+
+def _dys(outs64, gen, device):
+    return [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(device) for o in outs64]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("dims", [(123, 77), (128, 96)], ids=["odd", "aligned"])
+def test_lora_o_and_qkv_fp8_forward(dims, nf4, dtype, device, monkeypatch):
+    hidden, out = dims
+    gen = torch.Generator().manual_seed(4)
+    kw = dict(nf4=nf4, dtype=dtype, device=device, gen=gen)
+    o = Pair(out, hidden, adapter=True, **kw)
+    q, k, v = Pair(out, hidden, adapter=True, **kw), Pair(32, hidden, adapter=True, **kw), Pair(32, hidden, adapter=False, **kw)
+    x, x64 = _x(dtype, device, gen, shape=(2, 19, hidden))
+    counter = _Counter(monkeypatch)
+
+    # lora_o
+    y64 = lora_o_reference(x64, o.proj64)
+    dys = _dys([y64], gen, device)
+    (y8,), dx8, g8 = _grads_of(lambda t: lora_o(t, _fp8_twin(o)), x, [o], dys)
+    assert counter.calls == 1  # forward only: the backward never calls fp8_linear
+    (y16,), dx16, g16 = _grads_of(lambda t: lora_o(t, o.proj), x, [o], dys)
+    assert y8.dtype == dtype and rel_err(y8, y64) <= FP8_TOL
+    assert torch.equal(dx8, dx16) and all(torch.equal(a, b) for a, b in zip(g8[0], g16[0]))
+
+    # lora_qkv
+    counter.calls = 0
+    outs64 = lora_qkv_reference(x64, q.proj64, k.proj64, v.proj64)
+    dys = _dys(outs64, gen, device)
+    twins = [_fp8_twin(p) for p in (q, k, v)]
+    outs8, dx8, g8 = _grads_of(lambda t: lora_qkv(t, *twins), x, [q, k, v], dys)
+    assert counter.calls == 3
+    outs16, dx16, g16 = _grads_of(lambda t: lora_qkv(t, q.proj, k.proj, v.proj), x, [q, k, v], dys)
+    for y8, y64 in zip(outs8, outs64):
+        assert rel_err(y8, y64) <= FP8_TOL
+    assert torch.equal(dx8, dx16)
+    for a, b in zip(g8, g16):
+        assert (a is None and b is None) or all(torch.equal(s, t) for s, t in zip(a, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("dims", [(123, 77), (128, 96)], ids=["odd", "aligned"])
+def test_lora_mlp_fp8_forward(dims, nf4, dtype, device, monkeypatch):
+    """The MLP backward is the 16-bit one (no fp8_linear call), but it reads the e, g saved by the
+    forward, which now carry the FP8 error; so its gradients match the 16-bit run's to the FP8 bound
+    (and, like those, the float64 reference), not bit for bit."""
+    hidden, inter = dims
+    gen = torch.Generator().manual_seed(5)
+    kw = dict(nf4=nf4, dtype=dtype, device=device, gen=gen)
+    gate, up, down = Pair(inter, hidden, adapter=True, **kw), Pair(inter, hidden, adapter=True, **kw), Pair(
+        hidden, inter, adapter=True, rslora=True, **kw
+    )
+    pairs = [gate, up, down]
+    x, x64 = _x(dtype, device, gen, shape=(2, 19, hidden))
+    y64 = lora_mlp_reference(x64, gate.proj64, up.proj64, down.proj64, "swiglu")
+    dys = _dys([y64], gen, device)
+    counter = _Counter(monkeypatch)
+    twins = [_fp8_twin(p) for p in pairs]
+    (y8,), dx8, g8 = _grads_of(lambda t: lora_mlp(t, *twins, "swiglu"), x, pairs, dys)
+    assert counter.calls == 3  # gate, up, down in the forward; none in the backward
+    (y16,), dx16, g16 = _grads_of(lambda t: lora_mlp(t, gate.proj, up.proj, down.proj, "swiglu"), x, pairs, dys)
+    assert y8.dtype == dtype and rel_err(y8, y64) <= FP8_TOL
+    assert rel_err(dx8, dx16) <= FP8_TOL
+    for a, b in zip(g8, g16):
+        for s, t in zip(a, b):
+            assert s.dtype == t.dtype and rel_err(s, t) <= FP8_TOL
+    # compute_output=False (the recompute pass): 2 fp8 GEMMs, zeros out, same gradients as fp8 with output
+    counter.calls = 0
+    (y0,), dx0, g0 = _grads_of(lambda t: lora_mlp(t, *twins, "swiglu", compute_output=False), x, pairs, dys)
+    assert counter.calls == 2 and not y0.any()
+    assert torch.equal(dx0, dx8) and all(torch.equal(s, t) for a, b in zip(g0, g8) for s, t in zip(a, b))
+
+
+def test_projection_keeps_positional_construction():
+    w = torch.randn(16, 32)
+    p = lora_projection.LoRAProjection(w, None, None, None, 1.0)
+    assert p.fp8_forward is False
+    p8 = lora_projection.LoRAProjection(w, None, None, None, 1.0, fp8_forward=1)
+    assert p8.fp8_forward is True
+    x = torch.randn(5, 32)
+    assert torch.equal(lora_projection.projection_forward(x, p8, None, None), fp8_linear(x, w))
