@@ -228,7 +228,7 @@ def load_system(args):
         return train_step.load_unsloth(folder, args.quant, args.seq), "unsloth offloaded checkpointing"
     if args.system != "notebookkit":
         return train_step.load_peers(args.system, folder, args.quant), "HF gradient checkpointing (all layers)"
-    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing)
+    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, fp8=args.fp8)
     if args.max_memory:
         import inspect
 
@@ -322,6 +322,8 @@ def default_tag(args) -> str:
         parts.append(f"gc-{args.checkpointing}")
     if args.max_memory:
         parts.append(f"cap-{args.max_memory}")
+    if args.system == "notebookkit" and getattr(args, "fp8", False):
+        parts.append("fp8")
     return "-".join(parts)
 
 
@@ -336,6 +338,7 @@ def main() -> None:
     ap.add_argument("--checkpointing", default="auto", choices=["auto", "offload", "true", "false"],
                     help="notebookkit only: use_gradient_checkpointing")
     ap.add_argument("--max-memory", default=None, help='notebookkit only: budget for the "auto" plan, e.g. 8GiB')
+    ap.add_argument("--fp8", action="store_true", help="notebookkit only: FP8 forward for the frozen base GEMMs")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default=None, help="file-name suffix (default: from --checkpointing / --max-memory)")
     ap.add_argument("--trace", action="store_true", help="also save a Chrome trace next to the report")

@@ -4,7 +4,7 @@ For ``X [N, K]`` (tokens) and a frozen base weight ``W [O, K]``, each row ``z`` 
 and of ``W`` (one output channel) is quantised with its own fp32 scale (``FP8_MAX = 448``, the
 largest finite ``float8_e4m3fn``)::
 
-    scale(z) = max(max_k |z_k|, AMAX_FLOOR) / FP8_MAX                          fp32, > 0
+    scale(z) = max(max_k |z_k|, AMAX_FLOOR) * fp32(1 / FP8_MAX)                fp32, > 0
     q(z)     = round_e4m3(clamp(z / scale(z), -FP8_MAX, FP8_MAX))            float8_e4m3fn
 
     forward  Y = diag(s_x) (Q_x Q_w^T) diag(s_w)    i.e.  Y[n, o] = s_x[n] s_w[o] sum_k q_x[n, k] q_w[o, k]
@@ -56,10 +56,15 @@ FP8_MAX = 448.0
 # Floor of a row's amax: an all-zero row gets scale AMAX_FLOOR / 448 (a normal fp32 number, so no
 # 0/0 and no denormal that a flush-to-zero GPU would turn into 0) and quantises to zeros.
 AMAX_FLOOR = 1e-12
+# The scale multiplies by the fp32 reciprocal of 448 (what PyTorch's CUDA kernels do for a division
+# by a scalar), so the Triton kernel, PyTorch on CPU and PyTorch on CUDA give the same bits.
+INV_FP8_MAX = 1.0 / FP8_MAX
 _MIN_CAPABILITY = (8, 9)
-# torch._scaled_mm's use_fast_accum (Hopper: accumulate in the tensor cores' reduced precision, a
-# faster but less exact sum). Off by default; a knob for GPU benchmarks.
-USE_FAST_ACCUM = False
+# torch._scaled_mm's use_fast_accum: on Hopper the tensor cores then accumulate the whole K sum in
+# their own reduced-precision accumulator instead of promoting partial sums to fp32 (the faster
+# cuBLAS kernels). As in common FP8 training recipes, the forward product uses it (its error stays
+# below the e4m3 rounding of the operands); set False for exact fp32 accumulation.
+USE_FAST_ACCUM = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,7 +131,8 @@ def scaled_mm_applies(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr, INV_MAX: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     q_row = Q + row * stride_q
@@ -137,7 +143,7 @@ def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
         nans += (x != x).to(tl.int32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), FLOOR), 448.0)
+    scale = tl.maximum(tl.max(amax, axis=0), FLOOR) * INV_MAX
     # NaN in, NaN out (as torch.amax): the scale carries it, whatever a backend casts NaN to in fp8.
     scale = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
     tl.store(S + row, scale)
@@ -172,7 +178,8 @@ def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, scale
-    _quantize_rowwise_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FLOOR=AMAX_FLOOR, BLOCK_K=_block_k(K))
+    _quantize_rowwise_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FLOOR=AMAX_FLOOR, INV_MAX=INV_FP8_MAX,
+                                   BLOCK_K=_block_k(K))
     return q, scale
 
 
@@ -185,7 +192,7 @@ def quantize_rowwise_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     """Plain-PyTorch :func:`quantize_rowwise_fp8` (fp32 math; the CPU path and the test oracle)."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
-    scale = amax.clamp_min(AMAX_FLOOR).div_(FP8_MAX)
+    scale = amax.clamp_min(AMAX_FLOOR).mul_(INV_FP8_MAX)
     q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -193,7 +200,7 @@ def quantize_rowwise_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
 def quantize_rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each row of ``x [M, K]`` to FP8 e4m3 with its own scale.
 
-    ``scale = max(amax_row(|x|), 1e-12) / 448`` and ``q = round_e4m3(clamp(x / scale, ±448))``, in
+    ``scale = max(amax_row(|x|), 1e-12) * fp32(1/448)`` and ``q = round_e4m3(clamp(x / scale, ±448))``, in
     fp32, so ``q * scale`` approximates ``x`` to a relative ``2^-4`` per element. A zero row gives
     zeros (no NaN).
 
@@ -221,13 +228,17 @@ def fp8_linear_reference(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return _emulated_product(qx, sx, qw, sw, x2d.dtype)
 
 
-def fp8_linear(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def fp8_linear(
+    x2d: torch.Tensor, weight: torch.Tensor, x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """``x2d @ weight.T`` with both operands quantised to FP8 e4m3, rowwise (per token, per output).
 
     Args:
         x2d: activations ``[N, K]`` (fp32, fp16 or bf16).
         weight: the dense base weight ``[O, K]`` (any floating dtype; an NF4 weight must be
             dequantised first).
+        x_quantized: ``quantize_rowwise_fp8(x2d)`` when the caller already has it (q, k and v, or
+            gate and up, read the same ``x2d``: it is quantised once).
 
     Returns:
         ``[N, O]`` in ``x2d.dtype``. Runs ``torch._scaled_mm`` (FP8 tensor cores on sm_89+, PyTorch's
@@ -244,7 +255,7 @@ def fp8_linear(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     O = weight.shape[0]
     if N == 0 or K == 0 or O == 0:
         return x2d.new_zeros(N, O)
-    qx, sx = quantize_rowwise_fp8(x2d)
+    qx, sx = x_quantized if x_quantized is not None else quantize_rowwise_fp8(x2d)
     qw, sw = quantize_rowwise_fp8(weight)
     if not scaled_mm_applies(x2d, weight):
         return _emulated_product(qx, sx, qw, sw, dtype)
@@ -263,7 +274,7 @@ def fp8_linear(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _aot_specs() -> list:
     def spec(dt):
         signature = {"X": f"*{dt}", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32", "stride_x": "i32", "stride_q": "i32"}
-        return (_quantize_rowwise_kernel, signature, {"FLOOR": AMAX_FLOOR, "BLOCK_K": 4096},
+        return (_quantize_rowwise_kernel, signature, {"FLOOR": AMAX_FLOOR, "INV_MAX": INV_FP8_MAX, "BLOCK_K": 4096},
                 {"num_warps": 8, "targets": [90]})
 
     return [spec("bf16"), spec("fp16"), spec("fp32")]

@@ -41,6 +41,7 @@ from .lora_projection import (
     no_autocast,
     projection_forward,
     projection_reference,
+    quantize_shared_input,
 )
 from .swiglu import swiglu, swiglu_backward_
 
@@ -86,10 +87,12 @@ class LoRAMLPFunction(torch.autograd.Function):
         gate, up, down = projs
         act_forward, _ = _activation_ops(activation)
         x2d = flatten_tokens(x)
+        x_fp8 = quantize_shared_input(x2d, gate, up)
         A, B = gate.adapters(x.dtype)
-        e = projection_forward(x2d, gate, A, B)
+        e = projection_forward(x2d, gate, A, B, x_fp8)
         A, B = up.adapters(x.dtype)
-        g = projection_forward(x2d, up, A, B)
+        g = projection_forward(x2d, up, A, B, x_fp8)
+        del x_fp8
         if compute_output:
             h = act_forward(e, g)
             A, B = down.adapters(x.dtype)

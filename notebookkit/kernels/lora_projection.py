@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .fp8_matmul import fp8_linear
+from .fp8_matmul import fp8_linear, quantize_rowwise_fp8
 from .nf4 import dequantize_nf4
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "compute_dtype",
     "no_autocast",
     "projection_forward",
+    "quantize_shared_input",
     "lora_rank_grad",
     "accumulate_input_grad_",
     "adapter_grads",
@@ -183,15 +184,27 @@ def flatten_tokens(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
+def quantize_shared_input(x2d: torch.Tensor, *projs: LoRAProjection) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """FP8 copy ``(q, scale)`` of an input that several projections read, or None when none runs in FP8."""
+    if not any(p.fp8_forward for p in projs) or x2d.numel() == 0:
+        return None
+    return quantize_rowwise_fp8(x2d)
+
+
 def projection_forward(
-    x2d: torch.Tensor, proj: LoRAProjection, A: torch.Tensor | None, B: torch.Tensor | None
+    x2d: torch.Tensor,
+    proj: LoRAProjection,
+    A: torch.Tensor | None,
+    B: torch.Tensor | None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``Y = X W^T + s (X A^T) B^T`` for ``X [N, in]``, with ``A``/``B`` already in ``x2d.dtype``.
 
-    With ``proj.fp8_forward`` the base part ``X W^T`` runs in FP8 (``fp8_linear``); the rest is the same.
+    With ``proj.fp8_forward`` the base part ``X W^T`` runs in FP8 (``fp8_linear``; ``x_fp8`` is ``X``
+    already quantised by :func:`quantize_shared_input`); the rest is the same.
     """
     W = proj.base_weight(x2d.dtype)
-    y = fp8_linear(x2d, W) if proj.fp8_forward else x2d @ W.t()
+    y = fp8_linear(x2d, W, x_fp8) if proj.fp8_forward else x2d @ W.t()
     del W
     if A is not None:
         xa = (x2d @ A.t()).mul_(proj.scaling)

@@ -27,6 +27,7 @@ from .lora_projection import (
     no_autocast,
     projection_forward,
     projection_reference,
+    quantize_shared_input,
 )
 
 __all__ = ["lora_qkv", "lora_qkv_reference", "LoRAQKVFunction"]
@@ -38,11 +39,13 @@ class LoRAQKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, projs, *tensors):
         x2d = flatten_tokens(x)
+        x_fp8 = quantize_shared_input(x2d, *projs)
         outs = []
         for proj in projs:
             A, B = proj.adapters(x.dtype)
-            y = projection_forward(x2d, proj, A, B)
+            y = projection_forward(x2d, proj, A, B, x_fp8)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
+        del x_fp8
         ctx.save_for_backward(x, *tensors)
         ctx.meta = [(p.quant_state, p.scaling) for p in projs]
         return tuple(outs)

@@ -153,13 +153,15 @@ def test_fp8_linear_against_float64(shape, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scaled_mm_and_emulation_agree(dtype, device):
-    """On an aligned shape both paths compute the same quantised product (up to fp32 summation order
-    and the output's 16-bit rounding)."""
+    """On an aligned shape both paths compute the same quantised product (up to summation order and
+    the output's rounding: on CUDA ``_scaled_mm`` writes bf16, with the tensor cores' fast
+    accumulation)."""
     x, w = _operands(ALIGNED, dtype, device, seed=3)
     assert scaled_mm_applies(x, w)
     y = fp8_linear(x, w)
     y_emulated = fp8_linear_reference(x, w)
-    assert_close(y, y_emulated, dtype, "scaled_mm vs emulation", factor=2.0)
+    output_dtype = torch.bfloat16 if device == "cuda" else dtype
+    assert_close(y, y_emulated, output_dtype, "scaled_mm vs emulation", factor=2.0 if device == "cpu" else 0.5)
     # the emulation path of an odd shape is the reference itself
     x, w = _operands(ODD, dtype, device, seed=3)
     assert torch.equal(fp8_linear(x, w), fp8_linear_reference(x, w))
