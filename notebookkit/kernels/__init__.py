@@ -11,6 +11,7 @@ One op per module, named after its public function, imported from there::
     from notebookkit.kernels.lora_projection import LoRAProjection
     from notebookkit.kernels.lora_mlp import lora_mlp     # lora_qkv, lora_o likewise
     from notebookkit.kernels.fp8_matmul import fp8_linear  # FP8 base GEMM of a LoRA forward (opt-in)
+    from notebookkit.kernels.nf4_fp8 import quantize_nf4_rowwise_fp8  # NF4 -> FP8 in one pass
 
 Each module has Triton kernels, a launcher, a ``torch.autograd.Function`` and a plain-PyTorch
 ``*_reference`` of the same math (the CPU path and the test oracle). CUDA tensors run Triton; CPU

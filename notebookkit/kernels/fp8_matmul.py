@@ -22,12 +22,12 @@ Error: ``round_e4m3`` keeps 3 mantissa bits, a relative rounding error of at mos
 element (normal range; values below ``2^-6 * scale`` are subnormal and have an absolute error of at
 most ``2^-10 * scale``). See ``tests/kernels/test_fp8_matmul.py`` for the bound on ``Y``.
 
-Quantisation: a Triton kernel (one program per row: an amax pass, then a quantise pass, one read of
-the 16-bit row and one write of fp8 bytes) on CUDA, or under ``use_triton(True)`` with the
-interpreter; :func:`quantize_rowwise_fp8_reference` (plain PyTorch, fp32) on CPU. The kernel rounds
-to e4m3 explicitly (integer RTNE on the fp32 bits, then an exact cast), so it does not depend on how
-a backend converts fp32 to fp8; the Triton 3.9 interpreter's own conversion drops the carry into
-the exponent (31.8 becomes 16, not 32).
+Quantisation: a Triton kernel (one program per row; a row of up to 16K elements is read once and
+kept in registers: one read of the 16-bit row, one write of fp8 bytes) on CUDA, or under
+``use_triton(True)`` with the interpreter; :func:`quantize_rowwise_fp8_reference` (plain PyTorch,
+fp32) on CPU. On a GPU the hardware conversion rounds to e4m3 (RTNE); under the interpreter the
+kernel rounds explicitly (integer RTNE on the fp32 bits, then an exact cast), because the Triton 3.9
+interpreter's own conversion drops the carry into the exponent (31.8 becomes 16, not 32).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ __all__ = [
     "quantize_rowwise_fp8_reference",
     "fp8_linear",
     "fp8_linear_reference",
+    "fp8_matmul_quantized",
     "scaled_mm_applies",
     "USE_FAST_ACCUM",
 ]
@@ -131,43 +132,79 @@ def scaled_mm_applies(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr, INV_MAX: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
-    q_row = Q + row * stride_q
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    nans = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-        nans += (x != x).to(tl.int32)
-    scale = tl.maximum(tl.max(amax, axis=0), FLOOR) * INV_MAX
-    # NaN in, NaN out (as torch.amax): the scale carries it, whatever a backend casts NaN to in fp8.
-    scale = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
-    tl.store(S + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        mask = offs < K
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # IEEE x / scale
-        # Round to e4m3 in fp32, then the cast below is exact:
-        # normal range (|v| >= 2^-6): round-to-nearest-even on the fp32 bits, 3 mantissa bits kept
-        # (a carry out of the mantissa correctly bumps the exponent);
-        # subnormal range: the spacing is 2^-9; adding 1.5 * 2^14 (whose fp32 ulp is 2^-9) rounds.
-        # (on |v|, the sign put back after, so that a tiny negative value rounds to -0 as in torch).
+def _to_e4m3(v, FP8_TY: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
+    """fp32 ``v`` (already clamped to +-448) -> float8_e4m3fn, round-to-nearest-even.
+
+    On a GPU the hardware conversion rounds (RTNE, as PyTorch's cast). Under the interpreter the
+    value is first rounded in fp32, so that the cast is exact: normal range (|v| >= 2^-6): RTNE on
+    the fp32 bits keeping 3 mantissa bits (a carry correctly bumps the exponent); subnormal range
+    (spacing 2^-9): adding 1.5 * 2^14, whose fp32 ulp is 2^-9, rounds. The sign is put back after,
+    so that a tiny negative value gives -0 as in torch.
+    """
+    if EXPLICIT_ROUNDING:
         v_bits = v.to(tl.int32, bitcast=True)
         bits = (v_bits + (0x7FFFF + ((v_bits >> 20) & 1))) & -1048576  # -1048576 == ~0xFFFFF
         normal = bits.to(tl.float32, bitcast=True)
         sub = (tl.abs(v) + 24576.0) - 24576.0
         sub = tl.where(v_bits < 0, -sub, sub)
-        r = tl.where(tl.abs(v) >= 0.015625, normal, sub)
-        tl.store(q_row + offs, r.to(Q.dtype.element_ty), mask=mask)
+        v = tl.where(tl.abs(v) >= 0.015625, normal, sub)
+    return v.to(FP8_TY)
 
 
-def _block_k(K: int) -> int:
-    return max(16, min(4096, triton.next_power_of_2(K)))
+@triton.jit
+def _row_scale(amax, nan_count, FLOOR: tl.constexpr, INV_MAX: tl.constexpr):
+    """``max(amax, FLOOR) * fp32(1/448)``; NaN when the row holds a NaN (as torch.amax)."""
+    scale = tl.maximum(amax, FLOOR) * INV_MAX
+    return tl.where(nan_count > 0, float("nan"), scale)
+
+
+@triton.jit
+def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr, INV_MAX: tl.constexpr,
+                             BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
+    # one program per row; ONE_PASS (K <= BLOCK_K): the row is read once and kept in registers,
+    # else an amax pass and a quantise pass over BLOCK_K chunks.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    q_row = Q + row * stride_q
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK_K)
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = _row_scale(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), FLOOR, INV_MAX)
+        tl.store(S + row, scale)
+        v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # IEEE x / scale
+        tl.store(q_row + offs, _to_e4m3(v, Q.dtype.element_ty, EXPLICIT_ROUNDING), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        nans = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+            nans += (x != x).to(tl.int32)
+        scale = _row_scale(tl.max(amax, axis=0), tl.sum(nans, axis=0), FLOOR, INV_MAX)
+        tl.store(S + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            mask = offs < K
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_row + offs, _to_e4m3(v, Q.dtype.element_ty, EXPLICIT_ROUNDING), mask=mask)
+
+
+# Rows up to this many elements are quantised in one pass (read once, kept in registers).
+ONE_PASS_MAX_K = 16384
+# Explicit fp32 rounding before the cast: off on GPUs (hardware RTNE). The interpreter always
+# rounds explicitly (its own fp32 -> fp8 conversion drops the carry into the exponent).
+GPU_EXPLICIT_ROUNDING = False
+
+
+def _launch_config(K: int) -> tuple[int, bool, int]:
+    """(BLOCK_K, one pass?, num_warps) for rows of ``K`` elements."""
+    if K <= ONE_PASS_MAX_K:
+        block = max(16, triton.next_power_of_2(K))
+        return block, True, 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    return 4096, False, 8
 
 
 def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +215,10 @@ def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, scale
+    block, one_pass, warps = _launch_config(K)
+    explicit = GPU_EXPLICIT_ROUNDING if x.is_cuda else True
     _quantize_rowwise_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FLOOR=AMAX_FLOOR, INV_MAX=INV_FP8_MAX,
-                                   BLOCK_K=_block_k(K))
+                                   BLOCK_K=block, ONE_PASS=one_pass, EXPLICIT_ROUNDING=explicit, num_warps=warps)
     return q, scale
 
 
@@ -250,21 +289,33 @@ def fp8_linear(
             f"fp8_linear needs x [N, K] and weight [O, K] with the same K; got {tuple(x2d.shape)} and "
             f"{tuple(weight.shape)}."
         )
-    dtype = x2d.dtype
     N, K = x2d.shape
     O = weight.shape[0]
     if N == 0 or K == 0 or O == 0:
         return x2d.new_zeros(N, O)
-    qx, sx = x_quantized if x_quantized is not None else quantize_rowwise_fp8(x2d)
-    qw, sw = quantize_rowwise_fp8(weight)
-    if not scaled_mm_applies(x2d, weight):
-        return _emulated_product(qx, sx, qw, sw, dtype)
+    x_q = x_quantized if x_quantized is not None else quantize_rowwise_fp8(x2d)
+    return fp8_matmul_quantized(x_q, quantize_rowwise_fp8(weight), x2d.dtype)
+
+
+def fp8_matmul_quantized(
+    x_q: tuple[torch.Tensor, torch.Tensor], w_q: tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``diag(s_x) (Q_x Q_w^T) diag(s_w)`` in ``out_dtype`` from already quantised operands.
+
+    ``x_q = (Q_x [N, K], s_x [N, 1])`` and ``w_q = (Q_w [O, K], s_w [O, 1])`` as returned by
+    :func:`quantize_rowwise_fp8` (or :func:`notebookkit.kernels.nf4_fp8.quantize_nf4_rowwise_fp8`).
+    ``torch._scaled_mm`` where it applies, else the same product emulated in fp32.
+    """
+    qx, sx = x_q
+    qw, sw = w_q
+    if not scaled_mm_applies(qx, qw):
+        return _emulated_product(qx, sx, qw, sw, out_dtype)
     # Rowwise _scaled_mm on CUDA: mat1 row-major, mat2 column-major (qw.t() of a row-major [O, K]),
     # fp32 scales [N, 1] and [1, O]; bf16 is the output dtype every FP8-capable build supports, so
     # other dtypes take bf16 and are cast (a 2^-9 rounding, far below the FP8 error).
-    out_dtype = dtype if (x2d.device.type == "cpu" or dtype == torch.bfloat16) else torch.bfloat16
-    y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.t(), out_dtype=out_dtype, use_fast_accum=USE_FAST_ACCUM)
-    return y if y.dtype == dtype else y.to(dtype)
+    mm_dtype = out_dtype if (qx.device.type == "cpu" or out_dtype == torch.bfloat16) else torch.bfloat16
+    y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.t(), out_dtype=mm_dtype, use_fast_accum=USE_FAST_ACCUM)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -274,7 +325,8 @@ def fp8_linear(
 def _aot_specs() -> list:
     def spec(dt):
         signature = {"X": f"*{dt}", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32", "stride_x": "i32", "stride_q": "i32"}
-        return (_quantize_rowwise_kernel, signature, {"FLOOR": AMAX_FLOOR, "INV_MAX": INV_FP8_MAX, "BLOCK_K": 4096},
+        return (_quantize_rowwise_kernel, signature, {"FLOOR": AMAX_FLOOR, "INV_MAX": INV_FP8_MAX, "BLOCK_K": 4096, "ONE_PASS": True,
+                 "EXPLICIT_ROUNDING": False},
                 {"num_warps": 8, "targets": [90]})
 
     return [spec("bf16"), spec("fp16"), spec("fp32")]

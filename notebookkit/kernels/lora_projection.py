@@ -16,7 +16,7 @@ the fly (forward and again in backward) with :func:`notebookkit.kernels.nf4.dequ
 dense weight never outlives one GEMM.
 
 FP8 forward (opt-in, ``LoRAProjection(..., fp8_forward=True)``): the base part of the forward,
-``X W^T``, is computed by :func:`notebookkit.kernels.fp8_matmul.fp8_linear` (X and W quantised
+``X W^T``, is computed in FP8 by :mod:`notebookkit.kernels.fp8_matmul` (X and W quantised
 rowwise to FP8 e4m3, one fp32 scale per token and per output channel; ``torch._scaled_mm`` on
 sm_89+ GPUs). The low-rank path and the whole backward are unchanged: ``dX = dY W + U A`` and the
 adapter gradients use the 16-bit (dequantised) W, as without the flag.
@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from .fp8_matmul import fp8_linear, quantize_rowwise_fp8
+from .fp8_matmul import fp8_matmul_quantized, quantize_rowwise_fp8
+from .nf4_fp8 import quantize_nf4_rowwise_fp8
 from .nf4 import dequantize_nf4
 
 __all__ = [
@@ -68,7 +69,8 @@ class LoRAProjection:
         scaling: ``lora_alpha / r`` (or ``lora_alpha / sqrt(r)`` with rsLoRA): PEFT's
             ``scaling[adapter]``.
         fp8_forward: compute the forward's base GEMM ``x W^T`` with FP8 e4m3 operands and rowwise
-            scales (:func:`notebookkit.kernels.fp8_matmul.fp8_linear`). The backward is unchanged.
+            scales (:mod:`notebookkit.kernels.fp8_matmul`; an NF4 weight goes to FP8 in one pass,
+            :mod:`notebookkit.kernels.nf4_fp8`). The backward is unchanged.
 
     Only the fast path is covered: no bias, LoRA dropout 0. A layer with a bias or dropout must use
     the ordinary (unfused) module forward.
@@ -136,6 +138,12 @@ class LoRAProjection:
             return dequantize_nf4(self.weight, self.quant_state, out_dtype=dtype)
         return dequantize_nf4(self.weight, self.quant_state, out_dtype=torch.float32).to(dtype)
 
+    def base_weight_fp8(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Q_w, s_w)``: the base weight in ``dtype`` quantised rowwise to FP8 e4m3 (NF4 in one pass)."""
+        if self.quantized:
+            return quantize_nf4_rowwise_fp8(self.weight, self.quant_state, dtype)
+        return quantize_rowwise_fp8(self.base_weight(dtype))
+
     def adapters(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(A, B)`` cast to the compute dtype (``(None, None)`` without adapter)."""
         if self.lora_A is None:
@@ -200,12 +208,17 @@ def projection_forward(
 ) -> torch.Tensor:
     """``Y = X W^T + s (X A^T) B^T`` for ``X [N, in]``, with ``A``/``B`` already in ``x2d.dtype``.
 
-    With ``proj.fp8_forward`` the base part ``X W^T`` runs in FP8 (``fp8_linear``; ``x_fp8`` is ``X``
-    already quantised by :func:`quantize_shared_input`); the rest is the same.
+    With ``proj.fp8_forward`` the base part ``X W^T`` runs in FP8 (``fp8_matmul_quantized`` of ``X``
+    and ``W`` quantised rowwise; ``x_fp8`` is ``X`` already quantised by
+    :func:`quantize_shared_input`); the rest is the same.
     """
-    W = proj.base_weight(x2d.dtype)
-    y = fp8_linear(x2d, W, x_fp8) if proj.fp8_forward else x2d @ W.t()
-    del W
+    if proj.fp8_forward and x2d.numel():
+        x_q = x_fp8 if x_fp8 is not None else quantize_rowwise_fp8(x2d)
+        y = fp8_matmul_quantized(x_q, proj.base_weight_fp8(x2d.dtype), x2d.dtype)
+    else:
+        W = proj.base_weight(x2d.dtype)
+        y = x2d @ W.t()
+        del W
     if A is not None:
         xa = (x2d @ A.t()).mul_(proj.scaling)
         y.addmm_(xa, B.t())

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from notebookkit.kernels import lora_projection
+from notebookkit.kernels import fp8_matmul, lora_projection
 from notebookkit.kernels.fp8_matmul import (
     AMAX_FLOOR,
     FP8_DTYPE,
@@ -98,8 +98,11 @@ def test_quantize_round_trip(dtype, device):
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interp), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_quantize_triton_matches_reference(dtype, device):
-    """The kernel's explicit e4m3 rounding equals torch's cast, bit for bit (incl. subnormals, carries)."""
+@pytest.mark.parametrize("one_pass_max_k", [fp8_matmul.ONE_PASS_MAX_K, 64], ids=["one-pass", "two-pass"])
+def test_quantize_triton_matches_reference(dtype, device, one_pass_max_k, monkeypatch):
+    """The kernel's e4m3 rounding (explicit under the interpreter, the hardware's on a GPU) equals
+    torch's cast, bit for bit (incl. subnormals, carries), in its one-pass and its two-pass form."""
+    monkeypatch.setattr(fp8_matmul, "ONE_PASS_MAX_K", one_pass_max_k)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(9, 300, generator=gen) * torch.logspace(-6, 3, 9)[:, None]
     x[2] = 0.0
@@ -214,17 +217,18 @@ def _grads_of(fn, x, pairs, dys):
 
 
 class _Counter:
-    """Counts ``fp8_linear`` calls made by ``projection_forward`` (to prove the backward makes none)."""
+    """Counts FP8 products (``fp8_matmul_quantized``) made by ``projection_forward`` (to prove the
+    backward makes none)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = lora_projection.fp8_linear
+        real = lora_projection.fp8_matmul_quantized
 
         def counted(*args):
             self.calls += 1
             return real(*args)
 
-        monkeypatch.setattr(lora_projection, "fp8_linear", counted)
+        monkeypatch.setattr(lora_projection, "fp8_matmul_quantized", counted)
 
 
 def _dys(outs64, gen, device):
@@ -248,7 +252,7 @@ def test_lora_o_and_qkv_fp8_forward(dims, nf4, dtype, device, monkeypatch):
     y64 = lora_o_reference(x64, o.proj64)
     dys = _dys([y64], gen, device)
     (y8,), dx8, g8 = _grads_of(lambda t: lora_o(t, _fp8_twin(o)), x, [o], dys)
-    assert counter.calls == 1  # forward only: the backward never calls fp8_linear
+    assert counter.calls == 1  # forward only: the backward makes no FP8 product
     (y16,), dx16, g16 = _grads_of(lambda t: lora_o(t, o.proj), x, [o], dys)
     assert y8.dtype == dtype and rel_err(y8, y64) <= FP8_TOL
     assert torch.equal(dx8, dx16) and all(torch.equal(a, b) for a, b in zip(g8[0], g16[0]))
@@ -273,7 +277,7 @@ def test_lora_o_and_qkv_fp8_forward(dims, nf4, dtype, device, monkeypatch):
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
 @pytest.mark.parametrize("dims", [(123, 77), (128, 96)], ids=["odd", "aligned"])
 def test_lora_mlp_fp8_forward(dims, nf4, dtype, device, monkeypatch):
-    """The MLP backward is the 16-bit one (no fp8_linear call), but it reads the e, g saved by the
+    """The MLP backward is the 16-bit one (no FP8 product), but it reads the e, g saved by the
     forward, which now carry the FP8 error; so its gradients match the 16-bit run's to the FP8 bound
     (and, like those, the float64 reference), not bit for bit."""
     hidden, inter = dims

@@ -49,8 +49,8 @@ def test_training_step_matches_bf16_forward(checkpointing, monkeypatch):
     assert fp8_base_matmul_count(ref) == 0
 
     calls = []
-    real = lora_projection.fp8_linear
-    monkeypatch.setattr(lora_projection, "fp8_linear", lambda *a: calls.append(1) or real(*a))
+    real = lora_projection.fp8_matmul_quantized
+    monkeypatch.setattr(lora_projection, "fp8_matmul_quantized", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
     x = torch.randint(0, 256, (2, 12))
     labels = x.clone()
