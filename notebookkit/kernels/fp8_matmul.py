@@ -5,7 +5,7 @@ and of ``W`` (one output channel) is quantised with its own fp32 scale (``FP8_MA
 largest finite ``float8_e4m3fn``)::
 
     scale(z) = max(max_k |z_k|, AMAX_FLOOR) * fp32(1 / FP8_MAX)                fp32, > 0
-    q(z)     = round_e4m3(clamp(z / scale(z), -FP8_MAX, FP8_MAX))            float8_e4m3fn
+    q(z)     = round_e4m3(clamp(z * fp32(1 / scale(z)), -FP8_MAX, FP8_MAX))  float8_e4m3fn
 
     forward  Y = diag(s_x) (Q_x Q_w^T) diag(s_w)    i.e.  Y[n, o] = s_x[n] s_w[o] sum_k q_x[n, k] q_w[o, k]
 
@@ -172,7 +172,7 @@ def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         scale = _row_scale(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), FLOOR, INV_MAX)
         tl.store(S + row, scale)
-        v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # IEEE x / scale
+        v = tl.clamp(x * tl.math.div_rn(1.0, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_row + offs, _to_e4m3(v, Q.dtype.element_ty, EXPLICIT_ROUNDING), mask=mask)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -184,11 +184,12 @@ def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr
             nans += (x != x).to(tl.int32)
         scale = _row_scale(tl.max(amax, axis=0), tl.sum(nans, axis=0), FLOOR, INV_MAX)
         tl.store(S + row, scale)
+        inv_scale = tl.math.div_rn(1.0, scale)  # IEEE 1 / scale, once per row
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             mask = offs < K
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.clamp(x * inv_scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_row + offs, _to_e4m3(v, Q.dtype.element_ty, EXPLICIT_ROUNDING), mask=mask)
 
 
@@ -232,14 +233,14 @@ def quantize_rowwise_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
     scale = amax.clamp_min(AMAX_FLOOR).mul_(INV_FP8_MAX)
-    q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (xf * scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
 def quantize_rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each row of ``x [M, K]`` to FP8 e4m3 with its own scale.
 
-    ``scale = max(amax_row(|x|), 1e-12) * fp32(1/448)`` and ``q = round_e4m3(clamp(x / scale, ±448))``, in
+    ``scale = max(amax_row(|x|), 1e-12) * fp32(1/448)`` and ``q = round_e4m3(clamp(x * fp32(1 / scale), ±448))``, in
     fp32, so ``q * scale`` approximates ``x`` to a relative ``2^-4`` per element. A zero row gives
     zeros (no NaN).
 

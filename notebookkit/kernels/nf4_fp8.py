@@ -7,7 +7,7 @@ two kernels, ``dequantize_nf4`` (writes ``W`` in the compute dtype) and ``quanti
 
     W[o, k]  = round_c( NF4[code(o, k)] * absmax[block(o, k)] )       c = compute dtype (bf16, fp16, fp32)
     s_w[o]   = max(max_k |W[o, k]|, AMAX_FLOOR) * fp32(1 / 448)
-    Q_w[o,k] = round_e4m3(clamp(W[o, k] / s_w[o], +-448))
+    Q_w[o,k] = round_e4m3(clamp(W[o, k] * fp32(1 / s_w[o]), +-448))
 
 which is, bit for bit, ``quantize_rowwise_fp8(dequantize_nf4(W, out_dtype=c))``: the same fp32
 product as the dequantisation kernel (no FMA), the same rounding to the compute dtype, then the
@@ -79,16 +79,18 @@ def _nf4_to_fp8_rowwise_kernel(
     w = tl.reshape(tl.join(hi, lo), (ROW_BLOCKS, BLOCKSIZE))
 
     # the dequantised weight in the compute dtype, as dequantize_nf4 writes it
-    if COMPUTE == 2:  # bf16: round-to-nearest-even on the bits (the interpreter truncates a cast)
+    if COMPUTE == 2 and EXPLICIT_ROUNDING:  # bf16 RTNE on the bits (the interpreter truncates a cast)
         bits = w.to(tl.uint32, bitcast=True)
         w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif COMPUTE == 2:
+        w = w.to(tl.bfloat16).to(tl.float32)
     elif COMPUTE == 1:
         w = w.to(tl.float16).to(tl.float32)
 
     scale = _row_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0),
                        tl.sum(tl.sum((w != w).to(tl.int32), axis=1), axis=0), FLOOR, INV_MAX)
     tl.store(scale_ptr + row, scale)
-    v = tl.clamp(tl.math.div_rn(w, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    v = tl.clamp(w * tl.math.div_rn(1.0, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     offs = row * blocks_per_row * BLOCKSIZE + local[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     tl.store(q_ptr + offs, _to_e4m3(v, q_ptr.dtype.element_ty, EXPLICIT_ROUNDING), mask=block_ok[:, None])
 
