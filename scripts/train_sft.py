@@ -61,6 +61,7 @@ PARAMS: dict[str, tuple[Any, str, str]] = {
     "lora_alpha": (None, "int", "LoRA alpha (None: equal to r)"),
     "lora_dropout": (0.0, "float", "LoRA dropout (0 keeps the fused kernels)"),
     "use_gradient_checkpointing": ("auto", "str", 'False / True / "offload" / "auto"'),
+    "fp8_base_matmul": (False, "bool", "FP8 forward of the frozen base matmuls (GPUs with FP8 tensor cores: L4, RTX 4090, H100)"),
     "dataset": ("chat_sharegpt", "str", "bundled dataset kind, or a JSONL file with conversations/messages rows"),
     "dataset_rows": (None, "int", "train on the first N rows only (None: all)"),
     "n_eval": (16, "int", "conversations held back from training (evaluated at the end; 0: none)"),
@@ -244,6 +245,8 @@ def build(config: dict[str, Any], callbacks: Optional[list] = None):
     peft_extra: dict[str, Any] = {}
     if "planning_batch_size" in inspect.signature(FastLanguageModel.get_peft_model).parameters:
         peft_extra["planning_batch_size"] = cfg["per_device_train_batch_size"]
+    if cfg["fp8_base_matmul"]:
+        peft_extra["fp8_base_matmul"] = True
     model = FastLanguageModel.get_peft_model(
         model,
         r=cfg["r"],

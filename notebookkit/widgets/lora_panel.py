@@ -49,6 +49,7 @@ class LoRAChoice:
     bias: str = "none"
     use_gradient_checkpointing: Any = "auto"
     random_state: int = 3407
+    fp8_base_matmul: bool = False
 
     @property
     def fast_path(self) -> bool:
@@ -80,6 +81,18 @@ def fast_path_note(choice: LoRAChoice) -> str:
         "Leaves the fast path: " + "; ".join(reasons)
         + ". Those layers run the plain PEFT code: slower and more memory. Use dropout 0 and bias 'none' for the fused kernels."
     )
+
+
+def fp8_available() -> tuple[bool, str]:
+    """Whether this runtime's GPU can run the FP8 forward, and a sentence saying why (for the panel)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, ("The FP8 forward needs an NVIDIA GPU with FP8 tensor cores (L4, RTX 4090, L40S, H100, H200); "
+                       "this runtime has none, so it stays off.")
+    from notebookkit.kernels.fp8_matmul import fp8_supported
+
+    return fp8_supported("cuda")
 
 
 class LoRAPanel(Panel):
@@ -129,16 +142,24 @@ class LoRAPanel(Panel):
                        style={"description_width": "120px"}, layout=W.Layout(width="460px")),
             "nbk-checkpointing",
         )
+        fp8_ok, fp8_why = fp8_available()
+        self.fp8 = styled(
+            W.Checkbox(value=bool(v.fp8_base_matmul) and fp8_ok, disabled=not fp8_ok, indent=False,
+                       description="FP8 forward of the frozen base matmuls (faster on Ada/Hopper, small numeric change)",
+                       tooltip=fp8_why, layout=W.Layout(width="560px")),
+            "nbk-fp8",
+        )
         self.seed = int(v.random_state)
         self.note = styled(W.HTML(""), "nbk-lora-note")
-        self._controls = [self.rank, self.alpha, self.dropout, self.bias, self.checkpointing, *self.targets.values()]
+        self._controls = [self.rank, self.alpha, self.dropout, self.bias, self.checkpointing, self.fp8,
+                          *self.targets.values()]
         self.widget = styled(
             W.VBox([
                 header("LoRA adapters", "rank, scale, where they go"),
                 self.rank, self.alpha,
                 W.HTML("<div style='margin:4px 0 0 4px'>target modules</div>"),
                 W.HBox(list(self.targets.values())[:4]), W.HBox(list(self.targets.values())[4:]),
-                self.dropout, self.bias, self.checkpointing, self.note,
+                self.dropout, self.bias, self.checkpointing, self.fp8, self.note,
             ]),
             "nbk-panel", "nbk-lora-panel",
         )
@@ -159,4 +180,5 @@ class LoRAPanel(Panel):
             target_modules=[n for n, cb in self.targets.items() if cb.value],
             lora_dropout=round(float(self.dropout.value), 4), bias=str(self.bias.value),
             use_gradient_checkpointing=self.checkpointing.value, random_state=self.seed,
+            fp8_base_matmul=bool(self.fp8.value),
         )

@@ -52,6 +52,21 @@ def test_lora_panel_value_and_fast_path_note():
     assert LoRAPanel(use_gradient_checkpointing="unsloth").value.use_gradient_checkpointing == "offload"
 
 
+def test_lora_panel_fp8_switch_follows_the_gpu(monkeypatch):
+    """The FP8 forward can only be ticked where the GPU has FP8 tensor cores; elsewhere it is off and says why."""
+    from notebookkit.widgets import lora_panel
+
+    monkeypatch.setattr(lora_panel, "fp8_available", lambda: (False, "Tesla T4 (sm_75) has no FP8 tensor cores"))
+    p = LoRAPanel(fp8_base_matmul=True)
+    assert p.fp8.disabled and p.fp8.value is False and "sm_75" in p.fp8.tooltip
+    assert p.value.peft_kwargs()["fp8_base_matmul"] is False
+    monkeypatch.setattr(lora_panel, "fp8_available", lambda: (True, "NVIDIA H200 (sm_90) has FP8 tensor cores."))
+    p = LoRAPanel()
+    assert not p.fp8.disabled and p.value.fp8_base_matmul is False
+    p.fp8.value = True
+    assert p.value.peft_kwargs()["fp8_base_matmul"] is True
+
+
 def test_training_panel_value_and_epochs_switch():
     p = TrainingPanel(max_steps=30, per_device_train_batch_size=4, gradient_accumulation_steps=2, optim="adamw_torch")
     v = p.value
