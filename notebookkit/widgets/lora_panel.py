@@ -145,7 +145,7 @@ class LoRAPanel(Panel):
         fp8_ok, fp8_why = fp8_available()
         self.fp8 = styled(
             W.Checkbox(value=bool(v.fp8_base_matmul) and fp8_ok, disabled=not fp8_ok, indent=False,
-                       description="FP8 forward of the frozen base matmuls (faster on Ada/Hopper, small numeric change)",
+                       description="FP8 forward matmuls (Ada / Hopper GPUs)",
                        tooltip=fp8_why, layout=W.Layout(width="560px")),
             "nbk-fp8",
         )
