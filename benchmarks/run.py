@@ -39,7 +39,8 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # Variants of our system: (train_step --system, extra arguments). "notebookkit" is the default a user
 # gets ("auto": the planner fits free VRAM, so on a 139 GiB card it keeps every activation);
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
-# runs; "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB.
+# runs; "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
+# "notebookkit-fp8-<N>GiB" does the same with the FP8 forward.
 VARIANTS = {
     "notebookkit": ("notebookkit", []),
     "notebookkit-offload": ("notebookkit", ["--checkpointing", "offload"]),
@@ -53,6 +54,8 @@ def resolve_system(system: str) -> tuple[str, list[str]]:
     """(train_step system, extra arguments) for a system name of the table."""
     if system in VARIANTS:
         return VARIANTS[system]
+    if system.startswith("notebookkit-fp8-") and system.endswith("GiB"):
+        return "notebookkit", ["--fp8", "--max-memory", system[len("notebookkit-fp8-"):]]
     if system.startswith("notebookkit-") and system.endswith("GiB"):
         return "notebookkit", ["--max-memory", system[len("notebookkit-"):]]
     return system, []

@@ -347,3 +347,13 @@ def test_first_row_of_a_compiling_system_gets_extra_time(monkeypatch, tmp_path):
     grace = run.FIRST_ROW_GRACE_S["unsloth"]
     assert seen == [("8b-nf4-4096x2", "unsloth", 50 + grace), ("8b-nf4-4096x2", "hf", 50),
                     ("1b-bf16-2048x8", "unsloth", 50), ("1b-bf16-2048x8", "hf", 50)]
+
+
+def test_system_names_resolve_to_train_step_arguments():
+    import run
+
+    assert run.resolve_system("notebookkit") == ("notebookkit", [])
+    assert run.resolve_system("notebookkit-fp8-offload") == ("notebookkit", ["--fp8", "--checkpointing", "offload"])
+    assert run.resolve_system("notebookkit-10GiB") == ("notebookkit", ["--max-memory", "10GiB"])
+    assert run.resolve_system("notebookkit-fp8-4.79GiB") == ("notebookkit", ["--fp8", "--max-memory", "4.79GiB"])
+    assert run.resolve_system("unsloth") == ("unsloth", [])
