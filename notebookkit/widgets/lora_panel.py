@@ -143,6 +143,8 @@ class LoRAPanel(Panel):
             "nbk-checkpointing",
         )
         fp8_ok, fp8_why = fp8_available()
+        # asked for (e.g. a notebook copied from an H100 run) where it cannot run: say so in the note
+        self._fp8_refused = fp8_why if (v.fp8_base_matmul and not fp8_ok) else ""
         self.fp8 = styled(
             W.Checkbox(value=bool(v.fp8_base_matmul) and fp8_ok, disabled=not fp8_ok, indent=False,
                        description="FP8 forward matmuls (Ada / Hopper GPUs)",
@@ -171,6 +173,8 @@ class LoRAPanel(Panel):
         text = fast_path_note(self.value)
         if not any(cb.value for cb in self.targets.values()):
             text = "Pick at least one target module: with none, nothing is trained."
+        elif self._fp8_refused and not text:
+            text = f"fp8_base_matmul=True was asked for but is off: {self._fp8_refused}"
         self.note.value = f"<div style='color:#a15c00;max-width:560px'>{text}</div>" if text else ""
 
     @property

@@ -60,6 +60,7 @@ def test_lora_panel_fp8_switch_follows_the_gpu(monkeypatch):
     p = LoRAPanel(fp8_base_matmul=True)
     assert p.fp8.disabled and p.fp8.value is False and "sm_75" in p.fp8.tooltip
     assert p.value.peft_kwargs()["fp8_base_matmul"] is False
+    assert "asked for but is off" in p.note.value and "sm_75" in p.note.value
     monkeypatch.setattr(lora_panel, "fp8_available", lambda: (True, "NVIDIA H200 (sm_90) has FP8 tensor cores."))
     p = LoRAPanel()
     assert not p.fp8.disabled and p.value.fp8_base_matmul is False
