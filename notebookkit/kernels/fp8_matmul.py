@@ -9,8 +9,8 @@ largest finite ``float8_e4m3fn``)::
 
     forward  Y = diag(s_x) (Q_x Q_w^T) diag(s_w)    i.e.  Y[n, o] = s_x[n] s_w[o] sum_k q_x[n, k] q_w[o, k]
 
-computed in fp32 accumulation and returned in ``X``'s dtype. ``torch._scaled_mm`` runs it on FP8
-tensor cores (Ada/Hopper: about twice the bf16 throughput). Where ``_scaled_mm`` cannot run (a
+returned in ``X``'s dtype. ``torch._scaled_mm`` runs it on FP8 tensor cores (Ada/Hopper: about
+twice the bf16 throughput), with the tensor cores' fast accumulation (``USE_FAST_ACCUM``). Where ``_scaled_mm`` cannot run (a
 dimension that is not a multiple of 16, a GPU older than sm_89, another device), the same
 quantised product is emulated: ``(Q_x s_x) (Q_w s_w)^T`` in fp32, cast to ``X``'s dtype.
 
