@@ -70,7 +70,9 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
       (FlashAttention 2), or the ``[B, heads, T, T]`` fp32 gradients of an explicit softmax;
     - with the FP8 forward (``fp8_forward=True``), the GEMM of a (re)computed forward when it needs
       more: the one-byte copies of the projection's input and weight, ``N*in + in*out`` for the
-      largest projection (plus its dequantised 16-bit weight with NF4), alive only during that GEMM.
+      largest projection, alive only during that GEMM (an NF4 weight goes to FP8 in one kernel, with
+      no 16-bit copy, when its rows are whole 64-element blocks of at most 16K elements; otherwise
+      its dequantised 16-bit weight is added).
     The LoRA gradients (in "adapters + optimizer") are counted as alive throughout.
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
     so :attr:`MemoryEstimate.peak_allocated` leaves it out.
@@ -455,7 +457,9 @@ def backward_working_set(
     attn += dequant
     fp8 = 0
     if fp8_forward:
-        fp8 = max(N * i + i * o for i, o in shape.projection_shapes().values()) + dequant
+        one_pass_nf4 = all(i % 64 == 0 and i <= 16384 for i, _ in shape.projection_shapes().values())
+        fp8 = max(N * i + i * o for i, o in shape.projection_shapes().values())
+        fp8 += 0 if one_pass_nf4 else dequant
     return {"mlp": mlp, "attention": attn - freed, "fp8_forward": fp8}
 
 

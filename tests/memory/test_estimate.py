@@ -119,3 +119,27 @@ def test_accepts_hf_config_dict_with_text_config_and_per_layer_plans():
 def test_bad_inputs_raise_readable_errors(bad):
     with pytest.raises(ValueError, match="notebookkit"):
         estimate_training_memory(TINY, **{**KW, **bad})
+
+
+def test_fp8_forward_working_set_is_the_one_byte_copies_of_the_largest_projection():
+    """FP8 forward: FP8 copies of the input and weight of the largest GEMM, ``N*in + in*out`` bytes;
+    an NF4 weight in whole 64-element blocks goes to FP8 in one kernel (no 16-bit copy), else its
+    dequantised bf16 weight joins them."""
+    from notebookkit.memory.estimate import backward_working_set
+
+    shape = model_shape(TINY)
+    N = 2 * 32
+    largest = max(N * i + i * o for i, o in shape.projection_shapes().values())
+    assert largest == N * 128 + 128 * 64  # down_proj: in 128, out 64
+    kw = dict(batch_size=2, seq_len=32, dtype_bytes=2)
+    assert backward_working_set(shape, **kw)["fp8_forward"] == 0
+    assert backward_working_set(shape, fp8_forward=True, **kw)["fp8_forward"] == largest
+    assert backward_working_set(shape, fp8_forward=True, load_in_4bit=True, **kw)["fp8_forward"] == largest
+    odd = model_shape(dict(TINY, hidden_size=72, head_dim=18))  # rows of 72: not whole NF4 blocks
+    odd_largest = max(N * i + i * o for i, o in odd.projection_shapes().values())
+    dequant = max(i * o for i, o in odd.projection_shapes().values()) * 2
+    assert backward_working_set(odd, fp8_forward=True, load_in_4bit=True, **kw)["fp8_forward"] == odd_largest + dequant
+    # and the estimate takes it: with FP8 the peak is never lower
+    plain = estimate_training_memory(TINY, activation_plan="recompute", **KW)
+    fp8 = estimate_training_memory(TINY, activation_plan="recompute", fp8_forward=True, **KW)
+    assert fp8.total >= plain.total and fp8.inputs["fp8_forward"] is True
