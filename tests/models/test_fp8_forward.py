@@ -16,7 +16,7 @@ from notebookkit.models import FastLanguageModel, patch_model
 from notebookkit.models import lora_fast_path
 from notebookkit.models.lora_fast_path import FP8_ATTR, fp8_base_matmul_count, projection_view, set_fp8_base_matmul
 
-from .helpers import random_model
+from .helpers import FAMILIES, random_model
 
 
 def _peft(base, fp8: bool, checkpointing=True):
@@ -110,3 +110,28 @@ def test_memory_estimate_counts_the_fp8_copies():
     on = estimate_training_memory(base.config, fp8_forward=True, **common)
     assert on.inputs["fp8_forward"] and not off.inputs["fp8_forward"]
     assert on.total >= off.total
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
+def test_every_family_trains_with_the_fp8_forward(family, monkeypatch):
+    """Each family's seven projections run the FP8 product in the forward (and nowhere else), and one
+    step's loss and LoRA gradients stay close to the 16-bit model's (llama: the test above)."""
+    base = random_model(family, attention_dropout=0.0)
+    patch_model(base)
+    ref = _peft(copy.deepcopy(base), fp8=False, checkpointing=False)
+    model = _peft(base, fp8=True, checkpointing=False)
+    n_layers = len(model.get_base_model().model.layers)
+    assert fp8_base_matmul_count(model) == 7 * n_layers
+    calls = []
+    real = lora_projection.fp8_matmul_quantized
+    monkeypatch.setattr(lora_projection, "fp8_matmul_quantized", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 12))
+    loss_ref, g_ref = _step(ref, x, x)
+    assert not calls
+    loss, g = _step(model, x, x)
+    assert len(calls) == 7 * n_layers  # every projection of every layer, forward only
+    assert abs(loss - loss_ref) <= 0.01 * abs(loss_ref), (loss, loss_ref)
+    names = sorted(g)
+    flat, flat_ref = torch.cat([g[n].flatten() for n in names]), torch.cat([g_ref[n].flatten() for n in names])
+    assert torch.nn.functional.cosine_similarity(flat, flat_ref, dim=0) >= 0.98
