@@ -79,7 +79,8 @@ class FastLanguageModel:
                 of the checkpointing recompute with FP8 e4m3 operands (rowwise scales,
                 ``torch._scaled_mm``): about twice the bf16 GEMM throughput on GPUs with FP8 tensor
                 cores (compute capability 8.9+: L4, RTX 4090, H100, H200), at a few percent of
-                relative error per product. The LoRA path and the backward stay 16-bit. A GPU
+                relative error per product. The LoRA path and the backward stay 16-bit, and so does
+                the model in eval mode (generation, evaluation). A GPU
                 without FP8 (T4, A100) raises ``ValueError``; on CPU it is emulated (tests only).
 
         Returns:

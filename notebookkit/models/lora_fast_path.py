@@ -17,7 +17,8 @@ FP8 forward (``get_peft_model(..., fp8_base_matmul=True)``, or :func:`set_fp8_ba
 on each frozen base linear of the decoder layers (the module PEFT keeps as ``base_layer``, so it
 holds for a plain, a 4-bit and a LoRA-wrapped projection alike, inside ``disable_adapter()`` and
 after ``merge_and_unload``). :func:`projection_view` hands it to the kernels as
-``LoRAProjection.fp8_forward``; only the fused path reads it.
+``LoRAProjection.fp8_forward`` while the model is in training mode; only the fused path reads it, and
+generation or evaluation (eval mode) stays 16-bit.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def _lora_parts(module: nn.Module, training: Optional[bool] = None) -> tuple[Opt
 def projection_view(module: nn.Module, training: Optional[bool] = None) -> tuple[Optional[ProjectionView], Optional[str]]:
     """A :class:`ProjectionView` for ``module`` (plain, 4-bit or PEFT-LoRA linear), or a reason why not.
 
-    ``training`` overrides the module's own mode when judging LoRA dropout (the banner asks about
-    training even while the model is still in eval mode).
+    ``training`` overrides the module's own mode when judging LoRA dropout and the FP8 forward (the
+    banner asks about training even while the model is still in eval mode). The FP8 forward is a
+    training-step speed-up: in eval mode (generation, evaluation) the base GEMMs stay 16-bit, since
+    quantising every weight for a few decode tokens costs more than it saves.
     """
     make = kernel("lora_projection", "LoRAProjection")
     if make is None:
@@ -111,7 +114,7 @@ def projection_view(module: nn.Module, training: Optional[bool] = None) -> tuple
     weight, quant_state, bias = parts
     if bias is not None and bias.requires_grad:
         return None, "trainable bias (bias='all' or 'lora_only')"
-    fp8 = bool(vars(base).get(FP8_ATTR, False))
+    fp8 = bool(vars(base).get(FP8_ATTR, False)) and (module.training if training is None else training)
     if lora is None:
         proj = make(weight, quant_state, None, None, 1.0, fp8_forward=fp8)
         return ProjectionView(proj, bias, False), None

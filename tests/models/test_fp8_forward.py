@@ -85,6 +85,10 @@ def test_flag_lives_on_base_linears_and_switches_off():
         view, _ = projection_view(q)
         assert view.projection.fp8_forward is True and not view.has_lora
     assert model.notebookkit_banner.is_on("FP8 forward")
+    model.eval()  # generation and evaluation stay 16-bit
+    assert projection_view(q)[0].projection.fp8_forward is False
+    assert projection_view(q, training=True)[0].projection.fp8_forward is True
+    model.train()
     assert set_fp8_base_matmul(model, False) == 0 and fp8_base_matmul_count(model) == 0
     assert projection_view(q)[0].projection.fp8_forward is False
 
