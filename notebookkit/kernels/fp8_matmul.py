@@ -268,22 +268,19 @@ def fp8_linear_reference(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return _emulated_product(qx, sx, qw, sw, x2d.dtype)
 
 
-def fp8_linear(
-    x2d: torch.Tensor, weight: torch.Tensor, x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> torch.Tensor:
+def fp8_linear(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x2d @ weight.T`` with both operands quantised to FP8 e4m3, rowwise (per token, per output).
 
     Args:
         x2d: activations ``[N, K]`` (fp32, fp16 or bf16).
         weight: the dense base weight ``[O, K]`` (any floating dtype; an NF4 weight must be
             dequantised first).
-        x_quantized: ``quantize_rowwise_fp8(x2d)`` when the caller already has it (q, k and v, or
-            gate and up, read the same ``x2d``: it is quantised once).
 
     Returns:
         ``[N, O]`` in ``x2d.dtype``. Runs ``torch._scaled_mm`` (FP8 tensor cores on sm_89+, PyTorch's
         kernel on CPU) when ``K`` and ``O`` are multiples of 16, else the same quantised product
-        emulated in fp32. No autograd: the LoRA functions call it inside their forward only.
+        emulated in fp32. No autograd. (The LoRA forward calls :func:`fp8_matmul_quantized`
+        directly, so that an input read by several projections is quantised once.)
     """
     if x2d.dim() != 2 or weight.dim() != 2 or x2d.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -294,8 +291,7 @@ def fp8_linear(
     O = weight.shape[0]
     if N == 0 or K == 0 or O == 0:
         return x2d.new_zeros(N, O)
-    x_q = x_quantized if x_quantized is not None else quantize_rowwise_fp8(x2d)
-    return fp8_matmul_quantized(x_q, quantize_rowwise_fp8(weight), x2d.dtype)
+    return fp8_matmul_quantized(quantize_rowwise_fp8(x2d), quantize_rowwise_fp8(weight), x2d.dtype)
 
 
 def fp8_matmul_quantized(

@@ -280,6 +280,19 @@ def _nf4_dequant_kernel(
         tl.store(out_ptr + offs, vals.to(out_ptr.dtype.element_ty), mask=offs < n)
 
 
+def _kernel_operands(packed: torch.Tensor, st: _NF4State) -> tuple[torch.Tensor, ...]:
+    """The pointer operands of an NF4 kernel: ``(packed bytes, absmax, NF4 table, code2, absmax2, offset)``,
+    flat and contiguous. Without nested absmax the last three are unused by the kernel (any fp32
+    tensor will do: the table)."""
+    packed = packed.reshape(-1)
+    if not packed.is_contiguous():
+        packed = packed.contiguous()
+    table = _nf4_table(packed.device)
+    if st.nested:
+        return packed, st.absmax.contiguous(), table, st.code2.contiguous(), st.absmax2.contiguous(), st.offset
+    return packed, st.absmax.contiguous(), table, table, table, table
+
+
 def _launch_config(blocksize: int) -> tuple[int, int]:
     """(ROWS, num_warps): about 4096 outputs per program."""
     rows = max(1, 4096 // blocksize)
@@ -318,15 +331,7 @@ def dequantize_nf4(
     n = st.numel
     if n == 0:
         return out.view(st.shape)
-    packed = packed.reshape(-1)
-    if not packed.is_contiguous():
-        packed = packed.contiguous()
-    absmax = st.absmax.contiguous()
-    table = _nf4_table(packed.device)
-    if st.nested:
-        code2, absmax2, offset = st.code2.contiguous(), st.absmax2.contiguous(), st.offset
-    else:  # unused by the kernel; any fp32 pointer will do
-        code2 = absmax2 = offset = table
+    packed, absmax, table, code2, absmax2, offset = _kernel_operands(packed, st)
     n_blocks = absmax.numel()
     rows, num_warps = _launch_config(st.blocksize)
     # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest-even (the GPU

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import fp8_matmul
 from .fp8_matmul import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, _row_scale, _to_e4m3, quantize_rowwise_fp8
-from .nf4 import _nf4_table, _read_state, _unwrap, dequantize_nf4
+from .nf4 import _kernel_operands, _read_state, _unwrap, dequantize_nf4
 from .runtime import should_use_triton
 
 __all__ = ["quantize_nf4_rowwise_fp8", "quantize_nf4_rowwise_fp8_reference", "AOT_SPECS"]
@@ -131,15 +131,7 @@ def quantize_nf4_rowwise_fp8(
     if not _fused_applies(packed, st, compute_dtype):
         return quantize_nf4_rowwise_fp8_reference(packed, quant_state, compute_dtype)
     O, K = st.shape
-    packed = packed.reshape(-1)
-    if not packed.is_contiguous():
-        packed = packed.contiguous()
-    absmax = st.absmax.contiguous()
-    table = _nf4_table(packed.device)
-    if st.nested:
-        code2, absmax2, offset = st.code2.contiguous(), st.absmax2.contiguous(), st.offset
-    else:  # unused by the kernel; any fp32 pointer will do
-        code2 = absmax2 = offset = table
+    packed, absmax, table, code2, absmax2, offset = _kernel_operands(packed, st)
     q = torch.empty((O, K), dtype=FP8_DTYPE, device=packed.device)
     scale = torch.empty((O, 1), dtype=torch.float32, device=packed.device)
     blocks_per_row = K // st.blocksize
