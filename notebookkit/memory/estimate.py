@@ -64,7 +64,10 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
     - with NF4, the dequantised 16-bit copy of the projection being multiplied (one at a time:
       each is freed right after its GEMM), ``max(in*out) * s``;
     - for recompute/offload layers, the recomputed layer's keep activations (less its input,
-      which is the stored one);
+      which is the stored one); kept layers after the last recomputed one are gone by then (the
+      backward runs from the last layer down and frees what each layer saved), so a plan that
+      keeps the last layers peaks at the larger of "all saved + loss buffers" and "the rest
+      saved + one recompute";
     - the attention backward (after the MLP's e, g are freed) when it needs more: the output
       gradient, the fp32 ``dQ`` accumulator and, with GQA, K/V gradients expanded to all heads
       (FlashAttention 2), or the ``[B, heads, T, T]`` fp32 gradients of an explicit softmax;
@@ -606,9 +609,21 @@ def estimate_training_memory(
     # ---- temporaries: the backward's working set beyond the (by then freed) loss buffers --------
     ws = backward_working_set(shape, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
                               load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
-    recompute_ws = keep_layer - X if (counts["recompute"] or counts["offload"]) else 0
-    backward_extra = recompute_ws + max(ws["mlp"], ws["attention"], ws["fp8_forward"])
-    over = max(0, backward_extra - logits_loss)
+    ws_max = max(ws["mlp"], ws["attention"], ws["fp8_forward"])
+    # Two candidate high-water marks (beyond weights and adapters). The backward runs from the last
+    # layer down, so kept layers *after* the last recomputed/offloaded one have freed their
+    # activations before the first recompute starts.
+    #   end of forward / kept layers' backward: everything saved + the loss buffers, or the last
+    #     layer's backward working set once the loss buffers are freed (when that layer is kept);
+    #   first recompute: what is still saved + the recomputed layer's activations + working set.
+    end_of_forward = activations + max(logits_loss, ws_max if plan and plan[-1] == "keep" else 0)
+    non_kept = [i for i, m in enumerate(plan) if m != "keep"]
+    if non_kept:
+        kept_after = len(plan) - 1 - non_kept[-1]
+        first_recompute = activations - kept_after * keep_layer + (keep_layer - X) + ws_max
+    else:
+        first_recompute = 0
+    over = max(end_of_forward, first_recompute) - activations - logits_loss
     if over:
         details["temporaries: backward working set beyond the loss buffers"] = over
     details["temporaries: CUDA context"] = cuda_context_bytes

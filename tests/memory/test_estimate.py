@@ -60,6 +60,27 @@ def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
     assert off.activations == 2 * 8192
 
 
+def test_kept_last_layers_are_freed_before_the_first_recompute():
+    # The backward runs from the last layer down. Plan (recompute, keep): the kept layer 1 has freed
+    # its 91648 B before layer 0 is recomputed, so the peak is the end of the forward: saved 8192 +
+    # 91648 = 99840 plus the loss buffers 58368 (the kept layer's backward working set, 32768, is
+    # smaller). The recompute of layer 0 needs only 8192 + (91648 - 8192) + 32768 = 124416 < 158208.
+    late = estimate_training_memory(TINY, activation_plan=["recompute", "keep"], **KW)
+    assert late.activations == 99840
+    assert late.temporaries == 0
+    assert late.total == 180864 + 131072 + 99840 + 58368 == 470144
+    # Plan (keep, recompute): layer 0's activations are still saved while layer 1 is recomputed:
+    # 99840 + 83456 + 32768 = 216064, i.e. 57856 beyond the saved activations and loss buffers.
+    early = estimate_training_memory(TINY, activation_plan=["keep", "recompute"], **KW)
+    assert early.temporaries == 216064 - 99840 - 58368 == 57856
+    assert early.total == late.total + 57856
+    # Measured on an H200 (benchmarks/results/2026-11-29-NVIDIA-H200-train-5.md): Llama-3.2-1B,
+    # bf16, 8 x 2048, FP8 forward, 1 keep + 15 offload: 3.919 GiB peak (16 offload: 3.879 GiB).
+    kw = dict(dtype="bfloat16", batch_size=8, seq_len=2048, fp8_forward=True)
+    mixed = estimate_training_memory("meta-llama/Llama-3.2-1B", activation_plan=["offload"] * 15 + ["keep"], **kw)
+    assert abs(mixed.peak_allocated / 2**30 - 3.919) / 3.919 < 0.05
+
+
 @pytest.mark.parametrize("plan", ["keep", "recompute", "offload"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_monotonic_in_batch_and_seq(plan, fused):

@@ -32,6 +32,7 @@ CASES = [
     ("llama-1b-4l", "keep", False, 8, 2048),
     ("llama-8b-2l", "keep", True, 2, 4096),
     ("llama-8b-2l", "offload", True, 1, 16384),
+    ("llama-1b-4l", "offload-keep-last", False, 8, 2048),  # a planner-style mix: 3 offload, the last kept
 ]
 
 
@@ -71,12 +72,19 @@ def _measure(folder, mode, load_in_4bit, batch, seq, steps=3):
     ids = torch.randint(3, SHAPES_VOCAB, (batch, seq), device="cuda")
     model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=seq, dtype=torch.bfloat16,
                                                  load_in_4bit=load_in_4bit, show_banner=False)
-    ckpt = {"keep": False, "recompute": True, "offload": "offload"}[mode]
+    ckpt = {"keep": False, "recompute": True, "offload": "offload", "offload-keep-last": "offload"}[mode]
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
                                              use_gradient_checkpointing=ckpt, show_banner=False)
+    layers = model.config.num_hidden_layers
+    plan = (mode,) * layers
+    if mode == "offload-keep-last":
+        from notebookkit.models.checkpointing import apply_checkpointing
+
+        plan = ("offload",) * (layers - 1) + ("keep",)
+        apply_checkpointing(model, list(plan))
     model.train()
     est = estimate_for_model(model, batch_size=batch, seq_len=seq, optimizer="adamw", cuda_context_bytes=0)
-    assert est.plan == (mode,) * len(est.plan)
+    assert est.plan == plan
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     for step in range(steps):
         if step == 1:
