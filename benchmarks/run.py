@@ -15,6 +15,7 @@ import datetime as dt
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -85,7 +86,16 @@ def run_row(config: str, system: str, steps: int, timeout: int, extra: list[str]
             return row | json.loads(line[7:]) | dict(system=system, status="ok")
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
-    return row | dict(status="out of memory" if oom else "failed: " + " | ".join(tail)[-300:])
+    return row | dict(status="out of memory" if oom else "failed: " + failure_reason(proc.stderr or proc.stdout))
+
+
+def failure_reason(output: str, limit: int = 300) -> str:
+    """The start of the last ``SomeError: message`` line of a failed row's output (the message says
+    what went wrong; its head matters more than its tail), else its last three lines."""
+    lines = output.strip().splitlines()
+    errors = [ln.strip() for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln.strip())]
+    text = errors[-1] if errors else " | ".join(lines[-3:])
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def markdown(rows: list[dict]) -> str:

@@ -357,3 +357,15 @@ def test_system_names_resolve_to_train_step_arguments():
     assert run.resolve_system("notebookkit-10GiB") == ("notebookkit", ["--max-memory", "10GiB"])
     assert run.resolve_system("notebookkit-fp8-4.79GiB") == ("notebookkit", ["--fp8", "--max-memory", "4.79GiB"])
     assert run.resolve_system("unsloth") == ("unsloth", [])
+
+
+def test_a_failed_row_reports_the_head_of_its_error_message():
+    import run
+
+    output = ("loading...\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "notebookkit.memory.planner.DoesNotFitError: notebookkit: llama does not fit in 4.79 GiB "
+              + "(details) " * 40 + "\n  fixes: load_in_4bit=True\n")
+    reason = run.failure_reason(output)
+    assert reason.startswith("notebookkit.memory.planner.DoesNotFitError: notebookkit: llama does not fit in 4.79 GiB")
+    assert len(reason) <= 300 and reason.endswith("…")
+    assert run.failure_reason("a\nb\nc\nd") == "b | c | d"  # no exception line: the last three lines
