@@ -74,11 +74,7 @@ def test_kept_last_layers_are_freed_before_the_first_recompute():
     early = estimate_training_memory(TINY, activation_plan=["keep", "recompute"], **KW)
     assert early.temporaries == 216064 - 99840 - 58368 == 57856
     assert early.total == late.total + 57856
-    # Measured on an H200 (benchmarks/results/2026-11-29-NVIDIA-H200-train-5.md): Llama-3.2-1B,
-    # bf16, 8 x 2048, FP8 forward, 1 keep + 15 offload: 3.919 GiB peak (16 offload: 3.879 GiB).
-    kw = dict(dtype="bfloat16", batch_size=8, seq_len=2048, fp8_forward=True)
-    mixed = estimate_training_memory("meta-llama/Llama-3.2-1B", activation_plan=["offload"] * 15 + ["keep"], **kw)
-    assert abs(mixed.peak_allocated / 2**30 - 3.919) / 3.919 < 0.05
+    # The H200 rows of such a plan, and a measured CPU step: tests/models/test_mixed_plan.py.
 
 
 @pytest.mark.parametrize("plan", ["keep", "recompute", "offload"])
