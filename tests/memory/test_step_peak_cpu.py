@@ -38,7 +38,9 @@ def folder(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,load_in_4bit", [("keep", False), ("recompute", False), ("recompute", True)])
+@pytest.mark.parametrize("mode,load_in_4bit", [("keep", False), ("recompute", False), ("recompute", True),
+                                               (["recompute", "keep"], False)],  # the planner's order: last kept
+                         ids=["keep", "recompute", "recompute-nf4", "recompute-then-keep"])
 def test_step_working_set_matches_the_estimate(folder, mode, load_in_4bit):
     from notebookkit import FastLanguageModel
 
@@ -46,6 +48,8 @@ def test_step_working_set_matches_the_estimate(folder, mode, load_in_4bit):
                                                  load_in_4bit=load_in_4bit, show_banner=False)
     model = FastLanguageModel.get_peft_model(model, r=R, lora_alpha=R, use_gradient_checkpointing=mode == "recompute",
                                              show_banner=False).train()
+    if isinstance(mode, list):  # a per-layer plan
+        FastLanguageModel.for_training(model, mode)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, CONFIG["vocab_size"], (B, T))
 
