@@ -230,6 +230,35 @@ def dequantize_nf4_reference(
 
 
 @triton.jit
+def _block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, block_ok,
+                  BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
+    """fp32 absmax of NF4 blocks ``blocks``: stored as is, or nested as
+    ``code2[c[b]] * absmax2[b // BLOCKSIZE2] + offset`` (fp32 product, then the sum, as bitsandbytes)."""
+    if NESTED:
+        c = tl.load(absmax_ptr + blocks, mask=block_ok, other=0).to(tl.int32)
+        s2 = tl.load(absmax2_ptr + blocks // BLOCKSIZE2, mask=block_ok, other=0.0)
+        absmax = tl.load(code2_ptr + c) * s2
+        absmax = absmax + tl.load(offset_ptr)
+    else:
+        absmax = tl.load(absmax_ptr + blocks, mask=block_ok, other=0.0).to(tl.float32)
+    return absmax
+
+
+@triton.jit
+def _decode_nf4_blocks(packed_ptr, table_ptr, blocks, block_ok, absmax, n_bytes,
+                       N_BLOCKS: tl.constexpr, BLOCKSIZE: tl.constexpr):
+    """fp32 values ``[N_BLOCKS, BLOCKSIZE]`` of NF4 blocks: ``table[code] * absmax[block]``, two codes a
+    byte, high nibble first. Bytes past ``n_bytes`` or of blocks not ``block_ok`` read as code 0."""
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    byte_idx = blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    byte_ok = block_ok[:, None] & (byte_idx < n_bytes)
+    byte = tl.load(packed_ptr + byte_idx, mask=byte_ok, other=0).to(tl.int32)
+    hi = tl.load(table_ptr + (byte >> 4)) * absmax[:, None]
+    lo = tl.load(table_ptr + (byte & 15)) * absmax[:, None]
+    return tl.reshape(tl.join(hi, lo), (N_BLOCKS, BLOCKSIZE))
+
+
+@triton.jit
 def _nf4_dequant_kernel(
     packed_ptr,  # *u8   ceil(n/2) bytes
     absmax_ptr,  # *fp32 [n_blocks] (plain) or *u8 [n_blocks] (nested codes)
@@ -248,27 +277,14 @@ def _nf4_dequant_kernel(
     INT64: tl.constexpr,
     BF16_BITS: tl.constexpr,
 ):
-    HALF: tl.constexpr = BLOCKSIZE // 2
     pid = tl.program_id(0)
     if INT64:
         rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     else:
         rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_blocks
-
-    if NESTED:
-        c = tl.load(absmax_ptr + rows, mask=row_ok, other=0).to(tl.int32)
-        s2 = tl.load(absmax2_ptr + rows // BLOCKSIZE2, mask=row_ok, other=0.0)
-        absmax = tl.load(code2_ptr + c) * s2
-        absmax = absmax + tl.load(offset_ptr)
-    else:
-        absmax = tl.load(absmax_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-
-    byte_idx = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
-    byte = tl.load(packed_ptr + byte_idx, mask=byte_idx < n_bytes, other=0).to(tl.int32)
-    hi = tl.load(table_ptr + (byte >> 4)) * absmax[:, None]
-    lo = tl.load(table_ptr + (byte & 15)) * absmax[:, None]
-    vals = tl.reshape(tl.join(hi, lo), (ROWS, BLOCKSIZE))
+    absmax = _block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, rows, row_ok, BLOCKSIZE2, NESTED)
+    vals = _decode_nf4_blocks(packed_ptr, table_ptr, rows, row_ok, absmax, n_bytes, ROWS, BLOCKSIZE)
 
     offs = rows[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     if BF16_BITS:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import fp8_matmul
 from .fp8_matmul import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, _row_scale, _to_e4m3, quantize_rowwise_fp8
-from .nf4 import _kernel_operands, _read_state, _unwrap, dequantize_nf4
+from .nf4 import _block_absmax, _decode_nf4_blocks, _kernel_operands, _read_state, _unwrap, dequantize_nf4
 from .runtime import should_use_triton
 
 __all__ = ["quantize_nf4_rowwise_fp8", "quantize_nf4_rowwise_fp8_reference", "AOT_SPECS"]
@@ -47,7 +47,8 @@ def _nf4_to_fp8_rowwise_kernel(
     offset_ptr,  # *fp32 [1] mean offset (nested only)
     q_ptr,  # *fp8e4nv [O, K]
     scale_ptr,  # *fp32 [O]
-    blocks_per_row,
+    blocks_per_row,  # NF4 blocks in a row of W (K // BLOCKSIZE)
+    n_bytes,  # bytes of packed (bounds the loads)
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     ROW_BLOCKS: tl.constexpr,  # next power of two >= blocks_per_row
@@ -57,26 +58,13 @@ def _nf4_to_fp8_rowwise_kernel(
     INV_MAX: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
 ):
-    HALF: tl.constexpr = BLOCKSIZE // 2
     row = tl.program_id(0).to(tl.int64)
     local = tl.arange(0, ROW_BLOCKS)
     block_ok = local < blocks_per_row
     blocks = row * blocks_per_row + local
-
-    if NESTED:
-        c = tl.load(absmax_ptr + blocks, mask=block_ok, other=0).to(tl.int32)
-        s2 = tl.load(absmax2_ptr + blocks // BLOCKSIZE2, mask=block_ok, other=0.0)
-        absmax = tl.load(code2_ptr + c) * s2
-        absmax = absmax + tl.load(offset_ptr)
-    else:
-        absmax = tl.load(absmax_ptr + blocks, mask=block_ok, other=0.0).to(tl.float32)
+    absmax = _block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, block_ok, BLOCKSIZE2, NESTED)
     absmax = tl.where(block_ok, absmax, 0.0)
-
-    byte_idx = blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]
-    byte = tl.load(packed_ptr + byte_idx, mask=block_ok[:, None], other=0).to(tl.int32)
-    hi = tl.load(table_ptr + (byte >> 4)) * absmax[:, None]
-    lo = tl.load(table_ptr + (byte & 15)) * absmax[:, None]
-    w = tl.reshape(tl.join(hi, lo), (ROW_BLOCKS, BLOCKSIZE))
+    w = _decode_nf4_blocks(packed_ptr, table_ptr, blocks, block_ok, absmax, n_bytes, ROW_BLOCKS, BLOCKSIZE)
 
     # the dequantised weight in the compute dtype, as dequantize_nf4 writes it
     if COMPUTE == 2 and EXPLICIT_ROUNDING:  # bf16 RTNE on the bits (the interpreter truncates a cast)
@@ -138,7 +126,7 @@ def quantize_nf4_rowwise_fp8(
     row_blocks = triton.next_power_of_2(blocks_per_row)
     elements = row_blocks * st.blocksize
     _nf4_to_fp8_rowwise_kernel[(O,)](
-        packed, absmax, table, code2, absmax2, offset, q, scale, blocks_per_row,
+        packed, absmax, table, code2, absmax2, offset, q, scale, blocks_per_row, packed.numel(),
         BLOCKSIZE=st.blocksize,
         BLOCKSIZE2=st.blocksize2,
         ROW_BLOCKS=row_blocks,
@@ -162,7 +150,7 @@ def _aot_specs() -> list:
         signature = {
             "packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "table_ptr": "*fp32",
             "code2_ptr": "*fp32", "absmax2_ptr": "*fp32", "offset_ptr": "*fp32", "q_ptr": "*fp8e4nv",
-            "scale_ptr": "*fp32", "blocks_per_row": "i32",
+            "scale_ptr": "*fp32", "blocks_per_row": "i32", "n_bytes": "i32",
         }
         constexprs = {
             "BLOCKSIZE": 64, "BLOCKSIZE2": 256, "ROW_BLOCKS": 64, "NESTED": nested, "COMPUTE": 2,
