@@ -99,17 +99,19 @@ def failure_reason(output: str, limit: int = 300) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| config | system | tokens/s | × hf | × unsloth | peak GiB | predicted GiB | activation plan | loss first → last | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | system | tokens/s | median step tok/s | × hf | × unsloth | peak GiB | predicted GiB | activation plan "
+             "| loss first → last | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.get("status") == "ok"
         ref = {s: x.get("tok_s") for x in rows if x["config"] == r["config"] and x.get("status") == "ok" for s in [x["system"]]}
         ratio = lambda s: f"{r['tok_s'] / ref[s]:.2f}" if ok and ref.get(s) else "–"  # noqa: E731
         lines.append(
-            f"| {r['config']} | {r['system']} | {r['tok_s']:,.0f} | {ratio('hf')} | {ratio('unsloth')} | "
+            f"| {r['config']} | {r['system']} | {r['tok_s']:,.0f} | "
+            f"{format(r['tok_s_median'], ',.0f') if r.get('tok_s_median') else '–'} | {ratio('hf')} | {ratio('unsloth')} | "
             f"{r['peak_gib']:.2f} | {r.get('predicted_gib') or '–'} | {r.get('plan') or '–'} | "
             f"{r['loss_first']:.4f} → {r['loss_last']:.4f} | ok |"
-            if ok else f"| {r['config']} | {r['system']} | – | – | – | – | – | – | – | {r['status']} |"
+            if ok else f"| {r['config']} | {r['system']} | – | – | – | – | – | – | – | – | {r['status']} |"
         )
     return "\n".join(lines)
 
@@ -144,7 +146,8 @@ def header(rows: list[dict]) -> str:
         f"# Training-step benchmark, one {gpu}, {dt.date.today()}\n\n"
         f"Versions: {', '.join(f'{k} {v}' for k, v in versions.items()) or '–'}. Random-weight checkpoints of the real "
         "shapes, LoRA r=16 alpha=16 on all 7 projections, AdamW (fused), random tokens, warm-up then timed steps "
-        "(2 + 4; 1 + 3 for the 16k row), one process per row. Peak = `torch.cuda.max_memory_allocated`; predicted = "
+        "(2 + 4 unless the call says otherwise; 1 + 3 for the 16k row), one process per row. tokens/s is over the whole "
+        "timed window (ratios use it); the median step is from CUDA events between steps. Peak = `torch.cuda.max_memory_allocated`; predicted = "
         "notebookkit's memory model for the plan the row ran. `notebookkit` is the default "
         "(`use_gradient_checkpointing=\"auto\"`, planned for free VRAM); `notebookkit-offload` the memory-lean mode; "
         "`notebookkit-<N>GiB` the planner under `max_memory=\"<N>GiB\"`.\n\n"

@@ -243,17 +243,25 @@ def main() -> None:
 
     losses = [step(ids).item() for ids in batches[: args.warmup]]
     torch.cuda.synchronize()
+    # CUDA events between timed steps (no host sync inside the window): per-step times, whose median
+    # shows a one-off stall (a JIT compile, a first cuBLAS call) that the mean over the window hides.
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
     start = time.time()
-    losses += [step(ids) for ids in batches[args.warmup :]]
+    marks[0].record()
+    for i, ids in enumerate(batches[args.warmup :]):
+        losses.append(step(ids))
+        marks[i + 1].record()
     torch.cuda.synchronize()
     elapsed = time.time() - start
+    step_s = [round(a.elapsed_time(b) / 1000, 4) for a, b in zip(marks, marks[1:])]
     tokens = args.batch * args.seq * args.steps
     result = dict(
         system=args.system, shape=args.shape, quant=args.quant, seq=args.seq, batch=args.batch,
         checkpointing=args.checkpointing if args.system == "notebookkit" else None,
         plan=plan_counts(model) if args.system == "notebookkit" else None,
         max_memory=args.max_memory, memory_cap_gib=args.memory_cap_gib,
-        tok_s=round(tokens / elapsed, 1), s_step=round(elapsed / args.steps, 4),
+        tok_s=round(tokens / elapsed, 1), s_step=round(elapsed / args.steps, 4), step_s=step_s,
+        tok_s_median=round(args.batch * args.seq / sorted(step_s)[len(step_s) // 2], 1),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
         reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
         predicted_gib=predicted_peak(args.shape, args.quant, args.seq, args.batch, model) if args.system == "notebookkit" else None,

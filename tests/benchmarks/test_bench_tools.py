@@ -369,3 +369,19 @@ def test_a_failed_row_reports_the_head_of_its_error_message():
     assert reason.startswith("notebookkit.memory.planner.DoesNotFitError: notebookkit: llama does not fit in 4.79 GiB")
     assert len(reason) <= 300 and reason.endswith("…")
     assert run.failure_reason("a\nb\nc\nd") == "b | c | d"  # no exception line: the last three lines
+
+
+def test_train_table_shows_the_median_step_and_ratios_of_the_window_throughput():
+    import run
+
+    base = dict(config="1b-bf16-2048x8", peak_gib=4.0, loss_first=12.0, loss_last=11.9, status="ok")
+    rows = [base | dict(system="unsloth", tok_s=50_000.0, tok_s_median=52_000.0),
+            base | dict(system="notebookkit", tok_s=60_000.0, tok_s_median=61_234.0, predicted_gib=3.9, plan="16 offload"),
+            base | dict(system="hf", tok_s=25_000.0),  # a row from before the median was recorded
+            dict(config="1b-bf16-2048x8", system="compile", status="timed out after 300s")]
+    lines = run.markdown(rows).splitlines()
+    assert lines[0].count("|") == lines[1].count("|") == 12
+    nk = next(ln for ln in lines if "| notebookkit |" in ln)
+    assert "| 60,000 | 61,234 | 2.40 | 1.20 | 4.00 | 3.9 | 16 offload |" in nk
+    assert "| 25,000 | – | 1.00 |" in next(ln for ln in lines if "| hf |" in ln)
+    assert all(ln.count("|") == 12 for ln in lines)
