@@ -29,6 +29,7 @@ if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unslo
     import unsloth  # noqa: F401  (Unsloth must be imported before transformers)
 
 import torch
+from gpu_monitor import GpuSampler  # this folder is on sys.path: run as a script, or by run.py / profile_step.py
 
 SHAPES: dict[str, dict] = {
     "llama-3.1-8b": dict(
@@ -245,14 +246,18 @@ def main() -> None:
     torch.cuda.synchronize()
     # CUDA events between timed steps (no host sync inside the window): per-step times, whose median
     # shows a one-off stall (a JIT compile, a first cuBLAS call) that the mean over the window hides.
+    # host_enqueue_s: when the CPU had queued every timed step; far below the window, the CPU ran
+    # ahead of the GPU; close to it, the GPU waited for the host (launch overhead or host syncs).
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-    start = time.time()
-    marks[0].record()
-    for i, ids in enumerate(batches[args.warmup :]):
-        losses.append(step(ids))
-        marks[i + 1].record()
-    torch.cuda.synchronize()
-    elapsed = time.time() - start
+    with GpuSampler.for_device(0) as sampler:
+        start = time.time()
+        marks[0].record()
+        for i, ids in enumerate(batches[args.warmup :]):
+            losses.append(step(ids))
+            marks[i + 1].record()
+        host_enqueue_s = time.time() - start
+        torch.cuda.synchronize()
+        elapsed = time.time() - start
     step_s = [round(a.elapsed_time(b) / 1000, 4) for a, b in zip(marks, marks[1:])]
     tokens = args.batch * args.seq * args.steps
     result = dict(
@@ -261,6 +266,7 @@ def main() -> None:
         plan=plan_counts(model) if args.system == "notebookkit" else None,
         max_memory=args.max_memory, memory_cap_gib=args.memory_cap_gib,
         tok_s=round(tokens / elapsed, 1), s_step=round(elapsed / args.steps, 4), step_s=step_s,
+        host_enqueue_s=round(host_enqueue_s, 4), gpu_clocks=sampler.summary(),
         tok_s_median=round(args.batch * args.seq / sorted(step_s)[len(step_s) // 2], 1),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
         reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),

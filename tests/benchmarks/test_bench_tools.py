@@ -385,3 +385,39 @@ def test_train_table_shows_the_median_step_and_ratios_of_the_window_throughput()
     assert "| 60,000 | 61,234 | 2.40 | 1.20 | 4.00 | 3.9 | 16 offload |" in nk
     assert "| 25,000 | – | 1.00 |" in next(ln for ln in lines if "| hf |" in ln)
     assert all(ln.count("|") == 12 for ln in lines)
+
+
+def test_gpu_sampler_summarises_clocks_power_and_throttle_reasons():
+    import threading
+
+    import gpu_monitor
+
+    readings = iter([(1980.0, 450.0, 50.0, 0x0), (1755.0, 699.0, 61.0, 0x4), (1830.0, 690.0, 63.0, 0x4 | 0x20)])
+    done = threading.Event()
+
+    def read():
+        try:
+            return next(readings)
+        except StopIteration:
+            done.set()
+            raise  # a failed read ends the sampling thread, not the benchmark
+
+    with gpu_monitor.GpuSampler(read, interval_s=0.001) as sampler:
+        assert done.wait(5.0)
+    summary = sampler.summary()
+    assert summary["samples"] == 3
+    assert (summary["sm_mhz_min"], summary["sm_mhz_median"], summary["sm_mhz_max"]) == (1755.0, 1830.0, 1980.0)
+    assert (summary["power_w_median"], summary["power_w_max"], summary["temp_c_max"]) == (690.0, 699.0, 63.0)
+    assert summary["throttle"] == {"software power cap": 0.667, "software thermal slowdown": 0.333}
+    assert gpu_monitor.throttle_names(0x4 | 0x1000) == ["software power cap", "0x1000"]
+
+
+def test_gpu_sampler_without_nvml_records_nothing():
+    import gpu_monitor
+
+    inert = gpu_monitor.GpuSampler(None)
+    with inert:
+        pass
+    assert inert.summary() == {}
+    # on this CPU machine for_device finds no GPU (or no pynvml) and must not raise
+    assert gpu_monitor.GpuSampler.for_device(0).summary() == {}
