@@ -32,7 +32,7 @@ class Pair:
     """A projection under test and its float64 twin with the same (dequantised) weights."""
 
     def __init__(self, out_f, in_f, *, nf4, adapter, dtype, device, gen, rank=RANK, rslora=False,
-                 adapter_dtype=None):
+                 adapter_dtype=None, alpha=16.0):
         w = torch.randn(out_f, in_f, generator=gen) / math.sqrt(in_f)
         if nf4:
             import bitsandbytes.functional as bnbF
@@ -46,7 +46,6 @@ class Pair:
             w64 = w.double()
             weight, qs = w.to(device), None
         self.A = self.B = self.A64 = self.B64 = None
-        alpha = 16.0
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
         if adapter:
             adt = adapter_dtype or dtype
@@ -285,3 +284,29 @@ def test_mlp_without_output_has_the_same_gradients(nf4, dtype, device):
     assert_close(x.grad, x64.grad, dtype, "dx")
     for name, p in zip(("gate", "up", "down"), (gate, up, down)):
         p.check_grads(dtype, name)
+
+
+@pytest.mark.parametrize("alpha,expect_scale_kernels", [(float(RANK), False), (16.0, True)], ids=["alpha_eq_r", "alpha_16"])
+def test_scaling_of_one_launches_no_scale_kernel(alpha, expect_scale_kernels):
+    """lora_alpha == r (scaling 1) skips the in-place ``* scaling`` of the rank-space products
+    (forward, U = dY B and the recomputed X A^T in backward), with the same results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountScale(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mul_.Tensor or func is torch.ops.aten.mul_.Scalar:
+                CountScale.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float32
+    pair = Pair(HIDDEN, INTER, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen, alpha=alpha)
+    x, x64 = _x(dtype, "cpu", gen, shape=(1, TOKENS, INTER))
+    with CountScale():
+        y = lora_o(x, pair.proj)
+        _backward([y], [lora_o_reference(x64, pair.proj64)], gen)
+    assert (CountScale.calls > 0) == expect_scale_kernels, CountScale.calls
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    pair.check_grads(dtype, "o")
