@@ -111,7 +111,8 @@ def _pool(state: dict):
         except Exception:  # noqa: BLE001 - plain pinned allocations then
             pool = False
         state["pool"] = pool
-    return pool or None
+    # Not `pool or None`: a pool holding no buffers yet has len() 0, so it would never be used.
+    return None if pool is False else pool
 
 
 class _HostCopy:

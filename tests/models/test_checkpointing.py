@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+
 import pytest
 import torch
 
 from notebookkit.kernels.testing import rel_err
+from notebookkit.memory import PinnedBufferPool
+from notebookkit.models import checkpointing as ckpt
 from notebookkit.models import patch_model
 from notebookkit.models.checkpointing import apply_checkpointing, normalize_mode, offload_checkpoint
 
@@ -92,3 +95,10 @@ def test_recompute_skips_the_unread_down_projection(family, skipped, monkeypatch
     per_layer = 3 + (2 if skipped else 3)  # forward, then the recompute in backward
     assert len(calls) == per_layer * len(layers)
     assert all(getattr(layer.mlp, "_notebookkit_output_unused", False) is False for layer in layers)
+
+
+def test_offload_state_uses_its_buffer_pool_from_the_first_empty_state():
+    state: dict = {}
+    pool = ckpt._pool(state)
+    assert isinstance(pool, PinnedBufferPool) and len(pool) == 0  # empty, so falsy: still the pool
+    assert ckpt._pool(state) is pool and ckpt._pool({"pool": False}) is None
