@@ -60,3 +60,52 @@ def test_cap_and_available_ram_are_checked_before_allocating():
     greedy = PinnedBufferPool(pin=False, reserve_bytes=2**60)
     with pytest.raises(HostMemoryError, match="host memory"):
         greedy.acquire((16,), torch.uint8)
+
+
+class _Event:
+    """Stands in for a CUDA event: counts host waits."""
+
+    def __init__(self):
+        self.host_waits = 0
+
+    def synchronize(self):
+        self.host_waits += 1
+
+
+class _Stream:
+    """Stands in for a CUDA stream: logs the events it is told to wait for."""
+
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_reused_buffer_waits_for_the_copy_it_was_released_after_on_the_gpu():
+    pool = PinnedBufferPool(pin=False, granularity=MiB)
+    v = pool.acquire((1024,), torch.float16)
+    copy_back = _Event()
+    pool.release(v, after=copy_back)
+    stream = _Stream()
+    again = pool.acquire((1024,), torch.float16, stream=stream)
+    assert again.data_ptr() == v.data_ptr() and pool.allocations == 1
+    assert stream.waited == [copy_back] and copy_back.host_waits == 0  # ordered on the GPU, host free
+    # The wait is owed once: the next user of the buffer owes nothing more.
+    pool.release(again)
+    later = _Stream()
+    pool.acquire((1024,), torch.float16, stream=later)
+    assert later.waited == [] and copy_back.host_waits == 0
+
+
+def test_reused_buffer_without_a_stream_waits_on_the_host():
+    pool = PinnedBufferPool(pin=False, granularity=MiB)
+    v = pool.acquire((256,), torch.float32)
+    copy_back = _Event()
+    pool.release(v, after=copy_back)
+    w = pool.acquire((256,), torch.float32)
+    assert w.data_ptr() == v.data_ptr() and copy_back.host_waits == 1
+    pool.release(w)  # no event: nothing to wait for next time
+    stream = _Stream()
+    pool.acquire((256,), torch.float32, stream=stream)
+    assert stream.waited == [] and copy_back.host_waits == 1
