@@ -115,23 +115,40 @@ def _pool(state: dict):
     return None if pool is False else pool
 
 
+def _recorded_event(stream) -> torch.cuda.Event:
+    """An event recorded on ``stream`` now: it completes once the work queued there so far is done."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 class _HostCopy:
-    """One layer input parked in pinned host memory, with the events ordering the copies."""
+    """One layer input parked in pinned host memory, with the events ordering the copies.
+
+    Nothing here blocks the host, so the CPU keeps queueing kernels ahead of the GPU. All copies
+    of a device run in order on its side stream; ``stored`` completes after the copy to the host,
+    ``ready`` after the copy back. A pooled buffer goes back to the pool with the event of the last
+    copy that used it, and the pool makes the stream of the buffer's next writer wait for that
+    event on the GPU (:meth:`PinnedBufferPool.acquire`).
+    """
 
     def __init__(self, x: torch.Tensor, state: dict) -> None:
         self.device = x.device
+        self.host: Optional[torch.Tensor] = None
+        self.stored: Optional[torch.cuda.Event] = None
+        self.back: Optional[torch.Tensor] = None
+        self.ready: Optional[torch.cuda.Event] = None
         self.pool = _pool(state)
         stream = _side_stream(x.device)
         if self.pool is not None:
-            self.host = self.pool.acquire(x.shape, x.dtype)
+            self.host = self.pool.acquire(x.shape, x.dtype, stream=stream)
         else:
             self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(stream):
             self.host.copy_(x, non_blocking=True)
+            self.stored = _recorded_event(stream)
         x.record_stream(stream)
-        self.back: Optional[torch.Tensor] = None
-        self.ready: Optional[torch.cuda.Event] = None
 
     def prefetch(self) -> None:
         if self.back is not None:
@@ -139,8 +156,7 @@ class _HostCopy:
         stream = _side_stream(self.device)
         with torch.cuda.stream(stream):
             self.back = self.host.to(self.device, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record(stream)
+            self.ready = _recorded_event(stream)
 
     def fetch(self) -> torch.Tensor:
         self.prefetch()
@@ -148,20 +164,26 @@ class _HostCopy:
         current.wait_event(self.ready)
         self.back.record_stream(current)
         out, self.back = self.back, None
-        self.ready.synchronize()  # the host buffer may be reused only after the copy back
-        self._release()
+        self._release(self.ready)  # the buffer's next writer waits for the copy back, on the GPU
         return out
 
-    def _release(self) -> None:
-        if self.pool is not None and self.host is not None:
-            self.pool.release(self.host)
-        self.host = None
+    def _release(self, after: Optional[torch.cuda.Event]) -> None:
+        """Hand the host buffer back; ``after``: the event of the last copy that used it."""
+        host, self.host = self.host, None
+        if host is None:
+            return
+        if self.pool is not None:
+            self.pool.release(host, after=after)
+        elif after is not None:
+            # No pool (it could not be built: rare). This plain pinned tensor is freed here, so
+            # this path keeps the old host wait for its copies rather than leaning on how
+            # PyTorch's pinned allocator defers reusing freed memory.
+            after.synchronize()
 
     def __del__(self) -> None:  # graph dropped without a backward (e.g. forward under grad, no loss)
         try:
-            if self.host is not None:
-                torch.cuda.synchronize(self.device)
-                self._release()
+            # The copy back (when prefetched) runs after the copy to the host on the same stream.
+            self._release(self.ready if self.ready is not None else self.stored)
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
 

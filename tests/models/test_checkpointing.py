@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from notebookkit.kernels.testing import rel_err
 from notebookkit.memory import PinnedBufferPool
 from notebookkit.models import checkpointing as ckpt
 from notebookkit.models import patch_model
-from notebookkit.models.checkpointing import apply_checkpointing, normalize_mode, offload_checkpoint
+from notebookkit.models.checkpointing import _HostCopy, apply_checkpointing, normalize_mode, offload_checkpoint
 
 from .helpers import random_model
 from .test_patch_parity import _lora
@@ -102,3 +104,82 @@ def test_offload_state_uses_its_buffer_pool_from_the_first_empty_state():
     pool = ckpt._pool(state)
     assert isinstance(pool, PinnedBufferPool) and len(pool) == 0  # empty, so falsy: still the pool
     assert ckpt._pool(state) is pool and ckpt._pool({"pool": False}) is None
+
+
+# ---- offloaded inputs: copies ordered by events, never by host waits (CUDA faked on CPU) ----------
+
+
+class _Stream:
+    """Stands in for a CUDA stream: logs what it is told to wait for."""
+
+    def __init__(self, name):
+        self.name, self.waited = name, []
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CPU tensors with CUDA's stream/event calls faked; logs host waits and device syncs."""
+    log = SimpleNamespace(side=_Stream("side"), current=_Stream("current"), host_waits=[], device_syncs=[])
+
+    class Event:
+        def record(self, stream):
+            self.stream = stream
+
+        def synchronize(self):
+            log.host_waits.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: log.current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.device_syncs.append(device))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(ckpt, "_side_stream", lambda device: log.side)
+    return log
+
+
+def test_offloaded_input_comes_back_without_a_host_wait(fake_cuda):
+    state: dict = {}
+    x = torch.randn(4, 8)
+    first = _HostCopy(x, state)
+    assert isinstance(first.pool, PinnedBufferPool)  # the pool is used from its first (empty) state
+    out = first.fetch()
+    assert fake_cuda.host_waits == [] and fake_cuda.device_syncs == []
+    assert torch.equal(out, x)
+    ready = first.ready
+    assert ready.stream is fake_cuda.side and fake_cuda.current.waited == [ready]
+    assert first.stored.stream is fake_cuda.side
+    # The next copy to the host reuses the buffer; its stream waits on the GPU for the copy back.
+    second = _HostCopy(torch.randn(4, 8), state)
+    assert second.pool is first.pool and first.pool.allocations == 1
+    assert fake_cuda.side.waited == [ready] and fake_cuda.host_waits == []
+
+
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_input_dropped_without_backward_frees_its_buffer_without_a_sync(fake_cuda, prefetched):
+    state: dict = {}
+    copy_ = _HostCopy(torch.randn(4, 8), state)
+    if prefetched:
+        copy_.prefetch()
+    last = copy_.ready if prefetched else copy_.stored  # the later copy; both run on the side stream
+    pool = copy_.pool
+    del copy_
+    assert fake_cuda.device_syncs == [] and fake_cuda.host_waits == []
+    assert pool.in_use_bytes == 0
+    _HostCopy(torch.randn(4, 8), state)
+    assert fake_cuda.side.waited == [last] and pool.allocations == 1
+
+
+def test_without_a_pool_the_plain_pinned_copy_still_waits_before_it_is_freed(fake_cuda, monkeypatch):
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))  # no pinning on CPU
+    copy_ = _HostCopy(torch.randn(4, 8), {"pool": False})
+    assert copy_.pool is None
+    copy_.fetch()
+    assert fake_cuda.host_waits == [copy_.ready]
+
