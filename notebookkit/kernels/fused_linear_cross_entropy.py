@@ -18,7 +18,7 @@ logits, the Triton cross-entropy kernel turns them into per-row losses and overw
 ``G`` (fp32 math), and two more GEMMs turn ``G`` into the chunk's rows of ``dL/dh`` and add
 ``G^T h`` into an fp32 ``dL/dW`` accumulator (only when the weight requires grad; likewise the
 bias). Only one ``[C, V]`` buffer ever exists. Backward then just multiplies the stored gradients
-by the scalar ``grad_output``.
+by the scalar ``grad_output``, on the device (no host sync).
 
 The chunk size comes from the free device memory (``torch.cuda.mem_get_info``; a fixed budget on
 CPU) and from ``V / H``: by default a chunk's logits are about as large as the whole hidden-state
@@ -42,7 +42,6 @@ from notebookkit.kernels.cross_entropy import (
     check_labels_and_softcap,
     cross_entropy_reference,
     denominator,
-    is_exactly_one,
     launch_cross_entropy,
 )
 from notebookkit.kernels.runtime import should_use_triton
@@ -195,8 +194,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 "the loss again instead."
             )
         ctx.grads = None
-        if not is_exactly_one(grad_output):
-            grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
+        # Always scale, on the device: testing grad_output == 1 first would read it on the host, a
+        # sync that drains the GPU queue every step, to skip one pass over [N, H] (and, when the
+        # weight is trained, [V, H]). In place: these buffers were made in forward for this backward
+        # alone, so no extra memory, and x * 1 == x exactly.
+        for g in grads:
+            if g is not None:
+                g.mul_(grad_output.to(g.dtype))
         grad_hidden, grad_weight, grad_bias = grads
         return (grad_hidden, grad_weight, grad_bias) + (None,) * 9
 

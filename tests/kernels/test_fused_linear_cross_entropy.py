@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from notebookkit.kernels import cross_entropy as ce_mod
+from notebookkit.kernels import fused_linear_cross_entropy as flce_mod
 from notebookkit.kernels.fused_linear_cross_entropy import (
     choose_chunk_size,
     fused_linear_cross_entropy,
@@ -157,6 +158,32 @@ def test_batched_input_no_grad_and_single_chunk(device):
     assert grads[0].shape == (24, 16) and grads[1].shape == (200, 16)
     with torch.no_grad():
         assert_close(_triton(hidden, weight, labels, chunk_size=7), loss64, torch.float32, "no-grad loss")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_scales_on_the_device_without_a_host_read(device, dtype, monkeypatch):
+    """grad_output 1 and 2 give the reference gradients, and backward never tests grad_output == 1
+    on the host (a sync that drains the GPU queue every step)."""
+    hidden, weight, bias, labels = _inputs(37, 45, 1001, dtype, device, seed=3)
+    refs = {s: _run(fused_linear_cross_entropy_reference, hidden, weight, bias, labels, s, True,
+                    cast=torch.float64, chunk_size=10) for s in (1.0, 2.0)}
+
+    def host_read(t):
+        raise AssertionError("backward read grad_output on the host")
+
+    monkeypatch.setattr(flce_mod, "is_exactly_one", host_read, raising=False)
+    monkeypatch.setattr(ce_mod, "is_exactly_one", host_read)
+    grads = {}
+    for scale in (1.0, 2.0):
+        loss, grads[scale] = _run(_triton, hidden, weight, bias, labels, scale, True, chunk_size=10)
+        loss64, grads64 = refs[scale]
+        assert_close(loss, loss64, dtype, f"loss at grad_output {scale}")
+        for name, g, g64 in zip(("dhidden", "dweight", "dbias"), grads[scale], grads64):
+            assert g.dtype == dtype, name
+            assert_close(g, g64, dtype, f"{name} at grad_output {scale}")
+    for name, g1, g2 in zip(("dhidden", "dweight", "dbias"), grads[1.0], grads[2.0]):
+        assert torch.equal(g2, 2 * g1), name  # scaling by 2 is exact; by 1 it changes no bit
 
 
 @pytest.mark.parametrize("device", DEVICES)
