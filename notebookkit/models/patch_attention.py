@@ -46,24 +46,42 @@ class _PackedMaskCache:
     """One-slot cache: the block-diagonal mask of the last ``position_ids`` tensor seen.
 
     Every layer of one forward receives the same ``position_ids`` object, so the mask (and the
-    host sync deciding whether the batch is packed at all) is built once per forward.
+    host sync deciding whether the batch is packed at all) is built once per forward. When the
+    caller passed no ``position_ids``, Hugging Face makes them ``arange`` (plus the cache offset):
+    one segment per row by construction, so the patched backbone says so (:func:`default_positions`)
+    and the first layer records "not packed" for them without reading them on the host. That sync
+    would drain the GPU queue at the start of every training forward.
     """
 
     def __init__(self) -> None:
         self.key: Optional[weakref.ref] = None
         self.version = -1
         self.value: Optional[torch.Tensor] = None
+        self.next_are_defaults = False
 
     def get(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
         if self.key is not None and self.key() is position_ids and self.version == position_ids._version:
             return self.value
-        self.value = packed_causal_mask(position_ids)
+        self.value = None if self.next_are_defaults else packed_causal_mask(position_ids)
+        self.next_are_defaults = False
         self.key = weakref.ref(position_ids)
         self.version = position_ids._version
         return self.value
 
 
 _packed_cache = _PackedMaskCache()
+
+
+@contextlib.contextmanager
+def default_positions(active: bool):
+    """While active, the next ``position_ids`` the attention layers see are Hugging Face's defaults
+    (the caller passed none), so they are taken as unpacked without a host read (see
+    :class:`_PackedMaskCache`). Cleared on exit, also when the forward raised before any layer ran."""
+    _packed_cache.next_are_defaults = bool(active)
+    try:
+        yield
+    finally:
+        _packed_cache.next_are_defaults = False
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> Optional[torch.Tensor]:

@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernel_ops import kernel
+from .patch_attention import default_positions
 from .patching import WeakOwner, rebind
 
 
@@ -112,7 +113,9 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     Trainers that compute the loss themselves (TRL's chunked LM head) call the backbone directly,
     so the check lives here rather than in the causal-LM forward. The owning causal LM (which holds
     ``max_seq_length``) is found through a weak reference (:func:`owner_of`), so the model has no
-    reference cycle and ``copy.deepcopy`` maps it to the copy.
+    reference cycle and ``copy.deepcopy`` maps it to the copy. When the caller passes no
+    ``position_ids``, the attention layers are told that the ones Hugging Face makes are plain
+    positions (no packed rows), which saves a host sync per forward (:func:`default_positions`).
     """
     ref = kwargs.get("input_ids", args[0] if args else None)
     if ref is None:
@@ -120,7 +123,10 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     owner = owner_of(self)
     if owner is not None and isinstance(ref, torch.Tensor) and ref.dim() >= 2:
         _check_length(owner, ref.shape[1], self.training)
-    return type(self).forward(self, *args, **kwargs)
+    # position_ids is the third positional parameter of the backbones' forward.
+    caller_gave_positions = kwargs.get("position_ids") is not None or len(args) >= 3
+    with default_positions(not caller_gave_positions):
+        return type(self).forward(self, *args, **kwargs)
 
 
 def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -100,3 +100,33 @@ def test_gradient_accumulation_uneven_micro_batches_equals_one_batch(family):
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert rel_err(accum[name], p.grad) < 1e-5, name
+
+
+def test_positions_made_by_hugging_face_are_not_read_on_the_host(monkeypatch):
+    """A forward without position_ids skips the packed-rows check (a GPU sync per forward on CUDA):
+    Hugging Face's own positions are one segment per row. Positions the caller passes are still checked,
+    and the hint never outlives the forward it was given for, not even one that raised."""
+    from notebookkit.models import patch_attention
+
+    model = random_model("llama")
+    patch_model(model)
+    model = _lora(model)
+    model.train()
+    checked = []
+    real = patch_attention.packed_causal_mask
+    monkeypatch.setattr(patch_attention, "packed_causal_mask", lambda pos: checked.append(pos) or real(pos))
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    loss_default = model(input_ids=ids, labels=ids).loss
+    loss_default.backward()
+    assert checked == []
+    loss_explicit = model(input_ids=ids, labels=ids, position_ids=torch.arange(12)[None].expand(2, -1)).loss
+    assert len(checked) == 1  # passed by the caller: checked, once for all layers
+    assert torch.equal(loss_default.detach(), loss_explicit.detach())
+
+    with pytest.raises(Exception):
+        model(input_ids=ids.float(), labels=ids)  # fails inside the backbone, before any attention layer
+    assert patch_attention._packed_cache.next_are_defaults is False
+    ids_packed, pos = _packed([5, 7], seed=2)
+    model(input_ids=ids_packed, position_ids=pos, labels=ids_packed)
+    assert len(checked) == 2 and patch_attention._packed_cache.value is not None  # packed rows still isolated
