@@ -1,14 +1,18 @@
-"""Where one training step spends its GPU time: a per-kernel breakdown from ``torch.profiler``.
+"""Where a training step spends its GPU time: a per-kernel breakdown from ``torch.profiler``.
 
 Loads one system exactly as ``benchmarks/train_step.py`` does, runs two warm-up steps, then
-profiles one step (forward with labels, backward, fused AdamW step, ``zero_grad``) with CUDA
-activity only (no shapes, no stacks). It writes
+profiles one step (forward with labels, backward, fused AdamW step, ``zero_grad``), or with
+``--steps K`` K steps back to back as a training loop runs them, with CUDA activity only (no
+shapes, no stacks). It writes
 ``<out>/profile-<shape>-<quant>-<seq>x<batch>-<system>[-tag].md`` (and the raw per-kernel totals as
 ``.json``) with:
 
 * the step's wall time (profiled, and the last warm-up step without the profiler),
 * total GPU time (sum of kernel and copy durations), GPU busy time (the union of those intervals,
   so copies that overlap compute on a side stream count once) and the idle share ``1 - busy / wall``,
+* the idle gaps split into those where the GPU waited for the host (the work that ended the gap
+  was launched only after the GPU had run dry: launch overhead, Python, host syncs) and the rest,
+  from the launch records of the trace (:func:`idle_gaps`),
 * a table of kernel categories (GEMM, attention, each Triton kernel family, bitsandbytes,
   memcpy per direction, optimizer, elementwise / reduction, ...) with ms and % of GPU time,
 * the 25 kernels with the most total time, with their launch counts.
@@ -145,24 +149,83 @@ def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+# Chrome-trace categories of what runs on the GPU, and of the host-side CUDA API calls that queue it.
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def trace_device_and_launches(trace_events: Iterable[dict]) -> tuple[list[tuple[float, float, int]], dict[int, float]]:
+    """From a Chrome trace's ``traceEvents``: ``(start_us, end_us, correlation)`` of every kernel, copy and
+    memset, and ``{correlation: start_us}`` of the host API call (``cudaLaunchKernel``, ``cudaMemcpyAsync``, ...)
+    that queued each of them."""
+    device, launches = [], {}
+    for e in trace_events:
+        if e.get("ph") != "X":
+            continue
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") in _DEVICE_CATS:
+            start = float(e["ts"])
+            device.append((start, start + float(e.get("dur", 0.0)), int(corr) if corr is not None else -1))
+        elif e.get("cat") in _LAUNCH_CATS and corr is not None:
+            launches[int(corr)] = float(e["ts"])
+    return device, launches
+
+
+def idle_gaps(device: Iterable[tuple[float, float, int]], launches: dict[int, float],
+              min_gap_us: float = 5.0, launch_latency_us: float = 10.0) -> dict:
+    """Split the GPU's idle time into gaps where it waited for the host and the rest.
+
+    The busy time is the union of all device intervals (all streams). Each idle gap of at least
+    ``min_gap_us`` ends when some work starts; if that work was queued by the host only after the
+    gap began (its launch call started later than ``gap start - launch_latency_us``), the GPU had
+    nothing queued and waited for the host ("host" gap). Otherwise the work was queued in time and
+    waited on something else (a cross-stream event, a copy): an "other" gap. Work whose launch is
+    unknown counts as "other". Returns ms totals and counts.
+    """
+    events = sorted(device)
+    host_us = other_us = 0.0
+    host_n = other_n = 0
+    busy_end = None
+    for start, end, corr in events:
+        if busy_end is not None and start - busy_end >= min_gap_us:
+            gap = start - busy_end
+            launched = launches.get(corr)
+            if launched is not None and launched > busy_end - launch_latency_us:
+                host_us += gap
+                host_n += 1
+            else:
+                other_us += gap
+                other_n += 1
+        busy_end = end if busy_end is None else max(busy_end, end)
+    return dict(host_wait_ms=host_us / 1e3, host_gaps=host_n, other_idle_ms=other_us / 1e3, other_gaps=other_n)
+
+
 def _cell(name: str, width: int = 110) -> str:
     short = name if len(name) <= width else name[: width - 1] + "…"
     return "`" + short.replace("`", "'").replace("|", "\\|") + "`"
 
 
 def render_report(title: str, facts: Sequence[tuple[str, str]], wall_ms: float, busy_ms: float,
-                  kernels: Iterable[tuple[str, float, int]], top: int = 25) -> str:
-    """The markdown report from a list of ``(kernel name, total_us, count)``."""
+                  kernels: Iterable[tuple[str, float, int]], top: int = 25, gaps: dict | None = None) -> str:
+    """The markdown report from a list of ``(kernel name, total_us, count)`` (``gaps``: :func:`idle_gaps`)."""
     merged = aggregate(kernels)
     gpu_ms = sum(t for _, t, _ in merged) / 1e3
     idle = max(0.0, wall_ms - busy_ms)
     lines = [f"# {title}", ""]
     lines += [f"- {key}: {value}" for key, value in facts]
     lines += [
-        f"- wall time of the profiled step: {wall_ms:.1f} ms",
+        f"- wall time of the profiled step(s): {wall_ms:.1f} ms",
         f"- GPU time (sum of kernel and copy durations): {gpu_ms:.1f} ms",
         f"- GPU busy (union over streams): {busy_ms:.1f} ms; idle: {idle:.1f} ms = "
         f"{(idle / wall_ms if wall_ms else 0):.1%} of the wall time",
+    ]
+    if gaps is not None:
+        lines.append(
+            f"- idle gaps of 5 µs or more: {gaps['host_wait_ms']:.1f} ms in {gaps['host_gaps']} gaps waiting for the "
+            f"host (the next work was queued only after the GPU ran dry), {gaps['other_idle_ms']:.1f} ms in "
+            f"{gaps['other_gaps']} gaps with work queued (stream or event waits)"
+        )
+    lines += [
         "",
         "| category | ms | % of GPU time | launches |",
         "|---|---:|---:|---:|",
@@ -245,8 +308,9 @@ def load_system(args):
     return model, f"notebookkit --checkpointing {args.checkpointing}: {plan}"
 
 
-def profile_one_step(step: Callable[[], None], with_cpu: bool = False):
-    """Run ``step`` once under the profiler (CUDA activity, plus CPU ops if asked); returns (profiler, wall ms)."""
+def profile_steps(steps: Sequence[Callable[[], None]], with_cpu: bool = False):
+    """Run ``steps`` back to back under the profiler (CUDA activity, plus CPU ops if asked), with no
+    synchronisation between them, as a training loop runs; returns (profiler, wall ms of all)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -255,14 +319,28 @@ def profile_one_step(step: Callable[[], None], with_cpu: bool = False):
     with profile(activities=activities, record_shapes=False, with_stack=False,
                  profile_memory=False) as prof:
         started = time.perf_counter()
-        step()
+        for step in steps:
+            step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - started) * 1e3
     return prof, wall_ms
 
 
+def trace_gaps(prof) -> dict | None:
+    """:func:`idle_gaps` of a finished profile, read from its Chrome trace (None without launch records)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh).get("traceEvents", [])
+    device, launches = trace_device_and_launches(events)
+    return idle_gaps(device, launches) if device and launches else None
+
+
 def run(args) -> str:
-    """Load, warm up, profile one step, write the report; returns its path."""
+    """Load, warm up, profile ``--steps`` steps, write the report; returns its path."""
     if args.system == "unsloth":
         import unsloth  # noqa: F401  (before transformers)
     import torch
@@ -274,7 +352,7 @@ def run(args) -> str:
     vocab = train_step.SHAPES[args.shape]["vocab_size"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = [torch.randint(3, vocab, (args.batch, args.seq), device="cuda", generator=gen)
-               for _ in range(args.warmup + 1)]
+               for _ in range(args.warmup + args.steps)]
 
     def step(ids):
         out = model(input_ids=ids, labels=ids)
@@ -283,15 +361,20 @@ def run(args) -> str:
         optimizer.zero_grad(set_to_none=True)
 
     warm_ms = None
-    for ids in batches[:-1]:
+    for ids in batches[: args.warmup]:
         torch.cuda.synchronize()
         started = time.perf_counter()
         step(ids)
         torch.cuda.synchronize()
         warm_ms = (time.perf_counter() - started) * 1e3
     torch.cuda.reset_peak_memory_stats()
-    prof, wall_ms = profile_one_step(lambda: step(batches[-1]), args.with_cpu)
+    prof, wall_ms = profile_steps([lambda ids=ids: step(ids) for ids in batches[args.warmup :]], args.with_cpu)
     kernels, intervals = device_kernels(prof.events())
+    try:
+        gaps = trace_gaps(prof)
+    except Exception as exc:  # noqa: BLE001 - the gap split is extra information, never fatal
+        print(f"(no idle-gap analysis: {exc})", file=sys.stderr)
+        gaps = None
     if not kernels:
         print("WARNING: the profiler recorded no GPU kernels; try again with --with-cpu.", file=sys.stderr)
     facts = [
@@ -300,16 +383,18 @@ def run(args) -> str:
         ("max_memory given to the planner", args.max_memory or "–"),
         ("peak allocated in the profiled step", f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"),
         ("last warm-up step without the profiler", f"{warm_ms:.1f} ms" if warm_ms else "–"),
-        ("tokens / s (profiled step)", f"{args.batch * args.seq / (wall_ms / 1e3):,.0f}"),
+        ("profiled steps", f"{args.steps}, back to back (no synchronisation between them)"),
+        ("tokens / s (profiled steps)", f"{args.steps * args.batch * args.seq / (wall_ms / 1e3):,.0f}"),
     ]
-    title = f"One training step of {args.system}: {args.shape} {args.quant}, {args.seq} tokens × {args.batch}"
-    text = render_report(title, facts, wall_ms, busy_us(intervals) / 1e3, kernels)
+    what = "One training step" if args.steps == 1 else f"{args.steps} training steps"
+    title = f"{what} of {args.system}: {args.shape} {args.quant}, {args.seq} tokens × {args.batch}"
+    text = render_report(title, facts, wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, report_name(args.shape, args.quant, args.seq, args.batch, args.system, args.tag))
     with open(path, "w") as fh:
         fh.write(text)
     with open(path[: -len(".md")] + ".json", "w") as fh:
-        json.dump(dict(facts=dict(facts), wall_ms=wall_ms, kernels=kernels), fh, indent=1)
+        json.dump(dict(facts=dict(facts), wall_ms=wall_ms, steps=args.steps, gaps=gaps, kernels=kernels), fh, indent=1)
     if args.trace:
         prof.export_chrome_trace(path[: -len(".md")] + ".trace.json")
     print(text)
@@ -324,6 +409,8 @@ def default_tag(args) -> str:
         parts.append(f"cap-{args.max_memory}")
     if args.system == "notebookkit" and getattr(args, "fp8", False):
         parts.append("fp8")
+    if getattr(args, "steps", 1) > 1:
+        parts.append(f"{args.steps}steps")
     return "-".join(parts)
 
 
@@ -334,7 +421,9 @@ def main() -> None:
     ap.add_argument("--quant", default="nf4", choices=["nf4", "bf16"])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2, help="unprofiled steps before the profiled one")
+    ap.add_argument("--warmup", type=int, default=2, help="unprofiled steps before the profiled ones")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="steps profiled back to back (>1 shows the steady state: the host may queue ahead)")
     ap.add_argument("--checkpointing", default="auto", choices=["auto", "offload", "true", "false"],
                     help="notebookkit only: use_gradient_checkpointing")
     ap.add_argument("--max-memory", default=None, help='notebookkit only: budget for the "auto" plan, e.g. 8GiB')
@@ -344,6 +433,8 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="also save a Chrome trace next to the report")
     ap.add_argument("--with-cpu", action="store_true", help="also record CPU ops (heavier; the kernel table is the same)")
     args = ap.parse_args()
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1.")
     if args.warmup < 1:
         raise SystemExit("--warmup must be at least 1: the first step compiles kernels and creates optimizer state.")
     if args.tag is None:

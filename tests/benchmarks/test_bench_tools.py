@@ -255,12 +255,57 @@ def test_busy_time_is_the_union_of_intervals():
 
 def test_render_report_contents():
     text = profile_step.render_report("One step", [("GPU", "test")], wall_ms=12.0, busy_ms=9.0, kernels=KERNELS)
-    assert "wall time of the profiled step: 12.0 ms" in text
+    assert "wall time of the profiled step(s): 12.0 ms" in text
+    assert "idle gaps" not in text  # no gap split without launch records
     assert "GPU time (sum of kernel and copy durations): 10.0 ms" in text
     assert "idle: 3.0 ms = 25.0% of the wall time" in text
     assert "| GEMM | 6.50 | 65.0% | 320 |" in text
     assert "| 1 | `nvjet_tst_192x192_64x4_1x2_h_bz_coopB_TNT` | GEMM | 6.50 | 320 | 65.0% |" in text
     assert text.count("\n| 4 |") == 1 and "\n| 5 |" not in text  # four distinct kernels
+
+
+def test_idle_gaps_tell_waiting_for_the_host_from_queued_work():
+    # Chrome-trace events: kernels (device) and the host calls that launched them, tied by "correlation".
+    def kernel(ts, dur, corr, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": f"k{corr}", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 3, "args": {"correlation": corr}}
+
+    trace = [
+        launch(0, 1), kernel(5, 100, 1),               # busy 5..105
+        launch(20, 2), kernel(105, 50, 2, "gpu_memcpy"),  # queued long before: starts right away, busy to 155
+        launch(300, 3), kernel(305, 40, 3),            # launched after the GPU ran dry at 155: 150 us waiting for the host
+        launch(310, 4), kernel(400, 10, 4),            # queued at 310, yet idle 345..400: a stream / event wait (55 us)
+        kernel(402, 1, 5),                             # a 2 us gap: below the threshold
+        {"ph": "i", "cat": "kernel", "ts": 500},       # not a complete event: ignored
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+    ]
+    device, launches = profile_step.trace_device_and_launches(trace)
+    assert len(device) == 5 and launches == {1: 0.0, 2: 20.0, 3: 300.0, 4: 310.0}
+    gaps = profile_step.idle_gaps(device, launches)
+    assert gaps == dict(host_wait_ms=0.150, host_gaps=1, other_idle_ms=0.055, other_gaps=1)
+    # a launch just before the GPU ran dry still counts as the host's (kernels start some us after launch)
+    gaps = profile_step.idle_gaps([(0, 10, 1), (40, 50, 2)], {1: 0.0, 2: 5.0})
+    assert gaps["host_gaps"] == 1 and gaps["host_wait_ms"] == 0.030
+    text = profile_step.render_report("t", [], 1.0, 0.5, [("k", 1.0, 1)], gaps=gaps)
+    assert "0.0 ms in 1 gaps waiting for the host" in text
+
+
+def test_several_profiled_steps_get_their_own_report_name():
+    args = types.SimpleNamespace(system="notebookkit", checkpointing="offload", max_memory=None, fp8=True, steps=5)
+    assert profile_step.default_tag(args) == "gc-offload-fp8-5steps"
+    args.steps = 1
+    assert profile_step.default_tag(args) == "gc-offload-fp8"
+
+
+def test_trace_gaps_reads_a_real_profiler_trace():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    assert profile_step.trace_gaps(prof) is None  # CPU only: no device work, no launches, no gap split
 
 
 def test_render_report_escapes_long_and_piped_names():
