@@ -7,11 +7,20 @@
 # before the streams start. Streams share the host's CPUs, memory and PCIe: use parallel streams for
 # tests and searches, and compare timed rows only within one stream of a machine that runs nothing else
 # (session 6 saw a row lose 14% while the other GPU's stream compiled with inductor).
+# CALL_LIMIT (seconds, default 590): the device call's own limit. Installing the wheels on a fresh machine
+# takes about a minute, so each stream gets at most CALL_LIMIT - (setup time) - 25 s; the files then still
+# come back before the call is cut (session 7 lost a whole call's files to a stream limit set too close).
 set -u
+STARTED=$SECONDS
 LIMIT=$1; shift
 REAL=${OUT:-gpu-out}; mkdir -p "$REAL"
 bash benchmarks/gpu_session.sh tests --version > "$REAL/setup.log" 2>&1
 python3 -c "import torch; print('gpus', torch.cuda.device_count())" >> "$REAL/setup.log" 2>&1
+LEFT=$(( ${CALL_LIMIT:-590} - (SECONDS - STARTED) - 25 ))
+if [ "$LEFT" -lt "$LIMIT" ]; then
+  echo "setup took $((SECONDS - STARTED)) s: streams limited to $LEFT s (asked $LIMIT)" | tee -a "$REAL/setup.log"
+  LIMIT=$LEFT
+fi
 tail -3 "$REAL/setup.log"
 i=0
 for commands in "$@"; do
