@@ -4,6 +4,9 @@
 # Installs carried wheels (.whl/, .whl2/, .whl3/) into /tmp/site once per machine, then runs the step,
 # writing logs and results under $OUT (or ./gpu-out when OUT is unset). TAG names the log of a step
 # that runs more than once in a call (train, profile).
+# A/B of two commits in one call (session 7): locally `mkdir -p .ab/old && git archive <rev> | tar -x -C .ab/old`,
+# carry `.ab`, run this script from the tree's root first (it installs the wheels), then
+# `(cd .ab/old && OUT=$OUT/old TAG=old1 bash benchmarks/gpu_session.sh train ...)`, interleaving the rows.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
