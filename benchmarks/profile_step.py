@@ -326,12 +326,15 @@ def profile_steps(steps: Sequence[Callable[[], None]], with_cpu: bool = False):
     return prof, wall_ms
 
 
-def trace_gaps(prof) -> dict | None:
-    """:func:`idle_gaps` of a finished profile, read from its Chrome trace (None without launch records)."""
+def trace_gaps(prof, keep_as: str | None = None) -> dict | None:
+    """:func:`idle_gaps` of a finished profile, read from its Chrome trace (None without launch records).
+
+    The trace is exported once: to ``keep_as`` when the caller wants to keep it, else to a temporary file.
+    """
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
+        path = keep_as or os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as fh:
             events = json.load(fh).get("traceEvents", [])
@@ -370,8 +373,10 @@ def run(args) -> str:
     torch.cuda.reset_peak_memory_stats()
     prof, wall_ms = profile_steps([lambda ids=ids: step(ids) for ids in batches[args.warmup :]], args.with_cpu)
     kernels, intervals = device_kernels(prof.events())
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, report_name(args.shape, args.quant, args.seq, args.batch, args.system, args.tag))
     try:
-        gaps = trace_gaps(prof)
+        gaps = trace_gaps(prof, keep_as=path[: -len(".md")] + ".trace.json" if args.trace else None)
     except Exception as exc:  # noqa: BLE001 - the gap split is extra information, never fatal
         print(f"(no idle-gap analysis: {exc})", file=sys.stderr)
         gaps = None
@@ -389,14 +394,10 @@ def run(args) -> str:
     what = "One training step" if args.steps == 1 else f"{args.steps} training steps"
     title = f"{what} of {args.system}: {args.shape} {args.quant}, {args.seq} tokens × {args.batch}"
     text = render_report(title, facts, wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, report_name(args.shape, args.quant, args.seq, args.batch, args.system, args.tag))
     with open(path, "w") as fh:
         fh.write(text)
     with open(path[: -len(".md")] + ".json", "w") as fh:
         json.dump(dict(facts=dict(facts), wall_ms=wall_ms, steps=args.steps, gaps=gaps, kernels=kernels), fh, indent=1)
-    if args.trace:
-        prof.export_chrome_trace(path[: -len(".md")] + ".trace.json")
     print(text)
     return path
 
