@@ -101,7 +101,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         else:  # the caller only back-propagates through Y (see the module docstring)
             y = x2d.new_zeros(x2d.shape[0], down.out_features)
         ctx.save_for_backward(x, e, g, *tensors)
-        ctx.meta = [(p.quant_state, p.scaling) for p in projs]
+        ctx.projs = projs  # the same projections in backward: their adapter casts are reused
         ctx.activation = activation
         ctx.consumed = False
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -114,12 +114,9 @@ class LoRAMLPFunction(torch.autograd.Function):
                 "(retain_graph=True with a second backward is not supported). Run the forward again."
             )
         ctx.consumed = True
-        x, e, g, *tensors = ctx.saved_tensors
+        x, e, g, *_ = ctx.saved_tensors
         needs = ctx.needs_input_grad[4:]  # after x, projs, activation, compute_output: (weight, A, B) x 3
-        gate, up, down = (
-            LoRAProjection(tensors[3 * i], qs, tensors[3 * i + 1], tensors[3 * i + 2], s)
-            for i, (qs, s) in enumerate(ctx.meta)
-        )
+        gate, up, down = ctx.projs
         _, act_backward_ = _activation_ops(ctx.activation)
         grads = [None] * 9
         with no_autocast(x.device.type):

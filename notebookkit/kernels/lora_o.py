@@ -39,13 +39,13 @@ class LoRAOFunction(torch.autograd.Function):
         A, B = proj.adapters(x.dtype)
         y = projection_forward(x2d, proj, A, B)
         ctx.save_for_backward(x, weight, lora_A, lora_B)
-        ctx.meta = (proj.quant_state, proj.scaling)
+        ctx.proj = proj  # the same projection in backward: its adapter casts are reused
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, lora_A, lora_B = ctx.saved_tensors
-        proj = LoRAProjection(weight, ctx.meta[0], lora_A, lora_B, ctx.meta[1])
+        x, *_ = ctx.saved_tensors  # unpacked also to check that no saved tensor changed in place
+        proj = ctx.proj
         need_dx, _, _, need_dA, need_dB = ctx.needs_input_grad
         with no_autocast(x.device.type):
             x2d = flatten_tokens(x)

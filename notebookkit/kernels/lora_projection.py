@@ -24,13 +24,16 @@ adapter gradients use the 16-bit (dequantised) W, as without the flag.
 dtypes: everything is computed in the *compute dtype*, which is the autocast dtype when autocast
 is on for the input's device and ``x.dtype`` otherwise. Adapter matrices kept in another dtype
 (PEFT keeps them in fp32 under mixed precision) are cast to the compute dtype for the GEMMs, and
-their gradients are returned in the adapters' own dtype (as autocast would do).
+their gradients are returned in the adapters' own dtype (as autocast would do). A projection casts
+its adapters once and keeps the casts (:meth:`LoRAProjection.adapters`) while neither adapter changes
+(their version counters), so the backward, and the recompute when the model layer reuses its
+projections (``notebookkit.models.lora_fast_path.views``), cast nothing again.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,6 +85,8 @@ class LoRAProjection:
     lora_B: torch.Tensor | None = None
     scaling: float = 1.0
     fp8_forward: bool = False
+    # (dtype, version of A, version of B, (A, B) cast to dtype): see adapters().
+    _adapter_casts: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.quant_state is None:
@@ -145,10 +150,24 @@ class LoRAProjection:
         return quantize_rowwise_fp8(self.base_weight(dtype))
 
     def adapters(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(A, B)`` cast to the compute dtype (``(None, None)`` without adapter)."""
-        if self.lora_A is None:
+        """``(A, B)`` in the compute dtype (``(None, None)`` without adapter).
+
+        Adapters already in ``dtype`` are returned as they are. Otherwise the casts are made once and
+        kept on this projection until an in-place update of ``A`` or ``B`` (an optimizer step) bumps
+        its version counter: a forward, its backward and a checkpointing recompute that use the same
+        projection share one cast instead of casting again (two launches per adapter saved each time).
+        """
+        A, B = self.lora_A, self.lora_B
+        if A is None:
             return None, None
-        return self.lora_A.to(dtype), self.lora_B.to(dtype)
+        if A.dtype == dtype and B.dtype == dtype:
+            return A, B
+        kept = self._adapter_casts
+        if kept is not None and kept[0] == dtype and kept[1] == A._version and kept[2] == B._version:
+            return kept[3]
+        casts = (A.detach().to(dtype), B.detach().to(dtype))
+        self._adapter_casts = (dtype, A._version, B._version, casts)
+        return casts
 
     def check_frozen(self) -> None:
         if self.weight.requires_grad and torch.is_grad_enabled():

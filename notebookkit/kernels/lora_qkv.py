@@ -2,7 +2,7 @@
 
 For ``P`` in ``{q, k, v}`` with base ``W_P``, adapter ``A_P [r, in]``, ``B_P [out_P, r]``, scaling ``s_P``:
 
-    forward     P  = X W_P^T + s_P (X A_P^T) B_P^T                (saves X and the adapters only)
+    forward     P  = X W_P^T + s_P (X A_P^T) B_P^T                (saves X; the adapters' casts are reused)
 
     backward    U_P = s_P (dP B_P)                                 [N, r]
                 dX  = dQ W_q + dK W_k + dV W_v + U_q A_q + U_k A_k + U_v A_v
@@ -47,7 +47,7 @@ class LoRAQKVFunction(torch.autograd.Function):
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
         del x_fp8
         ctx.save_for_backward(x, *tensors)
-        ctx.meta = [(p.quant_state, p.scaling) for p in projs]
+        ctx.projs = projs  # the same projections in backward: their adapter casts are reused
         return tuple(outs)
 
     @staticmethod
@@ -58,9 +58,7 @@ class LoRAQKVFunction(torch.autograd.Function):
         with no_autocast(x.device.type):
             x2d = flatten_tokens(x)
             dx = None
-            for i, (qs, scaling) in enumerate(ctx.meta):
-                weight, lora_A, lora_B = tensors[3 * i : 3 * i + 3]
-                proj = LoRAProjection(weight, qs, lora_A, lora_B, scaling)
+            for i, proj in enumerate(ctx.projs):
                 dy2d = flatten_tokens(grads[i]).to(x.dtype)
                 A, B = proj.adapters(x.dtype)
                 u = lora_rank_grad(dy2d, proj, B)

@@ -20,7 +20,8 @@ Adapters (params + grads + optimizer), over the targeted projections, ``P_lora =
     fp32 adapters: ``P_lora * (4 param + 4 grad + opt)``; 16-bit adapters add an fp32 master copy:
     ``P_lora * (2 + 2 + 4 + opt)``. ``opt`` = 8 for AdamW (two fp32 moments), ``2 + 8/256`` for the
     8-bit (blockwise, fp32 absmax per 256 values) AdamW variants, 4 for Lion, 0 for SGD,
-    ``4*(rows+cols)/(rows*cols)`` per matrix for Adafactor.
+    ``4*(rows+cols)/(rows*cols)`` per matrix for Adafactor. Adapters in another dtype than the
+    compute dtype add their casts, kept through the step by the fused path: ``P_lora * s``.
 
 Activations saved for backward, per decoder layer, by mode (checked tensor by tensor with
 ``torch.autograd.graph.saved_tensors_hooks`` on the fused path: ``tests/memory/test_saved_activations.py``)
@@ -565,7 +566,12 @@ def estimate_training_memory(
     if master_b:
         details["adapters + optimizer: fp32 master copy"] = master_b
     details["adapters + optimizer: optimizer states"] = opt_b
-    adapters = params_b + grads_b + master_b + opt_b
+    # The fused kernels cast adapters kept in another dtype (PEFT's fp32 under 16-bit compute) once per
+    # forward pass and keep the casts for the recompute and the backward (lora_fast_path.views).
+    casts_b = p_lora * s if a_bytes != s else 0
+    if casts_b:
+        details["adapters + optimizer: compute-dtype copies"] = casts_b
+    adapters = params_b + grads_b + master_b + opt_b + casts_b
 
     # ---- activations ------------------------------------------------------------------------
     attention = resolve_attention(shape, attention)

@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .architectures import lookup
+from .lora_fast_path import current_pass, within_pass
 
 #: Instance attribute set on a patched MLP while a recompute pass needs only what it saves.
 OUTPUT_UNUSED = "_notebookkit_output_unused"
@@ -214,6 +215,7 @@ class _OffloadedLayer(torch.autograd.Function):
     def forward(ctx, run: Callable[[torch.Tensor], Any], state: dict, keep_on_device: bool, info: dict,
                 unused_in_recompute: Optional[nn.Module], x: torch.Tensor, _anchor: torch.Tensor):
         ctx.run = run
+        ctx.pass_id = current_pass()  # the recompute re-enters it and reuses this forward's LoRA views
         ctx.unused_in_recompute = unused_in_recompute
         ctx.state = state
         ctx.rng_cpu = torch.get_rng_state()
@@ -253,7 +255,7 @@ class _OffloadedLayer(torch.autograd.Function):
             if ctx.rng_cuda is not None:
                 torch.cuda.set_rng_state(ctx.rng_cuda, x.device)
             with torch.enable_grad(), output_unused(ctx.unused_in_recompute):
-                out = ctx.run(x)
+                out = within_pass(ctx.run, ctx.pass_id)(x)
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         torch.autograd.backward(hidden, grad_hidden)
         return None, None, None, None, None, x.grad, None

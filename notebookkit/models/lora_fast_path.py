@@ -19,12 +19,23 @@ holds for a plain, a 4-bit and a LoRA-wrapped projection alike, inside ``disable
 after ``merge_and_unload``). :func:`projection_view` hands it to the kernels as
 ``LoRAProjection.fp8_forward`` while the model is in training mode; only the fused path reads it, and
 generation or evaluation (eval mode) stays 16-bit.
+
+Reuse within one forward pass: building the views reads a few dozen module attributes, and the
+kernels cast fp32 adapters to the compute dtype. Inside :func:`forward_pass` (the patched backbone
+opens one per model forward; checkpointing re-enters it for the recompute) :func:`views` builds the
+views of a group of modules once and hands the same objects to the recompute, so the recompute
+and the backward reuse the forward's adapter casts. Outside a pass, views are built on every call.
+A pass id is never reused, so nothing outlives the pass it was built for: a model changed between
+two steps (merged, another adapter, eval mode, new weights) gets new views at its next forward.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -182,8 +193,88 @@ def fp8_base_matmul_count(model: nn.Module) -> int:
     return sum(1 for m in _base_linears(model) if vars(m).get(FP8_ATTR, False))
 
 
+class _Pass:
+    """The forward pass now running (an id), or None outside a model forward."""
+
+    current: Optional[int] = None
+    ids = itertools.count(1)
+
+
+@contextlib.contextmanager
+def forward_pass(pass_id: Optional[int] = None) -> Iterator[int]:
+    """Scope of one model forward (a new id), or with ``pass_id`` the recompute of an earlier one.
+
+    Inside it, :func:`views` of a module group are built once and reused (see the module docstring).
+    The previous scope is restored on exit, so nested forwards are safe.
+    """
+    previous = _Pass.current
+    _Pass.current = next(_Pass.ids) if pass_id is None else pass_id
+    try:
+        yield _Pass.current
+    finally:
+        _Pass.current = previous
+
+
+def current_pass() -> Optional[int]:
+    """Id of the forward pass now running, or None."""
+    return _Pass.current
+
+
+def within_pass(function: Callable, pass_id: Optional[int]) -> Callable:
+    """``function`` run inside ``forward_pass(pass_id)``: a checkpoint's recompute sees its forward's views."""
+    if pass_id is None:
+        return function
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with forward_pass(pass_id):
+            return function(*args, **kwargs)
+
+    return run
+
+
+_VIEWS_KEPT = "_notebookkit_views"
+
+
+class _KeptViews:
+    """Views of one module group in one pass, kept on the group's first module (never copied or
+    pickled with it: a copy gets none)."""
+
+    __slots__ = ("pass_id", "training", "ids", "result")
+
+    def __init__(self, pass_id: int, training: Optional[bool], ids: tuple, result: tuple) -> None:
+        self.pass_id, self.training, self.ids, self.result = pass_id, training, ids, result
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_no_views, ())
+
+
+def _no_views() -> None:
+    return None
+
+
 def views(*modules: nn.Module, training: Optional[bool] = None) -> tuple[Optional[list[ProjectionView]], Optional[str]]:
-    """Views of all ``modules``, or ``(None, reason)`` for the first that cannot be fused."""
+    """Views of all ``modules``, or ``(None, reason)`` for the first that cannot be fused.
+
+    Inside a :func:`forward_pass`, the result for this group is built once per pass and the same
+    objects are returned again (the recompute of a checkpointed layer reuses them and their casts).
+    """
+    pass_id = _Pass.current
+    if pass_id is not None:
+        kept = modules[0].__dict__.get(_VIEWS_KEPT)
+        if (kept is not None and kept.pass_id == pass_id and kept.training == training
+                and kept.ids == tuple(map(id, modules))):
+            return kept.result
+    result = _build_views(modules, training)
+    if pass_id is not None:
+        modules[0].__dict__[_VIEWS_KEPT] = _KeptViews(pass_id, training, tuple(map(id, modules)), result)
+    return result
+
+
+def _build_views(modules: tuple, training: Optional[bool]) -> tuple[Optional[list[ProjectionView]], Optional[str]]:
     out = []
     for module in modules:
         view, reason = projection_view(module, training)

@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernel_ops import kernel
+from .lora_fast_path import forward_pass
 from .patch_attention import default_positions
 from .patching import WeakOwner, rebind
 
@@ -116,6 +117,8 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     reference cycle and ``copy.deepcopy`` maps it to the copy. When the caller passes no
     ``position_ids``, the attention layers are told that the ones Hugging Face makes are plain
     positions (no packed rows), which saves a host sync per forward (:func:`default_positions`).
+    Each call is one forward pass (:func:`forward_pass`): the fused layers build their LoRA views
+    once and the checkpointing recompute reuses them.
     """
     ref = kwargs.get("input_ids", args[0] if args else None)
     if ref is None:
@@ -125,7 +128,7 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
         _check_length(owner, ref.shape[1], self.training)
     # position_ids is the third positional parameter of the backbones' forward.
     caller_gave_positions = kwargs.get("position_ids") is not None or len(args) >= 3
-    with default_positions(not caller_gave_positions):
+    with default_positions(not caller_gave_positions), forward_pass():
         return type(self).forward(self, *args, **kwargs)
 
 

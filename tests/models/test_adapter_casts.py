@@ -1,0 +1,123 @@
+"""One forward pass builds each layer's LoRA views and adapter casts once.
+
+PEFT keeps adapters in fp32 under 16-bit weights, so the fused kernels cast ``A`` and ``B`` to the
+compute dtype. Before, every use cast again: the forward, the checkpointing recompute and the
+backward (six casts per adapted projection per step, each a launch). Now the patched backbone opens a
+forward pass, the recompute re-enters it, and the views (with their casts) are reused: two casts
+per adapted projection per step, and one view build per projection. The steps still train the
+updated adapters: the casts follow the optimizer's in-place updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from notebookkit.kernels.lora_projection import LoRAProjection
+from notebookkit.models import lora_fast_path, patch_model
+from notebookkit.models.checkpointing import apply_checkpointing
+
+from .helpers import random_model
+from .test_patch_parity import _lora
+
+
+def _bf16_lora_model(family: str, checkpointing: str):
+    model = random_model(family).to(torch.bfloat16)
+    patch_model(model)
+    model = _lora(model)  # PEFT keeps the adapters in fp32 under bf16 weights
+    model.train()
+    apply_checkpointing(model, checkpointing)
+    return model
+
+
+def _adapters(model):
+    return [p for n, p in model.named_parameters() if "lora_" in n]
+
+
+@pytest.mark.parametrize("checkpointing", ["recompute", "offload", False])
+def test_adapters_cast_once_and_views_built_once_per_step(checkpointing, monkeypatch):
+    model = _bf16_lora_model("llama", checkpointing)
+    adapters = _adapters(model)
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)
+    ptrs = {p.data_ptr() for p in adapters}
+    n_layers = model.config.num_hidden_layers
+    opt = torch.optim.AdamW(adapters, lr=1e-2)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    casts, builds = [], []
+    real_to = torch.Tensor.to
+    real_view = lora_fast_path.projection_view
+
+    def spy_to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if self.data_ptr() in ptrs and out.dtype == torch.bfloat16:
+            casts.append(self.data_ptr())
+        return out
+
+    def spy_view(module, training=None):
+        builds.append(id(module))
+        return real_view(module, training)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    monkeypatch.setattr(lora_fast_path, "projection_view", spy_view)
+    for _ in range(2):
+        casts.clear(), builds.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # 7 adapted projections per layer, A and B each cast once; each projection's view built once.
+        assert len(casts) == 2 * 7 * n_layers, f"{len(casts)} adapter casts in one step"
+        assert sorted(casts) == sorted(ptrs)
+        assert len(builds) == 7 * n_layers, f"{len(builds)} view builds in one step"
+
+
+def test_steps_follow_the_optimizer_updates():
+    """Two steps with views kept per pass give the same losses and adapters as with views rebuilt on
+    every call (no pass reuse): nothing stale survives an optimizer step."""
+    model = _bf16_lora_model("llama", "offload")
+    twin = copy.deepcopy(model)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def train(m, reuse: bool):
+        opt = torch.optim.AdamW(_adapters(m), lr=5e-2)
+        losses = []
+        for _ in range(3):
+            loss = m(input_ids=ids, labels=ids).loss if reuse else _forward_without_pass(m, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in _adapters(m)]
+
+    losses, weights = train(model, True)
+    twin_losses, twin_weights = train(twin, False)
+    assert losses[0] != losses[-1]  # the adapters did change
+    assert losses == twin_losses
+    for a, b in zip(weights, twin_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _forward_without_pass(model, ids):
+    """The model's forward with the backbone opening no pass: every views() call builds anew."""
+    from notebookkit.models import patch_lm_head
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(patch_lm_head, "forward_pass", lambda: contextlib.nullcontext(None))
+        return model(input_ids=ids, labels=ids).loss
+
+
+def test_projection_recasts_after_an_in_place_update():
+    torch.manual_seed(0)
+    W = torch.randn(12, 10, dtype=torch.bfloat16)
+    A, B = torch.randn(3, 10), torch.randn(12, 3)
+    proj = LoRAProjection(W, None, A, B, 0.5)
+    a1, b1 = proj.adapters(torch.bfloat16)
+    assert proj.adapters(torch.bfloat16)[0] is a1  # kept
+    with torch.no_grad():
+        A.mul_(2.0)  # what an optimizer step does: in place, version counter bumped
+    a2, b2 = proj.adapters(torch.bfloat16)
+    assert a2 is not a1 and torch.equal(a2, A.to(torch.bfloat16)) and torch.equal(b2, B.to(torch.bfloat16))
+    assert proj.adapters(torch.float32)[0] is A  # already in the compute dtype: no copy
