@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the lead runs on the GPU machine (device tool), in one call:
-#   bash benchmarks/gpu_session.sh tests|kernels|train|tune|profile|maxctx [extra args]
+#   bash benchmarks/gpu_session.sh tests|kernels|train|tune|profile|host|maxctx [extra args]
 # Installs carried wheels (.whl/, .whl2/, .whl3/) into /tmp/site once per machine, then runs the step,
 # writing logs and results under $OUT (or ./gpu-out when OUT is unset). TAG names the log of a step
 # that runs more than once in a call (train, profile).
@@ -25,6 +25,7 @@ case "$step" in
   train)   python3 benchmarks/run.py --out "$OUT" ${TAG:+--tag "$TAG"} "$@" 2>&1 | tee "$OUT/train${TAG:+-$TAG}.log" | tail -40 ;;
   tune)    python3 benchmarks/tune_rms_norm.py --out "$OUT" "$@" 2>&1 | tee "$OUT/tune.log" | grep -E "BEST|copy" ;;
   profile) python3 benchmarks/profile_step.py --out "$OUT" "$@" 2>&1 | tee "$OUT/profile${TAG:+-$TAG}.log" | tail -40 ;;
+  host)    python3 benchmarks/host_profile.py --out "$OUT" "$@" 2>&1 | tee "$OUT/host${TAG:+-$TAG}.log" | tail -20 ;;
   maxctx)  python3 benchmarks/max_context.py --out "$OUT" "$@" 2>&1 | tee "$OUT/maxctx.log" | tail -20 ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -1,0 +1,122 @@
+"""Where the host's time goes in notebookkit training steps, and which calls make it wait for the GPU.
+
+A GPU step is host-bound when the GPU runs dry between kernels because Python has not launched the
+next one yet (``profile_step.py`` counts those gaps). This script loads a system as
+``train_step.py`` does, runs two warm-up steps, then writes to ``<out>/host-profile-<...>.txt``:
+
+* every synchronising call of one step, with its stack (``torch.cuda.set_sync_debug_mode``): each one
+  drains the GPU queue, so the host can run ahead by at most one step,
+* a ``cProfile`` of three steps, sorted by own time and by cumulative time (launch overhead of
+  Triton, casts, GEMM calls, the fused path's own Python),
+* three steps without the profiler: when the host had queued them against when the GPU finished
+  them. Close together means the host sets the pace.
+
+    python benchmarks/host_profile.py --shape llama-3.2-1b --quant bf16 --seq 2048 --batch 8 \\
+        --checkpointing offload --fp8 --out DIR
+
+Needs CUDA. cProfile slows Python down, so its times are larger than in a plain step; compare them
+with each other, not with the GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+import traceback
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--quant", default="bf16", choices=["nf4", "bf16"])
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--checkpointing", default="offload", choices=["auto", "offload", "true", "false"])
+    ap.add_argument("--fp8", action="store_true", help="FP8 forward for the frozen base GEMMs")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args()
+
+    import torch
+    import train_step
+
+    folder = train_step.build_checkpoint(args.shape)
+    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, None, args.fp8)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
+    vocab = train_step.SHAPES[args.shape]["vocab_size"]
+    batches = [torch.randint(3, vocab, (args.batch, args.seq), device="cuda") for _ in range(8)]
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    for ids in batches[:2]:
+        step(ids)
+    torch.cuda.synchronize()
+    lines: list[str] = [f"# host profile: notebookkit {args.shape} {args.quant} {args.seq}x{args.batch} "
+                        f"checkpointing={args.checkpointing} fp8={args.fp8}, {torch.cuda.get_device_name(0)}"]
+
+    stacks: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=14)[:-2])[-600:]
+        stacks[stack] = stacks.get(stack, 0) + 1
+
+    previous = warnings.showwarning
+    warnings.showwarning = record
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        step(batches[2])
+        torch.cuda.set_sync_debug_mode(0)
+    warnings.showwarning = previous
+    torch.cuda.synchronize()
+    lines.append(f"== {sum(stacks.values())} synchronising calls in one step, {len(stacks)} distinct stacks")
+    for stack, count in sorted(stacks.items(), key=lambda kv: -kv[1]):
+        lines.append(f"--- x{count}\n{stack}")
+
+    profiler = cProfile.Profile()
+    start = time.time()
+    profiler.enable()
+    for ids in batches[3:6]:
+        step(ids)
+    profiler.disable()
+    host = time.time() - start
+    torch.cuda.synchronize()
+    lines.append(f"== 3 steps under cProfile: host done at {host * 1e3:.1f} ms, GPU done at {(time.time() - start) * 1e3:.1f} ms")
+    for key in ("tottime", "cumtime"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(45)
+        lines.append(text.getvalue())
+
+    torch.cuda.synchronize()
+    start = time.time()
+    for ids in batches[5:8]:
+        step(ids)
+    host = time.time() - start
+    torch.cuda.synchronize()
+    lines.append(f"== 3 steps without profiler: host done at {host * 1e3:.1f} ms, GPU done at {(time.time() - start) * 1e3:.1f} ms")
+
+    os.makedirs(args.out, exist_ok=True)
+    name = f"host-profile-{args.shape}-{args.quant}-{args.seq}x{args.batch}-{args.checkpointing}{'-fp8' if args.fp8 else ''}.txt"
+    with open(os.path.join(args.out, name), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(line for line in lines if line.startswith("==")))
+
+
+if __name__ == "__main__":
+    main()
