@@ -56,13 +56,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
     vocab = train_step.SHAPES[args.shape]["vocab_size"]
     batches = [torch.randint(3, vocab, (args.batch, args.seq), device="cuda") for _ in range(8)]
-
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return out.loss.detach()
+    step = train_step.training_step(model, optimizer)
 
     for ids in batches[:2]:
         step(ids)

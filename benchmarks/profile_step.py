@@ -356,12 +356,7 @@ def run(args) -> str:
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = [torch.randint(3, vocab, (args.batch, args.seq), device="cuda", generator=gen)
                for _ in range(args.warmup + args.steps)]
-
-    def step(ids):
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    step = train_step.training_step(model, optimizer)
 
     warm_ms = None
     for ids in batches[: args.warmup]:

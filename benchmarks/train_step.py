@@ -192,6 +192,23 @@ def plan_counts(model) -> str:
     return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "recompute", "offload") if modes.count(m))
 
 
+def training_step(model, optimizer):
+    """The step every benchmark times: forward with labels, backward, optimizer step, ``zero_grad``.
+
+    The returned function takes the token ids and returns the loss as a device tensor (reading it on
+    the host would wait for the GPU).
+    """
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--system", required=True, choices=["hf", "compile", "liger", "unsloth", "notebookkit"])
@@ -235,13 +252,7 @@ def main() -> None:
         for _ in range(args.warmup + args.steps)
     ]
 
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return out.loss.detach()
-
+    step = training_step(model, optimizer)
     losses = [step(ids).item() for ids in batches[: args.warmup]]
     torch.cuda.synchronize()
     # CUDA events between timed steps (no host sync inside the window): per-step times, whose median
