@@ -70,14 +70,12 @@ def main() -> None:
         stack = "".join(traceback.format_stack(limit=14)[:-2])[-600:]
         stacks[stack] = stacks.get(stack, 0) + 1
 
-    previous = warnings.showwarning
-    warnings.showwarning = record
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         step(batches[2])
         torch.cuda.set_sync_debug_mode(0)
-    warnings.showwarning = previous
     torch.cuda.synchronize()
     lines.append(f"== {sum(stacks.values())} synchronising calls in one step, {len(stacks)} distinct stacks")
     for stack, count in sorted(stacks.items(), key=lambda kv: -kv[1]):
