@@ -85,8 +85,8 @@ class LoRAProjection:
     lora_B: torch.Tensor | None = None
     scaling: float = 1.0
     fp8_forward: bool = False
-    # (dtype, version of A, version of B, (A, B) cast to dtype): see adapters().
-    _adapter_casts: Any = field(default=None, init=False, repr=False, compare=False)
+    # {"A" or "B": (dtype, version of the adapter, its cast to dtype)}: see adapters().
+    _adapter_casts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.quant_state is None:
@@ -157,17 +157,19 @@ class LoRAProjection:
         its version counter: a forward, its backward and a checkpointing recompute that use the same
         projection share one cast instead of casting again (two launches per adapter saved each time).
         """
-        A, B = self.lora_A, self.lora_B
-        if A is None:
+        if self.lora_A is None:
             return None, None
-        if A.dtype == dtype and B.dtype == dtype:
-            return A, B
-        kept = self._adapter_casts
-        if kept is not None and kept[0] == dtype and kept[1] == A._version and kept[2] == B._version:
-            return kept[3]
-        casts = (A.detach().to(dtype), B.detach().to(dtype))
-        self._adapter_casts = (dtype, A._version, B._version, casts)
-        return casts
+        return self._in_dtype("A", self.lora_A, dtype), self._in_dtype("B", self.lora_B, dtype)
+
+    def _in_dtype(self, name: str, adapter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if adapter.dtype == dtype:
+            return adapter
+        kept = self._adapter_casts.get(name)
+        if kept is not None and kept[0] == dtype and kept[1] == adapter._version:
+            return kept[2]
+        cast = adapter.detach().to(dtype)
+        self._adapter_casts[name] = (dtype, adapter._version, cast)
+        return cast
 
     def check_frozen(self) -> None:
         if self.weight.requires_grad and torch.is_grad_enabled():
