@@ -22,6 +22,11 @@ Adapters (params + grads + optimizer), over the targeted projections, ``P_lora =
     8-bit (blockwise, fp32 absmax per 256 values) AdamW variants, 4 for Lion, 0 for SGD,
     ``4*(rows+cols)/(rows*cols)`` per matrix for Adafactor. Adapters in another dtype than the
     compute dtype add their casts, kept through the step by the fused path: ``P_lora * s``.
+    Adapters in the compute dtype are used as they are, except the ``A`` of projections that share
+    an input (q, k, v; gate, up), which the fused path concatenates into one ``A_cat`` per group
+    (one rank-space GEMM for the group), kept through the step: ``L * r * H * s`` per grouped
+    projection, for a group whose projections are all targeted. (In another dtype, ``A_cat`` takes
+    the place of those ``A`` casts: ``P_lora * s`` either way.)
 
 Activations saved for backward, per decoder layer, by mode (checked tensor by tensor with
 ``torch.autograd.graph.saved_tensors_hooks`` on the fused path: ``tests/memory/test_saved_activations.py``)
@@ -362,6 +367,18 @@ def estimate_for_model(
     return estimate_training_memory(model, batch_size=batch_size, seq_len=int(seq_len), **kwargs)
 
 
+GROUPED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def grouped_lora_A_params(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
+    """Elements of the ``A_cat`` the fused path builds: ``L * sum r * in`` over the projections of every
+    group sharing an input (q/k/v; gate/up) whose members are all targeted (same rank)."""
+    targets = _targets(target_modules)
+    dims = shape.projection_shapes()
+    grouped = [t for group in GROUPED_PROJECTIONS if all(t in targets for t in group) for t in group]
+    return shape.num_layers * sum(r * dims[t][0] for t in grouped)
+
+
 def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
     """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``."""
     dims = shape.projection_shapes()
@@ -567,8 +584,13 @@ def estimate_training_memory(
         details["adapters + optimizer: fp32 master copy"] = master_b
     details["adapters + optimizer: optimizer states"] = opt_b
     # The fused kernels cast adapters kept in another dtype (PEFT's fp32 under 16-bit compute) once per
-    # forward pass and keep the casts for the recompute and the backward (lora_fast_path.views).
-    casts_b = p_lora * s if a_bytes != s else 0
+    # forward pass and keep the casts for the recompute and the backward (lora_fast_path.views); the
+    # A of grouped projections (q/k/v, gate/up) go into one A_cat per group instead, of the same size.
+    # Adapters already in the compute dtype are not copied, except into those A_cat.
+    if a_bytes != s:
+        casts_b = p_lora * s
+    else:
+        casts_b = grouped_lora_A_params(shape, lora_r, targets) * s
     if casts_b:
         details["adapters + optimizer: compute-dtype copies"] = casts_b
     adapters = params_b + grads_b + master_b + opt_b + casts_b

@@ -41,6 +41,23 @@ def test_tiny_config_matches_hand_computed_sizes_keep():
     assert est.peak_allocated == est.total
 
 
+def test_tiny_config_adapters_in_the_compute_dtype_keep_only_the_grouped_a_copies():
+    # bf16 adapters under bf16 compute are used as they are, except A of q/k/v and of gate/up, copied
+    # into one A_cat per group: r * H per grouped projection = 4 * 64 * 5 = 1280 per layer, 2560 for
+    # two layers, 5120 bytes. Weights 2 + grads 2 + fp32 master 4 + AdamW 8 = 16 bytes -> 131072.
+    est = estimate_training_memory(TINY, activation_plan="keep", adapter_dtype="bfloat16", **KW)
+    assert est.details["adapters + optimizer: compute-dtype copies"] == 5120
+    assert est.adapters == 131072 + 5120
+    # A group with an untargeted member runs per projection (no A_cat): only gate/up are grouped here,
+    # 4 * 64 * 2 * 2 layers = 1024 elements = 2048 bytes.
+    part = estimate_training_memory(TINY, activation_plan="keep", adapter_dtype="bfloat16",
+                                    target_modules=["q_proj", "v_proj", "gate_proj", "up_proj"], **KW)
+    assert part.details["adapters + optimizer: compute-dtype copies"] == 2048
+    # In another dtype, A_cat takes the place of the A casts: all adapters once in bf16, as before.
+    assert estimate_training_memory(TINY, activation_plan="keep", **KW).details[
+        "adapters + optimizer: compute-dtype copies"] == 8192 * 2
+
+
 def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
     est = estimate_training_memory(TINY, activation_plan="recompute", **KW)
     # Layer inputs only: 64 tokens * 64 * 2 B = 8192 per layer.

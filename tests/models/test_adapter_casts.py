@@ -133,3 +133,29 @@ def test_projection_recasts_after_an_in_place_update():
     assert a2 is not a1 and torch.equal(a2, A.to(torch.bfloat16)) and torch.equal(b2, B.to(torch.bfloat16))
     assert proj.adapters(torch.float32)[0] is A  # already in the compute dtype: no copy
 
+
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32_adapters", "bf16_adapters"])
+def test_kept_copies_are_what_the_memory_model_counts(adapter_dtype):
+    """After a step, the compute-dtype copies kept on the layers' projections (adapter casts and the
+    grouped A_cat) are the memory model's "compute-dtype copies", byte for byte."""
+    from notebookkit.memory import estimate_training_memory
+
+    model = _bf16_lora_model("llama", "recompute")
+    with torch.no_grad():
+        for p in _adapters(model):
+            p.data = p.data.to(adapter_dtype)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+
+    kept = {}
+    for module in model.modules():
+        views_kept = module.__dict__.get(lora_fast_path._VIEWS_KEPT)
+        if views_kept is None or views_kept.result[0] is None:
+            continue
+        for view in views_kept.result[0]:
+            proj = view.projection
+            tensors = [cast for _, _, cast in proj._adapter_casts.values()]
+            tensors += [proj._group_cast[3]] if proj._group_cast is not None else []
+            kept.update({t.data_ptr(): t.numel() * t.element_size() for t in tensors})
+    est = estimate_training_memory(model.config, dtype="bfloat16", lora_r=4, adapter_dtype=str(adapter_dtype))
+    assert sum(kept.values()) == est.details.get("adapters + optimizer: compute-dtype copies", 0) > 0
