@@ -136,6 +136,60 @@ def test_quantize_errors():
         quantize_rowwise_fp8(torch.ones(2, 3, dtype=torch.int32))
 
 
+def _fp8_buffers(rows, cols, device, seed=7):
+    """A ``[rows, cols]`` FP8 buffer and ``[rows, 1]`` fp32 scales filled with junk (every slot must be
+    overwritten by the quantisation written into it)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 120, (rows, cols), generator=gen, dtype=torch.uint8).view(FP8_DTYPE).to(device)
+    return q, torch.full((rows, 1), -3.0, device=device)
+
+
+def _assert_bits_equal(got, want):
+    (q, s), (q_ref, s_ref) = got, want
+    assert torch.equal(s, s_ref), f"{(s != s_ref).sum().item()} scales differ"
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "FP8 codes differ"
+
+
+@pytest.mark.parametrize(
+    "dtype, triton_path",
+    [(torch.float32, True), (torch.float16, True), (torch.float32, False), (torch.bfloat16, False)],
+    ids=["fp32-triton", "fp16-triton", "fp32-torch", "bf16-torch"],
+)
+@pytest.mark.parametrize("one_pass_max_k", [fp8_matmul.ONE_PASS_MAX_K, 64], ids=["one-pass", "two-pass"])
+def test_quantize_into_row_slices_of_one_buffer(dtype, triton_path, one_pass_max_k, monkeypatch):
+    """``out=``: three matrices quantised into consecutive row blocks of one ``[O_total, K]`` buffer
+    (+ ``[O_total, 1]`` scales) give the bits of quantising each alone, and ``out`` is returned."""
+    if triton_path and not interpreter_on():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(fp8_matmul, "ONE_PASS_MAX_K", one_pass_max_k)
+    gen = torch.Generator().manual_seed(3)
+    rows = (5, 16, 7)
+    mats = [(torch.randn(r, 200, generator=gen) * 10.0 ** (i - 1)).to(dtype) for i, r in enumerate(rows)]
+    mats[1][4] = 0.0
+    q_cat, s_cat = _fp8_buffers(sum(rows), 200, "cpu")
+    start = 0
+    with use_triton(triton_path):
+        for m in mats:
+            out = (q_cat[start:start + m.shape[0]], s_cat[start:start + m.shape[0]])
+            got = quantize_rowwise_fp8(m, out=out)
+            assert got[0] is out[0] and got[1] is out[1]
+            start += m.shape[0]
+        alone = [quantize_rowwise_fp8(m) for m in mats]
+    _assert_bits_equal((q_cat, s_cat), (torch.cat([a[0] for a in alone]), torch.cat([a[1] for a in alone])))
+
+
+def test_quantize_out_errors():
+    x = torch.randn(4, 32)
+    q, s = _fp8_buffers(8, 32, "cpu")
+    with pytest.raises(ValueError, match=r"out must be"):
+        quantize_rowwise_fp8(x, out=(q, s))  # 8 rows for 4
+    with pytest.raises(ValueError, match=r"out must be"):
+        quantize_rowwise_fp8(x, out=(q[:4].float(), s[:4]))  # not FP8
+    wide, _ = _fp8_buffers(4, 64, "cpu")
+    with pytest.raises(ValueError, match=r"out must be"):
+        quantize_rowwise_fp8(x, out=(wide[:, :32], s[:4]))  # a column block is not whole rows
+
+
 # --------------------------------------------------------------------------------------------------
 # fp8_linear
 # --------------------------------------------------------------------------------------------------
