@@ -28,7 +28,14 @@ That is 23 GEMM calls per forward + backward instead of 27 (fewer host launches;
 projection reads h and stays alone).
 
 The activation backward comes from :mod:`notebookkit.kernels.swiglu` / :mod:`notebookkit.kernels.geglu`
-(in-place Triton kernels on CUDA). Base weights are frozen; ``B A`` is never formed. Because e and g
+(in-place Triton kernels on CUDA).
+
+FP8 forward (gate and up with ``fp8_forward``, ``hidden`` and ``I`` multiples of 16): the two base
+products are one ``torch._scaled_mm`` of the FP8 ``X`` with ``[Q_Wg; Q_Wu]``
+(:func:`notebookkit.kernels.lora_projection.grouped_fp8_base_forward`), and e, g are the column
+blocks ``[:, :I]``, ``[:, I:]`` of its ``[N, 2I]`` output (views, not copies). The activation kernels
+read them in place (row stride ``2I``), they are saved as such, and the in-place backward writes
+de, dg back into those same column blocks (the two blocks do not overlap). Base weights are frozen; ``B A`` is never formed. Because e and g
 are overwritten, the backward can run once per forward (``retain_graph=True`` is refused).
 
 The backward never reads ``Y``. A checkpointed decoder layer whose MLP output only enters the
@@ -43,7 +50,7 @@ from typing import Callable
 
 import torch
 
-from .geglu import geglu, geglu_backward_
+from .geglu import geglu_backward_, geglu_forward, geglu_reference
 from .lora_projection import (
     LoRAProjection,
     accumulate_grouped_input_grad_,
@@ -54,6 +61,7 @@ from .lora_projection import (
     flatten_tokens,
     grouped_adapter_grads,
     grouped_projection_forward,
+    group_base_outputs,
     grouped_rank_grad,
     lora_rank_grad,
     no_autocast,
@@ -61,7 +69,8 @@ from .lora_projection import (
     projection_reference,
     quantize_shared_input,
 )
-from .swiglu import swiglu, swiglu_backward_
+from .runtime import should_use_triton
+from .swiglu import swiglu_backward_, swiglu_forward, swiglu_reference
 
 __all__ = ["lora_mlp", "lora_mlp_reference", "LoRAMLPFunction", "ACTIVATIONS"]
 
@@ -80,14 +89,20 @@ def _torch_act(activation: str, e: torch.Tensor) -> torch.Tensor:
 
 
 def _activation_ops(activation: str) -> tuple[Callable, Callable]:
-    """``(forward(e, g) -> h, backward_(dh, e, g) -> (h, de, dg))`` for the activation name."""
+    """``(forward(e, g) -> h, backward_(dh, e, g) -> (h, de, dg))`` for the activation name.
+
+    The forward runs inside this module's autograd function (no graph of its own), so it calls the
+    Triton launcher directly (or the PyTorch reference off Triton): ``e`` and ``g`` may be the column
+    blocks of one grouped FP8 product (row slices with one row stride), which the launcher reads in
+    place, where ``swiglu()``'s autograd function would first copy them to contiguous tensors.
+    """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
     if activation == "swiglu":
-        return swiglu, swiglu_backward_
+        return (lambda e, g: swiglu_forward(e, g) if should_use_triton(e) else swiglu_reference(e, g)), swiglu_backward_
     approximate = "tanh" if activation == "geglu_tanh" else "none"
     return (
-        lambda e, g: geglu(e, g, approximate=approximate),
+        lambda e, g: geglu_forward(e, g, approximate) if should_use_triton(e) else geglu_reference(e, g, approximate),
         lambda dh, e, g: geglu_backward_(dh, e, g, approximate),
     )
 
@@ -106,13 +121,14 @@ class LoRAMLPFunction(torch.autograd.Function):
         act_forward, _ = _activation_ops(activation)
         x2d = flatten_tokens(x)
         x_fp8 = quantize_shared_input(x2d, gate, up)
+        base_e, base_g = group_base_outputs(x2d, (gate, up), x_fp8)  # FP8: one product when it applies
         group = adapter_group((gate, up), x.dtype)
         if group is not None:
-            e, g = grouped_projection_forward(x2d, group, x_fp8)
+            e, g = grouped_projection_forward(x2d, group, x_fp8, [base_e, base_g])
         else:
-            e = projection_forward(x2d, gate, *gate.adapters(x.dtype), x_fp8)
-            g = projection_forward(x2d, up, *up.adapters(x.dtype), x_fp8)
-        del x_fp8
+            e = projection_forward(x2d, gate, *gate.adapters(x.dtype), x_fp8, base_e)
+            g = projection_forward(x2d, up, *up.adapters(x.dtype), x_fp8, base_g)
+        del x_fp8, base_e, base_g
         if compute_output:
             h = act_forward(e, g)
             A, B = down.adapters(x.dtype)

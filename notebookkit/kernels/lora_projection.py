@@ -40,7 +40,13 @@ FP8 forward (opt-in, ``LoRAProjection(..., fp8_forward=True)``): the base part o
 ``X W^T``, is computed in FP8 by :mod:`notebookkit.kernels.fp8_matmul` (X and W quantised
 rowwise to FP8 e4m3, one fp32 scale per token and per output channel; ``torch._scaled_mm`` on
 sm_89+ GPUs). The low-rank path and the whole backward are unchanged: ``dX = dY W + U A`` and the
-adapter gradients use the 16-bit (dequantised) W, as without the flag.
+adapter gradients use the 16-bit (dequantised) W, as without the flag. Projections that read the
+same ``X`` (q/k/v; gate/up), all with the flag and ``K``, each ``O_i`` multiples of 16, share one
+product (:func:`grouped_fp8_base_forward`): their weights are quantised into the row blocks of one
+FP8 buffer ``[O_total, K]`` and ``Y_cat = diag(s_x) Q_x Q_Wcat^T diag(s_Wcat)`` is one
+``torch._scaled_mm`` (host cost ~70 us a call) instead of one per projection; each projection's
+output is a column block of ``Y_cat`` (a view, row stride ``O_total``) into which its low-rank term
+is added in place.
 
 dtypes: everything is computed in the *compute dtype*, which is the autocast dtype when autocast
 is on for the input's device and ``x.dtype`` otherwise. Adapter matrices kept in another dtype
@@ -59,7 +65,7 @@ from typing import Any
 
 import torch
 
-from .fp8_matmul import fp8_matmul_quantized, quantize_rowwise_fp8
+from .fp8_matmul import FP8_DTYPE, fp8_matmul_quantized, quantize_rowwise_fp8, scaled_mm_applies_to
 from .nf4_fp8 import quantize_nf4_rowwise_fp8
 from .nf4 import dequantize_nf4
 
@@ -69,6 +75,9 @@ __all__ = [
     "no_autocast",
     "projection_forward",
     "quantize_shared_input",
+    "fp8_group_applies",
+    "grouped_fp8_base_forward",
+    "group_base_outputs",
     "lora_rank_grad",
     "accumulate_input_grad_",
     "adapter_grads",
@@ -174,11 +183,18 @@ class LoRAProjection:
             return dequantize_nf4(self.weight, self.quant_state, out_dtype=dtype)
         return dequantize_nf4(self.weight, self.quant_state, out_dtype=torch.float32).to(dtype)
 
-    def base_weight_fp8(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Q_w, s_w)``: the base weight in ``dtype`` quantised rowwise to FP8 e4m3 (NF4 in one pass)."""
+    def base_weight_fp8(
+        self, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Q_w, s_w)``: the base weight in ``dtype`` quantised rowwise to FP8 e4m3 (NF4 in one pass).
+
+        ``out``: ``(Q_w, s_w)`` buffers to write into (float8_e4m3fn ``[out, in]``, float32
+        ``[out, 1]``, contiguous; e.g. this projection's rows of a group's buffer, see
+        :func:`grouped_fp8_base_forward`); the bits are the same as without it.
+        """
         if self.quantized:
-            return quantize_nf4_rowwise_fp8(self.weight, self.quant_state, dtype)
-        return quantize_rowwise_fp8(self.base_weight(dtype))
+            return quantize_nf4_rowwise_fp8(self.weight, self.quant_state, dtype, out=out)
+        return quantize_rowwise_fp8(self.base_weight(dtype), out=out)
 
     def adapters(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(A, B)`` in the compute dtype (``(None, None)`` without adapter).
@@ -263,20 +279,104 @@ def quantize_shared_input(x2d: torch.Tensor, *projs: LoRAProjection) -> tuple[to
     return quantize_rowwise_fp8(x2d)
 
 
+def fp8_group_applies(x2d: torch.Tensor, projs: tuple[LoRAProjection, ...]) -> bool:
+    """Whether the FP8 base products of ``projs`` (which all read ``x2d [N, K]``) can run as one
+    product (:func:`grouped_fp8_base_forward`).
+
+    Yes when there are at least two projections, all with ``fp8_forward``, all with ``in == K``, their
+    base weights on ``x2d``'s device, ``N > 0``, and ``torch._scaled_mm`` applies to each projection's
+    shape (:func:`notebookkit.kernels.fp8_matmul.scaled_mm_applies_to`; then it also applies to the
+    concatenated ``O_total``). The per-projection rule is asked, not only the concatenated one, so that
+    a projection whose own product would be emulated (``O`` not a multiple of 16) keeps that path:
+    grouped or not, every projection gets the same kind of product. Otherwise (a projection without
+    the flag, another ``K``, an odd shape, ...) each projection runs its own FP8 or 16-bit product.
+    """
+    if len(projs) < 2 or x2d.shape[0] == 0:
+        return False
+    K = x2d.shape[1]
+    return all(
+        p.fp8_forward and p.in_features == K and p.weight.device == x2d.device
+        and scaled_mm_applies_to(x2d, p.out_features)
+        for p in projs
+    )
+
+
+def grouped_fp8_base_forward(
+    x2d: torch.Tensor,
+    projs: tuple[LoRAProjection, ...],
+    x_fp8: tuple[torch.Tensor, torch.Tensor],
+) -> list[torch.Tensor]:
+    """The base parts ``X W_i^T`` of projections reading one ``X [N, K]``, from one FP8 product.
+
+    With ``W_cat = [W_1; ...; W_n]`` ``[O_total, K]`` (``O_total = sum O_i``), each ``W_i`` quantised
+    rowwise into its own row block of one buffer (the bits of quantising it alone), and
+    ``(Q_x, s_x) = x_fp8``::
+
+        Q_Wcat = [Q_W1; ...; Q_Wn]    float8_e4m3fn [O_total, K]      s_Wcat = [s_W1; ...; s_Wn]  fp32 [O_total, 1]
+        Y_cat  = diag(s_x) Q_x Q_Wcat^T diag(s_Wcat)                  one torch._scaled_mm, [N, O_total]
+        X W_i^T  ~  Y_cat[:, o_i : o_i + O_i]                          o_i = O_1 + ... + O_(i-1)
+
+    Row ``o`` of ``W_cat`` only meets column ``o`` of ``Y_cat``, so each column block is the product
+    the projection would get alone (up to the GEMM's blocking of the K sum, which cuBLAS may choose
+    differently for another ``O``). The outputs are column-slice *views* of ``Y_cat`` (row stride
+    ``O_total``), not copies: the caller adds the LoRA term into them in place (``addmm_``; on CUDA
+    cuBLAS takes a row-major output slice with leading dimension ``O_total``, on CPU as well).
+
+    Memory: the group's FP8 weights (``O_total * K`` bytes + ``4 * O_total`` of scales) are alive
+    together during the product, instead of one projection's at a time. Preconditions:
+    :func:`fp8_group_applies`.
+    """
+    dtype = x2d.dtype
+    device = x2d.device
+    sizes = [p.out_features for p in projs]
+    total = sum(sizes)
+    q_cat = torch.empty((total, x2d.shape[1]), dtype=FP8_DTYPE, device=device)
+    scale_cat = torch.empty((total, 1), dtype=torch.float32, device=device)
+    start = 0
+    for proj, rows in zip(projs, sizes):
+        proj.base_weight_fp8(dtype, out=(q_cat[start:start + rows], scale_cat[start:start + rows]))
+        start += rows
+    y_cat = fp8_matmul_quantized(x_fp8, (q_cat, scale_cat), dtype)
+    del q_cat, scale_cat
+    outs, start = [], 0
+    for rows in sizes:
+        outs.append(y_cat[:, start:start + rows])
+        start += rows
+    return outs
+
+
+def group_base_outputs(
+    x2d: torch.Tensor,
+    projs: tuple[LoRAProjection, ...],
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None,
+) -> list[torch.Tensor | None]:
+    """Per projection: its base part ``X W^T`` from :func:`grouped_fp8_base_forward` when the group's
+    FP8 products can be one (:func:`fp8_group_applies`), else ``None`` (the projection computes its
+    own base product in :func:`projection_forward`)."""
+    if x_fp8 is None or not fp8_group_applies(x2d, projs):
+        return [None] * len(projs)
+    return grouped_fp8_base_forward(x2d, projs, x_fp8)
+
+
 def projection_forward(
     x2d: torch.Tensor,
     proj: LoRAProjection,
     A: torch.Tensor | None,
     B: torch.Tensor | None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Y = X W^T + s (X A^T) B^T`` for ``X [N, in]``, with ``A``/``B`` already in ``x2d.dtype``.
 
     With ``proj.fp8_forward`` the base part ``X W^T`` runs in FP8 (``fp8_matmul_quantized`` of ``X``
     and ``W`` quantised rowwise; ``x_fp8`` is ``X`` already quantised by
-    :func:`quantize_shared_input`); the rest is the same.
+    :func:`quantize_shared_input`); the rest is the same. ``base``: ``X W^T`` already computed (a
+    column slice of a group's product, :func:`group_base_outputs`); the low-rank term is added into
+    it in place and it is returned.
     """
-    if proj.fp8_forward and x2d.numel():
+    if base is not None:
+        y = base
+    elif proj.fp8_forward and x2d.numel():
         x_q = x_fp8 if x_fp8 is not None else quantize_rowwise_fp8(x2d)
         y = fp8_matmul_quantized(x_q, proj.base_weight_fp8(x2d.dtype), x2d.dtype)
     else:
@@ -397,13 +497,16 @@ def grouped_projection_forward(
     x2d: torch.Tensor,
     group: AdapterGroup,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bases: list[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """``Y_P = X W_P^T + s_P (X A_P^T) B_P^T`` for every projection of ``group``, with all ``X A_P^T``
-    from one GEMM ``X A_cat^T`` (the base part as in :func:`projection_forward`)."""
+    from one GEMM ``X A_cat^T`` (the base part as in :func:`projection_forward`, or given in
+    ``bases``, from :func:`group_base_outputs`)."""
     xa_cat = x2d @ group.A_cat.t()
     outs = []
-    for proj, B, cols in zip(group.projs, group.Bs, group.columns):
-        y = projection_forward(x2d, proj, None, None, x_fp8)
+    bases = bases if bases is not None else [None] * len(group.projs)
+    for proj, B, cols, base in zip(group.projs, group.Bs, group.columns, bases):
+        y = projection_forward(x2d, proj, None, None, x_fp8, base)
         y.addmm_(scale_(xa_cat[:, cols], proj.scaling), B.t())
         outs.append(y)
     return outs

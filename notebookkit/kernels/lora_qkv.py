@@ -19,6 +19,13 @@ launches per layer (see :mod:`notebookkit.kernels.lora_projection`). When a proj
 adapter or the ranks differ, each projection runs alone: ``P = X W_P^T + s_P (X A_P^T) B_P^T``,
 ``U_P = s_P dP B_P``, ``dX += dP W_P + U_P A_P``, ``dA_P = U_P^T X``, ``dB_P = s_P dP^T (X A_P^T)``.
 
+FP8 forward (every projection with ``fp8_forward``, ``K`` and each ``out_P`` multiples of 16): the
+three base products are one ``torch._scaled_mm`` of the FP8 ``X`` with ``[Q_Wq; Q_Wk; Q_Wv]``
+(:func:`notebookkit.kernels.lora_projection.grouped_fp8_base_forward`), and Q, K, V are column
+slices of its ``[N, out_q + out_k + out_v]`` output (views, row stride ``out_q + out_k + out_v``:
+not contiguous). The attention code views them as heads and passes them to the RoPE kernel, which
+takes any strides with a unit last stride; V goes to SDPA as a strided view.
+
 Base weights (16-bit or NF4) are frozen; ``B A`` is never formed. See
 :mod:`notebookkit.kernels.lora_projection` for the dtype rules.
 """
@@ -37,6 +44,7 @@ from .lora_projection import (
     flatten_tokens,
     grouped_adapter_grads,
     grouped_projection_forward,
+    group_base_outputs,
     grouped_rank_grad,
     lora_rank_grad,
     no_autocast,
@@ -55,12 +63,14 @@ class LoRAQKVFunction(torch.autograd.Function):
     def forward(ctx, x, projs, *tensors):
         x2d = flatten_tokens(x)
         x_fp8 = quantize_shared_input(x2d, *projs)
+        bases = group_base_outputs(x2d, projs, x_fp8)  # FP8: one product for q, k, v when it applies
         group = adapter_group(projs, x.dtype)
         if group is not None:
-            ys = grouped_projection_forward(x2d, group, x_fp8)
+            ys = grouped_projection_forward(x2d, group, x_fp8, bases)
         else:
-            ys = [projection_forward(x2d, proj, *proj.adapters(x.dtype), x_fp8) for proj in projs]
-        del x_fp8
+            ys = [projection_forward(x2d, proj, *proj.adapters(x.dtype), x_fp8, base)
+                  for proj, base in zip(projs, bases)]
+        del x_fp8, bases
         ctx.save_for_backward(x, *tensors)
         ctx.projs = projs  # the same projections in backward: their adapter casts are reused
         ctx.group = group  # and the same A_cat
