@@ -78,10 +78,14 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
       gradient, the fp32 ``dQ`` accumulator and, with GQA, K/V gradients expanded to all heads
       (FlashAttention 2), or the ``[B, heads, T, T]`` fp32 gradients of an explicit softmax;
     - with the FP8 forward (``fp8_forward=True``), the GEMM of a (re)computed forward when it needs
-      more: the one-byte copies of the projection's input and weight, ``N*in + in*out`` for the
-      largest projection, alive only during that GEMM (an NF4 weight goes to FP8 in one kernel, with
-      no 16-bit copy, when its rows are whole 64-element blocks of at most 16K elements; otherwise
-      its dequantised 16-bit weight is added).
+      more: the one-byte copies of the input and of the weights of one FP8 product,
+      ``N*in + sum(in*out)``, alive only during that product, for the largest product. q/k/v and
+      gate/up (which read one input) are one product each when ``in`` and every ``out`` are
+      multiples of 16 (``kernels.lora_projection.fp8_group_applies``): their weights sit together in
+      one FP8 buffer, ``in * (out_q + out_k + out_v)`` and ``2 * in * I``; otherwise, and for o and
+      down, one projection at a time (an NF4 weight goes to FP8 in one kernel, with no 16-bit copy,
+      when its rows are whole 64-element blocks of at most 16K elements; otherwise its dequantised
+      16-bit weight is added). The fp32 scales (4 bytes per token and per output row) are left out.
     The LoRA gradients (in "adapters + optimizer") are counted as alive throughout.
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
     so :attr:`MemoryEstimate.peak_allocated` leaves it out.
@@ -379,6 +383,23 @@ def grouped_lora_A_params(shape: ModelShape, r: int, target_modules: Iterable[st
     return shape.num_layers * sum(r * dims[t][0] for t in grouped)
 
 
+def fp8_products(shape: ModelShape) -> list[tuple[str, ...]]:
+    """The projections of one layer whose FP8 base products are one product with the FP8 forward:
+    q/k/v and gate/up each as one (their weights in one FP8 buffer) when the input size and each
+    output size are multiples of 16 (``torch._scaled_mm``'s rule, as
+    ``kernels.lora_projection.fp8_group_applies``), otherwise and for o and down one per projection."""
+    dims = shape.projection_shapes()
+    products: list[tuple[str, ...]] = []
+    for group in GROUPED_PROJECTIONS:
+        if all(dims[n][0] % 16 == 0 and dims[n][1] % 16 == 0 for n in group):
+            products.append(group)
+        else:
+            products.extend((n,) for n in group)
+    grouped = {n for g in GROUPED_PROJECTIONS for n in g}
+    products.extend((n,) for n in dims if n not in grouped)
+    return products
+
+
 def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
     """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``."""
     dims = shape.projection_shapes()
@@ -460,8 +481,8 @@ def backward_working_set(
     ``{"mlp": ..., "attention": ..., "fp8_forward": ...}``: the high-water marks inside a layer's
     backward (see the module docstring, "Temporaries"). ``attention`` is relative to the MLP
     moment's baseline, with the layer's e and g already freed (it can be negative).
-    ``fp8_forward`` is the FP8 copies of one projection's input and weight during a (recomputed)
-    forward GEMM (0 without the FP8 forward).
+    ``fp8_forward`` is the FP8 copies of the input and weights of one FP8 product during a
+    (recomputed) forward: the largest of :func:`fp8_products` (0 without the FP8 forward).
     """
     N = batch_size * seq_len
     s = dtype_bytes
@@ -479,7 +500,8 @@ def backward_working_set(
     fp8 = 0
     if fp8_forward:
         one_pass_nf4 = all(i % 64 == 0 and i <= 16384 for i, _ in shape.projection_shapes().values())
-        fp8 = max(N * i + i * o for i, o in shape.projection_shapes().values())
+        dims = shape.projection_shapes()
+        fp8 = max(N * dims[names[0]][0] + sum(dims[n][0] * dims[n][1] for n in names) for names in fp8_products(shape))
         fp8 += 0 if one_pass_nf4 else dequant
     return {"mlp": mlp, "attention": attn - freed, "fp8_forward": fp8}
 
