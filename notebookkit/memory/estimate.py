@@ -43,7 +43,8 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
                Soft-capped attention (Gemma 2) runs an explicit softmax instead of SDPA: K and V
                are kept repeated to all ``heads`` (``2*dq`` instead of ``2*dk``), no log-sum-exp, and
                per layer ``B * heads * T^2 * (2*s + 4)`` bytes (the tanh output, the fp32 softmax and
-               the 16-bit probabilities) plus the boolean mask ``B * T^2``.
+               the 16-bit probabilities) plus the boolean mask ``B * T^2`` (``T^2`` when the forward is
+               plainly causal and Hugging Face builds no mask; the estimate keeps the larger).
                LoRA dropout > 0 adds the dropped input (``s`` bytes) and its mask (1 byte) per target.
     recompute: the layer input only, ``N * H * s``.
     offload:   nothing on the GPU (the input lives in pinned host memory, ``N * H * s`` there),
