@@ -82,6 +82,10 @@ def eg_row_stride(e: torch.Tensor, g: torch.Tensor) -> int | None:
     return e.stride(-2)
 
 
+# Device-only helpers, compiled as part of the SwiGLU/GeGLU kernels that call them (tests/kernels/aot.py).
+AOT_HELPERS = ["eg_offsets"]
+
+
 @triton.jit
 def eg_offsets(offs, n_cols, stride_eg, EG_STRIDED: tl.constexpr):
     """Offsets of elements ``offs`` (row-major numbering) in ``e``/``g``: themselves when contiguous,
