@@ -49,6 +49,8 @@ __all__ = [
     "fp8_linear_reference",
     "fp8_matmul_quantized",
     "scaled_mm_applies",
+    "scaled_mm_applies_to",
+    "check_fp8_out",
     "USE_FAST_ACCUM",
 ]
 
@@ -116,7 +118,13 @@ def scaled_mm_applies(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
     free), an FP8-capable GPU (sm_89+) or the CPU. The CPU kernel takes any shape, but the rule is
     the same everywhere so that a shape runs the same path on every device.
     """
-    K, O = x2d.shape[1], weight.shape[0]
+    return scaled_mm_applies_to(x2d, weight.shape[0])
+
+
+def scaled_mm_applies_to(x2d: torch.Tensor, out_features: int) -> bool:
+    """:func:`scaled_mm_applies` for a weight of ``out_features`` rows (e.g. a packed NF4 weight,
+    whose tensor shape is not ``[O, K]``)."""
+    K, O = x2d.shape[1], int(out_features)
     if K % 16 or O % 16 or K == 0 or O == 0 or x2d.shape[0] == 0:
         return False
     if x2d.device.type == "cpu":
@@ -208,12 +216,15 @@ def _launch_config(K: int) -> tuple[int, bool, int]:
     return 4096, False, 8
 
 
-def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_triton(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if out is None:
+        q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+        scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    else:
+        q, scale = out
     if M == 0:
         return q, scale
     block, one_pass, warps = _launch_config(K)
@@ -223,38 +234,76 @@ def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def check_fp8_out(out: tuple[torch.Tensor, torch.Tensor], rows: int, cols: int, device: torch.device, op: str) -> None:
+    """Raise unless ``out = (q, scale)`` can take the rowwise FP8 quantisation of a ``[rows, cols]``
+    matrix: ``q`` float8_e4m3fn ``[rows, cols]`` and ``scale`` float32 ``[rows, 1]``, both contiguous
+    (a block of whole rows of a larger row-major buffer is) and on ``device``."""
+    q, scale = out
+    ok = (q.dtype == FP8_DTYPE and tuple(q.shape) == (rows, cols) and q.is_contiguous()
+          and scale.dtype == torch.float32 and tuple(scale.shape) == (rows, 1) and scale.is_contiguous()
+          and q.device == device and scale.device == device)
+    if not ok:
+        raise ValueError(
+            f"{op}: out must be (q float8_e4m3fn [{rows}, {cols}], scale float32 [{rows}, 1]), both contiguous "
+            f"(whole rows of a row-major buffer) on {device}; got q {q.dtype} {tuple(q.shape)} strides "
+            f"{q.stride()} on {q.device}, scale {scale.dtype} {tuple(scale.shape)} strides {scale.stride()} "
+            f"on {scale.device}."
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------------
 
 
-def quantize_rowwise_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-PyTorch :func:`quantize_rowwise_fp8` (fp32 math; the CPU path and the test oracle)."""
+def quantize_rowwise_fp8_reference(
+    x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch :func:`quantize_rowwise_fp8` (fp32 math; the CPU path and the test oracle).
+
+    With ``out`` the results are copied into it (an exact copy of the same bits) and ``out`` is returned.
+    """
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
     scale = amax.clamp_min(AMAX_FLOOR).mul_(INV_FP8_MAX)
     q = (xf * scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    if out is None:
+        return q, scale
+    out[0].copy_(q)
+    out[1].copy_(scale)
+    return out
 
 
-def quantize_rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise_fp8(
+    x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each row of ``x [M, K]`` to FP8 e4m3 with its own scale.
 
     ``scale = max(amax_row(|x|), 1e-12) * fp32(1/448)`` and ``q = round_e4m3(clamp(x * fp32(1 / scale), ±448))``, in
     fp32, so ``q * scale`` approximates ``x`` to a relative ``2^-4`` per element. A zero row gives
     zeros (no NaN).
 
+    Args:
+        x: ``[M, K]``, floating point.
+        out: optional ``(q, scale)`` to write into instead of new tensors: ``q`` float8_e4m3fn
+            ``[M, K]`` and ``scale`` float32 ``[M, 1]``, contiguous, e.g. the rows ``r0 .. r0 + M`` of
+            a larger ``[O_total, K]`` / ``[O_total, 1]`` pair. Each row is quantised on its own, so
+            the bits are those of quantising ``x`` alone (this is how a group of projections reading
+            one input puts its weights into one FP8 buffer for one ``_scaled_mm``).
+
     Returns:
         ``(q, scale)``: ``q`` is ``float8_e4m3fn [M, K]`` (row-major), ``scale`` is ``float32 [M, 1]``
-        (positive).
+        (positive); ``out`` itself when given.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_rowwise_fp8 expects a [rows, cols] matrix, got shape {tuple(x.shape)}.")
     if not x.is_floating_point():
         raise ValueError(f"quantize_rowwise_fp8 expects a floating-point tensor, got {x.dtype}.")
+    if out is not None:
+        check_fp8_out(out, x.shape[0], x.shape[1], x.device, "quantize_rowwise_fp8")
     if x.shape[1] and should_use_triton(x):
-        return _quantize_triton(x)
-    return quantize_rowwise_fp8_reference(x)
+        return _quantize_triton(x, out)
+    return quantize_rowwise_fp8_reference(x, out)
 
 
 def _emulated_product(qx, sx, qw, sw, dtype: torch.dtype) -> torch.Tensor:

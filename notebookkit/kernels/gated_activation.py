@@ -7,7 +7,17 @@ projection outputs of one shape) and their kernels take the same arguments::
     forward kernel:   (E, G, H, n_elements, <op constexprs>, BLOCK)
     backward kernel:  (DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, <op constexprs>, STORE_H, BLOCK)
 
-so one launcher pair, one input check and one ``torch.autograd.Function`` serve both. The
+so one launcher pair, one input check and one ``torch.autograd.Function`` serve both.
+
+Layouts: ``dh`` and ``h`` are contiguous. ``e`` and ``g`` are contiguous, or both row slices of
+larger row-major buffers with one row stride ``ld`` (unit column stride), e.g. the gate and up
+outputs of the LoRA MLP's grouped FP8 forward, column blocks ``[:, :I]`` and ``[:, I:]`` of one
+``[N, 2I]`` product. Then element ``i`` (row ``i // I``, column ``i % I``) of ``e``/``g`` lives at
+``i + (i // I) (ld - I)`` (``EG_STRIDED``; one integer division per element, in a memory-bound kernel),
+and an in-place backward writes ``de``/``dg`` at those same places. The forward launcher copies
+``e``/``g`` of any other layout to contiguous first.
+
+The
 autograd function saves only ``e`` and ``g``; its backward recomputes ``act(e)`` in the op's
 backward kernel and writes ``de`` / ``dg`` into new buffers, or over ``e`` / ``g`` themselves with
 ``inplace_backward=True``.
@@ -19,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 import triton
+import triton.language as tl
 
 from notebookkit.kernels.runtime import mark_written
 
@@ -26,6 +37,8 @@ __all__ = [
     "block_config",
     "check_pair",
     "check_inplace_trio",
+    "eg_row_stride",
+    "eg_offsets",
     "accumulation_dtype",
     "launch_forward",
     "launch_backward",
@@ -53,12 +66,45 @@ def check_pair(e: torch.Tensor, g: torch.Tensor, op: str) -> None:
         )
 
 
+def eg_row_stride(e: torch.Tensor, g: torch.Tensor) -> int | None:
+    """The row stride ``ld`` (in elements) of ``e`` and ``g`` seen as ``[rows, cols]`` matrices: ``cols``
+    when both are contiguous; their common row stride when both are row slices of larger row-major
+    buffers (unit last stride, equal strides, uniformly spaced rows, e.g. column blocks of one
+    ``[N, 2I]`` tensor, or such a block viewed as ``[B, T, I]``); None for any other layout."""
+    cols = e.shape[-1] if e.dim() else 1
+    if e.is_contiguous() and g.is_contiguous():
+        return cols
+    if e.dim() < 2 or e.stride() != g.stride() or e.stride(-1) != 1:
+        return None
+    for i in range(e.dim() - 2):  # outer dimensions step over whole rows: [.., T, I] -> [rows, I]
+        if e.shape[i] > 1 and e.stride(i) != e.shape[i + 1] * e.stride(i + 1):
+            return None
+    return e.stride(-2)
+
+
+# Device-only helpers, compiled as part of the SwiGLU/GeGLU kernels that call them (tests/kernels/aot.py).
+AOT_HELPERS = ["eg_offsets"]
+
+
+@triton.jit
+def eg_offsets(offs, n_cols, stride_eg, EG_STRIDED: tl.constexpr):
+    """Offsets of elements ``offs`` (row-major numbering) in ``e``/``g``: themselves when contiguous,
+    else ``offs + (offs // n_cols) * (stride_eg - n_cols)`` (rows ``stride_eg`` apart)."""
+    if EG_STRIDED:
+        return offs + (offs // n_cols) * (stride_eg - n_cols)
+    return offs
+
+
 def check_inplace_trio(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, op: str) -> None:
-    """Raise unless ``dh``, ``e``, ``g`` match each other and are contiguous (in-place backward)."""
+    """Raise unless ``dh``, ``e``, ``g`` match each other, ``dh`` is contiguous and ``e``, ``g`` are
+    contiguous or row slices with one row stride (:func:`eg_row_stride`) (in-place backward)."""
     check_pair(e, g, op)
     check_pair(dh, e, op)
-    if not (dh.is_contiguous() and e.is_contiguous() and g.is_contiguous()):
-        raise ValueError(f"{op}: dh, e and g are overwritten in place and must be contiguous; call .contiguous() first.")
+    if not dh.is_contiguous() or eg_row_stride(e, g) is None:
+        raise ValueError(
+            f"{op}: dh, e and g are overwritten in place: dh must be contiguous, e and g contiguous or row "
+            "slices of row-major buffers with one row stride (unit last stride); call .contiguous() first."
+        )
 
 
 def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
@@ -69,14 +115,21 @@ def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
 def launch_forward(
     kernel, e: torch.Tensor, g: torch.Tensor, out: Optional[torch.Tensor] = None, **constexprs
 ) -> torch.Tensor:
-    """Run a forward ``kernel`` on contiguous ``e``, ``g``; ``out`` (contiguous, any values) is
-    overwritten, or allocated when ``None``. ``constexprs`` are the op's own (e.g. ``APPROX_TANH``)."""
+    """Run a forward ``kernel`` on ``e``, ``g`` (contiguous, or row slices with one row stride; any other
+    layout is copied to contiguous first); ``out`` (contiguous, any values) is overwritten, or
+    allocated when ``None``. ``constexprs`` are the op's own (e.g. ``APPROX_TANH``)."""
+    ld = eg_row_stride(e, g)
+    if ld is None:
+        e, g = e.contiguous(), g.contiguous()
+        ld = e.shape[-1] if e.dim() else 1
     if out is None:
-        out = torch.empty_like(e, memory_format=torch.contiguous_format)
+        out = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     n = e.numel()
     if n:
+        cols = e.shape[-1] if e.dim() else 1
         block, warps = block_config(e)
-        kernel[(triton.cdiv(n, block),)](e, g, out, n, **constexprs, BLOCK=block, num_warps=warps)
+        kernel[(triton.cdiv(n, block),)](e, g, out, n, cols, ld, **constexprs, EG_STRIDED=ld != cols,
+                                         BLOCK=block, num_warps=warps)
     return out
 
 
@@ -90,15 +143,24 @@ def launch_backward(
     dg_out: torch.Tensor,
     **constexprs,
 ) -> None:
-    """Run a backward ``kernel`` on contiguous tensors of one shape. Outputs may be any of the inputs
-    (element ``i`` of every output is written after element ``i`` of every input is read);
-    ``h_out=None`` skips recomputing ``h``."""
+    """Run a backward ``kernel`` on tensors of one shape: ``dh`` and ``h_out`` contiguous, ``e``, ``g``
+    contiguous or row slices with one row stride, and ``de_out``/``dg_out`` laid out as ``e``/``g``
+    (typically ``e`` and ``g`` themselves). Outputs may be any of the inputs (element ``i`` of every
+    output is written after element ``i`` of every input is read); ``h_out=None`` skips recomputing ``h``."""
+    ld = eg_row_stride(e, g)
+    if ld is None or de_out.stride() != e.stride() or dg_out.stride() != g.stride():
+        raise ValueError(
+            "gated activation backward: e and g must be contiguous or row slices with one row stride, and "
+            f"de_out/dg_out laid out as them; got strides {e.stride()}, {g.stride()}, {de_out.stride()}, "
+            f"{dg_out.stride()}."
+        )
     n = e.numel()
     if n:
+        cols = e.shape[-1] if e.dim() else 1
         block, warps = block_config(e)
         kernel[(triton.cdiv(n, block),)](
-            dh, e, g, h_out if h_out is not None else de_out, de_out, dg_out, n,
-            **constexprs, STORE_H=h_out is not None, BLOCK=block, num_warps=warps,
+            dh, e, g, h_out if h_out is not None else de_out, de_out, dg_out, n, cols, ld,
+            **constexprs, STORE_H=h_out is not None, EG_STRIDED=ld != cols, BLOCK=block, num_warps=warps,
         )
 
 
@@ -139,10 +201,10 @@ class GatedActivationFunction(torch.autograd.Function):
 
 def aot_forward_signature(dt: str) -> dict:
     """Runtime-argument types of a forward kernel for one Triton dtype (``"fp16"``, ``"bf16"``)."""
-    return {"E": f"*{dt}", "G": f"*{dt}", "H": f"*{dt}", "n_elements": "i32"}
+    return {"E": f"*{dt}", "G": f"*{dt}", "H": f"*{dt}", "n_elements": "i32", "n_cols": "i32", "stride_eg": "i32"}
 
 
 def aot_backward_signature(dt: str) -> dict:
     """Runtime-argument types of a backward kernel for one Triton dtype."""
     return {"DH": f"*{dt}", "E": f"*{dt}", "G": f"*{dt}", "H_OUT": f"*{dt}", "DE_OUT": f"*{dt}",
-            "DG_OUT": f"*{dt}", "n_elements": "i32"}
+            "DG_OUT": f"*{dt}", "n_elements": "i32", "n_cols": "i32", "stride_eg": "i32"}

@@ -64,30 +64,33 @@ def _gelu_and_grad(e, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
-def _geglu_fwd_kernel(E, G, H, n_elements, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr):
+def _geglu_fwd_kernel(E, G, H, n_elements, n_cols, stride_eg, APPROX_TANH: tl.constexpr,
+                      EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
-    e = tl.load(E + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    eg = gated.eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
+    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
     a, _ = _gelu_and_grad(e, APPROX_TANH)
     tl.store(H + offs, (a * g).to(H.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _geglu_bwd_kernel(
-    DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements,
-    APPROX_TANH: tl.constexpr, STORE_H: tl.constexpr, BLOCK: tl.constexpr,
+    DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, n_cols, stride_eg,
+    APPROX_TANH: tl.constexpr, STORE_H: tl.constexpr, EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
+    eg = gated.eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
-    e = tl.load(E + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
     a, da = _gelu_and_grad(e, APPROX_TANH)
     if STORE_H:
         tl.store(H_OUT + offs, (a * g).to(H_OUT.dtype.element_ty), mask=mask)
-    tl.store(DE_OUT + offs, (dh * g * da).to(DE_OUT.dtype.element_ty), mask=mask)
-    tl.store(DG_OUT + offs, (dh * a).to(DG_OUT.dtype.element_ty), mask=mask)
+    tl.store(DE_OUT + eg, (dh * g * da).to(DE_OUT.dtype.element_ty), mask=mask)
+    tl.store(DG_OUT + eg, (dh * a).to(DG_OUT.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,7 +105,8 @@ def _approx_flag(approximate: str) -> int:
 def geglu_forward(
     e: torch.Tensor, g: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Launch the forward kernel on contiguous ``e``, ``g``; ``out`` (contiguous, any values) is overwritten."""
+    """Launch the forward kernel on ``e``, ``g`` (contiguous, or row slices with one row stride: see
+    :mod:`notebookkit.kernels.gated_activation`); ``out`` (contiguous, any values) is overwritten."""
     return gated.launch_forward(_geglu_fwd_kernel, e, g, out, APPROX_TANH=_approx_flag(approximate))
 
 
@@ -115,7 +119,8 @@ def geglu_backward_launch(
     dg_out: torch.Tensor,
     approximate: str = "none",
 ) -> None:
-    """Launch the backward kernel on contiguous tensors of one shape; outputs may be any of the
+    """Launch the backward kernel on tensors of one shape (``dh``, ``h_out`` contiguous; ``e``, ``g`` and
+    ``de_out``, ``dg_out`` contiguous or row slices with one row stride); outputs may be any of the
     inputs (element-wise read-then-write). ``h_out=None`` skips recomputing ``h``."""
     gated.launch_backward(_geglu_bwd_kernel, dh, e, g, h_out, de_out, dg_out, APPROX_TANH=_approx_flag(approximate))
 
@@ -160,8 +165,9 @@ def geglu_backward_(
     """In-place GeGLU backward for callers that own the buffers (the LoRA MLP).
 
     Overwrites ``dh`` with ``h = gelu(e) * g``, ``e`` with ``de`` and ``g`` with ``dg``, and returns
-    ``(h, de, dg)``, which are those same three tensors. All three must be contiguous with one shape
-    and dtype. Allocates nothing on the Triton path.
+    ``(h, de, dg)``, which are those same three tensors. All three have one shape and dtype; ``dh``
+    is contiguous, ``e`` and ``g`` contiguous or row slices of row-major buffers with one row stride
+    (e.g. the column blocks of one ``[N, 2I]`` gate/up product). Allocates nothing on the Triton path.
     """
     gated.check_inplace_trio(dh, e, g, "geglu_backward_")
     _approx_flag(approximate)
@@ -189,15 +195,17 @@ def geglu_backward_(
 # Ahead-of-time compile specs (tests/kernels/test_aot_compile.py): (kernel, signature, constexprs, options)
 # --------------------------------------------------------------------------------------------------
 def _aot_specs() -> list:
-    def fwd(dt, approx):
-        return (_geglu_fwd_kernel, gated.aot_forward_signature(dt), {"APPROX_TANH": approx, "BLOCK": 1024},
-                {"num_warps": 4})
+    def fwd(dt, approx, strided=False):
+        return (_geglu_fwd_kernel, gated.aot_forward_signature(dt),
+                {"APPROX_TANH": approx, "EG_STRIDED": strided, "BLOCK": 1024}, {"num_warps": 4})
 
-    def bwd(dt, approx, store_h):
+    def bwd(dt, approx, store_h, strided=False):
         return (_geglu_bwd_kernel, gated.aot_backward_signature(dt),
-                {"APPROX_TANH": approx, "STORE_H": store_h, "BLOCK": 1024}, {"num_warps": 4})
+                {"APPROX_TANH": approx, "STORE_H": store_h, "EG_STRIDED": strided, "BLOCK": 1024}, {"num_warps": 4})
 
-    return [fwd("fp16", 0), fwd("bf16", 1), bwd("fp16", 1, True), bwd("bf16", 0, False)]
+    # strided: e, g as column blocks of the LoRA MLP's grouped FP8 product
+    return [fwd("fp16", 0), fwd("bf16", 1), bwd("fp16", 1, True), bwd("bf16", 0, False),
+            fwd("bf16", 1, True), bwd("bf16", 1, True, True)]
 
 
 AOT_SPECS = _aot_specs()

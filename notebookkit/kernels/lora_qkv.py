@@ -1,13 +1,30 @@
 """LoRA q/k/v projections sharing one input, as one autograd function.
 
-For ``P`` in ``{q, k, v}`` with base ``W_P``, adapter ``A_P [r, in]``, ``B_P [out_P, r]``, scaling ``s_P``:
+For ``P`` in ``{q, k, v}`` with base ``W_P``, adapter ``A_P [r, in]``, ``B_P [out_P, r]``, scaling ``s_P``,
+and ``A_cat = cat(A_q, A_k, A_v)`` ``[3r, in]`` (built once, kept while no ``A`` changes) whose
+columns ``P`` of a ``[N, 3r]`` product belong to projection ``P``:
 
-    forward     P  = X W_P^T + s_P (X A_P^T) B_P^T                (saves X; the adapters' casts are reused)
+    forward     XA_cat = X A_cat^T                                 one GEMM for the three adapters
+                P  = X W_P^T + s_P XA_cat[:, P] B_P^T              (saves X; A_cat and the casts are reused)
 
-    backward    U_P = s_P (dP B_P)                                 [N, r]
-                dX  = dQ W_q + dK W_k + dV W_v + U_q A_q + U_k A_k + U_v A_v
+    backward    U_cat[:, P] = s_P (dP B_P)                         [N, 3r], one buffer
+                dX  = dQ W_q + dK W_k + dV W_v + U_cat A_cat
                       (one buffer, accumulated with addmm_; each W re-dequantised just before use)
-                dA_P = U_P^T X,    dB_P = s_P dP^T (X A_P^T)
+                dA_cat = U_cat^T X                                 one GEMM, split by rows into dA_P
+                XA_cat = X A_cat^T (recomputed),   dB_P = s_P dP^T XA_cat[:, P]
+
+Why: four times, three thin GEMM calls become one (``X A^T`` in the forward and again in the
+backward, ``U A``, ``U^T X``): 19 GEMM calls per forward + backward instead of 27, so fewer host
+launches per layer (see :mod:`notebookkit.kernels.lora_projection`). When a projection has no
+adapter or the ranks differ, each projection runs alone: ``P = X W_P^T + s_P (X A_P^T) B_P^T``,
+``U_P = s_P dP B_P``, ``dX += dP W_P + U_P A_P``, ``dA_P = U_P^T X``, ``dB_P = s_P dP^T (X A_P^T)``.
+
+FP8 forward (every projection with ``fp8_forward``, ``K`` and each ``out_P`` multiples of 16): the
+three base products are one ``torch._scaled_mm`` of the FP8 ``X`` with ``[Q_Wq; Q_Wk; Q_Wv]``
+(:func:`notebookkit.kernels.lora_projection.grouped_fp8_base_forward`), and Q, K, V are column
+slices of its ``[N, out_q + out_k + out_v]`` output (views, row stride ``out_q + out_k + out_v``:
+not contiguous). The attention code views them as heads and passes them to the RoPE kernel, which
+takes any strides with a unit last stride; V goes to SDPA as a strided view.
 
 Base weights (16-bit or NF4) are frozen; ``B A`` is never formed. See
 :mod:`notebookkit.kernels.lora_projection` for the dtype rules.
@@ -19,10 +36,16 @@ import torch
 
 from .lora_projection import (
     LoRAProjection,
+    accumulate_grouped_input_grad_,
     accumulate_input_grad_,
+    adapter_group,
     adapter_grads,
     compute_dtype,
     flatten_tokens,
+    grouped_adapter_grads,
+    grouped_projection_forward,
+    group_base_outputs,
+    grouped_rank_grad,
     lora_rank_grad,
     no_autocast,
     projection_forward,
@@ -40,32 +63,45 @@ class LoRAQKVFunction(torch.autograd.Function):
     def forward(ctx, x, projs, *tensors):
         x2d = flatten_tokens(x)
         x_fp8 = quantize_shared_input(x2d, *projs)
-        outs = []
-        for proj in projs:
-            A, B = proj.adapters(x.dtype)
-            y = projection_forward(x2d, proj, A, B, x_fp8)
-            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-        del x_fp8
+        bases = group_base_outputs(x2d, projs, x_fp8)  # FP8: one product for q, k, v when it applies
+        group = adapter_group(projs, x.dtype)
+        if group is not None:
+            ys = grouped_projection_forward(x2d, group, x_fp8, bases)
+        else:
+            ys = [projection_forward(x2d, proj, *proj.adapters(x.dtype), x_fp8, base)
+                  for proj, base in zip(projs, bases)]
+        del x_fp8, bases
         ctx.save_for_backward(x, *tensors)
         ctx.projs = projs  # the same projections in backward: their adapter casts are reused
-        return tuple(outs)
+        ctx.group = group  # and the same A_cat
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *tensors = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        need_dA = [needs[2 + 3 * i + 1] for i in range(len(ctx.projs))]
+        need_dB = [needs[2 + 3 * i + 2] for i in range(len(ctx.projs))]
         grads_out: list = [None] * len(tensors)
         with no_autocast(x.device.type):
             x2d = flatten_tokens(x)
-            dx = None
-            for i, proj in enumerate(ctx.projs):
-                dy2d = flatten_tokens(grads[i]).to(x.dtype)
-                A, B = proj.adapters(x.dtype)
-                u = lora_rank_grad(dy2d, proj, B)
-                dA, dB = adapter_grads(dy2d, x2d, u, proj, A, needs[2 + 3 * i + 1], needs[2 + 3 * i + 2])
-                grads_out[3 * i + 1], grads_out[3 * i + 2] = dA, dB
-                if needs[0]:
-                    dx = accumulate_input_grad_(dx, dy2d, proj, u, A)
+            dys = [flatten_tokens(g).to(x.dtype) for g in grads]
+            group = ctx.group
+            if group is not None:
+                u_cat = grouped_rank_grad(dys, group) if needs[0] or any(need_dA) else None
+                adapter_grad_pairs = grouped_adapter_grads(dys, x2d, u_cat, group, need_dA, need_dB)
+                for i, (dA, dB) in enumerate(adapter_grad_pairs):
+                    grads_out[3 * i + 1], grads_out[3 * i + 2] = dA, dB
+                dx = accumulate_grouped_input_grad_(None, dys, group, u_cat) if needs[0] else None
+            else:
+                dx = None
+                for i, (proj, dy2d) in enumerate(zip(ctx.projs, dys)):
+                    A, B = proj.adapters(x.dtype)
+                    u = lora_rank_grad(dy2d, proj, B)
+                    dA, dB = adapter_grads(dy2d, x2d, u, proj, A, need_dA[i], need_dB[i])
+                    grads_out[3 * i + 1], grads_out[3 * i + 2] = dA, dB
+                    if needs[0]:
+                        dx = accumulate_input_grad_(dx, dy2d, proj, u, A)
         return (dx.view(x.shape) if dx is not None else None), None, *grads_out
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import fp8_matmul
-from .fp8_matmul import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, _row_scale, _to_e4m3, quantize_rowwise_fp8
+from .fp8_matmul import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, _row_scale, _to_e4m3, check_fp8_out, quantize_rowwise_fp8
 from .nf4 import _block_absmax, _decode_nf4_blocks, _kernel_operands, _read_state, _unwrap, dequantize_nf4
 from .runtime import should_use_triton
 
@@ -84,11 +84,11 @@ def _nf4_to_fp8_rowwise_kernel(
 
 
 def quantize_nf4_rowwise_fp8_reference(
-    weight: Any, quant_state: Any, compute_dtype: torch.dtype
+    weight: Any, quant_state: Any, compute_dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two-step route: ``quantize_rowwise_fp8(dequantize_nf4(weight, out_dtype=compute_dtype))``."""
+    """The two-step route: ``quantize_rowwise_fp8(dequantize_nf4(weight, out_dtype=compute_dtype), out)``."""
     dense = dequantize_nf4(weight, quant_state, out_dtype=compute_dtype)
-    return quantize_rowwise_fp8(dense.reshape(dense.shape[0], -1))
+    return quantize_rowwise_fp8(dense.reshape(dense.shape[0], -1), out)
 
 
 def _fused_applies(packed: torch.Tensor, st, compute_dtype: torch.dtype) -> bool:
@@ -101,7 +101,7 @@ def _fused_applies(packed: torch.Tensor, st, compute_dtype: torch.dtype) -> bool
 
 
 def quantize_nf4_rowwise_fp8(
-    weight: Any, quant_state: Any, compute_dtype: torch.dtype
+    weight: Any, quant_state: Any, compute_dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 codes and rowwise scales of an NF4 weight ``[O, K]`` dequantised to ``compute_dtype``.
 
@@ -109,19 +109,27 @@ def quantize_nf4_rowwise_fp8(
         weight: the packed NF4 data (a ``Params4bit`` or its ``.data``).
         quant_state: its bitsandbytes ``QuantState`` (plain or nested absmax).
         compute_dtype: the dtype the forward computes in (the dense weight it stands for).
+        out: optional ``(Q_w, s_w)`` to write into (float8_e4m3fn ``[O, K]`` and float32 ``[O, 1]``,
+            contiguous: e.g. rows ``r0 .. r0 + O`` of a group's ``[O_total, K]`` buffer), as for
+            :func:`notebookkit.kernels.fp8_matmul.quantize_rowwise_fp8`. Same bits as without it.
 
     Returns:
         ``(Q_w float8_e4m3fn [O, K], s_w float32 [O, 1])``, equal bit for bit to
-        :func:`quantize_nf4_rowwise_fp8_reference`.
+        :func:`quantize_nf4_rowwise_fp8_reference`; ``out`` itself when given.
     """
     packed, quant_state = _unwrap(weight, quant_state)
     st = _read_state(packed, quant_state)
+    if out is not None and len(st.shape) == 2:
+        check_fp8_out(out, int(st.shape[0]), int(st.shape[1]), packed.device, "quantize_nf4_rowwise_fp8")
     if not _fused_applies(packed, st, compute_dtype):
-        return quantize_nf4_rowwise_fp8_reference(packed, quant_state, compute_dtype)
+        return quantize_nf4_rowwise_fp8_reference(packed, quant_state, compute_dtype, out)
     O, K = st.shape
     packed, absmax, table, code2, absmax2, offset = _kernel_operands(packed, st)
-    q = torch.empty((O, K), dtype=FP8_DTYPE, device=packed.device)
-    scale = torch.empty((O, 1), dtype=torch.float32, device=packed.device)
+    if out is None:
+        q = torch.empty((O, K), dtype=FP8_DTYPE, device=packed.device)
+        scale = torch.empty((O, 1), dtype=torch.float32, device=packed.device)
+    else:
+        q, scale = out  # contiguous: the kernel writes row o at o * K
     blocks_per_row = K // st.blocksize
     row_blocks = triton.next_power_of_2(blocks_per_row)
     elements = row_blocks * st.blocksize

@@ -39,37 +39,41 @@ __all__ = ["swiglu", "swiglu_reference", "swiglu_backward_", "swiglu_forward", "
 # Triton kernels
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _swiglu_fwd_kernel(E, G, H, n_elements, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(E, G, H, n_elements, n_cols, stride_eg, EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
-    e = tl.load(E + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    eg = gated.eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
+    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
     h = e * tl.sigmoid(e) * g
     tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, STORE_H: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, n_cols, stride_eg,
+                       STORE_H: tl.constexpr, EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
+    eg = gated.eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
-    e = tl.load(E + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(e)
     a = e * s
     dg = dh * a
     de = dh * g * s * (1.0 + e * (1.0 - s))
     if STORE_H:
         tl.store(H_OUT + offs, (a * g).to(H_OUT.dtype.element_ty), mask=mask)
-    tl.store(DE_OUT + offs, de.to(DE_OUT.dtype.element_ty), mask=mask)
-    tl.store(DG_OUT + offs, dg.to(DG_OUT.dtype.element_ty), mask=mask)
+    tl.store(DE_OUT + eg, de.to(DE_OUT.dtype.element_ty), mask=mask)
+    tl.store(DG_OUT + eg, dg.to(DG_OUT.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
 def swiglu_forward(e: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch the forward kernel on contiguous ``e``, ``g``; ``out`` (contiguous, any values) is overwritten."""
+    """Launch the forward kernel on ``e``, ``g`` (contiguous, or row slices with one row stride: see
+    :mod:`notebookkit.kernels.gated_activation`); ``out`` (contiguous, any values) is overwritten."""
     return gated.launch_forward(_swiglu_fwd_kernel, e, g, out)
 
 
@@ -81,7 +85,8 @@ def swiglu_backward_launch(
     de_out: torch.Tensor,
     dg_out: torch.Tensor,
 ) -> None:
-    """Launch the backward kernel on contiguous tensors of one shape. Outputs may be any of the inputs
+    """Launch the backward kernel on tensors of one shape (``dh``, ``h_out`` contiguous; ``e``, ``g`` and
+    ``de_out``, ``dg_out`` contiguous or row slices with one row stride). Outputs may be any of the inputs
     (element ``i`` of every output is written after element ``i`` of every input is read);
     ``h_out=None`` skips recomputing ``h``."""
     gated.launch_backward(_swiglu_bwd_kernel, dh, e, g, h_out, de_out, dg_out)
@@ -122,8 +127,9 @@ def swiglu_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor) -> tupl
     """In-place SwiGLU backward for callers that own the buffers (the LoRA MLP).
 
     Overwrites ``dh`` with ``h = silu(e) * g``, ``e`` with ``de`` and ``g`` with ``dg``, and returns
-    ``(h, de, dg)``, which are those same three tensors. All three must be contiguous with one shape
-    and dtype. Allocates nothing on the Triton path.
+    ``(h, de, dg)``, which are those same three tensors. All three have one shape and dtype; ``dh``
+    is contiguous, ``e`` and ``g`` contiguous or row slices of row-major buffers with one row stride
+    (e.g. the column blocks of one ``[N, 2I]`` gate/up product). Allocates nothing on the Triton path.
     """
     gated.check_inplace_trio(dh, e, g, "swiglu_backward_")
     if should_use_triton(e):
@@ -146,14 +152,16 @@ def swiglu_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor) -> tupl
 # Ahead-of-time compile specs (tests/kernels/test_aot_compile.py): (kernel, signature, constexprs, options)
 # --------------------------------------------------------------------------------------------------
 def _aot_specs() -> list:
-    def fwd(dt):
-        return (_swiglu_fwd_kernel, gated.aot_forward_signature(dt), {"BLOCK": 1024}, {"num_warps": 4})
-
-    def bwd(dt, store_h):
-        return (_swiglu_bwd_kernel, gated.aot_backward_signature(dt), {"STORE_H": store_h, "BLOCK": 1024},
+    def fwd(dt, strided=False):
+        return (_swiglu_fwd_kernel, gated.aot_forward_signature(dt), {"EG_STRIDED": strided, "BLOCK": 1024},
                 {"num_warps": 4})
 
-    return [fwd("bf16"), bwd("fp16", True), bwd("bf16", False)]
+    def bwd(dt, store_h, strided=False):
+        return (_swiglu_bwd_kernel, gated.aot_backward_signature(dt),
+                {"STORE_H": store_h, "EG_STRIDED": strided, "BLOCK": 1024}, {"num_warps": 4})
+
+    # strided: e, g as column blocks of the LoRA MLP's grouped FP8 product
+    return [fwd("bf16"), bwd("fp16", True), bwd("bf16", False), fwd("bf16", True), bwd("bf16", True, True)]
 
 
 AOT_SPECS = _aot_specs()

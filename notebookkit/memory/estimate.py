@@ -22,6 +22,11 @@ Adapters (params + grads + optimizer), over the targeted projections, ``P_lora =
     8-bit (blockwise, fp32 absmax per 256 values) AdamW variants, 4 for Lion, 0 for SGD,
     ``4*(rows+cols)/(rows*cols)`` per matrix for Adafactor. Adapters in another dtype than the
     compute dtype add their casts, kept through the step by the fused path: ``P_lora * s``.
+    Adapters in the compute dtype are used as they are, except the ``A`` of projections that share
+    an input (q, k, v; gate, up), which the fused path concatenates into one ``A_cat`` per group
+    (one rank-space GEMM for the group), kept through the step: ``L * r * H * s`` per grouped
+    projection, for a group whose projections are all targeted. (In another dtype, ``A_cat`` takes
+    the place of those ``A`` casts: ``P_lora * s`` either way.)
 
 Activations saved for backward, per decoder layer, by mode (checked tensor by tensor with
 ``torch.autograd.graph.saved_tensors_hooks`` on the fused path: ``tests/memory/test_saved_activations.py``)
@@ -38,7 +43,8 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
                Soft-capped attention (Gemma 2) runs an explicit softmax instead of SDPA: K and V
                are kept repeated to all ``heads`` (``2*dq`` instead of ``2*dk``), no log-sum-exp, and
                per layer ``B * heads * T^2 * (2*s + 4)`` bytes (the tanh output, the fp32 softmax and
-               the 16-bit probabilities) plus the boolean mask ``B * T^2``.
+               the 16-bit probabilities) plus the boolean mask ``B * T^2`` (``T^2`` when the forward is
+               plainly causal and Hugging Face builds no mask; the estimate keeps the larger).
                LoRA dropout > 0 adds the dropped input (``s`` bytes) and its mask (1 byte) per target.
     recompute: the layer input only, ``N * H * s``.
     offload:   nothing on the GPU (the input lives in pinned host memory, ``N * H * s`` there),
@@ -73,10 +79,14 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
       gradient, the fp32 ``dQ`` accumulator and, with GQA, K/V gradients expanded to all heads
       (FlashAttention 2), or the ``[B, heads, T, T]`` fp32 gradients of an explicit softmax;
     - with the FP8 forward (``fp8_forward=True``), the GEMM of a (re)computed forward when it needs
-      more: the one-byte copies of the projection's input and weight, ``N*in + in*out`` for the
-      largest projection, alive only during that GEMM (an NF4 weight goes to FP8 in one kernel, with
-      no 16-bit copy, when its rows are whole 64-element blocks of at most 16K elements; otherwise
-      its dequantised 16-bit weight is added).
+      more: the one-byte copies of the input and of the weights of one FP8 product,
+      ``N*in + sum(in*out)``, alive only during that product, for the largest product. q/k/v and
+      gate/up (which read one input) are one product each when ``in`` and every ``out`` are
+      multiples of 16 (``kernels.lora_projection.fp8_group_applies``): their weights sit together in
+      one FP8 buffer, ``in * (out_q + out_k + out_v)`` and ``2 * in * I``; otherwise, and for o and
+      down, one projection at a time (an NF4 weight goes to FP8 in one kernel, with no 16-bit copy,
+      when its rows are whole 64-element blocks of at most 16K elements; otherwise its dequantised
+      16-bit weight is added). The fp32 scales (4 bytes per token and per output row) are left out.
     The LoRA gradients (in "adapters + optimizer") are counted as alive throughout.
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
     so :attr:`MemoryEstimate.peak_allocated` leaves it out.
@@ -362,6 +372,35 @@ def estimate_for_model(
     return estimate_training_memory(model, batch_size=batch_size, seq_len=int(seq_len), **kwargs)
 
 
+GROUPED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def grouped_lora_A_params(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
+    """Elements of the ``A_cat`` the fused path builds: ``L * sum r * in`` over the projections of every
+    group sharing an input (q/k/v; gate/up) whose members are all targeted (same rank)."""
+    targets = _targets(target_modules)
+    dims = shape.projection_shapes()
+    grouped = [t for group in GROUPED_PROJECTIONS if all(t in targets for t in group) for t in group]
+    return shape.num_layers * sum(r * dims[t][0] for t in grouped)
+
+
+def fp8_products(shape: ModelShape) -> list[tuple[str, ...]]:
+    """The projections of one layer whose FP8 base products are one product with the FP8 forward:
+    q/k/v and gate/up each as one (their weights in one FP8 buffer) when the input size and each
+    output size are multiples of 16 (``torch._scaled_mm``'s rule, as
+    ``kernels.lora_projection.fp8_group_applies``), otherwise and for o and down one per projection."""
+    dims = shape.projection_shapes()
+    products: list[tuple[str, ...]] = []
+    for group in GROUPED_PROJECTIONS:
+        if all(dims[n][0] % 16 == 0 and dims[n][1] % 16 == 0 for n in group):
+            products.append(group)
+        else:
+            products.extend((n,) for n in group)
+    grouped = {n for g in GROUPED_PROJECTIONS for n in g}
+    products.extend((n,) for n in dims if n not in grouped)
+    return products
+
+
 def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
     """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``."""
     dims = shape.projection_shapes()
@@ -443,8 +482,8 @@ def backward_working_set(
     ``{"mlp": ..., "attention": ..., "fp8_forward": ...}``: the high-water marks inside a layer's
     backward (see the module docstring, "Temporaries"). ``attention`` is relative to the MLP
     moment's baseline, with the layer's e and g already freed (it can be negative).
-    ``fp8_forward`` is the FP8 copies of one projection's input and weight during a (recomputed)
-    forward GEMM (0 without the FP8 forward).
+    ``fp8_forward`` is the FP8 copies of the input and weights of one FP8 product during a
+    (recomputed) forward: the largest of :func:`fp8_products` (0 without the FP8 forward).
     """
     N = batch_size * seq_len
     s = dtype_bytes
@@ -462,7 +501,8 @@ def backward_working_set(
     fp8 = 0
     if fp8_forward:
         one_pass_nf4 = all(i % 64 == 0 and i <= 16384 for i, _ in shape.projection_shapes().values())
-        fp8 = max(N * i + i * o for i, o in shape.projection_shapes().values())
+        dims = shape.projection_shapes()
+        fp8 = max(N * dims[names[0]][0] + sum(dims[n][0] * dims[n][1] for n in names) for names in fp8_products(shape))
         fp8 += 0 if one_pass_nf4 else dequant
     return {"mlp": mlp, "attention": attn - freed, "fp8_forward": fp8}
 
@@ -567,8 +607,13 @@ def estimate_training_memory(
         details["adapters + optimizer: fp32 master copy"] = master_b
     details["adapters + optimizer: optimizer states"] = opt_b
     # The fused kernels cast adapters kept in another dtype (PEFT's fp32 under 16-bit compute) once per
-    # forward pass and keep the casts for the recompute and the backward (lora_fast_path.views).
-    casts_b = p_lora * s if a_bytes != s else 0
+    # forward pass and keep the casts for the recompute and the backward (lora_fast_path.views); the
+    # A of grouped projections (q/k/v, gate/up) go into one A_cat per group instead, of the same size.
+    # Adapters already in the compute dtype are not copied, except into those A_cat.
+    if a_bytes != s:
+        casts_b = p_lora * s
+    else:
+        casts_b = grouped_lora_A_params(shape, lora_r, targets) * s
     if casts_b:
         details["adapters + optimizer: compute-dtype copies"] = casts_b
     adapters = params_b + grads_b + master_b + opt_b + casts_b

@@ -231,7 +231,10 @@ def make_attention_forward(softcap: Optional[float], qk_norm: bool):
 
         q = q.view(bsz, q_len, -1, head_dim)
         k = k.view(bsz, q_len, -1, head_dim)
-        v = v.view(bsz, q_len, -1, head_dim).transpose(1, 2)
+        # V is saved for backward as it is (Q and K leave RoPE as new tensors). When it is a column block
+        # of one q/k/v product (the grouped FP8 forward), it gets its own storage: a saved view would keep
+        # the whole [N, O_q + O_k + O_v] product alive. No copy when it is already contiguous.
+        v = v.contiguous().view(bsz, q_len, -1, head_dim).transpose(1, 2)
         if qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)

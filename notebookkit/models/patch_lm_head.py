@@ -36,9 +36,10 @@ writes this into the banner.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -118,7 +119,10 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     ``position_ids``, the attention layers are told that the ones Hugging Face makes are plain
     positions (no packed rows), which saves a host sync per forward (:func:`default_positions`).
     Each call is one forward pass (:func:`forward_pass`): the fused layers build their LoRA views
-    once and the checkpointing recompute reuses them.
+    once and the checkpointing recompute reuses them. When the mask is plain causal (no attention
+    mask, positions or cache from the caller, every attention layer patched; :func:`plainly_causal`),
+    Hugging Face builds no mask at all (:func:`hf_masks_skipped`): that removes the last host sync of
+    a training step.
     """
     ref = kwargs.get("input_ids", args[0] if args else None)
     if ref is None:
@@ -128,8 +132,48 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
         _check_length(owner, ref.shape[1], self.training)
     # position_ids is the third positional parameter of the backbones' forward.
     caller_gave_positions = kwargs.get("position_ids") is not None or len(args) >= 3
-    with default_positions(not caller_gave_positions), forward_pass():
+    skip_masks = not caller_gave_positions and plainly_causal(self, args, kwargs, ref)
+    with default_positions(not caller_gave_positions), forward_pass(), hf_masks_skipped(self.config, skip_masks):
         return type(self).forward(self, *args, **kwargs)
+
+
+ALL_ATTENTION_PATCHED = "_notebookkit_all_attention_patched"
+# An attention implementation name that Hugging Face's mask registry does not know: its mask functions
+# (create_causal_mask, create_sliding_window_causal_mask) then return None without looking at the inputs.
+_NO_HF_MASK = "notebookkit_plain_causal"
+
+
+def plainly_causal(backbone: nn.Module, args: tuple, kwargs: dict, ref: Any) -> bool:
+    """Whether the mask of this forward is plain causal attention, which the patched layers apply
+    without a mask tensor (SDPA's ``is_causal``): every decoder attention is notebookkit's, and the
+    caller passes no attention mask, no positions and no cache, and no sliding window is shorter than
+    the sequence (so a sliding layer's mask is the causal one too)."""
+    if not backbone.__dict__.get(ALL_ATTENTION_PATCHED) or len(args) > 1 or not isinstance(ref, torch.Tensor):
+        return False
+    if any(kwargs.get(name) is not None for name in ("attention_mask", "position_ids", "past_key_values", "cache")):
+        return False
+    config = backbone.config
+    if not getattr(config, "is_causal", True) or "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+        return False
+    window = getattr(config, "sliding_window", None)
+    return window is None or ref.shape[1] <= int(window)
+
+
+@contextlib.contextmanager
+def hf_masks_skipped(config: Any, active: bool) -> Iterator[None]:
+    """While active, Hugging Face builds no attention mask: the layers get ``None``, which the patched
+    attention reads as plain causal. This also skips Hugging Face's check for packed rows in the
+    positions it made itself (``find_packed_sequence_indices``), a host read that waits for the GPU
+    to finish the previous step at the start of every forward. Restored on exit, also on errors."""
+    if not active:
+        yield
+        return
+    saved = config._attn_implementation_internal
+    config._attn_implementation_internal = _NO_HF_MASK
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = saved
 
 
 def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

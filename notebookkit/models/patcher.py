@@ -17,7 +17,7 @@ from . import architectures
 from .banner import Banner
 from .lora_fast_path import describe_lora
 from .patch_attention import attention_ready, patch_attention
-from .patch_lm_head import describe_lm_head, lm_head_ready, patch_lm_head
+from .patch_lm_head import ALL_ATTENTION_PATCHED, describe_lm_head, lm_head_ready, patch_lm_head
 from .patch_mlp import mlp_ready, patch_mlp
 from .patch_norms import patch_norms
 from .patching import patched_modules, restore
@@ -111,6 +111,10 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
                 continue
             patch_attention(attn, softcap, spec.qk_norm)
             attn_done += 1
+    backbone = getattr(causal_lm, "model", None)
+    if isinstance(backbone, nn.Module):
+        # Every decoder attention is ours: a plainly causal forward may skip Hugging Face's masks (patch_lm_head).
+        object.__setattr__(backbone, ALL_ATTENTION_PATCHED, bool(layers) and attn_done == len(layers))
     if attn_done:
         how = "eager fp32 softmax (attention soft-cap)" if softcap else "PyTorch SDPA"
         extra = ", q/k norm" if spec.qk_norm else ""
@@ -141,6 +145,7 @@ def unpatch_model(model: nn.Module) -> int:
     for _, module in list(patched_modules(model)):
         count += restore(module)
         module.__dict__.pop("_notebookkit_owner", None)
+        module.__dict__.pop(ALL_ATTENTION_PATCHED, None)
     return count
 
 

@@ -136,6 +136,60 @@ def test_quantize_errors():
         quantize_rowwise_fp8(torch.ones(2, 3, dtype=torch.int32))
 
 
+def _fp8_buffers(rows, cols, device, seed=7):
+    """A ``[rows, cols]`` FP8 buffer and ``[rows, 1]`` fp32 scales filled with junk (every slot must be
+    overwritten by the quantisation written into it)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 120, (rows, cols), generator=gen, dtype=torch.uint8).view(FP8_DTYPE).to(device)
+    return q, torch.full((rows, 1), -3.0, device=device)
+
+
+def _assert_bits_equal(got, want):
+    (q, s), (q_ref, s_ref) = got, want
+    assert torch.equal(s, s_ref), f"{(s != s_ref).sum().item()} scales differ"
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "FP8 codes differ"
+
+
+@pytest.mark.parametrize(
+    "dtype, triton_path",
+    [(torch.float32, True), (torch.float16, True), (torch.float32, False), (torch.bfloat16, False)],
+    ids=["fp32-triton", "fp16-triton", "fp32-torch", "bf16-torch"],
+)
+@pytest.mark.parametrize("one_pass_max_k", [fp8_matmul.ONE_PASS_MAX_K, 64], ids=["one-pass", "two-pass"])
+def test_quantize_into_row_slices_of_one_buffer(dtype, triton_path, one_pass_max_k, monkeypatch):
+    """``out=``: three matrices quantised into consecutive row blocks of one ``[O_total, K]`` buffer
+    (+ ``[O_total, 1]`` scales) give the bits of quantising each alone, and ``out`` is returned."""
+    if triton_path and not interpreter_on():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(fp8_matmul, "ONE_PASS_MAX_K", one_pass_max_k)
+    gen = torch.Generator().manual_seed(3)
+    rows = (5, 16, 7)
+    mats = [(torch.randn(r, 200, generator=gen) * 10.0 ** (i - 1)).to(dtype) for i, r in enumerate(rows)]
+    mats[1][4] = 0.0
+    q_cat, s_cat = _fp8_buffers(sum(rows), 200, "cpu")
+    start = 0
+    with use_triton(triton_path):
+        for m in mats:
+            out = (q_cat[start:start + m.shape[0]], s_cat[start:start + m.shape[0]])
+            got = quantize_rowwise_fp8(m, out=out)
+            assert got[0] is out[0] and got[1] is out[1]
+            start += m.shape[0]
+        alone = [quantize_rowwise_fp8(m) for m in mats]
+    _assert_bits_equal((q_cat, s_cat), (torch.cat([a[0] for a in alone]), torch.cat([a[1] for a in alone])))
+
+
+def test_quantize_out_errors():
+    x = torch.randn(4, 32)
+    q, s = _fp8_buffers(8, 32, "cpu")
+    with pytest.raises(ValueError, match=r"out must be"):
+        quantize_rowwise_fp8(x, out=(q, s))  # 8 rows for 4
+    with pytest.raises(ValueError, match=r"out must be"):
+        quantize_rowwise_fp8(x, out=(q[:4].float(), s[:4]))  # not FP8
+    wide, _ = _fp8_buffers(4, 64, "cpu")
+    with pytest.raises(ValueError, match=r"out must be"):
+        quantize_rowwise_fp8(x, out=(wide[:, :32], s[:4]))  # a column block is not whole rows
+
+
 # --------------------------------------------------------------------------------------------------
 # fp8_linear
 # --------------------------------------------------------------------------------------------------
@@ -263,7 +317,7 @@ def test_lora_o_and_qkv_fp8_forward(dims, nf4, dtype, device, monkeypatch):
     dys = _dys(outs64, gen, device)
     twins = [_fp8_twin(p) for p in (q, k, v)]
     outs8, dx8, g8 = _grads_of(lambda t: lora_qkv(t, *twins), x, [q, k, v], dys)
-    assert counter.calls == 3
+    assert counter.calls == (1 if hidden % 16 == 0 else 3)  # aligned: q, k, v in one product
     outs16, dx16, g16 = _grads_of(lambda t: lora_qkv(t, q.proj, k.proj, v.proj), x, [q, k, v], dys)
     for y8, y64 in zip(outs8, outs64):
         assert rel_err(y8, y64) <= FP8_TOL
@@ -293,7 +347,8 @@ def test_lora_mlp_fp8_forward(dims, nf4, dtype, device, monkeypatch):
     counter = _Counter(monkeypatch)
     twins = [_fp8_twin(p) for p in pairs]
     (y8,), dx8, g8 = _grads_of(lambda t: lora_mlp(t, *twins, "swiglu"), x, pairs, dys)
-    assert counter.calls == 3  # gate, up, down in the forward; none in the backward
+    aligned = hidden % 16 == 0 and inter % 16 == 0
+    assert counter.calls == (2 if aligned else 3)  # gate+up (one product when aligned), down; none in backward
     (y16,), dx16, g16 = _grads_of(lambda t: lora_mlp(t, gate.proj, up.proj, down.proj, "swiglu"), x, pairs, dys)
     assert y8.dtype == dtype and rel_err(y8, y64) <= FP8_TOL
     assert rel_err(dx8, dx16) <= FP8_TOL
@@ -303,7 +358,7 @@ def test_lora_mlp_fp8_forward(dims, nf4, dtype, device, monkeypatch):
     # compute_output=False (the recompute pass): 2 fp8 GEMMs, zeros out, same gradients as fp8 with output
     counter.calls = 0
     (y0,), dx0, g0 = _grads_of(lambda t: lora_mlp(t, *twins, "swiglu", compute_output=False), x, pairs, dys)
-    assert counter.calls == 2 and not y0.any()
+    assert counter.calls == (1 if aligned else 2) and not y0.any()
     assert torch.equal(dx0, dx8) and all(torch.equal(s, t) for a, b in zip(g0, g8) for s, t in zip(a, b))
 
 
@@ -315,3 +370,183 @@ def test_projection_keeps_positional_construction():
     assert p8.fp8_forward is True
     x = torch.randn(5, 32)
     assert torch.equal(lora_projection.projection_forward(x, p8, None, None), fp8_linear(x, w))
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped FP8 base product: q/k/v and gate/up in one torch._scaled_mm
+# --------------------------------------------------------------------------------------------------
+
+
+class _ProductCounter:
+    """Counts the FP8 products themselves: ``torch._scaled_mm`` calls and emulated products."""
+
+    def __init__(self, monkeypatch):
+        self.scaled_mm = self.emulated = 0
+        real_mm, real_emulated = torch._scaled_mm, fp8_matmul._emulated_product
+
+        def scaled_mm(*args, **kwargs):
+            self.scaled_mm += 1
+            return real_mm(*args, **kwargs)
+
+        def emulated(*args, **kwargs):
+            self.emulated += 1
+            return real_emulated(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+        monkeypatch.setattr(fp8_matmul, "_emulated_product", emulated)
+
+    def take(self) -> tuple[int, int]:
+        counts = (self.scaled_mm, self.emulated)
+        self.scaled_mm = self.emulated = 0
+        return counts
+
+
+def _fp8_proj(pair: Pair, fp8: bool = True) -> lora_projection.LoRAProjection:
+    p = pair.proj
+    return lora_projection.LoRAProjection(p.weight, p.quant_state, p.lora_A, p.lora_B, p.scaling, fp8_forward=fp8)
+
+
+def _run_both(fn, x, pairs, dys, monkeypatch):
+    """(grouped run, per-projection run): outputs, dx and adapter gradients of ``fn``, the second with
+    the group's single FP8 product turned off (each projection quantises its weight and multiplies
+    alone, the code of before)."""
+    grouped = _grads_of(fn, x, pairs, dys)
+    with monkeypatch.context() as m:
+        m.setattr(lora_projection, "fp8_group_applies", lambda *args: False)
+        alone = _grads_of(fn, x, pairs, dys)
+    return grouped, alone
+
+
+def _assert_same_results(grouped, alone, device):
+    """CPU: bit for bit (the column blocks of one product are the products alone). CUDA: cuBLAS may
+    pick another tiling of the K sum for another O, so within 2^-8 normwise (a flipped last bit of
+    bf16 in some elements; the FP8 error itself is 2^-4)."""
+    (outs, dx, grads), (outs_ref, dx_ref, grads_ref) = grouped, alone
+    flat = [*outs, dx, *(t for g in grads if g is not None for t in g)]
+    flat_ref = [*outs_ref, dx_ref, *(t for g in grads_ref if g is not None for t in g)]
+    assert len(flat) == len(flat_ref)
+    for a, b in zip(flat, flat_ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if device == "cpu":
+            assert torch.equal(a, b)
+        else:
+            assert rel_err(a, b) <= 2.0**-8
+
+
+QKV_CASES = {
+    # name: (hidden, (out_q, out_k, out_v), adapters on q/k/v, fp8 flags, expected (scaled_mm, emulated))
+    "all-adapters": (128, (96, 32, 32), (True, True, True), (True, True, True), (1, 0)),
+    "v-without-adapter": (128, (96, 32, 32), (True, True, False), (True, True, True), (1, 0)),
+    "no-adapters": (64, (64, 16, 16), (False, False, False), (True, True, True), (1, 0)),
+    # fallbacks: one product per projection, as before
+    "v-not-fp8": (128, (96, 32, 32), (True, True, True), (True, True, False), (2, 0)),
+    "odd-k-out": (128, (96, 24, 32), (True, True, True), (True, True, True), (2, 1)),
+    "odd-hidden": (123, (96, 32, 32), (True, False, True), (True, True, True), (0, 3)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("case", list(QKV_CASES))
+def test_lora_qkv_one_fp8_product_for_the_group(case, nf4, dtype, device, monkeypatch):
+    """q, k, v with fp8_forward: one torch._scaled_mm for the three (3 before) when K and each out are
+    multiples of 16 and all three have the flag; Q, K, V are then column blocks of its output; outputs
+    and gradients equal those of one product per projection. Otherwise the per-projection path."""
+    hidden, outs, adapters, flags, expected = QKV_CASES[case]
+    gen = torch.Generator().manual_seed(11)
+    kw = dict(nf4=nf4, dtype=dtype, device=device, gen=gen)
+    pairs = [Pair(o, hidden, adapter=a, **kw) for o, a in zip(outs, adapters)]
+    projs = [_fp8_proj(p, f) for p, f in zip(pairs, flags)]
+    x, _ = _x(dtype, device, gen, shape=(2, 19, hidden))
+    dys = [torch.randn(2, 19, o, generator=gen, dtype=torch.float64).to(device) for o in outs]
+    counter = _ProductCounter(monkeypatch)
+    grouped, alone = _run_both(lambda t: lora_qkv(t, *projs), x, pairs, dys, monkeypatch)
+    per_projection = (3, 0) if expected == (1, 0) else expected  # the run with grouping turned off
+    assert counter.take() == (expected[0] + per_projection[0], expected[1] + per_projection[1])
+    _grads_of(lambda t: lora_qkv(t, *projs), x, pairs, dys)  # forward + backward, grouped where it applies
+    assert counter.take() == expected  # none in the backward
+    q, k, v = grouped[0]
+    if expected == (1, 0):  # views of one [N, out_q + out_k + out_v] product, no copies
+        assert q.stride() == k.stride() == v.stride() == (19 * sum(outs), sum(outs), 1)
+        assert k.data_ptr() == q.data_ptr() + outs[0] * q.element_size()
+    else:
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    _assert_same_results(grouped, alone, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh"])
+@pytest.mark.parametrize("gate_adapter", [True, False], ids=["gate-adapter", "gate-without-adapter"])
+def test_lora_mlp_one_fp8_product_for_gate_and_up(gate_adapter, activation, nf4, dtype, device, monkeypatch):
+    """gate and up with fp8_forward: one torch._scaled_mm for both (2 before), e and g are its column
+    blocks (read in place by the activation, overwritten in place by its backward); with the down
+    projection 2 products per forward instead of 3. Outputs and gradients equal the per-projection run."""
+    hidden, inter = 128, 96
+    gen = torch.Generator().manual_seed(12)
+    kw = dict(nf4=nf4, dtype=dtype, device=device, gen=gen)
+    pairs = [Pair(inter, hidden, adapter=gate_adapter, **kw), Pair(inter, hidden, adapter=True, **kw),
+             Pair(hidden, inter, adapter=True, rslora=True, **kw)]
+    projs = [_fp8_proj(p) for p in pairs]
+    x, _ = _x(dtype, device, gen, shape=(2, 19, hidden))
+    dys = [torch.randn(2, 19, hidden, generator=gen, dtype=torch.float64).to(device)]
+    counter = _ProductCounter(monkeypatch)
+    fn = lambda t: lora_mlp(t, *projs, activation)  # noqa: E731
+    grouped, alone = _run_both(fn, x, pairs, dys, monkeypatch)
+    assert counter.take() == (2 + 3, 0)
+    _grads_of(fn, x, pairs, dys)
+    assert counter.take() == (2, 0)
+    _grads_of(lambda t: lora_mlp(t, *projs, activation, compute_output=False), x, pairs, dys)
+    assert counter.take() == (1, 0)  # the recompute form: gate and up only
+    _assert_same_results(grouped, alone, device)
+
+
+@needs_interp
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_grouped_fp8_on_the_triton_path(dtype, nf4, monkeypatch):
+    """The same under the interpreter: Triton quantisation into the group's row blocks (one-pass NF4
+    kernel for NF4), the activation kernels on e, g as column blocks, in-place backward into them."""
+    gen = torch.Generator().manual_seed(13)
+    kw = dict(nf4=nf4, dtype=dtype, device="cpu", gen=gen)
+    qkv = [Pair(o, 128, adapter=a, **kw) for o, a in ((64, True), (32, False), (32, True))]
+    mlp = [Pair(96, 128, adapter=True, **kw), Pair(96, 128, adapter=True, **kw), Pair(128, 96, adapter=True, **kw)]
+    x, _ = _x(dtype, "cpu", gen, shape=(2, 7, 128))
+    counter = _ProductCounter(monkeypatch)
+    with use_triton(True):
+        projs = [_fp8_proj(p) for p in qkv]
+        dys = [torch.randn(2, 7, p.proj.out_features, generator=gen, dtype=torch.float64) for p in qkv]
+        _assert_same_results(*_run_both(lambda t: lora_qkv(t, *projs), x, qkv, dys, monkeypatch), "cpu")
+        assert counter.take() == (1 + 3, 0)
+        projs = [_fp8_proj(p) for p in mlp]
+        dys = [torch.randn(2, 7, 128, generator=gen, dtype=torch.float64)]
+        _assert_same_results(*_run_both(lambda t: lora_mlp(t, *projs, "swiglu"), x, mlp, dys, monkeypatch), "cpu")
+        assert counter.take() == (2 + 3, 0)
+
+
+def test_grouped_fp8_buffer_is_the_concatenated_quantisation():
+    """grouped_fp8_base_forward's product is diag(s_x) Q_x [Q_W1; Q_W2]^T diag([s_W1; s_W2]): each
+    weight quantised alone, one FP8 buffer; the outputs are the column blocks of the product."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(9, 64, generator=gen)
+    ws = [torch.randn(o, 64, generator=gen) for o in (32, 16)]
+    projs = tuple(lora_projection.LoRAProjection(w, fp8_forward=True) for w in ws)
+    assert lora_projection.fp8_group_applies(x, projs)
+    x_q = quantize_rowwise_fp8(x)
+    outs = lora_projection.grouped_fp8_base_forward(x, projs, x_q)
+    w_q = [quantize_rowwise_fp8(w) for w in ws]
+    want = fp8_matmul.fp8_matmul_quantized(x_q, (torch.cat([q for q, _ in w_q]), torch.cat([s for _, s in w_q])),
+                                           x.dtype)
+    assert torch.equal(torch.cat(outs, dim=1), want)
+    assert outs[1].data_ptr() == outs[0].data_ptr() + 32 * 4  # column blocks of one [9, 48] product
+    # and each block is the projection's own product
+    assert torch.equal(outs[0], fp8_matmul.fp8_matmul_quantized(x_q, w_q[0], x.dtype))
+    assert torch.equal(outs[1], fp8_matmul.fp8_matmul_quantized(x_q, w_q[1], x.dtype))
+    # not applicable: one projection, an odd out, a projection without the flag, no tokens
+    assert not lora_projection.fp8_group_applies(x, projs[:1])
+    odd = lora_projection.LoRAProjection(torch.randn(24, 64), fp8_forward=True)
+    assert not lora_projection.fp8_group_applies(x, (projs[0], odd))
+    assert not lora_projection.fp8_group_applies(x, (projs[0], lora_projection.LoRAProjection(ws[1])))
+    assert not lora_projection.fp8_group_applies(x[:0], projs)

@@ -11,11 +11,13 @@ import torch
 
 from notebookkit.kernels.lora_mlp import lora_mlp, lora_mlp_reference
 from notebookkit.kernels.lora_o import lora_o, lora_o_reference
-from notebookkit.kernels.lora_projection import LoRAProjection
+from notebookkit.kernels import lora_mlp as lora_mlp_module
+from notebookkit.kernels import lora_qkv as lora_qkv_module
+from notebookkit.kernels.lora_projection import LoRAProjection, adapter_group
 from notebookkit.kernels.lora_qkv import lora_qkv, lora_qkv_reference
 from notebookkit.kernels.nf4 import dequantize_nf4_reference
 from notebookkit.kernels.runtime import interpreter_on, use_triton
-from notebookkit.kernels.testing import assert_close
+from notebookkit.kernels.testing import assert_close, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -310,3 +312,213 @@ def test_scaling_of_one_launches_no_scale_kernel(alpha, expect_scale_kernels):
     assert (CountScale.calls > 0) == expect_scale_kernels, CountScale.calls
     assert_close(x.grad, x64.grad, dtype, "dx")
     pair.check_grads(dtype, "o")
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped adapters: q/k/v (and gate/up) with adapters of one rank share the rank-space GEMMs
+# --------------------------------------------------------------------------------------------------
+
+GROUP_CASES = {
+    # name: (ranks, alphas, rslora, adapters, grouped)
+    "scalings_differ": ((RANK,) * 3, (16.0, float(RANK), 3.0), (False, True, False), (True,) * 3, True),
+    "scaling_one": ((RANK,) * 3, (float(RANK),) * 3, (False,) * 3, (True,) * 3, True),
+    "k_without_adapter": ((RANK,) * 3, (16.0, 16.0, 8.0), (False,) * 3, (True, False, True), False),
+    "ranks_differ": ((RANK, 3, RANK), (16.0, 16.0, 8.0), (False,) * 3, (True,) * 3, False),
+}
+
+
+def _group_pairs(case, dtype, device, gen, nf4=False, outs=(INTER, 40, 40)):
+    ranks, alphas, rslora, adapters, _ = GROUP_CASES[case]
+    return [Pair(o, HIDDEN, nf4=nf4, adapter=a, dtype=dtype, device=device, gen=gen, rank=r, alpha=al, rslora=rs)
+            for o, r, al, rs, a in zip(outs, ranks, alphas, rslora, adapters)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("case", list(GROUP_CASES))
+def test_lora_qkv_grouped_and_fallback(case, nf4, dtype, device):
+    gen = torch.Generator().manual_seed(12)
+    pairs = _group_pairs(case, dtype, device, gen, nf4)
+    projs = tuple(p.proj for p in pairs)
+    assert (adapter_group(projs, dtype) is not None) == GROUP_CASES[case][-1]
+    x, x64 = _x(dtype, device, gen, shape=(2, 19, HIDDEN))
+    outs = lora_qkv(x, *projs)
+    outs64 = lora_qkv_reference(x64, *(p.proj64 for p in pairs))
+    for name, y, y64 in zip("QKV", outs, outs64):
+        assert y.dtype == dtype and y.shape == y64.shape
+        assert_close(y, y64, dtype, name)
+    _backward(outs, outs64, gen)
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    for name, p in zip("qkv", pairs):
+        p.check_grads(dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(GROUP_CASES))
+def test_lora_mlp_grouped_and_fallback(case, dtype, device):
+    """gate and up take the first two situations of the case (down is never grouped)."""
+    gen = torch.Generator().manual_seed(13)
+    gate, up, _ = _group_pairs(case, dtype, device, gen, outs=(INTER, INTER, INTER))
+    down = Pair(HIDDEN, INTER, nf4=False, adapter=True, dtype=dtype, device=device, gen=gen, alpha=3.0)
+    ranks, _, _, adapters, _ = GROUP_CASES[case]
+    assert (adapter_group((gate.proj, up.proj), dtype) is not None) == (all(adapters[:2]) and ranks[0] == ranks[1])
+    x, x64 = _x(dtype, device, gen)
+    y = lora_mlp(x, gate.proj, up.proj, down.proj, "swiglu")
+    y64 = lora_mlp_reference(x64, gate.proj64, up.proj64, down.proj64, "swiglu")
+    _check_mlp((gate, up, down), x, x64, y, y64, dtype, gen)
+
+
+@needs_interp
+@pytest.mark.parametrize("case", ["scalings_differ", "ranks_differ"])
+def test_lora_mlp_grouped_triton_path(case):
+    """NF4 dequant and the activation kernels under the interpreter, with grouped gate/up (fp16)."""
+    gen = torch.Generator().manual_seed(14)
+    dtype = torch.float16
+    with use_triton(True):
+        gate, up, _ = _group_pairs(case, dtype, "cpu", gen, nf4=True, outs=(INTER, INTER, INTER))
+        down = Pair(HIDDEN, INTER, nf4=True, adapter=True, dtype=dtype, device="cpu", gen=gen)
+        x, x64 = _x(dtype, "cpu", gen)
+        y = lora_mlp(x, gate.proj, up.proj, down.proj, "geglu_tanh")
+        y64 = lora_mlp_reference(x64, gate.proj64, up.proj64, down.proj64, "geglu_tanh")
+        _check_mlp((gate, up, down), x, x64, y, y64, dtype, gen)
+
+
+def _without_grouping(monkeypatch):
+    for module in (lora_qkv_module, lora_mlp_module):
+        monkeypatch.setattr(module, "adapter_group", lambda projs, dtype: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_grouped_matches_the_per_projection_path(dtype, monkeypatch):
+    """The grouped GEMMs give what one GEMM per projection gives: fp32 to a few ulps (other GEMM
+    blockings), fp16 to the 16-bit bound (dX sums U_cat A_cat in one GEMM, before: three roundings)."""
+    def run():
+        gen = torch.Generator().manual_seed(15)
+        pairs = _group_pairs("scalings_differ", dtype, "cpu", gen)
+        mlp = [Pair(o, i, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen, alpha=a)
+               for o, i, a in ((INTER, HIDDEN, 16.0), (INTER, HIDDEN, 2.5), (HIDDEN, INTER, 16.0))]
+        x, _ = _x(dtype, "cpu", gen, shape=(2, 19, HIDDEN))
+        outs = [*lora_qkv(x, *(p.proj for p in pairs)), lora_mlp(x, *(p.proj for p in mlp), "swiglu")]
+        torch.autograd.backward(outs, [torch.randn(y.shape, generator=gen).to(dtype) for y in outs])
+        return [*outs, x.grad] + [t.grad for p in pairs + mlp for t in (p.A, p.B)]
+
+    grouped = run()
+    with monkeypatch.context() as m:
+        _without_grouping(m)
+        per_projection = run()
+    bound = 1e-6 if dtype == torch.float32 else None
+    for i, (a, b) in enumerate(zip(grouped, per_projection)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if bound is None:
+            assert_close(a, b, dtype, f"tensor {i}")
+        else:
+            assert rel_err(a, b) <= bound, (i, rel_err(a, b))
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_projection"])
+def test_lora_qkv_skips_the_gradients_nobody_needs(grouped):
+    """x without grad, q's B and v's A frozen: those get no gradient, the others match float64."""
+    gen = torch.Generator().manual_seed(16)
+    dtype = torch.float32
+    pairs = _group_pairs("scalings_differ" if grouped else "k_without_adapter", dtype, "cpu", gen)
+    q, k, v = pairs
+    for t in (q.B, q.B64, v.A, v.A64):
+        t.requires_grad_(False)
+    x = torch.randn(2, 19, HIDDEN, generator=gen)
+    outs = lora_qkv(x, *(p.proj for p in pairs))
+    outs64 = lora_qkv_reference(x.double(), *(p.proj64 for p in pairs))
+    _backward(outs, outs64, gen)
+    assert x.grad is None and q.B.grad is None and v.A.grad is None
+    assert_close(q.A.grad, q.A64.grad, dtype, "q dA")
+    assert_close(v.B.grad, v.B64.grad, dtype, "v dB")
+    if k.A is not None:
+        k.check_grads(dtype, "k")
+
+
+class _CountOps:
+    """Counts aten GEMM calls (mm, addmm, addmm_, matmul, bmm) and torch.cat calls under it."""
+
+    GEMMS = ("mm", "addmm", "addmm_", "matmul", "bmm")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.gemms = self.cats = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                counter.gemms += name in _CountOps.GEMMS
+                counter.cats += name == "cat"
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def test_gemm_calls_per_layer_forward_and_backward():
+    """One forward + backward with adapters on all projections (dense base, all gradients needed).
+
+    lora_qkv: before, 27 GEMMs (per projection: X W^T, X A^T, addmm_ of the low-rank part; in
+    backward U, dA, the recomputed X A^T, dB, dY W, addmm_ of U A). Grouped: 19 (the three X A^T
+    are one GEMM in the forward and one in the backward, the three U A one addmm_, the three dA one
+    GEMM). lora_mlp: before 27, grouped 23 (gate and up share 4 GEMMs; down is alone).
+    """
+    gen = torch.Generator().manual_seed(17)
+    dtype = torch.float32
+    q, k, v = _group_pairs("scalings_differ", dtype, "cpu", gen)
+    x, _ = _x(dtype, "cpu", gen)
+    with _CountOps() as count:
+        outs = lora_qkv(x, q.proj, k.proj, v.proj)
+        torch.autograd.backward(outs, [torch.ones_like(y) for y in outs])
+    assert count.gemms == 19, count.gemms
+
+    gate, up = (Pair(INTER, HIDDEN, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen) for _ in range(2))
+    down = Pair(HIDDEN, INTER, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen)
+    with _CountOps() as count:
+        lora_mlp(x, gate.proj, up.proj, down.proj, "swiglu").sum().backward()
+    assert count.gemms == 23, count.gemms
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.float16, torch.float32], ids=["same_dtype", "fp32_adapters"])
+def test_a_cat_built_once_and_rebuilt_after_an_update(adapter_dtype):
+    """The forward and the backward share one A_cat (one torch.cat); a later call with unchanged
+    adapters builds none; after an in-place update of one A (an optimizer step) the next call builds
+    it again and follows the new value."""
+    gen = torch.Generator().manual_seed(18)
+    dtype = torch.float16
+    outs_f = (INTER, 40, 40)
+    pairs = [Pair(o, HIDDEN, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen, alpha=a,
+                  adapter_dtype=adapter_dtype) for o, a in zip(outs_f, (16.0, 8.0, 4.0))]
+    projs = tuple(p.proj for p in pairs)
+
+    def step(expect_cats):
+        for p in pairs:
+            p.A.grad = p.B.grad = p.A64.grad = p.B64.grad = None
+        x, x64 = _x(dtype, "cpu", gen)
+        with _CountOps() as count:
+            outs = lora_qkv(x, *projs)
+            outs64 = lora_qkv_reference(x64, *(p.proj64 for p in pairs))
+            _backward(outs, outs64, gen)
+        assert count.cats == expect_cats, count.cats
+        for name, y, y64 in zip("QKV", outs, outs64):
+            assert_close(y, y64, dtype, name)
+        assert_close(x.grad, x64.grad, dtype, "dx")
+        for name, p in zip("qkv", pairs):
+            p.check_grads(dtype, name)
+
+    step(expect_cats=1)
+    step(expect_cats=0)
+    with torch.no_grad():
+        pairs[1].A.mul_(2.0)
+        pairs[1].A64.mul_(2.0)
+    step(expect_cats=1)

@@ -73,6 +73,39 @@ def test_compute_dtype_differs_from_the_quantised_dtype(device):
                      quantize_nf4_rowwise_fp8_reference(packed, qs, torch.float16))
 
 
+@pytest.mark.parametrize(
+    "dtype, triton_path",
+    [(torch.float32, True), (torch.float16, True), (torch.float32, False), (torch.bfloat16, False)],
+    ids=["fp32-triton", "fp16-triton", "fp32-torch", "bf16-torch"],
+)
+@pytest.mark.parametrize("cols", [192, 96], ids=["whole-blocks", "fallback"])
+def test_quantize_into_row_slices_of_one_buffer(cols, dtype, triton_path):
+    """``out=``: NF4 weights quantised into consecutive row blocks of one FP8 buffer give the bits of
+    quantising each alone, on the one-pass kernel (rows of whole blocks under the interpreter), on the
+    two-step fallback (96 = 1.5 blocks per row) and on plain PyTorch."""
+    if triton_path and not interpreter_on():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    weights = [_quantized((rows, cols), dtype, nested, "cpu", seed=rows)
+               for rows, nested in ((37, True), (16, False), (5, True))]
+    total = 37 + 16 + 5
+    gen = torch.Generator().manual_seed(0)
+    q_cat = torch.randint(0, 120, (total, cols), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s_cat = torch.full((total, 1), -3.0)
+    start = 0
+    with use_triton(triton_path):
+        for packed, qs in weights:
+            rows = qs.shape[0]
+            out = (q_cat[start:start + rows], s_cat[start:start + rows])
+            got = quantize_nf4_rowwise_fp8(packed, qs, dtype, out=out)
+            assert got[0] is out[0] and got[1] is out[1]
+            start += rows
+        alone = [quantize_nf4_rowwise_fp8(packed, qs, dtype) for packed, qs in weights]
+    _assert_same((q_cat, s_cat), (torch.cat([a[0] for a in alone]), torch.cat([a[1] for a in alone])))
+    with pytest.raises(ValueError, match="out must be"):
+        packed, qs = weights[0]
+        quantize_nf4_rowwise_fp8(packed, qs, dtype, out=(q_cat[:5], s_cat[:5]))
+
+
 def test_fallbacks_give_the_same_result(monkeypatch):
     """Rows that are not whole blocks, rows longer than one program, and plain CPU use the two-step route."""
     calls = []

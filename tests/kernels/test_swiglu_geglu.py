@@ -134,6 +134,64 @@ def test_inplace_backward_helper(device, op, triton):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", [(37, 123), (3, 5, 64)], ids=str)
+def test_column_blocks_of_one_buffer(shape, op, dtype, triton, device):
+    """e and g as the column blocks [:, :I] and [:, I:2I] of one [rows, 2I + 3] buffer (the LoRA MLP's
+    grouped FP8 gate/up product, here with 3 extra columns that must stay untouched): the forward
+    launcher reads them in place and the in-place backward writes de, dg into those blocks, with the
+    bits of the same ops on contiguous copies (Triton: the same per-element math; the PyTorch path:
+    within 8 ulps of the largest value, since PyTorch's CPU kernels take another (non-vectorised)
+    loop for strided inputs)."""
+    if device == "cpu" and triton and not interpreter_on():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    e, g, dh = _inputs(shape, dtype, device, seed=5)
+    cols = shape[-1]
+    junk = torch.full((*shape[:-1], 3), 7.0, dtype=dtype, device=device)
+    buf = torch.cat([e, g, junk], dim=-1)
+    e_blk, g_blk = buf[..., :cols], buf[..., cols:2 * cols]
+    assert not e_blk.is_contiguous()
+    with use_triton(triton):
+        h_c = _forward_launch(op, e, g, None) if triton else _reference(op, e, g)
+        h = _forward_launch(op, e_blk, g_blk, None) if triton else _reference(op, e_blk, g_blk)
+        dh_c, e_c, g_c = dh.clone(), e.clone(), g.clone()
+        _backward_(op, dh_c, e_c, g_c)
+        dh_buf = dh.clone()
+        h2, de, dg = _backward_(op, dh_buf, e_blk, g_blk)
+    ulp = torch.finfo(dtype).eps
+
+    def same(a, b):
+        if triton:
+            assert torch.equal(a, b)
+        else:
+            assert (a.float() - b.float()).abs().max() <= 8 * ulp * b.float().abs().max()
+
+    same(h, h_c)
+    assert h.is_contiguous()
+    assert de.data_ptr() == e_blk.data_ptr() and dg.data_ptr() == g_blk.data_ptr()
+    same(h2, dh_c), same(de, e_c), same(dg, g_c)
+    same(buf[..., :cols], e_c), same(buf[..., cols:2 * cols], g_c)
+    assert torch.equal(buf[..., 2 * cols:], junk)
+
+
+def test_other_layouts_are_copied_or_refused():
+    """Layouts that are not row slices with one row stride: the forward launcher copies them; the
+    in-place backward refuses (it could not write de, dg back)."""
+    e, g, dh = _inputs((6, 8), torch.float32, "cpu", seed=6)
+    e_t, g_t = e.t().contiguous().t(), g.t().contiguous().t()  # column-major
+    g_wide = torch.cat([g, g], dim=1)[:, :8]  # row stride 16 while e's is 8
+    with use_triton(interpreter_on()):
+        if interpreter_on():
+            assert torch.equal(_forward_launch("swiglu", e_t, g_t, None), _forward_launch("swiglu", e, g, None))
+            assert torch.equal(_forward_launch("swiglu", e, g_wide, None), _forward_launch("swiglu", e, g, None))
+        for ee, gg in ((e_t, g_t), (e, g_wide)):
+            with pytest.raises(ValueError, match="contiguous"):
+                swiglu_backward_(dh.clone(), ee.clone() if ee.is_contiguous() else ee, gg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", OPS)
 def test_inplace_autograd_backward(device, op):
     dtype = torch.float16

@@ -41,6 +41,23 @@ def test_tiny_config_matches_hand_computed_sizes_keep():
     assert est.peak_allocated == est.total
 
 
+def test_tiny_config_adapters_in_the_compute_dtype_keep_only_the_grouped_a_copies():
+    # bf16 adapters under bf16 compute are used as they are, except A of q/k/v and of gate/up, copied
+    # into one A_cat per group: r * H per grouped projection = 4 * 64 * 5 = 1280 per layer, 2560 for
+    # two layers, 5120 bytes. Weights 2 + grads 2 + fp32 master 4 + AdamW 8 = 16 bytes -> 131072.
+    est = estimate_training_memory(TINY, activation_plan="keep", adapter_dtype="bfloat16", **KW)
+    assert est.details["adapters + optimizer: compute-dtype copies"] == 5120
+    assert est.adapters == 131072 + 5120
+    # A group with an untargeted member runs per projection (no A_cat): only gate/up are grouped here,
+    # 4 * 64 * 2 * 2 layers = 1024 elements = 2048 bytes.
+    part = estimate_training_memory(TINY, activation_plan="keep", adapter_dtype="bfloat16",
+                                    target_modules=["q_proj", "v_proj", "gate_proj", "up_proj"], **KW)
+    assert part.details["adapters + optimizer: compute-dtype copies"] == 2048
+    # In another dtype, A_cat takes the place of the A casts: all adapters once in bf16, as before.
+    assert estimate_training_memory(TINY, activation_plan="keep", **KW).details[
+        "adapters + optimizer: compute-dtype copies"] == 8192 * 2
+
+
 def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
     est = estimate_training_memory(TINY, activation_plan="recompute", **KW)
     # Layer inputs only: 64 tokens * 64 * 2 B = 8192 per layer.
@@ -140,21 +157,25 @@ def test_bad_inputs_raise_readable_errors(bad):
         estimate_training_memory(TINY, **{**KW, **bad})
 
 
-def test_fp8_forward_working_set_is_the_one_byte_copies_of_the_largest_projection():
-    """FP8 forward: FP8 copies of the input and weight of the largest GEMM, ``N*in + in*out`` bytes;
-    an NF4 weight in whole 64-element blocks goes to FP8 in one kernel (no 16-bit copy), else its
-    dequantised bf16 weight joins them."""
-    from notebookkit.memory.estimate import backward_working_set
+def test_fp8_forward_working_set_is_the_one_byte_copies_of_the_largest_product():
+    """FP8 forward: FP8 copies of the input and weights of the largest FP8 product, ``N*in + sum in*out``
+    bytes, where q/k/v and gate/up are one product each when their sizes are multiples of 16 (their
+    weights in one FP8 buffer); an NF4 weight in whole 64-element blocks goes to FP8 in one kernel
+    (no 16-bit copy), else its dequantised bf16 weight joins them."""
+    from notebookkit.memory.estimate import backward_working_set, fp8_products
 
     shape = model_shape(TINY)
     N = 2 * 32
-    largest = max(N * i + i * o for i, o in shape.projection_shapes().values())
-    assert largest == N * 128 + 128 * 64  # down_proj: in 128, out 64
+    assert fp8_products(shape) == [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)]
+    # gate/up: N*64 + 64*(128 + 128) = 20480 > down N*128 + 128*64 = 16384 > q/k/v N*64 + 64*128 = 12288
+    largest = N * 64 + 64 * (128 + 128)
+    assert largest == 20480
     kw = dict(batch_size=2, seq_len=32, dtype_bytes=2)
     assert backward_working_set(shape, **kw)["fp8_forward"] == 0
     assert backward_working_set(shape, fp8_forward=True, **kw)["fp8_forward"] == largest
     assert backward_working_set(shape, fp8_forward=True, load_in_4bit=True, **kw)["fp8_forward"] == largest
     odd = model_shape(dict(TINY, hidden_size=72, head_dim=18))  # rows of 72: not whole NF4 blocks
+    assert len(fp8_products(odd)) == 7  # 72 is no multiple of 16: one product per projection
     odd_largest = max(N * i + i * o for i, o in odd.projection_shapes().values())
     dequant = max(i * o for i, o in odd.projection_shapes().values()) * 2
     assert backward_working_set(odd, fp8_forward=True, load_in_4bit=True, **kw)["fp8_forward"] == odd_largest + dequant

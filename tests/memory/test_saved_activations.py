@@ -42,11 +42,18 @@ def _load(family: str, checkpointing):
 def test_kept_layer_saves_exactly_what_the_model_says(family):
     model, shape = _load(family, False)
     ids = torch.randint(0, shape.vocab_size, (B, T))
+    # With an attention mask, as trainers' collators pass it: Hugging Face builds the layer masks.
     with cuda_like():
-        saved = saved_bytes_by_layer(model, input_ids=ids, labels=ids)
+        saved = saved_bytes_by_layer(model, input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
     last = len(decoder_layers(model)) - 1
     predicted = layer_activation_bytes(shape, "keep", batch_size=B, seq_len=T, dtype_bytes=2, lora_r=8)
     assert sum(saved[last].values()) == predicted, (family, dict(saved[last]))
+    # Without one the forward is plainly causal: no Hugging Face mask, and the soft-capped attention
+    # (gemma2) saves its own [T, T] causal mask instead of the [B, 1, T, T] one.
+    with cuda_like():
+        plain = saved_bytes_by_layer(model, input_ids=ids, labels=ids)
+    mask_saving = (B - 1) * T * T if family == "gemma2" else 0
+    assert sum(plain[last].values()) == predicted - mask_saving, (family, dict(plain[last]))
     # After the layers: the final norm's input (bf16) and its 1/rms (fp32), nothing else.
     assert dict(saved["other"]) == {"bfloat16": B * T * shape.hidden_size * 2, "float32": B * T * 4}
 

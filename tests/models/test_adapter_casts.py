@@ -3,9 +3,11 @@
 PEFT keeps adapters in fp32 under 16-bit weights, so the fused kernels cast ``A`` and ``B`` to the
 compute dtype. Before, every use cast again: the forward, the checkpointing recompute and the
 backward (six casts per adapted projection per step, each a launch). Now the patched backbone opens a
-forward pass, the recompute re-enters it, and the views (with their casts) are reused: two casts
-per adapted projection per step, and one view build per projection. The steps still train the
-updated adapters: the casts follow the optimizer's in-place updates.
+forward pass, the recompute re-enters it, and the views (with their casts) are reused: each
+adapter is read into the compute dtype once per step, and each projection's view is built once.
+Projections sharing an input (q/k/v, gate/up) read their ``A`` into one concatenated ``A_cat``
+(``lora_projection.adapter_group``) instead of casting each. The steps still train the updated
+adapters: the casts follow the optimizer's in-place updates.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import copy
 import pytest
 import torch
 
+from notebookkit.kernels import lora_projection
 from notebookkit.kernels.lora_projection import LoRAProjection
 from notebookkit.models import lora_fast_path, patch_model
 from notebookkit.models.checkpointing import apply_checkpointing
@@ -47,9 +50,10 @@ def test_adapters_cast_once_and_views_built_once_per_step(checkpointing, monkeyp
     opt = torch.optim.AdamW(adapters, lr=1e-2)
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 
-    casts, builds = [], []
+    casts, builds, concats = [], [], []
     real_to = torch.Tensor.to
     real_view = lora_fast_path.projection_view
+    real_concat = lora_projection.concat_adapters
 
     def spy_to(self, *args, **kwargs):
         out = real_to(self, *args, **kwargs)
@@ -61,16 +65,23 @@ def test_adapters_cast_once_and_views_built_once_per_step(checkpointing, monkeyp
         builds.append(id(module))
         return real_view(module, training)
 
+    def spy_concat(As, dtype):
+        concats.append([A.data_ptr() for A in As])
+        return real_concat(As, dtype)
+
     monkeypatch.setattr(torch.Tensor, "to", spy_to)
     monkeypatch.setattr(lora_fast_path, "projection_view", spy_view)
+    monkeypatch.setattr(lora_projection, "concat_adapters", spy_concat)
     for _ in range(2):
-        casts.clear(), builds.clear()
+        casts.clear(), builds.clear(), concats.clear()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        # 7 adapted projections per layer, A and B each cast once; each projection's view built once.
-        assert len(casts) == 2 * 7 * n_layers, f"{len(casts)} adapter casts in one step"
-        assert sorted(casts) == sorted(ptrs)
+        # Per layer, 7 adapted projections: one A_cat for q/k/v and one for gate/up; the Bs of those
+        # five and A, B of o and down cast once (before grouping: 14 casts); each view built once.
+        assert len(concats) == 2 * n_layers, f"{len(concats)} A_cat builds in one step"
+        assert len(casts) == (5 + 2 * 2) * n_layers, f"{len(casts)} adapter casts in one step"
+        assert sorted(casts + [p for group in concats for p in group]) == sorted(ptrs)  # each adapter once
         assert len(builds) == 7 * n_layers, f"{len(builds)} view builds in one step"
 
 
@@ -121,3 +132,30 @@ def test_projection_recasts_after_an_in_place_update():
     a2, b2 = proj.adapters(torch.bfloat16)
     assert a2 is not a1 and torch.equal(a2, A.to(torch.bfloat16)) and torch.equal(b2, B.to(torch.bfloat16))
     assert proj.adapters(torch.float32)[0] is A  # already in the compute dtype: no copy
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32_adapters", "bf16_adapters"])
+def test_kept_copies_are_what_the_memory_model_counts(adapter_dtype):
+    """After a step, the compute-dtype copies kept on the layers' projections (adapter casts and the
+    grouped A_cat) are the memory model's "compute-dtype copies", byte for byte."""
+    from notebookkit.memory import estimate_training_memory
+
+    model = _bf16_lora_model("llama", "recompute")
+    with torch.no_grad():
+        for p in _adapters(model):
+            p.data = p.data.to(adapter_dtype)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+
+    kept = {}
+    for module in model.modules():
+        views_kept = module.__dict__.get(lora_fast_path._VIEWS_KEPT)
+        if views_kept is None or views_kept.result[0] is None:
+            continue
+        for view in views_kept.result[0]:
+            proj = view.projection
+            tensors = [cast for _, _, cast in proj._adapter_casts.values()]
+            tensors += [proj._group_cast[3]] if proj._group_cast is not None else []
+            kept.update({t.data_ptr(): t.numel() * t.element_size() for t in tensors})
+    est = estimate_training_memory(model.config, dtype="bfloat16", lora_r=4, adapter_dtype=str(adapter_dtype))
+    assert sum(kept.values()) == est.details.get("adapters + optimizer: compute-dtype copies", 0) > 0

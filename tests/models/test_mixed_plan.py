@@ -63,8 +63,9 @@ def test_kept_last_layer_runs_once_and_saves_all_it_needs(fp8, monkeypatch):
 
     assert [runs[("attn", i)] for i in range(L)] == [2] * (L - 1) + [1]
     assert [runs[("mlp", i)] for i in range(L)] == [2] * (L - 1) + [1]
-    # forward: 7 base GEMMs a layer; recompute: q, k, v, o, gate, up (Llama's down projection is skipped)
-    assert len(fp8_calls) == (7 * L + 6 * (L - 1) if fp8 else 0)
+    # forward: 4 base products a layer (q/k/v grouped, o, gate/up grouped, down); recompute: q/k/v, o,
+    # gate/up (Llama's down projection is skipped)
+    assert len(fp8_calls) == (4 * L + 3 * (L - 1) if fp8 else 0)
     keep = layer_activation_bytes(shape, "keep", batch_size=B, seq_len=T, dtype_bytes=2, lora_r=8)
     x = B * T * shape.hidden_size * 2
     assert [sum(saved[i].values()) for i in range(1, L - 1)] == [x] * (L - 2)  # recomputed: the input only
