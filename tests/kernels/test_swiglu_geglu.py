@@ -142,9 +142,10 @@ def test_column_blocks_of_one_buffer(shape, op, dtype, triton, device):
     """e and g as the column blocks [:, :I] and [:, I:2I] of one [rows, 2I + 3] buffer (the LoRA MLP's
     grouped FP8 gate/up product, here with 3 extra columns that must stay untouched): the forward
     launcher reads them in place and the in-place backward writes de, dg into those blocks, with the
-    bits of the same ops on contiguous copies (Triton: the same per-element math; the PyTorch path:
-    within 8 ulps of the largest value, since PyTorch's CPU kernels take another (non-vectorised)
-    loop for strided inputs)."""
+    bits of the same ops on contiguous copies under the Triton interpreter; within 8 ulps of the largest
+    value for compiled kernels (the GPU compiler may fuse multiply-adds differently in the strided
+    variant) and for the PyTorch path (its CPU kernels take another, non-vectorised loop for strided
+    inputs). A misplaced row or column would be off by whole values, far outside that."""
     if device == "cpu" and triton and not interpreter_on():
         pytest.skip("needs TRITON_INTERPRET=1")
     e, g, dh = _inputs(shape, dtype, device, seed=5)
@@ -163,7 +164,7 @@ def test_column_blocks_of_one_buffer(shape, op, dtype, triton, device):
     ulp = torch.finfo(dtype).eps
 
     def same(a, b):
-        if triton:
+        if triton and a.device.type == "cpu":
             assert torch.equal(a, b)
         else:
             assert (a.float() - b.float()).abs().max() <= 8 * ulp * b.float().abs().max()
