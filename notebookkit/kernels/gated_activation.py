@@ -4,8 +4,9 @@ Not an op of its own: the kernels and the math live in :mod:`notebookkit.kernels
 :mod:`notebookkit.kernels.geglu`. Both ops are element-wise over ``e`` and ``g`` (gate and up
 projection outputs of one shape) and their kernels take the same arguments::
 
-    forward kernel:   (E, G, H, n_elements, <op constexprs>, BLOCK)
-    backward kernel:  (DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, <op constexprs>, STORE_H, BLOCK)
+    forward kernel:   (E, G, H, n_elements, n_cols, stride_eg, <op constexprs>, EG_STRIDED, BLOCK)
+    backward kernel:  (DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, n_cols, stride_eg, <op constexprs>,
+                       STORE_H, EG_STRIDED, BLOCK)
 
 so one launcher pair, one input check and one ``torch.autograd.Function`` serve both.
 
@@ -17,8 +18,7 @@ outputs of the LoRA MLP's grouped FP8 forward, column blocks ``[:, :I]`` and ``[
 and an in-place backward writes ``de``/``dg`` at those same places. The forward launcher copies
 ``e``/``g`` of any other layout to contiguous first.
 
-The
-autograd function saves only ``e`` and ``g``; its backward recomputes ``act(e)`` in the op's
+The autograd function saves only ``e`` and ``g``; its backward recomputes ``act(e)`` in the op's
 backward kernel and writes ``de`` / ``dg`` into new buffers, or over ``e`` / ``g`` themselves with
 ``inplace_backward=True``.
 """

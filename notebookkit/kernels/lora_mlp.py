@@ -35,8 +35,10 @@ products are one ``torch._scaled_mm`` of the FP8 ``X`` with ``[Q_Wg; Q_Wu]``
 (:func:`notebookkit.kernels.lora_projection.grouped_fp8_base_forward`), and e, g are the column
 blocks ``[:, :I]``, ``[:, I:]`` of its ``[N, 2I]`` output (views, not copies). The activation kernels
 read them in place (row stride ``2I``), they are saved as such, and the in-place backward writes
-de, dg back into those same column blocks (the two blocks do not overlap). Base weights are frozen; ``B A`` is never formed. Because e and g
-are overwritten, the backward can run once per forward (``retain_graph=True`` is refused).
+de, dg back into those same column blocks (the two blocks do not overlap).
+
+Base weights are frozen; ``B A`` is never formed. Because e and g are overwritten, the backward can
+run once per forward (``retain_graph=True`` is refused).
 
 The backward never reads ``Y``. A checkpointed decoder layer whose MLP output only enters the
 residual sum (Llama, Mistral, Qwen, Gemma 1) recomputes its forward in the backward pass only to

@@ -24,7 +24,8 @@ three base products are one ``torch._scaled_mm`` of the FP8 ``X`` with ``[Q_Wq; 
 (:func:`notebookkit.kernels.lora_projection.grouped_fp8_base_forward`), and Q, K, V are column
 slices of its ``[N, out_q + out_k + out_v]`` output (views, row stride ``out_q + out_k + out_v``:
 not contiguous). The attention code views them as heads and passes them to the RoPE kernel, which
-takes any strides with a unit last stride; V goes to SDPA as a strided view.
+takes any strides with a unit last stride; V is copied to its own storage before SDPA saves it
+(a saved view would keep the whole product alive, see ``patch_attention``).
 
 Base weights (16-bit or NF4) are frozen; ``B A`` is never formed. See
 :mod:`notebookkit.kernels.lora_projection` for the dtype rules.
