@@ -21,8 +21,15 @@ Gradient (p_j = exp(z_j - lse) is the softmax, [j == y] the one-hot)::
 
 Because the gradient depends only on the row and on ``D``, the kernel writes it during the
 forward pass (a second sweep over the row after the log-sum-exp sweep), and ``backward`` only
-multiplies it by the incoming scalar ``grad_output``. All arithmetic is fp32 whatever the logits'
-dtype; the gradient is stored in the logits' dtype.
+multiplies it by the incoming scalar ``grad_output`` (in fp32, on the device). All arithmetic is
+fp32 whatever the logits' dtype; the gradient is stored in the logits' dtype.
+
+**fp16 headroom.** The gradient is written before the loss scaler's factor is known, and in float16
+``p_j / D`` (about ``1 / (V D)``) falls under fp16's smallest number for large vocabularies, where
+plain PyTorch, which receives the scaled gradient, keeps it. In float16 the kernel therefore stores
+``c * D * dL/dx`` with ``c = FP16_GRAD_HEADROOM = 2^8`` (every term at most ``c`` in magnitude, and in
+fp16's normal range down to ``p_j = 2^-22``), and backward multiplies by ``grad_output / (c D)`` in
+fp32: each gradient is rounded to fp16 once, at its final scale.
 
 Conventions:
 
@@ -56,16 +63,20 @@ import triton
 import triton.language as tl
 
 from notebookkit.kernels.runtime import should_use_triton
+from notebookkit.kernels.scale_in_place import scale_in_place
 
 __all__ = [
     "cross_entropy",
     "cross_entropy_reference",
     "CrossEntropyFunction",
     "launch_cross_entropy",
+    "FP16_GRAD_HEADROOM",
     "AOT_SPECS",
 ]
 
 NItems = Union[int, float, torch.Tensor, None]
+
+FP16_GRAD_HEADROOM = 2.0**8  # float16 gradients are stored as c * D * dL/dx (module docstring)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -301,8 +312,12 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad = x if inplace_grad else _new_buffer(x.shape, x.dtype, x.device)
         loss_rows = _new_buffer((x.shape[0],), torch.float32, x.device)
         denom = denominator(y, ignore_index, n_items, x.device)
+        # float16 stores c * D * G (fp16 headroom, module docstring); backward divides by c * D.
+        fp16 = x.dtype == torch.float16
+        grad_denom = torch.full((), 1.0 / FP16_GRAD_HEADROOM, device=x.device) if fp16 else denom
+        ctx.pending_denom = denom * FP16_GRAD_HEADROOM if fp16 else None
         launch_cross_entropy(
-            x, y, denom, loss_rows, grad,
+            x, y, grad_denom, loss_rows, grad,
             ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
             z_loss=z_loss, block_size=block_size,
         )
@@ -324,9 +339,12 @@ class CrossEntropyFunction(torch.autograd.Function):
             return (None,) * 10
         ctx.grad_logits = None
         ctx.consumed = True
-        # Keeps this host check (a sync), unlike fused_linear_cross_entropy: skipping a pass over [N, V] is worth it.
-        if not is_exactly_one(grad_output):
-            grad.mul_(grad_output.to(torch.float32))
+        # In fp32 (a loss scale of 65536 rounded to fp16 is inf). Keeps the host check (a sync) of
+        # grad_output == 1, unlike fused_linear_cross_entropy: skipping a pass over [N, V] is worth it.
+        if ctx.pending_denom is not None:
+            scale_in_place(grad, grad_output.to(torch.float32) / ctx.pending_denom)
+        elif not is_exactly_one(grad_output):
+            scale_in_place(grad, grad_output.to(torch.float32))
         return (grad.view(ctx.logits_shape),) + (None,) * 9
 
 

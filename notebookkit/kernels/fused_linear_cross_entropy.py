@@ -18,12 +18,17 @@ logits, the Triton cross-entropy kernel turns them into per-row losses and overw
 ``G`` (fp32 math), and two more GEMMs turn ``G`` into the chunk's rows of ``dL/dh`` and add
 ``G^T h`` into an fp32 ``dL/dW`` accumulator (only when the weight requires grad; likewise the
 bias). Only one ``[C, V]`` buffer ever exists. Backward then just multiplies the stored gradients
-by the scalar ``grad_output``, on the device (no host sync).
+by the scalar ``grad_output``, on the device (no host sync) and in fp32
+(:func:`notebookkit.kernels.scale_in_place.scale_in_place`).
 
-The chunk size comes from the free device memory (``torch.cuda.mem_get_info``; a fixed budget on
-CPU) and from ``V / H``: by default a chunk's logits are about as large as the whole hidden-state
-tensor, with at least 512 rows (1024 when the weight is trained, so the ``G^T h`` GEMM is deep
-enough), and never more than a quarter of free memory or 256 MiB (1 GiB when training the weight).
+fp16 headroom. The gradients are made before the loss scaler's factor ``S`` is known, so in float16
+``G`` itself would be stored unscaled: ``p_ij / D`` is about ``1 / (V D)``, far under fp16's smallest
+number for a 128K vocabulary (plain PyTorch, which gets ``G`` scaled by ``S`` in its backward, keeps
+it). In float16 the kernel therefore stores ``c D G`` (the row gradient without ``1 / D``, times
+``c = FP16_GRAD_HEADROOM = 2^8`` of :mod:`notebookkit.kernels.cross_entropy`, so every term sits in
+fp16's normal range), the weight and bias gradients accumulate in fp32, and backward multiplies by
+``grad_output / (c D)`` in fp32, which rounds each gradient to fp16 once, at its final scale.
+``|c D G W| <= 2 c max|W|`` bounds the hidden-gradient buffer far under fp16's 65504 for any LM head.
 
 Labels are already shifted by the caller (row ``i`` of ``hidden`` predicts ``labels[i]``).
 """
@@ -37,6 +42,7 @@ import torch
 
 from notebookkit.kernels import cross_entropy as _ce
 from notebookkit.kernels.cross_entropy import (
+    FP16_GRAD_HEADROOM,
     NItems,
     _SUPPORTED_DTYPES,
     check_labels_and_softcap,
@@ -45,6 +51,7 @@ from notebookkit.kernels.cross_entropy import (
     launch_cross_entropy,
 )
 from notebookkit.kernels.runtime import should_use_triton
+from notebookkit.kernels.scale_in_place import scale_in_place
 
 __all__ = [
     "fused_linear_cross_entropy",
@@ -107,6 +114,9 @@ def _accumulate_weight_grad(acc32: torch.Tensor, g: torch.Tensor, h: torch.Tenso
             return
         except (TypeError, RuntimeError, NotImplementedError):
             pass
+    if g.dtype == torch.float16:  # fp16 keeps c * D * G (module docstring): its 16-bit product may overflow
+        acc32.addmm_(g.t().to(torch.float32), h.to(torch.float32))
+        return
     acc32.add_(torch.mm(g.t(), h))
 
 
@@ -143,12 +153,16 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         any_grad = need_h or need_w or need_b
 
         denom = denominator(y, ignore_index, n_items, device)
+        # What the kernel divides the gradient by, and what backward still divides by (fp16 headroom).
+        fp16 = dtype == torch.float16
+        grad_denom = torch.full((), 1.0 / FP16_GRAD_HEADROOM, device=device) if fp16 else denom
+        ctx.pending_denom = denom * FP16_GRAD_HEADROOM if fp16 else None
         loss_rows = _ce._new_buffer((n_rows,), torch.float32, device)
         grad_hidden = _ce._new_buffer((n_rows, n_hidden), dtype, device) if need_h else None
         grad_weight = None
         if need_w:
-            # One chunk: the GEMM itself accumulates in fp32. Several: an fp32 accumulator.
-            if n_chunks > 1:
+            # One chunk: the GEMM itself accumulates in fp32. Several (or fp16): an fp32 accumulator.
+            if n_chunks > 1 or fp16:
                 grad_weight = torch.zeros((vocab, n_hidden), dtype=torch.float32, device=device)
             else:
                 grad_weight = torch.zeros((vocab, n_hidden), dtype=weight.dtype, device=device)
@@ -165,7 +179,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 torch.mm(h, w_t, out=lg)
             launch_cross_entropy(
-                lg, y[start:end], denom, loss_rows[start:end], lg if any_grad else None,
+                lg, y[start:end], grad_denom, loss_rows[start:end], lg if any_grad else None,
                 ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
                 z_loss=z_loss, block_size=block_size,
             )
@@ -177,11 +191,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 grad_bias.add_(lg.sum(dim=0, dtype=torch.float32))
         del logits
 
-        if grad_weight is not None and grad_weight.dtype != weight.dtype:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
+        if not fp16:  # fp16 keeps fp32 accumulators until backward has scaled them
+            if grad_weight is not None and grad_weight.dtype != weight.dtype:
+                grad_weight = grad_weight.to(weight.dtype)
+            if grad_bias is not None:
+                grad_bias = grad_bias.to(bias.dtype)
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.grad_dtypes = (dtype, weight.dtype, bias.dtype if bias is not None else None)
         return loss_rows.sum() / denom
 
     @staticmethod
@@ -194,15 +210,21 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 "the loss again instead."
             )
         ctx.grads = None
-        # Always scale, on the device: testing grad_output == 1 first would read it on the host, a
-        # sync that drains the GPU queue every step, to skip one pass over [N, H] (and, when the
-        # weight is trained, [V, H]). In place: these buffers were made in forward for this backward
-        # alone, so no extra memory, and x * 1 == x exactly.
-        for g in grads:
+        # Always scale, on the device and in fp32: testing grad_output == 1 first would read it on the
+        # host, a sync that drains the GPU queue every step, to skip one pass over [N, H] (and, when the
+        # weight is trained, [V, H]); rounding grad_output to fp16 would turn a loss scale of 65536 into
+        # inf. In place: these buffers were made in forward for this backward alone, so no extra memory,
+        # and x * 1 == x exactly.
+        factor = grad_output.to(torch.float32)
+        if ctx.pending_denom is not None:
+            factor = factor / ctx.pending_denom
+        scaled = []
+        for g, out_dtype in zip(grads, ctx.grad_dtypes):
             if g is not None:
-                g.mul_(grad_output.to(g.dtype))
-        grad_hidden, grad_weight, grad_bias = grads
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 9
+                g = scale_in_place(g, factor)
+                g = g if g.dtype == out_dtype else g.to(out_dtype)
+            scaled.append(g)
+        return tuple(scaled) + (None,) * 9
 
 
 def fused_linear_cross_entropy_reference(

@@ -248,3 +248,22 @@ def test_large_vocab_cuda(vocab):
         den += part_grad.norm().item() ** 2
     assert_close(loss, ref_loss, dtype, f"loss V={vocab}")
     assert (num / den) ** 0.5 <= 1e-2, f"dlogits V={vocab}: {(num / den) ** 0.5:.3e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_under_the_loss_scalers_initial_scale(device):
+    """grad_output = 65536 (torch.amp.GradScaler's initial scale) on fp16 logits: finite gradients as
+    accurate as fp16 allows at that scale (rounding grad_output to fp16 gave inf; storing p / D in
+    fp16 flushed the softmax terms of a large vocabulary to zero)."""
+    n, v = 48, 8192
+    logits, labels = _inputs(n, v, torch.float16, device, seed=5)
+    logits = logits * 0.02  # near-uniform softmax, p ~ 1 / V
+    x = logits.detach().clone().requires_grad_()
+    d = 4096  # n_items of a long sequence: p / D ~ 3e-8, under fp16's smallest subnormal
+    with use_triton(True):
+        loss = cross_entropy(x, labels, IGNORE, n_items=d)
+    (loss * 65536.0).backward()
+    x64 = logits.detach().double().requires_grad_()
+    (cross_entropy_reference(x64, labels, IGNORE, n_items=d) * 65536.0).backward()
+    assert torch.isfinite(x.grad).all()
+    assert_close(x.grad, x64.grad, torch.float16, "dlogits at scale 65536")

@@ -284,3 +284,38 @@ def test_trainable_weight_large_cuda():
     assert_close(loss, ref_loss, dtype, "loss")
     assert_close(grads[0], ref_grads[0], dtype, "dhidden")
     assert_close(grads[1], ref_grads[1], dtype, "dweight")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("train_weight", [False, True], ids=["frozen", "trained"])
+def test_fp16_under_the_loss_scalers_initial_scale(device, train_weight):
+    """fp16 training (a T4): backward gets grad_output = 65536 from torch.amp.GradScaler.
+
+    The gradients must stay finite and be as accurate as fp16 allows at that scale: before the fix,
+    grad_output was rounded to fp16 (inf: every gradient NaN), and the stored G = p / D underflowed
+    fp16 for a large vocabulary (p ~ 1 / V) and many label tokens D.
+    """
+    n, h, v = 96, 40, 8192
+    hidden, weight, bias, labels = _inputs(n, h, v, torch.float16, device, seed=3, bias=False)
+    weight = weight * 0.05  # near-uniform softmax: p_ij ~ 1 / V, the case that underflowed
+    scale, d = 65536.0, 4096  # n_items of a long sequence: p / D ~ 3e-8, under fp16's smallest number
+    loss, grads = _run(_triton, hidden, weight, None, labels, scale, train_weight, chunk_size=40, n_items=d)
+    loss64, grads64 = _run(fused_linear_cross_entropy_reference, hidden, weight, None, labels, scale,
+                           train_weight, cast=torch.float64, n_items=d)
+    assert_close(loss, loss64, torch.float16, "loss")
+    for name, g, g64 in zip(("dhidden", "dweight"), grads, grads64):
+        if g64 is None:
+            continue
+        assert torch.isfinite(g).all(), f"{name}: inf/NaN at the loss scale 65536"
+        assert g.dtype == torch.float16
+        assert_close(g, g64, torch.float16, f"{name} vs float64 at scale 65536")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_gradients_scale_linearly_with_grad_output(device):
+    """grad_output 1 and 2**16 give the same gradients up to that factor (fp16 rounding apart)."""
+    hidden, weight, bias, labels = _inputs(37, 45, 1001, torch.float16, device, seed=4)
+    _, g1 = _run(_triton, hidden, weight, bias, labels, 1.0, True, chunk_size=10)
+    _, g2 = _run(_triton, hidden, weight, bias, labels, 65536.0, True, chunk_size=10)
+    for name, a, b in zip(("dhidden", "dweight", "dbias"), g1, g2):
+        assert rel_err(b.double() / 65536.0, a.double()) < 2e-3, name
