@@ -80,6 +80,7 @@ class TrainingMonitor(TrainerCallback):
         self.mem_peak_gib: float | None = None
         self.mem_kind = "VRAM"
         self.tokens_per_s: float | None = None
+        self.skipped_steps = 0  # fp16: optimizer steps the loss scaler skipped for inf/NaN gradients
 
     @property
     def elapsed(self) -> float:
@@ -150,6 +151,9 @@ class TrainingMonitor(TrainerCallback):
         self._maybe_render(force=True)
 
     def on_step_end(self, args, state, control, **kwargs):
+        # accelerate's optimizer wrapper says when fp16's GradScaler skipped the step (inf/NaN gradients)
+        if getattr(kwargs.get("optimizer"), "step_was_skipped", False):
+            self.skipped_steps += 1
         self.step = int(getattr(state, "global_step", self.step + 1) or 0)
         self.epoch = _num(getattr(state, "epoch", None))
         if getattr(state, "max_steps", 0):
