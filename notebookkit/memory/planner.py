@@ -25,7 +25,8 @@ plan with the least extra time wins, ties going to more kept layers. Offloaded l
 first ones (their copies back have the most backward work to hide behind), kept layers the last.
 
 The budget is free VRAM by default (``torch.cuda.mem_get_info`` plus what this process's
-allocator already holds, compared against the predicted allocator peak), or a user cap:
+allocator already holds, compared against the predicted allocator peak; at most the allocator's cap
+when ``torch.cuda.set_per_process_memory_fraction`` set one), or a user cap:
 ``max_memory="16GB"``, ``"15 GiB"``, a card name (``"t4"``, ``"a100-40gb"``), or bytes; a cap or
 card is the whole card, so the CUDA context counts against it. A safety margin
 (``DEFAULT_SAFETY_MARGIN``, 8%) is left for allocator fragmentation: the estimate predicts
@@ -147,16 +148,33 @@ def _resolve_budget(
         import torch
 
         if torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info()
+            free, total = torch.cuda.mem_get_info()
             held = torch.cuda.memory_reserved()
             detected = detect_card()
             name = detected.name if detected else "GPU"
+            capped = _per_process_cap(torch, total)
+            if capped is not None and capped < free + held:
+                return capped, False, f"this process's cap of {capped / 2**30:.2f} GiB on {name} " \
+                                      "(torch.cuda.set_per_process_memory_fraction)", detected
             return int(free + held), False, f"free VRAM on {name}", detected
     except Exception:
         pass
     from .meters import host_memory
 
     return int(host_memory().available), False, "free host RAM (no GPU)", None
+
+
+def _per_process_cap(torch: Any, total: int) -> int | None:
+    """Bytes this process's caching allocator may reserve when a memory fraction below 1 is set, else None.
+
+    ``torch.cuda.set_per_process_memory_fraction`` caps the allocator (an emulated smaller card, or a
+    GPU shared between processes); ``mem_get_info`` does not see it. Older torch has no getter: None.
+    """
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:
+        return None
+    fraction = float(getter())
+    return int(fraction * total) if fraction < 1.0 else None
 
 
 def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) -> tuple[float, float, float]:
