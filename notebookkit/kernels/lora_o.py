@@ -17,44 +17,42 @@ import torch
 
 from .lora_projection import (
     LoRAProjection,
-    accumulate_input_grad_,
-    adapter_grads,
+    autograd_tensor_grads,
+    autograd_tensors,
     compute_dtype,
     flatten_tokens,
-    lora_rank_grad,
     no_autocast,
-    projection_forward,
     projection_reference,
+    requested_adapter_grads,
+    shared_input_backward,
+    shared_input_forward,
 )
 
 __all__ = ["lora_o", "lora_o_reference", "LoRAOFunction"]
 
 
 class LoRAOFunction(torch.autograd.Function):
-    """Autograd function of :func:`lora_o`; tensors of the projection are passed explicitly."""
+    """Autograd function of :func:`lora_o`: inputs ``x, proj, *autograd_tensors([proj])``; the
+    shared-input dispatch of :mod:`notebookkit.kernels.lora_projection` with one projection."""
 
     @staticmethod
-    def forward(ctx, x, proj: LoRAProjection, weight, lora_A, lora_B):
-        x2d = flatten_tokens(x)
-        A, B = proj.adapters(x.dtype)
-        y = projection_forward(x2d, proj, A, B)
-        ctx.save_for_backward(x, weight, lora_A, lora_B)
+    def forward(ctx, x, proj: LoRAProjection, *tensors):
+        (y,), _ = shared_input_forward(flatten_tokens(x), (proj,))  # one projection: never a group
+        ctx.save_for_backward(x, *tensors)
         ctx.proj = proj  # the same projection in backward: its adapter casts are reused
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         x, *_ = ctx.saved_tensors  # unpacked also to check that no saved tensor changed in place
-        proj = ctx.proj
-        need_dx, _, _, need_dA, need_dB = ctx.needs_input_grad
+        need_dx, _, *tensor_needs = ctx.needs_input_grad  # x, proj, *autograd_tensors([proj])
+        need_dA, need_dB = requested_adapter_grads(tensor_needs)
         with no_autocast(x.device.type):
-            x2d = flatten_tokens(x)
             dy2d = flatten_tokens(dy).to(x.dtype)
-            A, B = proj.adapters(x.dtype)
-            u = lora_rank_grad(dy2d, proj, B)
-            dA, dB = adapter_grads(dy2d, x2d, u, proj, A, need_dA, need_dB)
-            dx = accumulate_input_grad_(None, dy2d, proj, u, A).view(x.shape) if need_dx else None
-        return dx, None, None, dA, dB
+            dx, adapter_grad_pairs = shared_input_backward(
+                [dy2d], flatten_tokens(x), (ctx.proj,), None, need_dx, need_dA, need_dB
+            )
+        return (dx.view(x.shape) if dx is not None else None), None, *autograd_tensor_grads(adapter_grad_pairs)
 
 
 def lora_o(x: torch.Tensor, o: LoRAProjection) -> torch.Tensor:
@@ -73,7 +71,7 @@ def lora_o(x: torch.Tensor, o: LoRAProjection) -> torch.Tensor:
     if x.dtype != dtype:
         x = x.to(dtype)
     with no_autocast(x.device.type):
-        return LoRAOFunction.apply(x, o, o.weight, o.lora_A, o.lora_B)
+        return LoRAOFunction.apply(x, o, *autograd_tensors([o]))
 
 
 def lora_o_reference(x: torch.Tensor, o: LoRAProjection) -> torch.Tensor:

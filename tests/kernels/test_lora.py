@@ -11,8 +11,7 @@ import torch
 
 from notebookkit.kernels.lora_mlp import lora_mlp, lora_mlp_reference
 from notebookkit.kernels.lora_o import lora_o, lora_o_reference
-from notebookkit.kernels import lora_mlp as lora_mlp_module
-from notebookkit.kernels import lora_qkv as lora_qkv_module
+from notebookkit.kernels import lora_projection
 from notebookkit.kernels.lora_projection import LoRAProjection, adapter_group
 from notebookkit.kernels.lora_qkv import lora_qkv, lora_qkv_reference
 from notebookkit.kernels.nf4 import dequantize_nf4_reference
@@ -386,8 +385,8 @@ def test_lora_mlp_grouped_triton_path(case):
 
 
 def _without_grouping(monkeypatch):
-    for module in (lora_qkv_module, lora_mlp_module):
-        monkeypatch.setattr(module, "adapter_group", lambda projs, dtype: None)
+    """The shared-input dispatch (q/k/v and gate/up alike) runs every projection on its own."""
+    monkeypatch.setattr(lora_projection, "adapter_group", lambda projs, dtype: None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -487,6 +486,28 @@ def test_gemm_calls_per_layer_forward_and_backward():
     with _CountOps() as count:
         lora_mlp(x, gate.proj, up.proj, down.proj, "swiglu").sum().backward()
     assert count.gemms == 23, count.gemms
+
+    with _CountOps() as count:  # o: the one-projection case of the same dispatch
+        lora_o(x, q.proj).sum().backward()
+    assert count.gemms == 9, count.gemms
+
+
+def test_gemm_calls_one_projection_at_a_time():
+    """Ranks that differ: no group, 9 GEMMs per projection (27 for q/k/v and for the MLP)."""
+    gen = torch.Generator().manual_seed(19)
+    dtype = torch.float32
+    q, k, v = _group_pairs("ranks_differ", dtype, "cpu", gen)
+    x, _ = _x(dtype, "cpu", gen)
+    with _CountOps() as count:
+        outs = lora_qkv(x, q.proj, k.proj, v.proj)
+        torch.autograd.backward(outs, [torch.ones_like(y) for y in outs])
+    assert count.gemms == 27, count.gemms
+
+    gate, up, _ = _group_pairs("ranks_differ", dtype, "cpu", gen, outs=(INTER, INTER, INTER))
+    down = Pair(HIDDEN, INTER, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen)
+    with _CountOps() as count:
+        lora_mlp(x, gate.proj, up.proj, down.proj, "swiglu").sum().backward()
+    assert count.gemms == 27, count.gemms
 
 
 @pytest.mark.parametrize("adapter_dtype", [torch.float16, torch.float32], ids=["same_dtype", "fp32_adapters"])
