@@ -59,9 +59,8 @@ from .lora_projection import (
     LoRAProjection,
     accumulate_input_grad_,
     adapter_grads,
+    apply_in_compute_dtype,
     autograd_tensor_grads,
-    autograd_tensors,
-    compute_dtype,
     flatten_tokens,
     lora_rank_grad,
     no_autocast,
@@ -197,19 +196,12 @@ def lora_mlp(
         Gradients flow to ``x`` and every ``lora_A`` / ``lora_B``; base weights are frozen.
     """
     _activation_ops(activation)  # validates the name
-    projs = (gate, up, down)
-    for p in projs:
-        p.check_frozen()
     if gate.out_features != up.out_features or down.in_features != up.out_features:
         raise ValueError(
             f"MLP shapes do not chain: gate out {gate.out_features}, up out {up.out_features}, "
             f"down in {down.in_features} must all be the intermediate size."
         )
-    dtype = compute_dtype(x)
-    if x.dtype != dtype:
-        x = x.to(dtype)
-    with no_autocast(x.device.type):
-        return LoRAMLPFunction.apply(x, projs, activation, bool(compute_output), *autograd_tensors(projs))
+    return apply_in_compute_dtype(LoRAMLPFunction, x, (gate, up, down), activation, bool(compute_output))
 
 
 def lora_mlp_reference(

@@ -3,9 +3,11 @@ that the LoRA autograd functions (``lora_mlp``, ``lora_qkv``, ``lora_o``) are bu
 
 The projections that read one input (q/k/v, gate/up, and o alone) run through one dispatch,
 :func:`shared_input_forward` and :func:`shared_input_backward`, which groups them where it can (below)
-and otherwise runs them one at a time. The autograd functions take each projection's tensors in one
-layout (:class:`ProjectionSlots`: :func:`autograd_tensors`), read which adapter gradients autograd
-asks for (:func:`requested_adapter_grads`) and return them (:func:`autograd_tensor_grads`) by it.
+and otherwise runs them one at a time. q/k/v and o are its autograd function as it is
+(:func:`shared_input_lora`, three projections or one); ``lora_mlp`` calls it for gate and up inside
+its own. The autograd functions take each projection's tensors in one layout
+(:class:`ProjectionSlots`: :func:`autograd_tensors`), read which adapter gradients autograd asks for
+(:func:`requested_adapter_grads`) and return them (:func:`autograd_tensor_grads`) by it.
 
 For an input ``X [N, in]`` (tokens flattened), base weight ``W [out, in]``, adapter
 ``A [r, in]``, ``B [out, r]`` and scaling ``s`` (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA):
@@ -86,6 +88,9 @@ __all__ = [
     "autograd_tensors",
     "requested_adapter_grads",
     "autograd_tensor_grads",
+    "SharedInputLoRAFunction",
+    "apply_in_compute_dtype",
+    "shared_input_lora",
     "projection_forward",
     "lora_rank_grad",
     "accumulate_input_grad_",
@@ -662,6 +667,57 @@ def shared_input_backward(
         if need_dx:
             dx = accumulate_input_grad_(dx, dy, proj, u, A)
     return dx, adapter_grad_pairs
+
+
+class SharedInputLoRAFunction(torch.autograd.Function):
+    """Autograd function of :func:`shared_input_lora` (q/k/v, and o alone): inputs ``x, projs,
+    *autograd_tensors(projs)``; outputs one tensor per projection."""
+
+    @staticmethod
+    def forward(ctx, x, projs, *tensors):
+        ys, group = shared_input_forward(flatten_tokens(x), projs)
+        ctx.save_for_backward(x, *tensors)
+        ctx.projs = projs  # the same projections in backward: their adapter casts are reused
+        ctx.group = group  # and the same A_cat
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *_ = ctx.saved_tensors  # unpacked also to check that no saved tensor changed in place
+        need_dx, _, *tensor_needs = ctx.needs_input_grad  # x, projs, *autograd_tensors(projs)
+        need_dA, need_dB = requested_adapter_grads(tensor_needs)
+        with no_autocast(x.device.type):
+            dys = [flatten_tokens(g).to(x.dtype) for g in grads]
+            dx, adapter_grad_pairs = shared_input_backward(
+                dys, flatten_tokens(x), ctx.projs, ctx.group, need_dx, need_dA, need_dB
+            )
+        return (dx.view(x.shape) if dx is not None else None), None, *autograd_tensor_grads(adapter_grad_pairs)
+
+
+def apply_in_compute_dtype(
+    function: type[torch.autograd.Function], x: torch.Tensor, projs: tuple[LoRAProjection, ...], *args: Any
+) -> Any:
+    """``function.apply(x, projs, *args, *autograd_tensors(projs))``, the entry of a LoRA autograd
+    function: after checking that every base weight is frozen, with ``x`` cast to the compute dtype
+    (:func:`compute_dtype`) and autocast off (the functions cast explicitly)."""
+    for p in projs:
+        p.check_frozen()
+    dtype = compute_dtype(x)
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    with no_autocast(x.device.type):
+        return function.apply(x, projs, *args, *autograd_tensors(projs))
+
+
+def shared_input_lora(x: torch.Tensor, projs: Sequence[LoRAProjection]) -> tuple[torch.Tensor, ...]:
+    """``x W_i^T + s_i (x A_i^T) B_i^T`` for projections that all read ``x [..., in]``, with autograd.
+
+    Returns one ``[..., out_i]`` tensor per projection in the compute dtype (the autocast dtype if
+    autocast is on, else ``x.dtype``). Gradients flow to ``x`` and to every ``lora_A`` / ``lora_B``
+    (:func:`shared_input_backward`); base weights are frozen. ``lora_qkv`` and ``lora_o`` are this
+    function with three projections and with one.
+    """
+    return apply_in_compute_dtype(SharedInputLoRAFunction, x, tuple(projs))
 
 
 # --------------------------------------------------------------------------------------------------

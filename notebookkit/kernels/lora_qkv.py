@@ -1,4 +1,6 @@
-"""LoRA q/k/v projections sharing one input, as one autograd function.
+"""LoRA q/k/v projections sharing one input, as one autograd function
+(:class:`notebookkit.kernels.lora_projection.SharedInputLoRAFunction`, which ``lora_o`` runs with one
+projection).
 
 For ``P`` in ``{q, k, v}`` with base ``W_P``, adapter ``A_P [r, in]``, ``B_P [out_P, r]``, scaling ``s_P``,
 and ``A_cat = cat(A_q, A_k, A_v)`` ``[3r, in]`` (built once, kept while no ``A`` changes) whose
@@ -37,44 +39,9 @@ from __future__ import annotations
 
 import torch
 
-from .lora_projection import (
-    LoRAProjection,
-    autograd_tensor_grads,
-    autograd_tensors,
-    compute_dtype,
-    flatten_tokens,
-    no_autocast,
-    projection_reference,
-    requested_adapter_grads,
-    shared_input_backward,
-    shared_input_forward,
-)
+from .lora_projection import LoRAProjection, projection_reference, shared_input_lora
 
-__all__ = ["lora_qkv", "lora_qkv_reference", "LoRAQKVFunction"]
-
-
-class LoRAQKVFunction(torch.autograd.Function):
-    """Autograd function of :func:`lora_qkv`: inputs ``x, projs, *autograd_tensors(projs)``."""
-
-    @staticmethod
-    def forward(ctx, x, projs, *tensors):
-        ys, group = shared_input_forward(flatten_tokens(x), projs)
-        ctx.save_for_backward(x, *tensors)
-        ctx.projs = projs  # the same projections in backward: their adapter casts are reused
-        ctx.group = group  # and the same A_cat
-        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x, *_ = ctx.saved_tensors  # unpacked also to check that no saved tensor changed in place
-        need_dx, _, *tensor_needs = ctx.needs_input_grad  # x, projs, *autograd_tensors(projs)
-        need_dA, need_dB = requested_adapter_grads(tensor_needs)
-        with no_autocast(x.device.type):
-            dys = [flatten_tokens(g).to(x.dtype) for g in grads]
-            dx, adapter_grad_pairs = shared_input_backward(
-                dys, flatten_tokens(x), ctx.projs, ctx.group, need_dx, need_dA, need_dB
-            )
-        return (dx.view(x.shape) if dx is not None else None), None, *autograd_tensor_grads(adapter_grad_pairs)
+__all__ = ["lora_qkv", "lora_qkv_reference"]
 
 
 def lora_qkv(
@@ -87,14 +54,7 @@ def lora_qkv(
     in the compute dtype (autocast dtype if autocast is on, else ``x.dtype``). Gradients flow to
     ``x`` and to every ``lora_A`` / ``lora_B``; base weights are frozen.
     """
-    projs = (q, k, v)
-    for p in projs:
-        p.check_frozen()
-    dtype = compute_dtype(x)
-    if x.dtype != dtype:
-        x = x.to(dtype)
-    with no_autocast(x.device.type):
-        return LoRAQKVFunction.apply(x, projs, *autograd_tensors(projs))
+    return shared_input_lora(x, (q, k, v))
 
 
 def lora_qkv_reference(
