@@ -644,7 +644,7 @@ def shared_input_backward(
 ) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
     """The backward of :func:`shared_input_forward`: with ``U_i = s_i (dY_i B_i)`` ``[N, r]``::
 
-        dX   = sum_i dY_i W_i + U_i A_i        (one buffer, addmm_; each W re-dequantised just before use)
+        dX   = sum_i (dY_i W_i + U_i A_i)      (one buffer, addmm_; each W re-dequantised just before use)
         dA_i = U_i^T X  = s_i (dY_i B_i)^T X
         dB_i = s_i dY_i^T (X A_i^T)            (X A_i^T recomputed)
 
