@@ -14,7 +14,9 @@ With ``X [N, hidden]``, each projection ``P(Z) = Z W_P^T + s_P (Z A_P^T) B_P^T``
                 dX   = de W_g + dg W_u + U_g A_g + U_u A_u          (one buffer, addmm_)
                 dA_g = U_g^T X,  dB_g = s_g de^T (X A_g^T);  same for up with dg
 
-gate and up read the same X: when both have adapters of one rank, their low-rank GEMMs are grouped
+gate and up read the same X and run through the shared-input dispatch of q/k/v
+(:func:`notebookkit.kernels.lora_projection.shared_input_forward` and ``shared_input_backward``):
+when both have adapters of one rank, their low-rank GEMMs are grouped
 (:func:`notebookkit.kernels.lora_projection.adapter_group`), with ``A_cat = cat(A_g, A_u)`` ``[2r, in]``
 built once and kept while neither ``A`` changes:
 
@@ -55,21 +57,18 @@ import torch
 from .geglu import geglu_backward_, geglu_forward, geglu_reference
 from .lora_projection import (
     LoRAProjection,
-    accumulate_grouped_input_grad_,
     accumulate_input_grad_,
-    adapter_group,
     adapter_grads,
-    compute_dtype,
+    apply_in_compute_dtype,
+    autograd_tensor_grads,
     flatten_tokens,
-    grouped_adapter_grads,
-    grouped_projection_forward,
-    group_base_outputs,
-    grouped_rank_grad,
     lora_rank_grad,
     no_autocast,
     projection_forward,
     projection_reference,
-    quantize_shared_input,
+    requested_adapter_grads,
+    shared_input_backward,
+    shared_input_forward,
 )
 from .runtime import should_use_triton
 from .swiglu import swiglu_backward_, swiglu_forward, swiglu_reference
@@ -115,22 +114,15 @@ def _activation_ops(activation: str) -> tuple[Callable, Callable]:
 
 
 class LoRAMLPFunction(torch.autograd.Function):
-    """Autograd function of :func:`lora_mlp`; tensors of the projections are passed explicitly."""
+    """Autograd function of :func:`lora_mlp`: inputs ``x, projs, activation, compute_output,
+    *autograd_tensors(projs)``."""
 
     @staticmethod
     def forward(ctx, x, projs, activation, compute_output, *tensors):
         gate, up, down = projs
         act_forward, _ = _activation_ops(activation)
         x2d = flatten_tokens(x)
-        x_fp8 = quantize_shared_input(x2d, gate, up)
-        base_e, base_g = group_base_outputs(x2d, (gate, up), x_fp8)  # FP8: one product when it applies
-        group = adapter_group((gate, up), x.dtype)
-        if group is not None:
-            e, g = grouped_projection_forward(x2d, group, x_fp8, [base_e, base_g])
-        else:
-            e = projection_forward(x2d, gate, *gate.adapters(x.dtype), x_fp8, base_e)
-            g = projection_forward(x2d, up, *up.adapters(x.dtype), x_fp8, base_g)
-        del x_fp8, base_e, base_g
+        (e, g), group = shared_input_forward(x2d, (gate, up))
         if compute_output:
             h = act_forward(e, g)
             A, B = down.adapters(x.dtype)
@@ -154,41 +146,28 @@ class LoRAMLPFunction(torch.autograd.Function):
             )
         ctx.consumed = True
         x, e, g, *_ = ctx.saved_tensors
-        needs = ctx.needs_input_grad[4:]  # after x, projs, activation, compute_output: (weight, A, B) x 3
+        need_dx, _, _, _, *tensor_needs = ctx.needs_input_grad  # x, projs, activation, compute_output, ...
+        (need_dA_gate, need_dA_up, need_dA_down), (need_dB_gate, need_dB_up, need_dB_down) = (
+            requested_adapter_grads(tensor_needs)
+        )
         gate, up, down = ctx.projs
         _, act_backward_ = _activation_ops(ctx.activation)
-        grads = [None] * 9
         with no_autocast(x.device.type):
             dtype = x.dtype
-            x2d = flatten_tokens(x)
             dy2d = flatten_tokens(dy).to(dtype)
 
             A_d, B_d = down.adapters(dtype)
             u_d = lora_rank_grad(dy2d, down, B_d)
             dh = accumulate_input_grad_(None, dy2d, down, u_d, A_d)
             h, de, dg = act_backward_(dh, e, g)
-            grads[7], grads[8] = adapter_grads(dy2d, h, u_d, down, A_d, needs[7], needs[8])
+            down_grads = adapter_grads(dy2d, h, u_d, down, A_d, need_dA_down, need_dB_down)
             del h, dh, u_d
 
-            need_dx = ctx.needs_input_grad[0]
-            need_dA, need_dB = [needs[1], needs[4]], [needs[2], needs[5]]
-            group = ctx.group
-            if group is not None:
-                u_cat = grouped_rank_grad([de, dg], group) if need_dx or any(need_dA) else None
-                (grads[1], grads[2]), (grads[4], grads[5]) = grouped_adapter_grads(
-                    [de, dg], x2d, u_cat, group, need_dA, need_dB
-                )
-                dx = accumulate_grouped_input_grad_(None, [de, dg], group, u_cat) if need_dx else None
-            else:
-                dx = None
-                for i, (proj, d) in enumerate(((gate, de), (up, dg))):
-                    A, B = proj.adapters(dtype)
-                    u = lora_rank_grad(d, proj, B)
-                    grads[3 * i + 1], grads[3 * i + 2] = adapter_grads(
-                        d, x2d, u, proj, A, need_dA[i], need_dB[i]
-                    )
-                    if need_dx:
-                        dx = accumulate_input_grad_(dx, d, proj, u, A)
+            dx, (gate_grads, up_grads) = shared_input_backward(
+                [de, dg], flatten_tokens(x), (gate, up), ctx.group,
+                need_dx, [need_dA_gate, need_dA_up], [need_dB_gate, need_dB_up],
+            )
+        grads = autograd_tensor_grads([gate_grads, up_grads, down_grads])
         return (dx.view(x.shape) if dx is not None else None), None, None, None, *grads
 
 
@@ -217,20 +196,12 @@ def lora_mlp(
         Gradients flow to ``x`` and every ``lora_A`` / ``lora_B``; base weights are frozen.
     """
     _activation_ops(activation)  # validates the name
-    projs = (gate, up, down)
-    for p in projs:
-        p.check_frozen()
     if gate.out_features != up.out_features or down.in_features != up.out_features:
         raise ValueError(
             f"MLP shapes do not chain: gate out {gate.out_features}, up out {up.out_features}, "
             f"down in {down.in_features} must all be the intermediate size."
         )
-    dtype = compute_dtype(x)
-    if x.dtype != dtype:
-        x = x.to(dtype)
-    tensors = [t for p in projs for t in (p.weight, p.lora_A, p.lora_B)]
-    with no_autocast(x.device.type):
-        return LoRAMLPFunction.apply(x, projs, activation, bool(compute_output), *tensors)
+    return apply_in_compute_dtype(LoRAMLPFunction, x, (gate, up, down), activation, bool(compute_output))
 
 
 def lora_mlp_reference(

@@ -1,6 +1,14 @@
 """One LoRA projection (frozen 16-bit or NF4 base weight + low-rank adapter) and the GEMM helpers
 that the LoRA autograd functions (``lora_mlp``, ``lora_qkv``, ``lora_o``) are built from.
 
+The projections that read one input (q/k/v, gate/up, and o alone) run through one dispatch,
+:func:`shared_input_forward` and :func:`shared_input_backward`, which groups them where it can (below)
+and otherwise runs them one at a time. q/k/v and o are its autograd function as it is
+(:func:`shared_input_lora`, three projections or one); ``lora_mlp`` calls it for gate and up inside
+its own. The autograd functions take each projection's tensors in one layout
+(:class:`ProjectionSlots`: :func:`autograd_tensors`), read which adapter gradients autograd asks for
+(:func:`requested_adapter_grads`) and return them (:func:`autograd_tensor_grads`) by it.
+
 For an input ``X [N, in]`` (tokens flattened), base weight ``W [out, in]``, adapter
 ``A [r, in]``, ``B [out, r]`` and scaling ``s`` (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA):
 
@@ -61,7 +69,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -73,14 +81,24 @@ __all__ = [
     "LoRAProjection",
     "compute_dtype",
     "no_autocast",
+    "flatten_tokens",
+    "shared_input_forward",
+    "shared_input_backward",
+    "ProjectionSlots",
+    "autograd_tensors",
+    "requested_adapter_grads",
+    "autograd_tensor_grads",
+    "SharedInputLoRAFunction",
+    "apply_in_compute_dtype",
+    "shared_input_lora",
     "projection_forward",
+    "lora_rank_grad",
+    "accumulate_input_grad_",
+    "adapter_grads",
     "quantize_shared_input",
     "fp8_group_applies",
     "grouped_fp8_base_forward",
     "group_base_outputs",
-    "lora_rank_grad",
-    "accumulate_input_grad_",
-    "adapter_grads",
     "AdapterGroup",
     "adapter_group",
     "concat_adapters",
@@ -88,7 +106,6 @@ __all__ = [
     "grouped_rank_grad",
     "accumulate_grouped_input_grad_",
     "grouped_adapter_grads",
-    "flatten_tokens",
     "projection_reference",
 ]
 
@@ -551,6 +568,156 @@ def grouped_adapter_grads(
             dB = (dy.t() @ scale_(xa_cat[:, cols], proj.scaling)).to(proj.lora_B.dtype)
         grads.append((dA, dB))
     return grads
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared-input dispatch: what the autograd functions of q/k/v, gate/up and o call
+# --------------------------------------------------------------------------------------------------
+
+
+class ProjectionSlots(NamedTuple):
+    """One projection's entries among a LoRA autograd function's inputs, in this order: its tensors
+    (:func:`autograd_tensors`), their ``needs_input_grad`` flags (:func:`requested_adapter_grads`) or
+    their gradients (:func:`autograd_tensor_grads`)."""
+
+    weight: Any
+    lora_A: Any
+    lora_B: Any
+
+
+def autograd_tensors(projs: Sequence[LoRAProjection]) -> list[torch.Tensor | None]:
+    """``weight, lora_A, lora_B`` of each projection in turn (:class:`ProjectionSlots`): the tensors a
+    LoRA autograd function takes after its other inputs, so that autograd tracks the adapters and
+    checks, when the backward unpacks its saved tensors, that none was changed in place."""
+    return [t for p in projs for t in ProjectionSlots(p.weight, p.lora_A, p.lora_B)]
+
+
+def requested_adapter_grads(needs_input_grad: Sequence[bool]) -> tuple[list[bool], list[bool]]:
+    """``(need_dA, need_dB)``, one flag per projection, from the ``needs_input_grad`` flags of the
+    tensors of :func:`autograd_tensors` (the base weight is frozen: its flag is not read)."""
+    width = len(ProjectionSlots._fields)
+    slots = [ProjectionSlots(*needs_input_grad[i:i + width]) for i in range(0, len(needs_input_grad), width)]
+    return [s.lora_A for s in slots], [s.lora_B for s in slots]
+
+
+def autograd_tensor_grads(
+    adapter_grads: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
+) -> list[torch.Tensor | None]:
+    """The gradients of the tensors of :func:`autograd_tensors` from each projection's ``(dA, dB)``:
+    ``None`` for the frozen base weight."""
+    return [g for dA, dB in adapter_grads for g in ProjectionSlots(None, dA, dB)]
+
+
+def shared_input_forward(
+    x2d: torch.Tensor, projs: Sequence[LoRAProjection]
+) -> tuple[list[torch.Tensor], AdapterGroup | None]:
+    """``Y_i = X W_i^T + s_i (X A_i^T) B_i^T`` for projections that all read ``X [N, in]``, in
+    ``x2d``'s dtype (the compute dtype).
+
+    The projections are run together where they can be: with FP8 forward, ``X`` is quantised once
+    (:func:`quantize_shared_input`) and the base products are one FP8 product when
+    :func:`fp8_group_applies`; adapters of one rank share ``X A_cat^T`` (:func:`adapter_group`,
+    :func:`grouped_projection_forward`). Otherwise each projection runs :func:`projection_forward`
+    (a single projection, ``o``, is the case of one). Returns the outputs ``[N, out_i]`` and the
+    adapter group (``None`` when the projections ran one at a time), which
+    :func:`shared_input_backward` takes.
+    """
+    projs = tuple(projs)
+    dtype = x2d.dtype
+    x_fp8 = quantize_shared_input(x2d, *projs)
+    bases = group_base_outputs(x2d, projs, x_fp8)
+    group = adapter_group(projs, dtype)
+    if group is not None:
+        return grouped_projection_forward(x2d, group, x_fp8, bases), group
+    ys = [projection_forward(x2d, proj, *proj.adapters(dtype), x_fp8, base) for proj, base in zip(projs, bases)]
+    return ys, None
+
+
+def shared_input_backward(
+    dys: Sequence[torch.Tensor],
+    x2d: torch.Tensor,
+    projs: Sequence[LoRAProjection],
+    group: AdapterGroup | None,
+    need_dx: bool,
+    need_dA: Sequence[bool],
+    need_dB: Sequence[bool],
+) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
+    """The backward of :func:`shared_input_forward`: with ``U_i = s_i (dY_i B_i)`` ``[N, r]``::
+
+        dX   = sum_i (dY_i W_i + U_i A_i)      (one buffer, addmm_; each W re-dequantised just before use)
+        dA_i = U_i^T X  = s_i (dY_i B_i)^T X
+        dB_i = s_i dY_i^T (X A_i^T)            (X A_i^T recomputed)
+
+    ``dys``: the output gradients ``[N, out_i]`` in ``x2d``'s dtype; ``group``: what the forward
+    returned (with a group, the rank-space products are one GEMM each, see :class:`AdapterGroup`);
+    ``need_dA`` / ``need_dB``: one flag per projection. Returns ``dX`` (``None`` unless ``need_dx``)
+    and ``(dA_i, dB_i)`` per projection in the adapters' own dtypes (``None`` where not asked or
+    without adapter).
+    """
+    if group is not None:
+        u_cat = grouped_rank_grad(dys, group) if need_dx or any(need_dA) else None
+        adapter_grad_pairs = grouped_adapter_grads(dys, x2d, u_cat, group, need_dA, need_dB)
+        dx = accumulate_grouped_input_grad_(None, dys, group, u_cat) if need_dx else None
+        return dx, adapter_grad_pairs
+    dx, adapter_grad_pairs = None, []
+    for proj, dy, dA_needed, dB_needed in zip(projs, dys, need_dA, need_dB):
+        A, B = proj.adapters(x2d.dtype)
+        u = lora_rank_grad(dy, proj, B)
+        adapter_grad_pairs.append(adapter_grads(dy, x2d, u, proj, A, dA_needed, dB_needed))
+        if need_dx:
+            dx = accumulate_input_grad_(dx, dy, proj, u, A)
+    return dx, adapter_grad_pairs
+
+
+class SharedInputLoRAFunction(torch.autograd.Function):
+    """Autograd function of :func:`shared_input_lora` (q/k/v, and o alone): inputs ``x, projs,
+    *autograd_tensors(projs)``; outputs one tensor per projection."""
+
+    @staticmethod
+    def forward(ctx, x, projs, *tensors):
+        ys, group = shared_input_forward(flatten_tokens(x), projs)
+        ctx.save_for_backward(x, *tensors)
+        ctx.projs = projs  # the same projections in backward: their adapter casts are reused
+        ctx.group = group  # and the same A_cat
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *_ = ctx.saved_tensors  # unpacked also to check that no saved tensor changed in place
+        need_dx, _, *tensor_needs = ctx.needs_input_grad  # x, projs, *autograd_tensors(projs)
+        need_dA, need_dB = requested_adapter_grads(tensor_needs)
+        with no_autocast(x.device.type):
+            dys = [flatten_tokens(g).to(x.dtype) for g in grads]
+            dx, adapter_grad_pairs = shared_input_backward(
+                dys, flatten_tokens(x), ctx.projs, ctx.group, need_dx, need_dA, need_dB
+            )
+        return (dx.view(x.shape) if dx is not None else None), None, *autograd_tensor_grads(adapter_grad_pairs)
+
+
+def apply_in_compute_dtype(
+    function: type[torch.autograd.Function], x: torch.Tensor, projs: tuple[LoRAProjection, ...], *args: Any
+) -> Any:
+    """``function.apply(x, projs, *args, *autograd_tensors(projs))``, the entry of a LoRA autograd
+    function: after checking that every base weight is frozen, with ``x`` cast to the compute dtype
+    (:func:`compute_dtype`) and autocast off (the functions cast explicitly)."""
+    for p in projs:
+        p.check_frozen()
+    dtype = compute_dtype(x)
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    with no_autocast(x.device.type):
+        return function.apply(x, projs, *args, *autograd_tensors(projs))
+
+
+def shared_input_lora(x: torch.Tensor, projs: Sequence[LoRAProjection]) -> tuple[torch.Tensor, ...]:
+    """``x W_i^T + s_i (x A_i^T) B_i^T`` for projections that all read ``x [..., in]``, with autograd.
+
+    Returns one ``[..., out_i]`` tensor per projection in the compute dtype (the autocast dtype if
+    autocast is on, else ``x.dtype``). Gradients flow to ``x`` and to every ``lora_A`` / ``lora_B``
+    (:func:`shared_input_backward`); base weights are frozen. ``lora_qkv`` and ``lora_o`` are this
+    function with three projections and with one.
+    """
+    return apply_in_compute_dtype(SharedInputLoRAFunction, x, tuple(projs))
 
 
 # --------------------------------------------------------------------------------------------------

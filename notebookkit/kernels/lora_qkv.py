@@ -1,4 +1,6 @@
-"""LoRA q/k/v projections sharing one input, as one autograd function.
+"""LoRA q/k/v projections sharing one input, as one autograd function
+(:class:`notebookkit.kernels.lora_projection.SharedInputLoRAFunction`, which ``lora_o`` runs with one
+projection).
 
 For ``P`` in ``{q, k, v}`` with base ``W_P``, adapter ``A_P [r, in]``, ``B_P [out_P, r]``, scaling ``s_P``,
 and ``A_cat = cat(A_q, A_k, A_v)`` ``[3r, in]`` (built once, kept while no ``A`` changes) whose
@@ -18,6 +20,8 @@ backward, ``U A``, ``U^T X``): 19 GEMM calls per forward + backward instead of 2
 launches per layer (see :mod:`notebookkit.kernels.lora_projection`). When a projection has no
 adapter or the ranks differ, each projection runs alone: ``P = X W_P^T + s_P (X A_P^T) B_P^T``,
 ``U_P = s_P dP B_P``, ``dX += dP W_P + U_P A_P``, ``dA_P = U_P^T X``, ``dB_P = s_P dP^T (X A_P^T)``.
+Both ways are the shared-input dispatch of gate/up and o as well
+(:func:`notebookkit.kernels.lora_projection.shared_input_forward` and ``shared_input_backward``).
 
 FP8 forward (every projection with ``fp8_forward``, ``K`` and each ``out_P`` multiples of 16): the
 three base products are one ``torch._scaled_mm`` of the FP8 ``X`` with ``[Q_Wq; Q_Wk; Q_Wv]``
@@ -35,75 +39,9 @@ from __future__ import annotations
 
 import torch
 
-from .lora_projection import (
-    LoRAProjection,
-    accumulate_grouped_input_grad_,
-    accumulate_input_grad_,
-    adapter_group,
-    adapter_grads,
-    compute_dtype,
-    flatten_tokens,
-    grouped_adapter_grads,
-    grouped_projection_forward,
-    group_base_outputs,
-    grouped_rank_grad,
-    lora_rank_grad,
-    no_autocast,
-    projection_forward,
-    projection_reference,
-    quantize_shared_input,
-)
+from .lora_projection import LoRAProjection, projection_reference, shared_input_lora
 
-__all__ = ["lora_qkv", "lora_qkv_reference", "LoRAQKVFunction"]
-
-
-class LoRAQKVFunction(torch.autograd.Function):
-    """Autograd function of :func:`lora_qkv`; tensors of the projections are passed explicitly."""
-
-    @staticmethod
-    def forward(ctx, x, projs, *tensors):
-        x2d = flatten_tokens(x)
-        x_fp8 = quantize_shared_input(x2d, *projs)
-        bases = group_base_outputs(x2d, projs, x_fp8)  # FP8: one product for q, k, v when it applies
-        group = adapter_group(projs, x.dtype)
-        if group is not None:
-            ys = grouped_projection_forward(x2d, group, x_fp8, bases)
-        else:
-            ys = [projection_forward(x2d, proj, *proj.adapters(x.dtype), x_fp8, base)
-                  for proj, base in zip(projs, bases)]
-        del x_fp8, bases
-        ctx.save_for_backward(x, *tensors)
-        ctx.projs = projs  # the same projections in backward: their adapter casts are reused
-        ctx.group = group  # and the same A_cat
-        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x, *tensors = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        need_dA = [needs[2 + 3 * i + 1] for i in range(len(ctx.projs))]
-        need_dB = [needs[2 + 3 * i + 2] for i in range(len(ctx.projs))]
-        grads_out: list = [None] * len(tensors)
-        with no_autocast(x.device.type):
-            x2d = flatten_tokens(x)
-            dys = [flatten_tokens(g).to(x.dtype) for g in grads]
-            group = ctx.group
-            if group is not None:
-                u_cat = grouped_rank_grad(dys, group) if needs[0] or any(need_dA) else None
-                adapter_grad_pairs = grouped_adapter_grads(dys, x2d, u_cat, group, need_dA, need_dB)
-                for i, (dA, dB) in enumerate(adapter_grad_pairs):
-                    grads_out[3 * i + 1], grads_out[3 * i + 2] = dA, dB
-                dx = accumulate_grouped_input_grad_(None, dys, group, u_cat) if needs[0] else None
-            else:
-                dx = None
-                for i, (proj, dy2d) in enumerate(zip(ctx.projs, dys)):
-                    A, B = proj.adapters(x.dtype)
-                    u = lora_rank_grad(dy2d, proj, B)
-                    dA, dB = adapter_grads(dy2d, x2d, u, proj, A, need_dA[i], need_dB[i])
-                    grads_out[3 * i + 1], grads_out[3 * i + 2] = dA, dB
-                    if needs[0]:
-                        dx = accumulate_input_grad_(dx, dy2d, proj, u, A)
-        return (dx.view(x.shape) if dx is not None else None), None, *grads_out
+__all__ = ["lora_qkv", "lora_qkv_reference"]
 
 
 def lora_qkv(
@@ -116,15 +54,7 @@ def lora_qkv(
     in the compute dtype (autocast dtype if autocast is on, else ``x.dtype``). Gradients flow to
     ``x`` and to every ``lora_A`` / ``lora_B``; base weights are frozen.
     """
-    projs = (q, k, v)
-    for p in projs:
-        p.check_frozen()
-    dtype = compute_dtype(x)
-    if x.dtype != dtype:
-        x = x.to(dtype)
-    tensors = [t for p in projs for t in (p.weight, p.lora_A, p.lora_B)]
-    with no_autocast(x.device.type):
-        return LoRAQKVFunction.apply(x, projs, *tensors)
+    return shared_input_lora(x, (q, k, v))
 
 
 def lora_qkv_reference(

@@ -1,6 +1,6 @@
 """Which implementation an op runs: the Triton kernel or its plain-PyTorch reference.
 
-Rule (see DESIGN.md, "Device paths"):
+Rule (the package docstring of :mod:`notebookkit.kernels` says it in short):
 
 * CUDA tensors run the Triton kernels.
 * CPU tensors run the PyTorch reference, unless Triton is forced on (``use_triton(True)`` or the
@@ -66,11 +66,6 @@ def use_triton(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _state.forced = previous
-
-
-def int64_offsets_needed(*tensors: torch.Tensor) -> bool:
-    """True when any tensor has more than 2**31 - 1 elements, so kernel offsets must be int64."""
-    return any(t.numel() >= 2**31 for t in tensors)
 
 
 def mark_written(*tensors: torch.Tensor) -> None:

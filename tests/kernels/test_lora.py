@@ -11,8 +11,7 @@ import torch
 
 from notebookkit.kernels.lora_mlp import lora_mlp, lora_mlp_reference
 from notebookkit.kernels.lora_o import lora_o, lora_o_reference
-from notebookkit.kernels import lora_mlp as lora_mlp_module
-from notebookkit.kernels import lora_qkv as lora_qkv_module
+from notebookkit.kernels import lora_projection
 from notebookkit.kernels.lora_projection import LoRAProjection, adapter_group
 from notebookkit.kernels.lora_qkv import lora_qkv, lora_qkv_reference
 from notebookkit.kernels.nf4 import dequantize_nf4_reference
@@ -386,8 +385,8 @@ def test_lora_mlp_grouped_triton_path(case):
 
 
 def _without_grouping(monkeypatch):
-    for module in (lora_qkv_module, lora_mlp_module):
-        monkeypatch.setattr(module, "adapter_group", lambda projs, dtype: None)
+    """The shared-input dispatch (q/k/v and gate/up alike) runs every projection on its own."""
+    monkeypatch.setattr(lora_projection, "adapter_group", lambda projs, dtype: None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -465,28 +464,35 @@ class _CountOps:
         return self.mode.__exit__(*exc)
 
 
-def test_gemm_calls_per_layer_forward_and_backward():
+@pytest.mark.parametrize("case,qkv_gemms,mlp_gemms", [("scalings_differ", 19, 23), ("ranks_differ", 27, 27)],
+                         ids=["grouped", "one_at_a_time"])
+def test_gemm_calls_per_layer_forward_and_backward(case, qkv_gemms, mlp_gemms):
     """One forward + backward with adapters on all projections (dense base, all gradients needed).
 
-    lora_qkv: before, 27 GEMMs (per projection: X W^T, X A^T, addmm_ of the low-rank part; in
-    backward U, dA, the recomputed X A^T, dB, dY W, addmm_ of U A). Grouped: 19 (the three X A^T
-    are one GEMM in the forward and one in the backward, the three U A one addmm_, the three dA one
-    GEMM). lora_mlp: before 27, grouped 23 (gate and up share 4 GEMMs; down is alone).
+    One projection at a time (ranks that differ): 9 GEMMs each (X W^T, X A^T, addmm_ of the low-rank
+    part; in backward U, dA, the recomputed X A^T, dB, dY W, addmm_ of U A), 27 for q/k/v and for
+    the MLP. Grouped: lora_qkv 19 (the three X A^T are one GEMM in the forward and one in the
+    backward, the three U A one addmm_, the three dA one GEMM), lora_mlp 23 (gate and up share 4
+    GEMMs; down is alone). lora_o is the one-projection case of the same dispatch: 9.
     """
     gen = torch.Generator().manual_seed(17)
     dtype = torch.float32
-    q, k, v = _group_pairs("scalings_differ", dtype, "cpu", gen)
+    q, k, v = _group_pairs(case, dtype, "cpu", gen)
     x, _ = _x(dtype, "cpu", gen)
     with _CountOps() as count:
         outs = lora_qkv(x, q.proj, k.proj, v.proj)
         torch.autograd.backward(outs, [torch.ones_like(y) for y in outs])
-    assert count.gemms == 19, count.gemms
+    assert count.gemms == qkv_gemms, count.gemms
 
-    gate, up = (Pair(INTER, HIDDEN, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen) for _ in range(2))
+    gate, up, _ = _group_pairs(case, dtype, "cpu", gen, outs=(INTER, INTER, INTER))
     down = Pair(HIDDEN, INTER, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen)
     with _CountOps() as count:
         lora_mlp(x, gate.proj, up.proj, down.proj, "swiglu").sum().backward()
-    assert count.gemms == 23, count.gemms
+    assert count.gemms == mlp_gemms, count.gemms
+
+    with _CountOps() as count:
+        lora_o(x, q.proj).sum().backward()
+    assert count.gemms == 9, count.gemms
 
 
 @pytest.mark.parametrize("adapter_dtype", [torch.float16, torch.float32], ids=["same_dtype", "fp32_adapters"])

@@ -89,12 +89,12 @@ def test_recompute_skips_the_unread_down_projection(family, skipped, monkeypatch
     model.train()
     layers = model.get_base_model().model.layers
     apply_checkpointing(model, True)
-    calls = []  # one entry per projection computed (gate and up run as one group when grouped)
-    real = lora_mlp_module.projection_forward
-    real_grouped = lora_mlp_module.grouped_projection_forward
-    monkeypatch.setattr(lora_mlp_module, "projection_forward", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(lora_mlp_module, "grouped_projection_forward",
-                        lambda x2d, group, *a: calls.extend([1] * len(group.projs)) or real_grouped(x2d, group, *a))
+    calls = []  # one entry per projection computed (gate and up through the shared-input dispatch)
+    real_down = lora_mlp_module.projection_forward
+    real_shared = lora_mlp_module.shared_input_forward
+    monkeypatch.setattr(lora_mlp_module, "projection_forward", lambda *a: calls.append(1) or real_down(*a))
+    monkeypatch.setattr(lora_mlp_module, "shared_input_forward",
+                        lambda x2d, projs: calls.extend([1] * len(projs)) or real_shared(x2d, projs))
     x = torch.randint(0, 256, (2, 12))
     model(input_ids=x, labels=x).loss.backward()
     per_layer = 3 + (2 if skipped else 3)  # forward, then the recompute in backward
