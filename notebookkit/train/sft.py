@@ -49,6 +49,8 @@ def precision_flags(model: Any = None) -> dict[str, bool]:
     """``fp16`` / ``bf16`` Trainer flags for the model's dtype on this machine (both off on CPU)."""
     import torch
 
+    from ..models.precision import is_bfloat16_supported
+
     if not torch.cuda.is_available():
         return {"fp16": False, "bf16": False}
     dtype = None
@@ -60,7 +62,7 @@ def precision_flags(model: Any = None) -> dict[str, bool]:
         if dtype == torch.float32:
             return {"fp16": False, "bf16": False}
     if dtype is None:
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        dtype = torch.bfloat16 if is_bfloat16_supported() else torch.float16
     return {"fp16": dtype == torch.float16, "bf16": dtype == torch.bfloat16}
 
 
