@@ -161,24 +161,11 @@ def check_sft_dataset(
     columns = list(getattr(dataset, "column_names", None) or row)
     if "input_ids" in columns or formatting_func is not None:
         return
-    if "messages" in columns and isinstance(row["messages"], list):
-        if not _is_turns(row["messages"], ("role", "content")):
-            keys = sorted({k for t in row["messages"] if isinstance(t, dict) for k in t})
-            raise SFTInputError(
-                f"{name}'s 'messages' turns have the keys {keys}; SFTTrainer reads turns with 'role' and 'content'. "
-                "Rewrite them first: dataset = standardize_sharegpt(dataset, column='messages') "
-                "(from notebookkit.chat_templates)."
-            )
-        error = _needs_chat_template(name, "messages", tokenizer, chat_template)
-    elif "conversations" in columns and _is_turns(row["conversations"], ("from", "value")):
+    # The order in which TRL decides (SFTTrainer._prepare_dataset): ShareGPT turns are converted to
+    # "messages" first; then "prompt" rows are prompt/completion pairs; then "messages" rows are chats;
+    # any other row is read from dataset_text_field.
+    if "conversations" in columns and _is_turns(row["conversations"], ("from", "value")):
         error = _needs_chat_template(name, "conversations", tokenizer, chat_template)
-    elif "conversations" in columns and _is_turns(row["conversations"], ("role", "content")):
-        raise SFTInputError(
-            f"{name} has 'conversations' of {{'role', 'content'}} turns; SFTTrainer reads such turns only from a "
-            "column named 'messages'. Rename it: dataset = dataset.rename_column('conversations', 'messages'), "
-            "or write the text yourself: dataset = dataset.map(lambda row: {'text': "
-            "tokenizer.apply_chat_template(row['conversations'], tokenize=False)})."
-        )
     elif "prompt" in columns:
         if "completion" not in columns:
             raise SFTInputError(
@@ -186,9 +173,26 @@ def check_sft_dataset(
                 "the answers as a 'completion' column (rows with a prompt only are for GRPO, which generates the "
                 f"answers itself). Columns found: {columns}."
             )
-        if isinstance(row["prompt"], list):
-            error = _needs_chat_template(name, "prompt", tokenizer, chat_template)
-    elif dataset_text_field not in columns:
+        error = _needs_chat_template(name, "prompt", tokenizer, chat_template) if isinstance(row["prompt"], list) else None
+    elif "messages" in columns and _is_turns(row["messages"], ("role", "content")):
+        error = _needs_chat_template(name, "messages", tokenizer, chat_template)
+    elif dataset_text_field in columns:
+        error = None
+    elif "messages" in columns and isinstance(row["messages"], list):
+        keys = sorted({k for t in row["messages"] if isinstance(t, dict) for k in t})
+        raise SFTInputError(
+            f"{name}'s 'messages' turns have the keys {keys}; SFTTrainer reads turns with 'role' and 'content'. "
+            "Rewrite them first: dataset = standardize_sharegpt(dataset, column='messages') "
+            "(from notebookkit.chat_templates)."
+        )
+    elif "conversations" in columns and _is_turns(row["conversations"], ("role", "content")):
+        raise SFTInputError(
+            f"{name} has 'conversations' of {{'role', 'content'}} turns; SFTTrainer reads such turns only from a "
+            "column named 'messages'. Rename it: dataset = dataset.rename_column('conversations', 'messages'), "
+            "or write the text yourself: dataset = dataset.map(lambda row: {'text': "
+            "tokenizer.apply_chat_template(row['conversations'], tokenize=False)})."
+        )
+    else:
         raise _layout_error(name, columns, row, dataset_text_field)
     if error is not None:
         raise error

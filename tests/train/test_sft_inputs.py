@@ -131,6 +131,15 @@ def test_data_of_the_wrong_shape(tiny, tmp_path, data, error, text):
     assert text in _refused(tiny, tmp_path, error, dataset)
 
 
+def test_text_beside_chat_turns_is_read_as_trl_reads_it(tiny, tmp_path):
+    """The conversational notebooks keep role/content 'conversations' and add 'text': TRL reads 'text'."""
+    model, tok = tiny
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rows = [{"conversations": turns, "text": tok.apply_chat_template(turns, tokenize=False)}] * 2
+    trainer = _build(tiny, tmp_path, Dataset.from_list(rows), max_length=64)
+    assert rows[0]["text"] in tok.decode(trainer.train_dataset[0]["input_ids"])
+
+
 def test_a_split_dictionary_asks_for_one_split(tiny, tmp_path):
     splits = Dataset.from_list(TEXT * 2).train_test_split(test_size=0.5, seed=0)
     msg = _refused(tiny, tmp_path, TypeError, splits)
