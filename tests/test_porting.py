@@ -115,9 +115,9 @@ def one_thread_cells(one_thread, tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_alpaca_notebook_cells(one_thread_cells):
+def _first_two_cells():
+    """The first two cells, the same in both notebooks: load the model, add LoRA adapters."""
     from notebookkit import FastLanguageModel  # was: from unsloth import FastLanguageModel
-    import torch  # noqa: F401, F811
     max_seq_length = 2048 # Choose any! We auto support RoPE Scaling internally!
     dtype = None # None for auto detection. Float16 for Tesla T4, V100, Bfloat16 for Ampere+
     load_in_4bit = True # Use 4bit quantization to reduce memory usage. Can be False.
@@ -142,6 +142,32 @@ def test_alpaca_notebook_cells(one_thread_cells):
         use_rslora = False,  # We support rank stabilized LoRA
         loftq_config = None, # And LoftQ
     )
+    return FastLanguageModel, model, tokenizer, max_seq_length
+
+
+def _notebooks_sft_config():
+    """The training settings, the same in both notebooks (``args = SFTConfig(...)`` of the trainer cell)."""
+    from trl import SFTConfig
+
+    return SFTConfig(
+        per_device_train_batch_size = 2,
+        gradient_accumulation_steps = 4,
+        warmup_steps = 5,
+        max_steps = 2,  # here: 2 instead of 60
+        learning_rate = 2e-4,
+        logging_steps = 1,
+        optim = "adamw_8bit",
+        weight_decay = 0.001,
+        lr_scheduler_type = "linear",
+        seed = 3407,
+        output_dir = "outputs",
+        report_to = "none", # Use TrackIO/WandB etc
+        use_cpu = ON_CPU,  # here: TRL asks for it on a machine without a GPU
+    )
+
+
+def test_alpaca_notebook_cells(one_thread_cells):
+    FastLanguageModel, model, tokenizer, max_seq_length = _first_two_cells()
 
     alpaca_prompt = """Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.
 
@@ -171,7 +197,6 @@ def test_alpaca_notebook_cells(one_thread_cells):
     dataset = load_dataset("json", data_files = str(dataset_path("alpaca")), split = "train")
     dataset = dataset.map(formatting_prompts_func, batched = True,)
 
-    from trl import SFTConfig
     from notebookkit.train import FastSFTTrainer as SFTTrainer  # was: from trl import SFTTrainer
     trainer = SFTTrainer(
         model = model,
@@ -180,21 +205,7 @@ def test_alpaca_notebook_cells(one_thread_cells):
         dataset_text_field = "text",
         max_seq_length = max_seq_length,
         packing = False, # Can make training 5x faster for short sequences.
-        args = SFTConfig(
-            per_device_train_batch_size = 2,
-            gradient_accumulation_steps = 4,
-            warmup_steps = 5,
-            max_steps = 2,  # here: 2 instead of 60
-            learning_rate = 2e-4,
-            logging_steps = 1,
-            optim = "adamw_8bit",
-            weight_decay = 0.001,
-            lr_scheduler_type = "linear",
-            seed = 3407,
-            output_dir = "outputs",
-            report_to = "none", # Use TrackIO/WandB etc
-            use_cpu = ON_CPU,  # here: TRL asks for it on a machine without a GPU
-        ),
+        args = _notebooks_sft_config(),
     )
 
     trainer_stats = trainer.train()
@@ -223,31 +234,7 @@ def test_alpaca_notebook_cells(one_thread_cells):
 
 
 def test_conversational_notebook_cells(one_thread_cells):
-    from notebookkit import FastLanguageModel  # was: from unsloth import FastLanguageModel
-    max_seq_length = 2048 # Choose any! We auto support RoPE Scaling internally!
-    dtype = None # None for auto detection. Float16 for Tesla T4, V100, Bfloat16 for Ampere+
-    load_in_4bit = True # Use 4bit quantization to reduce memory usage. Can be False.
-
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name = "notebookkit/tiny-llama",  # here: the tiny default
-        max_seq_length = max_seq_length,
-        dtype = dtype,
-        load_in_4bit = load_in_4bit,
-    )
-
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r = 16, # Choose any number > 0 ! Suggested 8, 16, 32, 64, 128
-        target_modules = ["q_proj", "k_proj", "v_proj", "o_proj",
-                          "gate_proj", "up_proj", "down_proj",],
-        lora_alpha = 16,
-        lora_dropout = 0, # Supports any, but = 0 is optimized
-        bias = "none",    # Supports any, but = "none" is optimized
-        use_gradient_checkpointing = "unsloth", # True or "unsloth" for very long context
-        random_state = 3407,
-        use_rslora = False,  # We support rank stabilized LoRA
-        loftq_config = None, # And LoftQ
-    )
+    FastLanguageModel, model, tokenizer, max_seq_length = _first_two_cells()
 
     from notebookkit.chat_templates import get_chat_template  # was: from unsloth.chat_templates import ...
 
@@ -269,7 +256,6 @@ def test_conversational_notebook_cells(one_thread_cells):
     dataset = standardize_sharegpt(dataset)
     dataset = dataset.map(formatting_prompts_func, batched = True,)
 
-    from trl import SFTConfig
     from notebookkit.train import FastSFTTrainer as SFTTrainer  # was: from trl import SFTConfig, SFTTrainer
     from transformers import DataCollatorForSeq2Seq
     trainer = SFTTrainer(
@@ -280,21 +266,7 @@ def test_conversational_notebook_cells(one_thread_cells):
         max_seq_length = max_seq_length,
         data_collator = DataCollatorForSeq2Seq(tokenizer = tokenizer),
         packing = False, # Can make training 5x faster for short sequences.
-        args = SFTConfig(
-            per_device_train_batch_size = 2,
-            gradient_accumulation_steps = 4,
-            warmup_steps = 5,
-            max_steps = 2,  # here: 2 instead of 60
-            learning_rate = 2e-4,
-            logging_steps = 1,
-            optim = "adamw_8bit",
-            weight_decay = 0.001,
-            lr_scheduler_type = "linear",
-            seed = 3407,
-            output_dir = "outputs",
-            report_to = "none", # Use TrackIO/WandB etc
-            use_cpu = ON_CPU,  # here: TRL asks for it on a machine without a GPU
-        ),
+        args = _notebooks_sft_config(),
     )
 
     from notebookkit.chat_templates import train_on_responses_only  # was: from unsloth.chat_templates import ...
