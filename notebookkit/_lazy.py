@@ -12,19 +12,27 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
-def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, table: dict[str, str], not_provided: Optional[dict[str, str]] = None
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Module-level ``__getattr__`` and ``__dir__`` for ``package`` (PEP 562).
 
     ``table`` maps each exported name to the submodule of ``package`` that defines it
     (``"packing"`` for ``package + ".packing"``); the attribute of that name is returned from it.
+    ``not_provided`` maps names other notebook APIs export, and ``package`` does not, to what to
+    use instead: asking for one raises ``notebookkit._porting.NotProvidedError`` with that text.
     """
 
     def __getattr__(name: str) -> Any:
         if name in table:
             return getattr(importlib.import_module(f"{package}.{table[name]}"), name)
+        if not_provided and name in not_provided:
+            from notebookkit._porting import not_provided as error
+
+            raise error(package, name, not_provided)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:

@@ -18,6 +18,7 @@ _LAZY = {
     "template_spec": "chat_templates",
     "CHAT_TEMPLATES": "chat_templates",
     "standardize_sharegpt": "sharegpt",
+    "standardize_data_formats": "sharegpt",
     "to_role_content": "sharegpt",
     "alpaca_to_messages": "sharegpt",
     "train_on_responses_only": "responses_only",

@@ -330,6 +330,7 @@ def get_chat_template(
     map_eos_token: bool = True,
     model: Any = None,
     add_missing_tokens: bool = True,
+    mapping: dict[str, str] | None = None,
 ) -> Any:
     """Attach a chat format to ``tokenizer`` and make generation stop at the end of a turn.
 
@@ -344,6 +345,9 @@ def get_chat_template(
         model: optional; when given, its ``generation_config.eos_token_id`` gets the turn-end id too.
         add_missing_tokens: add the format's special tokens that the vocabulary lacks. The model
             then needs ``model.resize_token_embeddings(len(tokenizer))`` (a warning says so).
+        mapping: accepted as other notebooks pass it only when it maps ``role``/``content`` (and
+            ``user``/``assistant``) to themselves. A template that reads ShareGPT's ``from``/``value``
+            is not provided: convert the data with :func:`~notebookkit.data.sharegpt.standardize_sharegpt`.
 
     Returns:
         The same tokenizer, so ``tokenizer = get_chat_template(tokenizer, "chatml")`` works.
@@ -351,6 +355,18 @@ def get_chat_template(
     chosen = name or chat_template
     if chosen is None:
         raise TypeError("get_chat_template needs a template name, e.g. get_chat_template(tokenizer, 'chatml').")
+    if isinstance(chosen, (tuple, list)):
+        raise TypeError(
+            "get_chat_template: a (jinja template, EOS token) pair is not supported. Set your own template directly: "
+            "tokenizer.chat_template = template (and tokenizer.eos_token = eos_token), or pick one of: "
+            f"{', '.join(list_chat_templates())}."
+        )
+    if mapping and any(k != v for k, v in mapping.items()):
+        raise TypeError(
+            f"get_chat_template: mapping={mapping!r} asks for a template that reads other keys or role names "
+            "(ShareGPT's from/value), which notebookkit does not build. Convert the data instead, then leave "
+            "mapping out: dataset = standardize_sharegpt(dataset) rewrites from/value turns as role/content."
+        )
     spec = CHAT_TEMPLATES[_canonical(chosen)]
 
     missing = [t for t in spec.special_tokens if _token_id(tokenizer, t) is None]

@@ -8,9 +8,9 @@ is a renaming of keys and role names; text is left untouched. Alpaca rows
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["ROLE_ALIASES", "to_role_content", "standardize_sharegpt", "alpaca_to_messages"]
+__all__ = ["ROLE_ALIASES", "to_role_content", "standardize_sharegpt", "standardize_data_formats", "alpaca_to_messages"]
 
 ROLE_ALIASES: dict[str, str] = {
     "human": "user",
@@ -28,8 +28,14 @@ ROLE_ALIASES: dict[str, str] = {
 }
 
 
-def to_role_content(turns: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Convert one conversation's turns to ``{"role", "content"}`` dicts (already-converted turns pass)."""
+def to_role_content(
+    turns: list[dict[str, Any]], role_aliases: dict[str, str] | None = None
+) -> list[dict[str, str]]:
+    """Convert one conversation's turns to ``{"role", "content"}`` dicts (already-converted turns pass).
+
+    Role names are mapped through ``role_aliases`` (default :data:`ROLE_ALIASES`).
+    """
+    aliases = ROLE_ALIASES if role_aliases is None else role_aliases
     out = []
     for i, turn in enumerate(turns):
         if "role" in turn and "content" in turn:
@@ -40,11 +46,12 @@ def to_role_content(turns: list[dict[str, Any]]) -> list[dict[str, str]]:
             raise ValueError(
                 f"Turn {i} has keys {sorted(turn)}; expected 'from'/'value' (ShareGPT) or 'role'/'content'."
             )
-        mapped = ROLE_ALIASES.get(str(role).strip().lower())
+        mapped = aliases.get(str(role).strip().lower())
         if mapped is None:
+            where = "notebookkit.data.sharegpt.ROLE_ALIASES" if role_aliases is None else "the role aliases you passed"
             raise ValueError(
-                f"Turn {i} has the unknown role {role!r}. Known roles: {sorted(ROLE_ALIASES)}. Rename it, or add "
-                "it to notebookkit.data.sharegpt.ROLE_ALIASES."
+                f"Turn {i} has the unknown role {role!r}. Known roles: {sorted(aliases)}. Rename it, or add "
+                f"it to {where}."
             )
         out.append({"role": mapped, "content": content})
     return out
@@ -83,6 +90,55 @@ def standardize_sharegpt(
     kwargs: dict[str, Any] = {"batched": True, "remove_columns": remove, "desc": "Standardising ShareGPT turns"}
     if num_proc:
         kwargs["num_proc"] = num_proc
+    return dataset.map(fn, **kwargs)
+
+
+def standardize_data_formats(
+    dataset: Any,
+    tokenizer: Any = None,
+    aliases_for_system: Sequence[str] = ("system",),
+    aliases_for_user: Sequence[str] = ("user", "human", "input"),
+    aliases_for_assistant: Sequence[str] = ("gpt", "assistant", "output"),
+    batch_size: int = 1000,
+    num_proc: int | None = None,
+) -> Any:
+    """Rewrite the ``conversations`` column as ``{"role", "content"}`` turns, under the name and with
+    the role lists the most used notebooks pass (``standardize_data_formats(dataset)``).
+
+    Turns may be ShareGPT's ``from``/``value`` or already ``role``/``content``; each role name is
+    mapped to ``system`` / ``user`` / ``assistant`` through the three alias lists (an unknown role
+    raises, naming it). A dataset without a ``conversations`` column is returned unchanged. The
+    column keeps its name; other columns are kept.
+
+    Args:
+        dataset: a ``datasets.Dataset`` or ``IterableDataset``.
+        tokenizer: a text tokenizer (it changes nothing). A vision processor, whose turns hold lists
+            of typed parts, is refused: vision models are not in notebookkit yet (issue #23).
+        aliases_for_system, aliases_for_user, aliases_for_assistant: the role names of each role.
+        batch_size, num_proc: for ``datasets.map``.
+    """
+    if tokenizer is not None and hasattr(tokenizer, "image_processor"):
+        raise NotImplementedError(
+            "standardize_data_formats: a vision processor was passed; notebookkit has no vision fine-tuning yet "
+            "(issue #23). Pass a text tokenizer, or none."
+        )
+    from datasets import Dataset
+
+    columns = dataset.column_names or list(next(iter(dataset), {}))  # a stream may not know its columns
+    if "conversations" not in columns:
+        return dataset
+    aliases = {name.lower(): "system" for name in aliases_for_system}
+    aliases.update({name.lower(): "user" for name in aliases_for_user})
+    aliases.update({name.lower(): "assistant" for name in aliases_for_assistant})
+
+    def fn(batch: dict[str, list]) -> dict[str, list]:
+        return {"conversations": [to_role_content(turns, aliases) for turns in batch["conversations"]]}
+
+    kwargs: dict[str, Any] = {"batched": True, "batch_size": batch_size}
+    if isinstance(dataset, Dataset):  # IterableDataset.map takes neither
+        kwargs["desc"] = "Standardising conversations"
+        if num_proc:
+            kwargs["num_proc"] = num_proc
     return dataset.map(fn, **kwargs)
 
 

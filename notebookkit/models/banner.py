@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from .precision import is_bfloat16_supported
+
 
 @dataclass
 class Banner:
@@ -84,7 +86,7 @@ def device_line(device: Optional[torch.device] = None) -> str:
         props = torch.cuda.get_device_properties(index)
         free, total = torch.cuda.mem_get_info(index)
         cap = f"sm_{props.major}{props.minor}"
-        bf16 = "bf16 yes" if torch.cuda.is_bf16_supported() else "bf16 no"
+        bf16 = "bf16 yes" if is_bfloat16_supported(index) else "bf16 no"
         return (
             f"GPU {index}: {props.name} ({cap}, {bf16}), {total / 2**30:.1f} GiB total, "
             f"{free / 2**30:.1f} GiB free"

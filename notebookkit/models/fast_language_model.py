@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
+from . import arguments
 from .banner import Banner, get_banner
 from .checkpointing import apply_checkpointing, normalize_mode
 from .lora_fast_path import describe_lora, set_fp8_base_matmul
@@ -90,6 +92,7 @@ class FastLanguageModel:
         from peft import LoraConfig
         from peft import get_peft_model as peft_get_peft_model
 
+        arguments.require_model(model, "get_peft_model")
         banner = get_banner(model) or Banner()
         if hasattr(model, "peft_config"):
             banner.note("get_peft_model called on a model that already has LoRA adapters; returning it unchanged "
@@ -100,18 +103,40 @@ class FastLanguageModel:
             if show_banner:
                 banner.show()
             return model
+        # Every check before anything changes, so a bad value leaves the model as it was.
+        where = "get_peft_model"
+        r = arguments.positive_int(
+            r, "r", where, "r is the LoRA rank (the inner size of the adapter matrices): e.g. 8, 16, 32 or 64."
+        )
+        arguments.positive_number(
+            lora_alpha, "lora_alpha", where,
+            f"The LoRA update is scaled by lora_alpha / r, so it must be positive: the usual choice is "
+            f"lora_alpha = r or 2 * r (here {r} or {2 * r}).",
+        )
+        arguments.probability(
+            lora_dropout, "lora_dropout", where,
+            "It is the fraction of LoRA inputs dropped in training; 0 (the default) runs the fused kernels.",
+        )
         if bias not in ("none", "all", "lora_only"):
             raise ValueError(f"bias={bias!r} must be 'none', 'all' or 'lora_only'.")
-        if lora_dropout < 0 or lora_dropout >= 1:
-            raise ValueError(f"lora_dropout={lora_dropout} must be in [0, 1).")
-        normalize_mode(use_gradient_checkpointing)  # validate early
-        # Before PEFT wraps anything, so an unsupported GPU raises with the model unchanged. The flag
-        # lives on the base linears, which PEFT keeps as each LoRA layer's base_layer.
-        set_fp8_base_matmul(model, bool(fp8_base_matmul))
+        mode = normalize_mode(use_gradient_checkpointing)
         if max_seq_length is not None:
-            object.__setattr__(model, "max_seq_length", int(max_seq_length))
+            max_seq_length = arguments.positive_int(
+                max_seq_length, "max_seq_length", where, "Leave it out to keep the one given to from_pretrained."
+            )
+        if planning_batch_size is not None:
+            planning_batch_size = arguments.positive_int(
+                planning_batch_size, "planning_batch_size", where,
+                "It is the per-device batch size the 'auto' plan should fit: e.g. per_device_train_batch_size.",
+            )
+        if max_memory is not None:
+            arguments.max_memory_bytes(max_memory, where)
 
-        targets = list(target_modules) if target_modules is not None else list(DEFAULT_TARGET_MODULES)
+        # A string is PEFT's: "all-linear", or a regular expression matched against module names.
+        if isinstance(target_modules, str):
+            targets: Any = target_modules
+        else:
+            targets = list(target_modules) if target_modules is not None else list(DEFAULT_TARGET_MODULES)
         config_kwargs: dict[str, Any] = dict(
             r=r,
             lora_alpha=lora_alpha,
@@ -131,12 +156,40 @@ class FastLanguageModel:
         for key in ("temporary_location", "use_dora_fast_path"):
             kwargs.pop(key, None)
         config_kwargs.update(kwargs)
-        lora_config = LoraConfig(**config_kwargs)
+        try:
+            lora_config = LoraConfig(**config_kwargs)
+        except TypeError as exc:  # a misspelt keyword: say so before PEFT touches the model
+            keyword = arguments.unknown_keyword(exc, kwargs)
+            if keyword is None:
+                raise
+            known = [k for k in inspect.signature(FastLanguageModel.get_peft_model).parameters if k != "kwargs"]
+            raise arguments.unknown_keyword_error(where, keyword, known, "peft.LoraConfig") from None
 
+        if max_memory is not None:
+            on_gpu = any(p.device.type == "cuda" for p in model.parameters())
+            note_unused_max_memory(banner, max_memory, mode, "cuda" if on_gpu else "cpu")
+        if get_banner(model) is None:
+            banner.note(
+                "this model was not loaded by FastLanguageModel.from_pretrained, so its layers run stock Hugging Face "
+                "code; load it with FastLanguageModel.from_pretrained(...) for the fused kernels, or call "
+                "FastLanguageModel.patch(model) before get_peft_model"
+            )
+        # Before PEFT wraps anything, so an unsupported GPU raises with the model unchanged. The flag
+        # lives on the base linears, which PEFT keeps as each LoRA layer's base_layer.
+        set_fp8_base_matmul(model, bool(fp8_base_matmul))
+        previous_length = model.__dict__.get("max_seq_length")
+        if max_seq_length is not None:
+            object.__setattr__(model, "max_seq_length", max_seq_length)
         torch.manual_seed(random_state)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            peft_model = peft_get_peft_model(model, lora_config)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                peft_model = peft_get_peft_model(model, lora_config)
+        except Exception:  # e.g. target modules PEFT cannot find: leave the model as it came
+            set_fp8_base_matmul(model, False)
+            if previous_length is not None:
+                object.__setattr__(model, "max_seq_length", previous_length)
+            raise
         object.__setattr__(peft_model, "notebookkit_banner", banner)
 
         apply_checkpointing(
@@ -146,7 +199,8 @@ class FastLanguageModel:
         trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in peft_model.parameters())
         banner.header.append(
-            f"LoRA r={r}, alpha={lora_alpha}{' (rsLoRA)' if use_rslora else ''} on {', '.join(targets)}: "
+            f"LoRA r={r}, alpha={lora_alpha}{' (rsLoRA)' if use_rslora else ''} on "
+            f"{targets if isinstance(targets, str) else ', '.join(targets)}: "
             f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
         )
         if show_banner:
@@ -158,6 +212,7 @@ class FastLanguageModel:
     @staticmethod
     def for_inference(model: nn.Module) -> nn.Module:
         """Switch to generation: eval mode, KV cache on, no checkpointing. Returns the model."""
+        arguments.require_model(model, "for_inference")
         model.eval()
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(base.config, "use_cache", None) is not None:
@@ -173,6 +228,9 @@ class FastLanguageModel:
     ) -> nn.Module:
         """Switch back to training mode (KV cache off). Optionally change the checkpointing mode
         (``"auto"`` re-plans, within ``max_memory`` when given)."""
+        arguments.require_model(model, "for_training")
+        if max_memory is not None:
+            arguments.max_memory_bytes(max_memory, "for_training")
         model.train()
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(base.config, "use_cache", None) is not None:
@@ -195,3 +253,17 @@ class FastLanguageModel:
         from .patcher import unpatch_model
 
         return unpatch_model(model)
+
+
+def note_unused_max_memory(banner: Banner, max_memory: Any, mode: str, device_type: str) -> None:
+    """Say in the banner when a ``max_memory`` cap will not be read: it sizes the ``"auto"`` plan on a GPU."""
+    if device_type != "cuda":
+        banner.note(
+            f"max_memory={max_memory!r} not used: the cap applies to a GPU only (it sizes the activation plan "
+            "of use_gradient_checkpointing='auto' in VRAM); this model is on the CPU"
+        )
+    elif mode != "auto":
+        banner.note(
+            f"max_memory={max_memory!r} not used: only use_gradient_checkpointing='auto' plans within it "
+            f"(this call asked for {mode!r})"
+        )

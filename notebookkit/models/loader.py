@@ -16,6 +16,7 @@ computing in that dtype; checkpoints saved already quantised load as they are.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import warnings
@@ -24,10 +25,15 @@ from typing import Any, Optional, Union
 
 import torch
 
+from . import arguments
 from .banner import Banner, device_line, versions_line
+from .precision import is_bfloat16_supported
 
 _UNSUPPORTED_KWARGS = {
-    "fast_inference": "vLLM fast inference is not part of notebookkit; generation uses model.generate",
+    "fast_inference": (
+        "notebookkit has no vLLM engine: model.generate and TRL's trainers (use_vllm=False) generate with this "
+        "patched model; model.fast_generate and model.load_lora do not exist"
+    ),
     "gpu_memory_utilization": "only used by vLLM fast inference",
     "max_lora_rank": "only used by vLLM fast inference",
     "fix_tokenizer": "tokenizers load unchanged; a missing pad token is still added",
@@ -35,7 +41,11 @@ _UNSUPPORTED_KWARGS = {
     "resize_model_vocab": "vocabulary resizing is not done at load time",
     "float8_kv_cache": "not supported",
     "disable_log_stats": "only used by vLLM fast inference",
+    "offload_embedding": "the input embedding stays on the model's device (the memory planner counts it)",
+    "unsloth_force_compile": "notebookkit does not torch.compile the model; the fused kernels run as they are",
 }
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ModelLoadError(OSError):
@@ -43,19 +53,27 @@ class ModelLoadError(OSError):
 
 
 def pick_dtype(dtype: Union[None, str, torch.dtype], device_type: str, banner: Optional[Banner] = None) -> torch.dtype:
-    """Resolve ``dtype=None``/strings to a torch dtype for ``device_type`` ("cuda" or "cpu")."""
+    """Resolve ``dtype=None``/strings to a torch dtype for ``device_type`` ("cuda" or "cpu").
+
+    ``None`` is bf16 on a GPU with native bf16, fp16 on other GPUs (T4, V100), fp32 on CPU.
+    """
     if isinstance(dtype, str):
         name = dtype.replace("torch.", "").lower()
         aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
         name = aliases.get(name, name)
-        if name not in ("bfloat16", "float16", "float32"):
+        if name not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of None, 'bfloat16', 'float16', 'float32'.")
-        dtype = getattr(torch, name)
+        dtype = _DTYPES[name]
+    elif dtype is not None and dtype not in _DTYPES.values():
+        raise ValueError(
+            f"dtype={dtype!r} is not one of None, torch.bfloat16, torch.float16, torch.float32 (or their names "
+            "'bfloat16', 'float16', 'float32'). None picks the best one for this machine."
+        )
     if dtype is None:
         if device_type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.bfloat16 if is_bfloat16_supported() else torch.float16
         return torch.float32
-    if dtype == torch.bfloat16 and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+    if dtype == torch.bfloat16 and device_type == "cuda" and not is_bfloat16_supported():
         if banner is not None:
             banner.note("this GPU has no bf16: using float16 instead of the requested bfloat16")
         return torch.float16
@@ -200,6 +218,15 @@ def from_pretrained(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if not isinstance(model_name, (str, os.PathLike)) or not os.fspath(model_name).strip():
+        raise TypeError(
+            f"from_pretrained: model_name={model_name!r} is not a model name. Pass a built-in tiny model such as "
+            "'notebookkit/tiny-llama', a Hugging Face Hub id such as 'Qwen/Qwen2.5-0.5B-Instruct', or a local folder."
+        )
+    max_seq_length = arguments.positive_int(
+        max_seq_length, "max_seq_length", "from_pretrained",
+        "It is the longest sequence, in tokens, you will train on: e.g. max_seq_length=2048.",
+    )
     banner = Banner()
     banner.header.append(versions_line())
     for key in list(kwargs):
@@ -207,6 +234,8 @@ def from_pretrained(
             value = kwargs.pop(key)
             if value not in (None, False, 0):
                 banner.note(f"{key}={value!r} ignored: {_UNSUPPORTED_KWARGS[key]}")
+    if kwargs.pop("load_in_16bit", False):  # 16-bit LoRA, the other notebooks' spelling
+        load_in_4bit = load_in_8bit = False
     kwargs.pop("use_gradient_checkpointing", None)
     kwargs.pop("random_state", None)
     if os.environ.get("NOTEBOOKKIT_FAST_PATH", "1") in ("0", "false", "False"):
@@ -271,6 +300,14 @@ def from_pretrained(
         if kind == "hub":
             raise _offline_error(os.fspath(model_name), exc) from None
         raise
+    except TypeError as exc:  # a misspelt keyword reaches the model class's __init__
+        keyword = arguments.unknown_keyword(exc, kwargs)
+        if keyword is None:
+            raise
+        known = [*inspect.signature(from_pretrained).parameters, *_UNSUPPORTED_KWARGS, "load_in_16bit"]
+        raise arguments.unknown_keyword_error(
+            "from_pretrained", keyword, (k for k in known if k != "kwargs"), "transformers' from_pretrained"
+        ) from None
 
     tokenizer = AutoTokenizer.from_pretrained(path, token=token, trust_remote_code=trust_remote_code)
     _fix_tokenizer(tokenizer, model, banner, max_seq_length)

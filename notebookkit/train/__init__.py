@@ -13,6 +13,8 @@ _LAZY = {
     "make_sft_trainer": "sft",
     "FastSFTTrainer": "sft",
     "precision_flags": "sft",
+    "check_sft_dataset": "sft_inputs",
+    "SFTInputError": "sft_inputs",
     "calibrate": "calibration",
     "CalibrationResult": "calibration",
     "QAItem": "evaluation",

@@ -250,6 +250,8 @@ def _load_plain(model_name: str, max_seq_length: int, dtype: Any, load_in_4bit: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..models.precision import is_bfloat16_supported
+
     try:
         from ..data.tiny import resolve_model_name
 
@@ -260,7 +262,7 @@ def _load_plain(model_name: str, max_seq_length: int, dtype: Any, load_in_4bit: 
         dtype = getattr(torch, dtype)
     if dtype is None:
         if torch.cuda.is_available():
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            dtype = torch.bfloat16 if is_bfloat16_supported() else torch.float16
         else:
             dtype = torch.float32
     kwargs: dict[str, Any] = {"dtype": dtype}

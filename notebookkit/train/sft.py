@@ -49,6 +49,8 @@ def precision_flags(model: Any = None) -> dict[str, bool]:
     """``fp16`` / ``bf16`` Trainer flags for the model's dtype on this machine (both off on CPU)."""
     import torch
 
+    from ..models.precision import is_bfloat16_supported
+
     if not torch.cuda.is_available():
         return {"fp16": False, "bf16": False}
     dtype = None
@@ -60,7 +62,7 @@ def precision_flags(model: Any = None) -> dict[str, bool]:
         if dtype == torch.float32:
             return {"fp16": False, "bf16": False}
     if dtype is None:
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        dtype = torch.bfloat16 if is_bfloat16_supported() else torch.float16
     return {"fp16": dtype == torch.float16, "bf16": dtype == torch.bfloat16}
 
 
@@ -264,6 +266,44 @@ def _report_fused_loss(trainer: Any, show: bool) -> None:
         print(f"notebookkit: {target.line(FUSED_CE_FEATURE)}", flush=True)
 
 
+def _checked_arguments(sft_trainer: type, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``SFTTrainer.__init__`` keyword arguments from a call's ``args`` / ``kwargs``: older TRL keywords
+    moved (:func:`~notebookkit.train.legacy_keywords.move_old_sft_keywords`), then the data sets and
+    batch settings checked (:mod:`notebookkit.train.sft_inputs`). Raises before anything is built."""
+    import inspect
+
+    from .legacy_keywords import move_old_sft_keywords
+    from .sft_inputs import check_batch_settings, check_sft_dataset
+
+    names = [p for p in inspect.signature(sft_trainer.__init__).parameters if p != "self"]
+    if len(args) > len(names):
+        raise TypeError(f"SFTTrainer takes at most {len(names)} positional arguments, got {len(args)}.")
+    duplicated = sorted(set(names[: len(args)]) & set(kwargs))
+    if duplicated:
+        raise TypeError(f"SFTTrainer got {duplicated} both by position and by keyword.")
+    arguments = move_old_sft_keywords({**dict(zip(names, args)), **kwargs})
+    config = arguments.get("args")
+    if config is not None:
+        check_batch_settings(config)
+    if (getattr(config, "dataset_kwargs", None) or {}).get("skip_prepare_dataset"):
+        return arguments  # the caller prepared the rows for the collator
+    checks = dict(
+        tokenizer=arguments.get("processing_class"),
+        dataset_text_field=getattr(config, "dataset_text_field", "text"),
+        formatting_func=arguments.get("formatting_func"),
+        chat_template=getattr(config, "chat_template_path", None),
+    )
+    if arguments.get("train_dataset") is not None:
+        check_sft_dataset(arguments["train_dataset"], name="train_dataset", **checks)
+    evaluation = arguments.get("eval_dataset")
+    if isinstance(evaluation, dict):
+        for key, dataset in evaluation.items():
+            check_sft_dataset(dataset, name=f"eval_dataset[{key!r}]", **checks)
+    elif evaluation is not None:
+        check_sft_dataset(evaluation, name="eval_dataset", **checks)
+    return arguments
+
+
 _TRAINER_CLASS: Any = None
 
 
@@ -276,7 +316,12 @@ def _fast_sft_trainer_class() -> type:
     class FastSFTTrainer(SFTTrainer):
         """TRL's ``SFTTrainer`` whose training loss runs notebookkit's fused linear cross-entropy.
 
-        Same arguments as ``trl.SFTTrainer``, plus:
+        Same arguments as ``trl.SFTTrainer``; also the keywords of older TRL releases that the most
+        used notebooks pass (``tokenizer=``, ``dataset_text_field=``, ``max_seq_length=``,
+        ``packing=``, ...: :mod:`notebookkit.train.legacy_keywords`). The data sets and batch
+        sizes are checked before TRL sees them (:mod:`notebookkit.train.sft_inputs`), so a data set
+        with no rows or no column SFTTrainer reads fails at construction, with the model untouched.
+        Plus:
 
         Args:
             fused_loss: ``True`` (default) computes the training loss with the model's fused
@@ -289,7 +334,8 @@ def _fast_sft_trainer_class() -> type:
         """
 
         def __init__(self, *args: Any, fused_loss: bool = True, show_banner: bool = True, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
+            arguments = _checked_arguments(SFTTrainer, args, kwargs)
+            super().__init__(**arguments)
             self.fused_loss_off = fused_loss_blocker(self) if fused_loss else "fused_loss=False was passed"
             _report_fused_loss(self, show_banner)
 
