@@ -169,6 +169,17 @@ def test_errors_speak_to_the_user():
         dequantize_nf4(packed, qs, out_dtype=torch.int8)
 
 
+def test_a_weight_repacked_by_bitsandbytes_cpu_inference_is_refused():
+    """bitsandbytes' eval-mode CPU forward (on CPUs with AVX512-BF16) repacks a weight in place: codes
+    reordered, scales rounded to bf16. Read as NF4 it would decode to other values without a word."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    packed, qs = _quantize((64, 128), torch.float32, nested=False)
+    repacked, qs_repacked = _convert_weight_packed_for_cpu(packed.clone(), copy.deepcopy(qs))
+    with pytest.raises(ValueError, match="repacked it in place.*Reload the model"):
+        dequantize_nf4(repacked, qs_repacked)
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU
 # --------------------------------------------------------------------------------------------------
