@@ -171,3 +171,25 @@ def assert_packing_is_nearest_level(w: torch.Tensor, packed: torch.Tensor, quant
     assert (np.abs(decoded - w64) <= bound * (1 + 1e-6) + 1e-30).all(), (
         f"decoded values exceed the NF4 rounding bound: worst excess "
         f"{float(np.max(np.abs(decoded - w64) - bound)):.3e}")
+
+
+def replace_4bit_layers_by_dense(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Swap every bitsandbytes ``Linear4bit`` of ``model`` (in place) for a frozen ``nn.Linear`` holding
+    its weight decoded by :func:`decode_nf4_by_definition`: QLoRA's base layer as the format defines
+    it, for oracles. Returns how many layers were swapped."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, bnb.nn.Linear4bit):
+                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                        dtype=dtype)
+                with torch.no_grad():
+                    dense.weight.copy_(decode_nf4_by_definition(child.weight, out_dtype=torch.float32))
+                    if child.bias is not None:
+                        dense.bias.copy_(child.bias)
+                dense.requires_grad_(False)
+                setattr(parent, name, dense)
+                count += 1
+    return count

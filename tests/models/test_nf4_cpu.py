@@ -29,7 +29,7 @@ from notebookkit.kernels.nf4 import dequantize_nf4  # noqa: E402
 from notebookkit.kernels.testing import rel_err  # noqa: E402
 from notebookkit.models import FastLanguageModel, patch_summary, unpatch_model  # noqa: E402
 from notebookkit.models.patch_linear4bit import is_linear4bit  # noqa: E402
-from tests.nf4_format import decode_nf4_by_definition  # noqa: E402
+from tests.nf4_format import replace_4bit_layers_by_dense  # noqa: E402
 
 from .helpers import byte_tokenizer, random_model  # noqa: E402
 
@@ -55,20 +55,11 @@ def _load(folder, **kw):
 
 
 def _dense_twin(model):
-    """A deep copy of ``model`` with each 4-bit layer replaced by ``nn.Linear(decoded weight)``, on
-    stock code (no notebookkit patch): the oracle."""
+    """A deep copy of ``model`` on stock code (no notebookkit patch) with each 4-bit layer replaced by
+    ``nn.Linear(weight decoded from the NF4 definition)``: the oracle."""
     twin = copy.deepcopy(model)
     unpatch_model(twin, keep_nf4_decode=False)
-    for parent in list(twin.modules()):
-        for name, child in list(parent.named_children()):
-            if is_linear4bit(child):
-                dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                with torch.no_grad():
-                    dense.weight.copy_(decode_nf4_by_definition(child.weight, out_dtype=torch.float32))
-                    if child.bias is not None:
-                        dense.bias.copy_(child.bias)
-                dense.requires_grad_(False)
-                setattr(parent, name, dense)
+    assert replace_4bit_layers_by_dense(twin) == 2 * 7
     assert not any(is_linear4bit(m) for m in twin.modules())
     return twin
 
