@@ -1,4 +1,5 @@
-"""NF4 dequantisation of bitsandbytes 4-bit weights, bit-exact with ``bitsandbytes.functional.dequantize_4bit``.
+"""NF4 dequantisation of bitsandbytes 4-bit weights, bit-exact with the NF4 format (as bitsandbytes'
+CUDA ``dequantize_4bit`` decodes it; its CPU decode is wrong on AVX-512 CPUs for some shapes).
 
 Storage, as bitsandbytes writes it (``Params4bit`` + ``QuantState``), for a weight ``W`` of ``n``
 elements taken in row-major (flat) order:
@@ -107,12 +108,20 @@ def _read_state(packed: torch.Tensor, quant_state: Any) -> _NF4State:
             "dequantize_nf4 needs the bitsandbytes QuantState of the weight: pass `weight.quant_state` "
             "(or pass the Params4bit weight itself, which carries it)."
         )
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        raise ValueError(
+            "This 4-bit weight is no longer in NF4 layout: bitsandbytes repacked it in place for its CPU "
+            "inference kernel (its Linear4bit.forward does that the first time it runs in eval mode without "
+            "gradients on a CPU with AVX512-BF16), reordering the 4-bit codes and rounding the block scales "
+            "to bfloat16. notebookkit cannot read it, and the rounded scales cannot be undone. Reload the "
+            "model with FastLanguageModel.from_pretrained: notebookkit's 4-bit layers never repack."
+        )
     quant_type = getattr(quant_state, "quant_type", "nf4")
     if quant_type != "nf4":
         raise ValueError(
             f"dequantize_nf4 only reads NF4 weights, but this QuantState has quant_type={quant_type!r}. "
-            "Load the model with bnb_4bit_quant_type='nf4', or dequantise with "
-            "bitsandbytes.functional.dequantize_4bit instead."
+            "Load the model with bnb_4bit_quant_type='nf4' (FastLanguageModel.from_pretrained(..., "
+            "load_in_4bit=True) does)."
         )
     shape = tuple(int(s) for s in quant_state.shape)
     blocksize = int(quant_state.blocksize)
@@ -333,8 +342,8 @@ def dequantize_nf4(
         out: optional preallocated contiguous output of ``quant_state.shape`` numel to write into.
 
     Returns:
-        The dense weight of shape ``quant_state.shape``, bit-identical to
-        ``bitsandbytes.functional.dequantize_4bit(weight, quant_state)`` in that dtype.
+        The dense weight of shape ``quant_state.shape``: ``NF4[code] * absmax`` in fp32, rounded once
+        to the output dtype; bit-identical to bitsandbytes' CUDA ``dequantize_4bit`` in that dtype.
 
     CUDA tensors run the Triton kernel; CPU tensors run the PyTorch reference unless Triton is
     forced (``notebookkit.kernels.runtime.use_triton(True)`` with ``TRITON_INTERPRET=1``).

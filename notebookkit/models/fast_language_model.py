@@ -13,6 +13,7 @@ from . import arguments
 from .banner import Banner, get_banner
 from .checkpointing import apply_checkpointing, normalize_mode
 from .lora_fast_path import describe_lora, set_fp8_base_matmul
+from .patch_linear4bit import guard_lora_merges
 from . import loader
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -190,6 +191,7 @@ class FastLanguageModel:
             if previous_length is not None:
                 object.__setattr__(model, "max_seq_length", previous_length)
             raise
+        guard_lora_merges(peft_model)  # PEFT's merge would decode 4-bit bases with bitsandbytes on a CPU
         object.__setattr__(peft_model, "notebookkit_banner", banner)
 
         apply_checkpointing(
@@ -248,11 +250,14 @@ class FastLanguageModel:
         return patch_model(model, banner)
 
     @staticmethod
-    def unpatch(model: nn.Module) -> int:
-        """Restore stock Hugging Face forwards everywhere; returns the number of modules restored."""
+    def unpatch(model: nn.Module, keep_nf4_decode: bool = True) -> int:
+        """Restore stock Hugging Face forwards everywhere; returns the number of modules restored.
+
+        4-bit layers keep notebookkit's NF4 decode on CPU tensors unless ``keep_nf4_decode=False``
+        (bitsandbytes' own CPU forward is wrong on AVX-512 CPUs for some shapes)."""
         from .patcher import unpatch_model
 
-        return unpatch_model(model)
+        return unpatch_model(model, keep_nf4_decode=keep_nf4_decode)
 
 
 def note_unused_max_memory(banner: Banner, max_memory: Any, mode: str, device_type: str) -> None:

@@ -48,3 +48,11 @@ def why_missing(module: str, name: str) -> Optional[str]:
         return f"notebookkit.kernels.{module} has no {name}"
     return None
 
+
+
+def require(module: str, name: str) -> Callable[..., Any]:
+    """Like :func:`kernel` but raises a readable ``ImportError`` when the kernel is missing."""
+    fn = kernel(module, name)
+    if fn is None:
+        raise ImportError(why_missing(module, name) or f"notebookkit.kernels.{module}.{name} is unavailable")
+    return fn

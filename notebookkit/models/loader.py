@@ -338,17 +338,22 @@ def finish_model(model, banner: Banner, max_seq_length: int, full_finetuning: bo
         for p in model.parameters():
             p.requires_grad_(False)
 
+    from .patch_linear4bit import describe_linear4bit, patch_linear4bit
     from .patcher import patch_model
 
     if fast_path:
         patch_model(model, banner)
     else:
         banner.feature("fast path", False, "disabled by fast_path=False / NOTEBOOKKIT_FAST_PATH=0: stock Hugging Face code")
+        # Stock code, but never bitsandbytes' CPU NF4 decode (wrong on AVX-512 CPUs): see patch_linear4bit.
+        describe_linear4bit(model, banner, patch_linear4bit(model))
 
 
 def _load_adapter_folder(path: str, adapter_cfg: dict, banner: Banner, **kw):
     from peft import PeftModel
     from transformers import AutoTokenizer
+
+    from .patch_linear4bit import guard_lora_merges
 
     base_name = adapter_cfg.get("base_model_name_or_path")
     if not base_name:
@@ -360,6 +365,7 @@ def _load_adapter_folder(path: str, adapter_cfg: dict, banner: Banner, **kw):
     model, tokenizer = from_pretrained(base_name, show_banner=False, **kw)
     base_banner: Banner = model.notebookkit_banner
     peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
+    guard_lora_merges(peft_model)
     object.__setattr__(peft_model, "notebookkit_banner", base_banner)
     base_banner.header.append(f"adapter: {path} on base {base_name}")
     if (Path(path) / "tokenizer_config.json").is_file():

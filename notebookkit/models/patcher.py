@@ -2,7 +2,8 @@
 
 ``patch_model(model)`` looks the model's ``model_type`` up in :mod:`.architectures` and rebinds the
 ``forward`` of instances: every RMSNorm, every decoder MLP, every decoder self-attention and the
-causal-LM head. A family that is not in the table is left entirely on stock code (never
+causal-LM head; and, for every model, the CPU forward of bitsandbytes 4-bit layers
+(:mod:`.patch_linear4bit`). A family that is not in the table is left entirely on stock code (never
 half-patched), and the banner says so. ``unpatch_model(model)`` restores every original forward.
 Each feature is independent: if one kernel file is missing, only that feature stays stock.
 """
@@ -17,10 +18,11 @@ from . import architectures
 from .banner import Banner
 from .lora_fast_path import describe_lora
 from .patch_attention import attention_ready, patch_attention
+from .patch_linear4bit import TAG as NF4_CPU_TAG, describe_linear4bit, guard_lora_merges, patch_linear4bit
 from .patch_lm_head import ALL_ATTENTION_PATCHED, describe_lm_head, lm_head_ready, patch_lm_head
 from .patch_mlp import mlp_ready, patch_mlp
 from .patch_norms import patch_norms
-from .patching import patched_modules, restore
+from .patching import patch_tag, patched_modules, restore
 from .kernel_ops import why_missing
 
 
@@ -42,6 +44,11 @@ def _decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
 def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
     """Patch ``model`` in place onto the fused path; returns the banner with one line per feature."""
     banner = banner if banner is not None else Banner()
+    # Not a speed-up but correctness, so before anything can return early: 4-bit layers on the CPU
+    # decode with notebookkit's NF4 kernel, never bitsandbytes' (patch_linear4bit).
+    describe_linear4bit(model, banner, patch_linear4bit(model))
+    if hasattr(model, "peft_config"):
+        guard_lora_merges(model)
     causal_lm = _unwrap(model)
     config = causal_lm.config
     spec = architectures.lookup(config)
@@ -139,10 +146,17 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
     return banner
 
 
-def unpatch_model(model: nn.Module) -> int:
-    """Restore every forward that notebookkit rebound in ``model``; returns how many were restored."""
+def unpatch_model(model: nn.Module, keep_nf4_decode: bool = True) -> int:
+    """Restore every forward that notebookkit rebound in ``model``; returns how many were restored.
+
+    ``keep_nf4_decode=True`` (the default) leaves the 4-bit layers' CPU forward on notebookkit's NF4
+    decode (:mod:`.patch_linear4bit`): bitsandbytes' own CPU forward gives wrong results on AVX-512
+    CPUs for some shapes and rewrites weights in place in eval mode. ``False`` restores it anyway.
+    """
     count = 0
     for _, module in list(patched_modules(model)):
+        if keep_nf4_decode and patch_tag(module) == NF4_CPU_TAG:
+            continue
         count += restore(module)
         module.__dict__.pop("_notebookkit_owner", None)
         module.__dict__.pop(ALL_ATTENTION_PATCHED, None)

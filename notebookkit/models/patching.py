@@ -35,7 +35,23 @@ import torch.nn as nn
 _ORIGINAL = "_notebookkit_original_forward"
 _PATCHED = "_notebookkit_patched_forward"
 _TAG = "_notebookkit_patch"
-_ABSENT = object()
+
+
+class _Absent:
+    """Marks "the instance had no forward of its own"; one object, kept by copy and deepcopy (a copied
+    model restored later must recognise it)."""
+
+    def __copy__(self) -> "_Absent":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "_Absent":
+        return self
+
+    def __reduce__(self) -> str:
+        return "_ABSENT"
+
+
+_ABSENT = _Absent()
 _HOOK_SLOT = "_old_forward"  # what accelerate's forward wrapper calls
 
 

@@ -275,6 +275,13 @@ def _load_plain(model_name: str, max_seq_length: int, dtype: Any, load_in_4bit: 
     if torch.cuda.is_available():
         kwargs["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    if load_in_4bit:
+        # bitsandbytes' CPU forward decodes NF4 wrongly on AVX-512 CPUs for some shapes (and rewrites
+        # weights in place in eval mode): the baseline's 4-bit layers decode with notebookkit's NF4
+        # kernel on CPU tensors, which is bitsandbytes' CUDA arithmetic. On a GPU they run bitsandbytes.
+        from ..models.patch_linear4bit import patch_linear4bit
+
+        patch_linear4bit(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token

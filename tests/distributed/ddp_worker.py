@@ -4,12 +4,16 @@ records, per variant and rank, the trained LoRA weights and what DDP did.
 
 Recorded per variant (``<out>/<variant>.rank<r>.pt``):
 
-* ``lora``: every LoRA parameter after training (float32, CPU);
+* ``lora``: every LoRA parameter after training (float32, CPU); ``lora_init``: the same before the
+  first step (the tests measure how far each matrix moved);
 * ``losses``: the logged training losses;
 * ``allreduce_calls``: gradient all-reduce calls, each tagged with the optimizer step it ran in
   (a DDP communication hook counts them; one per gradient bucket per synchronised backward);
 * ``micro_batches``: backward passes run; ``find_unused_parameters``: DDP's setting;
 * ``buckets``: distinct gradient buckets DDP reduced.
+
+``skip_allreduce`` makes the communication hook return each rank's own gradient without reducing
+it (a data-parallel run that is broken on purpose: the tests' negative control).
 
 ``force_offload`` swaps every decoder layer's checkpoint function for notebookkit's offload
 checkpoint (``notebookkit.models.checkpointing.offload_checkpoint``). On a CPU the layer input stays
@@ -69,7 +73,7 @@ def _plain_trainer(sft_trainer, callbacks):
 
 
 def run_variant(script, name: str, settings: dict, out: Path, force_offload: bool = False,
-                trainer_kind: str = "sft") -> None:
+                trainer_kind: str = "sft", skip_allreduce: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from transformers import TrainerCallback
@@ -90,6 +94,10 @@ def run_variant(script, name: str, settings: dict, out: Path, force_offload: boo
                     record["buckets"].add(bucket.index())
                     group = process_group if process_group is not None else dist.group.WORLD
                     tensor = bucket.buffer().div_(group.size())
+                    if skip_allreduce:  # the negative control: each rank keeps its own gradient
+                        fut = torch.futures.Future()
+                        fut.set_result(tensor)
+                        return fut
                     fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
                     return fut.then(lambda f: f.value()[0])
 
@@ -118,6 +126,7 @@ def run_variant(script, name: str, settings: dict, out: Path, force_offload: boo
         record["lm_head_calls"] += 1
 
     handle = base.get_output_embeddings().register_forward_hook(count_lm_head)
+    record["lora_init"] = {k: v.detach().float().cpu().clone() for k, v in model.named_parameters() if "lora_" in k}
     trainer.train()
     handle.remove()
     lora = {k: v.detach().float().cpu().clone() for k, v in model.named_parameters() if "lora_" in k}
@@ -141,7 +150,7 @@ def main() -> int:
     script = _load_script()
     for variant in json.loads(args.variants):
         run_variant(script, variant["name"], variant["settings"], out, bool(variant.get("force_offload")),
-                    variant.get("trainer", "sft"))
+                    variant.get("trainer", "sft"), bool(variant.get("skip_allreduce")))
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

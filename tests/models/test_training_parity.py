@@ -4,7 +4,8 @@ Same weights (the family's tiny default folder), same LoRA init seed, same batch
 per-step losses within 1e-4 relative, final LoRA weights within 1e-3 relative. Once per family on
 the default path (kernels' PyTorch references on CPU), once with the Triton kernels forced on under
 the interpreter (llama, qwen3, gemma2 on small shapes: the interpreter is slow), once with NF4 4-bit
-base weights. Adam uses eps=1e-6 so rounding-noise gradients cannot flip update signs.
+base weights (the reference then trains LoRA on the base decoded from the NF4 definition).
+Adam uses eps=1e-6 so rounding-noise gradients cannot flip update signs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def make_batches(n: int, batch: int, seq: int, vocab: int = 256, seed: int = 0) 
 
 
 def reference_model(folder: str, load_in_4bit: bool, seed: int = 3407):
+    """transformers + PEFT. With ``load_in_4bit`` the checkpoint is quantised as notebookkit quantises it
+    (bitsandbytes, NF4, double quantisation: the same bytes) and each 4-bit layer is then replaced by a
+    dense layer holding its weight decoded from the NF4 definition (``tests/nf4_format.py``), so the
+    oracle is QLoRA's arithmetic, not bitsandbytes' CPU kernels (whose decode is wrong on AVX-512
+    CPUs for some shapes)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -48,6 +54,10 @@ def reference_model(folder: str, load_in_4bit: bool, seed: int = 3407):
             bnb_4bit_compute_dtype=torch.float32,
         )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    if load_in_4bit:
+        from tests.nf4_format import replace_4bit_layers_by_dense
+
+        assert replace_4bit_layers_by_dense(model) == 7 * model.config.num_hidden_layers
     torch.manual_seed(seed)
     cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=TARGETS, task_type="CAUSAL_LM")
     return get_peft_model(model, cfg)
