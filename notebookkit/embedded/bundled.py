@@ -3,7 +3,7 @@
 Six kinds, each with a ``train`` split and a held-out ``eval`` split (the eval rows ask about
 facts the train rows never mention)::
 
-    from notebookkit.data.bundled import load_bundled, dataset_path, list_bundled
+    from notebookkit.embedded.bundled import load_bundled, dataset_path, list_bundled
     chat = load_bundled("chat_messages")                 # datasets.Dataset, column "messages"
     held_out = load_bundled("chat_messages", split="eval")
     pairs = load_bundled("preference")                   # prompt / chosen / rejected
@@ -28,7 +28,8 @@ kind                      rows train/eval columns
 ========================  ==============  =================================================
 
 The files live in ``$NOTEBOOKKIT_CACHE/tiny/datasets-<version>/<kind>/<split>.jsonl`` (default
-cache ``~/.cache/notebookkit``) and are generated on first use in a second or two.
+cache ``~/.cache/notebookkit``) and are generated on first use in a second or two. Notebooks import
+``load_bundled`` from :mod:`notebookkit.data` (or ``notebookkit.data.bundled``), which re-export it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .cache import cached_build, source_version
 from .generate_datasets import SPLITS, describe_kinds, extract_answer
-from .tiny import cached_build, data_version
+
+# What the files depend on (paths relative to this package): the generator and the facts it asks about.
+_DATA_SOURCES = ("generate_datasets.py", "corpus/world.py")
+_DATA_PACKAGES = ("pillow",)
 
 #: dataset kind -> one-line description
 KINDS: dict[str, str] = describe_kinds()
@@ -87,6 +92,11 @@ def _build(tmp: Path, final: Path) -> dict[str, Any]:
     return {"rows": counts}
 
 
+def data_version() -> str:
+    """Hash naming the current build of the bundled datasets (sources + library versions)."""
+    return source_version(_DATA_SOURCES, _DATA_PACKAGES)
+
+
 def ensure_bundled_datasets(cache_dir: str | os.PathLike | None = None) -> Path:
     """Folder holding every bundled dataset, generating it on first use (a second or two)."""
     return cached_build("datasets", data_version(), _build, cache_dir)
@@ -126,4 +136,4 @@ def list_bundled(cache_dir: str | os.PathLike | None = None) -> list[dict[str, A
     return out
 
 
-__all__ = ["KINDS", "dataset_path", "load_bundled", "list_bundled", "ensure_bundled_datasets", "extract_answer"]
+__all__ = ["KINDS", "data_version", "dataset_path", "load_bundled", "list_bundled", "ensure_bundled_datasets", "extract_answer"]

@@ -1,80 +1,60 @@
-"""The embedded tiny default: small models of every supported family, built offline and cached.
+"""The tiny default models: one small model of every supported family, built offline and cached.
 
 Reserved names resolve to local Hugging Face folders that this module builds on first use::
 
-    from notebookkit.data.tiny import ensure_tiny_model, resolve_model_name, TINY_MODELS
+    from notebookkit.embedded.tiny import ensure_tiny_model, resolve_model_name, TINY_MODELS
     path = ensure_tiny_model("notebookkit/tiny-llama")     # builds once (~30 s), then instant
     resolve_model_name("notebookkit/tiny-qwen3")           # -> "/home/you/.cache/notebookkit/tiny/..."
     resolve_model_name("Qwen/Qwen2.5-0.5B")                # hub names pass through unchanged
 
-From a shell, ``python -m notebookkit.data.tiny`` builds every model and the bundled datasets and
-prints a table.
+From a shell, ``python -m notebookkit.embedded`` builds every model and the bundled datasets and
+prints a table (:mod:`.cli`).
 
 What gets built (all deterministic; nothing is downloaded):
 
-1. the corpus (:mod:`notebookkit.data.corpus`): 8000 short English documents about a small
+1. the corpus (:mod:`notebookkit.embedded.corpus`): 8000 short English documents about a small
    world (1.4 MB), plus 300 held-out documents drawn with another seed;
 2. a 2048-entry byte-level BPE tokenizer trained on it (:mod:`.generate_tokenizer`);
-3. one folder per family (:mod:`.generate_models`): ``config.json``, ``model.safetensors``,
-   ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with the family's
-   chat template; ``tiny-llama`` is pre-trained for a few hundred steps on the corpus
-   (:mod:`.generate_pretrain`), the others keep their seeded random weights;
-4. the bundled datasets (:mod:`.bundled`).
+3. one folder per row of the family record (:mod:`notebookkit.families`, built by
+   :mod:`.generate_models`): ``config.json``, ``model.safetensors``, ``generation_config.json``,
+   ``tokenizer.json``, ``tokenizer_config.json`` with the family's chat template; ``tiny-llama`` is
+   pre-trained for a few hundred steps on the corpus (:mod:`.generate_pretrain`), the others keep
+   their seeded random weights.
 
-Cache layout: ``$NOTEBOOKKIT_CACHE/tiny/`` (default ``~/.cache/notebookkit/tiny/``) holds
-``<name>-<version>/`` folders, where ``<version>`` hashes the generator source files and the
-versions of torch/transformers/tokenizers, so changing either builds afresh. A folder is built
-under a temporary name, gets its stamp file last, and is renamed into place while a file lock is
-held, so parallel test workers never see or produce a half-built folder; a folder without a stamp
-(left by a crash) is rebuilt.
+Each is a folder of the cache (:mod:`.cache`) whose version hashes the generator sources, the
+family record, the recipe constants below and the versions of torch/transformers/tokenizers/
+safetensors, so changing any of them builds afresh.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import sys
-import time
-import uuid
 from contextlib import contextmanager
-from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from .generate_models import INFO_FILE, build_model_folder
+from notebookkit.families import FAMILIES
 
-#: Reserved model names and the family each one builds.
-TINY_MODELS: dict[str, str] = {
-    "notebookkit/tiny-llama": "llama",
-    "notebookkit/tiny-mistral": "mistral",
-    "notebookkit/tiny-qwen2": "qwen2",
-    "notebookkit/tiny-qwen3": "qwen3",
-    "notebookkit/tiny-gemma": "gemma",
-    "notebookkit/tiny-gemma2": "gemma2",
-    "notebookkit/tiny-gemma3": "gemma3",
-}
+from .cache import cache_root, cached_build, read_stamp, source_version
+from .generate_models import build_model_folder
+
+#: Reserved model names and the family each one builds (one per row of the family record).
+TINY_MODELS: dict[str, str] = {f.tiny_name: f.name for f in FAMILIES.values()}
 #: Families that get the short pre-training on the corpus.
-PRETRAINED_FAMILIES: frozenset[str] = frozenset({"llama"})
+PRETRAINED_FAMILIES: frozenset[str] = frozenset(f.name for f in FAMILIES.values() if f.tiny.pretrained)
 
 MODEL_SEED = 1234
 CORPUS_SEED, CORPUS_DOCS = 0, 8000
 HELDOUT_SEED, HELDOUT_DOCS = 1, 300
 BUILD_THREADS = 2
 
-STAMP_FILE = ".notebookkit-complete.json"
-
-_HERE = Path(__file__).resolve().parent
-# What the artifacts depend on: the generator modules, the recipe constants above and the library
-# versions. (This module's own code, the cache and the report, is deliberately not hashed, so
-# editing it does not force a rebuild.)
-_MODEL_SOURCES = ("generate_tokenizer.py", "generate_models.py", "generate_pretrain.py",
+# What the artifacts depend on: the generator modules, the family record they read, the recipe
+# constants above and the library versions. (This module's own code, the cache and the report, is
+# deliberately not hashed, so editing it does not force a rebuild.) Paths are relative to this package.
+_MODEL_SOURCES = ("../families.py", "generate_tokenizer.py", "generate_models.py", "generate_pretrain.py",
                   "corpus/world.py", "corpus/generate.py")
 _MODEL_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
-_DATA_SOURCES = ("generate_datasets.py", "corpus/world.py")
-_DATA_PACKAGES = ("pillow",)
 
 
 class UnknownTinyModelError(ValueError):
@@ -121,127 +101,19 @@ def resolve_model_name(name: str | os.PathLike, cache_dir: str | os.PathLike | N
     return text
 
 
-# ------------------------------------------------------------------------------------ cache
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Folder holding the tiny builds: ``<cache_dir or $NOTEBOOKKIT_CACHE or ~/.cache/notebookkit>/tiny``."""
-    if cache_dir is None:
-        env = os.environ.get("NOTEBOOKKIT_CACHE")
-        base = Path(env).expanduser() if env else Path.home() / ".cache" / "notebookkit"
-    else:
-        base = Path(cache_dir).expanduser()
-    return base / "tiny"
-
-
-def _package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "missing"
-
+# ---------------------------------------------------------------------------------- build
 
 def _recipe() -> str:
+    """The build settings the artifacts depend on besides the sources (part of the version hash)."""
     return json.dumps({
         "models": TINY_MODELS, "pretrained": sorted(PRETRAINED_FAMILIES), "seed": MODEL_SEED,
         "corpus": [CORPUS_SEED, CORPUS_DOCS, HELDOUT_SEED, HELDOUT_DOCS], "threads": BUILD_THREADS,
     }, sort_keys=True)
 
 
-@lru_cache(maxsize=None)
-def _version_hash(sources: tuple[str, ...], packages: tuple[str, ...]) -> str:
-    h = hashlib.sha256(_recipe().encode())
-    for rel in sources:
-        h.update(rel.encode())
-        h.update((_HERE / rel).read_bytes())
-    for pkg in packages:
-        h.update(f"{pkg}={_package_version(pkg)}".encode())
-    return h.hexdigest()[:12]
-
-
 def model_version() -> str:
     """Hash naming the current build of corpus, tokenizer and models (sources + library versions)."""
-    return _version_hash(_MODEL_SOURCES, _MODEL_PACKAGES)
-
-
-def data_version() -> str:
-    """Hash naming the current build of the bundled datasets."""
-    return _version_hash(_DATA_SOURCES, _DATA_PACKAGES)
-
-
-def _read_stamp(folder: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((folder / STAMP_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive inter-process lock on ``path`` (flock on POSIX, msvcrt on Windows)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as fh:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows
-            import msvcrt
-
-            while True:
-                try:
-                    msvcrt.locking(fh.fileno(), msvcrt.LK_LOCK, 1)
-                    break
-                except OSError:
-                    time.sleep(0.2)
-            try:
-                yield
-            finally:
-                fh.seek(0)
-                msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
-            return
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-Builder = Callable[[Path, Path], "dict[str, Any] | None"]
-
-
-def cached_build(key: str, version: str, builder: Builder, cache_dir: str | os.PathLike | None = None,
-                 announce: str | None = None) -> Path:
-    """Return ``<cache>/<key>-<version>``, building it with ``builder(tmp_dir, final_dir)`` if needed.
-
-    ``builder`` writes into ``tmp_dir`` and may return a dict recorded in the stamp. The stamp is
-    written last and the folder renamed into place under a lock, so readers only ever see
-    complete folders and concurrent callers build once.
-    """
-    root = cache_root(cache_dir)
-    final = root / f"{key}-{version}"
-    if _read_stamp(final) is not None:
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / ".locks" / f"{key}-{version}.lock"):
-        if _read_stamp(final) is not None:
-            return final
-        if final.exists():  # no stamp: a crashed or interrupted build
-            shutil.rmtree(final)
-        for stale in root.glob(f".tmp-{key}-{version}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / f".tmp-{key}-{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        if announce:
-            print(announce, file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        try:
-            info = builder(tmp, final) or {}
-            stamp = {"key": key, "version": version, "build_seconds": round(time.perf_counter() - start, 3),
-                     **info}
-            (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
+    return source_version(_MODEL_SOURCES, _MODEL_PACKAGES, _recipe())
 
 
 @contextmanager
@@ -320,6 +192,14 @@ def _short(name: str) -> str:
     return name.split("/", 1)[1]
 
 
+def tiny_model_folder(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the current build of the reserved tiny model ``name`` lives (built or not)."""
+    canonical = _canonical_name(os.fspath(name))
+    if canonical is None:
+        raise _unknown_name_error(os.fspath(name))
+    return cache_root(cache_dir) / f"{_short(canonical)}-{model_version()}"
+
+
 def ensure_tiny_model(name: str, cache_dir: str | os.PathLike | None = None, verbose: bool = False) -> Path:
     """Local folder of the reserved tiny model ``name``, building it on first use.
 
@@ -327,15 +207,11 @@ def ensure_tiny_model(name: str, cache_dir: str | os.PathLike | None = None, ver
     call builds the corpus, tokenizer and model (about 30 s for the pre-trained ``tiny-llama``,
     a second for the others); later calls return the cached folder at once.
     """
-    canonical = _canonical_name(os.fspath(name))
-    if canonical is None:
-        raise _unknown_name_error(os.fspath(name))
-    family = TINY_MODELS[canonical]
-    key = _short(canonical)
-    version = model_version()
-    final = cache_root(cache_dir) / f"{key}-{version}"
-    if _read_stamp(final) is not None:
+    final = tiny_model_folder(name, cache_dir)
+    if read_stamp(final) is not None:
         return final
+    canonical = _canonical_name(os.fspath(name))
+    family = TINY_MODELS[canonical]
 
     def build(tmp: Path, _final: Path) -> dict[str, Any]:
         with _quiet_build():
@@ -350,93 +226,13 @@ def ensure_tiny_model(name: str, cache_dir: str | os.PathLike | None = None, ver
             return build_model_folder(family, tmp, base, MODEL_SEED)
 
     slow = " (pre-training on the bundled corpus, about 30 s)" if family in PRETRAINED_FAMILIES else ""
-    return cached_build(key, version, build, cache_dir,
+    return cached_build(_short(canonical), model_version(), build, cache_dir,
                         announce=f"notebookkit: building {canonical} once{slow} -> {final}")
 
 
 def tiny_model_info(name: str, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Build record of a tiny model: family, params, folder, size in bytes, build seconds, losses."""
     folder = ensure_tiny_model(name, cache_dir)
-    stamp = _read_stamp(folder) or {}
+    stamp = read_stamp(folder) or {}
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     return {"name": _canonical_name(name), "folder": str(folder), "size_bytes": size, **stamp}
-
-
-# -------------------------------------------------------------------------------- command
-
-def _fmt_params(n: int) -> str:
-    return f"{n / 1e6:.2f}M"
-
-
-def _fmt_size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def build_all(cache_dir: str | os.PathLike | None = None, datasets: bool = True,
-              verbose: bool = True) -> dict[str, Any]:
-    """Build (or find cached) every tiny model and, if ``datasets``, the bundled datasets.
-
-    Returns ``{"models": [...info dicts...], "datasets": [...listing rows...], "seconds": float}``.
-    """
-    start = time.perf_counter()
-    models = []
-    for name in TINY_MODELS:
-        t0 = time.perf_counter()
-        folder = cache_root(cache_dir) / f"{_short(name)}-{model_version()}"
-        cached = _read_stamp(folder) is not None
-        ensure_tiny_model(name, cache_dir, verbose=verbose)
-        info = tiny_model_info(name, cache_dir)
-        info["cached"] = cached
-        info["wall_seconds"] = time.perf_counter() - t0
-        models.append(info)
-    parts = {"corpus": _read_stamp(ensure_corpus(cache_dir)), "tokenizer": _read_stamp(ensure_tokenizer(cache_dir))}
-    rows = []
-    if datasets:
-        from .bundled import ensure_bundled_datasets, list_bundled
-
-        rows = list_bundled(cache_dir=cache_dir)
-        parts["datasets"] = _read_stamp(ensure_bundled_datasets(cache_dir))
-    return {"models": models, "datasets": rows, "parts": parts, "seconds": time.perf_counter() - start}
-
-
-def format_report(report: dict[str, Any], cache_dir: str | os.PathLike | None = None) -> str:
-    """The table that ``python -m notebookkit.data.tiny`` prints."""
-    lines = [f"{'name':<26} {'family':<8} {'params':>8} {'size':>10} {'build s':>8}  status"]
-    for m in report["models"]:
-        status = "cached" if m.get("cached") else "built"
-        pre = m.get("pretrain")
-        if pre:
-            status += (f"; pre-trained {pre['steps']} steps, held-out loss "
-                       f"{pre['heldout_loss_before']:.2f} -> {pre['heldout_loss_after']:.2f}")
-        lines.append(f"{m['name']:<26} {m['family']:<8} {_fmt_params(m['params']):>8} "
-                     f"{_fmt_size(m['size_bytes']):>10} {m['build_seconds']:>8.1f}  {status}")
-    parts = report.get("parts") or {}
-    if parts:
-        lines.append("shared parts: " + ", ".join(
-            f"{k} {v.get('build_seconds', 0.0):.1f} s" for k, v in parts.items() if v)
-            + f" (tokenizer vocab {(parts.get('tokenizer') or {}).get('vocab_size', '?')})")
-    if report["datasets"]:
-        lines += ["", f"{'dataset':<16} {'split':<6} {'rows':>6}  path"]
-        for d in report["datasets"]:
-            lines.append(f"{d['kind']:<16} {d['split']:<6} {d['rows']:>6}  {d['path']}")
-    lines += ["", f"total {report['seconds']:.1f} s (cache: {cache_root(cache_dir)})"]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m notebookkit.data.tiny``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Build the notebookkit tiny models and bundled datasets.")
-    parser.add_argument("--cache-dir", default=None,
-                        help="cache root (default $NOTEBOOKKIT_CACHE or ~/.cache/notebookkit)")
-    parser.add_argument("--no-datasets", action="store_true", help="build only the models")
-    parser.add_argument("--quiet", action="store_true", help="no pre-training log")
-    args = parser.parse_args(argv)
-    report = build_all(args.cache_dir, datasets=not args.no_datasets, verbose=not args.quiet)
-    print(format_report(report, args.cache_dir))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,11 +3,11 @@
 Resolution order for ``model_name``:
 
 1. a reserved tiny name (``"notebookkit/tiny-llama"`` ...): built once, offline, by
-   ``notebookkit.data.tiny`` and loaded from its cache folder;
+   ``notebookkit.embedded.tiny`` and loaded from its cache folder;
 2. a local folder: a model folder (``config.json``) or a LoRA adapter folder (``adapter_config.json``,
    whose base model is loaded first, then the adapter on top);
 3. a Hugging Face Hub name, loaded through the usual cache; when it is neither cached nor reachable
-   the user gets one readable error, not a chain of HTTP tracebacks.
+   the user gets one readable error (:mod:`.offline`), not a chain of HTTP tracebacks.
 
 Precision: ``dtype=None`` picks bf16 on GPUs that support it, fp16 on other GPUs (T4), fp32 on CPU.
 ``load_in_4bit`` quantises linear weights to NF4 with double quantisation through bitsandbytes,
@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .banner import Banner, device_line, versions_line
+from .offline import explain_unreachable
 
 _UNSUPPORTED_KWARGS = {
     "fast_inference": "vLLM fast inference is not part of notebookkit; generation uses model.generate",
@@ -36,10 +37,6 @@ _UNSUPPORTED_KWARGS = {
     "float8_kv_cache": "not supported",
     "disable_log_stats": "only used by vLLM fast inference",
 }
-
-
-class ModelLoadError(OSError):
-    """A model name that is neither a reserved tiny name, a local folder, nor reachable on the Hub."""
 
 
 def pick_dtype(dtype: Union[None, str, torch.dtype], device_type: str, banner: Optional[Banner] = None) -> torch.dtype:
@@ -62,45 +59,21 @@ def pick_dtype(dtype: Union[None, str, torch.dtype], device_type: str, banner: O
     return dtype
 
 
-def _offline_error(name: str, cause: BaseException) -> BaseException:
-    """The one readable error for an unreachable name (``notebookkit.data.offline``'s when present)."""
-    try:
-        from notebookkit.data.offline import explain_unreachable
-
-        return explain_unreachable(name, cause)
-    except ImportError:
-        pass
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
-    why = (
-        "this session is offline (HF_HUB_OFFLINE=1) and the model is not in the Hugging Face cache"
-        if offline
-        else f"the Hugging Face Hub did not provide it ({type(cause).__name__})"
-    )
-    return ModelLoadError(
-        f"Cannot load model {name!r}: it is not a reserved tiny name, not a local folder, and {why}.\n"
-        "Fix: pass a local folder that contains config.json (or adapter_config.json), a cached Hub name, "
-        "or a built-in tiny model such as 'notebookkit/tiny-llama'."
-    )
-
-
 def resolve(model_name: Union[str, os.PathLike]) -> tuple[str, str]:
     """``(path_or_hub_id, kind)`` with kind one of ``"tiny"``, ``"local"``, ``"hub"``.
 
     Reserved tiny names are built (once, offline) into a local folder; an unknown
     ``"notebookkit/..."`` name raises an error listing the valid ones.
     """
+    from notebookkit.embedded.tiny import is_tiny_model_name, resolve_model_name
+
     name = os.fspath(model_name)
-    try:
-        from notebookkit.data.tiny import is_tiny_model_name, resolve_model_name
-    except ImportError:
-        is_tiny_model_name = resolve_model_name = None
-    if is_tiny_model_name is not None and is_tiny_model_name(name):
+    if is_tiny_model_name(name):
         return str(resolve_model_name(name)), "tiny"
     expanded = os.path.expanduser(name)
     if os.path.isdir(expanded):
         return os.path.abspath(expanded), "local"
-    if resolve_model_name is not None:
-        resolve_model_name(name)  # raises for unknown "notebookkit/..." names
+    resolve_model_name(name)  # raises for unknown "notebookkit/..." names
     return name, "hub"
 
 
@@ -228,7 +201,7 @@ def from_pretrained(
         config = AutoConfig.from_pretrained(path, token=token, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - one readable error instead of a traceback chain
         if kind == "hub":
-            raise _offline_error(os.fspath(model_name), exc) from None
+            raise explain_unreachable(os.fspath(model_name), exc) from None
         raise
 
     device_map = _default_device_map(device_map)
@@ -269,7 +242,7 @@ def from_pretrained(
             model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
     except OSError as exc:
         if kind == "hub":
-            raise _offline_error(os.fspath(model_name), exc) from None
+            raise explain_unreachable(os.fspath(model_name), exc) from None
         raise
 
     tokenizer = AutoTokenizer.from_pretrained(path, token=token, trust_remote_code=trust_remote_code)

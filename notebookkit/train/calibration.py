@@ -251,7 +251,7 @@ def _load_plain(model_name: str, max_seq_length: int, dtype: Any, load_in_4bit: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        from ..data.tiny import resolve_model_name
+        from ..embedded.tiny import resolve_model_name
 
         path = resolve_model_name(model_name)
     except ImportError:
