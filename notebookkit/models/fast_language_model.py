@@ -87,24 +87,10 @@ class FastLanguageModel:
             a ``peft.PeftModel`` whose layers run the fused LoRA kernels where possible, in
             training mode (as after :meth:`for_training`: ``model.train()``, KV cache off).
         """
-        from peft import LoraConfig
-        from peft import get_peft_model as peft_get_peft_model
-
         banner = get_banner(model) or Banner()
         if hasattr(model, "peft_config"):
-            banner.note("get_peft_model called on a model that already has LoRA adapters; returning it unchanged "
-                        "(only fp8_base_matmul=True is applied)")
-            if fp8_base_matmul:  # the one thing a second call may still switch on
-                set_fp8_base_matmul(model, True)
-                describe_lora(model, banner)
-            if show_banner:
-                banner.show()
-            return model
-        if bias not in ("none", "all", "lora_only"):
-            raise ValueError(f"bias={bias!r} must be 'none', 'all' or 'lora_only'.")
-        if lora_dropout < 0 or lora_dropout >= 1:
-            raise ValueError(f"lora_dropout={lora_dropout} must be in [0, 1).")
-        normalize_mode(use_gradient_checkpointing)  # validate early
+            return _already_adapted(model, banner, fp8_base_matmul, show_banner)
+        _check_lora_arguments(bias, lora_dropout, use_gradient_checkpointing)
         # Before PEFT wraps anything, so an unsupported GPU raises with the model unchanged. The flag
         # lives on the base linears, which PEFT keeps as each LoRA layer's base_layer.
         set_fp8_base_matmul(model, bool(fp8_base_matmul))
@@ -112,43 +98,18 @@ class FastLanguageModel:
             object.__setattr__(model, "max_seq_length", int(max_seq_length))
 
         targets = list(target_modules) if target_modules is not None else list(DEFAULT_TARGET_MODULES)
-        config_kwargs: dict[str, Any] = dict(
-            r=r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            bias=bias,
-            target_modules=targets,
-            use_rslora=use_rslora,
-            modules_to_save=list(modules_to_save) if modules_to_save else None,
-            task_type="CAUSAL_LM",
-            init_lora_weights=init_lora_weights,
+        lora_config = _lora_config(
+            r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias, target_modules=targets,
+            use_rslora=use_rslora, modules_to_save=modules_to_save, init_lora_weights=init_lora_weights,
+            layers_to_transform=layers_to_transform, loftq_config=loftq_config, **kwargs,
         )
-        if layers_to_transform is not None:
-            config_kwargs["layers_to_transform"] = list(layers_to_transform)
-        if loftq_config:
-            config_kwargs["loftq_config"] = loftq_config
-            config_kwargs["init_lora_weights"] = "loftq"
-        for key in ("temporary_location", "use_dora_fast_path"):
-            kwargs.pop(key, None)
-        config_kwargs.update(kwargs)
-        lora_config = LoraConfig(**config_kwargs)
-
-        torch.manual_seed(random_state)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            peft_model = peft_get_peft_model(model, lora_config)
-        object.__setattr__(peft_model, "notebookkit_banner", banner)
+        peft_model = _wrap_with_lora(model, lora_config, random_state, banner)
 
         apply_checkpointing(
             peft_model, use_gradient_checkpointing, banner, batch_size=planning_batch_size, max_memory=max_memory
         )
         describe_lora(peft_model, banner)
-        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in peft_model.parameters())
-        banner.header.append(
-            f"LoRA r={r}, alpha={lora_alpha}{' (rsLoRA)' if use_rslora else ''} on {', '.join(targets)}: "
-            f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
-        )
+        _describe_adapters(peft_model, banner, r, lora_alpha, use_rslora, targets)
         if show_banner:
             banner.show()
         # Ready to train, as the name promises: the fused loss and checkpointing act in training mode
@@ -195,3 +156,77 @@ class FastLanguageModel:
         from .patcher import unpatch_model
 
         return unpatch_model(model)
+
+
+def _already_adapted(model: nn.Module, banner: Banner, fp8_base_matmul: bool, show_banner: bool) -> nn.Module:
+    """``get_peft_model`` on a model that has adapters: unchanged, but ``fp8_base_matmul=True`` still applies."""
+    banner.note("get_peft_model called on a model that already has LoRA adapters; returning it unchanged "
+                "(only fp8_base_matmul=True is applied)")
+    if fp8_base_matmul:  # the one thing a second call may still switch on
+        set_fp8_base_matmul(model, True)
+        describe_lora(model, banner)
+    if show_banner:
+        banner.show()
+    return model
+
+
+def _check_lora_arguments(bias: str, lora_dropout: float, use_gradient_checkpointing: Union[bool, str]) -> None:
+    """Readable errors for arguments PEFT would reject later, or reject less clearly."""
+    if bias not in ("none", "all", "lora_only"):
+        raise ValueError(f"bias={bias!r} must be 'none', 'all' or 'lora_only'.")
+    if lora_dropout < 0 or lora_dropout >= 1:
+        raise ValueError(f"lora_dropout={lora_dropout} must be in [0, 1).")
+    normalize_mode(use_gradient_checkpointing)  # validate early
+
+
+def _lora_config(
+    *, r: int, lora_alpha: int, lora_dropout: float, bias: str, target_modules: list[str], use_rslora: bool,
+    modules_to_save: Optional[Sequence[str]], init_lora_weights: Any, layers_to_transform: Optional[Sequence[int]],
+    loftq_config: Any, **kwargs: Any,
+):
+    """The ``peft.LoraConfig`` of a causal LM (LoftQ initialisation when ``loftq_config`` is given)."""
+    from peft import LoraConfig
+
+    config_kwargs: dict[str, Any] = dict(
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        bias=bias,
+        target_modules=target_modules,
+        use_rslora=use_rslora,
+        modules_to_save=list(modules_to_save) if modules_to_save else None,
+        task_type="CAUSAL_LM",
+        init_lora_weights=init_lora_weights,
+    )
+    if layers_to_transform is not None:
+        config_kwargs["layers_to_transform"] = list(layers_to_transform)
+    if loftq_config:
+        config_kwargs["loftq_config"] = loftq_config
+        config_kwargs["init_lora_weights"] = "loftq"
+    for key in ("temporary_location", "use_dora_fast_path"):
+        kwargs.pop(key, None)
+    config_kwargs.update(kwargs)
+    return LoraConfig(**config_kwargs)
+
+
+def _wrap_with_lora(model: nn.Module, lora_config: Any, random_state: int, banner: Banner) -> nn.Module:
+    """``peft.get_peft_model`` with the LoRA weights drawn from ``torch.manual_seed(random_state)``."""
+    from peft import get_peft_model as peft_get_peft_model
+
+    torch.manual_seed(random_state)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = peft_get_peft_model(model, lora_config)
+    object.__setattr__(peft_model, "notebookkit_banner", banner)
+    return peft_model
+
+
+def _describe_adapters(peft_model: nn.Module, banner: Banner, r: int, lora_alpha: int, use_rslora: bool,
+                       targets: list[str]) -> None:
+    """The banner's LoRA line: rank, scaling, targets and the trainable share of parameters."""
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    banner.header.append(
+        f"LoRA r={r}, alpha={lora_alpha}{' (rsLoRA)' if use_rslora else ''} on {', '.join(targets)}: "
+        f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+    )

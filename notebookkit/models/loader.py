@@ -171,17 +171,9 @@ def from_pretrained(
     Returns:
         ``(model, tokenizer)``; ``model.notebookkit_banner`` holds the load report.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    banner = Banner()
-    banner.header.append(versions_line())
-    for key in list(kwargs):
-        if key in _UNSUPPORTED_KWARGS:
-            value = kwargs.pop(key)
-            if value not in (None, False, 0):
-                banner.note(f"{key}={value!r} ignored: {_UNSUPPORTED_KWARGS[key]}")
-    kwargs.pop("use_gradient_checkpointing", None)
-    kwargs.pop("random_state", None)
+    banner = _load_banner(kwargs)
     if os.environ.get("NOTEBOOKKIT_FAST_PATH", "1") in ("0", "false", "False"):
         fast_path = False
 
@@ -197,36 +189,9 @@ def from_pretrained(
             fast_path=fast_path, show_banner=show_banner, **kwargs,
         )
 
-    try:
-        config = AutoConfig.from_pretrained(path, token=token, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - one readable error instead of a traceback chain
-        if kind == "hub":
-            raise explain_unreachable(os.fspath(model_name), exc) from None
-        raise
-
-    device_map = _default_device_map(device_map)
-    device_type = "cuda" if torch.cuda.is_available() and device_map not in ("cpu", {"": "cpu"}) else "cpu"
-    banner.header.append(device_line(torch.device(device_type)))
-    torch_dtype = pick_dtype(dtype, device_type, banner)
-
-    prequantised = getattr(config, "quantization_config", None)
-    if full_finetuning and (load_in_4bit or load_in_8bit):
-        banner.note("full_finetuning=True: loading 16-bit weights (4/8-bit loading is for LoRA)")
-        load_in_4bit = load_in_8bit = False
-    if load_in_8bit:
-        load_in_4bit = False
-    quant = None
-    if prequantised is not None:
-        qmethod = prequantised.get("quant_method") if isinstance(prequantised, dict) else getattr(prequantised, "quant_method", "?")
-        banner.header.append(f"weights: pre-quantised checkpoint ({qmethod}), loaded as saved; compute {_dtype_name(torch_dtype)}")
-    else:
-        quant = _quant_config(load_in_4bit, load_in_8bit, torch_dtype, banner)
-        if quant is None:
-            banner.header.append(f"weights: {_dtype_name(torch_dtype)}")
-        elif load_in_4bit:
-            banner.header.append(f"weights: NF4 4-bit, double quantisation, compute {_dtype_name(torch_dtype)}")
-        else:
-            banner.header.append(f"weights: LLM.int8 8-bit, compute {_dtype_name(torch_dtype)}")
+    config = _load_config(path, kind, model_name, token=token, trust_remote_code=trust_remote_code)
+    device_map, torch_dtype = _placement(device_map, dtype, banner)
+    quant = _weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
 
     load_kwargs: dict[str, Any] = dict(dtype=torch_dtype, token=token, trust_remote_code=trust_remote_code)
     if device_map is not None:
@@ -236,14 +201,7 @@ def from_pretrained(
     if attn_implementation is not None:
         load_kwargs["attn_implementation"] = attn_implementation
     load_kwargs.update(kwargs)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch_dtype.*")
-            model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
-    except OSError as exc:
-        if kind == "hub":
-            raise explain_unreachable(os.fspath(model_name), exc) from None
-        raise
+    model = _load_weights(path, kind, model_name, load_kwargs)
 
     tokenizer = AutoTokenizer.from_pretrained(path, token=token, trust_remote_code=trust_remote_code)
     _fix_tokenizer(tokenizer, model, banner, max_seq_length)
@@ -252,6 +210,77 @@ def from_pretrained(
     if show_banner:
         banner.show()
     return model, tokenizer
+
+
+def _load_banner(kwargs: dict[str, Any]) -> Banner:
+    """A new load banner; drops the keyword arguments notebookkit does not use (noting the set ones)."""
+    banner = Banner()
+    banner.header.append(versions_line())
+    for key in list(kwargs):
+        if key in _UNSUPPORTED_KWARGS:
+            value = kwargs.pop(key)
+            if value not in (None, False, 0):
+                banner.note(f"{key}={value!r} ignored: {_UNSUPPORTED_KWARGS[key]}")
+    kwargs.pop("use_gradient_checkpointing", None)
+    kwargs.pop("random_state", None)
+    return banner
+
+
+def _load_config(path: str, kind: str, model_name: Union[str, os.PathLike], **kwargs: Any):
+    """The model's Hugging Face config; one readable error when a hub name cannot be fetched."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - one readable error instead of a traceback chain
+        if kind == "hub":
+            raise explain_unreachable(os.fspath(model_name), exc) from None
+        raise
+
+
+def _placement(device_map: Any, dtype: Union[None, str, torch.dtype], banner: Banner) -> tuple[Any, torch.dtype]:
+    """``(device_map, compute dtype)``: the current GPU (or CPU) unless a map is given, and its dtype."""
+    device_map = _default_device_map(device_map)
+    device_type = "cuda" if torch.cuda.is_available() and device_map not in ("cpu", {"": "cpu"}) else "cpu"
+    banner.header.append(device_line(torch.device(device_type)))
+    return device_map, pick_dtype(dtype, device_type, banner)
+
+
+def _weights_format(config: Any, load_in_4bit: bool, load_in_8bit: bool, full_finetuning: bool,
+                    torch_dtype: torch.dtype, banner: Banner):
+    """The bitsandbytes config to load with (``None``: as saved, or 16-bit); the banner says which."""
+    prequantised = getattr(config, "quantization_config", None)
+    if full_finetuning and (load_in_4bit or load_in_8bit):
+        banner.note("full_finetuning=True: loading 16-bit weights (4/8-bit loading is for LoRA)")
+        load_in_4bit = load_in_8bit = False
+    if load_in_8bit:
+        load_in_4bit = False
+    if prequantised is not None:
+        qmethod = prequantised.get("quant_method") if isinstance(prequantised, dict) else getattr(prequantised, "quant_method", "?")
+        banner.header.append(f"weights: pre-quantised checkpoint ({qmethod}), loaded as saved; compute {_dtype_name(torch_dtype)}")
+        return None
+    quant = _quant_config(load_in_4bit, load_in_8bit, torch_dtype, banner)
+    if quant is None:
+        banner.header.append(f"weights: {_dtype_name(torch_dtype)}")
+    elif load_in_4bit:
+        banner.header.append(f"weights: NF4 4-bit, double quantisation, compute {_dtype_name(torch_dtype)}")
+    else:
+        banner.header.append(f"weights: LLM.int8 8-bit, compute {_dtype_name(torch_dtype)}")
+    return quant
+
+
+def _load_weights(path: str, kind: str, model_name: Union[str, os.PathLike], load_kwargs: dict[str, Any]):
+    """``AutoModelForCausalLM.from_pretrained``; one readable error when a hub name cannot be fetched."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*")
+            return AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+    except OSError as exc:
+        if kind == "hub":
+            raise explain_unreachable(os.fspath(model_name), exc) from None
+        raise
 
 
 def finish_model(model, banner: Banner, max_seq_length: int, full_finetuning: bool, fast_path: bool) -> None:
