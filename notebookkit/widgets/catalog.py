@@ -89,7 +89,7 @@ def _tiny_shape_from_generator(name: str) -> ModelShape | None:
              num_attention_heads=gm.HEADS, num_key_value_heads=gm.KV_HEADS, head_dim=gm.HEAD_DIM,
              intermediate_size=gm.INTERMEDIATE, vocab_size=VOCAB_SIZE,
              tie_word_embeddings=family.tiny.tie_word_embeddings, max_position_embeddings=gm.MAX_POSITIONS,
-             _name_or_path=name)
+             _name_or_path=name, **{k: v for k, v in family.tiny.config.items() if k == family.attn_softcap_attr})
     )
 
 
