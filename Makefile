@@ -34,7 +34,7 @@ endif
 	@touch $(STAMP)
 
 tiny: setup
-	$(PY) -m notebookkit.data.tiny
+	$(PY) -m notebookkit.embedded
 
 demo: setup
 	$(PY) scripts/run_demo.py
@@ -45,7 +45,7 @@ browser-deps: setup
 	    echo "notebookkit: could not install chromium; the browser test will say so" )
 
 test: setup browser-deps
-	$(PY) -m notebookkit.data.tiny
+	$(PY) -m notebookkit.embedded
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup

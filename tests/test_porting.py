@@ -96,7 +96,7 @@ def test_standardize_data_formats_means_what_the_notebooks_mean():
 
 def test_get_chat_template_refuses_what_it_cannot_mean(tmp_path):
     from notebookkit.chat_templates import get_chat_template
-    from notebookkit.data.tiny import resolve_model_name
+    from notebookkit.embedded.tiny import resolve_model_name
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_name("notebookkit/tiny-llama")))

@@ -1,9 +1,13 @@
-"""Data helpers: chat templates, ShareGPT conversion, response-only labels, length profile,
-masking check, padding-free packing, and the bundled tiny models and datasets.
+"""What a user calls on their own data: chat templates, ShareGPT conversion, response-only labels,
+length profile, masking check, padding-free packing; and ``load_bundled`` for the bundled datasets.
 
 Everything is imported on first use, so ``import notebookkit.data`` stays light::
 
     from notebookkit.data import get_chat_template, standardize_sharegpt, train_on_responses_only
+
+The tiny models and the bundled datasets themselves (the embedded default) are a package of their
+own, :mod:`notebookkit.embedded`; ``load_bundled`` and ``dataset_path`` are re-exported here
+because notebooks read the bundled datasets as they read their own.
 """
 
 from __future__ import annotations
@@ -32,9 +36,6 @@ _LAZY = {
     "PaddingFreeCollator": "packing",
     "pack_examples": "packing",
     "packing_stats": "packing",
-    "ensure_tiny_model": "tiny",
-    "resolve_model_name": "tiny",
-    "TINY_MODELS": "tiny",
     "load_bundled": "bundled",
     "dataset_path": "bundled",
 }

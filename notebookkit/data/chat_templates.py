@@ -27,6 +27,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from notebookkit.families import FAMILIES
+
 __all__ = [
     "ChatTemplate",
     "CHAT_TEMPLATES",
@@ -222,6 +224,8 @@ _ALIASES = {
     "phi4": "phi-4",
     "unsloth": "chatml",
 }
+# A family's name picks its format (``"gemma3"`` -> ``gemma-3``; notebookkit.families).
+_ALIASES.update({f.name: f.chat_template for f in FAMILIES.values() if f.name not in CHAT_TEMPLATES | _ALIASES})
 
 
 def list_chat_templates() -> list[str]:
@@ -262,6 +266,9 @@ _NAME_HINTS = (
     ("gemma-3", "gemma-3"), ("gemma3", "gemma-3"), ("gemma", "gemma"), ("mistral", "mistral"),
     ("phi-4", "phi-4"), ("phi4", "phi-4"), ("phi-3", "phi-3"), ("phi3", "phi-3"), ("llama", "llama-3"),
 )
+# then any other family named in the model's name, longest name first (notebookkit.families)
+_NAME_HINTS += tuple((f.name, f.chat_template) for f in sorted(FAMILIES.values(), key=lambda f: -len(f.name))
+                     if f.name not in dict(_NAME_HINTS))
 
 
 def guess_chat_template(tokenizer: Any, model_name: str | None = None) -> str:

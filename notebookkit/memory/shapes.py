@@ -18,7 +18,9 @@ i.e. ``H*(2*dq + 2*dk) + 3*H*I`` linear parameters, plus small norm vectors (2 o
 and per-head q/k norms of size hd on Qwen3 / Gemma 3). The embedding table is ``V*H``; the LM head
 is another ``V*H`` unless the embeddings are tied. ``attn_softcap`` marks models whose attention
 scores are soft-capped (Gemma 2: ``attn_logit_softcapping``), which SDPA cannot express, so their
-attention runs an explicit softmax that keeps ``[B, heads, T, T]`` tensors for backward.
+attention runs an explicit softmax that keeps ``[B, heads, T, T]`` tensors for backward. Which
+families have q/k norms, sandwich norms and soft-caps is read from their record in
+:mod:`notebookkit.families`, by ``model_type``.
 
 ``KNOWN_MODELS`` lists the curated hub checkpoints with the numbers copied from their public
 ``config.json`` files (text part for multimodal Gemma 3). ``model_shape(x)`` turns a Hugging Face
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
+from notebookkit.families import for_model_type
 
 PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -114,16 +118,21 @@ class ModelShape:
         )
 
 
-def _shape(name, model_type, H, L, nh, nk, hd, I, V, tied, max_pos, **kw) -> ModelShape:
-    fam_qk = model_type in ("qwen3", "gemma3_text", "gemma3")
-    fam_sandwich = model_type in ("gemma2", "gemma3_text", "gemma3")
-    softcap = kw.get("attn_softcap")
+def _shape(name, model_type, H, L, nh, nk, hd, I, V, tied, max_pos, attn_softcap=None) -> ModelShape:
+    """A :class:`ModelShape` whose norms and soft-cap follow the family record of ``model_type``.
+
+    ``attn_softcap``: whether the config soft-caps attention scores, ``None`` when it does not say
+    (then the family's default decides, :attr:`~notebookkit.families.Family.default_attn_softcap`).
+    """
+    family = for_model_type(model_type, multimodal=True)
+    if attn_softcap is None:
+        attn_softcap = family is not None and family.default_attn_softcap is not None
     return ModelShape(
         name=name, model_type=model_type, hidden_size=H, num_layers=L, num_heads=nh, num_kv_heads=nk,
         head_dim=hd, intermediate_size=I, vocab_size=V, tie_word_embeddings=tied,
-        qk_norm=kw.get("qk_norm", fam_qk), sandwich_norms=kw.get("sandwich_norms", fam_sandwich),
-        max_position_embeddings=max_pos,
-        attn_softcap=model_type == "gemma2" if softcap is None else bool(softcap),
+        qk_norm=family is not None and family.qk_norm,
+        sandwich_norms=family is not None and family.sandwich_norm,
+        max_position_embeddings=max_pos, attn_softcap=bool(attn_softcap),
     )
 
 
@@ -188,8 +197,10 @@ def shape_from_config(cfg: Any, name: str | None = None) -> ModelShape:
     tied = _get(cfg, "tie_word_embeddings")
     if tied is None:
         tied = tied_outer if tied_outer is not None else model_type.startswith("gemma")
+    family = for_model_type(model_type, multimodal=True)
+    softcap_attr = (family.attn_softcap_attr if family is not None else None) or "attn_logit_softcapping"
     _missing = object()
-    softcap = _get(cfg, "attn_logit_softcapping", _missing)
+    softcap = _get(cfg, softcap_attr, _missing)
     return _shape(
         name or str(_get(cfg, "_name_or_path", "") or _get(cfg, "name_or_path", "") or model_type),
         model_type, H, int(_get(cfg, "num_hidden_layers")), nh, int(nk), int(hd),
@@ -231,8 +242,3 @@ def model_shape(model_config: Any) -> ModelShape:
     if cfg is not None and not isinstance(model_config, Mapping) and _get(model_config, "hidden_size") is None:
         return shape_from_config(cfg)
     return shape_from_config(model_config)
-
-
-def with_overrides(shape: ModelShape, **changes: Any) -> ModelShape:
-    """A copy of ``shape`` with some numbers changed (what-if questions)."""
-    return replace(shape, **changes)

@@ -1,29 +1,15 @@
-"""The one architecture table: which fused pieces a Hugging Face ``model_type`` gets.
+"""The patcher's reading of the family record: a loaded model's row, activation and soft-caps.
 
-Adding a family is one row here plus its tests. Every row describes facts of the architecture that
-the patcher needs and cannot safely guess from module names:
-
-* ``activation``: gate activation of the gated MLP, ``down(act(gate(x)) * up(x))``:
-  ``"swiglu"`` (SiLU), ``"geglu"`` (exact erf GELU) or ``"geglu_tanh"`` (tanh-approximated GELU).
-  The config's own ``hidden_act`` / ``hidden_activation`` wins when it names one of these.
-* ``gemma_norm``: RMSNorm with a unit offset computed in fp32,
-  ``y = (x * rstd * (1 + w)).to(dtype)`` (Gemma), instead of ``y = (x * rstd).to(dtype) * w`` (Llama).
-* ``qk_norm``: RMSNorm over the head dimension applied to queries and keys before RoPE
-  (Qwen3, Gemma3).
-* ``sandwich_norm``: extra norms after attention and after the MLP (Gemma2/3). The decoder layer
-  of Hugging Face keeps that wiring; we only swap the norm's forward.
-* ``scaled_embedding``: token embeddings multiplied by ``sqrt(hidden_size)`` (Gemma family). The
-  model's own embedding module does it; the row documents it for the banner and the memory model.
-* ``attn_softcap_attr`` / ``final_softcap_attr``: config attributes holding ``c`` of the soft-cap
-  ``c * tanh(s / c)`` on attention scores and on the final logits (Gemma2, Gemma3 when set).
-* ``sliding_window``: the config may set a sliding window on some layers; Hugging Face builds the
-  per-layer masks and hands each attention the right one.
+The facts live in :mod:`notebookkit.families` (one :class:`~notebookkit.families.Family` row per
+family, importable without torch); this module looks a Hugging Face config up there and reads the
+numbers the patcher needs from a loaded instance (its activation module, its soft-cap values).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
+
+from notebookkit.families import Family, for_model_type, supported_model_types
 
 _ACT_NAMES = {
     "silu": "swiglu",
@@ -36,59 +22,18 @@ _ACT_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """What the patcher needs to know about one model family."""
-
-    family: str
-    activation: str = "swiglu"
-    gemma_norm: bool = False
-    qk_norm: bool = False
-    sandwich_norm: bool = False
-    scaled_embedding: bool = False
-    attn_softcap_attr: Optional[str] = None
-    final_softcap_attr: Optional[str] = None
-    sliding_window: bool = False
-    rope_style: str = "rotate_half"
+def text_config(config: Any) -> Any:
+    """The text part of a Hugging Face config (the config itself for a text-only model)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama"),
-    "mistral": ArchSpec("mistral", sliding_window=True),
-    "qwen2": ArchSpec("qwen2", sliding_window=True),
-    "qwen3": ArchSpec("qwen3", qk_norm=True, sliding_window=True),
-    "gemma": ArchSpec("gemma", activation="geglu_tanh", gemma_norm=True, scaled_embedding=True),
-    "gemma2": ArchSpec(
-        "gemma2",
-        activation="geglu_tanh",
-        gemma_norm=True,
-        sandwich_norm=True,
-        scaled_embedding=True,
-        attn_softcap_attr="attn_logit_softcapping",
-        final_softcap_attr="final_logit_softcapping",
-        sliding_window=True,
-    ),
-    "gemma3_text": ArchSpec(
-        "gemma3",
-        activation="geglu_tanh",
-        gemma_norm=True,
-        qk_norm=True,
-        sandwich_norm=True,
-        scaled_embedding=True,
-        attn_softcap_attr="attn_logit_softcapping",
-        final_softcap_attr="final_logit_softcapping",
-        sliding_window=True,
-    ),
-}
-
-
-def lookup(config: Any) -> Optional[ArchSpec]:
-    """The table row for a Hugging Face config, or ``None``.
+def lookup(config: Any) -> Optional[Family]:
+    """The family row for a Hugging Face config, or ``None``.
 
     The top-level ``model_type`` decides: a multimodal wrapper (``"gemma3"`` with a vision tower)
     is not a row, so it stays entirely on stock code rather than being half-patched.
     """
-    return ARCHITECTURES.get(getattr(config, "model_type", None))
+    return for_model_type(getattr(config, "model_type", None))
 
 
 _ACT_CLASSES = {
@@ -103,10 +48,10 @@ _ACT_CLASSES = {
 }
 
 
-def activation_of(act_fn: Any, config: Any = None, spec: Optional[ArchSpec] = None) -> Optional[str]:
+def activation_of(act_fn: Any, config: Any = None, spec: Optional[Family] = None) -> Optional[str]:
     """The fused activation matching an MLP's ``act_fn`` module (read from the loaded instance).
 
-    Falls back to the config's ``hidden_activation`` / ``hidden_act`` string, then to the table row.
+    Falls back to the config's ``hidden_activation`` / ``hidden_act`` string, then to the family row.
     Returns ``None`` for an activation no fused kernel implements (the MLP then stays stock).
     """
     if act_fn is not None:
@@ -117,29 +62,27 @@ def activation_of(act_fn: Any, config: Any = None, spec: Optional[ArchSpec] = No
             return _ACT_CLASSES[name]
         return None
     if config is not None:
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        act = getattr(text_config, "hidden_activation", None) or getattr(text_config, "hidden_act", None)
+        text = text_config(config)
+        act = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
         if act is not None:
             return _ACT_NAMES.get(str(act))
     return spec.activation if spec is not None else None
 
 
-def attn_softcap(config: Any, spec: ArchSpec) -> Optional[float]:
+def attn_softcap(config: Any, spec: Family) -> Optional[float]:
     """Attention-score soft-cap ``c`` (``None`` when the family or config has none)."""
     if spec.attn_softcap_attr is None:
         return None
-    value = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, spec.attn_softcap_attr, None)
+    value = getattr(text_config(config), spec.attn_softcap_attr, None)
     return float(value) if value else None
 
 
-def final_softcap(config: Any, spec: Optional[ArchSpec]) -> Optional[float]:
+def final_softcap(config: Any, spec: Optional[Family]) -> Optional[float]:
     """Final-logit soft-cap ``c`` (``None`` when the family or config has none)."""
     if spec is None or spec.final_softcap_attr is None:
         return None
-    value = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, spec.final_softcap_attr, None)
+    value = getattr(text_config(config), spec.final_softcap_attr, None)
     return float(value) if value else None
 
 
-def supported_model_types() -> list[str]:
-    """The ``model_type`` values that run on the fused path."""
-    return sorted(ARCHITECTURES)
+__all__ = ["Family", "activation_of", "attn_softcap", "final_softcap", "lookup", "supported_model_types", "text_config"]

@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .architectures import lookup
+from .decoder_layers import decoder_layers as _decoder_layers
 from .lora_fast_path import current_pass, within_pass
 
 #: Instance attribute set on a patched MLP while a recompute pass needs only what it saves.
@@ -290,10 +291,6 @@ def _is_checkpointing(base: nn.Module) -> bool:
         if name in dir(type(base)):
             return bool(getattr(base, name))
     return False
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and hasattr(m, "self_attn")]
 
 
 def apply_checkpointing(

@@ -3,11 +3,11 @@
 Resolution order for ``model_name``:
 
 1. a reserved tiny name (``"notebookkit/tiny-llama"`` ...): built once, offline, by
-   ``notebookkit.data.tiny`` and loaded from its cache folder;
+   ``notebookkit.embedded.tiny`` and loaded from its cache folder;
 2. a local folder: a model folder (``config.json``) or a LoRA adapter folder (``adapter_config.json``,
    whose base model is loaded first, then the adapter on top);
 3. a Hugging Face Hub name, loaded through the usual cache; when it is neither cached nor reachable
-   the user gets one readable error, not a chain of HTTP tracebacks.
+   the user gets one readable error (:mod:`.offline`), not a chain of HTTP tracebacks.
 
 Precision: ``dtype=None`` picks bf16 on GPUs that support it, fp16 on other GPUs (T4), fp32 on CPU.
 ``load_in_4bit`` quantises linear weights to NF4 with double quantisation through bitsandbytes,
@@ -27,6 +27,7 @@ import torch
 
 from . import arguments
 from .banner import Banner, device_line, versions_line
+from .offline import explain_unreachable
 from .precision import is_bfloat16_supported
 
 _UNSUPPORTED_KWARGS = {
@@ -46,10 +47,6 @@ _UNSUPPORTED_KWARGS = {
 }
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class ModelLoadError(OSError):
-    """A model name that is neither a reserved tiny name, a local folder, nor reachable on the Hub."""
 
 
 def pick_dtype(dtype: Union[None, str, torch.dtype], device_type: str, banner: Optional[Banner] = None) -> torch.dtype:
@@ -80,45 +77,21 @@ def pick_dtype(dtype: Union[None, str, torch.dtype], device_type: str, banner: O
     return dtype
 
 
-def _offline_error(name: str, cause: BaseException) -> BaseException:
-    """The one readable error for an unreachable name (``notebookkit.data.offline``'s when present)."""
-    try:
-        from notebookkit.data.offline import explain_unreachable
-
-        return explain_unreachable(name, cause)
-    except ImportError:
-        pass
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
-    why = (
-        "this session is offline (HF_HUB_OFFLINE=1) and the model is not in the Hugging Face cache"
-        if offline
-        else f"the Hugging Face Hub did not provide it ({type(cause).__name__})"
-    )
-    return ModelLoadError(
-        f"Cannot load model {name!r}: it is not a reserved tiny name, not a local folder, and {why}.\n"
-        "Fix: pass a local folder that contains config.json (or adapter_config.json), a cached Hub name, "
-        "or a built-in tiny model such as 'notebookkit/tiny-llama'."
-    )
-
-
 def resolve(model_name: Union[str, os.PathLike]) -> tuple[str, str]:
     """``(path_or_hub_id, kind)`` with kind one of ``"tiny"``, ``"local"``, ``"hub"``.
 
     Reserved tiny names are built (once, offline) into a local folder; an unknown
     ``"notebookkit/..."`` name raises an error listing the valid ones.
     """
+    from notebookkit.embedded.tiny import is_tiny_model_name, resolve_model_name
+
     name = os.fspath(model_name)
-    try:
-        from notebookkit.data.tiny import is_tiny_model_name, resolve_model_name
-    except ImportError:
-        is_tiny_model_name = resolve_model_name = None
-    if is_tiny_model_name is not None and is_tiny_model_name(name):
+    if is_tiny_model_name(name):
         return str(resolve_model_name(name)), "tiny"
     expanded = os.path.expanduser(name)
     if os.path.isdir(expanded):
         return os.path.abspath(expanded), "local"
-    if resolve_model_name is not None:
-        resolve_model_name(name)  # raises for unknown "notebookkit/..." names
+    resolve_model_name(name)  # raises for unknown "notebookkit/..." names
     return name, "hub"
 
 
@@ -216,7 +189,7 @@ def from_pretrained(
     Returns:
         ``(model, tokenizer)``; ``model.notebookkit_banner`` holds the load report.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if not isinstance(model_name, (str, os.PathLike)) or not os.fspath(model_name).strip():
         raise TypeError(
@@ -227,17 +200,9 @@ def from_pretrained(
         max_seq_length, "max_seq_length", "from_pretrained",
         "It is the longest sequence, in tokens, you will train on: e.g. max_seq_length=2048.",
     )
-    banner = Banner()
-    banner.header.append(versions_line())
-    for key in list(kwargs):
-        if key in _UNSUPPORTED_KWARGS:
-            value = kwargs.pop(key)
-            if value not in (None, False, 0):
-                banner.note(f"{key}={value!r} ignored: {_UNSUPPORTED_KWARGS[key]}")
+    banner = _load_banner(kwargs)
     if kwargs.pop("load_in_16bit", False):  # 16-bit LoRA, the other notebooks' spelling
         load_in_4bit = load_in_8bit = False
-    kwargs.pop("use_gradient_checkpointing", None)
-    kwargs.pop("random_state", None)
     if os.environ.get("NOTEBOOKKIT_FAST_PATH", "1") in ("0", "false", "False"):
         fast_path = False
 
@@ -253,36 +218,9 @@ def from_pretrained(
             fast_path=fast_path, show_banner=show_banner, **kwargs,
         )
 
-    try:
-        config = AutoConfig.from_pretrained(path, token=token, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - one readable error instead of a traceback chain
-        if kind == "hub":
-            raise _offline_error(os.fspath(model_name), exc) from None
-        raise
-
-    device_map = _default_device_map(device_map)
-    device_type = "cuda" if torch.cuda.is_available() and device_map not in ("cpu", {"": "cpu"}) else "cpu"
-    banner.header.append(device_line(torch.device(device_type)))
-    torch_dtype = pick_dtype(dtype, device_type, banner)
-
-    prequantised = getattr(config, "quantization_config", None)
-    if full_finetuning and (load_in_4bit or load_in_8bit):
-        banner.note("full_finetuning=True: loading 16-bit weights (4/8-bit loading is for LoRA)")
-        load_in_4bit = load_in_8bit = False
-    if load_in_8bit:
-        load_in_4bit = False
-    quant = None
-    if prequantised is not None:
-        qmethod = prequantised.get("quant_method") if isinstance(prequantised, dict) else getattr(prequantised, "quant_method", "?")
-        banner.header.append(f"weights: pre-quantised checkpoint ({qmethod}), loaded as saved; compute {_dtype_name(torch_dtype)}")
-    else:
-        quant = _quant_config(load_in_4bit, load_in_8bit, torch_dtype, banner)
-        if quant is None:
-            banner.header.append(f"weights: {_dtype_name(torch_dtype)}")
-        elif load_in_4bit:
-            banner.header.append(f"weights: NF4 4-bit, double quantisation, compute {_dtype_name(torch_dtype)}")
-        else:
-            banner.header.append(f"weights: LLM.int8 8-bit, compute {_dtype_name(torch_dtype)}")
+    config = _load_config(path, kind, model_name, token=token, trust_remote_code=trust_remote_code)
+    device_map, torch_dtype = _placement(device_map, dtype, banner)
+    quant = _weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
 
     load_kwargs: dict[str, Any] = dict(dtype=torch_dtype, token=token, trust_remote_code=trust_remote_code)
     if device_map is not None:
@@ -292,22 +230,7 @@ def from_pretrained(
     if attn_implementation is not None:
         load_kwargs["attn_implementation"] = attn_implementation
     load_kwargs.update(kwargs)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch_dtype.*")
-            model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
-    except OSError as exc:
-        if kind == "hub":
-            raise _offline_error(os.fspath(model_name), exc) from None
-        raise
-    except TypeError as exc:  # a misspelt keyword reaches the model class's __init__
-        keyword = arguments.unknown_keyword(exc, kwargs)
-        if keyword is None:
-            raise
-        known = [*inspect.signature(from_pretrained).parameters, *_UNSUPPORTED_KWARGS, "load_in_16bit"]
-        raise arguments.unknown_keyword_error(
-            "from_pretrained", keyword, (k for k in known if k != "kwargs"), "transformers' from_pretrained"
-        ) from None
+    model = _load_weights(path, kind, model_name, load_kwargs)
 
     tokenizer = AutoTokenizer.from_pretrained(path, token=token, trust_remote_code=trust_remote_code)
     _fix_tokenizer(tokenizer, model, banner, max_seq_length)
@@ -316,6 +239,85 @@ def from_pretrained(
     if show_banner:
         banner.show()
     return model, tokenizer
+
+
+def _load_banner(kwargs: dict[str, Any]) -> Banner:
+    """A new load banner; drops the keyword arguments notebookkit does not use (noting the set ones)."""
+    banner = Banner()
+    banner.header.append(versions_line())
+    for key in list(kwargs):
+        if key in _UNSUPPORTED_KWARGS:
+            value = kwargs.pop(key)
+            if value not in (None, False, 0):
+                banner.note(f"{key}={value!r} ignored: {_UNSUPPORTED_KWARGS[key]}")
+    kwargs.pop("use_gradient_checkpointing", None)
+    kwargs.pop("random_state", None)
+    return banner
+
+
+def _load_config(path: str, kind: str, model_name: Union[str, os.PathLike], **kwargs: Any):
+    """The model's Hugging Face config; one readable error when a hub name cannot be fetched."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - one readable error instead of a traceback chain
+        if kind == "hub":
+            raise explain_unreachable(os.fspath(model_name), exc) from None
+        raise
+
+
+def _placement(device_map: Any, dtype: Union[None, str, torch.dtype], banner: Banner) -> tuple[Any, torch.dtype]:
+    """``(device_map, compute dtype)``: the current GPU (or CPU) unless a map is given, and its dtype."""
+    device_map = _default_device_map(device_map)
+    device_type = "cuda" if torch.cuda.is_available() and device_map not in ("cpu", {"": "cpu"}) else "cpu"
+    banner.header.append(device_line(torch.device(device_type)))
+    return device_map, pick_dtype(dtype, device_type, banner)
+
+
+def _weights_format(config: Any, load_in_4bit: bool, load_in_8bit: bool, full_finetuning: bool,
+                    torch_dtype: torch.dtype, banner: Banner):
+    """The bitsandbytes config to load with (``None``: as saved, or 16-bit); the banner says which."""
+    prequantised = getattr(config, "quantization_config", None)
+    if full_finetuning and (load_in_4bit or load_in_8bit):
+        banner.note("full_finetuning=True: loading 16-bit weights (4/8-bit loading is for LoRA)")
+        load_in_4bit = load_in_8bit = False
+    if load_in_8bit:
+        load_in_4bit = False
+    if prequantised is not None:
+        qmethod = prequantised.get("quant_method") if isinstance(prequantised, dict) else getattr(prequantised, "quant_method", "?")
+        banner.header.append(f"weights: pre-quantised checkpoint ({qmethod}), loaded as saved; compute {_dtype_name(torch_dtype)}")
+        return None
+    quant = _quant_config(load_in_4bit, load_in_8bit, torch_dtype, banner)
+    if quant is None:
+        banner.header.append(f"weights: {_dtype_name(torch_dtype)}")
+    elif load_in_4bit:
+        banner.header.append(f"weights: NF4 4-bit, double quantisation, compute {_dtype_name(torch_dtype)}")
+    else:
+        banner.header.append(f"weights: LLM.int8 8-bit, compute {_dtype_name(torch_dtype)}")
+    return quant
+
+
+def _load_weights(path: str, kind: str, model_name: Union[str, os.PathLike], load_kwargs: dict[str, Any]):
+    """``AutoModelForCausalLM.from_pretrained``; one readable error when a hub name cannot be fetched."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*")
+            return AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+    except OSError as exc:
+        if kind == "hub":
+            raise explain_unreachable(os.fspath(model_name), exc) from None
+        raise
+    except TypeError as exc:  # a misspelt keyword reaches the model class's __init__
+        keyword = arguments.unknown_keyword(exc, load_kwargs)
+        if keyword is None:
+            raise
+        known = [*inspect.signature(from_pretrained).parameters, *_UNSUPPORTED_KWARGS, "load_in_16bit"]
+        raise arguments.unknown_keyword_error(
+            "from_pretrained", keyword, (k for k in known if k != "kwargs"), "transformers' from_pretrained"
+        ) from None
 
 
 def finish_model(model, banner: Banner, max_seq_length: int, full_finetuning: bool, fast_path: bool) -> None:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from .decoder_layers import decoder_layers as _decoder_layers
 from .kernel_ops import kernel
 
 FP8_ATTR = "_notebookkit_fp8_forward"
@@ -282,14 +283,6 @@ def _build_views(modules: tuple, training: Optional[bool]) -> tuple[Optional[lis
             return None, f"{type(module).__name__}: {reason}"
         out.append(view)
     return out, None
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    layers = []
-    for module in model.modules():
-        if hasattr(module, "self_attn") and hasattr(module, "mlp"):
-            layers.append(module)
-    return layers
 
 
 def lora_fast_path_status(model: nn.Module) -> tuple[int, int, list[str]]:

@@ -1,8 +1,9 @@
 """Walk a loaded Hugging Face causal LM and rebind its pieces onto the fused kernels (and back).
 
-``patch_model(model)`` looks the model's ``model_type`` up in :mod:`.architectures` and rebinds the
-``forward`` of instances: every RMSNorm, every decoder MLP, every decoder self-attention and the
-causal-LM head; and, for every model, the CPU forward of bitsandbytes 4-bit layers
+``patch_model(model)`` looks the model's ``model_type`` up in the family record
+(:mod:`notebookkit.families`, read through :mod:`.architectures`) and rebinds the ``forward`` of
+instances, one step per kind: every RMSNorm, every decoder MLP, every decoder self-attention and
+the causal-LM head; and, for every model, the CPU forward of bitsandbytes 4-bit layers
 (:mod:`.patch_linear4bit`). A family that is not in the table is left entirely on stock code (never
 half-patched), and the banner says so. ``unpatch_model(model)`` restores every original forward.
 Each feature is independent: if one kernel file is missing, only that feature stays stock.
@@ -10,12 +11,15 @@ Each feature is independent: if one kernel file is missing, only that feature st
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch.nn as nn
 
+from notebookkit.families import Family
+
 from . import architectures
 from .banner import Banner
+from .decoder_layers import decoder_layers
 from .lora_fast_path import describe_lora
 from .patch_attention import attention_ready, patch_attention
 from .patch_linear4bit import TAG as NF4_CPU_TAG, describe_linear4bit, guard_lora_merges, patch_linear4bit
@@ -33,14 +37,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
-    backbone = getattr(causal_lm, "model", None)
-    layers = getattr(backbone, "layers", None)
-    if layers is None:
-        return []
-    return list(layers)
-
-
 def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
     """Patch ``model`` in place onto the fused path; returns the banner with one line per feature."""
     banner = banner if banner is not None else Banner()
@@ -52,16 +48,31 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
     causal_lm = _unwrap(model)
     config = causal_lm.config
     spec = architectures.lookup(config)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model_type = getattr(text_config, "model_type", "?")
+    if _stays_stock(causal_lm, spec, banner):
+        return banner
+    layers = decoder_layers(causal_lm)
+    _patch_norms(causal_lm, spec, banner)
+    mlp_done = _patch_mlps(layers, config, spec, banner)
+    attn_done = _patch_attentions(causal_lm, layers, config, spec, banner)
+    _patch_head(causal_lm, config, spec, banner)
+    if len(layers) and (mlp_done != len(layers) or attn_done != len(layers)):
+        banner.note("some layers stay on stock Hugging Face code; outputs are still exact, only slower")
+    if hasattr(model, "peft_config"):
+        describe_lora(model, banner)
+    return banner
+
+
+def _stays_stock(causal_lm: nn.Module, spec: Optional[Family], banner: Banner) -> bool:
+    """Whether the whole model stays on stock code (family not in the table, or CPU/disk offload); says why."""
     if spec is None:
+        model_type = getattr(architectures.text_config(causal_lm.config), "model_type", "?")
         banner.feature(
             "fast path",
             False,
             f"model_type {model_type!r} is not in notebookkit's architecture table "
             f"({', '.join(architectures.supported_model_types())}): the whole model runs stock Hugging Face code",
         )
-        return banner
+        return True
     placed = {str(d) for d in (getattr(causal_lm, "hf_device_map", None) or {}).values()}
     if placed & {"cpu", "disk"} and placed - {"cpu", "disk"}:
         banner.feature(
@@ -70,9 +81,12 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
             "device_map offloads some weights to CPU/disk (they are fetched by accelerate hooks on each call, "
             "which the fused kernels would bypass): the whole model runs stock Hugging Face code",
         )
-        return banner
-    attn_impl = getattr(text_config, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
+        return True
+    return False
 
+
+def _patch_norms(causal_lm: nn.Module, spec: Family, banner: Banner) -> None:
+    """Every RMSNorm onto ``kernels.rms_norm`` (Llama or Gemma ``1 + w`` style)."""
     n_norms = patch_norms(causal_lm, gemma=spec.gemma_norm)
     if n_norms:
         style = "gemma (1 + w)" if spec.gemma_norm else "llama"
@@ -80,8 +94,9 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
     else:
         banner.feature("RMSNorm", False, why_missing("rms_norm", "rms_norm") or "no RMSNorm modules found")
 
-    layers = _decoder_layers(causal_lm)
-    # MLPs
+
+def _patch_mlps(layers: list[nn.Module], config: Any, spec: Family, banner: Banner) -> int:
+    """Every gated decoder MLP onto the fused activation; returns how many were patched."""
     mlp_done, mlp_reason = 0, None
     activation = None
     for layer in layers:
@@ -100,8 +115,17 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
         banner.feature("MLP", True, f"{mlp_done}/{len(layers)} layers: fused {activation} (lora_mlp when LoRA/frozen weights allow)")
     else:
         banner.feature("MLP", False, mlp_reason or "no decoder MLPs found")
+    return mlp_done
 
-    # Attention
+
+def _patch_attentions(causal_lm: nn.Module, layers: list[nn.Module], config: Any, spec: Family, banner: Banner) -> int:
+    """Every decoder self-attention onto fused QKV/O + RoPE; returns how many were patched.
+
+    Marks the backbone when all of them are ours: a plainly causal forward may then skip Hugging
+    Face's masks (:mod:`.patch_lm_head`).
+    """
+    text_config = architectures.text_config(config)
+    attn_impl = getattr(text_config, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
     softcap = architectures.attn_softcap(config, spec)
     attn_done, attn_reason = 0, None
     if attn_impl not in (None, "sdpa", "eager"):
@@ -120,7 +144,6 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
             attn_done += 1
     backbone = getattr(causal_lm, "model", None)
     if isinstance(backbone, nn.Module):
-        # Every decoder attention is ours: a plainly causal forward may skip Hugging Face's masks (patch_lm_head).
         object.__setattr__(backbone, ALL_ATTENTION_PATCHED, bool(layers) and attn_done == len(layers))
     if attn_done:
         how = "eager fp32 softmax (attention soft-cap)" if softcap else "PyTorch SDPA"
@@ -130,20 +153,17 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
         )
     else:
         banner.feature("attention", False, attn_reason or "no decoder attention found")
+    return attn_done
 
-    # Causal-LM head
+
+def _patch_head(causal_lm: nn.Module, config: Any, spec: Family, banner: Banner) -> None:
+    """The causal-LM head onto the fused linear cross-entropy (final soft-cap included)."""
     reason = lm_head_ready(causal_lm)
     if reason is None:
         patch_lm_head(causal_lm, architectures.final_softcap(config, spec))
         describe_lm_head(banner, architectures.final_softcap(config, spec))
     else:
         banner.feature("fused CE loss", False, reason)
-
-    if len(layers) and (mlp_done != len(layers) or attn_done != len(layers)):
-        banner.note("some layers stay on stock Hugging Face code; outputs are still exact, only slower")
-    if hasattr(model, "peft_config"):
-        describe_lora(model, banner)
-    return banner
 
 
 def unpatch_model(model: nn.Module, keep_nf4_decode: bool = True) -> int:

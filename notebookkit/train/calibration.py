@@ -253,7 +253,7 @@ def _load_plain(model_name: str, max_seq_length: int, dtype: Any, load_in_4bit: 
     from ..models.precision import is_bfloat16_supported
 
     try:
-        from ..data.tiny import resolve_model_name
+        from ..embedded.tiny import resolve_model_name
 
         path = resolve_model_name(model_name)
     except ImportError:

@@ -3,9 +3,10 @@
 The hub checkpoints and their config numbers live in :mod:`notebookkit.memory.shapes`
 (``KNOWN_MODELS``: hidden size, layers, heads, kv heads, head dim, intermediate size, vocabulary,
 tied embeddings, copied from each model's public ``config.json``). This module groups them for
-the UI and adds the project's tiny default models (``notebookkit/tiny-<family>``, built offline by
-:mod:`notebookkit.data.tiny`), whose shape is read from their folder when built, or from the
-generator's constants when not, so the panel never has to build a model to show an estimate.
+the UI and adds the project's tiny default models (``notebookkit/tiny-<family>``, one per row of
+:mod:`notebookkit.families`, built offline by :mod:`notebookkit.embedded.tiny`), whose shape is read
+from their folder when built, or from the family's tiny recipe and the builder's constants when
+not, so the panel never has to build a model to show an estimate.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from notebookkit.families import FAMILIES
 from notebookkit.memory.shapes import KNOWN_MODELS, ModelShape, model_shape
 
 
@@ -25,8 +27,8 @@ class CatalogEntry:
     family: str
 
 
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
-TINY_NAMES = tuple(f"notebookkit/tiny-{f}" for f in TINY_FAMILIES)
+TINY_FAMILIES = tuple(FAMILIES)
+TINY_NAMES = tuple(f.tiny_name for f in FAMILIES.values())
 
 _CURATED = {
     "Tiny (CPU / CI)": [(n, f"{n} (tiny, random weights)") for n in TINY_NAMES],
@@ -75,25 +77,19 @@ def family_of(name: str) -> str | None:
 
 
 def _tiny_shape_from_generator(name: str) -> ModelShape | None:
-    family = name.rsplit("tiny-", 1)[-1]
-    if family not in TINY_FAMILIES:
+    """The shape ``notebookkit/tiny-<family>`` will have, without building it."""
+    family = FAMILIES.get(name.rsplit("tiny-", 1)[-1])
+    if family is None:
         return None
-    try:
-        from notebookkit.data import generate_models as gm
-        from notebookkit.data.generate_tokenizer import VOCAB_SIZE
+    from notebookkit.embedded import generate_models as gm
+    from notebookkit.embedded.generate_tokenizer import VOCAB_SIZE
 
-        H, nh, nk, hd, inter = gm.HIDDEN, gm.HEADS, gm.KV_HEADS, gm.HEAD_DIM, gm.INTERMEDIATE
-        layers = gm.FAMILY_LAYERS[family]
-        vocab = VOCAB_SIZE
-    except Exception:  # generator not importable: the numbers it documents
-        H, nh, nk, hd, inter, vocab = 128, 4, 2, 32, 384, 2048
-        layers = 4 if family == "llama" else 2
-    mtype = {"gemma3": "gemma3_text"}.get(family, family)
     return model_shape(
-        dict(model_type=mtype, hidden_size=H, num_hidden_layers=layers, num_attention_heads=nh,
-             num_key_value_heads=nk, head_dim=hd, intermediate_size=inter, vocab_size=vocab,
-             tie_word_embeddings=family != "mistral", max_position_embeddings=2048,
-             _name_or_path=name)
+        dict(model_type=family.model_types[0], hidden_size=gm.HIDDEN, num_hidden_layers=family.tiny.layers,
+             num_attention_heads=gm.HEADS, num_key_value_heads=gm.KV_HEADS, head_dim=gm.HEAD_DIM,
+             intermediate_size=gm.INTERMEDIATE, vocab_size=VOCAB_SIZE,
+             tie_word_embeddings=family.tiny.tie_word_embeddings, max_position_embeddings=gm.MAX_POSITIONS,
+             _name_or_path=name, **{k: v for k, v in family.tiny.config.items() if k == family.attn_softcap_attr})
     )
 
 
@@ -109,7 +105,7 @@ def resolve_shape(name: str) -> ModelShape:
         return KNOWN_MODELS[name]
     if name.startswith("notebookkit/tiny-"):
         try:
-            from notebookkit.data.tiny import resolve_model_name
+            from notebookkit.embedded.tiny import resolve_model_name
 
             folder = Path(resolve_model_name(name))
             if (folder / "config.json").is_file():

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from notebookkit.data import bundled
-from notebookkit.data.bundled import KINDS, dataset_path, extract_answer, list_bundled, load_bundled
-from notebookkit.data.generate_datasets import CAPTION_COLOURS, BACKGROUNDS, SIZES
+from notebookkit.embedded import bundled
+from notebookkit.embedded.bundled import KINDS, dataset_path, extract_answer, list_bundled, load_bundled
+from notebookkit.embedded.generate_datasets import CAPTION_COLOURS, BACKGROUNDS, SIZES
 
 COLUMNS = {
     "chat_sharegpt": {"conversations"},
@@ -181,7 +181,7 @@ def test_generation_is_deterministic(tmp_path):
 def test_chat_rows_render_with_every_tiny_template(root):
     from transformers import AutoTokenizer
 
-    from notebookkit.data.tiny import TINY_MODELS, ensure_tiny_model
+    from notebookkit.embedded.tiny import TINY_MODELS, ensure_tiny_model
 
     rows = _rows("chat_messages", "train")[:60]
     for name in TINY_MODELS:
@@ -199,7 +199,7 @@ def test_sft_set_is_learnable_in_tens_of_steps(root):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from notebookkit.data.tiny import ensure_tiny_model
+    from notebookkit.embedded.tiny import ensure_tiny_model
 
     folder = ensure_tiny_model("notebookkit/tiny-llama")
     tok = AutoTokenizer.from_pretrained(folder)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from notebookkit.data import tiny
-from notebookkit.data.generate_tokenizer import FAMILY_TOKENS, SPECIAL_TOKENS, VOCAB_SIZE
-from notebookkit.data.offline import (ModelUnreachableError, explain_unreachable, is_unreachable_error,
+from notebookkit.embedded import cache, cli, generate_models, tiny
+from notebookkit.embedded.generate_tokenizer import FAMILY_TOKENS, SPECIAL_TOKENS, VOCAB_SIZE
+from notebookkit.models.offline import (ModelUnreachableError, explain_unreachable, is_unreachable_error,
                                       raise_unreachable)
-from notebookkit.data.tiny import (TINY_MODELS, UnknownTinyModelError, cached_build, ensure_tiny_model,
-                                   resolve_model_name)
+from notebookkit.embedded.cache import cached_build
+from notebookkit.embedded.tiny import TINY_MODELS, UnknownTinyModelError, ensure_tiny_model, resolve_model_name
 
 FAMILIES = list(TINY_MODELS.values())
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
@@ -105,7 +105,7 @@ def test_cached_call_is_instant(tiny_folders, monkeypatch):
 def test_folder_is_a_normal_hf_folder(tiny_folders, family):
     folder = tiny_folders[family]
     for f in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-              "tokenizer_config.json", tiny.STAMP_FILE):
+              "tokenizer_config.json", cache.STAMP_FILE):
         assert (folder / f).is_file(), f
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
     assert tok_cfg["chat_template"]
@@ -256,9 +256,9 @@ def test_pretrained_llama_beats_fresh_init(tiny_folders):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from notebookkit.data.generate_models import build_random_model
-    from notebookkit.data.generate_pretrain import mean_loss, token_stream, windows
-    from notebookkit.data.generate_tokenizer import special_token_ids
+    from notebookkit.embedded.generate_models import build_random_model
+    from notebookkit.embedded.generate_pretrain import mean_loss, token_stream, windows
+    from notebookkit.embedded.generate_tokenizer import special_token_ids
 
     base = tiny.load_base_tokenizer()
     held = windows(token_stream(base, tiny.load_corpus("heldout"), "<|begin_of_text|>", "<|end_of_text|>"), 128)
@@ -269,7 +269,7 @@ def test_pretrained_llama_beats_fresh_init(tiny_folders):
         trained_loss, fresh_loss = mean_loss(trained, held), mean_loss(fresh, held)
     assert trained_loss < fresh_loss - 3.0, (trained_loss, fresh_loss)
     assert trained_loss < 3.0
-    info = json.loads((tiny_folders["llama"] / tiny.INFO_FILE).read_text())
+    info = json.loads((tiny_folders["llama"] / generate_models.INFO_FILE).read_text())
     assert info["pretrained"] and info["pretrain"]["heldout_loss_after"] < info["pretrain"]["heldout_loss_before"]
 
 
@@ -296,7 +296,7 @@ def test_shared_cache_matches_fresh_build(tmp_path, tiny_folders):
 
 
 def test_pretraining_is_deterministic(tmp_path):
-    from notebookkit.data.generate_pretrain import PretrainConfig
+    from notebookkit.embedded.generate_pretrain import PretrainConfig
 
     base = tiny.load_base_tokenizer()
     docs, held = tiny.load_corpus("train")[:300], tiny.load_corpus("heldout")[:40]
@@ -312,7 +312,7 @@ def test_pretraining_is_deterministic(tmp_path):
 # --------------------------------------------------------------------------------- cache
 
 def test_half_built_folder_is_rebuilt(tmp_path):
-    root = tiny.cache_root(tmp_path)
+    root = cache.cache_root(tmp_path)
     (root / "thing-v1").mkdir(parents=True)
     (root / "thing-v1" / "junk.bin").write_bytes(b"half written")
 
@@ -323,7 +323,7 @@ def test_half_built_folder_is_rebuilt(tmp_path):
     folder = cached_build("thing", "v1", build, cache_dir=tmp_path)
     assert not (folder / "junk.bin").exists()
     assert (folder / "data.txt").read_text() == "complete"
-    assert json.loads((folder / tiny.STAMP_FILE).read_text())["answer"] == 42
+    assert json.loads((folder / cache.STAMP_FILE).read_text())["answer"] == 42
 
 
 def test_failed_build_leaves_nothing(tmp_path):
@@ -333,7 +333,7 @@ def test_failed_build_leaves_nothing(tmp_path):
 
     with pytest.raises(RuntimeError):
         cached_build("broken", "v1", build, cache_dir=tmp_path)
-    root = tiny.cache_root(tmp_path)
+    root = cache.cache_root(tmp_path)
     assert not (root / "broken-v1").exists()
     assert not list(root.glob(".tmp-broken-*"))
 
@@ -367,13 +367,13 @@ def test_concurrent_builders_build_once(tmp_path):
 
 def test_cache_env_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("NOTEBOOKKIT_CACHE", str(tmp_path))
-    assert tiny.cache_root() == tmp_path / "tiny"
+    assert cache.cache_root() == tmp_path / "tiny"
     monkeypatch.delenv("NOTEBOOKKIT_CACHE")
-    assert tiny.cache_root() == Path.home() / ".cache" / "notebookkit" / "tiny"
+    assert cache.cache_root() == Path.home() / ".cache" / "notebookkit" / "tiny"
 
 
 def test_main_prints_table(tiny_folders, capsys):
-    assert tiny.main(["--quiet"]) == 0
+    assert cli.main(["--quiet"]) == 0
     out = capsys.readouterr().out
     for name in TINY_MODELS:
         assert name in out

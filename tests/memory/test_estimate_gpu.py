@@ -41,7 +41,7 @@ def folders(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from notebookkit.data.tiny import ensure_tiny_model
+    from notebookkit.embedded.tiny import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("notebookkit/tiny-llama"))
     out = {}

@@ -23,7 +23,7 @@ def folder(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from notebookkit.data.tiny import ensure_tiny_model
+    from notebookkit.embedded.tiny import ensure_tiny_model
 
     path = tmp_path_factory.mktemp("llama-1b-4l")
     torch.manual_seed(0)

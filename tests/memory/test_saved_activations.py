@@ -28,7 +28,7 @@ B, T = 2, 32
 
 def _load(family: str, checkpointing):
     from notebookkit import FastLanguageModel
-    from notebookkit.data.tiny import ensure_tiny_model
+    from notebookkit.embedded.tiny import ensure_tiny_model
 
     path = str(ensure_tiny_model(f"notebookkit/tiny-{family}"))
     model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=T, dtype=torch.bfloat16, load_in_4bit=False,

@@ -28,7 +28,7 @@ B, T, R = 2, 64, 4
 def folder(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from notebookkit.data.tiny import ensure_tiny_model
+    from notebookkit.embedded.tiny import ensure_tiny_model
 
     path = tmp_path_factory.mktemp("llama-probe")
     torch.manual_seed(0)

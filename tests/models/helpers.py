@@ -1,19 +1,22 @@
 """Small random models of every supported family, for the model-layer tests (CPU, fp32).
 
-``tiny_folder(family)`` prefers the project's embedded tiny default (``notebookkit.data.tiny``)
+``tiny_folder(family)`` prefers the project's embedded tiny default (``notebookkit.embedded.tiny``)
 and falls back to a folder built here (hidden 64, 2 layers, a byte-level tokenizer) so the tests
 also run while that module is absent.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from pathlib import Path
 
 import torch
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
+from notebookkit.families import FAMILIES as FAMILY_RECORDS
+
+FAMILIES = list(FAMILY_RECORDS)
 _CACHE = Path(os.environ.get("NOTEBOOKKIT_TEST_MODELS", tempfile.gettempdir())) / "notebookkit-models-tests"
 
 _COMMON = dict(
@@ -27,38 +30,31 @@ _COMMON = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+# Test-sized values of the features a family's tiny recipe switches on, so that they act on
+# sequences of a few dozen tokens: an 8-token sliding window, small soft-caps, llama3 RoPE scaling
+# over a 64-token original window.
+_TEST_WINDOW = 8
+_TEST_SOFTCAPS = {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0}
+_COPIED = ("hidden_act", "hidden_activation", "layer_types")
 
 
 def family_config(family: str, vocab_size: int = 300, **overrides):
+    """A small config of ``family``: its record's config class and features (notebookkit.families)."""
     import transformers as tf
 
+    row = FAMILY_RECORDS[family]
+    recipe = row.tiny.config
     c = dict(_COMMON, vocab_size=vocab_size, bos_token_id=256, eos_token_id=257, pad_token_id=None)
-    if family == "llama":
-        c["rope_parameters"] = {
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-        }
-        cfg = tf.LlamaConfig(**c)
-    elif family == "mistral":
-        cfg = tf.MistralConfig(sliding_window=12, **c)
-    elif family == "qwen2":
-        cfg = tf.Qwen2Config(**c)
-    elif family == "qwen3":
-        cfg = tf.Qwen3Config(**c)
-    elif family == "gemma":
-        cfg = tf.GemmaConfig(hidden_act="gelu_pytorch_tanh", **c)
-    elif family == "gemma2":
-        cfg = tf.Gemma2Config(
-            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=8,
-            attn_logit_softcapping=20.0, final_logit_softcapping=15.0, **c,
-        )
-    elif family == "gemma3":
-        cfg = tf.Gemma3TextConfig(
-            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"], **c,
-        )
-    else:
-        raise ValueError(family)
+    c.update({k: copy.deepcopy(recipe[k]) for k in _COPIED if k in recipe})
+    if row.tiny.rope_scaling:
+        c["rope_parameters"] = {**row.tiny.rope_scaling, "rope_theta": row.tiny.rope_theta,
+                                "original_max_position_embeddings": 64}
+    if "sliding_window" in recipe:
+        c["sliding_window"] = _TEST_WINDOW
+    if row.query_pre_attn_scalar:
+        c["query_pre_attn_scalar"] = c["head_dim"]
+    c.update({k: v for k, v in _TEST_SOFTCAPS.items() if recipe.get(k) is not None})
+    cfg = getattr(tf, row.config_class)(**c)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -97,7 +93,7 @@ def byte_tokenizer():
 def tiny_folder(family: str) -> str:
     """A saved model folder for ``family`` (the embedded tiny default when available)."""
     try:
-        from notebookkit.data.tiny import TINY_MODELS, ensure_tiny_model
+        from notebookkit.embedded.tiny import TINY_MODELS, ensure_tiny_model
 
         name = f"notebookkit/tiny-{family}"
         if name in TINY_MODELS:

@@ -170,7 +170,7 @@ def test_the_model_tokenizer_pair_is_not_a_model(loaded, call):
 def test_a_model_not_from_fast_language_model_is_named_in_the_banner():
     from transformers import AutoModelForCausalLM
 
-    from notebookkit.data.tiny import resolve_model_name
+    from notebookkit.embedded.tiny import resolve_model_name
 
     plain = AutoModelForCausalLM.from_pretrained(str(resolve_model_name(TINY)))
     peft_model = FastLanguageModel.get_peft_model(plain, r=4, show_banner=False)

@@ -34,7 +34,7 @@ def test_local_folder_fp32_on_cpu_with_banner(capsys):
 
 
 def test_reserved_tiny_name_resolves():
-    tiny = pytest.importorskip("notebookkit.data.tiny")
+    tiny = pytest.importorskip("notebookkit.embedded.tiny")
     name = "notebookkit/tiny-llama"
     if name not in tiny.TINY_MODELS:
         pytest.skip("tiny-llama not registered")

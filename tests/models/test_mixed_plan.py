@@ -28,7 +28,7 @@ def _tiny_llama(plan, fp8: bool, monkeypatch):
     """The tiny Llama through ``get_peft_model(use_gradient_checkpointing="auto")``, the planner
     answering ``plan`` (on CPU it would keep every layer)."""
     from notebookkit import FastLanguageModel
-    from notebookkit.data.tiny import ensure_tiny_model
+    from notebookkit.embedded.tiny import ensure_tiny_model
 
     path = str(ensure_tiny_model("notebookkit/tiny-llama"))
     model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=T, dtype=torch.bfloat16, load_in_4bit=False,

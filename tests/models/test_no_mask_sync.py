@@ -72,7 +72,7 @@ def test_plain_causal_step_skips_hf_masks_with_the_same_result(family, monkeypat
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
 def test_window_shorter_than_the_sequence_keeps_hf_masks(family):
-    """Sliding windows of 8 (Gemma 2 and 3) or 12 (Mistral) tokens, sequence of 20: Hugging Face's
+    """Sliding windows of 8 tokens (Mistral, Gemma 2 and 3), sequence of 20: Hugging Face's
     masks stay, and the patched model matches the stock one."""
     stock = random_model(family)
     model = _lora(random_model(family))

@@ -27,7 +27,7 @@ def _random_llama(folder: Path, shape: str) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from notebookkit.data.tiny import resolve_model_name
+    from notebookkit.embedded.tiny import resolve_model_name
 
     tiny = Path(resolve_model_name("notebookkit/tiny-llama"))
     cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,

@@ -3,7 +3,8 @@
 When ``from_pretrained("some/model")`` fails because the machine is offline (or the name is
 misspelled, private or gated), transformers raises a chain of connection and file errors several
 screens long. :func:`explain_unreachable` turns that into one short :class:`ModelUnreachableError`
-that says what happened and offers the bundled tiny models, which need no download::
+that says what happened and offers the bundled tiny models (one per row of
+:mod:`notebookkit.families`), which need no download. ``from_pretrained`` raises it::
 
     try:
         model = AutoModelForCausalLM.from_pretrained(name)
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from .tiny import TINY_MODELS
+from notebookkit.families import FAMILIES
 
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
@@ -87,7 +88,7 @@ def explain_unreachable(name: str, exc: BaseException | None = None) -> ModelUnr
         why = f"offline mode is switched on ({', '.join(f'{k}=1' for k in env)}), so nothing is downloaded"
     else:
         why = "this machine appears to be offline, or the name is misspelled, private or gated"
-    tiny = "\n".join(f"    {n}    ({fam})" for n, fam in TINY_MODELS.items())
+    tiny = "\n".join(f"    {f.tiny_name}    ({f.name})" for f in FAMILIES.values())
     detail = _reason(exc)
     message = (
         f"Could not load the model {name!r}: it is not a local folder and could not be fetched from the "

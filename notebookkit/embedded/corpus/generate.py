@@ -1,7 +1,7 @@
 """Deterministic generator of the bundled pre-training corpus: simple English about a small world.
 
 The corpus is a list of short documents built from the facts in
-:mod:`notebookkit.data.corpus.world`, each fact written out in one of several phrasings, mixed with
+:mod:`notebookkit.embedded.corpus.world`, each fact written out in one of several phrasings, mixed with
 question/answer blocks, little stories, dialogues between named people, step-by-step instructions,
 counting and sums. It is regenerated from a seed, never downloaded: ``generate_corpus(seed)``
 returns the same list of strings on every machine and Python version, because it draws only from

@@ -2,8 +2,10 @@
 
 Each family gets the same small body: hidden size 128, 4 query heads of dimension 32 sharing 2
 key/value heads (grouped-query attention), an MLP of width 384 (3x), 2048 positions and the shared
-2048-token byte-level BPE vocabulary (``tiny-llama`` has 4 layers because it is pre-trained; the
-others 2). Family-specific features stay on, so every code path of the real architectures runs:
+2048-token byte-level BPE vocabulary. The rest comes from the family's row in
+:mod:`notebookkit.families` (its tiny recipe: config class, layers, RoPE, further config
+arguments; ``tiny-llama`` has 4 layers because it is pre-trained, the others 2). Family-specific
+features stay on, so every code path of the real architectures runs:
 
 =========  ==================================================================================
 llama      SwiGLU, RMSNorm, RoPE theta 5e5 with ``llama3`` frequency scaling (factor 8 over an
@@ -24,9 +26,12 @@ float32, so a rebuild gives bit-identical ``model.safetensors``.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Callable
+
+from notebookkit.families import family as family_record
 
 HIDDEN = 128
 HEADS = 4
@@ -37,11 +42,6 @@ MAX_POSITIONS = 2048
 
 #: extra file in each folder recording family, parameter count, seed and pre-training losses
 INFO_FILE = "notebookkit_tiny.json"
-
-FAMILY_LAYERS: dict[str, int] = {
-    "llama": 4, "mistral": 2, "qwen2": 2, "qwen3": 2, "gemma": 2, "gemma2": 2, "gemma3": 2,
-}
-
 
 def _transformers_major() -> int:
     import transformers
@@ -76,46 +76,30 @@ def _gemma3_rope(global_theta: float, local_theta: float) -> dict[str, Any]:
 
 
 def family_config(family: str, vocab_size: int, token_ids: dict[str, Any]):
-    """The ``transformers`` config object of tiny ``family`` (not yet a model)."""
+    """The ``transformers`` config object of tiny ``family`` (not yet a model).
+
+    The shared body above, plus the family's tiny recipe (:class:`notebookkit.families.TinyRecipe`):
+    its config class, layers, tied embeddings, RoPE and further config arguments.
+    """
     import transformers as tf
 
+    row = family_record(family)
+    recipe = row.tiny
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=FAMILY_LAYERS[family], num_attention_heads=HEADS,
+        num_hidden_layers=recipe.layers, num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS,
         initializer_range=0.02, bos_token_id=token_ids["bos_token_id"],
         eos_token_id=token_ids["config_eos_token_id"], pad_token_id=token_ids["pad_token_id"],
-        dtype="float32",
+        dtype="float32", tie_word_embeddings=recipe.tie_word_embeddings,
     )
-    if family == "llama":
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 256}
-        return tf.LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                              **_rope(500000.0, scaling))
-    if family == "mistral":
-        return tf.MistralConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=1024,
-                                **_rope(1000000.0))
-    if family == "qwen2":
-        return tf.Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
-                              **_rope(1000000.0))
-    if family == "qwen3":
-        return tf.Qwen3Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
-                              attention_bias=False, **_rope(1000000.0))
-    if family == "gemma":
-        return tf.GemmaConfig(**common, rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
-                              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, **_rope(10000.0))
-    if family == "gemma2":
-        return tf.Gemma2Config(**common, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
-                               tie_word_embeddings=True, query_pre_attn_scalar=HEAD_DIM, sliding_window=512,
-                               layer_types=["sliding_attention", "full_attention"],
-                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **_rope(10000.0))
-    if family == "gemma3":
-        return tf.Gemma3TextConfig(**common, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
-                                   tie_word_embeddings=True, query_pre_attn_scalar=HEAD_DIM, sliding_window=512,
-                                   layer_types=["sliding_attention", "full_attention"],
-                                   attn_logit_softcapping=None, final_logit_softcapping=None,
-                                   **_gemma3_rope(1000000.0, 10000.0))
-    raise ValueError(f"Unknown tiny family {family!r}; known: {sorted(FAMILY_LAYERS)}")
+    if row.query_pre_attn_scalar:  # scores scaled by head_dim ** -0.5, as in the other families
+        common["query_pre_attn_scalar"] = HEAD_DIM
+    if recipe.local_rope_theta is not None:
+        rope = _gemma3_rope(recipe.rope_theta, recipe.local_rope_theta)
+    else:
+        rope = _rope(recipe.rope_theta, dict(recipe.rope_scaling) if recipe.rope_scaling else None)
+    return getattr(tf, row.config_class)(**common, **copy.deepcopy(dict(recipe.config)), **rope)
 
 
 def build_random_model(family: str, vocab_size: int, token_ids: dict[str, Any], seed: int):
@@ -159,7 +143,7 @@ def build_model_folder(family: str, folder: Path, base_tokenizer, seed: int, pre
                        log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Build one tiny model of ``family`` into ``folder`` (no caching); returns its info dict.
 
-    ``pretrain_config`` (a :class:`~notebookkit.data.generate_pretrain.PretrainConfig`) switches
+    ``pretrain_config`` (a :class:`~notebookkit.embedded.generate_pretrain.PretrainConfig`) switches
     on pre-training, which then needs ``train_docs`` and ``heldout_docs``.
     """
     from .generate_tokenizer import special_token_ids, write_tokenizer_folder

@@ -1,9 +1,9 @@
 """Deterministic generators of the bundled datasets (rows as plain dicts, images as PNG files).
 
-All text comes from the facts of :mod:`notebookkit.data.corpus.world`, answered with one fixed
+All text comes from the facts of :mod:`notebookkit.embedded.corpus.world`, answered with one fixed
 template per question type ("What colour is a banana?" -> "A banana is yellow."), so a tiny
 model learns the style in tens of steps. The ``eval`` split of every set asks only about facts
-that the ``train`` split never mentions (:func:`~notebookkit.data.corpus.world.is_held_out`):
+that the ``train`` split never mentions (:func:`~notebookkit.embedded.corpus.world.is_held_out`):
 a fine-tuned model can answer them only by combining the answer style it learned in fine-tuning
 with the knowledge it picked up in pre-training. Each generator draws from its own
 ``random.Random(seed)``, so the rows are identical on every machine.

@@ -9,10 +9,12 @@ Training (the ``tokenizers`` library's BPE trainer):
   pair of symbols in the corpus into a new symbol until the vocabulary has ``vocab_size`` entries
   (special tokens + 256 bytes + merges).
 
-One vocabulary serves all seven families (so their embedding matrices have the same shape); the
+One vocabulary serves every family (so their embedding matrices have the same shape); the
 families differ only in which special tokens play bos/eos/pad, whether a bos is prepended, the
 chat template, and, for Qwen, the split rule (Qwen's regex with single digits, plus NFC
-normalisation, which transformers 5 imposes on ``qwen2`` folders anyway). Every special token a template uses is in the vocabulary as a single id:
+normalisation, which transformers 5 imposes on ``qwen2`` folders anyway). A family's row in
+:mod:`notebookkit.families` names its token set (``Family.tokens``, a key of :data:`TOKEN_SETS`).
+Every special token a template uses is in the vocabulary as a single id:
 
 =========  =====================  ======================  =======================  ============
 family     bos                    eos (tokenizer)         pad                      template
@@ -33,6 +35,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from notebookkit.families import FAMILIES
 
 VOCAB_SIZE = 2048
 MODEL_MAX_LENGTH = 2048
@@ -118,7 +122,9 @@ class FamilyTokens:
     ``bos`` is ``None`` for families without a begin-of-sequence token (Qwen);
     ``add_bos`` says whether ``tokenizer(text)`` prepends it; ``stop`` lists every token that
     ends generation (written to ``generation_config.json``); ``config_bos`` is the id the model
-    config records as bos (Qwen records ``<|endoftext|>`` although its tokenizer has no bos).
+    config records as bos (Qwen records ``<|endoftext|>`` although its tokenizer has no bos);
+    ``config_eos_is_stop_list``: the model config records every stop id as eos (Llama 3.x), not
+    only the tokenizer's eos; ``qwen_split``: Qwen's pre-tokenizer (single digits) and NFC.
     """
 
     bos: str | None
@@ -130,23 +136,28 @@ class FamilyTokens:
     stop: tuple[str, ...]
     config_bos: str
     response_marker: str = field(default="")
+    config_eos_is_stop_list: bool = False
+    qwen_split: bool = False
 
 
-FAMILY_TOKENS: dict[str, FamilyTokens] = {
+#: The special-token sets, by the name a family row gives in ``Family.tokens``.
+TOKEN_SETS: dict[str, FamilyTokens] = {
     "llama": FamilyTokens("<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", None, True,
                           LLAMA3_TEMPLATE, ("<|end_of_text|>", "<|eot_id|>"), "<|begin_of_text|>",
-                          "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+                          "<|start_header_id|>assistant<|end_header_id|>\n\n", config_eos_is_stop_list=True),
     "mistral": FamilyTokens("<s>", "</s>", "<pad>", "<unk>", True, MISTRAL_TEMPLATE, ("</s>",), "<s>",
                             " [/INST]"),
     "qwen2": FamilyTokens(None, "<|im_end|>", "<|endoftext|>", None, False, CHATML_QWEN2_TEMPLATE,
-                          ("<|im_end|>", "<|endoftext|>"), "<|endoftext|>", "<|im_start|>assistant\n"),
+                          ("<|im_end|>", "<|endoftext|>"), "<|endoftext|>", "<|im_start|>assistant\n",
+                          qwen_split=True),
     "qwen3": FamilyTokens(None, "<|im_end|>", "<|endoftext|>", None, False, CHATML_QWEN3_TEMPLATE,
-                          ("<|im_end|>", "<|endoftext|>"), "<|endoftext|>", "<|im_start|>assistant\n"),
+                          ("<|im_end|>", "<|endoftext|>"), "<|endoftext|>", "<|im_start|>assistant\n",
+                          qwen_split=True),
     "gemma": FamilyTokens("<bos>", "<eos>", "<pad>", "<unk>", True, GEMMA_TEMPLATE,
                           ("<eos>", "<end_of_turn>"), "<bos>", "<start_of_turn>model\n"),
 }
-for _g in ("gemma2", "gemma3"):
-    FAMILY_TOKENS[_g] = FAMILY_TOKENS["gemma"]
+#: The token set of each family of the record (Gemma 1-3 share one).
+FAMILY_TOKENS: dict[str, FamilyTokens] = {f.name: TOKEN_SETS[f.tokens] for f in FAMILIES.values()}
 
 
 def family_tokens(family: str) -> FamilyTokens:
@@ -192,12 +203,12 @@ QWEN_SPLIT_REGEX = (
 )
 
 
-def _family_pipeline(base, family: str, fam: FamilyTokens):
+def _family_pipeline(base, fam: FamilyTokens):
     """Copy of ``base`` with the family's pre-tokenizer and bos post-processor."""
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, processors
 
     tok = Tokenizer.from_str(base.to_str())
-    if family.startswith("qwen"):
+    if fam.qwen_split:
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
@@ -244,7 +255,7 @@ def write_tokenizer_folder(base, family: str, folder: Path) -> None:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``."""
     fam = family_tokens(family)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = _family_pipeline(base, family, fam)
+    tok = _family_pipeline(base, fam)
     (folder / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     _write_json(folder / "tokenizer_config.json", tokenizer_config(family, base))
     special_map = {k: v for k, v in (("bos_token", fam.bos), ("eos_token", fam.eos),
@@ -257,7 +268,7 @@ def special_token_ids(base, family: str) -> dict[str, int | list[int] | None]:
 
     ``eos_token_id`` (generation config) lists every stop token: the end-of-turn marker and the
     end-of-text token. ``config_eos_token_id`` is what the model's ``config.json`` records: the
-    full stop list for llama (as Llama 3.x does), the tokenizer's eos for the others.
+    full stop list for llama's token set (as Llama 3.x does), the tokenizer's eos for the others.
     """
     fam = family_tokens(family)
     tid = base.token_to_id
@@ -267,7 +278,7 @@ def special_token_ids(base, family: str) -> dict[str, int | list[int] | None]:
         "bos_token_id": tid(fam.config_bos),
         "eos_token_id": stop_value,
         "pad_token_id": tid(fam.pad),
-        "config_eos_token_id": stop_value if family == "llama" else tid(fam.eos),
+        "config_eos_token_id": stop_value if fam.config_eos_is_stop_list else tid(fam.eos),
     }
 
 

@@ -3,8 +3,8 @@
 Everything the tiny models learn is stated here once, as plain Python tables: the colour of
 everyday things, what animals say, how many legs they have, what their young are called, how many
 sides a shape has, opposites, plurals, the days of the week and the months. The corpus generator
-(:mod:`notebookkit.data.corpus.generate`) writes these facts out in many phrasings for
-pre-training; the dataset generators (:mod:`notebookkit.data.generate_datasets`) turn the very same
+(:mod:`notebookkit.embedded.corpus.generate`) writes these facts out in many phrasings for
+pre-training; the dataset generators (:mod:`notebookkit.embedded.generate_datasets`) turn the very same
 facts into question/answer pairs with one fixed answer template per question type, so a model that
 read the corpus during pre-training can answer questions about facts that its fine-tuning set held
 out.

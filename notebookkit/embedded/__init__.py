@@ -1,0 +1,43 @@
+"""The embedded default: tiny models of every supported family, their tokenizer and corpus, the
+bundled datasets, and the cache they are built into; offline and deterministic.
+
+Used by tests, demos and notebooks, never by the layers above for real work::
+
+    from notebookkit.embedded import ensure_tiny_model, load_bundled
+    folder = ensure_tiny_model("notebookkit/tiny-llama")   # what from_pretrained loads for that name
+    chat = load_bundled("chat_messages")
+
+``python -m notebookkit.embedded`` builds everything once and prints a table. The modules:
+
+==========================  =====================================================================
+:mod:`.tiny`                reserved names (``notebookkit/tiny-<family>``), corpus, tokenizer and
+                            model folders, built on first use
+:mod:`.bundled`             the bundled datasets (JSONL read with ``datasets``)
+:mod:`.cache`               versioned cache folders built once under a file lock
+:mod:`.cli`                 the command
+:mod:`.corpus`              the small world the corpus and datasets talk about, and its text
+:mod:`.generate_tokenizer`  byte-level BPE training and the per-family tokenizer folders
+:mod:`.generate_models`     the tiny config of each family (from :mod:`notebookkit.families`)
+:mod:`.generate_pretrain`   the short pre-training of ``tiny-llama``
+:mod:`.generate_datasets`   the rows of each bundled dataset
+==========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+from notebookkit._lazy import lazy_exports
+
+_LAZY = {
+    "TINY_MODELS": "tiny",
+    "ensure_tiny_model": "tiny",
+    "resolve_model_name": "tiny",
+    "is_tiny_model_name": "tiny",
+    "tiny_model_info": "tiny",
+    "load_bundled": "bundled",
+    "dataset_path": "bundled",
+    "list_bundled": "bundled",
+    "build_all": "cli",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+__all__ = list(_LAZY)
