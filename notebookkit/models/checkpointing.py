@@ -21,27 +21,24 @@ Recompute and offload share that autograd function (recompute keeps ``x`` on the
 The recomputed ``y`` is only back-propagated through, never read. Where the MLP output enters the
 residual sum directly (``y = h + mlp(norm(h))``: Llama, Mistral, Qwen, Gemma 1; not Gemma 2/3,
 whose post-MLP norm reads it), the backward of ``+`` and of the fused MLP need no value of it, so
-during the recompute the MLP is marked :func:`output_unused` and skips its down projection:
-about a quarter of the matmul work of a recomputed Llama layer.
+the recompute names the MLP as one whose output it does not read
+(:func:`notebookkit.models.forward_state.resumed`), and the MLP skips its down projection: about a
+quarter of the matmul work of a recomputed Llama layer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from . import forward_state
 from .architectures import lookup
 from .decoder_layers import decoder_layers as _decoder_layers
-from .lora_fast_path import current_pass, within_pass
-
-#: Instance attribute set on a patched MLP while a recompute pass needs only what it saves.
-OUTPUT_UNUSED = "_notebookkit_output_unused"
 
 Mode = Union[bool, str]
 _MODES = {False: "none", None: "none", "none": "none", True: "recompute", "recompute": "recompute",
@@ -190,19 +187,6 @@ class _HostCopy:
             pass
 
 
-@contextlib.contextmanager
-def output_unused(module: Optional[nn.Module]) -> Iterator[None]:
-    """Mark ``module`` (a patched MLP, or None for nothing) as one whose output value nobody reads."""
-    if module is None:
-        yield
-        return
-    module.__dict__[OUTPUT_UNUSED] = True
-    try:
-        yield
-    finally:
-        module.__dict__.pop(OUTPUT_UNUSED, None)
-
-
 def mlp_output_only_summed(base: nn.Module) -> bool:
     """Whether each decoder layer's MLP output goes straight into the residual sum (no post-MLP norm)."""
     spec = lookup(getattr(base, "config", None))
@@ -216,7 +200,7 @@ class _OffloadedLayer(torch.autograd.Function):
     def forward(ctx, run: Callable[[torch.Tensor], Any], state: dict, keep_on_device: bool, info: dict,
                 unused_in_recompute: Optional[nn.Module], x: torch.Tensor, _anchor: torch.Tensor):
         ctx.run = run
-        ctx.pass_id = current_pass()  # the recompute re-enters it and reuses this forward's LoRA views
+        ctx.forward_pass = forward_state.current()  # the recompute resumes it: this forward's LoRA views
         ctx.unused_in_recompute = unused_in_recompute
         ctx.state = state
         ctx.rng_cpu = torch.get_rng_state()
@@ -255,8 +239,8 @@ class _OffloadedLayer(torch.autograd.Function):
             torch.set_rng_state(ctx.rng_cpu)
             if ctx.rng_cuda is not None:
                 torch.cuda.set_rng_state(ctx.rng_cuda, x.device)
-            with torch.enable_grad(), output_unused(ctx.unused_in_recompute):
-                out = within_pass(ctx.run, ctx.pass_id)(x)
+            with torch.enable_grad(), forward_state.resumed(ctx.forward_pass, ctx.unused_in_recompute):
+                out = ctx.run(x)
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         torch.autograd.backward(hidden, grad_hidden)
         return None, None, None, None, None, x.grad, None
@@ -271,8 +255,8 @@ def offload_checkpoint(
     **kwargs: Any,
 ):
     """Checkpoint function for one decoder layer; its input (first positional arg) goes to pinned
-    host memory unless ``keep_on_device``. ``unused_in_recompute``: a module marked
-    :func:`output_unused` while the backward recomputes the layer."""
+    host memory unless ``keep_on_device``. ``unused_in_recompute``: a module whose output the
+    backward's recompute of the layer does not read (:func:`forward_state.unread_output`)."""
     x, rest = args[0], args[1:]
     run = functools.partial(_call_first, function, rest, kwargs)
     anchor = torch.empty(0, requires_grad=True)

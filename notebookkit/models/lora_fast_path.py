@@ -21,25 +21,24 @@ after ``merge_and_unload``). :func:`projection_view` hands it to the kernels as
 generation or evaluation (eval mode) stays 16-bit.
 
 Reuse within one forward pass: building the views reads a few dozen module attributes, and the
-kernels cast fp32 adapters to the compute dtype. Inside :func:`forward_pass` (the patched backbone
-opens one per model forward; checkpointing re-enters it for the recompute) :func:`views` builds the
-views of a group of modules once and hands the same objects to the recompute, so the recompute
-and the backward reuse the forward's adapter casts. Outside a pass, views are built on every call.
+kernels cast fp32 adapters to the compute dtype. Inside a :class:`~.forward_state.ForwardPass` (the
+patched backbone opens one per model forward; checkpointing resumes it for the recompute)
+:func:`views` builds the views of a group of modules once and hands the same objects to the
+recompute, so the recompute and the backward reuse the forward's adapter casts. Outside a pass,
+views are built on every call.
 A pass id is never reused, so nothing outlives the pass it was built for: a model changed between
 two steps (merged, another adapter, eval mode, new weights) gets new views at its next forward.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
+from . import forward_state
 from .decoder_layers import decoder_layers as _decoder_layers
 from .kernel_ops import kernel
 
@@ -194,46 +193,6 @@ def fp8_base_matmul_count(model: nn.Module) -> int:
     return sum(1 for m in _base_linears(model) if vars(m).get(FP8_ATTR, False))
 
 
-class _Pass:
-    """The forward pass now running (an id), or None outside a model forward."""
-
-    current: Optional[int] = None
-    ids = itertools.count(1)
-
-
-@contextlib.contextmanager
-def forward_pass(pass_id: Optional[int] = None) -> Iterator[int]:
-    """Scope of one model forward (a new id), or with ``pass_id`` the recompute of an earlier one.
-
-    Inside it, :func:`views` of a module group are built once and reused (see the module docstring).
-    The previous scope is restored on exit, so nested forwards are safe.
-    """
-    previous = _Pass.current
-    _Pass.current = next(_Pass.ids) if pass_id is None else pass_id
-    try:
-        yield _Pass.current
-    finally:
-        _Pass.current = previous
-
-
-def current_pass() -> Optional[int]:
-    """Id of the forward pass now running, or None."""
-    return _Pass.current
-
-
-def within_pass(function: Callable, pass_id: Optional[int]) -> Callable:
-    """``function`` run inside ``forward_pass(pass_id)``: a checkpoint's recompute sees its forward's views."""
-    if pass_id is None:
-        return function
-
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with forward_pass(pass_id):
-            return function(*args, **kwargs)
-
-    return run
-
-
 _VIEWS_KEPT = "_notebookkit_views"
 
 
@@ -260,18 +219,20 @@ def _no_views() -> None:
 def views(*modules: nn.Module, training: Optional[bool] = None) -> tuple[Optional[list[ProjectionView]], Optional[str]]:
     """Views of all ``modules``, or ``(None, reason)`` for the first that cannot be fused.
 
-    Inside a :func:`forward_pass`, the result for this group is built once per pass and the same
-    objects are returned again (the recompute of a checkpointed layer reuses them and their casts).
+    Inside a forward pass (:mod:`.forward_state`), the result for this group is built once per pass
+    and the same objects are returned again (the recompute of a checkpointed layer reuses them and
+    their casts). Two passes using one module group at once (two threads) each find the other's
+    views, not theirs, and build their own: slower, never wrong.
     """
-    pass_id = _Pass.current
-    if pass_id is not None:
-        kept = modules[0].__dict__.get(_VIEWS_KEPT)
-        if (kept is not None and kept.pass_id == pass_id and kept.training == training
-                and kept.ids == tuple(map(id, modules))):
-            return kept.result
+    forward = forward_state.current()
+    if forward is None:
+        return _build_views(modules, training)
+    kept = modules[0].__dict__.get(_VIEWS_KEPT)
+    if (kept is not None and kept.pass_id == forward.id and kept.training == training
+            and kept.ids == tuple(map(id, modules))):
+        return kept.result
     result = _build_views(modules, training)
-    if pass_id is not None:
-        modules[0].__dict__[_VIEWS_KEPT] = _KeptViews(pass_id, training, tuple(map(id, modules)), result)
+    modules[0].__dict__[_VIEWS_KEPT] = _KeptViews(forward.id, training, tuple(map(id, modules)), result)
     return result
 
 

@@ -11,9 +11,10 @@ For hidden states ``x`` of shape ``[B, T, H]`` the patched forward computes::
 
 ``cos``/``sin`` come from the model's own rotary embedding, computed from ``position_ids`` (so they
 already carry rope scaling such as Llama-3.1's and per-token positions of packed rows). The mask is
-the one Hugging Face built for this layer (causal, padding, sliding window), combined with a
-block-diagonal causal mask whenever ``position_ids`` restart inside a row (packed batches), so
-packed examples never attend to each other. Scores go through
+the one Hugging Face built for this layer (causal, padding, sliding window), or none for a plainly
+causal forward (:func:`plain_causal_mask`), combined with a block-diagonal causal mask whenever
+``position_ids`` restart inside a row (packed batches), so packed examples never attend to each
+other; that mask is built once per forward (:func:`packed_mask_of_pass`). Scores go through
 ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient backends on GPU)
 except with a soft-cap, which SDPA cannot express: then an explicit fp32 softmax is used. Which SDPA
 backend runs is PyTorch's choice unless ``NOTEBOOKKIT_SDPA_BACKEND`` names one to try first
@@ -28,13 +29,13 @@ import contextlib
 import functools
 import math
 import os
-import weakref
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import forward_state
 from .kernel_ops import kernel
 from .lora_fast_path import views
 from .patching import rebind
@@ -42,46 +43,37 @@ from .patching import rebind
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
 
 
-class _PackedMaskCache:
-    """One-slot cache: the block-diagonal mask of the last ``position_ids`` tensor seen.
+def plain_causal_mask(device: Any = None) -> torch.Tensor:
+    """The mask a patched backbone passes for a plainly causal forward: a ``[0, 0, 0, 0]`` tensor.
 
-    Every layer of one forward receives the same ``position_ids`` object, so the mask (and the
-    host sync deciding whether the batch is packed at all) is built once per forward. When the
-    caller passed no ``position_ids``, Hugging Face makes them ``arange`` (plus the cache offset):
-    one segment per row by construction, so the patched backbone says so (:func:`default_positions`)
-    and the first layer records "not packed" for them without reading them on the host. That sync
-    would drain the GPU queue at the start of every training forward.
+    Hugging Face's mask builders (``create_causal_mask``, ``create_sliding_window_causal_mask``)
+    return a 4-D ``attention_mask`` as it is, as an "already prepared" mask, before looking at the
+    positions or the cache: so they build nothing and skip their check for packed rows (a host read
+    of the positions, which waits for the GPU at the start of every forward). The patched attention
+    reads this mask as plain causal attention (:func:`is_plain_causal`), which SDPA applies without
+    a mask tensor (``is_causal``). A layer on Hugging Face's code would fail on it loudly, so the
+    backbone passes it only when every decoder attention is notebookkit's.
     """
-
-    def __init__(self) -> None:
-        self.key: Optional[weakref.ref] = None
-        self.version = -1
-        self.value: Optional[torch.Tensor] = None
-        self.next_are_defaults = False
-
-    def get(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-        if self.key is not None and self.key() is position_ids and self.version == position_ids._version:
-            return self.value
-        self.value = None if self.next_are_defaults else packed_causal_mask(position_ids)
-        self.next_are_defaults = False
-        self.key = weakref.ref(position_ids)
-        self.version = position_ids._version
-        return self.value
+    return torch.empty((0, 0, 0, 0), dtype=torch.bool, device=device)
 
 
-_packed_cache = _PackedMaskCache()
+def is_plain_causal(mask: Any) -> bool:
+    """Whether ``mask`` is :func:`plain_causal_mask` (also after accelerate's hooks moved it to a layer's
+    device: the check is by shape, no real mask has zero rows)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.numel() == 0
 
 
-@contextlib.contextmanager
-def default_positions(active: bool):
-    """While active, the next ``position_ids`` the attention layers see are Hugging Face's defaults
-    (the caller passed none), so they are taken as unpacked without a host read (see
-    :class:`_PackedMaskCache`). Cleared on exit, also when the forward raised before any layer ran."""
-    _packed_cache.next_are_defaults = bool(active)
-    try:
-        yield
-    finally:
-        _packed_cache.next_are_defaults = False
+def packed_mask_of_pass(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """The block-diagonal mask of ``position_ids`` (:func:`packed_causal_mask`), built once per forward.
+
+    Inside a patched backbone's forward the pass keeps it for all its layers, and takes Hugging Face's
+    own positions as unpacked without reading them (:meth:`forward_state.ForwardPass.packed_mask`).
+    Outside one (a layer called on its own) it is built on every call.
+    """
+    forward = forward_state.current()
+    if forward is None:
+        return packed_causal_mask(position_ids)
+    return forward.packed_mask(position_ids, packed_causal_mask)
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -246,10 +238,10 @@ def make_attention_forward(softcap: Optional[float], qk_norm: bool):
             k, v = cache.update(k, v, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
 
         kv_len = k.shape[2]
-        mask = _as_bool_mask(attention_mask, q_len, kv_len)
+        mask = None if is_plain_causal(attention_mask) else _as_bool_mask(attention_mask, q_len, kv_len)
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, torch.Tensor) and q_len == kv_len and q_len > 1:
-            packed = _packed_cache.get(position_ids)
+            packed = packed_mask_of_pass(position_ids)
             if packed is not None:
                 mask = packed if mask is None else mask & packed
         dropout = float(getattr(self, "attention_dropout", 0.0) or 0.0) if self.training else 0.0

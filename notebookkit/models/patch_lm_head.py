@@ -36,18 +36,17 @@ writes this into the banner.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .forward_state import forward_pass
 from .kernel_ops import kernel
-from .lora_fast_path import forward_pass
-from .patch_attention import default_positions
+from .patch_attention import plain_causal_mask
 from .patching import WeakOwner, rebind
 
 
@@ -115,14 +114,17 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     Trainers that compute the loss themselves (TRL's chunked LM head) call the backbone directly,
     so the check lives here rather than in the causal-LM forward. The owning causal LM (which holds
     ``max_seq_length``) is found through a weak reference (:func:`owner_of`), so the model has no
-    reference cycle and ``copy.deepcopy`` maps it to the copy. When the caller passes no
-    ``position_ids``, the attention layers are told that the ones Hugging Face makes are plain
-    positions (no packed rows), which saves a host sync per forward (:func:`default_positions`).
-    Each call is one forward pass (:func:`forward_pass`): the fused layers build their LoRA views
-    once and the checkpointing recompute reuses them. When the mask is plain causal (no attention
+    reference cycle and ``copy.deepcopy`` maps it to the copy.
+
+    Each call is one forward pass (:func:`~.forward_state.forward_pass`, held per thread): the fused
+    layers build their LoRA views once and the checkpointing recompute reuses them, and when the
+    caller passes no ``position_ids`` the attention layers take the ones Hugging Face makes as plain
+    positions (no packed rows) without a host sync. When the mask is plain causal (no attention
     mask, positions or cache from the caller, every attention layer patched; :func:`plainly_causal`),
-    Hugging Face builds no mask at all (:func:`hf_masks_skipped`): that removes the last host sync of
-    a training step.
+    the backbone passes :func:`~.patch_attention.plain_causal_mask` as the attention mask, so Hugging
+    Face builds no mask at all: that removes the last host sync of a training step. Nothing shared
+    (the config, a module-level flag) changes, so forwards on other threads, or nested in this one,
+    are unaffected.
     """
     ref = kwargs.get("input_ids", args[0] if args else None)
     if ref is None:
@@ -132,15 +134,13 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
         _check_length(owner, ref.shape[1], self.training)
     # position_ids is the third positional parameter of the backbones' forward.
     caller_gave_positions = kwargs.get("position_ids") is not None or len(args) >= 3
-    skip_masks = not caller_gave_positions and plainly_causal(self, args, kwargs, ref)
-    with default_positions(not caller_gave_positions), forward_pass(), hf_masks_skipped(self.config, skip_masks):
+    if not caller_gave_positions and plainly_causal(self, args, kwargs, ref):
+        kwargs["attention_mask"] = plain_causal_mask(ref.device)
+    with forward_pass(default_positions=not caller_gave_positions):
         return type(self).forward(self, *args, **kwargs)
 
 
 ALL_ATTENTION_PATCHED = "_notebookkit_all_attention_patched"
-# An attention implementation name that Hugging Face's mask registry does not know: its mask functions
-# (create_causal_mask, create_sliding_window_causal_mask) then return None without looking at the inputs.
-_NO_HF_MASK = "notebookkit_plain_causal"
 
 
 def plainly_causal(backbone: nn.Module, args: tuple, kwargs: dict, ref: Any) -> bool:
@@ -157,23 +157,6 @@ def plainly_causal(backbone: nn.Module, args: tuple, kwargs: dict, ref: Any) -> 
         return False
     window = getattr(config, "sliding_window", None)
     return window is None or ref.shape[1] <= int(window)
-
-
-@contextlib.contextmanager
-def hf_masks_skipped(config: Any, active: bool) -> Iterator[None]:
-    """While active, Hugging Face builds no attention mask: the layers get ``None``, which the patched
-    attention reads as plain causal. This also skips Hugging Face's check for packed rows in the
-    positions it made itself (``find_packed_sequence_indices``), a host read that waits for the GPU
-    to finish the previous step at the start of every forward. Restored on exit, also on errors."""
-    if not active:
-        yield
-        return
-    saved = config._attn_implementation_internal
-    config._attn_implementation_internal = _NO_HF_MASK
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = saved
 
 
 def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

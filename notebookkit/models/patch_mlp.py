@@ -6,8 +6,8 @@
   adapter of dropout 0 and no trainable bias, the whole block runs ``kernels.lora_mlp`` (fused
   dequantisation, base + low-rank matmuls, activation and its hand-written backward).
 * While a checkpointed layer recomputes its forward for the backward pass and nothing reads the
-  MLP output (see :func:`notebookkit.models.checkpointing.output_unused`), the fused block skips
-  the down projection.
+  MLP output (the recompute names it: :func:`notebookkit.models.forward_state.unread_output`), the
+  fused block skips the down projection.
 * Otherwise (trainable base weights, LoRA dropout, DoRA, 8-bit...) the projections run their own
   modules (stock PEFT / bitsandbytes) and only ``act(e) * g`` runs the fused activation kernel.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .checkpointing import OUTPUT_UNUSED
+from . import forward_state
 from .kernel_ops import kernel
 from .lora_fast_path import views
 from .patching import rebind
@@ -45,7 +45,7 @@ def make_mlp_forward(activation: str):
             if parts is not None and all(p.bias is None for p in parts):
                 return lora_mlp(
                     x, parts[0].projection, parts[1].projection, parts[2].projection, activation=activation,
-                    compute_output=not self.__dict__.get(OUTPUT_UNUSED, False),
+                    compute_output=forward_state.unread_output() is not self,
                 )
         return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 

@@ -116,7 +116,7 @@ def _forward_without_pass(model, ids):
     from notebookkit.models import patch_lm_head
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(patch_lm_head, "forward_pass", lambda: contextlib.nullcontext(None))
+        mp.setattr(patch_lm_head, "forward_pass", lambda **_: contextlib.nullcontext(None))
         return model(input_ids=ids, labels=ids).loss
 
 

@@ -140,3 +140,23 @@ def test_config_restored_when_the_forward_raises():
     with pytest.raises(Exception):
         model(input_ids=torch.full((1, 8), 10_000), labels=None)  # token ids past the vocabulary
     assert config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("builder", ["create_causal_mask", "create_sliding_window_causal_mask"])
+def test_hugging_face_returns_a_prepared_mask_as_it_is(builder, monkeypatch):
+    """What the plainly causal forward relies on (transformers 4.56-5.24): a 4-D ``attention_mask`` is
+    an already prepared mask, returned as it is, before the positions are checked for packed rows."""
+    import inspect
+
+    from notebookkit.models.patch_attention import is_plain_causal, plain_causal_mask
+
+    config = random_model("mistral").config
+    embeds = torch.zeros(2, 8, config.hidden_size)
+    marker = plain_causal_mask(embeds.device)
+    build = getattr(masking_utils, builder)
+    values = {"cache_position": torch.arange(8), "past_key_values": None, "cache": None,
+              "position_ids": torch.arange(8)[None].expand(2, -1)}
+    params = list(inspect.signature(build).parameters)[3:]
+    checks = _count_packed_checks(monkeypatch)
+    assert build(config, embeds, marker, **{k: values[k] for k in params if k in values}) is marker
+    assert checks == [] and is_plain_causal(marker) and not is_plain_causal(torch.ones(2, 1, 8, 8, dtype=torch.bool))

@@ -106,7 +106,7 @@ def test_positions_made_by_hugging_face_are_not_read_on_the_host(monkeypatch):
     """A forward without position_ids skips the packed-rows check (a GPU sync per forward on CUDA):
     Hugging Face's own positions are one segment per row. Positions the caller passes are still checked,
     and the hint never outlives the forward it was given for, not even one that raised."""
-    from notebookkit.models import patch_attention
+    from notebookkit.models import forward_state, patch_attention
 
     model = random_model("llama")
     patch_model(model)
@@ -126,7 +126,10 @@ def test_positions_made_by_hugging_face_are_not_read_on_the_host(monkeypatch):
 
     with pytest.raises(Exception):
         model(input_ids=ids.float(), labels=ids)  # fails inside the backbone, before any attention layer
-    assert patch_attention._packed_cache.next_are_defaults is False
+    assert forward_state.current() is None  # the failed forward's pass (and its hint) is gone
     ids_packed, pos = _packed([5, 7], seed=2)
+    masks = []
+    real_of_pass = patch_attention.packed_mask_of_pass
+    monkeypatch.setattr(patch_attention, "packed_mask_of_pass", lambda p: masks.append(real_of_pass(p)) or masks[-1])
     model(input_ids=ids_packed, position_ids=pos, labels=ids_packed)
-    assert len(checked) == 2 and patch_attention._packed_cache.value is not None  # packed rows still isolated
+    assert len(checked) == 2 and all(m is not None for m in masks) and masks  # packed rows still isolated
