@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from . import forward_state
+from . import compat, forward_state
 from .architectures import lookup
 from .decoder_layers import decoder_layers as _decoder_layers
 
@@ -323,7 +323,7 @@ def apply_checkpointing(
             banner.feature("checkpointing", False, why or "use_gradient_checkpointing=False")
         return "none"
 
-    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=False))
+    compat.enable_gradient_checkpointing(base, functools.partial(checkpoint, use_reentrant=False))
     state: dict = {}
     last_offload = max((i for i, m in enumerate(modes) if m == "offload"), default=-1)
     skip_mlp_output = mlp_output_only_summed(base)
@@ -334,10 +334,10 @@ def apply_checkpointing(
         # Recompute keeps the input on the device; so does the last offloaded layer (its input is
         # needed first in the backward pass).
         keep = m == "recompute" or i == len(layers) - 1 or (i == last_offload and all(x == "offload" for x in modes))
-        layer._gradient_checkpointing_func = functools.partial(
+        compat.set_layer_checkpoint_function(layer, functools.partial(
             offload_checkpoint, keep_on_device=keep, state=state,
             unused_in_recompute=getattr(layer, "mlp", None) if skip_mlp_output else None,
-        )
+        ))
     mode = "offload" if "offload" in modes else "recompute"
     object.__setattr__(base, "_notebookkit_checkpointing", list(modes))
     _guard_trainer_override(base)

@@ -28,6 +28,7 @@ from .patch_mlp import mlp_ready, patch_mlp
 from .patch_norms import patch_norms
 from .patching import patch_tag, patched_modules, restore
 from .kernel_ops import why_missing
+from .compat import attention_implementation
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -125,7 +126,7 @@ def _patch_attentions(causal_lm: nn.Module, layers: list[nn.Module], config: Any
     Face's masks (:mod:`.patch_lm_head`).
     """
     text_config = architectures.text_config(config)
-    attn_impl = getattr(text_config, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
+    attn_impl = attention_implementation(text_config) or attention_implementation(config)
     softcap = architectures.attn_softcap(config, spec)
     attn_done, attn_reason = 0, None
     if attn_impl not in (None, "sdpa", "eager"):

@@ -15,8 +15,8 @@ with stock Hugging Face models.
 
 Models placed with ``device_map`` (``"balanced"``, ``"auto"``...) carry accelerate hooks: accelerate
 replaces ``module.forward`` by a wrapper that moves the inputs to the module's device and then calls
-``module._old_forward``. On such a module the patched forward takes the place of ``_old_forward``,
-so the hook keeps running around it. The patched forward also runs with the CUDA device of its
+``module._old_forward`` (:mod:`.compat`). On such a module the patched forward takes the place of
+``_old_forward``, so the hook keeps running around it. The patched forward also runs with the CUDA device of its
 first tensor argument current, so Triton kernels launch on the device that holds that layer.
 """
 
@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+
+from .compat import ACCELERATE_FORWARD, accelerate_wrapped
 
 _ORIGINAL = "_notebookkit_original_forward"
 _PATCHED = "_notebookkit_patched_forward"
@@ -52,12 +54,6 @@ class _Absent:
 
 
 _ABSENT = _Absent()
-_HOOK_SLOT = "_old_forward"  # what accelerate's forward wrapper calls
-
-
-def _hooked(module: nn.Module) -> bool:
-    """True when accelerate wrapped ``module.forward`` (``device_map`` placement / offload hooks)."""
-    return "_hf_hook" in module.__dict__ and _HOOK_SLOT in module.__dict__
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Any:
@@ -147,7 +143,7 @@ def rebind(module: nn.Module, fn: Callable[..., Any], tag: str) -> None:
     On a module wrapped by accelerate's hooks the wrapper stays and ``fn`` replaces the forward
     it calls, so inputs are still moved to the module's device first.
     """
-    slot = _HOOK_SLOT if _hooked(module) else "forward"
+    slot = ACCELERATE_FORWARD if accelerate_wrapped(module) else "forward"
     if _ORIGINAL not in module.__dict__:
         object.__setattr__(module, _ORIGINAL, (slot, module.__dict__.get(slot, _ABSENT)))
     bound = WeakBoundMethod(_on_tensor_device(fn), module)

@@ -197,8 +197,9 @@ def _count_train_tokens(trainer: Any, inputs: dict[str, Any]) -> None:
     """Keep TRL's cumulative ``num_tokens`` metric (the dashboard's tokens/s) on the fused path."""
     import torch
 
-    metrics = getattr(trainer, "_metrics", None)
-    if not isinstance(metrics, dict) or "train" not in metrics or not hasattr(trainer, "_total_train_tokens"):
+    from ..models.compat import trl_add_train_tokens, trl_counts_train_tokens
+
+    if not trl_counts_train_tokens(trainer):
         return
     if "attention_mask" in inputs:
         local = inputs["attention_mask"].sum()
@@ -206,9 +207,7 @@ def _count_train_tokens(trainer: Any, inputs: dict[str, Any]) -> None:
         local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
     else:
         return
-    total = trainer.accelerator.gather_for_metrics(local).sum().item()
-    trainer._total_train_tokens += total // getattr(trainer, "_tp_size", 1)
-    metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+    trl_add_train_tokens(trainer, trainer.accelerator.gather_for_metrics(local).sum().item())
 
 
 def fused_sft_loss(trainer: Any, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:

@@ -1,0 +1,79 @@
+"""Every private name of another library that notebookkit reads or writes, in one place.
+
+Where a public interface does the job, notebookkit uses it: a plainly causal forward skips Hugging
+Face's masks by passing an already prepared 4-D mask, which ``transformers.masking_utils`` returns
+as it is (:func:`notebookkit.models.patch_attention.plain_causal_mask`), instead of swapping the
+shared config's attention implementation. What is left has no public equivalent in the supported
+versions. Each entry says what it touches and on which versions that was read in the library's
+source; ``tests/models/test_compat.py`` fails when an installed version stops behaving that way.
+
+Supported ranges (``pyproject.toml``): transformers ``>=4.56,<6``, accelerate ``>=1.0,<2``, TRL
+``>=0.24,<2``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+# ---- transformers: gradient checkpointing -------------------------------------------------------
+# Checked on transformers 4.56.2, 5.17.0, 5.24.0. ``PreTrainedModel._set_gradient_checkpointing(
+# enable, gradient_checkpointing_func)`` sets ``gradient_checkpointing`` and ``_gradient_checkpointing_func``
+# on every module that has the flag; ``GradientCheckpointingLayer`` (the decoder layers) then calls
+# ``self._gradient_checkpointing_func(partial(forward, **kwargs), *args)`` in training. The public
+# ``gradient_checkpointing_enable`` takes one function for every layer (and, depending on the version,
+# changes input gradients too); the per-layer plan (keep / recompute / offload) needs one per layer.
+
+
+def enable_gradient_checkpointing(model: Any, checkpoint_function: Callable[..., Any]) -> None:
+    """Turn Hugging Face's gradient checkpointing on for ``model`` with ``checkpoint_function``."""
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_function)
+
+
+def set_layer_checkpoint_function(layer: Any, checkpoint_function: Callable[..., Any]) -> None:
+    """The function one decoder layer (a ``GradientCheckpointingLayer``) checkpoints its forward with."""
+    layer._gradient_checkpointing_func = checkpoint_function
+
+
+# ---- transformers: the attention implementation a config asks for -------------------------------
+# Checked on transformers 4.56.2, 5.17.0, 5.24.0: ``PretrainedConfig._attn_implementation`` (a
+# property over ``_attn_implementation_internal``) is the resolved ``attn_implementation``
+# ("sdpa", "eager", "flash_attention_2", ...). Read only, never written.
+
+
+def attention_implementation(config: Any) -> Optional[str]:
+    """The attention implementation ``config`` resolved (``"sdpa"``, ``"eager"``...), or ``None``."""
+    return getattr(config, "_attn_implementation", None)
+
+
+# ---- accelerate: forward hooks of device_map placement ------------------------------------------
+# Checked on accelerate 1.0.0 and 1.15.0: ``add_hook_to_module`` keeps the module's forward as
+# ``module._old_forward``, stores the hook as ``module._hf_hook`` and sets ``module.forward`` to a
+# wrapper that calls ``module._old_forward`` between the hook's pre- and post-forward.
+
+ACCELERATE_FORWARD = "_old_forward"
+
+
+def accelerate_wrapped(module: Any) -> bool:
+    """True when accelerate's hooks wrap ``module.forward`` (``device_map`` placement, offload hooks):
+    the forward it runs is then ``module.__dict__[ACCELERATE_FORWARD]``."""
+    return "_hf_hook" in module.__dict__ and ACCELERATE_FORWARD in module.__dict__
+
+
+# ---- TRL: the SFT trainer's cumulative token count ---------------------------------------------
+# Checked on TRL 0.24.0, 1.15.0, 1.16.0: ``SFTTrainer.__init__`` sets ``self._metrics = {"train":
+# defaultdict(list), "eval": ...}`` and ``self._total_train_tokens = 0`` (1.x also ``self._tp_size``,
+# the tensor-parallel size, 1 without it); ``SFTTrainer.compute_loss`` adds each micro-batch's token
+# count (divided by ``_tp_size``) and logs ``_metrics["train"]["num_tokens"]``. notebookkit's fused
+# SFT loss replaces that ``compute_loss``, so it keeps the count the same way.
+
+
+def trl_counts_train_tokens(trainer: Any) -> bool:
+    """Whether ``trainer`` keeps TRL's cumulative ``num_tokens`` train metric."""
+    metrics = getattr(trainer, "_metrics", None)
+    return isinstance(metrics, dict) and "train" in metrics and hasattr(trainer, "_total_train_tokens")
+
+
+def trl_add_train_tokens(trainer: Any, tokens: int) -> None:
+    """Add ``tokens`` (the step's micro-batch, summed over processes) to TRL's ``num_tokens`` metric."""
+    trainer._total_train_tokens += tokens // getattr(trainer, "_tp_size", 1)
+    trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]

@@ -1,0 +1,89 @@
+"""The private names of other libraries that notebookkit uses (:mod:`notebookkit.models.compat`)
+still behave as they did on the versions checked: each test fails when an installed version changes."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from notebookkit.models import compat
+
+from .helpers import random_model, tiny_folder
+
+
+def test_per_layer_checkpoint_functions_are_what_the_layers_call():
+    model = random_model("llama").train()
+    calls = []
+
+    def counting(tag):
+        def run(function, *args, **kwargs):
+            calls.append(tag)
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+        return run
+
+    compat.enable_gradient_checkpointing(model, counting("model"))
+    layers = list(model.model.layers)
+    assert all(layer.gradient_checkpointing for layer in layers) and model.is_gradient_checkpointing
+    compat.set_layer_checkpoint_function(layers[0], counting("first"))
+    ids = torch.randint(3, 256, (1, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == ["first"] + ["model"] * (len(layers) - 1)
+
+
+def test_attention_implementation_is_the_resolved_one():
+    assert compat.attention_implementation(random_model("llama").config) in ("sdpa", "eager")
+    from transformers import AutoModelForCausalLM
+
+    from .helpers import family_config
+
+    eager = AutoModelForCausalLM.from_config(family_config("llama"), attn_implementation="eager")
+    assert compat.attention_implementation(eager.config) == "eager"
+    assert compat.attention_implementation(object()) is None
+
+
+def test_accelerate_hooks_call_the_forward_kept_in_their_slot():
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    layer = nn.Linear(4, 3)
+    assert not compat.accelerate_wrapped(layer)
+    add_hook_to_module(layer, ModelHook())
+    assert compat.accelerate_wrapped(layer)
+    calls = []
+    original = layer.__dict__[compat.ACCELERATE_FORWARD]
+    setattr(layer, compat.ACCELERATE_FORWARD, functools.partial(lambda f, x: calls.append(1) or f(x), original))
+    layer(torch.ones(2, 4))
+    assert calls == [1]  # the hook's wrapper runs whatever the slot holds
+
+
+def test_trl_token_count_is_the_one_sft_trainer_keeps(tmp_path):
+    """TRL's own ``compute_loss`` and :func:`compat.trl_add_train_tokens` log the same ``num_tokens``."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    folder = tiny_folder("llama")
+    tok = AutoTokenizer.from_pretrained(folder)
+    data = Dataset.from_list([{"text": "a short line of text"}, {"text": "and one more, a little longer"}])
+
+    def trainer(out):
+        args = SFTConfig(output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_length=32,
+                         use_cpu=True, report_to="none", disable_tqdm=True)
+        return SFTTrainer(model=AutoModelForCausalLM.from_pretrained(folder), args=args, train_dataset=data,
+                          processing_class=tok)
+
+    trl_side, ours = trainer("trl"), trainer("ours")
+    assert compat.trl_counts_train_tokens(trl_side) and compat.trl_counts_train_tokens(ours)
+    batch = next(iter(trl_side.get_train_dataloader()))
+    trl_side.model.train()  # a training step's compute_loss
+    trl_side.compute_loss(trl_side.model, dict(batch))
+    compat.trl_add_train_tokens(ours, int(batch["attention_mask"].sum()))
+    compat.trl_add_train_tokens(ours, 0)
+    expected = trl_side._metrics["train"]["num_tokens"]
+    assert expected == [int(batch["attention_mask"].sum())]
+    assert ours._metrics["train"]["num_tokens"] == expected
+    assert not compat.trl_counts_train_tokens(object())
