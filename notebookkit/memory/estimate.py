@@ -103,6 +103,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from .model_setup import fp8_forward, fused_lm_head, recorded_activation_plan
 from .shapes import PROJECTIONS, ModelShape, model_shape
 
 GiB = 1024**3
@@ -305,7 +306,8 @@ class MemoryEstimate:
 
 def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     """What a loaded (PEFT) model tells about itself: ``load_in_4bit``, ``dtype``, ``lora_r``,
-    ``target_modules``, ``lora_dropout``. Missing facts are left out (the defaults apply)."""
+    ``target_modules``, ``lora_dropout`` from its configs, ``fused_loss`` and ``fp8_forward`` from
+    what notebookkit set up on it (:mod:`.model_setup`). Missing facts are left out (the defaults apply)."""
     out: dict[str, Any] = {}
     cfg = getattr(model, "config", None)
     q = getattr(cfg, "quantization_config", None)
@@ -324,7 +326,7 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     if dtype is not None and str(dtype).replace("torch.", "") in _DTYPE_BYTES:
         out["dtype"] = str(dtype).replace("torch.", "")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if hasattr(base, "__dict__") and "_notebookkit_original_forward" not in base.__dict__ and hasattr(base, "lm_head"):
+    if hasattr(base, "__dict__") and not fused_lm_head(base) and hasattr(base, "lm_head"):
         out["fused_loss"] = False  # the causal-LM head is not patched: stock code materialises the logits
     peft = getattr(model, "peft_config", None)
     if isinstance(peft, dict) and peft:
@@ -336,7 +338,7 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
             if names:
                 out["target_modules"] = sorted({str(t).split(".")[-1] for t in names}, key=PROJECTIONS.index)
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
-    if any(vars(m).get("_notebookkit_fp8_forward", False) for m in getattr(model, "modules", lambda: [])()):
+    if any(fp8_forward(m) for m in getattr(model, "modules", lambda: [])()):
         out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
     return out
 
@@ -345,7 +347,7 @@ def activation_plan_of(model: Any) -> Any:
     """The activation plan a loaded model runs: the per-layer modes notebookkit applied
     (``use_gradient_checkpointing``), else ``"recompute"`` / ``"keep"`` from Hugging Face's flag."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    modes = getattr(base, "__dict__", {}).get("_notebookkit_checkpointing")
+    modes = recorded_activation_plan(base)
     if modes is None:
         return "recompute" if getattr(base, "is_gradient_checkpointing", False) else "keep"
     return "keep" if modes == "none" else modes

@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from notebookkit.memory.model_setup import record_activation_plan, recorded_activation_plan
+
 from . import compat, forward_state
 from .architectures import lookup
 from .decoder_layers import decoder_layers as _decoder_layers
@@ -317,7 +319,7 @@ def apply_checkpointing(
         if _is_checkpointing(base):
             disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
             disable()
-        object.__setattr__(base, "_notebookkit_checkpointing", "none")
+        record_activation_plan(base, None)
         _guard_trainer_override(base)  # TRL's default gradient_checkpointing=True must not turn it back on
         if banner is not None:
             banner.feature("checkpointing", False, why or "use_gradient_checkpointing=False")
@@ -339,7 +341,7 @@ def apply_checkpointing(
             unused_in_recompute=getattr(layer, "mlp", None) if skip_mlp_output else None,
         ))
     mode = "offload" if "offload" in modes else "recompute"
-    object.__setattr__(base, "_notebookkit_checkpointing", list(modes))
+    record_activation_plan(base, modes)
     _guard_trainer_override(base)
     if getattr(base.config, "use_cache", False):
         base.config.use_cache = False
@@ -374,4 +376,4 @@ def _guard_trainer_override(base: nn.Module) -> None:
 
 def _reapply_checkpointing(base: nn.Module, *args: Any, **kwargs: Any) -> None:
     """``gradient_checkpointing_enable`` of a model notebookkit configured: re-apply its own mode."""
-    apply_checkpointing(base, base.__dict__.get("_notebookkit_checkpointing", "none"))
+    apply_checkpointing(base, recorded_activation_plan(base) or "none")

@@ -38,11 +38,12 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
+
 from . import forward_state
 from .decoder_layers import decoder_layers as _decoder_layers
 from .kernel_ops import kernel
 
-FP8_ATTR = "_notebookkit_fp8_forward"
 PROJECTION_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
@@ -125,7 +126,7 @@ def projection_view(module: nn.Module, training: Optional[bool] = None) -> tuple
     weight, quant_state, bias = parts
     if bias is not None and bias.requires_grad:
         return None, "trainable bias (bias='all' or 'lora_only')"
-    fp8 = bool(vars(base).get(FP8_ATTR, False)) and (module.training if training is None else training)
+    fp8 = fp8_forward(base) and (module.training if training is None else training)
     if lora is None:
         proj = make(weight, quant_state, None, None, 1.0, fp8_forward=fp8)
         return ProjectionView(proj, bias, False), None
@@ -181,16 +182,13 @@ def set_fp8_base_matmul(model: nn.Module, enabled: bool = True) -> int:
                     "Call get_peft_model with fp8_base_matmul=False (the default)."
                 )
     for module in linears:
-        if enabled:
-            setattr(module, FP8_ATTR, True)
-        else:
-            vars(module).pop(FP8_ATTR, None)
+        set_fp8_forward(module, enabled)
     return len(linears) if enabled else 0
 
 
 def fp8_base_matmul_count(model: nn.Module) -> int:
     """How many decoder projections of ``model`` have the FP8 forward switched on."""
-    return sum(1 for m in _base_linears(model) if vars(m).get(FP8_ATTR, False))
+    return sum(1 for m in _base_linears(model) if fp8_forward(m))
 
 
 _VIEWS_KEPT = "_notebookkit_views"

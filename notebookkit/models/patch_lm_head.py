@@ -44,6 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from notebookkit.memory.model_setup import record_fused_lm_head
+
 from .forward_state import forward_pass
 from .kernel_ops import kernel
 from .patch_attention import plain_causal_mask
@@ -306,5 +308,6 @@ def describe_lm_head(banner: Any, final_softcap: Optional[float]) -> None:
 def patch_lm_head(model: nn.Module, final_softcap: Optional[float]) -> None:
     """Rebind the causal-LM forward of ``model`` (and its backbone's, for the length check)."""
     rebind(model, make_causal_lm_forward(model, final_softcap), "causal_lm")
+    record_fused_lm_head(model, True)  # for the memory model: training computes no [N, V] logits
     object.__setattr__(model.model, "_notebookkit_owner", WeakOwner(model))  # weak: no reference cycle
     rebind(model.model, backbone_forward, "backbone")

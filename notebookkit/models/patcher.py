@@ -29,6 +29,7 @@ from .patch_norms import patch_norms
 from .patching import patch_tag, patched_modules, restore
 from .kernel_ops import why_missing
 from .compat import attention_implementation
+from notebookkit.memory.model_setup import record_fused_lm_head
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -181,6 +182,7 @@ def unpatch_model(model: nn.Module, keep_nf4_decode: bool = True) -> int:
         count += restore(module)
         module.__dict__.pop("_notebookkit_owner", None)
         module.__dict__.pop(ALL_ATTENTION_PATCHED, None)
+        record_fused_lm_head(module, False)
     return count
 
 

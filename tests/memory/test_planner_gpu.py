@@ -41,6 +41,7 @@ def _train(folder, max_memory):
     import torch
 
     from notebookkit import FastLanguageModel
+    from notebookkit.memory.model_setup import recorded_activation_plan
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -50,7 +51,7 @@ def _train(folder, max_memory):
                                                  load_in_4bit=False, show_banner=False)
     model = FastLanguageModel.get_peft_model(model, use_gradient_checkpointing="auto", planning_batch_size=BATCH,
                                              max_memory=max_memory, show_banner=False)
-    plan = model.get_base_model()._notebookkit_checkpointing  # "none" when every layer keeps
+    plan = recorded_activation_plan(model.get_base_model())  # "none" when every layer keeps
     plan = ["keep"] * SHAPE["num_hidden_layers"] if plan == "none" else list(plan)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(3, SHAPE["vocab_size"], (BATCH, SEQ), device="cuda")

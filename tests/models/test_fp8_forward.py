@@ -14,7 +14,8 @@ from notebookkit.kernels.testing import rel_err
 from notebookkit.memory.estimate import estimate_kwargs_from_model, estimate_training_memory
 from notebookkit.models import FastLanguageModel, patch_model
 from notebookkit.models import lora_fast_path
-from notebookkit.models.lora_fast_path import FP8_ATTR, fp8_base_matmul_count, projection_view, set_fp8_base_matmul
+from notebookkit.memory.model_setup import fp8_forward
+from notebookkit.models.lora_fast_path import fp8_base_matmul_count, projection_view, set_fp8_base_matmul
 
 from .helpers import FAMILIES, random_model
 
@@ -79,7 +80,7 @@ def test_flag_lives_on_base_linears_and_switches_off():
     patch_model(base)
     model = _peft(base, fp8=True, checkpointing=False)
     q = model.get_base_model().model.layers[0].self_attn.q_proj
-    assert hasattr(q, "base_layer") and vars(q.base_layer).get(FP8_ATTR) is True
+    assert hasattr(q, "base_layer") and fp8_forward(q.base_layer)
     view, reason = projection_view(q)
     assert reason is None and view.projection.fp8_forward is True
     with model.disable_adapter():

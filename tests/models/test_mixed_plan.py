@@ -17,6 +17,7 @@ import torch
 
 from notebookkit.kernels import lora_projection
 from notebookkit.memory import estimate_training_memory, layer_activation_bytes, model_shape
+from notebookkit.memory.model_setup import recorded_activation_plan
 from notebookkit.models import checkpointing
 
 from ..memory.activation_probe import cuda_like, decoder_layers, saved_bytes_by_layer
@@ -46,7 +47,7 @@ def test_kept_last_layer_runs_once_and_saves_all_it_needs(fp8, monkeypatch):
     plan = ["recompute"] * (L - 1) + ["keep"]
     model, shape = _tiny_llama(plan, fp8, monkeypatch)
     layers = decoder_layers(model)
-    assert len(layers) == L and model.get_base_model()._notebookkit_checkpointing == plan
+    assert len(layers) == L and recorded_activation_plan(model.get_base_model()) == plan
     assert [layer.gradient_checkpointing for layer in layers] == [True] * (L - 1) + [False]
 
     runs = {("attn", i): 0 for i in range(L)} | {("mlp", i): 0 for i in range(L)}

@@ -1,0 +1,69 @@
+"""What a loaded model runs, as far as the memory model needs to know: the marks models/ leaves on it.
+
+Three facts about a model set up by :mod:`notebookkit.models` change its memory use and cannot be
+read off its config or its PEFT config:
+
+* the activation plan it applies (per-layer keep / recompute / offload, or ``"none"``), recorded on
+  the causal LM by ``apply_checkpointing``;
+* the FP8 forward, flagged on each frozen base linear by ``set_fp8_base_matmul`` (the fused path
+  reads the flag on every call, so it lives on the linear: it holds for a plain, a 4-bit and a
+  LoRA-wrapped projection alike, and after ``merge_and_unload``);
+* whether the causal-LM forward is notebookkit's fused linear cross-entropy (no ``[N, V]`` logits),
+  recorded by ``patch_lm_head`` and cleared by ``unpatch_model``.
+
+Why the marks are defined here: memory/ sits below models/ (data flows down), so memory must not
+import models. Instead the layer that reads the marks owns them, and models/ writes them through
+these functions; neither side spells an attribute name, so renaming a mark cannot silently break
+the estimate. The marks stay on the modules they describe (not copied into a summary), so they
+follow the model through ``copy.deepcopy``, PEFT wrapping and merging, and cannot drift from what the
+model runs. Plain attribute reads: no torch import, nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+_ACTIVATION_PLAN = "_notebookkit_checkpointing"
+_FP8_FORWARD = "_notebookkit_fp8_forward"
+_FUSED_LM_HEAD = "_notebookkit_fused_lm_head"
+
+
+def _marks(module: Any) -> dict:
+    return getattr(module, "__dict__", {})
+
+
+def record_activation_plan(causal_lm: Any, modes: Optional[Sequence[str]]) -> None:
+    """Record the per-layer modes ``causal_lm`` now runs (``None``: no checkpointing at all)."""
+    object.__setattr__(causal_lm, _ACTIVATION_PLAN, "none" if modes is None else list(modes))
+
+
+def recorded_activation_plan(causal_lm: Any) -> Union[list[str], str, None]:
+    """The per-layer modes recorded by :func:`record_activation_plan`, ``"none"``, or ``None`` when
+    notebookkit never set up checkpointing on ``causal_lm``."""
+    return _marks(causal_lm).get(_ACTIVATION_PLAN)
+
+
+def set_fp8_forward(linear: Any, enabled: bool) -> None:
+    """Flag (or unflag) the FP8 forward on one frozen base linear."""
+    if enabled:
+        object.__setattr__(linear, _FP8_FORWARD, True)
+    else:
+        _marks(linear).pop(_FP8_FORWARD, None)
+
+
+def fp8_forward(linear: Any) -> bool:
+    """Whether the FP8 forward is flagged on this base linear (:func:`set_fp8_forward`)."""
+    return bool(_marks(linear).get(_FP8_FORWARD, False))
+
+
+def record_fused_lm_head(causal_lm: Any, fused: bool) -> None:
+    """Record whether ``causal_lm``'s forward computes its training loss with the fused cross-entropy."""
+    if fused:
+        object.__setattr__(causal_lm, _FUSED_LM_HEAD, True)
+    else:
+        _marks(causal_lm).pop(_FUSED_LM_HEAD, None)
+
+
+def fused_lm_head(causal_lm: Any) -> bool:
+    """Whether ``causal_lm`` runs notebookkit's fused LM head (:func:`record_fused_lm_head`)."""
+    return bool(_marks(causal_lm).get(_FUSED_LM_HEAD, False))
