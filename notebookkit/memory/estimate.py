@@ -490,7 +490,8 @@ def backward_working_set(
     N = batch_size * seq_len
     s = dtype_bytes
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
-    dequant = max(i * o for i, o in shape.projection_shapes().values()) * s if load_in_4bit else 0
+    dims = shape.projection_shapes()
+    dequant = max(i * o for i, o in dims.values()) * s if load_in_4bit else 0
     mlp = N * H * s + N * I * s + N * H * s + dequant
     freed = N * (2 * I + 2 * H) * s + N * 8  # e, g, the MLP norm's input and output, 1/rms
     attn = N * H * s + N * dq * s  # gradient from above, gradient of the attention output
@@ -502,8 +503,7 @@ def backward_working_set(
     attn += dequant
     fp8 = 0
     if fp8_forward:
-        one_pass_nf4 = all(i % 64 == 0 and i <= 16384 for i, _ in shape.projection_shapes().values())
-        dims = shape.projection_shapes()
+        one_pass_nf4 = all(i % 64 == 0 and i <= 16384 for i, _ in dims.values())
         fp8 = max(N * dims[names[0]][0] + sum(dims[n][0] * dims[n][1] for n in names) for names in fp8_products(shape))
         fp8 += 0 if one_pass_nf4 else dequant
     return {"mlp": mlp, "attention": attn - freed, "fp8_forward": fp8}
@@ -565,34 +565,94 @@ def estimate_training_memory(
     s = _dtype_bytes(dtype)
     targets = _targets(target_modules)
     plan = normalize_plan(activation_plan, shape.num_layers)
+    opt = _optimizer_name(optimizer)
+    attention = resolve_attention(shape, attention)
+    tokens = batch_size * seq_len
+
+    base = _base_weights(shape, s, load_in_4bit, double_quant)
+    adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
+    acts = _activations(shape, plan, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
+                        target_modules=targets, lora_dropout=lora_dropout, attention=attention)
+    loss = _logits_and_loss(shape, tokens, s, fused_loss, loss_chunk_size)
+    working_set = backward_working_set(shape, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
+                                       load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
+    temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes)
+
+    notes = list(loss.notes)
+    if lora_dropout and lora_dropout > 0:
+        notes.append("lora_dropout > 0 stores a dropped copy of every adapter input and leaves the fused path")
+    if opt.startswith("paged"):
+        notes.append("paged optimizer states can move to host memory under pressure; counted on the GPU here")
+    details = {**base.details, **adapters.details, **acts.details, **loss.details, **temporaries.details}
+    total = base.bytes + adapters.bytes + acts.bytes + loss.bytes + temporaries.bytes
+    inputs = dict(
+        load_in_4bit=bool(load_in_4bit), dtype=str(dtype).replace("torch.", ""), lora_r=lora_r,
+        target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
+        fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
+        lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
+    )
+    return MemoryEstimate(
+        base_weights=int(base.bytes), adapters=int(adapters.bytes), activations=int(acts.bytes),
+        logits_loss=int(loss.bytes), temporaries=int(temporaries.bytes), total=int(total),
+        cuda_context=int(cuda_context_bytes), host_offload=int(acts.host_offload),
+        per_layer_activations=acts.per_layer, plan=plan, details={k: int(v) for k, v in details.items()},
+        inputs=inputs, notes=notes, shape=shape,
+    )
+
+
+# The steps of estimate_training_memory, one part of the total each (formulas: module docstring).
+
+
+@dataclass
+class _Part:
+    """One part of the estimate: its bytes and their breakdown (``details`` keys start with the part's name)."""
+
+    bytes: float
+    details: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Activations(_Part):
+    """The activations part, with what the later steps need: per-layer bytes, one kept layer, host bytes."""
+
+    per_layer: tuple[int, ...] = ()
+    keep_layer: int = 0
+    layer_input: int = 0
+    host_offload: int = 0
+
+
+def _optimizer_name(optimizer: str) -> str:
     opt = str(optimizer).lower()
     if opt not in _OPT_STATE_BYTES and opt != "adafactor":
         raise ValueError(
             f"notebookkit.memory: unknown optimizer {optimizer!r}; use one of "
             f"{sorted(_OPT_STATE_BYTES) + ['adafactor']}."
         )
-    N = batch_size * seq_len
-    H, I, V, L = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.num_layers
-    dq, dk = shape.q_dim, shape.kv_dim
-    details: dict[str, int] = {}
-    notes: list[str] = []
+    return opt
 
-    # ---- base weights ----------------------------------------------------------------------
+
+def _base_weights(shape: ModelShape, s: int, load_in_4bit: bool, double_quant: bool) -> _Part:
+    """Decoder projections (``s`` bytes each, or NF4 with its absmax), embeddings, LM head and norms."""
+    L, H = shape.num_layers, shape.hidden_size
     p_lin = L * shape.linear_params_per_layer
     p_small = shape.embedding_params + shape.lm_head_params + L * shape.norm_params_per_layer + H
+    small_bytes = p_small * s
     if load_in_4bit:
         per = 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
         lin_bytes = int(p_lin * per)
-        small_bytes = p_small * s
-        details["base weights: decoder projections (NF4)"] = lin_bytes
+        lin_key = "base weights: decoder projections (NF4)"
     else:
         lin_bytes = p_lin * s
-        small_bytes = p_small * s
-        details["base weights: decoder projections"] = lin_bytes
-    details["base weights: embeddings, LM head, norms"] = small_bytes
-    base = lin_bytes + small_bytes
+        lin_key = "base weights: decoder projections"
+    return _Part(lin_bytes + small_bytes, {lin_key: lin_bytes, "base weights: embeddings, LM head, norms": small_bytes})
 
-    # ---- adapters + optimizer -------------------------------------------------------------
+
+def _adapters_and_optimizer(
+    shape: ModelShape, s: int, lora_r: int, targets: list[str], opt: str, adapter_dtype: str
+) -> tuple[_Part, int]:
+    """LoRA weights, gradients, fp32 master copy, optimizer states and compute-dtype copies; and the
+    number of LoRA parameters."""
     p_lora = lora_param_count(shape, lora_r, targets)
     a_bytes = _dtype_bytes(adapter_dtype)
     params_b = p_lora * a_bytes
@@ -600,11 +660,10 @@ def estimate_training_memory(
     master_b = p_lora * 4 if a_bytes < 4 else 0
     if opt == "adafactor":
         dims = shape.projection_shapes()
-        opt_b = L * sum(4 * ((lora_r + dims[t][0]) + (dims[t][1] + lora_r)) for t in targets)
+        opt_b = shape.num_layers * sum(4 * ((lora_r + dims[t][0]) + (dims[t][1] + lora_r)) for t in targets)
     else:
         opt_b = int(p_lora * _OPT_STATE_BYTES[opt])
-    details["adapters + optimizer: LoRA weights"] = params_b
-    details["adapters + optimizer: gradients"] = grads_b
+    details = {"adapters + optimizer: LoRA weights": params_b, "adapters + optimizer: gradients": grads_b}
     if master_b:
         details["adapters + optimizer: fp32 master copy"] = master_b
     details["adapters + optimizer: optimizer states"] = opt_b
@@ -618,21 +677,19 @@ def estimate_training_memory(
         casts_b = grouped_lora_A_params(shape, lora_r, targets) * s
     if casts_b:
         details["adapters + optimizer: compute-dtype copies"] = casts_b
-    adapters = params_b + grads_b + master_b + opt_b + casts_b
+    return _Part(params_b + grads_b + master_b + opt_b + casts_b, details), p_lora
 
-    # ---- activations ------------------------------------------------------------------------
-    attention = resolve_attention(shape, attention)
-    X = N * H * s  # one [B, T, H] hidden-state tensor
-    kw = dict(batch_size=batch_size, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r, target_modules=targets,
-              lora_dropout=lora_dropout, attention=attention)
-    keep_layer = layer_activation_bytes(shape, "keep", **kw)
-    per_layer = [layer_activation_bytes(shape, m, **kw) for m in plan]
+
+def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _Activations:
+    """What the layers keep for backward by mode, the last offloaded layer's input on the GPU, and the
+    offloaded inputs in flight."""
+    X = layer_kw["batch_size"] * layer_kw["seq_len"] * shape.hidden_size * layer_kw["dtype_bytes"]
+    keep_layer = layer_activation_bytes(shape, "keep", **layer_kw)
+    per_layer = [layer_activation_bytes(shape, m, **layer_kw) for m in plan]
     if plan and plan[-1] == "offload":
         per_layer[-1] = X  # the last layer's input is needed first in backward: it stays on the GPU
-    per_layer = tuple(per_layer)
-    saved = sum(per_layer)
     counts = {m: plan.count(m) for m in MODES}
-    details["activations: saved by kept layers"] = counts["keep"] * keep_layer
+    details = {"activations: saved by kept layers": counts["keep"] * keep_layer}
     if counts["recompute"]:
         details["activations: inputs of recomputed layers"] = counts["recompute"] * X
     if plan and plan[-1] == "offload":
@@ -641,63 +698,51 @@ def estimate_training_memory(
     in_flight = (X if plan[-1] == "offload" else 2 * X) if counts["offload"] else 0
     if in_flight:
         details["activations: offloaded inputs in flight"] = in_flight
-    activations = saved + in_flight
-    host_offload = counts["offload"] * X
+    return _Activations(sum(per_layer) + in_flight, details, per_layer=tuple(per_layer), keep_layer=keep_layer,
+                        layer_input=X, host_offload=counts["offload"] * X)
 
-    # ---- logits / loss ------------------------------------------------------------------------
+
+def _logits_and_loss(shape: ModelShape, tokens: int, s: int, fused_loss: bool, loss_chunk_size: int | None) -> _Part:
+    """The fused linear cross-entropy's buffers and one logits chunk, or the materialised ``[N, V]`` logits."""
+    N, H, V = tokens, shape.hidden_size, shape.vocab_size
+    X = N * H * s
     if fused_loss:
         chunk = loss_chunk_size or default_loss_chunk(N, H, V, s)
         chunk = min(chunk, N)
         hidden_b = 3 * X + 16 * N
         chunk_b = chunk * V * s
-        details["logits / loss: final norm, hidden grad"] = hidden_b
-        details[f"logits / loss: logits chunk ({chunk} rows)"] = chunk_b
-        logits_loss = hidden_b + chunk_b
-    else:
-        logits_loss = 2 * X + N * V * (s + 3 * 4)
-        details["logits / loss: materialised [N, V] logits (16-bit + fp32)"] = logits_loss
-        if N * V * 4 > 2 * GiB:
-            notes.append("the materialised logits are large; fused_loss=True computes the loss in chunks")
+        return _Part(hidden_b + chunk_b, {"logits / loss: final norm, hidden grad": hidden_b,
+                                          f"logits / loss: logits chunk ({chunk} rows)": chunk_b})
+    logits_loss = 2 * X + N * V * (s + 3 * 4)
+    notes = ["the materialised logits are large; fused_loss=True computes the loss in chunks"] if N * V * 4 > 2 * GiB else []
+    return _Part(logits_loss, {"logits / loss: materialised [N, V] logits (16-bit + fp32)": logits_loss}, notes)
 
-    # ---- temporaries: the backward's working set beyond the (by then freed) loss buffers --------
-    ws = backward_working_set(shape, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
-                              load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
-    ws_max = max(ws["mlp"], ws["attention"], ws["fp8_forward"])
-    # Two candidate high-water marks (beyond weights and adapters). The backward runs from the last
-    # layer down, so kept layers *after* the last recomputed/offloaded one have freed their
-    # activations before the first recompute starts.
-    #   end of forward / kept layers' backward: everything saved + the loss buffers, or the last
-    #     layer's backward working set once the loss buffers are freed (when that layer is kept);
-    #   first recompute: what is still saved + the recomputed layer's activations + working set.
+
+def _temporaries(
+    plan: tuple[str, ...], acts: _Activations, logits_loss: float, working_set: dict[str, int], cuda_context_bytes: int
+) -> _Part:
+    """The backward's working set beyond the (by then freed) loss buffers, and the CUDA context.
+
+    Two candidate high-water marks (beyond weights and adapters). The backward runs from the last
+    layer down, so kept layers *after* the last recomputed/offloaded one have freed their
+    activations before the first recompute starts.
+
+    * end of forward / kept layers' backward: everything saved + the loss buffers, or the last
+      layer's backward working set once the loss buffers are freed (when that layer is kept);
+    * first recompute: what is still saved + the recomputed layer's activations + working set.
+    """
+    ws_max = max(working_set["mlp"], working_set["attention"], working_set["fp8_forward"])
+    activations, keep_layer = acts.bytes, acts.keep_layer
     end_of_forward = activations + max(logits_loss, ws_max if plan and plan[-1] == "keep" else 0)
     non_kept = [i for i, m in enumerate(plan) if m != "keep"]
     if non_kept:
         kept_after = len(plan) - 1 - non_kept[-1]
-        first_recompute = activations - kept_after * keep_layer + (keep_layer - X) + ws_max
+        first_recompute = activations - kept_after * keep_layer + (keep_layer - acts.layer_input) + ws_max
     else:
         first_recompute = 0
     over = max(end_of_forward, first_recompute) - activations - logits_loss
+    details = {}
     if over:
         details["temporaries: backward working set beyond the loss buffers"] = over
     details["temporaries: CUDA context"] = cuda_context_bytes
-    temporaries = over + cuda_context_bytes
-
-    if lora_dropout and lora_dropout > 0:
-        notes.append("lora_dropout > 0 stores a dropped copy of every adapter input and leaves the fused path")
-    if opt.startswith("paged"):
-        notes.append("paged optimizer states can move to host memory under pressure; counted on the GPU here")
-
-    total = base + adapters + activations + logits_loss + temporaries
-    inputs = dict(
-        load_in_4bit=bool(load_in_4bit), dtype=str(dtype).replace("torch.", ""), lora_r=lora_r,
-        target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
-        fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
-        lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
-    )
-    return MemoryEstimate(
-        base_weights=int(base), adapters=int(adapters), activations=int(activations),
-        logits_loss=int(logits_loss), temporaries=int(temporaries), total=int(total),
-        cuda_context=int(cuda_context_bytes), host_offload=int(host_offload),
-        per_layer_activations=per_layer, plan=plan, details={k: int(v) for k, v in details.items()},
-        inputs=inputs, notes=notes, shape=shape,
-    )
+    return _Part(over + cuda_context_bytes, details)
