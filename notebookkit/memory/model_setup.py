@@ -32,6 +32,13 @@ def _marks(module: Any) -> dict:
     return getattr(module, "__dict__", {})
 
 
+def _set_flag(module: Any, name: str, on: bool) -> None:
+    if on:
+        object.__setattr__(module, name, True)
+    else:
+        _marks(module).pop(name, None)
+
+
 def record_activation_plan(causal_lm: Any, modes: Optional[Sequence[str]]) -> None:
     """Record the per-layer modes ``causal_lm`` now runs (``None``: no checkpointing at all)."""
     object.__setattr__(causal_lm, _ACTIVATION_PLAN, "none" if modes is None else list(modes))
@@ -45,10 +52,7 @@ def recorded_activation_plan(causal_lm: Any) -> Union[list[str], str, None]:
 
 def set_fp8_forward(linear: Any, enabled: bool) -> None:
     """Flag (or unflag) the FP8 forward on one frozen base linear."""
-    if enabled:
-        object.__setattr__(linear, _FP8_FORWARD, True)
-    else:
-        _marks(linear).pop(_FP8_FORWARD, None)
+    _set_flag(linear, _FP8_FORWARD, enabled)
 
 
 def fp8_forward(linear: Any) -> bool:
@@ -58,10 +62,7 @@ def fp8_forward(linear: Any) -> bool:
 
 def record_fused_lm_head(causal_lm: Any, fused: bool) -> None:
     """Record whether ``causal_lm``'s forward computes its training loss with the fused cross-entropy."""
-    if fused:
-        object.__setattr__(causal_lm, _FUSED_LM_HEAD, True)
-    else:
-        _marks(causal_lm).pop(_FUSED_LM_HEAD, None)
+    _set_flag(causal_lm, _FUSED_LM_HEAD, fused)
 
 
 def fused_lm_head(causal_lm: Any) -> bool:
