@@ -53,6 +53,13 @@ def plain_causal_mask(device: Any = None) -> torch.Tensor:
     reads this mask as plain causal attention (:func:`is_plain_causal`), which SDPA applies without
     a mask tensor (``is_causal``). A layer on Hugging Face's code would fail on it loudly, so the
     backbone passes it only when every decoder attention is notebookkit's.
+
+    Why not the attention registries: masking_utils builds no mask for an implementation registered
+    with ``AttentionInterface`` but not ``AttentionMaskInterface``, but the implementation is the
+    config's, shared by every forward of the model (choosing it per forward means swapping the
+    shared config again); one registered with ``AttentionMaskInterface`` has its positions checked
+    for packed rows before its mask function runs (transformers 4.56 to 5.24). The mask argument is
+    the only per-call way, and it reaches every layer of this forward only.
     """
     return torch.empty((0, 0, 0, 0), dtype=torch.bool, device=device)
 

@@ -24,12 +24,16 @@ from .test_patch_parity import _lora
 SEQ = 10
 
 
-def _model(checkpointing=False):
-    model = _lora(random_model("llama"))
+def _model(checkpointing=False, device="cpu", dtype=torch.float32):
+    model = _lora(random_model("llama").to(device=device, dtype=dtype))
     patch_model(model)
     model.train()
     apply_checkpointing(model, checkpointing)
     return model
+
+
+def _on(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def _plain(seed=0):
@@ -96,14 +100,9 @@ def _pause_first_layer(model, when):
     return layer.register_forward_pre_hook(hook)
 
 
-def test_a_forward_on_another_thread_keeps_its_own_masks():
-    """Thread A's plainly causal forward pauses inside its first layer; meanwhile this thread runs a
-    padded forward of the same model. Both equal their results alone (a config swapped for A's
-    forward would have dropped B's padding mask)."""
-    model = _model()
-    plain, padded = _plain(), _padded()
-    expected_plain, expected_padded = _loss(model, plain), _loss(model, padded)
-
+def _alongside_a_paused_forward(model, paused_batch, batch):
+    """Losses of ``paused_batch`` (a worker thread, paused inside its first layer) and of ``batch``
+    (this thread, run while the other waits)."""
     paused, resume, got = threading.Event(), threading.Event(), {}
 
     def wait_inside():
@@ -111,17 +110,28 @@ def test_a_forward_on_another_thread_keeps_its_own_masks():
         assert resume.wait(60)
 
     handle = _pause_first_layer(model, wait_inside)
-    worker = threading.Thread(target=lambda: got.setdefault("plain", _loss(model, plain)))
+    worker = threading.Thread(target=lambda: got.setdefault("paused", _loss(model, paused_batch)))
     worker.start()
     try:
         assert paused.wait(60)
-        got["padded"] = _loss(model, padded)  # while A is inside its forward
+        got["meanwhile"] = _loss(model, batch)
     finally:
         resume.set()
         worker.join()
         handle.remove()
-    assert torch.equal(got["padded"], expected_padded)
-    assert torch.equal(got["plain"], expected_plain)
+    return got["paused"], got["meanwhile"]
+
+
+def test_a_forward_on_another_thread_keeps_its_own_masks():
+    """Thread A's plainly causal forward pauses inside its first layer; meanwhile this thread runs a
+    padded forward of the same model. Both equal their results alone (a config swapped for A's
+    forward would have dropped B's padding mask)."""
+    model = _model()
+    plain, padded = _plain(), _padded()
+    expected_plain, expected_padded = _loss(model, plain), _loss(model, padded)
+    got_plain, got_padded = _alongside_a_paused_forward(model, plain, padded)
+    assert torch.equal(got_padded, expected_padded)
+    assert torch.equal(got_plain, expected_plain)
 
 
 @pytest.mark.parametrize("inner_model", ["same", "reference copy"])
@@ -172,15 +182,20 @@ def test_nothing_is_left_set_after_a_forward_raises(checkpointing):
     assert torch.equal(_loss(model, padded), expected_padded)
 
 
+def _count_view_builds(monkeypatch) -> list:
+    builds = []
+    real_view = lora_fast_path.projection_view
+    monkeypatch.setattr(lora_fast_path, "projection_view", lambda m, training=None: builds.append(1) or real_view(m, training))
+    return builds
+
+
 def test_the_recompute_resumes_its_pass_on_another_thread(monkeypatch):
     """The backward (with the recompute of every layer) run on another thread than the forward, as
     PyTorch does for CUDA: the recompute resumes the forward's pass, so the views are built once per
     step, and the gradients are those of a backward on the same thread."""
     model = _model("recompute")
     batch = _plain()
-    builds = []
-    real_view = lora_fast_path.projection_view
-    monkeypatch.setattr(lora_fast_path, "projection_view", lambda m, training=None: builds.append(1) or real_view(m, training))
+    builds = _count_view_builds(monkeypatch)
 
     def grads():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -200,3 +215,26 @@ def test_the_recompute_resumes_its_pass_on_another_thread(monkeypatch):
     assert got.keys() == expected.keys()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+@pytest.mark.gpu
+def test_gpu_recompute_on_autograd_threads_and_two_threads_at_once(monkeypatch):
+    """On CUDA, PyTorch runs the backward (and so every recompute) on its own device thread: the views
+    are still built once per step. And two threads forwarding one CUDA model at once keep their masks."""
+    model = _model("recompute", device="cuda", dtype=torch.bfloat16)
+    batch = _on(_plain(), "cuda")
+    builds = _count_view_builds(monkeypatch)
+    for _ in range(2):
+        builds.clear()
+        model(**batch).loss.backward()
+        assert len(builds) == 7 * model.config.num_hidden_layers
+    assert forward_state.current() is None
+
+    plain, padded = _on(_plain(), "cuda"), _on(_padded(), "cuda")
+    expected_plain, expected_padded = _loss(model, plain), _loss(model, padded)
+    unmasked = _loss(model, {k: v for k, v in padded.items() if k != "attention_mask"})
+    missing_mask = (unmasked - expected_padded).abs()  # what a dropped padding mask changes
+    assert missing_mask > 0
+    got_plain, got_padded = _alongside_a_paused_forward(model, plain, padded)
+    assert (got_padded - expected_padded).abs() < missing_mask / 10
+    assert (got_plain - expected_plain).abs() < missing_mask / 10
