@@ -43,6 +43,7 @@ def _load_script():
 
 def _force_offload(model, record: dict) -> None:
     from notebookkit.models.checkpointing import _decoder_layers, apply_checkpointing, offload_checkpoint
+    from notebookkit.models.compat import set_layer_checkpoint_function
 
     base = model.get_base_model()
     apply_checkpointing(model, True)
@@ -54,7 +55,7 @@ def _force_offload(model, record: dict) -> None:
         return offload_checkpoint(*args, keep_on_device=False, state=state, **kwargs)
 
     for layer in _decoder_layers(base):
-        layer._gradient_checkpointing_func = counted
+        set_layer_checkpoint_function(layer, counted)
 
 
 def _plain_trainer(sft_trainer, callbacks):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from notebookkit.memory.model_setup import fp8_forward
 from notebookkit.models import FastLanguageModel
 from notebookkit.models.banner import Banner
 from notebookkit.models.fast_language_model import note_unused_max_memory
@@ -32,7 +33,7 @@ def _untouched(model) -> None:
     assert not hasattr(model, "peft_config")
     assert not any("lora_" in name for name, _ in model.named_modules())
     assert model.max_seq_length == 64
-    assert not any("_notebookkit_fp8_forward" in vars(m) for m in model.modules())
+    assert not any(fp8_forward(m) for m in model.modules())
 
 
 @pytest.mark.parametrize(

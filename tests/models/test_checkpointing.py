@@ -12,7 +12,7 @@ import torch
 from notebookkit.kernels.testing import rel_err
 from notebookkit.memory import PinnedBufferPool
 from notebookkit.models import checkpointing as ckpt
-from notebookkit.models import forward_state, patch_model
+from notebookkit.models import compat, forward_state, patch_model
 from notebookkit.models.checkpointing import _HostCopy, apply_checkpointing, normalize_mode, offload_checkpoint
 
 from .helpers import random_model
@@ -57,7 +57,7 @@ def test_checkpointed_grads_match(plan, family):
             return offload_checkpoint(*args, keep_on_device=False, state={}, **kwargs)
 
         for layer in model.get_base_model().model.layers:
-            layer._gradient_checkpointing_func = counted
+            compat.set_layer_checkpoint_function(layer, counted)
     else:
         apply_checkpointing(model, plan)
     layers = model.get_base_model().model.layers
