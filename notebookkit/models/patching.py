@@ -16,8 +16,9 @@ with stock Hugging Face models.
 Models placed with ``device_map`` (``"balanced"``, ``"auto"``...) carry accelerate hooks: accelerate
 replaces ``module.forward`` by a wrapper that moves the inputs to the module's device and then calls
 ``module._old_forward`` (:mod:`.compat`). On such a module the patched forward takes the place of
-``_old_forward``, so the hook keeps running around it. The patched forward also runs with the CUDA device of its
-first tensor argument current, so Triton kernels launch on the device that holds that layer.
+``_old_forward``, so the hook keeps running around it. The patched forward also runs with the CUDA
+device of its first tensor argument current, so Triton kernels launch on the device that holds that
+layer.
 """
 
 from __future__ import annotations
