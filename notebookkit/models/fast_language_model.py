@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from .banner import Banner, get_banner
 from .checkpointing import apply_checkpointing, normalize_mode
+from .export_hook import attach_export_methods
 from .lora_fast_path import describe_lora, set_fp8_base_matmul
 from . import loader
 
@@ -138,6 +139,7 @@ class FastLanguageModel:
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             peft_model = peft_get_peft_model(model, lora_config)
         object.__setattr__(peft_model, "notebookkit_banner", banner)
+        attach_export_methods(peft_model)
 
         apply_checkpointing(
             peft_model, use_gradient_checkpointing, banner, batch_size=planning_batch_size, max_memory=max_memory

@@ -307,6 +307,9 @@ def finish_model(model, banner: Banner, max_seq_length: int, full_finetuning: bo
         patch_model(model, banner)
     else:
         banner.feature("fast path", False, "disabled by fast_path=False / NOTEBOOKKIT_FAST_PATH=0: stock Hugging Face code")
+    from .export_hook import attach_export_methods
+
+    attach_export_methods(model)
 
 
 def _load_adapter_folder(path: str, adapter_cfg: dict, banner: Banner, **kw):
@@ -324,6 +327,9 @@ def _load_adapter_folder(path: str, adapter_cfg: dict, banner: Banner, **kw):
     base_banner: Banner = model.notebookkit_banner
     peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
     object.__setattr__(peft_model, "notebookkit_banner", base_banner)
+    from .export_hook import attach_export_methods
+
+    attach_export_methods(peft_model)
     base_banner.header.append(f"adapter: {path} on base {base_name}")
     if (Path(path) / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path)
