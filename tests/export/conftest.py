@@ -21,6 +21,16 @@ def lora_model(family: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
     return model, tokenizer
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: the tiny models' matmuls are small, and on a shared 2-core machine two
+    threads mostly wait on each other (a forward measured 12x slower with two under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def llama_nf4():
     return lora_model("llama", load_in_4bit=True)
