@@ -15,6 +15,7 @@ check exercises the same template that training and serving use.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch.nn as nn
 
 __all__ = [
     "FIXED_QUESTIONS", "MERGED_TOLERANCE", "prompt_ids", "adapter_logits", "greedy_hf",
-    "MergedCheck", "check_merged_folder", "GGUFCheck", "check_gguf_file", "greedy_llama_cpp",
+    "MergedCheck", "check_merged_folder", "GGUFCheck", "GGUF_TOLERANCE", "check_gguf_file", "greedy_llama_cpp",
 ]
 
 FIXED_QUESTIONS: tuple[str, ...] = (
@@ -120,11 +121,42 @@ def check_merged_folder(model: nn.Module, folder: os.PathLike, tokenizer: Any, n
     return MergedCheck(worst, rel, MERGED_TOLERANCE.get(dtype, 2.0**-6), equal, len(prompts), str(dtype).replace("torch.", ""))
 
 
+@contextlib.contextmanager
+def _without_weight_repacking(llama_cpp: Any):
+    """Load models without llama.cpp's CPU weight repacking (``use_extra_bufts = False``).
+
+    Repacking re-lays quantised weights for the CPU's fastest kernels (AMX tiles, interleaved
+    Q4_0/Q8_0 blocks), picked from the CPU's flags; where the operating system does not grant AMX
+    (seen in a sandbox on a Sapphire Rapids CPU) the process dies with SIGILL on the first Q8_0
+    product. The check measures the file, not llama.cpp's kernels, so it loads without repacking
+    (``NOTEBOOKKIT_LLAMA_REPACK=1`` keeps it). ``Llama()`` takes no argument for it, so the default
+    parameters it starts from are swapped for the duration of the load only.
+    """
+    if os.environ.get("NOTEBOOKKIT_LLAMA_REPACK", "0") == "1":
+        yield
+        return
+    from llama_cpp import llama as llama_module
+
+    original = llama_module.llama_cpp.llama_model_default_params
+
+    def defaults():
+        params = original()
+        params.use_extra_bufts = False
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = defaults
+    try:
+        yield
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = original
+
+
 def _llama(path: os.PathLike, n_ctx: int = 512):
     from .kquants import require_llama_cpp
 
     llama_cpp = require_llama_cpp(["GGUF verification"])
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=2, n_batch=n_ctx, verbose=False, seed=0)
+    with _without_weight_repacking(llama_cpp):
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=1, n_batch=n_ctx, verbose=False, seed=0, logits_all=True)
 
 
 def greedy_llama_cpp(llm: Any, ids: list[int], n_tokens: int = 16) -> tuple[list[int], np.ndarray]:
@@ -139,43 +171,62 @@ def greedy_llama_cpp(llm: Any, ids: list[int], n_tokens: int = 16) -> tuple[list
     return out, first
 
 
+#: Largest teacher-forced logit difference (llama.cpp against Hugging Face in fp32), relative to the
+#: largest logit, that each GGUF format is held to: the format's weight rounding plus llama.cpp's own
+#: activation rounding (its CPU products round activations to f16 / bf16 / q8 blocks).
+GGUF_TOLERANCE = {"f32": 2.0**-12, "f16": 2.0**-8, "bf16": 2.0**-5, "q8_0": 2.0**-4,
+                  "q4_0": 2.0**-1, "q6_k": 2.0**-4, "q5_k_m": 2.0**-3, "q4_k_m": 2.0**-2}
+
+
 @dataclass
 class GGUFCheck:
     """A GGUF file in llama.cpp against Hugging Face on the fixed prompts."""
 
     path: Path
-    greedy_equal: int
+    greedy_equal: int  # prompts whose free-running greedy continuations are equal
     prompts: int
-    first_step_max_diff: float
-    tokens_agree: int = 0  # positions where the continuations agree, over all prompts
+    max_abs_diff: float  # teacher-forced along Hugging Face's greedy path
+    relative_diff: float  # max_abs_diff / max |logit|
+    tokens_agree: int = 0  # common-prefix length of the continuations, summed over prompts
     tokens_total: int = 0
-    tokenizer_equal: bool = True
+    tokenizer_equal: bool = True  # llama.cpp's tokenizer gives Hugging Face's ids for every prompt
     continuations: list = field(default_factory=list)
 
     @property
     def agreement(self) -> float:
         return self.tokens_agree / max(self.tokens_total, 1)
 
+    def within(self, method: str) -> bool:
+        return bool(np.isfinite(self.relative_diff)) and self.relative_diff <= GGUF_TOLERANCE[method]
+
 
 def check_gguf_file(model: nn.Module, path: os.PathLike, tokenizer: Any, n_tokens: int = 16) -> GGUFCheck:
-    """Load ``path`` in llama.cpp and compare greedy continuations with ``model``'s."""
+    """Load ``path`` in llama.cpp and compare it with ``model`` on the fixed prompts: logits along
+    Hugging Face's greedy path (teacher-forced), free-running greedy continuations, tokenization."""
     llm = _llama(path)
     try:
         equal = agree = total = 0
-        worst = 0.0
+        worst = scale = 0.0
         tokenizer_equal = True
         conts = []
         for q, ids in zip(FIXED_QUESTIONS, prompt_ids(tokenizer)):
             text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
             tokenizer_equal &= llm.tokenize(text.encode(), add_bos=False, special=True) == ids
             hf = greedy_hf(model, ids, n_tokens)
-            cpp, first = greedy_llama_cpp(llm, ids, n_tokens)
-            ref = adapter_logits(model, ids)[-1].numpy()
-            worst = max(worst, float(np.abs(first[: ref.shape[0]] - ref).max()))
+            path_ids = ids + hf[:-1]
+            ref = adapter_logits(model, path_ids)[len(ids) - 1:].numpy()
+            llm.reset()
+            llm.eval(path_ids)
+            cpp_logits = np.array(llm.scores[len(ids) - 1: len(path_ids)], dtype=np.float32)[:, : ref.shape[1]]
+            worst = max(worst, float(np.abs(cpp_logits - ref).max()))
+            scale = max(scale, float(np.abs(ref).max()))
+            cpp, _ = greedy_llama_cpp(llm, ids, n_tokens)
             equal += hf == cpp
             agree += next((i for i, (a, b) in enumerate(zip(hf, cpp)) if a != b), len(hf))
             total += len(hf)
             conts.append((hf, cpp))
-        return GGUFCheck(Path(path), equal, len(conts), worst, agree, total, tokenizer_equal, conts)
+        rel = worst / scale if scale > 0 else float("nan")
+        return GGUFCheck(Path(path), equal, len(conts), worst, rel, agree, total, tokenizer_equal, conts)
     finally:
-        llm.close() if hasattr(llm, "close") else None
+        if hasattr(llm, "close"):
+            llm.close()
