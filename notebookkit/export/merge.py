@@ -27,8 +27,9 @@ import torch
 import torch.nn as nn
 
 from notebookkit.kernels.nf4 import dequantize_nf4
+from notebookkit.memory.export import merge_working_bytes
 
-__all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of", "merge_working_bytes"]
+__all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of"]
 
 
 @dataclass
@@ -115,11 +116,6 @@ def _plain_maker(tensor: torch.Tensor, out_dtype: Optional[torch.dtype]) -> Call
         return t.to(device=device, dtype=out_dtype if out_dtype is not None else t.dtype)
 
     return make
-
-
-def merge_working_bytes(out_features: int, in_features: int, rank: int, out_bytes: int = 2) -> int:
-    """Device bytes one merged linear needs: the fp32 weight, the fp32 LoRA factors, the 16-bit result."""
-    return out_features * in_features * (4 + out_bytes) + rank * (out_features + in_features) * 4
 
 
 def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTensor]:
