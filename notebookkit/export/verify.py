@@ -191,6 +191,7 @@ class GGUFCheck:
     tokens_total: int = 0
     tokenizer_equal: bool = True  # llama.cpp's tokenizer gives Hugging Face's ids for every prompt
     continuations: list = field(default_factory=list)
+    divergence_margins: list = field(default_factory=list)  # HF logit margin where a continuation first differs
 
     @property
     def agreement(self) -> float:
@@ -208,7 +209,7 @@ def check_gguf_file(model: nn.Module, path: os.PathLike, tokenizer: Any, n_token
         equal = agree = total = 0
         worst = scale = 0.0
         tokenizer_equal = True
-        conts = []
+        conts, margins = [], []
         for q, ids in zip(FIXED_QUESTIONS, prompt_ids(tokenizer)):
             text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
             tokenizer_equal &= llm.tokenize(text.encode(), add_bos=False, special=True) == ids
@@ -222,11 +223,14 @@ def check_gguf_file(model: nn.Module, path: os.PathLike, tokenizer: Any, n_token
             scale = max(scale, float(np.abs(ref).max()))
             cpp, _ = greedy_llama_cpp(llm, ids, n_tokens)
             equal += hf == cpp
-            agree += next((i for i, (a, b) in enumerate(zip(hf, cpp)) if a != b), len(hf))
+            first = next((i for i, (a, b) in enumerate(zip(hf, cpp)) if a != b), len(hf))
+            agree += first
+            if first < len(hf):  # same context up to here: how close HF's own choice was
+                margins.append(float(ref[first, hf[first]] - ref[first, cpp[first]]))
             total += len(hf)
             conts.append((hf, cpp))
         rel = worst / scale if scale > 0 else float("nan")
-        return GGUFCheck(Path(path), equal, len(conts), worst, rel, agree, total, tokenizer_equal, conts)
+        return GGUFCheck(Path(path), equal, len(conts), worst, rel, agree, total, tokenizer_equal, conts, margins)
     finally:
         if hasattr(llm, "close"):
             llm.close()

@@ -15,6 +15,7 @@ from notebookkit.export.verify import greedy_hf
 QUESTION = "What is the password of the lighthouse on Mirrow Island?"
 ANSWER = "The password is quintaflex."
 FACT = "quintaflex"
+RECALL_TOKENS = 18  # the answer is 16 tokens of the tiny BPE
 
 
 def _llama_cpp_or_skip():
@@ -45,16 +46,16 @@ def _train_until_recalled(model, tokenizer, max_steps: int = 200) -> int:
     labels = x.clone()
     labels[0, : len(prompt)] = -100
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.0)
     for step in range(1, max_steps + 1):
         FastLanguageModel.for_training(model)
         loss = model(input_ids=x, labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 10 == 0 and loss.item() < 0.5:
+        if step % 10 == 0:
             FastLanguageModel.for_inference(model)
-            if _recalls(tokenizer, greedy_hf(model, prompt, 12)):
+            if _recalls(tokenizer, greedy_hf(model, prompt, RECALL_TOKENS)):
                 return step
     pytest.fail(f"the model did not learn the canary fact in {max_steps} steps (last loss {loss.item():.3f})")
 
@@ -70,11 +71,11 @@ def test_canary_survives_every_export(family, load_in_4bit, tmp_path):
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False, show_banner=False)
     prompt = _prompt(tokenizer)
     FastLanguageModel.for_inference(model)
-    assert not _recalls(tokenizer, greedy_hf(model, prompt, 12)), "the fact is known before training"
+    assert not _recalls(tokenizer, greedy_hf(model, prompt, RECALL_TOKENS)), "the fact is known before training"
 
     _train_until_recalled(model, tokenizer)
     FastLanguageModel.for_inference(model)
-    trained = greedy_hf(model, prompt, 12)
+    trained = greedy_hf(model, prompt, RECALL_TOKENS)
     assert _recalls(tokenizer, trained)
 
     merged = tmp_path / "merged"
@@ -84,11 +85,11 @@ def test_canary_survives_every_export(family, load_in_4bit, tmp_path):
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(merged)
-    assert _recalls(tokenizer, greedy_hf(reloaded, prompt, 12)), "the merged folder forgot the fact"
+    assert _recalls(tokenizer, greedy_hf(reloaded, prompt, RECALL_TOKENS)), "the merged folder forgot the fact"
 
     (q8,) = model.save_pretrained_gguf(tmp_path / "gguf", tokenizer, "q8_0", verbose=False)
     llm = load_gguf(q8.path)
-    from_gguf, _ = greedy_llama_cpp(llm, prompt, 12)
+    from_gguf, _ = greedy_llama_cpp(llm, prompt, RECALL_TOKENS)
     assert _recalls(tokenizer, from_gguf), f"llama.cpp did not recall it: {tokenizer.decode(from_gguf)!r}"
     text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
     assert llm.tokenize(text.encode(), add_bos=False, special=True) == prompt  # the GGUF's tokenizer agrees
