@@ -185,8 +185,8 @@ def save_pretrained_merged(
         tokenizer: saved beside the weights, with its chat template; its end-of-turn token goes into
             ``generation_config.json`` so generation stops at the end of the assistant's answer.
         save_method: ``"merged_16bit"`` (LoRA merged into 16-bit weights, loads with plain
-            ``transformers``), ``"lora"`` (the adapter in PEFT's format) or ``"merged_4bit_forced"``
-            (merged, then re-quantised to NF4: lossy, prefer ``merged_16bit``).
+            ``transformers``) or ``"lora"`` (the adapter in PEFT's format). ``"merged_4bit_forced"``
+            (re-quantised to NF4) is not written yet: load the 16-bit folder with ``load_in_4bit=True``.
         maximum_memory_usage: fraction of the GPU the export may fill (model included); a tensor
             whose merge would go over it is merged on the CPU instead.
         max_shard_size: largest safetensors shard, ``"5GB"`` as in Hugging Face.
@@ -210,14 +210,11 @@ def save_pretrained_merged(
     if save_method == "lora":
         return _save_lora(model, base, save_directory, tokenizer)
     if save_method == "merged_4bit_forced":
-        warnings.warn(
-            "merged_4bit_forced: the merged weights are re-quantised to NF4, so part of the LoRA update "
-            "is rounded away and the folder will not match the adapter model exactly. Prefer merged_16bit.",
-            UserWarning, stacklevel=2,
+        raise ExportError(
+            "save_method='merged_4bit_forced' is not available in notebookkit yet: re-quantising the merged "
+            "weights to NF4 rounds part of the LoRA update away. Save with save_method='merged_16bit' and load "
+            "that folder with FastLanguageModel.from_pretrained(folder, load_in_4bit=True), which quantises it at load."
         )
-        from .merged_4bit import save_merged_4bit
-
-        return save_merged_4bit(model, base, save_directory, tokenizer, maximum_memory_usage)
     out_dtype = _written_dtype(model, dtype)
     return _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose)
 
