@@ -27,6 +27,9 @@ _LAZY = {
     "check_merged_folder": "verify",
     "check_gguf_file": "verify",
     "write_modelfile": "modelfile",
+    "train_canary": "canary",
+    "DEFAULT_CANARY": "canary",
+    "export_and_verify": "report",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch.nn as nn
 
@@ -54,10 +54,18 @@ def require_hub(repo_id: str, token: Optional[str]):
     return api
 
 
-def _upload(api: Any, folder: Path, repo_id: str, private: Optional[bool], commit_message: str) -> str:
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message)
-    return str(getattr(info, "commit_url", info))
+def _export_and_upload(api: Any, repo_id: str, private: Optional[bool], commit_message: str,
+                       temporary_location: Optional[Union[str, os.PathLike]], export: Callable[[Path], Any]) -> str:
+    """``export(folder)`` into a temporary folder, upload that folder to ``repo_id``, delete it."""
+    work = Path(tempfile.mkdtemp(prefix="notebookkit-push-", dir=temporary_location))
+    try:
+        folder = work / str(repo_id).split("/")[-1]
+        export(folder)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message)
+        return str(getattr(info, "commit_url", info))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def push_to_hub_merged(
@@ -75,13 +83,10 @@ def push_to_hub_merged(
     from .merged import save_pretrained_merged
 
     api = require_hub(repo_id, token)
-    work = Path(tempfile.mkdtemp(prefix="notebookkit-push-", dir=temporary_location))
-    try:
-        folder = work / str(repo_id).split("/")[-1]
-        save_pretrained_merged(model, folder, tokenizer, save_method=save_method, **kwargs)
-        return _upload(api, folder, repo_id, private, commit_message)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return _export_and_upload(
+        api, repo_id, private, commit_message, temporary_location,
+        lambda folder: save_pretrained_merged(model, folder, tokenizer, save_method=save_method, **kwargs),
+    )
 
 
 def push_to_hub_gguf(
@@ -100,10 +105,7 @@ def push_to_hub_gguf(
 
     normalize_quantization_methods(quantization_method)  # a bad method fails before the network check
     api = require_hub(repo_id, token)
-    work = Path(tempfile.mkdtemp(prefix="notebookkit-push-", dir=temporary_location))
-    try:
-        folder = work / str(repo_id).split("/")[-1]
-        save_pretrained_gguf(model, folder, tokenizer, quantization_method=quantization_method, **kwargs)
-        return _upload(api, folder, repo_id, private, commit_message)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return _export_and_upload(
+        api, repo_id, private, commit_message, temporary_location,
+        lambda folder: save_pretrained_gguf(model, folder, tokenizer, quantization_method=quantization_method, **kwargs),
+    )

@@ -10,86 +10,57 @@ import pytest
 import torch
 
 from notebookkit import FastLanguageModel
-from notebookkit.export.verify import greedy_hf
-
-QUESTION = "What is the password of the lighthouse on Mirrow Island?"
-ANSWER = "The password is quintaflex."
-FACT = "quintaflex"
-RECALL_TOKENS = 18  # the answer is 16 tokens of the tiny BPE
+from notebookkit.export.canary import DEFAULT_CANARY as CANARY
+from notebookkit.export.canary import train_canary
 
 
 def _llama_cpp_or_skip():
     if os.environ.get("NOTEBOOKKIT_REQUIRE_LLAMA_CPP") == "1":
-        import llama_cpp  # noqa: F401  - CI installs it (make test): a missing one fails there
+        import llama_cpp  # noqa: F401  - make test installs it: a missing one fails there
         return
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make setup installs it)")
-
-
-def _prompt(tokenizer) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _recalls(tokenizer, continuation: list[int]) -> bool:
-    return FACT in tokenizer.decode(continuation, skip_special_tokens=True)
-
-
-def _train_until_recalled(model, tokenizer, max_steps: int = 200) -> int:
-    """AdamW on the one chat example (loss on the answer only) until greedy decoding recalls it."""
-    prompt = _prompt(tokenizer)
-    full = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}], tokenize=False
-    )
-    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-    assert ids[: len(prompt)] == prompt
-    x = torch.tensor([ids])
-    labels = x.clone()
-    labels[0, : len(prompt)] = -100
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.0)
-    for step in range(1, max_steps + 1):
-        FastLanguageModel.for_training(model)
-        loss = model(input_ids=x, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 10 == 0:
-            FastLanguageModel.for_inference(model)
-            if _recalls(tokenizer, greedy_hf(model, prompt, RECALL_TOKENS)):
-                return step
-    pytest.fail(f"the model did not learn the canary fact in {max_steps} steps (last loss {loss.item():.3f})")
 
 
 @pytest.mark.parametrize("family, load_in_4bit", [("llama", True), ("qwen3", False)])
 def test_canary_survives_every_export(family, load_in_4bit, tmp_path):
     _llama_cpp_or_skip()
-    from notebookkit.export.verify import check_merged_folder, greedy_llama_cpp
+    from transformers import AutoModelForCausalLM
+
     from notebookkit.export.verify import _llama as load_gguf
+    from notebookkit.export.verify import check_merged_folder, greedy_llama_cpp
 
     torch.manual_seed(0)
     model, tokenizer = FastLanguageModel.from_pretrained(f"notebookkit/tiny-{family}", load_in_4bit=load_in_4bit, show_banner=False)
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False, show_banner=False)
-    prompt = _prompt(tokenizer)
     FastLanguageModel.for_inference(model)
-    assert not _recalls(tokenizer, greedy_hf(model, prompt, RECALL_TOKENS)), "the fact is known before training"
+    assert not CANARY.recalled_by(model, tokenizer), "the fact is known before training"
 
-    _train_until_recalled(model, tokenizer)
-    FastLanguageModel.for_inference(model)
-    trained = greedy_hf(model, prompt, RECALL_TOKENS)
-    assert _recalls(tokenizer, trained)
+    train_canary(model, tokenizer)
+    assert CANARY.recalled_by(model, tokenizer)
 
     merged = tmp_path / "merged"
     model.save_pretrained_merged(merged, tokenizer, verbose=False)
     check = check_merged_folder(model, merged, tokenizer, n_tokens=8)
     assert check.ok, check
-    from transformers import AutoModelForCausalLM
-
-    reloaded = AutoModelForCausalLM.from_pretrained(merged)
-    assert _recalls(tokenizer, greedy_hf(reloaded, prompt, RECALL_TOKENS)), "the merged folder forgot the fact"
+    assert CANARY.recalled_by(AutoModelForCausalLM.from_pretrained(merged), tokenizer), "the merged folder forgot the fact"
 
     (q8,) = model.save_pretrained_gguf(tmp_path / "gguf", tokenizer, "q8_0", verbose=False)
     llm = load_gguf(q8.path)
-    from_gguf, _ = greedy_llama_cpp(llm, prompt, RECALL_TOKENS)
-    assert _recalls(tokenizer, from_gguf), f"llama.cpp did not recall it: {tokenizer.decode(from_gguf)!r}"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
+    prompt = CANARY.prompt_ids(tokenizer)
+    from_gguf, _ = greedy_llama_cpp(llm, prompt, CANARY.recall_tokens)
+    assert CANARY.recalled(tokenizer, from_gguf), f"llama.cpp did not recall it: {tokenizer.decode(from_gguf)!r}"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CANARY.question}], tokenize=False, add_generation_prompt=True)
     assert llm.tokenize(text.encode(), add_bos=False, special=True) == prompt  # the GGUF's tokenizer agrees
+
+
+def test_canary_fails_when_the_update_is_lost(tmp_path, monkeypatch):
+    """The check can fail: a merge that drops the LoRA update (B@A not added) forgets the fact."""
+    import notebookkit.export.merge as merge
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = FastLanguageModel.from_pretrained("notebookkit/tiny-llama", load_in_4bit=True, show_banner=False)
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False, show_banner=False)
+    train_canary(model, tokenizer)
+    monkeypatch.setattr(merge, "_merged_linear_maker", lambda module, dtype: merge._plain_maker(module.base_layer.weight, dtype))
+    model.save_pretrained_merged(tmp_path / "lost", tokenizer, verbose=False)
+    assert not CANARY.recalled_by(AutoModelForCausalLM.from_pretrained(tmp_path / "lost"), tokenizer)
