@@ -15,7 +15,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 CONSTRAINTS := $(if $(HAS_GPU),,-c constraints/ci-cpu.txt)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast test-gpu tiny browser-deps lock clean help
+.PHONY: setup demo test test-fast test-gpu tiny browser-deps llama-cpp lock clean help
 
 help:
 	@sed -n '1,4p' Makefile
@@ -31,7 +31,20 @@ ifeq ($(HAS_GPU),)
 	  $(PIP) install -q "torch==$(TORCH_CPU_VERSION)" --extra-index-url $(TORCH_CPU_INDEX)
 endif
 	$(PIP) install -q -e ".[dev]" $(CONSTRAINTS)
+	@$(MAKE) --no-print-directory llama-cpp
 	@touch $(STAMP)
+
+# llama-cpp-python (the `gguf` extra): K-quant exports and the GGUF checks of tests/export. PyPI has
+# only its source, so the first install compiles llama.cpp (~6 min on 2 idle cores; CPU only, no
+# examples or tools) and pip's wheel cache serves every later install. GGML_NATIVE=OFF builds for
+# any x86-64 with AVX2 rather than for the build machine's exact CPU, so a cached wheel carried to
+# another machine still runs.
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF
+llama-cpp:
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { \
+	  echo "notebookkit: installing llama-cpp-python (first time: compiles llama.cpp, about 6 minutes)"; \
+	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -q "$(LLAMA_CPP)" $(CONSTRAINTS); }
 
 tiny: setup
 	$(PY) -m notebookkit.embedded
@@ -46,7 +59,7 @@ browser-deps: setup
 
 test: setup browser-deps
 	$(PY) -m notebookkit.embedded
-	$(PY) -m pytest $(PYTEST_ARGS)
+	NOTEBOOKKIT_REQUIRE_LLAMA_CPP=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -x -q -m "not gpu and not slow and not browser" $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""Write the SFT notebooks (notebooks/sft/*.ipynb) from the cell lists below.
+"""Write the notebooks (notebooks/sft/*.ipynb, notebooks/export/export.ipynb) from the cell lists below.
 
 The notebooks are generated so that a review reads this file, and so that every notebook shares the
 same install / parameters / evaluation cells. Outputs are never stored: run
@@ -567,9 +567,125 @@ print("reference:", item.reference)'''),
     ]
 
 
+# ------------------------------------------------------------------------------------------------
+# the export notebook
+
+EXPORT_INTRO = '''\
+# Export a fine-tune: LoRA adapter, merged 16-bit model, GGUF for llama.cpp / Ollama
+
+A fine-tune is useful once it leaves the notebook in the form your server reads. This notebook
+trains one made-up fact into a model (the **canary**: a password no model knows), exports every
+form you pick in the panel below, **reloads each one** and shows one table: form, size on disk,
+largest logit difference against the adapter model on a fixed prompt set, whether greedy answers
+are equal, and whether the canary fact is still there. An export that silently dropped the LoRA
+update, or a GGUF whose chat template no longer reaches the answer, shows up as a missing canary.'''
+
+EXPORT_PARAMETERS = '''\
+MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
+GPU_MODEL = "Qwen/Qwen3-0.6B"
+LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
+LORA_R = 16
+CANARY_STEPS = 200         # at most this many steps to learn the canary fact
+OUTPUT_DIR = "outputs/export"
+SEED = 3407
+'''
+
+EXPORT_RESOLVE = '''\
+import torch
+
+ON_GPU = torch.cuda.is_available()
+MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
+LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
+torch.manual_seed(SEED)
+print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | 4-bit: {LOAD_IN_4BIT}")
+'''
+
+EXPORT_PANEL_MD = '''\
+## 1. What to export
+
+Pick the forms (the adapter alone, the merged 16-bit model that plain `transformers` loads, GGUF
+files for llama.cpp / Ollama / LM Studio), the GGUF quantisations (K-quants need
+`llama-cpp-python`), how much of the GPU the merge may fill, the folder, and whether to verify.'''
+
+EXPORT_PANEL = '''\
+from notebookkit.widgets import ExportPanel
+
+export_panel = ExportPanel(output_dir=OUTPUT_DIR)
+export_panel
+'''
+
+EXPORT_TRAIN_MD = '''\
+## 2. Load, add adapters, and train the canary fact
+
+`train_canary` runs AdamW on one chat example (loss on the answer only) until greedy decoding
+answers with the fact. Before training the model does not know it.'''
+
+EXPORT_TRAIN = '''\
+from notebookkit import FastLanguageModel
+from notebookkit.export import DEFAULT_CANARY as canary, train_canary
+
+model, tokenizer = FastLanguageModel.from_pretrained(MODEL_NAME, load_in_4bit=LOAD_IN_4BIT)
+model = FastLanguageModel.get_peft_model(model, r=LORA_R, lora_alpha=2 * LORA_R, use_gradient_checkpointing=False)
+FastLanguageModel.for_inference(model)
+known_before = canary.recalled_by(model, tokenizer)
+steps = train_canary(model, tokenizer, canary, max_steps=CANARY_STEPS)
+print(f"canary known before training: {known_before}; recalled after {steps} steps: {canary.recalled_by(model, tokenizer)}")
+'''
+
+EXPORT_RUN_MD = '''\
+## 3. Export, reload, compare
+
+Each form is written (the merged model layer by layer, streamed to safetensors shards; GGUF files
+with an Ollama `Modelfile` beside them) and, with verification on, reloaded: the merged folder in
+plain `transformers`, each GGUF in llama.cpp.'''
+
+EXPORT_RUN = '''\
+import pandas as pd
+from notebookkit.export import export_and_verify
+
+choice = export_panel.value
+rows = export_and_verify(model, tokenizer, canary=canary, **choice.kwargs())
+table = pd.DataFrame(rows).drop(columns=["path"])
+table
+'''
+
+EXPORT_SIGNAL_MD = '''\
+## 4. Verdict
+
+The canary was unknown before training and every verified export still recalls it, within the
+stated tolerance of the adapter model.'''
+
+EXPORT_SIGNAL = '''\
+assert not known_before, "the canary fact was known before training"
+for row in rows:
+    if "canary" in row:
+        assert row["canary"], f"{row['form']} lost the canary fact"
+        assert row["within_tolerance"], f"{row['form']} differs from the adapter model beyond its tolerance"
+print("every export recalls the canary fact")
+'''
+
+
+def export_notebook() -> list[nbformat.NotebookNode]:
+    return [
+        md(EXPORT_INTRO),
+        code(INSTALL),
+        code(EXPORT_PARAMETERS, tags=["parameters"]),
+        code(EXPORT_RESOLVE),
+        md(EXPORT_PANEL_MD),
+        code(EXPORT_PANEL),
+        md(EXPORT_TRAIN_MD),
+        code(EXPORT_TRAIN),
+        md(EXPORT_RUN_MD),
+        code(EXPORT_RUN),
+        md(EXPORT_SIGNAL_MD),
+        code(EXPORT_SIGNAL),
+    ]
+
+
 NOTEBOOKS = {
     "notebooks/sft/chat_sft.ipynb": chat_sft,
     "notebooks/sft/alpaca_sft.ipynb": alpaca_sft,
+    "notebooks/export/export.ipynb": export_notebook,
 }
 
 

@@ -18,6 +18,7 @@ from .estimate import (
     lora_param_count,
     normalize_plan,
 )
+from .export import ExportMemory, export_memory, merge_working_bytes
 from .meters import gpu_memory, host_memory, reset_gpu_peak
 from .planner import ActivationPlan, DoesNotFitError, plan_activations
 from .shapes import KNOWN_MODELS, ModelShape, model_shape, shape_from_config
@@ -36,7 +37,7 @@ __all__ = [
     "CARDS", "GPUCard", "detect_card", "parse_card", "parse_memory",
     "MemoryEstimate", "activation_plan_of", "estimate_for_model", "estimate_kwargs_from_model", "estimate_training_memory", "layer_activation_bytes",
     "lora_param_count", "normalize_plan", "HostMemoryError", "PinnedBufferPool",
-    "gpu_memory", "host_memory", "reset_gpu_peak",
+    "gpu_memory", "host_memory", "reset_gpu_peak", "ExportMemory", "export_memory", "merge_working_bytes",
     "ActivationPlan", "DoesNotFitError", "plan_activations", "LongestSequence", "longest_sequence",
     "KNOWN_MODELS", "ModelShape", "model_shape", "shape_from_config",
 ]

@@ -12,6 +12,7 @@ import torch.nn as nn
 from . import arguments
 from .banner import Banner, get_banner
 from .checkpointing import apply_checkpointing, normalize_mode
+from .export_hook import attach_export_methods
 from .lora_fast_path import describe_lora, set_fp8_base_matmul
 from .patch_linear4bit import guard_lora_merges
 from . import loader
@@ -310,6 +311,7 @@ def _wrap_with_lora(model: nn.Module, lora_config: Any, random_state: int, banne
         raise
     guard_lora_merges(peft_model)  # PEFT's merge would decode 4-bit bases with bitsandbytes on a CPU
     object.__setattr__(peft_model, "notebookkit_banner", banner)
+    attach_export_methods(peft_model)
     return peft_model
 
 

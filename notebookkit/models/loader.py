@@ -349,6 +349,9 @@ def finish_model(model, banner: Banner, max_seq_length: int, full_finetuning: bo
         banner.feature("fast path", False, "disabled by fast_path=False / NOTEBOOKKIT_FAST_PATH=0: stock Hugging Face code")
         # Stock code, but never bitsandbytes' CPU NF4 decode (wrong on AVX-512 CPUs): see patch_linear4bit.
         describe_linear4bit(model, banner, patch_linear4bit(model))
+    from .export_hook import attach_export_methods
+
+    attach_export_methods(model)
 
 
 def _load_adapter_folder(path: str, adapter_cfg: dict, banner: Banner, **kw):
@@ -369,6 +372,9 @@ def _load_adapter_folder(path: str, adapter_cfg: dict, banner: Banner, **kw):
     peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
     guard_lora_merges(peft_model)
     object.__setattr__(peft_model, "notebookkit_banner", base_banner)
+    from .export_hook import attach_export_methods
+
+    attach_export_methods(peft_model)
     base_banner.header.append(f"adapter: {path} on base {base_name}")
     if (Path(path) / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path)

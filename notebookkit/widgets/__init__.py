@@ -19,6 +19,7 @@ _LAZY = {
     "LiveDashboard": "dashboard",
     "CATALOG": "catalog", "resolve_shape": "catalog",
     "card_options": "cards",
+    "ExportPanel": "export_panel", "ExportChoice": "export_panel",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -1,0 +1,47 @@
+"""K-quants (``q4_k_m``, ``q5_k_m``, ``q6_k``) by llama.cpp's own quantiser.
+
+The K-quant formats and their per-tensor mixes ("_m": some tensors, such as parts of the attention
+V and FFN down projections, one step higher) are defined by llama.cpp; notebookkit does not
+re-implement them. ``llama-cpp-python`` exposes ``llama_model_quantize(input, output, params)``,
+which reads the 16-bit GGUF notebookkit wrote and writes the K-quant file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Sequence
+
+from .checks import ExportError
+
+__all__ = ["require_llama_cpp", "quantize_with_llama_cpp", "LLAMA_CPP_HINT"]
+
+LLAMA_CPP_HINT = (
+    "Install it with `pip install llama-cpp-python` (it compiles llama.cpp: about 6 minutes on 2 cores; "
+    "pip caches the wheel), or with the notebookkit extra: `pip install notebookkit[gguf]`. "
+    "Without it, use quantization_method='q8_0' or 'q4_0', which notebookkit writes itself."
+)
+
+
+def require_llama_cpp(methods: Sequence[str]):
+    """The ``llama_cpp`` module; raises saying how to get it when it is not installed."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ExportError(
+            f"quantization_method {', '.join(methods)} is made by llama.cpp's quantiser, and llama-cpp-python "
+            f"is not installed ({exc}). {LLAMA_CPP_HINT}"
+        ) from None
+    return llama_cpp
+
+
+def quantize_with_llama_cpp(source: Path, target: Path, method: str) -> None:
+    """``llama_model_quantize(source -> target)`` with llama.cpp's file type for ``method``."""
+    from .gguf_file import KQUANT_METHODS
+
+    llama_cpp = require_llama_cpp([method])
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = KQUANT_METHODS[method]
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    if status != 0 or not Path(target).is_file():
+        raise ExportError(f"llama.cpp's quantiser failed for {method} (status {status}) on {source}.")

@@ -1,0 +1,67 @@
+"""Export each chosen form, reload it, and report one row per form (the export notebook's table).
+
+Row fields: ``form``, ``path``, ``size_on_disk``, ``max_logit_diff`` (largest logit difference
+against the adapter model on the fixed prompts; for GGUF, teacher-forced in llama.cpp),
+``greedy_equal`` ("k/n" prompts whose greedy continuations are equal), ``within_tolerance`` and
+``canary`` (the canary fact recalled from the reloaded artefact, when a canary is given).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch.nn as nn
+
+from .canary import Canary
+from .checks import format_bytes
+
+__all__ = ["export_and_verify"]
+
+
+def export_and_verify(
+    model: nn.Module,
+    tokenizer: Any,
+    output_dir: os.PathLike,
+    forms: Sequence[str] = ("lora", "merged_16bit", "gguf"),
+    gguf_methods: Sequence[str] = ("q8_0",),
+    maximum_memory_usage: float = 0.75,
+    verify: bool = True,
+    canary: Optional[Canary] = None,
+) -> list[dict]:
+    """Write ``forms`` under ``output_dir`` (``lora/``, ``merged_16bit/``, ``gguf/``) and check each."""
+    out = Path(output_dir)
+    rows: list[dict] = []
+    if "lora" in forms:
+        r = model.save_pretrained_merged(out / "lora", tokenizer, save_method="lora", verbose=False)
+        rows.append({"form": "lora", "path": str(r.path), "size_on_disk": format_bytes(r.bytes_on_disk)})
+    if "merged_16bit" in forms:
+        r = model.save_pretrained_merged(out / "merged_16bit", tokenizer, maximum_memory_usage=maximum_memory_usage, verbose=False)
+        row = {"form": "merged_16bit", "path": str(r.path), "size_on_disk": format_bytes(r.bytes_on_disk)}
+        if verify:
+            from transformers import AutoModelForCausalLM
+
+            from .verify import check_merged_folder
+
+            check = check_merged_folder(model, r.path, tokenizer, n_tokens=8)
+            row.update(max_logit_diff=f"{check.max_abs_diff:.2e}", greedy_equal=f"{check.greedy_equal}/{check.prompts}",
+                       within_tolerance=check.ok)
+            if canary is not None:
+                row["canary"] = canary.recalled_by(AutoModelForCausalLM.from_pretrained(r.path), tokenizer)
+        rows.append(row)
+    if "gguf" in forms:
+        results = model.save_pretrained_gguf(out / "gguf", tokenizer, list(gguf_methods), maximum_memory_usage=maximum_memory_usage, verbose=False)
+        for r in results:
+            row = {"form": f"gguf {r.form}", "path": str(r.path), "size_on_disk": format_bytes(r.bytes_on_disk)}
+            if verify:
+                from .verify import _llama, check_gguf_file, greedy_llama_cpp
+
+                check = check_gguf_file(model, r.path, tokenizer, n_tokens=8)
+                row.update(max_logit_diff=f"{check.max_abs_diff:.2e}", greedy_equal=f"{check.greedy_equal}/{check.prompts}",
+                           within_tolerance=check.within(r.form) and check.tokenizer_equal)
+                if canary is not None:
+                    tokens, _ = greedy_llama_cpp(_llama(r.path), canary.prompt_ids(tokenizer), canary.recall_tokens)
+                    row["canary"] = canary.recalled(tokenizer, tokens)
+            rows.append(row)
+    return rows

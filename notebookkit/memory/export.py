@@ -1,0 +1,58 @@
+"""Memory of a merged export: what merging LoRA into the base weights needs beyond the loaded model.
+
+The export merges one linear layer at a time (``notebookkit.export.merge``): for a projection of
+``out x in`` with LoRA rank ``r`` it holds, on the device that merges it,
+
+    fp32 weight (NF4 decoded, or 16-bit upcast)       4 * out * in
+    fp32 LoRA factors A [r, in] and B [out, r]        4 * r * (out + in)
+    the merged weight in the written dtype            b * out * in       (b = 2 for 16-bit)
+
+and frees them before the next one; ``W += s * B @ A`` runs in place (``addmm_``), so no product
+buffer of its own. The host holds one merged tensor at a time on its way to the file
+(``b * out * in``, the largest one, usually the embedding). :func:`merge_working_bytes` is the
+per-layer formula the export's GPU budget check uses; :func:`export_memory` applies it to a whole
+model shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from .shapes import PROJECTIONS, ModelShape
+
+__all__ = ["merge_working_bytes", "ExportMemory", "export_memory"]
+
+
+def merge_working_bytes(out_features: int, in_features: int, rank: int, out_bytes: int = 2) -> int:
+    """Device bytes to merge one linear layer: fp32 weight and factors, and the written copy."""
+    return out_features * in_features * (4 + out_bytes) + rank * (out_features + in_features) * 4
+
+
+@dataclass(frozen=True)
+class ExportMemory:
+    """What a merged export of one model shape needs on top of the loaded model."""
+
+    device_peak_bytes: int  # largest single-layer merge working set (one layer at a time)
+    host_peak_bytes: int  # largest tensor on its way to the file
+    total_bytes: int  # size of the merged checkpoint on disk
+
+
+def _projection_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    H, I = shape.hidden_size, shape.intermediate_size
+    return {
+        "q_proj": (shape.q_dim, H), "k_proj": (shape.kv_dim, H), "v_proj": (shape.kv_dim, H), "o_proj": (H, shape.q_dim),
+        "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I),
+    }
+
+
+def export_memory(shape: ModelShape, r: int = 16, out_bytes: int = 2, target_modules: Optional[Iterable[str]] = None) -> ExportMemory:
+    """The export's working set for ``shape`` with LoRA rank ``r`` on ``target_modules`` (default all seven)."""
+    targets = set(target_modules) if target_modules is not None else set(PROJECTIONS)
+    dims = _projection_dims(shape)
+    device_peak = max(merge_working_bytes(o, i, r if name in targets else 0, out_bytes) for name, (o, i) in dims.items())
+    embed = shape.vocab_size * shape.hidden_size
+    largest = max(embed, *(o * i for o, i in dims.values()))
+    layer = sum(o * i for o, i in dims.values())
+    params = shape.num_layers * layer + embed * (1 if shape.tie_word_embeddings else 2)
+    return ExportMemory(device_peak, largest * out_bytes, params * out_bytes)

@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny models with non-zero LoRA adapters, loaded once per module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from notebookkit import FastLanguageModel
+
+
+def lora_model(family: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
+    """A tiny model of ``family`` with LoRA on all seven projections and random non-zero B."""
+    model, tokenizer = FastLanguageModel.from_pretrained(f"notebookkit/tiny-{family}", load_in_4bit=load_in_4bit, show_banner=False)
+    model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=16, show_banner=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    FastLanguageModel.for_inference(model)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: the tiny models' matmuls are small, and on a shared 2-core machine two
+    threads mostly wait on each other (a forward measured 12x slower with two under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama_nf4():
+    return lora_model("llama", load_in_4bit=True)

@@ -1,0 +1,120 @@
+"""GGUF files as written (read back with the gguf package): names, types, layout conversions, tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from notebookkit.export.checks import ExportError
+from notebookkit.export.gguf_arch import llama3_rope_factors, permute_for_llama_rope
+from notebookkit.export.gguf_file import normalize_quantization_methods
+from tests.export.conftest import lora_model
+
+gguf = pytest.importorskip("gguf")
+
+
+def _read(path):
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    fields = reader.fields
+
+    def value(key):
+        f = fields[key]
+        if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+            if f.types[-1] == gguf.GGUFValueType.STRING:
+                return [bytes(f.parts[i]).decode() for i in f.data]
+            return [f.parts[i].tolist()[0] for i in f.data]
+        if f.types[0] == gguf.GGUFValueType.STRING:
+            return bytes(f.parts[f.data[0]]).decode()
+        return f.parts[f.data[0]].tolist()[0]
+
+    return tensors, value
+
+
+def _dense(t) -> np.ndarray:
+    data = gguf.quants.dequantize(t.data, t.tensor_type)
+    return np.asarray(data, dtype=np.float32).reshape([int(s) for s in reversed(t.shape)])
+
+
+def test_permutation_moves_halves_to_adjacent_pairs():
+    """Row 2i of a permuted head is row i of the original, row 2i+1 is row i + d/2 (two heads, d=4)."""
+    w = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    p = permute_for_llama_rope(w, n_heads=2)
+    for h in range(2):
+        for i in range(2):
+            assert torch.equal(p[h * 4 + 2 * i], w[h * 4 + i])
+            assert torch.equal(p[h * 4 + 2 * i + 1], w[h * 4 + i + 2])
+
+
+def test_llama3_rope_factors_against_transformers():
+    """llama.cpp divides each frequency by the factor; transformers' llama3 init gives the divided
+    frequencies directly: base frequencies / factors must equal them."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=32, rope_parameters=rope)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    base = 1.0 / (500000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    mine = base / llama3_rope_factors(32, rope).double()
+    torch.testing.assert_close(mine, inv_freq.double(), rtol=1e-6, atol=0)
+    assert 1.0 < float(llama3_rope_factors(32, rope).max()) <= 8.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_tensors_and_metadata(family, tmp_path):
+    model, tokenizer = lora_model(family, load_in_4bit=family == "llama")
+    result = model.save_pretrained_gguf(tmp_path, tokenizer, ["f32", "q8_0"], verbose=False)
+    f32, q8 = (r.path for r in result)
+    tensors, value = _read(f32)
+    config = model.get_base_model().config
+    base = model.get_base_model().model
+    assert value("general.architecture") == {"llama": "llama", "gemma2": "gemma2"}[family]
+    assert value(f"{value('general.architecture')}.block_count") == config.num_hidden_layers
+    assert "output.weight" not in tensors  # tied embeddings
+    # merged q projection, permuted for llama (rotary layout), unchanged for gemma2
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    from notebookkit.export.merge import plan_merged_tensors
+
+    merged = {t.name: t for t in plan_merged_tensors(model, torch.float32)}
+    q_merged = merged["model.layers.0.self_attn.q_proj.weight"].make(torch.device("cpu"))
+    expected = permute_for_llama_rope(q_merged, config.num_attention_heads) if family == "llama" else q_merged
+    np.testing.assert_array_equal(_dense(tensors["blk.0.attn_q.weight"]), expected.numpy())
+    # norms: F32, Gemma's stored as 1 + w
+    norm = tensors["blk.0.attn_norm.weight"]
+    assert norm.tensor_type == gguf.GGMLQuantizationType.F32
+    w = base.layers[0].input_layernorm.weight.detach().float().numpy()
+    np.testing.assert_array_equal(_dense(norm), w + (1.0 if family == "gemma2" else 0.0))
+    # tokenizer
+    assert value("tokenizer.ggml.model") == "gpt2" and value("tokenizer.ggml.pre") == "gpt-2"
+    tokens = value("tokenizer.ggml.tokens")
+    assert len(tokens) == config.vocab_size and tokens[tokenizer.eos_token_id] == tokenizer.eos_token
+    types = value("tokenizer.ggml.token_type")
+    assert types[tokenizer.bos_token_id] == 3 and types[tokenizer.convert_tokens_to_ids("<think>")] == 4
+    assert value("tokenizer.ggml.merges")[0] == "Ġ a"
+    assert value("tokenizer.ggml.add_bos_token") is True
+    assert value("tokenizer.chat_template") == tokenizer.chat_template
+    eot = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>"}[family]
+    assert value("tokenizer.ggml.eot_token_id") == tokenizer.convert_tokens_to_ids(eot)
+    if family == "llama":
+        assert "rope_freqs.weight" in tensors
+    else:
+        assert value("gemma2.attn_logit_softcapping") == pytest.approx(50.0)
+        assert value("gemma2.attention.sliding_window_pattern") == [True, False]
+    q8_tensors, _ = _read(q8)
+    assert q8_tensors["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert q8_tensors["blk.0.ffn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    modelfile = (tmp_path / "Modelfile").read_text()
+    assert f"FROM ./{f32.name}" in modelfile and f'PARAMETER stop "{eot}"' in modelfile
+
+
+def test_unknown_method_lists_valid_ones():
+    with pytest.raises(ExportError) as err:
+        normalize_quantization_methods(["q8_0", "q3_k_xl"])
+    message = str(err.value)
+    assert "'q3_k_xl'" in message
+    for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"):
+        assert name in message
+    assert normalize_quantization_methods(["Q8_0", "quantized", "fast_quantized"]) == ["q8_0", "q4_k_m"]
