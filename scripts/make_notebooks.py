@@ -37,6 +37,7 @@ GPU_MODEL = "Qwen/Qwen3-0.6B"
 CHAT_TEMPLATE = {chat_template:<10} # {chat_template_note}
 LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
 MAX_SEQ_LENGTH = None      # None: 2048 on a GPU, 512 on CPU (capped by the length profile below)
+DTYPE = None               # None: bfloat16 where the GPU has it natively, else float16 (a T4); "float16" forces it
 LORA_R = 16
 MAX_STEPS = None           # None: 60 on a GPU, CPU_STEPS on CPU
 CPU_STEPS = 24
@@ -83,7 +84,7 @@ PANELS = '''\
 from notebookkit.widgets import ConfigPanels
 
 panels = ConfigPanels(
-    model=dict(model_name=MODEL_NAME, load_in_4bit=LOAD_IN_4BIT, max_seq_length=MAX_SEQ_LENGTH),
+    model=dict(model_name=MODEL_NAME, load_in_4bit=LOAD_IN_4BIT, max_seq_length=MAX_SEQ_LENGTH, dtype=DTYPE),
     lora=dict(r=LORA_R, lora_alpha=LORA_R, random_state=SEED),
     training=dict(max_steps=MAX_STEPS, per_device_train_batch_size=BATCH_SIZE,
                   gradient_accumulation_steps=GRAD_ACCUM, learning_rate=LEARNING_RATE,
@@ -165,6 +166,8 @@ trainer.add_callback(dashboard)
 train_result = trainer.train()
 dashboard.save_figure(f"{OUTPUT_DIR}/dashboard.png")
 print(f"trained {train_result.global_step} steps in {train_result.metrics['train_runtime']:.0f} s")
+if trainer.args.fp16:  # fp16 trains under a loss scaler, which skips a step whose gradients overflow
+    print(f"fp16: {dashboard.skipped_steps} of {train_result.global_step} optimizer steps skipped for inf/NaN gradients")
 '''
 
 LOSS_CURVE = '''\

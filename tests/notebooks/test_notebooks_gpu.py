@@ -61,3 +61,39 @@ def test_chat_sft_on_gpu_real_size_random_weights(tmp_path, monkeypatch):
     print(result.log_line())
     assert result.ok, result.error
     assert (out / "dashboard.png").exists() and (out / "calibration.png").exists()
+
+
+@pytest.mark.gpu
+def test_chat_sft_t4_emulation_fp16_under_15_gib(tmp_path, monkeypatch):
+    """The T4 path end to end: fp16 weights (HF Trainer fp16=True, GradScaler), a 15 GiB VRAM cap set in the
+    kernel before anything else (``set_per_process_memory_fraction``, through a ``sitecustomize`` on its path),
+    no optimizer step skipped for overflow, and the notebook's own learning-signal cell passes."""
+    import json
+
+    from notebookkit.train.headless import run_notebook
+
+    folder = _random_llama(tmp_path / "random-llama-1b", "1b")
+    startup = tmp_path / "startup"
+    startup.mkdir()
+    (startup / "sitecustomize.py").write_text(
+        "import torch\n"
+        "total = torch.cuda.get_device_properties(0).total_memory\n"
+        "torch.cuda.set_per_process_memory_fraction(min(1.0, 15 * 2**30 / total))\n"
+    )
+    monkeypatch.chdir(ROOT)
+    out = ROOT / "runs" / "gpu-chat-sft-fp16"
+    params = dict(
+        MODEL_NAME=str(folder), CHAT_TEMPLATE="llama-3", LOAD_IN_4BIT=True, DTYPE="float16", MAX_STEPS=40,
+        CALIBRATION_STEPS=0, LEARNING_RATE=1e-3, MIN_LOSS_DROP=0.1, OUTPUT_DIR=str(out),
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(startup), os.environ.get("PYTHONPATH", "")])}
+    result = run_notebook("notebooks/sft/chat_sft.ipynb", params, out / "chat_sft.ipynb", cell_timeout=1800, env=env)
+    print(result.log_line())
+    assert result.ok, result.error
+    outputs = "".join(
+        o.get("text", "") for c in json.loads((out / "chat_sft.ipynb").read_text())["cells"] if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+    )
+    line = next(l for l in outputs.splitlines() if l.startswith("fp16:"))
+    print(line)
+    assert line.startswith("fp16: 0 of "), line
