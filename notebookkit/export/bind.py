@@ -8,9 +8,9 @@ it) or the plain model (full fine-tuning, or no LoRA yet).
 
 from __future__ import annotations
 
-import types
-
 import torch.nn as nn
+
+from notebookkit.models.patching import WeakBoundMethod
 
 __all__ = ["EXPORT_METHODS", "bind_export_methods"]
 
@@ -32,7 +32,11 @@ EXPORT_METHODS = ("save_pretrained_merged", "save_pretrained_gguf", "push_to_hub
 
 
 def bind_export_methods(model: nn.Module) -> nn.Module:
-    """Attach the export methods to this model instance; returns it."""
+    """Attach the export methods to this model instance; returns it.
+
+    Bound through a weak reference (:class:`notebookkit.models.patching.WeakBoundMethod`): a plain bound
+    method in the model's own ``__dict__`` would be a reference cycle, and ``del model`` would leave its
+    weights allocated until Python's cycle collector ran (tests/memory/test_model_release.py)."""
     for name, function in _methods().items():
-        object.__setattr__(model, name, types.MethodType(function, model))
+        object.__setattr__(model, name, WeakBoundMethod(function, model))
     return model
