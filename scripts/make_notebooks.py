@@ -201,8 +201,12 @@ SIGNAL_MD = '''\
 
 CI runs this notebook on the tiny default and this cell fails the run unless the model learned:
 the training loss must fall by at least `MIN_LOSS_DROP` (first three logged steps against the last
-three), and on the held-back questions the answer loss must be lower and exact match no worse
-than before training.'''
+three), and on the held-back questions the answer loss must be lower than before training.
+
+Exact match is printed but not asserted: on the tiny default the held-back questions ask about facts
+the training rows never mention, and a CPU run of a few dozen steps answers none of them exactly,
+before or after training (0 of 8 even after 120 steps, five times the default), so "no worse"
+would hold whatever training did. On a real model, after a real run, it is worth reading.'''
 
 SIGNAL = '''\
 import statistics
@@ -212,10 +216,9 @@ first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
 drop = 1 - last / first
 print(f"training loss {first:.3f} -> {last:.3f} ({drop:.0%} lower; required: {MIN_LOSS_DROP:.0%})")
 print(f"held-back answer loss {loss_before:.3f} -> {loss_after:.3f}; "
-      f"exact match {em_before.score:.0%} -> {em_after.score:.0%}")
+      f"exact match {em_before.score:.0%} -> {em_after.score:.0%} (shown, not asserted)")
 assert drop >= MIN_LOSS_DROP, f"training loss fell only {drop:.1%} (< {MIN_LOSS_DROP:.0%})"
 assert loss_after < loss_before, "the tuned model is not better on the held-back answers"
-assert em_after.score >= em_before.score, "exact match on held-back questions got worse"
 print("learning signal: OK")
 '''
 
