@@ -466,3 +466,72 @@ def test_gpu_sampler_without_nvml_records_nothing():
     assert inert.summary() == {}
     # on this CPU machine for_device finds no GPU (or no pynvml) and must not raise
     assert gpu_monitor.GpuSampler.for_device(0).summary() == {}
+
+
+# --------------------------------------------------------------------------- kernels.py: status and timing method
+
+
+def test_a_nan_or_large_error_is_wrong_not_ok():
+    import math
+
+    import kernels
+    import torch
+
+    assert kernels.error_status(3e-3, torch.bfloat16) == "ok"
+    assert kernels.error_status(0.0, torch.float32) == "ok"
+    assert kernels.error_status(math.nan, torch.bfloat16).startswith("wrong") and "nan" in \
+        kernels.error_status(math.nan, torch.bfloat16)
+    assert kernels.error_status(5e-2, torch.bfloat16).startswith("wrong: rel err 5.0e-02")
+    assert kernels.error_status(2e-5, torch.float32).startswith("wrong")
+    assert math.isnan(kernels._rel_err(torch.tensor([1.0, float("inf")]), torch.tensor([1.0, 2.0])))
+
+
+def _fake_op(inject_nan: bool):
+    import kernels
+    import torch
+
+    def build(tokens, dtype, device):
+        x = torch.randn(tokens, 64, dtype=dtype, requires_grad=True)
+
+        def ours(x):
+            y = x * 2.0
+            return y.masked_fill(torch.arange(y.numel()).view_as(y) == 7, float("nan")) if inject_nan else y
+
+        return kernels.Case([x], [torch.ones(tokens, 64, dtype=dtype)], {"notebookkit": ours, "eager": lambda x: x * 2.0},
+                            bytes_fwd=1, bytes_fwdbwd=1, shape=f"[{tokens}, 64]")
+
+    return kernels.BenchOp("fake", "math", build)
+
+
+@pytest.mark.parametrize("inject_nan", [False, True], ids=["correct", "nan-injected"])
+def test_kernel_rows_fail_on_nan_and_record_how_they_were_timed(inject_nan, monkeypatch):
+    import kernels
+    import torch
+    import triton.testing
+
+    def no_graph(fn, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", no_graph)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.5)[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(kernels, "_peak_mib", lambda fn: 0.0)
+    rows = {r["impl"]: r for r in kernels.run_op(_fake_op(inject_nan), 16, torch.float32, 1000.0, use_compile=False)}
+    ours, eager = rows["notebookkit"], rows["eager"]
+    assert eager["status"] == "ok"
+    assert ours["status"] == ("wrong: rel err nan vs eager (non-finite output or error)" if inject_nan else "ok")
+    assert ("speedup_fwd" in ours) is (not inject_nan)
+    assert ours["fwd_timing"] == ours["fwdbwd_timing"] == "do_bench (RuntimeError: operation not permitted when stream is capturing)"
+    meta = dict(gpu="test", date="today", torch="x", triton="y", cuda="z", dtype="fp32", tokens=16, copy_gbps=1000.0)
+    line = next(ln for ln in kernels.markdown(meta, list(rows.values())).splitlines() if "| notebookkit |" in ln)
+    assert ("| nan | do_bench / do_bench | wrong" if inject_nan else "| do_bench / do_bench | ok |") in line
+
+
+def test_graph_replay_is_recorded(monkeypatch):
+    import kernels
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: 0.25)
+    assert kernels._bench(lambda: None) == (0.25, "cuda graph")
+    assert kernels._timing_cell(dict(fwd_timing="cuda graph", fwdbwd_timing="do_bench (x)")) == "graph / do_bench"
+    assert kernels._timing_cell(dict(fwd_timing="cuda graph")) == "graph"
