@@ -1,7 +1,10 @@
-"""CPU tests of the pure parts of benchmarks/max_context.py and benchmarks/profile_step.py.
+"""CPU tests of the benchmark tools: max_context.py, profile_step.py, run.py, kernels.py,
+learning_check.py and fp8_quality.py.
 
-The GPU parts (loading the systems, the training steps, the profiler run) are run by the lead on
-the GPU machine; here: the length search, kernel categories, report tables, child-process plumbing.
+The GPU parts (loading the systems, the timed steps, the profiler run) are run by the lead on the
+GPU machine; here: the length search and its probe processes (with a fake child), kernel
+categories, report tables, the kernel rows' status and timing method, the learning check of the
+training rows, and the FP8 quality script end to end on a tiny model (FP8 emulated on CPU).
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def test_out_of_memory_detection():
 
 
 ROWS = [
-    dict(system="hf", cap_gib=16, max_seq=9216, tok_s=1234.5, peak_gib=15.1, probes=7, status="ok",
+    dict(system="hf", cap_gib=16, max_seq=9216, tok_s=1234.5, peak_gib=15.1, probes=7, processes=3, status="ok",
          gpu="NVIDIA H200", torch="2.11.0"),
     dict(system="liger", cap_gib=16, status="not installed"),
     dict(system="notebookkit", cap_gib=24, max_seq=0, probes=3, status="nothing fits (not even 1024 tokens)"),
@@ -121,18 +124,17 @@ ROWS = [
 def test_markdown_table_rows():
     table = max_context.markdown_table(ROWS)
     lines = table.splitlines()
-    assert lines[0].startswith("| system | cap GiB | longest seq | predicted (planner) | tokens/s there | peak GiB | probes | status |")
-    assert "| hf | 16 | 9,216 | – | 1,234 | 15.10 | 7 | ok |" in table
-    assert "| liger | 16 | – | – | – | – | – | not installed |" in table
-    assert "| notebookkit | 24 | – | – | – | – | 3 | nothing fits" in table
+    assert lines[0].startswith("| system | cap GiB | longest seq | predicted (planner) | tokens/s there | peak GiB | probes "
+                               "| processes | status |")
+    assert "| hf | 16 | 9,216 | – | 1,234 | 15.10 | 7 | 3 | ok |" in table
+    assert "| liger | 16 | – | – | – | – | – | – | not installed |" in table
+    assert "| notebookkit | 24 | – | – | – | – | 3 | – | nothing fits" in table
     report = max_context.markdown_report(ROWS, dict(shape="llama-3.1-8b", quant="nf4", step=1024, max_seq=131072))
     assert "set_per_process_memory_fraction" in report and "CUDA context" in report and "NVIDIA H200" in report
+    assert "No probe runs in a process that has run out of memory" in report
 
 
-def test_parse_child_output_and_caps():
-    lines = ["loading...", 'PROBE {"seq": 4096, "fits": true}', 'RESULT {"cap_gib": 16, "max_seq": 8192}',
-             "RESULT {broken", 'RESULT {"cap_gib": 24, "max_seq": 12288}']
-    assert [r["cap_gib"] for r in max_context.parse_child_output(lines)] == [16, 24]
+def test_parse_caps():
     assert max_context.parse_caps("24, 16") == [16.0, 24.0]
     with pytest.raises(SystemExit):
         max_context.parse_caps("sixteen")
@@ -151,14 +153,74 @@ def test_missing_package_is_reported_not_dropped(monkeypatch, tmp_path):
     assert [(r["cap_gib"], r["status"]) for r in rows] == [(16, "not installed"), (24, "not installed")]
 
 
-def test_child_rows_and_missing_caps(monkeypatch, tmp_path):
-    script = "print('PROBE {}'); print('RESULT {\"system\": \"hf\", \"cap_gib\": 16, \"max_seq\": 8192, \"status\": \"ok\"}')"
+# A fake probe process: the protocol of max_context.child_main, a model that fits up to
+# FAKE_LIMIT tokens per 16 GiB of cap, and the failure the real search must never meet: after one
+# out-of-memory step, nothing fits in that process any more (a fragmented allocator, half-built
+# buffers). It does not exit by itself, so only the parent can keep it from being asked again.
+FAKE_CHILD = r"""
+import json, os, sys, time
+limit, hang_above = int(os.environ["FAKE_LIMIT"]), int(os.environ.get("FAKE_HANG_ABOVE", "0"))
+if os.environ.get("FAKE_CRASH"):
+    sys.exit("RuntimeError: could not load the model")
+print("READY " + json.dumps({"gpu": "Fake GPU", "torch": "0", "load_s": 0.0, "pid": os.getpid()}), flush=True)
+poisoned = False
+for line in sys.stdin:
+    req = json.loads(line)
+    if "predict" in req:
+        print("PREDICTED " + json.dumps({"cap": req["predict"], "seq": 1234}), flush=True)
+        continue
+    if hang_above and req["seq"] > hang_above:
+        time.sleep(60)
+    fits = req["seq"] <= limit * req["cap"] / 16 and not poisoned
+    poisoned = poisoned or not fits
+    print("PROBE " + json.dumps({"seq": req["seq"], "fits": fits, "s": 0.0, "cap": req["cap"], "pid": os.getpid(),
+                                 "tok_s": 100.0, "peak_gib": 1.0}), flush=True)
+"""
+
+
+def _fake_children(monkeypatch, limit, **env):
     monkeypatch.setattr(max_context, "_available", lambda system: True)
-    monkeypatch.setattr(max_context, "child_command", lambda system, args: [sys.executable, "-c", script])
+    monkeypatch.setattr(max_context, "child_command", lambda system, args: [sys.executable, "-c", FAKE_CHILD])
+    monkeypatch.setenv("FAKE_LIMIT", str(limit))
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+
+
+def _probe_lines(out: str) -> list[dict]:
+    import json
+
+    return [json.loads(line.split("PROBE ", 1)[1]) for line in out.splitlines() if "] PROBE " in line]
+
+
+def test_no_probe_runs_in_a_process_that_ran_out_of_memory(monkeypatch, tmp_path, capsys):
+    """Every probe after an OOM goes to a fresh process, so the fake child's poisoned state never
+    shows: the answers are the true limits (37,000 tokens per 16 GiB), for both caps."""
+    _fake_children(monkeypatch, limit=37000)
+    rows = max_context.rows_for_system("hf", _args(caps="16,24", step=1024, max_seq=131072), str(tmp_path))
+    assert [r["max_seq"] for r in rows] == [36864, 55296]  # floor(37000 / 1024), floor(55500 / 1024) steps
+    probes = _probe_lines(capsys.readouterr().out)
+    ooms = [p for p in probes if not p["fits"]]
+    assert ooms, "the search must have hit the limit"
+    for oom in ooms:  # nothing else was asked of a process after its OOM
+        later = probes[probes.index(oom) + 1:]
+        assert all(p["pid"] != oom["pid"] for p in later)
+    assert sum(r["processes"] for r in rows) == 1 + len(ooms) - (0 if probes[-1]["fits"] else 1)
+    assert rows[0]["gpu"] == "Fake GPU" and rows[0]["tok_s"] == 100.0
+    assert rows[0]["status"] == "ok" and "max-context-hf.log" in os.listdir(tmp_path)
+
+
+def test_notebookkit_rows_ask_the_child_for_the_planner_prediction(monkeypatch, tmp_path):
+    _fake_children(monkeypatch, limit=20000)
+    rows = max_context.rows_for_system("notebookkit", _args(caps="16", step=1024), str(tmp_path))
+    assert rows[0]["max_seq"] == 19456 and rows[0]["predicted_seq"] == 1234
+
+
+def test_missing_caps_when_the_child_cannot_load(monkeypatch, tmp_path):
+    _fake_children(monkeypatch, limit=1, FAKE_CRASH=1)
     rows = max_context.rows_for_system("hf", _args(caps="16,24"), str(tmp_path))
-    assert rows[0]["max_seq"] == 8192
-    assert rows[1]["cap_gib"] == 24 and rows[1]["status"].startswith("failed")
-    assert (tmp_path / "max-context-hf.log").read_text().count("RESULT") == 1
+    assert [r["cap_gib"] for r in rows] == [16, 24]
+    assert all(r["status"].startswith("failed") and "could not load the model" in r["status"] for r in rows)
+    assert "max_seq" not in rows[0] and rows[0]["processes"] == 1
 
 
 def test_child_timeout_is_reported(monkeypatch, tmp_path):
@@ -169,10 +231,18 @@ def test_child_timeout_is_reported(monkeypatch, tmp_path):
     assert rows[0]["status"].startswith("timed out")
 
 
-def test_child_command_passes_the_search_settings():
-    cmd = max_context.child_command("unsloth", _args(caps="16,24", step=512, max_seq=65536))
+def test_a_search_cut_short_reports_its_lower_bound(monkeypatch, tmp_path):
+    """A probe that hangs (killed at --timeout) ends the cap's search with the longest length that fitted."""
+    _fake_children(monkeypatch, limit=100000, FAKE_HANG_ABOVE=20000)
+    rows = max_context.rows_for_system("unsloth", _args(caps="16", step=1024, start=4096, timeout=2), str(tmp_path))
+    assert rows[0]["status"].startswith("timed out") and rows[0]["at_least"] == 16384
+    assert "| unsloth | 16 | ≥ 16,384 (cut short) | – |" in max_context.markdown_table(rows)
+
+
+def test_child_command_names_the_system_and_the_model():
+    cmd = max_context.child_command("unsloth", _args(shape="llama-3.1-8b", quant="nf4", step=512, max_seq=65536))
     joined = " ".join(cmd)
-    assert "--child --system unsloth" in joined and "--caps 16,24" in joined
+    assert "--child --system unsloth" in joined and "--shape llama-3.1-8b --quant nf4" in joined
     assert "--step 512" in joined and "--max-seq 65536" in joined
 
 
@@ -365,18 +435,9 @@ def test_notebookkit_replan_falls_back_to_full_offload_when_the_planner_refuses(
 
 def test_markdown_table_shows_the_planner_prediction():
     row = dict(system="notebookkit", cap_gib=16, max_seq=51200, predicted_seq=47616, tok_s=4321.0, peak_gib=15.2,
-               probes=9, status="ok (plan: 32 offload)")
-    assert "| notebookkit | 16 | 51,200 | 47,616 | 4,321 | 15.20 | 9 | ok (plan: 32 offload) |" in max_context.markdown_table([row])
-
-
-def test_a_search_cut_short_reports_its_lower_bound():
-    lines = ['PROBE {"seq": 16384, "fits": true}', 'RESULT {"cap_gib": 16, "max_seq": 20480}',
-             'PROBE {"seq": 20480, "fits": true}', 'PROBE {"seq": 40960, "fits": true}',
-             'PROBE {"seq": 81920, "fits": false}', "PROBE {broken", "timed out after 90s"]
-    assert max_context.longest_fitted_after_last_result(lines) == 40960
-    assert max_context.longest_fitted_after_last_result(lines[:2]) == 0
-    row = dict(system="unsloth", cap_gib=24, at_least=40960, status="timed out: timed out after 90s")
-    assert "| unsloth | 24 | ≥ 40,960 (cut short) | – |" in max_context.markdown_table([row])
+               probes=9, processes=4, status="ok (plan: 32 offload)")
+    assert "| notebookkit | 16 | 51,200 | 47,616 | 4,321 | 15.20 | 9 | 4 | ok (plan: 32 offload) |" in \
+        max_context.markdown_table([row])
 
 
 def test_first_row_of_a_compiling_system_gets_extra_time(monkeypatch, tmp_path):
