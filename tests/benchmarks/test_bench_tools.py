@@ -445,7 +445,8 @@ def test_first_row_of_a_compiling_system_gets_extra_time(monkeypatch, tmp_path):
     import run
 
     seen = []
-    monkeypatch.setattr(run, "run_row", lambda c, s, steps, timeout, extra: seen.append((c, s, timeout)) or dict(config=c, system=s, status="ok"))
+    monkeypatch.setattr(run, "run_row", lambda c, s, steps, timeout, extra, lora_b_path=None:
+                        seen.append((c, s, timeout)) or dict(config=c, system=s, status="ok"))
     monkeypatch.setattr(run, "write_results", lambda rows, stem: "table")
     monkeypatch.setattr(sys, "argv", ["run.py", "--out", str(tmp_path), "--only", "8b-nf4-4096x2,1b-bf16-2048x8",
                                       "--systems", "unsloth,hf", "--timeout", "50"])
@@ -486,11 +487,13 @@ def test_train_table_shows_the_median_step_and_ratios_of_the_window_throughput()
             base | dict(system="hf", tok_s=25_000.0),  # a row from before the median was recorded
             dict(config="1b-bf16-2048x8", system="compile", status="timed out after 300s")]
     lines = run.markdown(rows).splitlines()
-    assert lines[0].count("|") == lines[1].count("|") == 12
+    assert lines[0].count("|") == lines[1].count("|") == 15
     nk = next(ln for ln in lines if "| notebookkit |" in ln)
     assert "| 60,000 | 61,234 | 2.40 | 1.20 | 4.00 | 3.9 | 16 offload |" in nk
     assert "| 25,000 | – | 1.00 |" in next(ln for ln in lines if "| hf |" in ln)
-    assert all(ln.count("|") == 12 for ln in lines)
+    assert "– (random tokens: nothing to learn) | ok |" in nk  # rows of record before the learnable stream
+    assert all(ln.count("|") == 15 for ln in lines)
+    assert run.NF4_HF_NOTE not in run.markdown(rows)  # no NF4 row, no note
 
 
 def test_gpu_sampler_summarises_clocks_power_and_throttle_reasons():
@@ -527,6 +530,125 @@ def test_gpu_sampler_without_nvml_records_nothing():
     assert inert.summary() == {}
     # on this CPU machine for_device finds no GPU (or no pynvml) and must not raise
     assert gpu_monitor.GpuSampler.for_device(0).summary() == {}
+
+
+# --------------------------------------------------------------------------- run.py: the learning check
+
+
+def _train_row(system, losses, quant="bf16", **extra):
+    return dict(config="1b-bf16-2048x8", system=system, quant=quant, tok_s=1000.0, peak_gib=4.0, status="ok",
+                losses=losses, loss_first=losses[0], loss_last=losses[-1], token_stream="cycle of 32 ids") | extra
+
+
+LEARNED = [12.2, 11.9, 11.3, 10.6, 9.9, 9.2]  # the shape of a 6-step run on the cycle stream
+
+
+@pytest.mark.parametrize("case, losses, lora, verdict", [
+    ("learned like hf", [12.2, 11.9, 11.31, 10.62, 9.93, 9.25], dict(rel_err=0.08, cosine=0.997), "pass"),
+    ("adapters never updated", [12.2] * 6, dict(rel_err=1.0, cosine=0.0), "FAIL"),
+    ("learned half as fast", [12.2, 12.0, 11.8, 11.6, 11.4, 11.2], dict(rel_err=0.4, cosine=0.9), "FAIL"),
+    ("other adapters", LEARNED, dict(rel_err=1.41, cosine=0.0, same_init=False), "FAIL"),
+    ("NaN loss", [12.2, 11.9, float("nan"), 10.6, 9.9, float("nan")], dict(rel_err=0.08, cosine=0.99), "FAIL"),
+])
+def test_learning_verdict(case, losses, lora, verdict):
+    import run
+
+    hf = _train_row("hf", LEARNED)
+    row = _train_row("notebookkit", losses, lora_b_vs_hf=lora)
+    got = run.learning_verdict(row, hf)
+    assert got.startswith(verdict), (case, got)
+    assert run.learning_verdict(hf, hf) == "pass"
+    if case == "adapters never updated":
+        assert "loss fell 0.00%" in got and "last loss 32.61% from hf's" in got and "lora_B 1.00" in got
+    if case == "other adapters":
+        assert "other LoRA A init" in got
+
+
+def test_fp8_rows_get_a_wider_final_loss_band_and_nf4_ratios_a_note():
+    import run
+
+    hf = _train_row("hf", LEARNED, quant="nf4")
+    off_by_1_5 = LEARNED[:-1] + [LEARNED[-1] * 1.015]
+    assert run.learning_verdict(_train_row("notebookkit-fp8-offload", off_by_1_5, quant="nf4"), hf) == "pass"
+    assert run.learning_verdict(_train_row("notebookkit-offload", off_by_1_5, quant="nf4"), hf).startswith("FAIL")
+    rows = [hf | dict(config="8b-nf4-4096x2"), _train_row("notebookkit", LEARNED, quant="nf4", config="8b-nf4-4096x2",
+                                                           tok_s=3000.0)]
+    table = run.markdown(rows)
+    assert "| 3.00† |" in table and run.NF4_HF_NOTE in table and "prepare_model_for_kbit_training" in table
+
+
+def test_lora_b_of_each_row_is_compared_with_hf(tmp_path):
+    import run
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    update = {f"layers.{i}.q_proj.lora_B.default.weight": torch.randn(64, 16, generator=gen) for i in range(3)}
+    noisy = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in update.items()}
+    never = {k: torch.zeros_like(v) for k, v in update.items()}
+    paths = {}
+    for name, tensors in (("hf", update), ("notebookkit", noisy), ("liger", never)):
+        paths[name] = str(tmp_path / f"{name}.pt")
+        torch.save(tensors, paths[name])
+    rows = [_train_row(s, LEARNED, lora_a_init_sum=1.25) for s in ("hf", "notebookkit", "liger")]
+    rows.append(_train_row("unsloth", LEARNED, lora_a_init_sum=3.5))
+    paths["unsloth"] = paths["notebookkit"]
+    run.compare_lora_with_hf(rows, paths)
+    hf, nk, liger, unsloth = rows
+    assert "lora_b_vs_hf" not in hf
+    assert 0.03 < nk["lora_b_vs_hf"]["rel_err"] < 0.08 and nk["lora_b_vs_hf"]["same_init"]
+    assert liger["lora_b_vs_hf"]["rel_err"] == 1.0 and liger["lora_b_vs_hf"]["cosine"] == 0.0
+    assert unsloth["lora_b_vs_hf"]["same_init"] is False
+    assert run.learning_verdict(liger, hf).startswith("FAIL") and "lora_B 1.00" in run.learning_verdict(liger, hf)
+    assert run.learning_verdict(nk, hf) == "pass"
+
+
+# --------------------------------------------------------------------------- learning_check
+
+
+def test_cycle_stream_walks_one_fixed_cycle():
+    from learning_check import cycle_order, cycle_stream
+
+    order = cycle_order(128256, symbols=32, seed=0)
+    assert len(set(order.tolist())) == 32 and order.min() >= 3 and order.max() < 128256
+    batches = cycle_stream(3, batch=4, seq=100, vocab=128256, symbols=32, seed=0)
+    successor = {int(a): int(b) for a, b in zip(order, order.roll(-1))}
+    for ids in batches:
+        assert ids.shape == (4, 100) and set(ids.unique().tolist()) == set(order.tolist())
+        assert all(successor[int(a)] == int(b) for row in ids for a, b in zip(row[:-1], row[1:]))
+    again = cycle_stream(3, batch=4, seq=100, vocab=128256, symbols=32, seed=0)
+    assert all(torch_equal(a, b) for a, b in zip(batches, again))  # every system sees the same batches
+    assert not torch_equal(batches[0], batches[1])  # rows start elsewhere from batch to batch
+    with pytest.raises(ValueError, match="symbols"):
+        cycle_order(10, symbols=20)
+
+
+def torch_equal(a, b):
+    import torch
+
+    return torch.equal(a, b)
+
+
+def test_update_difference():
+    import math
+
+    import torch
+    from learning_check import loss_drop, lora_updates, update_difference
+
+    gen = torch.Generator().manual_seed(1)
+    ref = {"a": torch.randn(8, 4, generator=gen), "b": torch.randn(3, 4, generator=gen)}
+    assert update_difference(ref, ref)["rel_err"] == 0.0
+    frozen = update_difference({k: torch.zeros_like(v) for k, v in ref.items()}, ref)
+    assert frozen["rel_err"] == 1.0 and frozen["cosine"] == 0.0
+    off = dict(ref, b=ref["b"] * 3)
+    assert update_difference(off, ref)["worst"][0] == "b"
+    poisoned = dict(ref, a=ref["a"].clone())
+    poisoned["a"][0, 0] = float("nan")
+    bad = update_difference(poisoned, ref)
+    assert bad["rel_err"] == math.inf and math.isnan(bad["cosine"])
+    with pytest.raises(ValueError, match="did not move"):
+        update_difference(ref, {k: torch.zeros_like(v) for k, v in ref.items()})
+    assert torch.allclose(lora_updates(ref, off)["b"], 2 * ref["b"]) and not lora_updates(ref, off)["a"].any()
+    assert loss_drop([10.0, 9.0, 5.0]) == 0.5 and loss_drop([4.0, 4.0, 2.0, 2.0], window=2) == 0.5
 
 
 # --------------------------------------------------------------------------- kernels.py: status and timing method
