@@ -52,6 +52,7 @@ N_EXACT = 4                # of those, how many are answered by generation (exac
 SEED = 3407
 OUTPUT_DIR = "outputs/{slug}"
 MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at least this fraction
+MIN_HELDOUT_DROP = 0.1     # ... and the held-back answer loss by at least this fraction
 '''
 
 RESOLVE = '''\
@@ -201,7 +202,8 @@ SIGNAL_MD = '''\
 
 CI runs this notebook on the tiny default and this cell fails the run unless the model learned:
 the training loss must fall by at least `MIN_LOSS_DROP` (first three logged steps against the last
-three), and on the held-back questions the answer loss must be lower than before training.
+three), and on the held-back questions the answer loss must be at least `MIN_HELDOUT_DROP` lower than
+before training (a margin: with the learning rate at 0 it still moved by 0.02%, from 4.451 to 4.450).
 
 Exact match is printed but not asserted: on the tiny default the held-back questions ask about facts
 the training rows never mention, and a CPU run of a few dozen steps answers none of them exactly,
@@ -218,7 +220,10 @@ print(f"training loss {first:.3f} -> {last:.3f} ({drop:.0%} lower; required: {MI
 print(f"held-back answer loss {loss_before:.3f} -> {loss_after:.3f}; "
       f"exact match {em_before.score:.0%} -> {em_after.score:.0%} (shown, not asserted)")
 assert drop >= MIN_LOSS_DROP, f"training loss fell only {drop:.1%} (< {MIN_LOSS_DROP:.0%})"
-assert loss_after < loss_before, "the tuned model is not better on the held-back answers"
+heldout_drop = 1 - loss_after / loss_before
+assert heldout_drop >= MIN_HELDOUT_DROP, (
+    f"held-back answer loss fell only {heldout_drop:.1%} (< {MIN_HELDOUT_DROP:.0%}): "
+    "the tuned model is not better on the held-back answers")
 print("learning signal: OK")
 '''
 
