@@ -54,8 +54,7 @@ def main() -> None:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
-    vocab = train_step.SHAPES[args.shape]["vocab_size"]
-    batches = [torch.randint(3, vocab, (args.batch, args.seq), device="cuda") for _ in range(8)]
+    batches = train_step.token_batches(args.shape, args.batch, args.seq, 8)
     step = train_step.training_step(model, optimizer)
 
     for ids in batches[:2]:

@@ -9,8 +9,12 @@ For each (op, implementation): median time of the forward and of forward + backw
 which overlaps the GEMMs in a real step, is not counted; plain ``do_bench`` where capture fails), the bandwidth achieved on the ideal byte
 count of the op (every input read once, every output written once), that bandwidth as a percentage
 of a device-to-device copy measured in the same run, the peak memory allocated on top of the inputs,
-and the relative error of the forward output against eager. Results go to
-``<out>/<date>-<gpu>-kernels.json`` and ``.md``; the markdown table is printed last.
+and the relative error of the forward output against eager. A row is "ok" only when that error is
+finite and within the dtype's kernel tolerance (``notebookkit.kernels.testing.TOLERANCE``); NaN or
+a larger error marks it "wrong" (its times are still shown). Each row records how each time was
+taken (``fwd_timing`` / ``fwdbwd_timing``: "cuda graph" replay, or "do_bench" with the reason capture
+failed, where launch overhead is included). Results go to ``<out>/<date>-<gpu>-kernels.json`` and
+``.md``; the markdown table is printed last.
 
 Adding an op: append a ``BenchOp`` to ``OPS``. ``build(tokens, dtype, device)`` returns a ``Case``
 (leaf inputs, upstream gradients, ideal byte counts and implementations). An op whose notebookkit
@@ -269,21 +273,23 @@ def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-def _bench(fn: Callable[[], object]) -> float:
-    """Median GPU time of ``fn`` in ms.
+def _bench(fn: Callable[[], object]) -> tuple[float, str]:
+    """Median GPU time of ``fn`` in ms, and how it was timed.
 
-    Replayed from a CUDA graph where ``fn`` can be captured: an op over 8192 tokens runs in tens of
-    microseconds, less than Python and autograd take to launch it, and in a real training step those
-    launches overlap the GEMMs. Timing plain calls would measure the host, not the kernels. Falls back
-    to ``do_bench`` (launch overhead included) when capture fails.
+    Replayed from a CUDA graph where ``fn`` can be captured ("cuda graph"): an op over 8192 tokens
+    runs in tens of microseconds, less than Python and autograd take to launch it, and in a real
+    training step those launches overlap the GEMMs. Timing plain calls would measure the host, not
+    the kernels. Falls back to ``do_bench`` (launch overhead included) when capture fails:
+    "do_bench (<why capture failed>)".
     """
     from triton.testing import do_bench, do_bench_cudagraph
 
     try:
-        return float(do_bench_cudagraph(fn, rep=200, return_mode="median"))
-    except Exception:
+        return float(do_bench_cudagraph(fn, rep=200, return_mode="median")), "cuda graph"
+    except Exception as exc:
         torch.cuda.synchronize()
-        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}" if str(exc) else type(exc).__name__
+        return float(do_bench(fn, warmup=25, rep=200, return_mode="median")), f"do_bench ({why})"
 
 
 def _peak_mib(fn: Callable[[], object]) -> float:
@@ -311,11 +317,26 @@ def copy_bandwidth_gbps(n_bytes: int = 1 << 30) -> float:
 
 
 def _rel_err(out, ref) -> float:
+    """Largest ``||out - ref|| / ||ref||`` over the outputs; NaN when an output is not finite."""
     errs = []
     for a, b in zip(_as_tuple(out), _as_tuple(ref)):
         a64, b64 = a.detach().double(), b.detach().double()
+        if not torch.isfinite(a64).all():
+            return math.nan
         errs.append(((a64 - b64).norm() / b64.norm().clamp_min(1e-30)).item())
     return max(errs)
+
+
+def error_status(err: float, dtype: torch.dtype) -> str:
+    """"ok" when the error against eager is finite and within the dtype's kernel tolerance, else
+    "wrong: ..." (NaN never passes)."""
+    from notebookkit.kernels.testing import TOLERANCE
+
+    bound = TOLERANCE[dtype]
+    if err <= bound:  # False for NaN
+        return "ok"
+    return f"wrong: rel err {err:.1e} vs eager > {bound:.0e}" if math.isfinite(err) else \
+        f"wrong: rel err {err} vs eager (non-finite output or error)"
 
 
 def run_op(op: BenchOp, tokens: int, dtype: torch.dtype, copy_gbps: float, use_compile: bool) -> list[dict]:
@@ -353,20 +374,22 @@ def run_op(op: BenchOp, tokens: int, dtype: torch.dtype, copy_gbps: float, use_c
                 return torch.autograd.grad(out, diff_inputs, case.grads)
 
             err = _rel_err(fwd(), reference)
+            status = error_status(err, dtype)
             if not diff_inputs:  # forward-only op (NF4 dequant of a frozen weight): no fwd+bwd columns
-                t_fwd = _bench(fwd)
+                t_fwd, how_fwd = _bench(fwd)
                 gbs_fwd = case.bytes_fwd / (t_fwd * 1e-3) / 1e9
-                row |= dict(status="ok", fwd_ms=t_fwd, fwd_gbps=gbs_fwd, fwd_pct_copy=100 * gbs_fwd / copy_gbps,
-                            peak_fwd_mib=_peak_mib(fwd), rel_err_vs_eager=err)
+                row |= dict(status=status, fwd_ms=t_fwd, fwd_timing=how_fwd, fwd_gbps=gbs_fwd,
+                            fwd_pct_copy=100 * gbs_fwd / copy_gbps, peak_fwd_mib=_peak_mib(fwd), rel_err_vs_eager=err)
                 rows.append(row)
                 torch.cuda.empty_cache()
                 continue
             fwdbwd()  # warm-up (compiles the backward too)
-            t_fwd, t_all = _bench(fwd), _bench(fwdbwd)
+            (t_fwd, how_fwd), (t_all, how_all) = _bench(fwd), _bench(fwdbwd)
             gbs_fwd = case.bytes_fwd / (t_fwd * 1e-3) / 1e9
             gbs_all = case.bytes_fwdbwd / (t_all * 1e-3) / 1e9
             row |= dict(
-                status="ok", fwd_ms=t_fwd, fwdbwd_ms=t_all, fwd_gbps=gbs_fwd, fwdbwd_gbps=gbs_all,
+                status=status, fwd_ms=t_fwd, fwdbwd_ms=t_all, fwd_timing=how_fwd, fwdbwd_timing=how_all,
+                fwd_gbps=gbs_fwd, fwdbwd_gbps=gbs_all,
                 fwd_pct_copy=100 * gbs_fwd / copy_gbps, fwdbwd_pct_copy=100 * gbs_all / copy_gbps,
                 peak_fwd_mib=_peak_mib(fwd), peak_fwdbwd_mib=_peak_mib(fwdbwd), rel_err_vs_eager=err,
             )
@@ -392,7 +415,15 @@ def run_op(op: BenchOp, tokens: int, dtype: torch.dtype, copy_gbps: float, use_c
 # Reporting
 # --------------------------------------------------------------------------------------------------
 def _fmt(v, spec):
-    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+    return "–" if v is None else format(v, spec)
+
+
+def _timing_cell(row: dict) -> str:
+    """"graph" / "do_bench" per timed pass (fwd, fwd+bwd); "–" for rows that were not timed."""
+    short = lambda how: "–" if how is None else ("graph" if how == "cuda graph" else "do_bench")  # noqa: E731
+    if "fwd_timing" not in row:
+        return "–"
+    return short(row["fwd_timing"]) + ("" if "fwdbwd_timing" not in row else f" / {short(row['fwdbwd_timing'])}")
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -404,11 +435,14 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{N_Q_HEADS}/{N_KV_HEADS} heads, head_dim {HEAD_DIM}).",
         f"Device-to-device copy: **{meta['copy_gbps']:.0f} GB/s** (read + write). GB/s below = ideal bytes of "
         "the op (inputs read once, outputs written once) / median time; % = of that copy bandwidth. "
-        "Peak = memory allocated on top of the inputs. Speed-up = eager time / this time.",
+        "Peak = memory allocated on top of the inputs. Speed-up = eager time / this time. Timed by: `graph` = "
+        "replayed from a CUDA graph (launch overhead excluded), `do_bench` = plain calls where capture failed "
+        "(launch overhead included; the JSON says why), for fwd / fwd+bwd. Status `ok` needs a finite error "
+        "against eager within the dtype's kernel tolerance; NaN or more is `wrong`.",
         "",
         "| op | shape | dtype | impl | fwd ms | fwd GB/s | fwd % copy | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd % copy "
-        "| speed-up fwd | speed-up fwd+bwd | peak fwd MiB | peak fwd+bwd MiB | rel err vs eager | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speed-up fwd | speed-up fwd+bwd | peak fwd MiB | peak fwd+bwd MiB | rel err vs eager | timed by | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -418,7 +452,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"| {_fmt(r.get('fwdbwd_pct_copy'), '.0f')} | {_fmt(r.get('speedup_fwd'), '.2f')} "
             f"| {_fmt(r.get('speedup_fwdbwd'), '.2f')} | {_fmt(r.get('peak_fwd_mib'), '.0f')} "
             f"| {_fmt(r.get('peak_fwdbwd_mib'), '.0f')} | {_fmt(r.get('rel_err_vs_eager'), '.1e')} "
-            f"| {r.get('status', '')} |"
+            f"| {_timing_cell(r)} | {r.get('status', '')} |"
         )
     return "\n".join(lines) + "\n"
 

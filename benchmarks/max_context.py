@@ -16,10 +16,16 @@ that did not, down to ``--step`` tokens. When even the start does not fit it hal
 ``notebookkit`` re-plans its activation memory (keep / recompute / offload per layer) for each
 probed length under the cap, as ``use_gradient_checkpointing="auto"`` would for that run.
 
-Each system runs in its own process (Unsloth must be imported before transformers, and one
-system's patches or allocator state must not touch another's numbers). The parent writes
-``<out>/<date>-<gpu>-max-context.json`` and ``.md`` and prints the table last. To debug one system
-in this process: ``python benchmarks/max_context.py --child --system notebookkit --caps 16``.
+The parent runs the search; each probe (one training step at one length under one cap) runs in a
+child process that holds the loaded model (Unsloth must be imported before transformers, and one
+system's patches or allocator state must not touch another's numbers). A child answers probes
+while they fit and exits after the first that runs out of memory: an OOM can leave the caching
+allocator fragmented or a library's buffers half built, so that a later, shorter step fails in
+that process where it would fit in a fresh one. The next probe starts a new child (the model is
+loaded again), so no probe ever runs in a process that has run out of memory. The parent writes
+``<out>/<date>-<gpu>-max-context.json`` and ``.md`` and prints the table last. To talk to one
+child by hand: ``python benchmarks/max_context.py --child --system notebookkit``, then type
+``{"cap": 16, "seq": 8192}``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import datetime as dt
 import gc
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -136,9 +143,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The results table: system | cap GiB | longest seq | tokens/s there | peak GiB | probes | status."""
-    lines = ["| system | cap GiB | longest seq | predicted (planner) | tokens/s there | peak GiB | probes | status |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The results table: system | cap GiB | longest seq | predicted | tokens/s there | peak GiB | probes |
+    processes | status."""
+    lines = ["| system | cap GiB | longest seq | predicted (planner) | tokens/s there | peak GiB | probes | processes "
+             "| status |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         longest = r.get("max_seq")
         shown = f"{longest:,}" if longest else (f"≥ {r['at_least']:,} (cut short)" if r.get("at_least") else "–")
@@ -149,7 +158,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r.get('system', '?')} | {r.get('cap_gib', '?')} | "
             f"{shown} | {f'{predicted:,}' if predicted else '–'} | "
             f"{f'{tok_s:,.0f}' if tok_s else '–'} | "
-            f"{f'{peak:.2f}' if peak else '–'} | {r['probes'] if r.get('probes') is not None else '–'} | {str(r.get('status', '?')).replace('|', '/')} |"
+            f"{f'{peak:.2f}' if peak else '–'} | {r['probes'] if r.get('probes') is not None else '–'} | "
+            f"{r.get('processes') or '–'} | {str(r.get('status', '?')).replace('|', '/')} |"
         )
     return "\n".join(lines)
 
@@ -171,39 +181,13 @@ def markdown_report(rows: list[dict], settings: dict) -> str:
         "size leave room for the context.",
         "- tokens/s and peak GiB are from a step at the longest length (a confirmation step when it ran). "
         "probes counts the search's steps, not the warm-up step or the confirmation step.",
+        "- No probe runs in a process that has run out of memory: a child process answers probes until one "
+        "does not fit, then exits, and the next probe loads the model in a fresh one. processes = the child "
+        "processes a cap's search used (one more after each OOM).",
         "- notebookkit re-plans its per-layer activation plan (keep / recompute / offload) for each probed "
         "length under the cap; the plan at the longest length is in the status column.",
     ]
     return "\n".join(notes) + "\n"
-
-
-def parse_child_output(lines: list[str]) -> list[dict]:
-    """The ``RESULT {json}`` rows a child printed (lines that do not parse are skipped)."""
-    rows = []
-    for line in lines:
-        if line.startswith("RESULT "):
-            try:
-                rows.append(json.loads(line[len("RESULT "):]))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def longest_fitted_after_last_result(lines: list[str]) -> int:
-    """The longest ``PROBE`` length that fitted after the child's last ``RESULT`` line (0 if none):
-    a lower bound for the cap whose search was cut short."""
-    longest = 0
-    for line in lines:
-        if line.startswith("RESULT "):
-            longest = 0
-        elif line.startswith("PROBE "):
-            try:
-                probe = json.loads(line[len("PROBE "):])
-            except json.JSONDecodeError:
-                continue
-            if probe.get("fits"):
-                longest = max(longest, int(probe.get("seq") or 0))
-    return longest
 
 
 def parse_caps(text: str) -> list[float]:
@@ -221,7 +205,7 @@ def _cap_label(cap: float) -> float | int:
     return int(cap) if float(cap).is_integer() else cap
 
 
-# --------------------------------------------------------------------------- child: one system
+# --------------------------------------------------------------------------- child: one system, probes on request
 
 
 def _load(system: str, folder: str, quant: str, max_seq: int):
@@ -300,28 +284,25 @@ def _release(optimizer) -> None:
 
 
 class Prober:
-    """Runs one training step at a given length and remembers time and peak memory per length."""
+    """Runs one training step at a given length; returns the PROBE record (fits, time, peak memory)."""
 
     def __init__(self, model, optimizer, vocab: int, replan: Optional[Callable[[int], None]]):
         self.model, self.optimizer, self.vocab, self.replan = model, optimizer, vocab, replan
-        self.stats: dict[int, dict] = {}
 
-    def __call__(self, length: int) -> bool:
-        fitted = False
+    def __call__(self, length: int) -> dict:
+        record: dict = dict(seq=length, fits=False)
         started = time.perf_counter()
         try:
-            fitted = self._timed_step(length)
+            record |= self._timed_step(length)
+            record["fits"] = True
         except Exception as exc:  # noqa: BLE001 - only OOM is a "does not fit"; the rest stops the search
             if not is_out_of_memory(exc):
                 raise
             print(f"  OOM at {length}: {str(exc).splitlines()[0][:160]}", file=sys.stderr, flush=True)
         _release(self.optimizer)
-        print("PROBE " + json.dumps(dict(seq=length, fits=fitted, s=round(time.perf_counter() - started, 2),
-                                         peak_gib=self.stats.get(length, {}).get("peak_gib") if fitted else None)),
-              flush=True)
-        return fitted
+        return record | dict(s=round(time.perf_counter() - started, 2))
 
-    def _timed_step(self, length: int) -> bool:
+    def _timed_step(self, length: int) -> dict:
         import torch
 
         if self.replan is not None:
@@ -333,48 +314,21 @@ class Prober:
         _one_step(self.model, self.optimizer, ids)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-        self.stats[length] = dict(
+        return dict(
             s_step=round(seconds, 3), tok_s=round(length / seconds, 1),
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
             reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
             plan=_plan_summary(self.model) if self.replan is not None else None,
         )
-        return True
-
-
-def search_one_cap(prober: Prober, cap: float, start: int, args, seconds: float) -> dict:
-    """Set the cap, search, confirm the answer with one more step; returns the RESULT row."""
-    import torch
-
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
-    _release(prober.optimizer)
-    prober.stats.clear()
-    started = time.time()
-    deadline = started + seconds
-    row: dict = dict(cap_gib=_cap_label(cap), start=start, budget_s=round(seconds))
-    try:
-        outcome = search_longest(prober, start, args.step, args.max_seq, args.growth, lambda: time.time() > deadline)
-    except Exception as exc:  # noqa: BLE001 - report, do not lose the other rows
-        last = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        return row | dict(max_seq=0, probes=None, status=f"failed: {last}")
-    row |= dict(max_seq=outcome.longest, probes=len(outcome.probes), probe_log=outcome.probes)
-    status = {
-        "reached --max-seq": f"fits at --max-seq {args.max_seq}",
-        "nothing fits": f"nothing fits (not even {args.step} tokens)",
-        "time budget reached": "time budget reached (longest so far)",
-    }.get(outcome.reason, outcome.reason)
-    if outcome.longest and args.confirm:
-        if not prober(outcome.longest):
-            status += "; OOM when re-run at that length"
-    row |= prober.stats.get(outcome.longest, {})
-    if row.get("plan"):
-        status += f" (plan: {row['plan']})"
-    return row | dict(status=status, search_s=round(time.time() - started, 1))
 
 
 def child_main(args) -> None:
-    """Load ``args.system`` once, then search every cap in increasing order; print RESULT rows."""
+    """Load ``args.system`` once, run a warm-up step, print ``READY {json}``; then answer requests
+    read from stdin, one JSON object a line: ``{"cap": GiB, "seq": tokens}`` trains one step under
+    that cap and prints ``PROBE {json}``; ``{"predict": GiB}`` prints ``PREDICTED {json}``
+    (notebookkit's planner). After a step that ran out of memory the process exits: an OOM can
+    leave the allocator fragmented or a library's buffers half built, so no later probe may run in it.
+    """
     if args.system == "unsloth":
         import unsloth  # noqa: F401  (before transformers, which train_step imports)
     import torch
@@ -388,27 +342,170 @@ def child_main(args) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
     vocab = train_step.SHAPES[args.shape]["vocab_size"]
-    caps = parse_caps(args.caps)
-    prober = Prober(model, optimizer, vocab, _replanner(model, caps[0]) if args.system == "notebookkit" else None)
+    prober = Prober(model, optimizer, vocab, None)
     print("warm-up step (compiles kernels, creates optimizer state):", file=sys.stderr, flush=True)
-    prober(args.step)
-    prober.stats.clear()
-    common = dict(system=args.system, shape=args.shape, quant=args.quant, gpu=torch.cuda.get_device_name(0),
-                  torch=torch.__version__, load_s=load_s)
-    budget_end = time.time() + args.time_budget
-    start = args.start
-    for i, cap in enumerate(caps):
-        if args.system == "notebookkit":
-            prober.replan = _replanner(model, cap)
-        share = max(0.0, budget_end - time.time()) / (len(caps) - i)
-        row = search_one_cap(prober, cap, start, args, share)
-        if args.system == "notebookkit":
-            row["predicted_seq"] = predicted_longest(model, cap, args.step, args.max_seq)
-        print("RESULT " + json.dumps(common | row), flush=True)
-        start = max(args.start, row.get("max_seq") or 0)
+    if not prober(args.step)["fits"]:
+        raise SystemExit(f"the warm-up step of {args.step} tokens ran out of memory without a cap")
+    total = torch.cuda.get_device_properties(0).total_memory
+    print("READY " + json.dumps(dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, load_s=load_s,
+                                     pid=os.getpid())), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "predict" in request:
+            seq = predicted_longest(model, request["predict"], args.step, args.max_seq)
+            print("PREDICTED " + json.dumps(dict(cap=request["predict"], seq=seq)), flush=True)
+            continue
+        cap = request["cap"]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
+        _release(optimizer)
+        prober.replan = _replanner(model, cap) if args.system == "notebookkit" else None
+        record = prober(int(request["seq"]))
+        print("PROBE " + json.dumps(record | dict(cap=cap, pid=os.getpid())), flush=True)
+        if not record["fits"]:
+            print("out of memory: this process ends; the next probe starts a fresh one", file=sys.stderr, flush=True)
+            return
 
 
-# --------------------------------------------------------------------------- parent: all systems
+# --------------------------------------------------------------------------- parent: the searches
+
+
+class ChildFailed(RuntimeError):
+    """A probe process ended without answering (a crash, or silent past its timeout)."""
+
+
+class ProbeProcesses:
+    """The parent's side of the probes of one system: each probe is sent to a child process running
+    :func:`child_main`; a child that answered "out of memory" has exited, and the next probe starts
+    a fresh one (the model is loaded again). Counts the processes started and the seconds spent in
+    probes (model loading and warm-up excluded)."""
+
+    def __init__(self, system: str, args, log_path: str):
+        self.system, self.args, self.log_path = system, args, log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.started = 0
+        self.probe_seconds = 0.0
+        self.ready: dict = {}
+        self.timeout = args.timeout or 600
+
+    def _start(self) -> None:
+        from run import FIRST_ROW_GRACE_S  # Unsloth's first import compiles: not probe time
+
+        log = open(self.log_path, "a")
+        log.write(f"--- process {self.started + 1} of {self.system}\n")
+        log.flush()
+        self.proc = subprocess.Popen(child_command(self.system, self.args), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+        log.close()
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc, self.lines), daemon=True).start()
+        grace = FIRST_ROW_GRACE_S.get(self.system, 0) if self.started == 0 else 0
+        self.started += 1
+        self.ready = self._expect("READY ", self.timeout + grace)
+
+    def _read(self, proc: subprocess.Popen, lines: "queue.Queue[Optional[str]]") -> None:
+        with open(self.log_path, "a") as log:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                lines.put(line.rstrip("\n"))
+        lines.put(None)  # end of output
+
+    def _expect(self, prefix: str, timeout: float) -> dict:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                self.close()
+                raise ChildFailed(f"timed out after {timeout:.0f}s") from None
+            if line is None:
+                self.proc.wait()
+                code, self.proc = self.proc.returncode, None
+                raise ChildFailed(f"the process ended (exit code {code}) before {prefix.strip()}: "
+                                  f"{_last_error(self.log_path)}")
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+
+    def _send(self, request: dict, prefix: str) -> dict:
+        if self.proc is None:
+            self._start()
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._expect(prefix, self.timeout)
+
+    def probe(self, cap: float, seq: int) -> dict:
+        """One training step of ``seq`` tokens under ``cap`` GiB: the child's PROBE record."""
+        if self.proc is None:
+            self._start()  # loading and warm-up are not probe time
+        started = time.time()
+        try:
+            record = self._send(dict(cap=cap, seq=seq), "PROBE ")
+        finally:
+            self.probe_seconds += time.time() - started
+        print(f"[{self.system}] PROBE {json.dumps(record)}", flush=True)
+        if not record["fits"]:
+            self._retire()
+        return record
+
+    def _retire(self) -> None:
+        """After an out-of-memory answer: end that child (it exits by itself; this makes sure), so
+        that the next probe runs in a fresh process."""
+        self.close()
+
+    def predict(self, cap: float) -> Optional[int]:
+        return self._send(dict(predict=cap), "PREDICTED ").get("seq")
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def _last_error(log_path: str) -> str:
+    """The last non-empty line of a child's log (its error message, usually)."""
+    try:
+        with open(log_path) as fh:
+            lines = [ln.strip() for ln in fh if ln.strip() and not ln.startswith("--- process")]
+    except OSError:
+        return "no output"
+    return lines[-1][-200:] if lines else "no output"
+
+
+def search_one_cap(probes: ProbeProcesses, cap: float, start: int, args, seconds: float) -> dict:
+    """Search the longest length under ``cap`` with ``probes`` and confirm it with one more step; the row."""
+    row: dict = dict(cap_gib=_cap_label(cap), start=start, budget_s=round(seconds))
+    records: dict[int, dict] = {}
+    started_processes, spent_before = probes.started, probes.probe_seconds
+
+    def try_len(length: int) -> bool:
+        records[length] = probes.probe(cap, length)
+        return records[length]["fits"]
+
+    started = time.time()
+    try:
+        outcome = search_longest(try_len, start, args.step, args.max_seq, args.growth,
+                                 lambda: probes.probe_seconds - spent_before > seconds)
+        status = {
+            "reached --max-seq": f"fits at --max-seq {args.max_seq}",
+            "nothing fits": f"nothing fits (not even {args.step} tokens)",
+            "time budget reached": "time budget reached (longest so far)",
+        }.get(outcome.reason, outcome.reason)
+        if outcome.longest and args.confirm and not try_len(outcome.longest):
+            status += "; OOM when re-run at that length (in a fresh process)"
+        row |= dict(max_seq=outcome.longest, probes=len(outcome.probes), probe_log=outcome.probes)
+        stats = records.get(outcome.longest, {})
+        row |= {k: stats[k] for k in ("s_step", "tok_s", "peak_gib", "reserved_gib", "plan") if k in stats}
+        if row.get("plan"):
+            status += f" (plan: {row['plan']})"
+    except ChildFailed as exc:
+        fitted = [n for n, r in records.items() if r["fits"]]
+        row |= dict(probes=len(records), probe_log=[(n, r["fits"]) for n, r in records.items()])
+        if fitted:
+            row["at_least"] = max(fitted)  # the search stopped inside this cap
+        status = f"{'timed out' if 'timed out' in str(exc) else 'failed'}: {exc} (see {os.path.basename(probes.log_path)})"
+    return row | dict(status=status, processes=probes.started - started_processes, search_s=round(time.time() - started, 1))
 
 
 def gpu_name() -> str:
@@ -424,57 +521,36 @@ def gpu_name() -> str:
 
 def child_command(system: str, args) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--child", "--system", system, "--shape", args.shape,
-            "--quant", args.quant, "--caps", args.caps, "--step", str(args.step), "--max-seq", str(args.max_seq),
-            "--start", str(args.start), "--growth", str(args.growth), "--time-budget", str(args.time_budget),
-            *([] if args.confirm else ["--no-confirm"])]
-
-
-def run_child(system: str, args, log_path: str) -> tuple[list[dict], list[str]]:
-    """Run one system's search in a fresh process; stream its output to ``log_path``.
-
-    Returns its RESULT rows and every line it printed (probes, failure message).
-    """
-    from run import FIRST_ROW_GRACE_S  # Unsloth's first import compiles: not search time
-
-    timeout = (args.timeout or args.time_budget + 600) + FIRST_ROW_GRACE_S.get(system, 0)
-    proc = subprocess.Popen(child_command(system, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1)
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    lines: list[str] = []
-    try:
-        with open(log_path, "w") as log:
-            for line in proc.stdout:
-                log.write(line)
-                lines.append(line.rstrip("\n"))
-                if line.startswith(("PROBE ", "RESULT ")):
-                    print(f"[{system}] {line}", end="", flush=True)
-        proc.wait()
-    finally:
-        timed_out = not timer.is_alive() and proc.returncode not in (0, None)
-        timer.cancel()
-    if timed_out:
-        lines.append(f"timed out after {timeout}s")
-    return parse_child_output(lines), lines
+            "--quant", args.quant, "--step", str(args.step), "--max-seq", str(args.max_seq)]
 
 
 def rows_for_system(system: str, args, out_dir: str) -> list[dict]:
-    """One row per cap: the child's results, or why there are none."""
-    caps = [_cap_label(c) for c in parse_caps(args.caps)]
+    """One row per cap, searched in increasing order (each cap starts from the previous answer)."""
+    caps = parse_caps(args.caps)
     if not _available(system):
-        return [dict(system=system, cap_gib=cap, status="not installed") for cap in caps]
-    results, lines = run_child(system, args, os.path.join(out_dir, f"max-context-{system}.log"))
-    tail = lines[-4:]
-    by_cap = {r.get("cap_gib"): r for r in results}
-    last = next((t.strip() for t in reversed(tail) if t.strip()), "no output")
-    oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
-    why = "timed out" if last.startswith("timed out") else ("out of memory" if oom else "failed")
-    missing = f"{why}: {last[-200:]} (see max-context-{system}.log)"
-    rows = [by_cap.get(cap) or dict(system=system, cap_gib=cap, status=missing) for cap in caps]
-    cut = next((r for r in rows if "max_seq" not in r), None)
-    at_least = longest_fitted_after_last_result(lines)
-    if cut is not None and at_least:
-        cut["at_least"] = at_least  # the search stopped inside this cap
+        return [dict(system=system, cap_gib=_cap_label(cap), status="not installed") for cap in caps]
+    log_path = os.path.join(out_dir, f"max-context-{system}.log")
+    open(log_path, "w").close()
+    probes = ProbeProcesses(system, args, log_path)
+    rows: list[dict] = []
+    start = args.start
+    try:
+        for i, cap in enumerate(caps):
+            if rows and not probes.ready:  # the model never loaded: the other caps would fail the same way
+                rows.append(dict(system=system, cap_gib=_cap_label(cap), status=rows[-1]["status"]))
+                continue
+            share = max(0.0, args.time_budget - probes.probe_seconds) / (len(caps) - i)
+            row = dict(system=system, shape=args.shape, quant=args.quant) | search_one_cap(probes, cap, start, args, share)
+            if system == "notebookkit" and "max_seq" in row:
+                try:
+                    row["predicted_seq"] = probes.predict(cap)
+                except ChildFailed as exc:
+                    print(f"(no prediction: {exc})", file=sys.stderr, flush=True)
+            rows.append(row | {k: probes.ready[k] for k in ("gpu", "torch", "load_s") if k in probes.ready})
+            print("RESULT " + json.dumps(rows[-1]), flush=True)
+            start = max(args.start, row.get("max_seq") or 0)
+    finally:
+        probes.close()
     return rows
 
 
@@ -511,15 +587,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--start", type=int, default=4096, help="first length tried at the smallest cap")
     ap.add_argument("--growth", type=float, default=2.0, help="factor between lengths while they still fit")
     ap.add_argument("--time-budget", type=float, default=150.0,
-                    help="seconds of searching per system, all caps together (model loading excluded); "
-                         "each cap gets an equal share of what is left, and one probe may overrun it")
+                    help="seconds of probing per system, all caps together (model loading and the reloads "
+                         "after an OOM excluded); each cap gets an equal share of what is left, and one probe "
+                         "may overrun it")
     ap.add_argument("--no-confirm", dest="confirm", action="store_false",
                     help="skip the extra step at the answer (it times a warm step and checks the fit repeats)")
-    ap.add_argument("--timeout", type=int, default=0, help="kill a system's process after this many seconds "
-                                                          "(default: time budget + 600 for building and loading)")
+    ap.add_argument("--timeout", type=int, default=0,
+                    help="kill a child process that stays silent this many seconds while loading (plus Unsloth's "
+                         "first-import grace) or in one probe (default 600)")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--child", action="store_true", help="run one --system in this process (debugging)")
-    ap.add_argument("--system", choices=SYSTEMS, help="with --child: the system to search")
+    ap.add_argument("--child", action="store_true",
+                    help="be a probe process for one --system: read {\"cap\": GiB, \"seq\": tokens} lines on stdin")
+    ap.add_argument("--system", choices=SYSTEMS, help="with --child: the system to load")
     return ap
 
 

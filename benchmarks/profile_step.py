@@ -352,10 +352,7 @@ def run(args) -> str:
     model, plan_note = load_system(args)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4, fused=True)
-    vocab = train_step.SHAPES[args.shape]["vocab_size"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    batches = [torch.randint(3, vocab, (args.batch, args.seq), device="cuda", generator=gen)
-               for _ in range(args.warmup + args.steps)]
+    batches = train_step.token_batches(args.shape, args.batch, args.seq, args.warmup + args.steps)
     step = train_step.training_step(model, optimizer)
 
     warm_ms = None

@@ -6,6 +6,11 @@
 Each (configuration, system) row runs in its own process (`benchmarks/train_step.py`). A system
 whose package is missing is reported as "not installed", never silently dropped. Results go to
 ``<out>/<date>-<gpu>.json`` and ``.md`` plus a PNG bar chart; the markdown table is printed last.
+
+Every row also says whether it learned what HF+PEFT learned (the "learning check" column, see
+:func:`learning_verdict`): all systems train on the same learnable token stream, so the loss falls
+several percent within the run, and each row's final ``lora_B`` (the adapters' update) is compared
+with the ``hf`` row's of the same configuration.
 """
 
 from __future__ import annotations
@@ -14,12 +19,17 @@ import argparse
 import datetime as dt
 import importlib.util
 import json
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from learning_check import loss_drop, update_difference  # noqa: E402  (this folder, also when imported)
 
 # name -> (shape, quant, seq, batch)
 CONFIGS: dict[str, tuple[str, str, int, int]] = {
@@ -62,12 +72,24 @@ def resolve_system(system: str) -> tuple[str, list[str]]:
     return system, []
 
 
+# Learning check (learning_verdict): the loss must fall by at least MIN_LOSS_DROP over the run (on random
+# tokens it moved 0.1-0.2%) and by at least half as much as HF+PEFT's; the last loss must be within
+# FINAL_LOSS_TOL of HF+PEFT's (the FP8 forward changes the forward numerics: 2%); the adapters' update
+# (final lora_B) within MAX_LORA_B_REL_ERR of HF+PEFT's. One that never updated is 1.0 away, one that
+# started from other LoRA A values about 1.4: a loose bound, to be tightened to a few times the spread
+# between the peers (hf, compile, liger: the same math) once a run of record has measured it.
+MIN_LOSS_DROP = 0.01
+FINAL_LOSS_TOL = {"16-bit": 0.01, "fp8": 0.02}
+MAX_LORA_B_REL_ERR = 0.5
+
+
 def available(system: str) -> bool:
     module = NEEDS.get(system)
     return module is None or importlib.util.find_spec(module) is not None
 
 
-def run_row(config: str, system: str, steps: int, timeout: int, extra: list[str]) -> dict:
+def run_row(config: str, system: str, steps: int, timeout: int, extra: list[str], lora_b_path: str | None = None) -> dict:
+    """Run one (configuration, system) row in its own process; ``lora_b_path``: where it saves its final lora_B."""
     shape, quant, seq, batch = CONFIGS[config]
     row = dict(config=config, system=system, shape=shape, quant=quant, seq=seq, batch=batch)
     base_system, variant_args = resolve_system(system)
@@ -76,7 +98,7 @@ def run_row(config: str, system: str, steps: int, timeout: int, extra: list[str]
     warmup, steps = STEPS.get(config, (2, steps))
     cmd = [sys.executable, os.path.join(HERE, "train_step.py"), "--system", base_system, "--shape", shape,
            "--quant", quant, "--seq", str(seq), "--batch", str(batch), "--warmup", str(warmup), "--steps", str(steps),
-           *variant_args, *extra]
+           *variant_args, *extra, *(["--save-lora-b", lora_b_path] if lora_b_path else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -98,22 +120,90 @@ def failure_reason(output: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def learning_verdict(row: dict, hf_row: dict | None) -> str:
+    """"pass", "FAIL: <reasons>", or "–" with why there is nothing to check, for one ok row.
+
+    Checks (NaN fails each): the loss fell by at least ``MIN_LOSS_DROP``; against ``hf_row`` (the
+    same configuration's HF+PEFT row, when it ran): fell by at least half as much, last loss within
+    ``FINAL_LOSS_TOL``, ``lora_B`` update within ``MAX_LORA_B_REL_ERR`` (``row["lora_b_vs_hf"]``).
+    """
+    if "losses" not in row:
+        return "– (random tokens: nothing to learn)"
+    problems = []
+    drop = loss_drop(row["losses"])
+    if not drop >= MIN_LOSS_DROP:
+        problems.append(f"loss fell {drop:.2%} (< {MIN_LOSS_DROP:.0%})")
+    if hf_row is not None and hf_row is not row and "losses" in hf_row:
+        hf_drop = loss_drop(hf_row["losses"])
+        if not drop >= 0.5 * hf_drop:
+            problems.append(f"loss fell {drop:.2%}, hf {hf_drop:.2%}")
+        tol = FINAL_LOSS_TOL["fp8" if "fp8" in row["system"] else "16-bit"]
+        gap = abs(row["loss_last"] - hf_row["loss_last"]) / abs(hf_row["loss_last"])
+        if not gap <= tol:
+            problems.append(f"last loss {gap:.2%} from hf's (> {tol:.0%})")
+        lora = row.get("lora_b_vs_hf")
+        if lora is not None and not lora["rel_err"] <= MAX_LORA_B_REL_ERR:
+            init = "" if lora.get("same_init", True) else ", other LoRA A init"
+            problems.append(f"lora_B {lora['rel_err']:.2f} from hf's{init}")
+    return "pass" if not problems else "FAIL: " + "; ".join(problems)
+
+
+def _lora_cell(row: dict) -> str:
+    lora = row.get("lora_b_vs_hf")
+    if lora is None:
+        return "–"
+    return f"{lora['rel_err']:.3f} (cos {lora['cosine']:.3f}){'' if lora.get('same_init', True) else ', other init'}"
+
+
+NF4_HF_NOTE = ("† NF4 rows: `hf` (and `compile`, `liger`) run PEFT's `prepare_model_for_kbit_training`, which casts the "
+               "embeddings, the norms and the LM head to fp32 (how most plain QLoRA notebooks run it); the × hf ratio "
+               "includes the cost of those fp32 layers.")
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| config | system | tokens/s | median step tok/s | × hf | × unsloth | peak GiB | predicted GiB | activation plan "
-             "| loss first → last | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| loss first → last | loss fall | lora_B vs hf | learning check | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.get("status") == "ok"
         ref = {s: x.get("tok_s") for x in rows if x["config"] == r["config"] and x.get("status") == "ok" for s in [x["system"]]}
-        ratio = lambda s: f"{r['tok_s'] / ref[s]:.2f}" if ok and ref.get(s) else "–"  # noqa: E731
+        hf_row = next((x for x in rows if x["config"] == r["config"] and x["system"] == "hf" and x.get("status") == "ok"), None)
+        mark = "†" if r.get("quant") == "nf4" else ""
+        ratio = lambda s: f"{r['tok_s'] / ref[s]:.2f}{mark if s == 'hf' else ''}" if ok and ref.get(s) else "–"  # noqa: E731
+        fall = f"{loss_drop(r['losses']):.1%}" if ok and r.get("losses") else "–"
         lines.append(
             f"| {r['config']} | {r['system']} | {r['tok_s']:,.0f} | "
             f"{format(r['tok_s_median'], ',.0f') if r.get('tok_s_median') else '–'} | {ratio('hf')} | {ratio('unsloth')} | "
             f"{r['peak_gib']:.2f} | {r.get('predicted_gib') or '–'} | {r.get('plan') or '–'} | "
-            f"{r['loss_first']:.4f} → {r['loss_last']:.4f} | ok |"
-            if ok else f"| {r['config']} | {r['system']} | – | – | – | – | – | – | – | – | {r['status']} |"
+            f"{r['loss_first']:.4f} → {r['loss_last']:.4f} | {fall} | {_lora_cell(r)} | {learning_verdict(r, hf_row)} | ok |"
+            if ok else f"| {r['config']} | {r['system']} | – | – | – | – | – | – | – | – | – | – | – | {r['status']} |"
         )
+    if any(r.get("quant") == "nf4" and r.get("status") == "ok" for r in rows):
+        lines += ["", NF4_HF_NOTE]
     return "\n".join(lines)
+
+
+def compare_lora_with_hf(rows: list[dict], paths: dict[str, str]) -> None:
+    """Add ``lora_b_vs_hf`` (rel_err, cosine, worst tensor, same_init) to each ok row of one
+    configuration whose final lora_B was saved (``paths``: system -> .pt file), against the hf row's."""
+    import torch
+
+    hf = next((r for r in rows if r["system"] == "hf" and r.get("status") == "ok"), None)
+    if hf is None or not os.path.exists(paths.get("hf", "")):
+        return
+    ref = torch.load(paths["hf"])
+    for r in rows:
+        if r is hf or r.get("status") != "ok" or not os.path.exists(paths.get(r["system"], "")):
+            continue
+        ours = torch.load(paths[r["system"]])
+        if ours.keys() != ref.keys():
+            r["lora_b_vs_hf"] = dict(rel_err=math.inf, cosine=math.nan, worst=("other tensor names", math.inf))
+            continue
+        diff = update_difference(ours, ref)
+        a, b = r.get("lora_a_init_sum"), hf.get("lora_a_init_sum")
+        same_init = a is not None and b is not None and abs(a - b) <= 1e-6 * (1 + abs(b))
+        r["lora_b_vs_hf"] = dict(rel_err=round(diff["rel_err"], 5), cosine=round(diff["cosine"], 5),
+                                 worst=[diff["worst"][0], round(diff["worst"][1], 5)], same_init=same_init)
 
 
 def bar_chart(rows: list[dict], path: str) -> None:
@@ -146,7 +236,12 @@ def header(rows: list[dict]) -> str:
         f"# Training-step benchmark, one {gpu}, {dt.date.today()}\n\n"
         f"Versions: {', '.join(f'{k} {v}' for k, v in versions.items()) or '–'}. Random-weight checkpoints of the real "
         "shapes, LoRA r=16 alpha=16 on all 7 projections, AdamW (fused), random tokens, warm-up then timed steps "
-        "(2 + 4 unless the call says otherwise; 1 + 3 for the 16k row), one process per row. tokens/s is over the whole "
+        "(2 + 4 unless the call says otherwise; 1 + 3 for the 16k row), one process per row. Token stream: rows walking one "
+        "fixed cycle of 32 token ids (`learning_check.cycle_stream`), so that the loss falls within the run; the kernels' "
+        "work does not depend on token values (runs of record up to session 9 used uniformly random tokens). "
+        "Learning check: the loss fell at least 1% and at least half as much as HF+PEFT's, the last loss is within 1% of "
+        "HF+PEFT's (FP8 forward: 2%), and the adapters' update (final `lora_B`) is within 0.5 relative of HF+PEFT's "
+        "(never updated: 1.0). tokens/s is over the whole "
         "timed window (ratios use it); the median step is from CUDA events between steps. Peak = `torch.cuda.max_memory_allocated`; predicted = "
         "notebookkit's memory model for the plan the row ran. `notebookkit` is the default "
         "(`use_gradient_checkpointing=\"auto\"`, planned for free VRAM); `notebookkit-offload` the memory-lean mode; "
@@ -187,15 +282,22 @@ def main() -> None:
     stem = os.path.join(args.out, f"{dt.date.today()}-{gpu}{('-' + args.tag) if args.tag else ''}")
     rows = []
     started: set[str] = set()
+    lora_dir = stem + "-lora"  # each row's final lora_B, removed once compared with the hf row's
     for config in args.only.split(","):
+        config_rows, paths = [], {}
+        os.makedirs(lora_dir, exist_ok=True)
         for system in args.systems.split(","):
             grace = 0 if system in started else FIRST_ROW_GRACE_S.get(system, 0)
             started.add(system)
-            row = run_row(config, system, args.steps, args.timeout + grace, extra)
+            paths[system] = os.path.join(lora_dir, f"{config}-{system}.pt")
+            row = run_row(config, system, args.steps, args.timeout + grace, extra, lora_b_path=paths[system])
+            config_rows.append(row)
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(stem + ".json", "w") as fh:
                 json.dump(rows, fh, indent=1)
+        compare_lora_with_hf(config_rows, paths)
+        shutil.rmtree(lora_dir, ignore_errors=True)
     print(write_results(rows, stem))
 
 

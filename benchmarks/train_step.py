@@ -13,8 +13,15 @@ Systems (``--system``):
 * ``notebookkit`` our FastLanguageModel, ``use_gradient_checkpointing`` from ``--checkpointing``
                 (default ``"auto"``: the memory planner decides).
 
+Every system trains on the same learnable token stream (``learning_check.cycle_stream``: rows
+walking a fixed cycle of 32 token ids; the runs of record up to session 9 used uniformly random
+tokens): the kernels' work
+does not depend on token values, so the timing is that of random tokens, but the loss now falls
+several percent within the run, so a system whose adapters do not update shows it.
+
 Prints one line ``RESULT {json}`` with tokens/s over the timed steps, peak allocated and reserved
-VRAM, first and last loss.
+VRAM, every step's loss, and the LoRA matrices' summary (``--save-lora-b`` also writes the final
+``lora_B`` matrices, i.e. the adapters' update, for ``run.py`` to compare with HF+PEFT's).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unslo
 
 import torch
 from gpu_monitor import GpuSampler  # this folder is on sys.path: run as a script, or by run.py / profile_step.py
+from learning_check import cycle_stream, lora_snapshot
 
 SHAPES: dict[str, dict] = {
     "llama-3.1-8b": dict(
@@ -55,27 +63,39 @@ SHAPES: dict[str, dict] = {
         sliding_window=4096,
     ),
 }
+# Not a benchmark row: a small Llama for checking the scripts on a CPU (fp8_quality.py --tiny). Weights
+# of std 0.1, not 0.02: with the frozen, tied embedding the largest logit a LoRA can reach is about
+# |embedding row| * sqrt(hidden) = std * hidden, 2.6 at std 0.02 (the loss could not fall below ~5.7).
+SHAPES["llama-tiny"] = dict(
+    model_type="llama", vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=2048,
+    tie_word_embeddings=True, initializer_range=0.1,
+)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+STREAM_SYMBOLS = 32  # token ids in the learnable cycle (learning_check.cycle_stream)
 
 
-def checkpoint_dir(shape: str) -> str:
+def checkpoint_dir(shape: str, layers: int | None = None) -> str:
     root = os.environ.get("NOTEBOOKKIT_BENCH_CKPT", os.path.expanduser("~/.cache/notebookkit/bench"))
-    return os.path.join(root, shape)
+    return os.path.join(root, shape if layers is None else f"{shape}-{layers}-layers")
 
 
-def build_checkpoint(shape: str) -> str:
-    """Save a random-weight bf16 checkpoint of ``shape`` (once) with a byte-level tokenizer."""
+def build_checkpoint(shape: str, layers: int | None = None) -> str:
+    """Save a random-weight bf16 checkpoint of ``shape`` (once) with a byte-level tokenizer;
+    ``layers`` keeps only that many decoder layers (same widths)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    folder = checkpoint_dir(shape)
+    folder = checkpoint_dir(shape, layers)
     if os.path.exists(os.path.join(folder, "done")):
         return folder
     spec = dict(SHAPES[shape])
     model_type = spec.pop("model_type")
+    if layers is not None:
+        spec["num_hidden_layers"] = layers
     config = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     tok = Tokenizer(models.BPE())
@@ -85,8 +105,14 @@ def build_checkpoint(shape: str) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(folder)
     open(os.path.join(folder, "done"), "w").close()
     del model
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return folder
+
+
+def token_batches(shape: str, batch: int, seq: int, n: int, device: str = "cuda") -> list[torch.Tensor]:
+    """The ``n`` batches every system trains on: the learnable cycle stream of ``learning_check``."""
+    return cycle_stream(n, batch, seq, SHAPES[shape]["vocab_size"], symbols=STREAM_SYMBOLS, seed=0, device=device)
 
 
 def load_peers(system: str, folder: str, quant: str):
@@ -113,6 +139,7 @@ def load_peers(system: str, folder: str, quant: str):
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    torch.manual_seed(3407)  # the LoRA A initialisation notebookkit gives with random_state=3407 (same seed, then PEFT)
     model = get_peft_model(
         model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=TARGETS, task_type="CAUSAL_LM")
     )
@@ -223,6 +250,7 @@ def main() -> None:
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="enforce a VRAM cap (max-context search)")
     ap.add_argument("--fp8", action="store_true", help="notebookkit: FP8 forward for the frozen base GEMMs")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
+    ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
     args = ap.parse_args()
 
     folder = build_checkpoint(args.shape)
@@ -245,12 +273,9 @@ def main() -> None:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
-    vocab = SHAPES[args.shape]["vocab_size"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    batches = [
-        torch.randint(3, vocab, (args.batch, args.seq), device="cuda", generator=gen)
-        for _ in range(args.warmup + args.steps)
-    ]
+    # a fingerprint of the LoRA A initialisation: rows with equal sums started from the same adapters
+    lora_a_init_sum = sum(float(p.detach().double().sum()) for n, p in model.named_parameters() if "lora_A" in n)
+    batches = token_batches(args.shape, args.batch, args.seq, args.warmup + args.steps)
 
     step = training_step(model, optimizer)
     losses = [step(ids).item() for ids in batches[: args.warmup]]
@@ -271,6 +296,10 @@ def main() -> None:
         elapsed = time.time() - start
     step_s = [round(a.elapsed_time(b) / 1000, 4) for a, b in zip(marks, marks[1:])]
     tokens = args.batch * args.seq * args.steps
+    losses = [round(float(x), 5) for x in losses]
+    lora_b = lora_snapshot(model, ("lora_B",))
+    if args.save_lora_b:
+        torch.save(lora_b, args.save_lora_b)
     result = dict(
         system=args.system, shape=args.shape, quant=args.quant, seq=args.seq, batch=args.batch,
         checkpointing=args.checkpointing if args.system == "notebookkit" else None,
@@ -283,7 +312,9 @@ def main() -> None:
         reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
         predicted_gib=predicted_peak(args.shape, args.quant, args.seq, args.batch, model) if args.system == "notebookkit" else None,
         trainable=sum(p.numel() for p in params), load_s=round(load_s, 1),
-        loss_first=round(float(losses[0]), 5), loss_last=round(float(losses[-1]), 5),
+        loss_first=losses[0], loss_last=losses[-1], losses=losses, token_stream=f"cycle of {STREAM_SYMBOLS} ids",
+        lora_b_norm=round(sum(float(t.double().norm() ** 2) for t in lora_b.values()) ** 0.5, 6),
+        lora_a_init_sum=round(lora_a_init_sum, 6),
         gpu=torch.cuda.get_device_name(0), torch=torch.__version__, versions=versions(args.system),
     )
     print("RESULT " + json.dumps(result), flush=True)

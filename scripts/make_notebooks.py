@@ -52,6 +52,7 @@ N_EXACT = 4                # of those, how many are answered by generation (exac
 SEED = 3407
 OUTPUT_DIR = "outputs/{slug}"
 MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at least this fraction
+MIN_HELDOUT_DROP = 0.1     # ... and the held-back answer loss by at least this fraction
 '''
 
 RESOLVE = '''\
@@ -201,8 +202,13 @@ SIGNAL_MD = '''\
 
 CI runs this notebook on the tiny default and this cell fails the run unless the model learned:
 the training loss must fall by at least `MIN_LOSS_DROP` (first three logged steps against the last
-three), and on the held-back questions the answer loss must be lower and exact match no worse
-than before training.'''
+three), and on the held-back questions the answer loss must be at least `MIN_HELDOUT_DROP` lower than
+before training (a margin: with the learning rate at 0 it still moved by 0.02%, from 4.451 to 4.450).
+
+Exact match is printed but not asserted: on the tiny default the held-back questions ask about facts
+the training rows never mention, and a CPU run of a few dozen steps answers none of them exactly,
+before or after training (0 of 8 even after 120 steps, five times the default), so "no worse"
+would hold whatever training did. On a real model, after a real run, it is worth reading.'''
 
 SIGNAL = '''\
 import statistics
@@ -212,10 +218,12 @@ first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
 drop = 1 - last / first
 print(f"training loss {first:.3f} -> {last:.3f} ({drop:.0%} lower; required: {MIN_LOSS_DROP:.0%})")
 print(f"held-back answer loss {loss_before:.3f} -> {loss_after:.3f}; "
-      f"exact match {em_before.score:.0%} -> {em_after.score:.0%}")
+      f"exact match {em_before.score:.0%} -> {em_after.score:.0%} (shown, not asserted)")
 assert drop >= MIN_LOSS_DROP, f"training loss fell only {drop:.1%} (< {MIN_LOSS_DROP:.0%})"
-assert loss_after < loss_before, "the tuned model is not better on the held-back answers"
-assert em_after.score >= em_before.score, "exact match on held-back questions got worse"
+heldout_drop = 1 - loss_after / loss_before
+assert heldout_drop >= MIN_HELDOUT_DROP, (
+    f"held-back answer loss fell only {heldout_drop:.1%} (< {MIN_HELDOUT_DROP:.0%}): "
+    "the tuned model is not better on the held-back answers")
 print("learning signal: OK")
 '''
 

@@ -1,7 +1,10 @@
-"""CPU tests of the pure parts of benchmarks/max_context.py and benchmarks/profile_step.py.
+"""CPU tests of the benchmark tools: max_context.py, profile_step.py, run.py, kernels.py,
+learning_check.py and fp8_quality.py.
 
-The GPU parts (loading the systems, the training steps, the profiler run) are run by the lead on
-the GPU machine; here: the length search, kernel categories, report tables, child-process plumbing.
+The GPU parts (loading the systems, the timed steps, the profiler run) are run by the lead on the
+GPU machine; here: the length search and its probe processes (with a fake child), kernel
+categories, report tables, the kernel rows' status and timing method, the learning check of the
+training rows, and the FP8 quality script end to end on a tiny model (FP8 emulated on CPU).
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def test_out_of_memory_detection():
 
 
 ROWS = [
-    dict(system="hf", cap_gib=16, max_seq=9216, tok_s=1234.5, peak_gib=15.1, probes=7, status="ok",
+    dict(system="hf", cap_gib=16, max_seq=9216, tok_s=1234.5, peak_gib=15.1, probes=7, processes=3, status="ok",
          gpu="NVIDIA H200", torch="2.11.0"),
     dict(system="liger", cap_gib=16, status="not installed"),
     dict(system="notebookkit", cap_gib=24, max_seq=0, probes=3, status="nothing fits (not even 1024 tokens)"),
@@ -121,18 +124,17 @@ ROWS = [
 def test_markdown_table_rows():
     table = max_context.markdown_table(ROWS)
     lines = table.splitlines()
-    assert lines[0].startswith("| system | cap GiB | longest seq | predicted (planner) | tokens/s there | peak GiB | probes | status |")
-    assert "| hf | 16 | 9,216 | – | 1,234 | 15.10 | 7 | ok |" in table
-    assert "| liger | 16 | – | – | – | – | – | not installed |" in table
-    assert "| notebookkit | 24 | – | – | – | – | 3 | nothing fits" in table
+    assert lines[0].startswith("| system | cap GiB | longest seq | predicted (planner) | tokens/s there | peak GiB | probes "
+                               "| processes | status |")
+    assert "| hf | 16 | 9,216 | – | 1,234 | 15.10 | 7 | 3 | ok |" in table
+    assert "| liger | 16 | – | – | – | – | – | – | not installed |" in table
+    assert "| notebookkit | 24 | – | – | – | – | 3 | – | nothing fits" in table
     report = max_context.markdown_report(ROWS, dict(shape="llama-3.1-8b", quant="nf4", step=1024, max_seq=131072))
     assert "set_per_process_memory_fraction" in report and "CUDA context" in report and "NVIDIA H200" in report
+    assert "No probe runs in a process that has run out of memory" in report
 
 
-def test_parse_child_output_and_caps():
-    lines = ["loading...", 'PROBE {"seq": 4096, "fits": true}', 'RESULT {"cap_gib": 16, "max_seq": 8192}',
-             "RESULT {broken", 'RESULT {"cap_gib": 24, "max_seq": 12288}']
-    assert [r["cap_gib"] for r in max_context.parse_child_output(lines)] == [16, 24]
+def test_parse_caps():
     assert max_context.parse_caps("24, 16") == [16.0, 24.0]
     with pytest.raises(SystemExit):
         max_context.parse_caps("sixteen")
@@ -151,14 +153,74 @@ def test_missing_package_is_reported_not_dropped(monkeypatch, tmp_path):
     assert [(r["cap_gib"], r["status"]) for r in rows] == [(16, "not installed"), (24, "not installed")]
 
 
-def test_child_rows_and_missing_caps(monkeypatch, tmp_path):
-    script = "print('PROBE {}'); print('RESULT {\"system\": \"hf\", \"cap_gib\": 16, \"max_seq\": 8192, \"status\": \"ok\"}')"
+# A fake probe process: the protocol of max_context.child_main, a model that fits up to
+# FAKE_LIMIT tokens per 16 GiB of cap, and the failure the real search must never meet: after one
+# out-of-memory step, nothing fits in that process any more (a fragmented allocator, half-built
+# buffers). It does not exit by itself, so only the parent can keep it from being asked again.
+FAKE_CHILD = r"""
+import json, os, sys, time
+limit, hang_above = int(os.environ["FAKE_LIMIT"]), int(os.environ.get("FAKE_HANG_ABOVE", "0"))
+if os.environ.get("FAKE_CRASH"):
+    sys.exit("RuntimeError: could not load the model")
+print("READY " + json.dumps({"gpu": "Fake GPU", "torch": "0", "load_s": 0.0, "pid": os.getpid()}), flush=True)
+poisoned = False
+for line in sys.stdin:
+    req = json.loads(line)
+    if "predict" in req:
+        print("PREDICTED " + json.dumps({"cap": req["predict"], "seq": 1234}), flush=True)
+        continue
+    if hang_above and req["seq"] > hang_above:
+        time.sleep(60)
+    fits = req["seq"] <= limit * req["cap"] / 16 and not poisoned
+    poisoned = poisoned or not fits
+    print("PROBE " + json.dumps({"seq": req["seq"], "fits": fits, "s": 0.0, "cap": req["cap"], "pid": os.getpid(),
+                                 "tok_s": 100.0, "peak_gib": 1.0}), flush=True)
+"""
+
+
+def _fake_children(monkeypatch, limit, **env):
     monkeypatch.setattr(max_context, "_available", lambda system: True)
-    monkeypatch.setattr(max_context, "child_command", lambda system, args: [sys.executable, "-c", script])
+    monkeypatch.setattr(max_context, "child_command", lambda system, args: [sys.executable, "-c", FAKE_CHILD])
+    monkeypatch.setenv("FAKE_LIMIT", str(limit))
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+
+
+def _probe_lines(out: str) -> list[dict]:
+    import json
+
+    return [json.loads(line.split("PROBE ", 1)[1]) for line in out.splitlines() if "] PROBE " in line]
+
+
+def test_no_probe_runs_in_a_process_that_ran_out_of_memory(monkeypatch, tmp_path, capsys):
+    """Every probe after an OOM goes to a fresh process, so the fake child's poisoned state never
+    shows: the answers are the true limits (37,000 tokens per 16 GiB), for both caps."""
+    _fake_children(monkeypatch, limit=37000)
+    rows = max_context.rows_for_system("hf", _args(caps="16,24", step=1024, max_seq=131072), str(tmp_path))
+    assert [r["max_seq"] for r in rows] == [36864, 55296]  # floor(37000 / 1024), floor(55500 / 1024) steps
+    probes = _probe_lines(capsys.readouterr().out)
+    ooms = [p for p in probes if not p["fits"]]
+    assert ooms, "the search must have hit the limit"
+    for oom in ooms:  # nothing else was asked of a process after its OOM
+        later = probes[probes.index(oom) + 1:]
+        assert all(p["pid"] != oom["pid"] for p in later)
+    assert sum(r["processes"] for r in rows) == 1 + len(ooms) - (0 if probes[-1]["fits"] else 1)
+    assert rows[0]["gpu"] == "Fake GPU" and rows[0]["tok_s"] == 100.0
+    assert rows[0]["status"] == "ok" and "max-context-hf.log" in os.listdir(tmp_path)
+
+
+def test_notebookkit_rows_ask_the_child_for_the_planner_prediction(monkeypatch, tmp_path):
+    _fake_children(monkeypatch, limit=20000)
+    rows = max_context.rows_for_system("notebookkit", _args(caps="16", step=1024), str(tmp_path))
+    assert rows[0]["max_seq"] == 19456 and rows[0]["predicted_seq"] == 1234
+
+
+def test_missing_caps_when_the_child_cannot_load(monkeypatch, tmp_path):
+    _fake_children(monkeypatch, limit=1, FAKE_CRASH=1)
     rows = max_context.rows_for_system("hf", _args(caps="16,24"), str(tmp_path))
-    assert rows[0]["max_seq"] == 8192
-    assert rows[1]["cap_gib"] == 24 and rows[1]["status"].startswith("failed")
-    assert (tmp_path / "max-context-hf.log").read_text().count("RESULT") == 1
+    assert [r["cap_gib"] for r in rows] == [16, 24]
+    assert all(r["status"].startswith("failed") and "could not load the model" in r["status"] for r in rows)
+    assert "max_seq" not in rows[0] and rows[0]["processes"] == 1
 
 
 def test_child_timeout_is_reported(monkeypatch, tmp_path):
@@ -169,10 +231,18 @@ def test_child_timeout_is_reported(monkeypatch, tmp_path):
     assert rows[0]["status"].startswith("timed out")
 
 
-def test_child_command_passes_the_search_settings():
-    cmd = max_context.child_command("unsloth", _args(caps="16,24", step=512, max_seq=65536))
+def test_a_search_cut_short_reports_its_lower_bound(monkeypatch, tmp_path):
+    """A probe that hangs (killed at --timeout) ends the cap's search with the longest length that fitted."""
+    _fake_children(monkeypatch, limit=100000, FAKE_HANG_ABOVE=20000)
+    rows = max_context.rows_for_system("unsloth", _args(caps="16", step=1024, start=4096, timeout=2), str(tmp_path))
+    assert rows[0]["status"].startswith("timed out") and rows[0]["at_least"] == 16384
+    assert "| unsloth | 16 | ≥ 16,384 (cut short) | – |" in max_context.markdown_table(rows)
+
+
+def test_child_command_names_the_system_and_the_model():
+    cmd = max_context.child_command("unsloth", _args(shape="llama-3.1-8b", quant="nf4", step=512, max_seq=65536))
     joined = " ".join(cmd)
-    assert "--child --system unsloth" in joined and "--caps 16,24" in joined
+    assert "--child --system unsloth" in joined and "--shape llama-3.1-8b --quant nf4" in joined
     assert "--step 512" in joined and "--max-seq 65536" in joined
 
 
@@ -365,18 +435,9 @@ def test_notebookkit_replan_falls_back_to_full_offload_when_the_planner_refuses(
 
 def test_markdown_table_shows_the_planner_prediction():
     row = dict(system="notebookkit", cap_gib=16, max_seq=51200, predicted_seq=47616, tok_s=4321.0, peak_gib=15.2,
-               probes=9, status="ok (plan: 32 offload)")
-    assert "| notebookkit | 16 | 51,200 | 47,616 | 4,321 | 15.20 | 9 | ok (plan: 32 offload) |" in max_context.markdown_table([row])
-
-
-def test_a_search_cut_short_reports_its_lower_bound():
-    lines = ['PROBE {"seq": 16384, "fits": true}', 'RESULT {"cap_gib": 16, "max_seq": 20480}',
-             'PROBE {"seq": 20480, "fits": true}', 'PROBE {"seq": 40960, "fits": true}',
-             'PROBE {"seq": 81920, "fits": false}', "PROBE {broken", "timed out after 90s"]
-    assert max_context.longest_fitted_after_last_result(lines) == 40960
-    assert max_context.longest_fitted_after_last_result(lines[:2]) == 0
-    row = dict(system="unsloth", cap_gib=24, at_least=40960, status="timed out: timed out after 90s")
-    assert "| unsloth | 24 | ≥ 40,960 (cut short) | – |" in max_context.markdown_table([row])
+               probes=9, processes=4, status="ok (plan: 32 offload)")
+    assert "| notebookkit | 16 | 51,200 | 47,616 | 4,321 | 15.20 | 9 | 4 | ok (plan: 32 offload) |" in \
+        max_context.markdown_table([row])
 
 
 def test_first_row_of_a_compiling_system_gets_extra_time(monkeypatch, tmp_path):
@@ -384,7 +445,8 @@ def test_first_row_of_a_compiling_system_gets_extra_time(monkeypatch, tmp_path):
     import run
 
     seen = []
-    monkeypatch.setattr(run, "run_row", lambda c, s, steps, timeout, extra: seen.append((c, s, timeout)) or dict(config=c, system=s, status="ok"))
+    monkeypatch.setattr(run, "run_row", lambda c, s, steps, timeout, extra, lora_b_path=None:
+                        seen.append((c, s, timeout)) or dict(config=c, system=s, status="ok"))
     monkeypatch.setattr(run, "write_results", lambda rows, stem: "table")
     monkeypatch.setattr(sys, "argv", ["run.py", "--out", str(tmp_path), "--only", "8b-nf4-4096x2,1b-bf16-2048x8",
                                       "--systems", "unsloth,hf", "--timeout", "50"])
@@ -425,11 +487,13 @@ def test_train_table_shows_the_median_step_and_ratios_of_the_window_throughput()
             base | dict(system="hf", tok_s=25_000.0),  # a row from before the median was recorded
             dict(config="1b-bf16-2048x8", system="compile", status="timed out after 300s")]
     lines = run.markdown(rows).splitlines()
-    assert lines[0].count("|") == lines[1].count("|") == 12
+    assert lines[0].count("|") == lines[1].count("|") == 15
     nk = next(ln for ln in lines if "| notebookkit |" in ln)
     assert "| 60,000 | 61,234 | 2.40 | 1.20 | 4.00 | 3.9 | 16 offload |" in nk
     assert "| 25,000 | – | 1.00 |" in next(ln for ln in lines if "| hf |" in ln)
-    assert all(ln.count("|") == 12 for ln in lines)
+    assert "– (random tokens: nothing to learn) | ok |" in nk  # rows of record before the learnable stream
+    assert all(ln.count("|") == 15 for ln in lines)
+    assert run.NF4_HF_NOTE not in run.markdown(rows)  # no NF4 row, no note
 
 
 def test_gpu_sampler_summarises_clocks_power_and_throttle_reasons():
@@ -466,3 +530,237 @@ def test_gpu_sampler_without_nvml_records_nothing():
     assert inert.summary() == {}
     # on this CPU machine for_device finds no GPU (or no pynvml) and must not raise
     assert gpu_monitor.GpuSampler.for_device(0).summary() == {}
+
+
+# --------------------------------------------------------------------------- run.py: the learning check
+
+
+def _train_row(system, losses, quant="bf16", **extra):
+    return dict(config="1b-bf16-2048x8", system=system, quant=quant, tok_s=1000.0, peak_gib=4.0, status="ok",
+                losses=losses, loss_first=losses[0], loss_last=losses[-1], token_stream="cycle of 32 ids") | extra
+
+
+LEARNED = [12.2, 11.9, 11.3, 10.6, 9.9, 9.2]  # the shape of a 6-step run on the cycle stream
+
+
+@pytest.mark.parametrize("case, losses, lora, verdict", [
+    ("learned like hf", [12.2, 11.9, 11.31, 10.62, 9.93, 9.25], dict(rel_err=0.08, cosine=0.997), "pass"),
+    ("adapters never updated", [12.2] * 6, dict(rel_err=1.0, cosine=0.0), "FAIL"),
+    ("learned half as fast", [12.2, 12.0, 11.8, 11.6, 11.4, 11.2], dict(rel_err=0.4, cosine=0.9), "FAIL"),
+    ("other adapters", LEARNED, dict(rel_err=1.41, cosine=0.0, same_init=False), "FAIL"),
+    ("NaN loss", [12.2, 11.9, float("nan"), 10.6, 9.9, float("nan")], dict(rel_err=0.08, cosine=0.99), "FAIL"),
+])
+def test_learning_verdict(case, losses, lora, verdict):
+    import run
+
+    hf = _train_row("hf", LEARNED)
+    row = _train_row("notebookkit", losses, lora_b_vs_hf=lora)
+    got = run.learning_verdict(row, hf)
+    assert got.startswith(verdict), (case, got)
+    assert run.learning_verdict(hf, hf) == "pass"
+    if case == "adapters never updated":
+        assert "loss fell 0.00%" in got and "last loss 32.61% from hf's" in got and "lora_B 1.00" in got
+    if case == "other adapters":
+        assert "other LoRA A init" in got
+
+
+def test_fp8_rows_get_a_wider_final_loss_band_and_nf4_ratios_a_note():
+    import run
+
+    hf = _train_row("hf", LEARNED, quant="nf4")
+    off_by_1_5 = LEARNED[:-1] + [LEARNED[-1] * 1.015]
+    assert run.learning_verdict(_train_row("notebookkit-fp8-offload", off_by_1_5, quant="nf4"), hf) == "pass"
+    assert run.learning_verdict(_train_row("notebookkit-offload", off_by_1_5, quant="nf4"), hf).startswith("FAIL")
+    rows = [hf | dict(config="8b-nf4-4096x2"), _train_row("notebookkit", LEARNED, quant="nf4", config="8b-nf4-4096x2",
+                                                           tok_s=3000.0)]
+    table = run.markdown(rows)
+    assert "| 3.00† |" in table and run.NF4_HF_NOTE in table and "prepare_model_for_kbit_training" in table
+
+
+def test_lora_b_of_each_row_is_compared_with_hf(tmp_path):
+    import run
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    update = {f"layers.{i}.q_proj.lora_B.default.weight": torch.randn(64, 16, generator=gen) for i in range(3)}
+    noisy = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in update.items()}
+    never = {k: torch.zeros_like(v) for k, v in update.items()}
+    paths = {}
+    for name, tensors in (("hf", update), ("notebookkit", noisy), ("liger", never)):
+        paths[name] = str(tmp_path / f"{name}.pt")
+        torch.save(tensors, paths[name])
+    rows = [_train_row(s, LEARNED, lora_a_init_sum=1.25) for s in ("hf", "notebookkit", "liger")]
+    rows.append(_train_row("unsloth", LEARNED, lora_a_init_sum=3.5))
+    paths["unsloth"] = paths["notebookkit"]
+    run.compare_lora_with_hf(rows, paths)
+    hf, nk, liger, unsloth = rows
+    assert "lora_b_vs_hf" not in hf
+    assert 0.03 < nk["lora_b_vs_hf"]["rel_err"] < 0.08 and nk["lora_b_vs_hf"]["same_init"]
+    assert liger["lora_b_vs_hf"]["rel_err"] == 1.0 and liger["lora_b_vs_hf"]["cosine"] == 0.0
+    assert unsloth["lora_b_vs_hf"]["same_init"] is False
+    assert run.learning_verdict(liger, hf).startswith("FAIL") and "lora_B 1.00" in run.learning_verdict(liger, hf)
+    assert run.learning_verdict(nk, hf) == "pass"
+
+
+# --------------------------------------------------------------------------- learning_check
+
+
+def test_cycle_stream_walks_one_fixed_cycle():
+    from learning_check import cycle_order, cycle_stream
+
+    order = cycle_order(128256, symbols=32, seed=0)
+    assert len(set(order.tolist())) == 32 and order.min() >= 3 and order.max() < 128256
+    batches = cycle_stream(3, batch=4, seq=100, vocab=128256, symbols=32, seed=0)
+    successor = {int(a): int(b) for a, b in zip(order, order.roll(-1))}
+    for ids in batches:
+        assert ids.shape == (4, 100) and set(ids.unique().tolist()) == set(order.tolist())
+        assert all(successor[int(a)] == int(b) for row in ids for a, b in zip(row[:-1], row[1:]))
+    again = cycle_stream(3, batch=4, seq=100, vocab=128256, symbols=32, seed=0)
+    assert all(torch_equal(a, b) for a, b in zip(batches, again))  # every system sees the same batches
+    assert not torch_equal(batches[0], batches[1])  # rows start elsewhere from batch to batch
+    with pytest.raises(ValueError, match="symbols"):
+        cycle_order(10, symbols=20)
+
+
+def torch_equal(a, b):
+    import torch
+
+    return torch.equal(a, b)
+
+
+def test_update_difference():
+    import math
+
+    import torch
+    from learning_check import loss_drop, lora_updates, update_difference
+
+    gen = torch.Generator().manual_seed(1)
+    ref = {"a": torch.randn(8, 4, generator=gen), "b": torch.randn(3, 4, generator=gen)}
+    assert update_difference(ref, ref)["rel_err"] == 0.0
+    frozen = update_difference({k: torch.zeros_like(v) for k, v in ref.items()}, ref)
+    assert frozen["rel_err"] == 1.0 and frozen["cosine"] == 0.0
+    off = dict(ref, b=ref["b"] * 3)
+    assert update_difference(off, ref)["worst"][0] == "b"
+    poisoned = dict(ref, a=ref["a"].clone())
+    poisoned["a"][0, 0] = float("nan")
+    bad = update_difference(poisoned, ref)
+    assert bad["rel_err"] == math.inf and math.isnan(bad["cosine"])
+    with pytest.raises(ValueError, match="did not move"):
+        update_difference(ref, {k: torch.zeros_like(v) for k, v in ref.items()})
+    assert torch.allclose(lora_updates(ref, off)["b"], 2 * ref["b"]) and not lora_updates(ref, off)["a"].any()
+    assert loss_drop([10.0, 9.0, 5.0]) == 0.5 and loss_drop([4.0, 4.0, 2.0, 2.0], window=2) == 0.5
+
+
+# --------------------------------------------------------------------------- kernels.py: status and timing method
+
+
+def test_a_nan_or_large_error_is_wrong_not_ok():
+    import math
+
+    import kernels
+    import torch
+
+    assert kernels.error_status(3e-3, torch.bfloat16) == "ok"
+    assert kernels.error_status(0.0, torch.float32) == "ok"
+    assert kernels.error_status(math.nan, torch.bfloat16).startswith("wrong") and "nan" in \
+        kernels.error_status(math.nan, torch.bfloat16)
+    assert kernels.error_status(5e-2, torch.bfloat16).startswith("wrong: rel err 5.0e-02")
+    assert kernels.error_status(2e-5, torch.float32).startswith("wrong")
+    assert math.isnan(kernels._rel_err(torch.tensor([1.0, float("inf")]), torch.tensor([1.0, 2.0])))
+
+
+def _fake_op(inject_nan: bool):
+    import kernels
+    import torch
+
+    def build(tokens, dtype, device):
+        x = torch.randn(tokens, 64, dtype=dtype, requires_grad=True)
+
+        def ours(x):
+            y = x * 2.0
+            return y.masked_fill(torch.arange(y.numel()).view_as(y) == 7, float("nan")) if inject_nan else y
+
+        return kernels.Case([x], [torch.ones(tokens, 64, dtype=dtype)], {"notebookkit": ours, "eager": lambda x: x * 2.0},
+                            bytes_fwd=1, bytes_fwdbwd=1, shape=f"[{tokens}, 64]")
+
+    return kernels.BenchOp("fake", "math", build)
+
+
+@pytest.mark.parametrize("inject_nan", [False, True], ids=["correct", "nan-injected"])
+def test_kernel_rows_fail_on_nan_and_record_how_they_were_timed(inject_nan, monkeypatch):
+    import kernels
+    import torch
+    import triton.testing
+
+    def no_graph(fn, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", no_graph)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.5)[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(kernels, "_peak_mib", lambda fn: 0.0)
+    rows = {r["impl"]: r for r in kernels.run_op(_fake_op(inject_nan), 16, torch.float32, 1000.0, use_compile=False)}
+    ours, eager = rows["notebookkit"], rows["eager"]
+    assert eager["status"] == "ok"
+    assert ours["status"] == ("wrong: rel err nan vs eager (non-finite output or error)" if inject_nan else "ok")
+    assert ("speedup_fwd" in ours) is (not inject_nan)
+    assert ours["fwd_timing"] == ours["fwdbwd_timing"] == "do_bench (RuntimeError: operation not permitted when stream is capturing)"
+    meta = dict(gpu="test", date="today", torch="x", triton="y", cuda="z", dtype="fp32", tokens=16, copy_gbps=1000.0)
+    line = next(ln for ln in kernels.markdown(meta, list(rows.values())).splitlines() if "| notebookkit |" in ln)
+    assert ("| nan | do_bench / do_bench | wrong" if inject_nan else "| do_bench / do_bench | ok |") in line
+
+
+def test_graph_replay_is_recorded(monkeypatch):
+    import kernels
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: 0.25)
+    assert kernels._bench(lambda: None) == (0.25, "cuda graph")
+    assert kernels._timing_cell(dict(fwd_timing="cuda graph", fwdbwd_timing="do_bench (x)")) == "graph / do_bench"
+    assert kernels._timing_cell(dict(fwd_timing="cuda graph")) == "graph"
+
+
+# --------------------------------------------------------------------------- fp8_quality.py on a tiny model (CPU)
+
+
+@pytest.fixture
+def tiny_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.setenv("NOTEBOOKKIT_BENCH_CKPT", str(tmp_path / "ckpt"))
+    return tmp_path
+
+
+def test_fp8_quality_tiny_run_passes_and_writes_its_report(tiny_checkpoints):
+    """The script end to end on CPU (FP8 emulated): both curves fall by more than half, FP8 tracks."""
+    import json
+
+    import fp8_quality
+
+    code = fp8_quality.main(["--tiny", "--device", "cpu", "--no-reseed", "--out", str(tiny_checkpoints / "out")])
+    result = json.loads((tiny_checkpoints / "out" / "fp8-quality.json").read_text())
+    assert code == 0 and result["verdict"] == "pass", result["problems"]
+    m = result["metrics"]
+    assert m["fall_16"] >= 0.5 and m["fall_fp8"] >= 0.5 and m["max_gap"] <= fp8_quality.MAX_GAP
+    assert m["first_loss_16"] != m["first_loss_fp8"]  # the FP8 path really ran: other forward numerics
+    assert (tiny_checkpoints / "out" / "fp8-quality.png").read_bytes()[:4] == b"\x89PNG"
+    assert "**Verdict: pass**" in (tiny_checkpoints / "out" / "fp8-quality.md").read_text()
+
+
+def test_fp8_quality_fails_when_the_fp8_adapters_do_not_update(tiny_checkpoints, monkeypatch):
+    """Negative control: the FP8 run's optimizer at lr 0 (its adapters never move): the verdict fails."""
+    import fp8_quality
+    import torch
+
+    real = fp8_quality.make_optimizer
+    calls = []
+
+    def frozen_second(params, lr, device):
+        calls.append(lr)
+        return real(params, 0.0 if len(calls) == 2 else lr, device)
+
+    monkeypatch.setattr(fp8_quality, "make_optimizer", frozen_second)
+    settings = fp8_quality.Settings(**fp8_quality.TINY, reseed=False)
+    result = fp8_quality.run(settings)
+    assert len(calls) == 2 and result["verdict"] == "FAIL"
+    assert any("FP8 loss fell" in p for p in result["problems"])
+    assert any("gap" in p for p in result["problems"])
+    assert torch.isfinite(torch.tensor(result["runs"][1]["losses"])).all()

@@ -219,9 +219,83 @@ def test_scaled_mm_and_emulation_agree(dtype, device):
     y_emulated = fp8_linear_reference(x, w)
     output_dtype = torch.bfloat16 if device == "cuda" else dtype
     assert_close(y, y_emulated, output_dtype, "scaled_mm vs emulation", factor=2.0 if device == "cpu" else 0.5)
-    # the emulation path of an odd shape is the reference itself
+
+
+# --------------------------------------------------------------------------------------------------
+# An oracle independent of torch's FP8 cast: e4m3 written out from the format's definition
+# --------------------------------------------------------------------------------------------------
+
+
+def _e4m3_magnitudes() -> torch.Tensor:
+    """Every finite non-negative float8_e4m3fn value in code order, from the format's definition:
+    exponent field ``e`` (4 bits, bias 7) and mantissa field ``m`` (3 bits) give ``m/8 * 2^-6`` for
+    ``e = 0`` (subnormals) and ``(1 + m/8) * 2^(e-7)`` otherwise; ``e = 15, m = 7`` is NaN (the
+    format has no infinity), so the largest value is ``1.75 * 2^8 = 448``. Ascending."""
+    values = [(m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+              for e in range(16) for m in range(8) if (e, m) != (15, 7)]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Round float64 to the nearest fp32 (kept in float64). One float64 operation on fp32 operands
+    then this rounding equals the fp32 operation (53 >= 2 * 24 + 2 bits: double rounding is
+    innocuous for + - * /)."""
+    return t.to(torch.float32).to(torch.float64)
+
+
+def _quantize_by_definition(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise FP8 from the module's stated definition, in float64, without torch's FP8 cast:
+    ``scale = fp32(max(amax, 1e-12) * fp32(1/448))``, ``v = clamp(fp32(x * fp32(1/scale)), +-448)``,
+    ``q`` = the e4m3 value nearest to ``v``, ties to the even code. Returns (q values, scales)."""
+    x64 = x.detach().cpu().to(torch.float64)
+    scale = _fp32(x64.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) * _fp32(torch.tensor(1.0 / 448.0)))
+    v = _fp32(x64 * _fp32(1.0 / scale)).clamp(-FP8_MAX, FP8_MAX)
+    table = _e4m3_magnitudes()
+    a = v.abs()
+    hi = torch.searchsorted(table, a.contiguous()).clamp(max=len(table) - 1)  # first value >= |v|
+    lo = (hi - 1).clamp(min=0)
+    below, above = a - table[lo], table[hi] - a
+    take_hi = (above < below) | ((above == below) & (hi % 2 == 0))  # code parity = mantissa parity
+    return torch.copysign(torch.where(take_hi, table[hi], table[lo]), v), scale
+
+
+def test_e4m3_table_is_the_format():
+    table = _e4m3_magnitudes()
+    assert len(table) == 127 and table[0] == 0 and table[1] == 2.0**-9 and table[-1] == 448.0
+    assert (table[1:] > table[:-1]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_matches_the_format_definition(dtype, device):
+    """Codes and scales of quantize_rowwise_fp8 (torch's cast on CPU, the Triton kernel on CUDA) equal
+    the definition written out above, value for value, on rows over many decades (subnormals, ties)."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(10, 123, generator=gen) * torch.logspace(-5, 4, 10)[:, None]
+    x[4, :50] *= 1e-4  # subnormal range after scaling
+    x[7, :8] = torch.tensor([448.0, 13.0, 6.5, 0.1, -0.1, 3.25, 3.75, -13.0])  # exact ties at scale 1
+    x = x.to(dtype).to(device)
+    q, scale = quantize_rowwise_fp8(x)
+    q_def, scale_def = _quantize_by_definition(x)
+    assert torch.equal(scale.cpu().double(), scale_def)
+    n_differ = int((q.cpu().double() != q_def).sum())
+    assert n_differ == 0, f"{n_differ} of {q.numel()} codes differ from the e4m3 definition"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_linear_odd_shape_against_the_format_definition(dtype, device):
+    """An odd shape (K, O not multiples of 16) runs the emulated product: it must equal
+    ``diag(s_x) Q_x Q_w^T diag(s_w)`` built from the definition and multiplied in float64, up to the
+    emulation's fp32 sum over K (~K * 2^-24) and the output's rounding to ``dtype`` (2^-9 for bf16):
+    within the dtype's kernel tolerance. An unquantised product would be ~3.5% away."""
     x, w = _operands(ODD, dtype, device, seed=3)
-    assert torch.equal(fp8_linear(x, w), fp8_linear_reference(x, w))
+    assert not scaled_mm_applies(x, w)
+    y = fp8_linear(x, w)
+    (qx, sx), (qw, sw) = _quantize_by_definition(x), _quantize_by_definition(w)
+    want = (qx * sx) @ (qw * sw).t()
+    assert_close(y, want, dtype, "emulated FP8 product vs the definition")
+    assert rel_err(y, x.double().cpu() @ w.double().cpu().t()) >= 0.01  # it is an FP8 product, not a 16-bit one
 
 
 def test_fp8_linear_edges():

@@ -114,8 +114,10 @@ def local_folder(family: str) -> str:
     return str(folder)
 
 
-def train_losses(model, batches: list[dict], steps: int, lr: float) -> list[float]:
-    """``steps`` AdamW steps over ``batches`` (cycled) on the trainable parameters; the loss of each step."""
+def train_losses(model, batches: list[dict], steps: int, lr: float, first_grads: dict | None = None) -> list[float]:
+    """``steps`` AdamW steps over ``batches`` (cycled) on the trainable parameters; the loss of each step.
+
+    ``first_grads``, when given, receives fp32 CPU copies of the first step's gradients (by name)."""
     model.train()
     params = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
     # eps=1e-6: coordinates whose gradient is at rounding-noise level (|g| << eps) then get tiny updates
@@ -125,6 +127,9 @@ def train_losses(model, batches: list[dict], steps: int, lr: float) -> list[floa
     for step in range(steps):
         out = model(**batches[step % len(batches)])
         out.loss.backward()
+        if step == 0 and first_grads is not None:
+            first_grads.update({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()
+                                if p.requires_grad and p.grad is not None})
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(out.loss.item())
