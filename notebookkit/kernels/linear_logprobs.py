@@ -56,8 +56,13 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.cross_entropy import _SUPPORTED_DTYPES, _tanh, check_labels_and_softcap
-from notebookkit.kernels.fused_linear_cross_entropy import _accumulate_weight_grad, choose_chunk_size
+from notebookkit.kernels.cross_entropy import _tanh
+from notebookkit.kernels.fused_linear_cross_entropy import (
+    backprop_lm_head_chunk,
+    check_lm_head_inputs,
+    choose_chunk_size,
+    lm_head_compute_dtype,
+)
 from notebookkit.kernels.runtime import should_use_triton
 
 __all__ = [
@@ -303,7 +308,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         device = hidden.device
         grad = grad_logp.to(torch.float32).contiguous()
         grad_hidden = torch.empty_like(hidden) if need_h else None
-        # fp32 accumulators (a single chunk in fp32 needs none: the GEMM accumulates in fp32 itself).
+        # Weight and bias gradients accumulate over the chunks in fp32, whatever the compute dtype.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
         if n_rows:
@@ -313,12 +318,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
                 h = hidden[start:end]
                 lg = _chunk_logits(buffer, h, weight, bias)
                 fold(lg, labels[start:end], lse[start:end], grad[start:end], ignore_index, scale, softcap)
-                if need_h:
-                    torch.mm(lg, weight, out=grad_hidden[start:end])
-                if need_w:
-                    _accumulate_weight_grad(grad_weight, lg, h)
-                if need_b:
-                    grad_bias.add_(lg.sum(dim=0, dtype=torch.float32))
+                backprop_lm_head_chunk(lg, h, weight, grad_hidden[start:end] if need_h else None, grad_weight, grad_bias)
             del buffer
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
@@ -392,8 +392,8 @@ def linear_logprobs(
     chunk_size: Optional[int] = None,
     return_entropy: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Log-probability of each label under ``softmax(z)``, ``z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature``,
-    without materialising the logits (see the module docstring for the math).
+    """Log-probability of each label under ``softmax(z)``, without materialising the logits, where
+    ``z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature`` (math: module docstring).
 
     Args:
         hidden: ``[..., H]`` final hidden states (after the final norm), e.g. ``[B, T, H]``.
@@ -414,31 +414,12 @@ def linear_logprobs(
         ``return_entropy=True``). CUDA tensors fold each chunk with Triton, CPU tensors with torch
         ops; both are chunked and differentiable (hidden, weight, bias).
     """
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be the [V, H] LM-head matrix, got shape {tuple(weight.shape)}.")
-    vocab, n_hidden = weight.shape
-    if hidden.shape[-1] != n_hidden:
-        raise ValueError(
-            f"hidden has last dimension {hidden.shape[-1]} but weight is [V={vocab}, H={n_hidden}]: "
-            f"pass the final hidden states and lm_head.weight (not its transpose)."
-        )
-    check_labels_and_softcap("hidden", hidden, labels, softcap)
-    if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"bias must have shape [{vocab}], got {tuple(bias.shape)}.")
+    check_lm_head_inputs(hidden, weight, labels, bias, softcap, chunk_size)
     if not temperature > 0:
         raise ValueError(f"temperature must be a positive number (the sampling temperature), got {temperature!r}.")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size!r}.")
-
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-    else:
-        dtype = weight.dtype
-    if dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(
-            f"linear_logprobs runs in float32, float16 or bfloat16, got {dtype}; for a float64 check use "
-            f"linear_logprobs_reference."
-        )
+    vocab, n_hidden = weight.shape
+    dtype = lm_head_compute_dtype("linear_logprobs", hidden, weight,
+                                  hint=" For a float64 check use linear_logprobs_reference.")
     triton_fold = should_use_triton(hidden)
     n_rows = hidden.numel() // max(n_hidden, 1)
     h = hidden.reshape(n_rows, n_hidden).to(dtype)
