@@ -6,6 +6,12 @@ TRL's own code); the log-probabilities come from :func:`notebookkit.train.token_
 Signatures (every ``*_logps`` is float32; ``loss`` is a differentiable 0-dim tensor; ``metrics`` maps
 TRL's log names to detached 0-dim tensors, read them with ``.item()`` when logging)::
 
+    # notebookkit.train.token_logprobs (where the log-probs come from)
+    token_logprobs(model, input_ids [B, T], attention_mask=None [B, T], *, labels=None [B, T],
+                   logits_to_keep=0, temperature=1.0, reference=False, position_ids=None,
+                   chunk_size=None, return_entropy=False)
+        -> [B, T - 1] (or [B, logits_to_keep]) log-probs of the next tokens, 0 where the label is -100
+
     sequence_logps(per_token_logps [B, T], mask [B, T], average=False) -> [B]
 
     dpo_loss(chosen_logps [P], rejected_logps [P], ref_chosen_logps [P], ref_rejected_logps [P], *,
