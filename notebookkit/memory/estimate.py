@@ -104,7 +104,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from .model_setup import fp8_forward, fused_lm_head, recorded_activation_plan
-from .shapes import PROJECTIONS, ModelShape, model_shape
+from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 
 GiB = 1024**3
 
@@ -407,17 +407,6 @@ def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | 
     """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``."""
     dims = shape.projection_shapes()
     return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in _targets(target_modules))
-
-
-def resolve_attention(shape: ModelShape, attention: str | None = "auto") -> str:
-    """The attention path the fused model runs: ``"eager"`` (explicit softmax) for soft-capped
-    attention (Gemma 2), else ``"sdpa"``; an explicit ``"sdpa"``/``"flash"``/``"eager"`` is kept."""
-    key = "auto" if attention is None else str(attention).lower()
-    if key == "auto":
-        return "eager" if shape.attn_softcap else "sdpa"
-    if key in ("sdpa", "flash", "flash_attention_2", "eager"):
-        return "eager" if key == "eager" else "sdpa"
-    raise ValueError(f"notebookkit.memory: unknown attention {attention!r}; use 'auto', 'sdpa', 'flash' or 'eager'.")
 
 
 def layer_activation_bytes(
