@@ -1,0 +1,1 @@
+"""Fast generation: the decode path behind ``FastLanguageModel.for_inference``."""
