@@ -10,14 +10,18 @@ or when ``s == q`` (itself): a padding query (``q < pad[b]``) then still sees on
 softmax stays finite; nothing real ever reads its output, since every real query hides slots
 ``< pad[b]``. Slots ``> q`` (not yet written, or stale from an earlier request) are hidden.
 
-Grouped-query attention without repeating keys: the ``rep = Hq / Hkv`` query heads that share a
-key/value head are laid out as ``rep * T`` query rows of that head,
-``Q [B, Hq, T, D] -> [B, Hkv, rep * T, D]``, and the mask row of step ``t`` repeats for each of them.
+One decode step (``T = 1``), grouped-query attention without repeating keys: the ``rep = Hq / Hkv``
+query heads that share a key/value head are laid out as ``rep`` query rows of that head,
+``Q [B, Hq, 1, D] -> [B, Hkv, rep, D]``, and the step's mask row serves all of them (a broadcast view).
 Then::
 
-    S = scaling * Q K^T                          [B, Hkv, rep * T, kv_length]
+    S = scaling * Q K^T                          [B, Hkv, rep, kv_length]
     S = c * tanh(S / c)                          attention soft-cap (Gemma 2), explicit fp32 softmax
     O = softmax(S masked) V                      PyTorch SDPA when there is no soft-cap
+
+The prompt (``T > 1``) runs the training path's attention
+(:func:`notebookkit.models.patch_attention.attend`: the same scores, the mask broadcast over heads),
+so a long prompt never materialises a mask per query head.
 
 Everything has static shapes for a fixed ``kv_length`` and reads the step's slot from a device
 tensor, so the decode step can be captured as a CUDA graph.
@@ -29,6 +33,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from ..patch_attention import attend
 
 __all__ = ["slot_mask", "cache_attention"]
 
@@ -65,10 +71,12 @@ def cache_attention(
     ``c`` of ``c * tanh(S / c)`` on the scores, or ``None``. Returns ``[B, Hq, T, D]``.
     """
     batch, heads, length, head_dim = q.shape
+    if length > 1:
+        return attend(q, keys, values, visible, scaling, softcap=softcap)
     kv_heads, kv_length = keys.shape[1], keys.shape[2]
     rep = heads // kv_heads
-    q = q.reshape(batch, kv_heads, rep * length, head_dim)
-    mask = visible[:, :, None].expand(batch, 1, rep, length, kv_length).reshape(batch, 1, rep * length, kv_length)
+    q = q.reshape(batch, kv_heads, rep, head_dim)
+    mask = visible.expand(batch, 1, rep, kv_length)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     else:
@@ -77,4 +85,4 @@ def cache_attention(
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, values)
-    return out.reshape(batch, heads, length, head_dim)
+    return out.reshape(batch, heads, 1, head_dim)

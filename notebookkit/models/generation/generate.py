@@ -87,9 +87,11 @@ except ImportError:  # notebookkit.models.generation.sampling not installed yet:
         return torch.argmax(logits, dim=-1)
 
 
-__all__ = ["generate", "bind_generate", "unbind_generate", "is_bound", "describe_generation", "SamplingSettings"]
+__all__ = ["generate", "bind_generate", "unbind_generate", "is_bound", "describe_generation", "cache_capacity",
+           "bucket_for", "left_pad_lengths", "SamplingSettings"]
 
 MIN_BUCKET = 16
+CACHE_ROUNDING = 256  # cache slots are allocated in multiples of this
 CHECK_EVERY_GPU = 8  # decode steps between host reads of "every row stopped" on a GPU
 _FAST_MODES = ("greedy_search", "sample")
 
@@ -150,8 +152,8 @@ def describe_generation(model: nn.Module, banner: Any, bound: bool) -> None:
            if graphs_enabled(device) else f"the decode step run eagerly on {device.type.upper()} (graphs need CUDA)")
     banner.feature(
         "fast generation", True,
-        f"model.generate: static KV cache ({len(plan.layers)} layers, sized from max_new_tokens up to "
-        f"max_seq_length), prefill on the fused kernels, {how}; LoRA adapters unmerged",
+        f"model.generate: static KV cache ({len(plan.layers)} layers, prompt + max_new_tokens slots rounded up "
+        f"to {CACHE_ROUNDING}, at most max_seq_length), prefill on the fused kernels, {how}; LoRA adapters unmerged",
     )
 
 
@@ -381,15 +383,25 @@ def bucket_for(length: int, capacity: int) -> int:
     return min(capacity, max(MIN_BUCKET, _next_power_of_two(length)))
 
 
+def cache_capacity(need: int, limit: int, current: int = 0) -> int:
+    """Slots of the KV cache allocated for a request that needs ``need`` (prompt + max_new_tokens):
+    ``need`` rounded up to a multiple of ``CACHE_ROUNDING``, never less than the ``current`` cache's,
+    at most ``limit`` (max_seq_length). The cache only grows while the model keeps it, so requests of
+    slightly different lengths (GRPO's prompts) reuse one cache and its captured graphs."""
+    rounded = -(-need // CACHE_ROUNDING) * CACHE_ROUNDING
+    return max(need, min(limit, max(rounded, current)))
+
+
 def _cache_for(state: GenerationState, plan: DecoderPlan, batch: int, need: int, limit: int) -> StaticKVCache:
-    """The state's cache if it fits, else a new one (the old one freed first): at least this request's
-    size, the next power of two of its length (up to ``limit``) and the larger of the two batch sizes."""
+    """The state's cache if it fits, else a new one (the old one freed first) of
+    :func:`cache_capacity` slots and the larger of the two batch sizes."""
     dtype, device = plan.hidden_dtype(), plan.device()
     cache = state.cache
     if cache is not None and cache.fits(batch, need, dtype, device):
         return cache
-    rows = max(batch, cache.batch if cache is not None and cache.dtype == dtype else 0)
-    capacity = min(limit, max(need, _next_power_of_two(need), cache.capacity if cache is not None else 0))
+    same_kind = cache is not None and cache.dtype == dtype and cache.device == torch.device(device)
+    rows = max(batch, cache.batch if same_kind else 0)
+    capacity = cache_capacity(need, limit, cache.capacity if same_kind else 0)
     state.drop_cache()
     state.cache = StaticKVCache(len(plan.layers), rows, plan.kv_heads, plan.head_dim, capacity, dtype, device)
     return state.cache

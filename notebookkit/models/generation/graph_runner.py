@@ -15,6 +15,9 @@ length bucket, sampling settings, stop ids; the caller builds the key):
    replay, and graphs are replayed one at a time, so they can share it);
 3. replay, now and for every later step with that key.
 
+A step that cannot be captured (an operation the installed PyTorch does not allow in a graph) runs
+eagerly for that key from then on, and a warning says why, once: slower, never wrong.
+
 Sampling draws its uniforms with ``torch.rand`` on the default CUDA generator inside the graph;
 PyTorch advances the generator's offset at each replay, so ``torch.manual_seed`` before
 ``generate`` makes a run reproducible. Elsewhere (CPU), or with ``NOTEBOOKKIT_CUDA_GRAPHS=0``, the
@@ -24,11 +27,14 @@ step runs eagerly.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Hashable, Sequence
 
 import torch
 
 __all__ = ["GraphRunner", "graphs_enabled"]
+
+_EAGER = object()  # a key whose step could not be captured
 
 
 def graphs_enabled(device: torch.device) -> bool:
@@ -43,6 +49,7 @@ class GraphRunner:
         self.graphs: dict[Hashable, "torch.cuda.CUDAGraph"] = {}
         self.captures = 0  # how many graphs were captured (tests count recaptures)
         self.replays = 0
+        self.failures = 0  # keys whose capture failed (they run eagerly)
         self._pool = None
 
     def run(self, key: Hashable, step: Callable[[], None], device: torch.device,
@@ -57,10 +64,26 @@ class GraphRunner:
             return
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(step, device, state_tensors)
+            graph = self._capture_or_none(step, device, state_tensors)
             self.graphs[key] = graph
+        if graph is _EAGER:
+            step()
+            return
         graph.replay()
         self.replays += 1
+
+    def _capture_or_none(self, step: Callable[[], None], device: torch.device,
+                         state_tensors: Sequence[torch.Tensor]):
+        try:
+            return self._capture(step, device, state_tensors)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: run this key eagerly, say why
+            torch.cuda.synchronize(device)
+            if not self.failures:
+                warnings.warn(f"notebookkit could not capture the decode step as a CUDA graph ({type(exc).__name__}: "
+                              f"{exc}); it runs eagerly instead (correct, but with the host's launch overhead).",
+                              UserWarning, stacklevel=4)
+            self.failures += 1
+            return _EAGER
 
     def _capture(self, step: Callable[[], None], device: torch.device,
                  state_tensors: Sequence[torch.Tensor]) -> "torch.cuda.CUDAGraph":
@@ -75,7 +98,7 @@ class GraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             step()
         self.captures += 1
         return graph
