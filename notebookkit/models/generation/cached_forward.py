@@ -20,9 +20,14 @@ For ``T`` new tokens per row (``T = P`` for the prompt, ``T = 1`` per decode ste
 Only the last position reaches the norm and the LM head (``[B, V]``, never ``[B, T, V]``).
 With ``start_slot`` a one-element device tensor and ``kv_length`` fixed, every shape is static and
 nothing reads the device from the host, so the ``T = 1`` step can be captured as a CUDA graph
-(:mod:`.graph_runner`). The MLP is the model's own (patched) module, except for 4-bit weights where
-the NF4 matrix-vector kernel applies (then gate/up and down run through :func:`.projections.project`
-around the same fused activation).
+(:mod:`.graph_runner`). Adapters in fp32 next to 16-bit compute are read from casts kept between
+steps (:class:`.projections.AdapterCasts`, re-cast here when an optimizer step changed them, never
+while a graph is being captured).
+
+The MLP is ``down(act(gate(x)) * up(x))`` with the training path's fused activation kernel and the
+same projections as attention (so it reads the kept adapter casts and, for 4-bit weights, the NF4
+matrix-vector kernel); an MLP whose projections the fused path cannot take (DoRA, 8-bit, ...) or whose
+activation has no fused kernel runs the model's own module.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from ..kernel_ops import require
 from ..patch_mlp import _activation_kernel
 from .cache_attention import cache_attention, slot_mask
 from .decoder_plan import DecoderPlan, LayerPlan
-from .projections import nf4_matvec_applies, project
-from .state import decoder_plan
+from .projections import AdapterCasts, fused_views, project
+from .state import decoder_plan, generation_state
 from .static_cache import StaticKVCache
 
 __all__ = ["cached_forward"]
@@ -65,8 +70,11 @@ def cached_forward(
             the slots written so far for an int ``start_slot``, the whole cache for a tensor one.
     """
     plan = decoder_plan(model)
+    casts = generation_state(model).casts
     batch, length = input_ids.shape
     device = input_ids.device
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        casts.refresh()
     if isinstance(start_slot, torch.Tensor):
         query_slots = start_slot.reshape(1) + torch.arange(length, device=device) if length > 1 else start_slot.reshape(1)
         kv_length = cache.capacity if kv_length is None else kv_length
@@ -88,8 +96,9 @@ def cached_forward(
     hidden = _embed(plan, input_ids)
     for lp in plan.layers:
         x = lp.layer.input_layernorm(hidden)
-        hidden = hidden + _attention(lp, x, cache, start_slot, kv_length, masks[lp.window], ropes[lp.rope_key])
-        mlp_out = _mlp(lp, lp.pre_mlp_norm(hidden))
+        hidden = hidden + _attention(lp, x, cache, start_slot, kv_length, masks[lp.window], ropes[lp.rope_key],
+                                     casts)
+        mlp_out = _mlp(lp, lp.pre_mlp_norm(hidden), casts)
         if lp.sandwich:
             mlp_out = lp.layer.post_feedforward_layernorm(mlp_out)
         hidden = hidden + mlp_out
@@ -107,10 +116,11 @@ def _embed(plan: DecoderPlan, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(lp: LayerPlan, x: torch.Tensor, cache: StaticKVCache, start_slot: Union[int, torch.Tensor],
-               kv_length: int, visible: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+               kv_length: int, visible: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               casts: AdapterCasts) -> torch.Tensor:
     batch, length, _ = x.shape
     attn = lp.attn
-    q, k, v = project(x.reshape(batch * length, -1), (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k, v = project(x.reshape(batch * length, -1), (attn.q_proj, attn.k_proj, attn.v_proj), casts)
     q = q.reshape(batch, length, lp.heads, lp.head_dim)
     k = k.reshape(batch, length, lp.kv_heads, lp.head_dim)
     v = v.reshape(batch, length, lp.kv_heads, lp.head_dim).transpose(1, 2)
@@ -121,17 +131,17 @@ def _attention(lp: LayerPlan, x: torch.Tensor, cache: StaticKVCache, start_slot:
     cache.write(lp.index, k, v, start_slot)
     keys, values = cache.read(lp.index, batch, kv_length)
     out = cache_attention(q, keys, values, visible, lp.scaling, lp.softcap)
-    (y,) = project(out.transpose(1, 2).reshape(batch * length, -1), (attn.o_proj,))
+    (y,) = project(out.transpose(1, 2).reshape(batch * length, -1), (attn.o_proj,), casts)
     y = y.reshape(batch, length, -1)
     return lp.layer.post_attention_layernorm(y) if lp.sandwich else y
 
 
-def _mlp(lp: LayerPlan, x: torch.Tensor) -> torch.Tensor:
+def _mlp(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts) -> torch.Tensor:
     mlp = lp.layer.mlp
-    x2d = x.reshape(-1, x.shape[-1])
     act = _activation_kernel(lp.activation) if lp.activation is not None else None
-    if act is not None and nf4_matvec_applies(x2d, (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-        gate, up = project(x2d, (mlp.gate_proj, mlp.up_proj))
-        (y,) = project(act(gate, up), (mlp.down_proj,))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    return mlp(x)
+    if act is None or not fused_views((mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        return mlp(x)
+    x2d = x.reshape(-1, x.shape[-1])
+    gate, up = project(x2d, (mlp.gate_proj, mlp.up_proj), casts)
+    (y,) = project(act(gate, up), (mlp.down_proj,), casts)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

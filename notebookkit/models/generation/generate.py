@@ -298,7 +298,9 @@ def _request(model: nn.Module, state: GenerationState, inputs: Any, generation_c
     prompt = input_ids.shape[1]
     max_new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - prompt
     if max_new < 1:
-        return f"max_length={config.max_length} leaves no room after a prompt of {prompt} tokens"
+        asked = (f"max_new_tokens={config.max_new_tokens}" if config.max_new_tokens is not None
+                 else f"max_length={config.max_length} after a prompt of {prompt} tokens")
+        return f"{asked} asks for no new token"
     eos_ids = _ids(config.eos_token_id)
     pad = _ids(config.pad_token_id)
     pad_id = pad[0] if pad else (eos_ids[0] if eos_ids else 0)

@@ -1,4 +1,5 @@
-"""What a model keeps between ``generate`` calls: its decoder plan, static KV cache, buffers and graphs.
+"""What a model keeps between ``generate`` calls: its decoder plan, static KV cache, buffers, graphs
+and adapter casts.
 
 One :class:`GenerationState` per causal LM, in the instance's ``__dict__`` (never on a class). It
 survives ``for_training`` / ``for_inference`` switches, so a GRPO loop that alternates them every
@@ -23,6 +24,7 @@ import torch.nn as nn
 
 from .decoder_plan import DecoderPlan, causal_lm_of, plan_for
 from .graph_runner import GraphRunner
+from .projections import AdapterCasts
 from .static_cache import StaticKVCache
 
 __all__ = ["GenerationState", "generation_state", "decoder_plan", "model_signature", "release"]
@@ -39,6 +41,7 @@ class GenerationState:
         self.cache: Optional[StaticKVCache] = None
         self.buffers: dict[int, Any] = {}  # batch size -> the decode loop's buffers (generate.DecodeBuffers)
         self.runner = GraphRunner()
+        self.casts = AdapterCasts()  # adapters in the compute dtype, read by the captured steps
         self.warned: set[str] = set()
 
     def refresh(self, causal_lm: nn.Module) -> Union[DecoderPlan, str]:
@@ -48,6 +51,7 @@ class GenerationState:
         if signature != self.signature or self.plan is None:
             self.plan = plan_for(causal_lm)
             self.runner.clear()
+            self.casts.clear()
             self.signature = signature
         return self.plan
 
@@ -62,6 +66,7 @@ class GenerationState:
     def release(self) -> None:
         """Free the cache, buffers, graphs and RoPE tables (rebuilt on the next ``generate``)."""
         self.drop_cache()
+        self.casts.clear()
         if isinstance(self.plan, DecoderPlan):
             self.plan.rope.release()
         self.plan, self.signature = None, None

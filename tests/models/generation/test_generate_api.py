@@ -123,6 +123,16 @@ def test_call_forms_give_hugging_faces_ids(pair):
                        stock.generate(input_ids=one, max_new_tokens=1, do_sample=False))
 
 
+def test_the_fast_path_also_runs_a_model_left_on_stock_modules():
+    """Norms, MLPs and projections are called as the model has them: patched or Hugging Face's own."""
+    stock = lora_model("gemma3")
+    plain = copy.deepcopy(stock)
+    assert bind_generate(plain)
+    ids, mask = left_padded_prompts()
+    assert torch.equal(plain.generate(input_ids=ids, attention_mask=mask, **_greedy()),
+                       stock.generate(input_ids=ids, attention_mask=mask, **_greedy()))
+
+
 def test_streamer_prints_what_hugging_faces_prints(capsys):
     model, tokenizer = _tiny()
     reference = copy.deepcopy(model)
@@ -290,6 +300,29 @@ def test_weights_changed_in_place_are_read_by_the_next_generation():
     with fast.disable_adapter(), stock.disable_adapter():  # adapters off: a new plan, the base model's tokens
         want = stock.generate(input_ids=ids, attention_mask=mask, **_greedy())
         assert torch.equal(fast.generate(input_ids=ids, attention_mask=mask, **_greedy()), want)
+
+
+def test_fp32_adapters_of_a_16_bit_model_are_cast_once_and_recast_after_an_update():
+    """PEFT keeps adapters in fp32 next to 16-bit weights: the decode path keeps one bf16 cast of each
+    (the captured steps read it) and re-casts, in place, those an optimizer step changed."""
+    fast = fast_copy(lora_model("llama")).to(torch.bfloat16)
+    for name, p in fast.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    ids, mask = left_padded_prompts()
+    before = fast.generate(input_ids=ids, attention_mask=mask, **_greedy())
+    casts = generation_state(fast).casts
+    assert len(casts) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    kept = [entry[2] for entry in casts._kept.values()]
+    with torch.no_grad():
+        for name, p in fast.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-4.0)
+    after = fast.generate(input_ids=ids, attention_mask=mask, **_greedy())
+    assert all(entry[2] is old for entry, old in zip(casts._kept.values(), kept))  # same buffers, new values
+    fresh = copy.deepcopy(fast)  # no state: casts made anew from the updated adapters
+    assert torch.equal(after, fresh.generate(input_ids=ids, attention_mask=mask, **_greedy()))
+    assert not torch.equal(after, before)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("notebookkit.models.generation.sampling") is None,
