@@ -255,7 +255,7 @@ def _request(model: nn.Module, state: GenerationState, inputs: Any, generation_c
     """What this call asks for, or the reason it goes to Hugging Face's ``generate``."""
     if model.training:
         return ("the model is in training mode; call FastLanguageModel.for_inference(model) before generating "
-                "(model.eval() alone keeps Hugging Face's generate after for_training)")
+                "(model.train() was called after for_inference, as trainers do: dropout is on)")
     plan = state.refresh(model)
     if not isinstance(plan, DecoderPlan):
         return plan
