@@ -73,9 +73,9 @@ except ImportError:  # notebookkit.models.generation.sampling not installed yet:
                                  "notebookkit.models.generation.sampling, which is not installed")
             return cls()
 
-    def new_seen_mask(input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # type: ignore[misc]
-        seen = torch.zeros(input_ids.shape[0], vocab_size, dtype=torch.bool, device=input_ids.device)
-        return seen.scatter_(1, input_ids, True)
+    def new_seen_mask(input_ids: torch.Tensor, vocab_size: int,  # type: ignore[misc]
+                      pad_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], vocab_size, dtype=torch.bool, device=input_ids.device)  # unread
 
     def mark_seen(seen: torch.Tensor, next_ids: torch.Tensor) -> None:  # type: ignore[misc]
         seen.scatter_(1, next_ids[:, None], True)
@@ -282,8 +282,9 @@ def _request(model: nn.Module, state: GenerationState, inputs: Any, generation_c
             return f"{name}={value!r} is set"
     try:
         settings = SamplingSettings.from_generation_config(config)
-    except ValueError as exc:
-        return str(exc).rstrip(".")
+    except ValueError as exc:  # sampling.UnsupportedSettingError names the setting
+        setting = getattr(exc, "setting", None)
+        return f"{setting}={exc.value!r} is set" if setting is not None else str(exc).rstrip(".")
     copies = int(config.num_return_sequences or 1)
     if copies > 1:
         if not settings.do_sample:
@@ -477,7 +478,8 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
     buffers.ids[:, :prompt].copy_(input_ids)
     buffers.pad.copy_(pad_lengths)
     buffers.unfinished.fill_(True)
-    buffers.seen.copy_(new_seen_mask(input_ids, plan.vocab_size))
+    # The repetition penalty counts the prompt without its left padding, as Hugging Face (transformers 5) does.
+    buffers.seen.copy_(new_seen_mask(input_ids, plan.vocab_size, pad_lengths))
     buffers.slot.fill_(prompt - 1)
     if streamer is not None:
         streamer.put(input_ids.cpu())

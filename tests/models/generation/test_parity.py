@@ -14,6 +14,7 @@ or ``FastLanguageModel.unpatch`` on a copy of a notebookkit model).
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -71,6 +72,22 @@ def test_a_batch_where_every_row_stops_returns_hugging_faces_length():
     got = fast.generate(input_ids=ids, eos_token_id=eos, **base)
     assert want.shape[1] < PROMPT + NEW  # Hugging Face stopped early: the fast path must stop there too
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("notebookkit.models.generation.sampling") is None,
+                    reason="notebookkit.models.generation.sampling is not merged yet")
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_greedy_with_repetition_penalty_equals_hugging_face(family):
+    """The penalty counts the prompt without its left padding and every token generated so far (pad ids
+    of stopped rows included), as Hugging Face's processor does."""
+    stock = lora_model(family)
+    fast = fast_copy(stock)
+    ids, mask = left_padded_prompts(seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, repetition_penalty=1.8)
+    want = stock.generate(input_ids=ids, **kw)
+    plain = stock.generate(input_ids=ids, **{**kw, "repetition_penalty": 1.0})
+    assert not torch.equal(want, plain)  # the penalty changes these tokens
+    assert torch.equal(fast.generate(input_ids=ids, **kw), want)
 
 
 def _chat_batch(tokenizer):
