@@ -197,20 +197,6 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
-def versions(system: str) -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    names = ["torch", "triton", "transformers", "peft", "bitsandbytes", "accelerate"]
-    names += ["unsloth", "unsloth_zoo"] if system == "unsloth" else []
-    out = {}
-    for name in names:
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
 def _sync(device: str) -> None:
     import torch
 
@@ -304,6 +290,7 @@ def copy_bandwidth_gbps() -> float:
 
 def run_child(args) -> None:
     import torch
+    import train_step
 
     shape, quant, dtype_name, cap, _ = CONFIGS[args.config]
     device = "cuda" if torch.cuda.is_available() and shape != "tiny" else "cpu"
@@ -323,7 +310,7 @@ def run_child(args) -> None:
     common = dict(config=args.config, system=args.system, shape=shape, quant=quant, dtype=dtype_name, cap_gib=cap,
                   prompt=args.prompt, new=args.new, load_s=round(load_s, 1), weight_bytes=weights,
                   copy_gbps=copy_gbps, device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-                  versions=versions(args.system))
+                  versions=train_step.versions(args.system))
     for batch in batches:
         row = dict(common, batch=batch)
         try:
