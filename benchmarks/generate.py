@@ -592,15 +592,15 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
         nbytes = sum(t.numel() * t.element_size() for t in (packed, qs.absmax, qs.state2.absmax, qs.state2.code))
         for m in (1, 8):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
-            ref = nf4_matvec_reference(x, packed, qs)
+            ref = nf4_matvec_reference(x, (packed, qs))
             chosen = matvec_config(m, n, k, 64, sms)
-            impls = {"nf4_matvec": (lambda: nf4_matvec(x, packed, qs), str(chosen)),
+            impls = {"nf4_matvec": (lambda: nf4_matvec(x, (packed, qs)), str(chosen)),
                      "dequantise + matmul": (lambda: F.linear(x, dequantize_nf4(packed, qs, out_dtype=dtype)), "")}
             impls["bitsandbytes matmul_4bit"] = (lambda: bnb.matmul_4bit(x, packed.t(), quant_state=qs), "")
             if sweep:
                 for cfg in sweep_configs(m):
                     if cfg != chosen:
-                        impls[f"nf4_matvec {cfg}"] = (lambda cfg=cfg: nf4_matvec(x, packed, qs, config=cfg), str(cfg))
+                        impls[f"nf4_matvec {cfg}"] = (lambda cfg=cfg: nf4_matvec(x, (packed, qs), config=cfg), str(cfg))
             shape_rows = []
             for name, (fn, cfg) in impls.items():
                 row = dict(shape=f"{n}x{k}", m=m, dtype=dtype_name, impl=name, config=cfg, nf4_bytes=nbytes)

@@ -357,8 +357,18 @@ def _matrix_shape(st: Any, where: str) -> tuple[int, int]:
     return int(st.shape[0]), int(st.shape[1])
 
 
-def nf4_matvec_reference(x: torch.Tensor, weight: Any, quant_state: Any = None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+def _weight_parts(weight: Any, quant_state: Any) -> tuple[torch.Tensor, Any]:
+    """(packed bytes, QuantState) of a ``Params4bit``, a ``(packed, quant_state)`` pair, or bare bytes
+    with ``quant_state`` given."""
+    if isinstance(weight, (tuple, list)):
+        if len(weight) != 2:
+            raise ValueError("Pass the 4-bit weight as a Params4bit or as a pair (packed bytes, quant_state).")
+        weight, quant_state = weight
+    return _unwrap(weight, quant_state)
+
+
+def nf4_matvec_reference(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, *,
+                         quant_state: Any = None) -> torch.Tensor:
     """Plain PyTorch: ``W`` decoded by :func:`~notebookkit.kernels.nf4.dequantize_nf4_reference` in
     ``x``'s dtype, then ``x @ W^T + b`` in fp32, rounded once to ``x``'s dtype (the CPU path and the
     tests' oracle; same arguments as :func:`nf4_matvec`, any number of rows)."""
@@ -366,7 +376,7 @@ def nf4_matvec_reference(x: torch.Tensor, weight: Any, quant_state: Any = None,
 
 
 def _decode_then_multiply(x, weight, quant_state, bias, decode, where: str) -> torch.Tensor:
-    packed, quant_state = _unwrap(weight, quant_state)
+    packed, quant_state = _weight_parts(weight, quant_state)
     st = _read_state(packed, quant_state)
     n, k = _matrix_shape(st, where)
     _check_x(x, k, where)
@@ -403,14 +413,14 @@ def _why_not(x: torch.Tensor, packed: torch.Tensor, quant_state: Any) -> str | N
     return None
 
 
-def nf4_matvec_supported(x: torch.Tensor, weight: Any, quant_state: Any = None) -> bool:
+def nf4_matvec_supported(x: torch.Tensor, weight: Any, *, quant_state: Any = None) -> bool:
     """True when :func:`nf4_matvec` runs its kernel for ``x`` and ``weight``: a CUDA tensor (or
     Triton forced on under ``TRITON_INTERPRET=1``) of fp16 / bf16 / fp32 with at most ``MAX_ROWS``
     rows (all dimensions but the last), and an NF4 weight ``[N, K]`` on the same device whose rows
     are whole NF4 blocks (``K % blocksize == 0``, true of every released model). Never raises;
     where it says False, :func:`nf4_matvec` still gives the right answer, by decoding the weight."""
     try:
-        packed, quant_state = _unwrap(weight, quant_state)
+        packed, quant_state = _weight_parts(weight, quant_state)
         _read_state(packed, quant_state)  # raises for bytes and state that do not belong together
         return _why_not(x, packed, quant_state) is None
     except Exception:  # a weight it cannot read: not supported (nf4_matvec says why)
@@ -431,8 +441,9 @@ def _as_words(x2: torch.Tensor) -> torch.Tensor:
 def nf4_matvec(
     x: torch.Tensor,
     weight: Any,
-    quant_state: Any = None,
     bias: torch.Tensor | None = None,
+    *,
+    quant_state: Any = None,
     config: MatvecConfig | None = None,
 ) -> torch.Tensor:
     """``x @ W^T + bias`` for an NF4 weight ``W [N, K]`` and a few rows of ``x``, without decoding ``W``.
@@ -440,10 +451,11 @@ def nf4_matvec(
     Args:
         x: ``[..., K]`` in float16 / bfloat16 / float32; at most ``MAX_ROWS`` (16) rows for the
             kernel (the decode batch: ``[batch, 1, hidden]`` is fine).
-        weight: the bitsandbytes ``Params4bit`` (its ``quant_state`` is used) or the packed bytes
-            with ``quant_state`` given; plain or nested (double-quantised) absmax.
-        quant_state: the weight's ``QuantState`` when ``weight`` is the bare bytes.
+        weight: the bitsandbytes ``Params4bit`` (its ``quant_state`` is used), a pair
+            ``(packed bytes, quant_state)``, or the bare bytes with ``quant_state=`` given; plain or
+            nested (double-quantised) absmax.
         bias: optional ``[N]``, added in fp32 before the one rounding.
+        quant_state: the weight's ``QuantState`` when ``weight`` is the bare bytes.
         config: launch parameters (:class:`MatvecConfig`) instead of :func:`matvec_config`'s
             choice; for tests and benchmarks.
 
@@ -456,7 +468,7 @@ def nf4_matvec(
     ``dequantize_nf4`` and multiply, with the same numbers. Safe inside CUDA graph capture once a
     call of the same shapes has run (that call compiles the kernel).
     """
-    packed, quant_state = _unwrap(weight, quant_state)
+    packed, quant_state = _weight_parts(weight, quant_state)
     st = _read_state(packed, quant_state)
     n, k = _matrix_shape(st, "nf4_matvec")
     _check_x(x, k, "nf4_matvec")
@@ -465,7 +477,7 @@ def nf4_matvec(
             f"nf4_matvec: bias must have {n} elements on {x.device}, got {tuple(bias.shape)} on {bias.device}."
         )
     if _why_not(x, packed, quant_state) is not None:
-        return _decode_then_multiply(x, packed, quant_state, bias, dequantize_nf4, "nf4_matvec")
+        return _decode_then_multiply(x, (packed, quant_state), None, bias, dequantize_nf4, "nf4_matvec")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -84,7 +84,7 @@ def assert_within_rounding(y, x, packed, qs, bias, what=""):
 
 def _kernel(x, packed, qs, bias=None, config=None):
     with use_triton(True):
-        return nf4_matvec(x, packed, qs, bias=bias, config=config)
+        return nf4_matvec(x, (packed, qs), bias=bias, config=config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,15 +107,16 @@ def test_kernel_matches_the_definition(shape, m, dtype, nested, with_bias):
     n, k = shape
     packed, qs = _nf4_weight(n, k, dtype, nested)
     x, bias = _inputs(m, n, k, dtype, with_bias)
-    assert nf4_matvec_supported(x, packed, qs) is False  # CPU tensors: the reference path
+    assert nf4_matvec_supported(x, (packed, qs)) is False  # CPU tensors: the reference path
     with use_triton(True):
-        assert nf4_matvec_supported(x, packed, qs)
+        assert nf4_matvec_supported(x, (packed, qs))
     y = _kernel(x, packed, qs, bias)
     assert y.shape == (m, n)
     assert_within_rounding(y, x, packed, qs, bias, f"kernel {shape} M={m} {dtype}")
     # against the reference path: both round fp32 sums that differ by accumulation order only, so an
     # element differs by at most one ulp (2u relative)
-    assert rel_err(y, nf4_matvec_reference(x, packed, qs, bias)) <= 2 * UNIT_ROUNDOFF[dtype] + TOLERANCE[torch.float32]
+    ref = nf4_matvec_reference(x, (packed, qs), bias)
+    assert rel_err(y, ref) <= 2 * UNIT_ROUNDOFF[dtype] + TOLERANCE[torch.float32]
 
 
 @needs_interpreter
@@ -203,8 +204,8 @@ def test_rows_that_are_not_whole_blocks_are_decoded_then_multiplied(shape):
     packed, qs = _nf4_weight(n, k, torch.float16, nested=True)
     x, bias = _inputs(2, n, k, torch.float16, True)
     with use_triton(interpreter_on()):
-        assert not nf4_matvec_supported(x, packed, qs)
-        y = nf4_matvec(x, packed, qs, bias=bias)
+        assert not nf4_matvec_supported(x, (packed, qs))
+        y = nf4_matvec(x, (packed, qs), bias=bias)
     assert_within_rounding(y, x, packed, qs, bias, f"fallback {shape}")
 
 
@@ -212,9 +213,9 @@ def test_more_rows_than_the_kernel_takes_fall_back():
     packed, qs = _nf4_weight(24, 128, torch.float32, nested=False)
     x, bias = _inputs(MAX_ROWS + 1, 24, 128, torch.float32, True)
     with use_triton(interpreter_on()):
-        assert not nf4_matvec_supported(x, packed, qs)
-        assert nf4_matvec_supported(x[:MAX_ROWS], packed, qs) == interpreter_on()
-        y = nf4_matvec(x, packed, qs, bias=bias)
+        assert not nf4_matvec_supported(x, (packed, qs))
+        assert nf4_matvec_supported(x[:MAX_ROWS], (packed, qs)) == interpreter_on()
+        y = nf4_matvec(x, (packed, qs), bias=bias)
     assert_within_rounding(y, x, packed, qs, bias, "17 rows")
 
 
@@ -224,7 +225,7 @@ def test_the_bound_catches_one_wrong_code():
     x, _ = _inputs(2, 24, 128, torch.float16, False)
     bad = packed.clone()
     bad[64 * 5 + 3, 0] ^= 0x10  # row 5: the high nibble of its 4th byte
-    y_bad = nf4_matvec_reference(x, bad, qs)
+    y_bad = nf4_matvec_reference(x, (bad, qs))
     with pytest.raises(AssertionError, match="beyond the rounding bound"):
         assert_within_rounding(y_bad, x, packed, qs, None, "one wrong code")
 
@@ -233,19 +234,33 @@ def test_cpu_path_is_the_reference():
     packed, qs = _nf4_weight(24, 128, torch.bfloat16, nested=True)
     x, bias = _inputs(3, 24, 128, torch.bfloat16, True)
     with use_triton(False):
-        y = nf4_matvec(x, packed, qs, bias=bias)
-    assert torch.equal(y, nf4_matvec_reference(x, packed, qs, bias))
+        y = nf4_matvec(x, (packed, qs), bias=bias)
+    assert torch.equal(y, nf4_matvec_reference(x, (packed, qs), bias))
     assert_within_rounding(y, x, packed, qs, bias, "reference")
+
+
+def test_ways_to_pass_the_weight():
+    """A pair (bytes, quant_state), the bytes with quant_state=..., and bias as the third positional
+    argument (the shared generation interface: nf4_matvec(x, weight, bias=None)) agree."""
+    packed, qs = _nf4_weight(24, 128, torch.float32, nested=True)
+    x, bias = _inputs(2, 24, 128, torch.float32, True)
+    with use_triton(interpreter_on()):
+        a = nf4_matvec(x, (packed, qs), bias)
+        b = nf4_matvec(x, packed, bias=bias, quant_state=qs)
+        assert nf4_matvec_supported(x, packed, quant_state=qs) == interpreter_on()
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="pair"):
+        nf4_matvec(x, (packed, qs, None))
 
 
 def test_supported_never_raises():
     packed, qs = _nf4_weight(24, 128, torch.float16, nested=False)
     x = torch.randn(1, 128).half()
     with use_triton(interpreter_on()):
-        assert not nf4_matvec_supported(x.int(), packed, qs)  # dtype
-        assert not nf4_matvec_supported(torch.randn(1, 64).half(), packed, qs)  # features
-        assert not nf4_matvec_supported(x, packed, None)  # no quant state
-        assert not nf4_matvec_supported(x, torch.zeros(5, dtype=torch.uint8), qs)  # bytes of another weight
+        assert not nf4_matvec_supported(x.int(), (packed, qs))  # dtype
+        assert not nf4_matvec_supported(torch.randn(1, 64).half(), (packed, qs))  # features
+        assert not nf4_matvec_supported(x, (packed, None))  # no quant state
+        assert not nf4_matvec_supported(x, (torch.zeros(5, dtype=torch.uint8), qs))  # bytes of another weight
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,20 +288,20 @@ def triton_next_pow2(v: int) -> int:
 def test_errors_speak_to_the_user():
     packed, qs = _nf4_weight(24, 128, torch.float16, nested=False)
     with pytest.raises(ValueError, match="last dimension of x must be 128"):
-        nf4_matvec(torch.randn(2, 64).half(), packed, qs)
+        nf4_matvec(torch.randn(2, 64).half(), (packed, qs))
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
-        nf4_matvec(torch.randint(0, 3, (2, 128)), packed, qs)
+        nf4_matvec(torch.randint(0, 3, (2, 128)), (packed, qs))
     with pytest.raises(ValueError, match="bias must have 24 elements"):
-        nf4_matvec(torch.randn(2, 128).half(), packed, qs, bias=torch.zeros(23).half())
+        nf4_matvec(torch.randn(2, 128).half(), (packed, qs), torch.zeros(23).half())
     with pytest.raises(ValueError, match="QuantState"):
-        nf4_matvec(torch.randn(2, 128).half(), packed, None)
+        nf4_matvec(torch.randn(2, 128).half(), packed)
     with pytest.raises(ValueError, match="power of two"):
         MatvecConfig(block_n=12, step_blocks=1, use_dot=False)
     with pytest.raises(ValueError, match="block_n >= 16"):
         MatvecConfig(block_n=8, step_blocks=1, use_dot=True)
     if interpreter_on():
         with use_triton(True), pytest.raises(ValueError, match="one row of x"):
-            nf4_matvec(torch.randn(2, 128).half(), packed, qs, config=MatvecConfig(4, 1, use_dot=False))
+            nf4_matvec(torch.randn(2, 128).half(), (packed, qs), config=MatvecConfig(4, 1, use_dot=False))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,10 +341,10 @@ def test_gpu_large_shapes(shape, dtype):
     packed, qs = _nf4_weight(n, k, dtype, nested=True, device="cuda")
     for m, with_bias in ((1, False), (8, True), (16, False)):
         x, bias = _inputs(m, n, k, dtype, with_bias, device="cuda")
-        assert nf4_matvec_supported(x, packed, qs)
-        y = nf4_matvec(x, packed, qs, bias=bias)
+        assert nf4_matvec_supported(x, (packed, qs))
+        y = nf4_matvec(x, (packed, qs), bias=bias)
         _assert_within_rounding_chunked(y, x, packed, qs, bias, f"{shape} M={m} {dtype}")
-        ref = nf4_matvec_reference(x, packed, qs, bias)
+        ref = nf4_matvec_reference(x, (packed, qs), bias)
         assert rel_err(y, ref) <= 2 * UNIT_ROUNDOFF[dtype] + TOLERANCE[torch.float32]
 
 
@@ -339,7 +354,7 @@ def test_gpu_large_shapes(shape, dtype):
 def test_gpu_configs_plain_absmax(config):
     packed, qs = _nf4_weight(4096, 4096, torch.bfloat16, nested=False, device="cuda")
     x, bias = _inputs(1, 4096, 4096, torch.bfloat16, True, device="cuda")
-    y = nf4_matvec(x, packed, qs, bias=bias, config=config)
+    y = nf4_matvec(x, (packed, qs), bias=bias, config=config)
     _assert_within_rounding_chunked(y, x, packed, qs, bias, str(config))
 
 
@@ -351,15 +366,15 @@ def test_gpu_cuda_graph_capture_and_replay(m):
     packed, qs = _nf4_weight(4096, 4096, torch.bfloat16, nested=True, device="cuda")
     x, bias = _inputs(m, 4096, 4096, torch.bfloat16, True, device="cuda")
     static_x = x.clone()
-    nf4_matvec(static_x, packed, qs, bias=bias)  # warm-up: compiles the kernel outside the capture
+    nf4_matvec(static_x, (packed, qs), bias=bias)  # warm-up: compiles the kernel outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_y = nf4_matvec(static_x, packed, qs, bias=bias)
+        static_y = nf4_matvec(static_x, (packed, qs), bias=bias)
     for seed in (7, 8):
         fresh, _ = _inputs(m, 4096, 4096, torch.bfloat16, False, seed=seed, device="cuda")
         static_x.copy_(fresh)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(static_y, nf4_matvec(fresh, packed, qs, bias=bias))
+        assert torch.equal(static_y, nf4_matvec(fresh, (packed, qs), bias=bias))
         _assert_within_rounding_chunked(static_y, fresh, packed, qs, bias, f"replay M={m}")
