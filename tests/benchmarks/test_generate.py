@@ -164,3 +164,20 @@ def test_a_missing_system_and_a_failed_child_are_rows(monkeypatch):
     monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: fake)
     rows = generate.run_rows("8b-nf4", "hf", args)
     assert [(r["batch"], r["status"]) for r in rows] == [(1, "ok"), (8, "out of memory")]
+
+
+def test_kernel_sweep_configs_and_report():
+    """--kernels needs a GPU; here: the swept configurations are valid (one row of x only on the
+    multiply-add path, tl.dot sizes), and the report renders its rows."""
+    for m in (1, 8):
+        configs = generate.sweep_configs(m)
+        assert len(set(configs)) == len(configs) > 10
+        assert all(c.use_dot for c in configs) == (m > 1)
+        assert all(c.block_n * c.step_blocks * 32 <= 4096 for c in configs if not c.use_dot)
+    rows = [dict(shape="4096x4096", m=1, dtype="bf16", impl="nf4_matvec", config="cfg", nf4_bytes=8.9e6, ms=0.004,
+                 gbps=2225.0, of_copy=0.523, rel_err=1e-3, status="ok", fastest_config=True, copy_gbps=4250.0),
+            dict(shape="4096x4096", m=1, dtype="bf16", impl="bitsandbytes matmul_4bit", config="", nf4_bytes=8.9e6,
+                 status="failed: RuntimeError: capture", copy_gbps=4250.0)]
+    text = generate.kernels_markdown(rows, dict(gpu="H200", date="2026-12-02", command="python y"))
+    assert "| 4096x4096 | 1 | nf4_matvec (fastest) | cfg | 4.0 | 2,225 | 52 | 1.0e-03 | ok |" in text
+    assert "| – | – | – | – | failed: RuntimeError: capture |" in text and "4,250 GB/s" in text
