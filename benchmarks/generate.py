@@ -398,6 +398,9 @@ def run_rows(config: str, system: str, args, extra_env: dict | None = None) -> l
         output = proc.stderr or proc.stdout
         oom = "OutOfMemory" in output or "out of memory" in output
         reason = "out of memory" if oom else "failed: " + failure_reason(output)
+        os.makedirs(args.out, exist_ok=True)  # the whole output of a failed child, for its traceback
+        with open(os.path.join(args.out, f"failures{'-' + args.tag if args.tag else ''}.log"), "a") as log:
+            log.write(f"===== {config} / {system}: {reason}\n{proc.stdout[-4000:]}\n----- stderr\n{proc.stderr[-20000:]}\n")
         rows += [dict(base, batch=b, status=reason) for b in batches if b not in done]
     return rows
 

@@ -97,7 +97,7 @@ _FAST_MODES = ("greedy_search", "sample")
 
 # Settings that change the tokens and are not implemented here, with the values that leave them off.
 _OFF_VALUES: dict[str, tuple] = {
-    "min_length": (None, 0), "min_new_tokens": (None, 0), "max_time": (None,), "stop_strings": (None,),
+    "max_time": (None,), "stop_strings": (None,),
     "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "top_h": (None,),
     "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "force_words_ids": (None,),
@@ -229,6 +229,7 @@ class _Request:
     eos_ids: tuple[int, ...]
     pad_id: int
     mask_pad_id: Optional[int]  # the pad id HF infers a missing attention mask from
+    min_new_tokens: int = 0  # EOS ids are banned until this many new tokens (min_new_tokens / min_length)
 
 
 def _is_set(value: Any) -> bool:
@@ -306,7 +307,11 @@ def _request(model: nn.Module, state: GenerationState, inputs: Any, generation_c
     pad = _ids(config.pad_token_id)
     pad_id = pad[0] if pad else (eos_ids[0] if eos_ids else 0)
     mask_pad = pad[0] if pad else (eos_ids[0] if eos_ids else None)
-    return _Request(plan, settings, input_ids, attention_mask, int(max_new), eos_ids, pad_id, mask_pad)
+    # Hugging Face's MinNewTokensLength / MinLength processors: EOS scores are -inf until the row has
+    # min_new_tokens new tokens, or until prompt + new tokens reach min_length (the prompt's padding counts)
+    min_new = max(int(config.min_new_tokens or 0), int(config.min_length or 0) - prompt, 0)
+    return _Request(plan, settings, input_ids, attention_mask, int(max_new), eos_ids, pad_id, mask_pad,
+                    min(min_new, int(max_new)) if eos_ids else 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -420,6 +425,7 @@ class DecodeBuffers:
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         self.ids = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # prompt + new tokens, by slot
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # for the repetition penalty
+        self.min_slot = torch.zeros(1, dtype=torch.long, device=device)  # EOS banned while slot < min_slot
         self._stops: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def stop_tensors(self, eos_ids: tuple[int, ...], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,10 +455,17 @@ def _buffers_for(state: GenerationState, batch: int, cache: StaticKVCache, vocab
 # --------------------------------------------------------------------------------------------------
 
 
-def _advance(buffers: DecodeBuffers, logits: torch.Tensor, settings: Any, eos: torch.Tensor, pad: torch.Tensor) -> None:
+def _advance(buffers: DecodeBuffers, logits: torch.Tensor, settings: Any, eos: torch.Tensor, pad: torch.Tensor,
+             ban_eos_early: bool = False) -> None:
     """Choose the next token of every row from ``logits`` ``[B, V]`` and store it at slot ``slot + 1``
-    (graph-safe: everything on the device, in place)."""
-    scores = filter_logits(logits.float(), buffers.seen, settings)
+    (graph-safe: everything on the device, in place). With ``ban_eos_early`` the EOS scores are -inf
+    while ``slot < min_slot`` (before the filters, as Hugging Face's min-length processors run
+    before its warpers; -inf stays -inf through every filter)."""
+    logits = logits.float()
+    if ban_eos_early and eos.numel():
+        early = buffers.slot < buffers.min_slot  # [1]
+        logits = logits.index_fill(1, eos, float("-inf")).where(early[:, None], logits)
+    scores = filter_logits(logits, buffers.seen, settings)
     uniform = torch.rand(scores.shape, device=scores.device) if settings.do_sample else None
     chosen = choose_next(scores, settings, uniform)
     chosen = torch.where(buffers.unfinished, chosen, pad)
@@ -481,11 +494,13 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
     # The repetition penalty counts the prompt without its left padding, as Hugging Face (transformers 5) does.
     buffers.seen.copy_(new_seen_mask(input_ids, plan.vocab_size, pad_lengths))
     buffers.slot.fill_(prompt - 1)
+    ban_eos = request.min_new_tokens > 0
+    buffers.min_slot.fill_(prompt - 1 + request.min_new_tokens)  # choosing at slot s: s - prompt + 1 new tokens so far
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
     logits = cached_forward(model, input_ids, cache, 0, buffers.pad)
-    _advance(buffers, logits, settings, eos, pad)
+    _advance(buffers, logits, settings, eos, pad, ban_eos)
     del logits
     if streamer is not None:
         streamer.put(buffers.ids[:, prompt].cpu())
@@ -493,7 +508,7 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
     def step(kv_length: int) -> Callable[[], None]:
         def run() -> None:
             step_logits = cached_forward(model, buffers.tokens[:, None], cache, buffers.slot, buffers.pad, kv_length)
-            _advance(buffers, step_logits, settings, eos, pad)
+            _advance(buffers, step_logits, settings, eos, pad, ban_eos)
         return run
 
     check_every = 1 if streamer is not None or not graphs_enabled(cache.device) else CHECK_EVERY_GPU
@@ -503,7 +518,7 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
             break
         slot = prompt + i - 1
         kv_length = bucket_for(slot + 1, cache.capacity)
-        key = (batch, kv_length, settings, request.eos_ids, request.pad_id)
+        key = (batch, kv_length, settings, request.eos_ids, request.pad_id, ban_eos)
         state.runner.run(key, step(kv_length), cache.device, buffers.advanced())
         generated += 1
         if streamer is not None:

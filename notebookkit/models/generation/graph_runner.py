@@ -20,7 +20,8 @@ eagerly for that key from then on, and a warning says why, once: slower, never w
 
 Sampling draws its uniforms with ``torch.rand`` on the default CUDA generator inside the graph;
 PyTorch advances the generator's offset at each replay, so ``torch.manual_seed`` before
-``generate`` makes a run reproducible. Elsewhere (CPU), or with ``NOTEBOOKKIT_CUDA_GRAPHS=0``, the
+``generate`` makes a run reproducible; the generator's state from before the warm-up run is put back
+after a capture, so the call that captures draws the same numbers as a later one that only replays. Elsewhere (CPU), or with ``NOTEBOOKKIT_CUDA_GRAPHS=0``, the
 step runs eagerly.
 """
 
@@ -88,6 +89,7 @@ class GraphRunner:
     def _capture(self, step: Callable[[], None], device: torch.device,
                  state_tensors: Sequence[torch.Tensor]) -> "torch.cuda.CUDAGraph":
         saved = [t.clone() for t in state_tensors]
+        rng = torch.cuda.get_rng_state(device)  # the warm-up's draws must not shift the seeded sequence
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -100,6 +102,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             step()
+        torch.cuda.set_rng_state(rng, device)
         self.captures += 1
         return graph
 

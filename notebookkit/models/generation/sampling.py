@@ -62,7 +62,8 @@ def _not(off: Any) -> Callable[[Any], bool]:
     return lambda value: value is not None and value != off
 
 
-# Settings that change the chosen token in Hugging Face's generate and that this path does not run:
+# Settings that change the chosen token in Hugging Face's generate and that this path does not run
+# (min_length / min_new_tokens are the decode loop's: notebookkit.models.generation.generate):
 # (name, "does it act?", what Hugging Face does with it). Sampling-only filters act only with do_sample.
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("num_beams", lambda v: v is not None and v > 1, "beam search"),
@@ -76,8 +77,6 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("encoder_repetition_penalty", _not(1.0), "the encoder repetition penalty"),
     ("bad_words_ids", _set, "banned token sequences"),
     ("sequence_bias", _set, "sequence biases"),
-    ("min_length", _positive, "a minimum length (EOS suppressed until then)"),
-    ("min_new_tokens", _positive, "a minimum of new tokens (EOS suppressed until then)"),
     ("forced_bos_token_id", _set, "a forced first token"),
     ("forced_eos_token_id", _set, "a forced last token"),
     ("remove_invalid_values", lambda v: v is True, "replacing NaN/inf logits"),

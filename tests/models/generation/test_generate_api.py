@@ -161,7 +161,7 @@ def _record(call):
 
 @pytest.mark.parametrize("extra,reason", [
     (dict(num_beams=2), "the generation mode is 'beam_search'"),
-    (dict(min_new_tokens=5), "min_new_tokens=5 is set"),
+    (dict(suppress_tokens=[3]), "suppress_tokens=[3] is set"),
     (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size=2 is set"),
 ])
 def test_unsupported_settings_run_hugging_faces_generate_and_say_why_once(extra, reason):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -72,6 +73,25 @@ def test_a_batch_where_every_row_stops_returns_hugging_faces_length():
     got = fast.generate(input_ids=ids, eos_token_id=eos, **base)
     assert want.shape[1] < PROMPT + NEW  # Hugging Face stopped early: the fast path must stop there too
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("limit", [dict(min_new_tokens=9), dict(min_length=PROMPT + 7)], ids=["min_new", "min_length"])
+def test_min_new_tokens_and_min_length_hold_eos_back_as_hugging_face(limit):
+    """EOS ids are -inf until the row has that many new tokens (benchmarks pass min_new_tokens =
+    max_new_tokens so no row stops early); Hugging Face's MinNewTokensLength / MinLength processors."""
+    stock = lora_model("llama")
+    fast = fast_copy(stock)
+    ids, mask = left_padded_prompts(seed=3)
+    base = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    free = stock.generate(input_ids=ids, **base)[:, PROMPT:]
+    eos = sorted({int(free[row, 1 + row]) for row in range(3)})  # every row meets one within 4 steps
+    early = stock.generate(input_ids=ids, eos_token_id=eos, **base)
+    want = stock.generate(input_ids=ids, eos_token_id=eos, **base, **limit)
+    assert early.shape[1] <= PROMPT + 4 < want.shape[1]  # the limit changed Hugging Face's tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fall-back to Hugging Face's generate
+        got = fast.generate(input_ids=ids, eos_token_id=eos, **base, **limit)
+    assert torch.equal(got, want), f"\nfast {got[:, PROMPT:].tolist()}\nhf   {want[:, PROMPT:].tolist()}"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("notebookkit.models.generation.sampling") is None,

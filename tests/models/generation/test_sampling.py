@@ -250,7 +250,7 @@ UNSUPPORTED = [
     ("num_beams", 4), ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("penalty_alpha", 0.6),
     ("dola_layers", "high"), ("prompt_lookup_num_tokens", 10), ("no_repeat_ngram_size", 3),
     ("encoder_no_repeat_ngram_size", 2), ("encoder_repetition_penalty", 1.2), ("bad_words_ids", [[5]]),
-    ("sequence_bias", {(5,): -1.0}), ("min_length", 5), ("min_new_tokens", 3), ("forced_bos_token_id", 1),
+    ("sequence_bias", {(5,): -1.0}), ("forced_bos_token_id", 1),
     ("forced_eos_token_id", 2), ("remove_invalid_values", True), ("exponential_decay_length_penalty", (5, 1.5)),
     ("suppress_tokens", [3]), ("begin_suppress_tokens", [3]), ("guidance_scale", 1.5),
     ("renormalize_logits", True), ("typical_p", 0.9), ("epsilon_cutoff", 3e-4), ("eta_cutoff", 3e-4), ("top_h", 0.4),
