@@ -282,8 +282,11 @@ def per_step(short: dict, long: dict, steps: int) -> dict:
 def bench_kernels_module():
     """``benchmarks/kernels.py`` (its copy bandwidth and CUDA-graph timing), loaded under another name:
     ``kernels`` is also the name of a package that bitsandbytes looks for."""
+    if "bench_kernels" in sys.modules:
+        return sys.modules["bench_kernels"]
     spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(HERE, "kernels.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = module  # dataclasses look their module up there (Python 3.12)
     spec.loader.exec_module(module)
     return module
 

@@ -181,3 +181,10 @@ def test_kernel_sweep_configs_and_report():
     text = generate.kernels_markdown(rows, dict(gpu="H200", date="2026-12-02", command="python y"))
     assert "| 4096x4096 | 1 | nf4_matvec (fastest) | cfg | 4.0 | 2,225 | 52 | 1.0e-03 | ok |" in text
     assert "| – | – | – | – | failed: RuntimeError: capture |" in text and "4,250 GB/s" in text
+
+
+def test_benchmarks_kernels_module_loads_under_its_other_name():
+    """The GPU rows read the copy bandwidth from benchmarks/kernels.py, loaded as ``bench_kernels``: its
+    dataclasses need the module registered while it runs (on the H200 an unregistered one failed)."""
+    module = generate.bench_kernels_module()
+    assert callable(module.copy_bandwidth_gbps) and generate.bench_kernels_module() is module

@@ -86,6 +86,24 @@ def _prompt_batches(tokenizer, batch=8):
                         add_special_tokens=False).to("cuda")
 
 
+NEAR_TIE_ULPS = 4  # of the dtype's epsilon at the largest logit: the rounding of a few 16-bit layers
+
+
+def _divergence_gaps(reference, batch, want, got) -> list[tuple[float, float]]:
+    """For each row whose new tokens differ: Hugging Face's logit of its own token minus its logit of
+    ours at the first differing step, and the near-tie bound ``NEAR_TIE_ULPS * eps * max|logit|``."""
+    out = []
+    for row in (want != got).any(dim=1).nonzero().flatten().tolist():
+        k = int((want[row] != got[row]).nonzero()[0])
+        ids = torch.cat([batch["input_ids"][row], want[row, :k]])[None]
+        mask = torch.cat([batch["attention_mask"][row], torch.ones_like(want[row, :k])])[None]
+        with torch.no_grad():
+            logits = reference(input_ids=ids, attention_mask=mask).logits[0, -1].float()
+        eps = torch.finfo(reference.get_base_model().dtype).eps
+        out.append((float(logits[want[row, k]] - logits[got[row, k]]), NEAR_TIE_ULPS * eps * float(logits.abs().max())))
+    return out
+
+
 def _new_tokens(out, prompt, pad, width=64):
     """The new tokens of each row, padded with ``pad`` to ``width`` (a row that stopped is padded after)."""
     new = out[:, prompt:prompt + width]
@@ -106,6 +124,7 @@ def test_first_64_greedy_tokens_match_hugging_face(dtype, load_in_4bit, monkeypa
     FastLanguageModel.for_inference(model)
     pad = model.generation_config.pad_token_id
     same = floor_same = total = 0
+    gaps = []
     for batch in _prompt_batches(tokenizer):
         kw = dict(max_new_tokens=64, do_sample=False)
         want = reference.generate(**batch, **kw)
@@ -116,11 +135,19 @@ def test_first_64_greedy_tokens_match_hugging_face(dtype, load_in_4bit, monkeypa
         same += int((_new_tokens(got, prompt, pad) == _new_tokens(want, prompt, pad)).all(dim=1).sum())
         floor_same += int((_new_tokens(other, prompt, pad) == _new_tokens(want, prompt, pad)).all(dim=1).sum())
         total += got.shape[0]
+        gaps += _divergence_gaps(reference, batch, _new_tokens(want, prompt, pad), _new_tokens(got, prompt, pad))
     print(f"\n{dtype} {'nf4' if load_in_4bit else '16-bit'}: {same}/{total} prompts with identical greedy tokens "
           f"(Hugging Face eager attention against SDPA: {floor_same}/{total})")
+    print("  first divergences (Hugging Face's logit of its token minus of ours, and the near-tie bound):",
+          [(round(g, 4), round(t, 4)) for g, t in gaps])
     assert generation_state(model).runner.failures == 0
-    # the issue's 95%, unless Hugging Face's own kernels disagree with each other more often than that
-    assert same >= min(AGREEMENT * total, floor_same), (same, floor_same, total)
+    # Correctness: where the tokens part, Hugging Face's own top two were a near tie (a 16-bit rounding
+    # flips it); a wrong decode step parts at a clear choice.
+    assert all(g <= t for g, t in gaps), gaps
+    # The issue's 95%; where Hugging Face's eager attention and its SDPA (the same math) agree on fewer
+    # prompts than that, within one prompt of their agreement (that floor is itself one sample: 33 and
+    # 36 of 40 in two bf16 runs on the H200).
+    assert same >= min(AGREEMENT * total, floor_same - 1), (same, floor_same, total)
 
 
 def test_another_batch_size_recaptures_and_the_same_one_replays(monkeypatch):
