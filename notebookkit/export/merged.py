@@ -50,6 +50,7 @@ class ExportResult:
     gpu_peak_bytes: Optional[int] = None
     merged_on: dict[str, int] = field(default_factory=dict)  # device type -> tensors merged there
     notes: list[str] = field(default_factory=list)
+    measurements: dict[str, Any] = field(default_factory=dict)  # e.g. merged_4bit_forced's measured rounding
 
     def __repr__(self) -> str:
         return f"ExportResult({self.form!r}, {str(self.path)!r}, {format_bytes(self.bytes_on_disk)}, {self.seconds:.1f} s)"
@@ -185,15 +186,18 @@ def save_pretrained_merged(
         tokenizer: saved beside the weights, with its chat template; its end-of-turn token goes into
             ``generation_config.json`` so generation stops at the end of the assistant's answer.
         save_method: ``"merged_16bit"`` (LoRA merged into 16-bit weights, loads with plain
-            ``transformers``) or ``"lora"`` (the adapter in PEFT's format). ``"merged_4bit_forced"``
-            (re-quantised to NF4) is not written yet: load the 16-bit folder with ``load_in_4bit=True``.
+            ``transformers``), ``"lora"`` (the adapter in PEFT's format) or ``"merged_4bit_forced"``
+            (merged in fp32, then re-quantised to NF4 by notebookkit; loads in 4-bit with
+            ``transformers`` + ``bitsandbytes``; warns with the measured rounding, see
+            :mod:`notebookkit.export.merged_4bit`). ``"merged_4bit"`` is refused: the rounding is lossy.
         maximum_memory_usage: fraction of the GPU the export may fill (model included); a tensor
             whose merge would go over it is merged on the CPU instead.
         max_shard_size: largest safetensors shard, ``"5GB"`` as in Hugging Face.
         temporary_location: accepted for compatibility; the export streams tensor by tensor and
             needs no spill folder (the unfinished export lives beside ``save_directory``).
         dtype: dtype of the merged weights; default the model's compute dtype (bf16/fp16 on a
-            GPU; fp32 for a model loaded in fp32 on a CPU).
+            GPU; fp32 for a model loaded in fp32 on a CPU). For ``merged_4bit_forced``: the compute
+            dtype of the 4-bit layers and the dtype of the tensors left in 16-bit.
 
     Returns:
         an :class:`ExportResult` (folder, files, size on disk, seconds, GPU peak, where tensors merged).
@@ -201,21 +205,20 @@ def save_pretrained_merged(
     base = require_notebookkit_model(model, "save_pretrained_merged")
     if save_method == "merged_4bit":
         raise ExportError(
-            "save_method='merged_4bit' re-quantises the merged weights to 4-bit, which rounds the LoRA "
-            "update away in part. Use save_method='merged_16bit' (recommended), or 'merged_4bit_forced' "
-            "if you really want a 4-bit folder."
+            "save_method='merged_4bit' re-quantises the merged weights to 4-bit, which rounds part of the LoRA "
+            "update away. Use save_method='merged_16bit' (lossless; load it with load_in_4bit=True for 4-bit "
+            "memory), or save_method='merged_4bit_forced' if you need a 4-bit folder (it warns how much the "
+            "rounding changed the weights)."
         )
     if save_method not in SAVE_METHODS:
         raise ExportError(f"save_method={save_method!r} is not one of {', '.join(repr(m) for m in SAVE_METHODS)}.")
     if save_method == "lora":
         return _save_lora(model, base, save_directory, tokenizer)
-    if save_method == "merged_4bit_forced":
-        raise ExportError(
-            "save_method='merged_4bit_forced' is not available in notebookkit yet: re-quantising the merged "
-            "weights to NF4 rounds part of the LoRA update away. Save with save_method='merged_16bit' and load "
-            "that folder with FastLanguageModel.from_pretrained(folder, load_in_4bit=True), which quantises it at load."
-        )
     out_dtype = _written_dtype(model, dtype)
+    if save_method == "merged_4bit_forced":
+        from .merged_4bit import save_merged_4bit_forced
+
+        return save_merged_4bit_forced(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose)
     return _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose)
 
 

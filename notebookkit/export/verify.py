@@ -6,6 +6,11 @@
   the written dtype's tolerance: ``2^-6`` for bf16 (8 significant bits), ``2^-9`` for fp16, ``1e-5``
   for fp32 (reassociation only: ``x W^T + s (x A^T) B^T`` against ``x (W + s B A)^T``). Greedy
   continuations are compared too.
+* A ``merged_4bit_forced`` folder (its config carries a ``quantization_config``) is reloaded by
+  ``transformers`` + ``bitsandbytes`` in 4-bit, its layers decoded by notebookkit in fp32 (never by
+  bitsandbytes' CPU decode). NF4 rounding has no tolerance to meet, so its logit difference is
+  stated; what must hold is that the loaded 4-bit weights decode to exactly the NF4 quantisation of
+  the merged weights (``weights_exact``: the merge re-quantised afresh, decoded, compared bit for bit).
 * GGUF: loaded in llama.cpp through ``llama-cpp-python``; greedy continuations of the same token
   ids against Hugging Face's (16 tokens), and the largest first-step logit difference.
 
@@ -27,7 +32,7 @@ import torch.nn as nn
 
 __all__ = [
     "FIXED_QUESTIONS", "MERGED_TOLERANCE", "prompt_ids", "adapter_logits", "greedy_hf",
-    "MergedCheck", "check_merged_folder", "GGUFCheck", "GGUF_TOLERANCE", "check_gguf_file", "greedy_llama_cpp",
+    "MergedCheck", "check_merged_folder", "reload_merged_folder", "is_4bit_folder", "GGUFCheck", "GGUF_TOLERANCE", "check_gguf_file", "greedy_llama_cpp",
 ]
 
 FIXED_QUESTIONS: tuple[str, ...] = (
@@ -87,26 +92,79 @@ class MergedCheck:
 
     max_abs_diff: float
     relative_diff: float  # max |diff| / max |logit|
-    tolerance: float
+    tolerance: Optional[float]  # None for the 4-bit form: its difference is stated, not bounded
     greedy_equal: int
     prompts: int
     dtype: str
+    weights_exact: Optional[bool] = None  # 4-bit form: the loaded weights are the merge's NF4 quantisation
 
     @property
     def ok(self) -> bool:
-        return bool(np.isfinite(self.relative_diff)) and self.relative_diff <= self.tolerance
+        finite = bool(np.isfinite(self.relative_diff))
+        if self.tolerance is None:
+            return finite and bool(self.weights_exact)
+        return finite and self.relative_diff <= self.tolerance
+
+
+def is_4bit_folder(folder: os.PathLike) -> bool:
+    """Whether an exported folder holds bitsandbytes 4-bit weights (``merged_4bit_forced``)."""
+    import json
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return bool((config.get("quantization_config") or {}).get("load_in_4bit"))
+
+
+def reload_merged_folder(folder: os.PathLike) -> nn.Module:
+    """The exported folder in plain transformers, fp32 on the CPU. A 4-bit folder is loaded by
+    bitsandbytes as it is and its layers are decoded by notebookkit in fp32 (bitsandbytes' CPU
+    decode is wrong on AVX-512 CPUs)."""
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu")
+    if is_4bit_folder(folder):
+        from notebookkit.models.patch_linear4bit import is_linear4bit, patch_linear4bit
+
+        patch_linear4bit(reloaded)
+        for module in reloaded.modules():
+            if is_linear4bit(module):
+                module.compute_dtype, module.compute_type_is_set = torch.float32, True
+    return reloaded.eval()
+
+
+def _nf4_weights_exact(model: nn.Module, reloaded: nn.Module) -> bool:
+    """Every 4-bit layer of ``reloaded`` decodes to exactly the NF4 quantisation of ``model``'s merged weight
+    (merged and quantised again on the model's device, as the export did unless its budget sent a
+    tensor to the CPU)."""
+    from notebookkit.kernels.nf4 import dequantize_nf4
+    from notebookkit.models.patch_linear4bit import is_linear4bit
+
+    from .merge import plan_merged_tensors
+    from .nf4_quantize import quantize_nf4
+
+    merged = {t.name: t for t in plan_merged_tensors(model, torch.float32) if t.linear_rank is not None}
+    loaded = [(name, m) for name, m in reloaded.named_modules() if is_linear4bit(m)]
+    if not loaded:
+        return False
+    for name, module in loaded:
+        planned = merged.get(name + ".weight")
+        if planned is None:
+            return False
+        q = quantize_nf4(planned.make(planned.source_device))  # where the export merged it, for the same bits
+        want = dequantize_nf4(q.packed, q, out_dtype=torch.float32).cpu()
+        got = dequantize_nf4(module.weight, module.weight.quant_state, out_dtype=torch.float32)
+        if want.shape != got.shape or not torch.equal(want, got):
+            return False
+    return True
 
 
 def check_merged_folder(model: nn.Module, folder: os.PathLike, tokenizer: Any, n_tokens: int = 16) -> MergedCheck:
     """Reload ``folder`` with plain transformers (fp32, CPU) and compare with ``model``."""
     import json
 
-    from transformers import AutoModelForCausalLM
-
-    written = json.loads((Path(folder) / "config.json").read_text()).get("dtype", "float32")
-    dtype = getattr(torch, str(written).replace("torch.", ""), torch.float32)
-    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu")
-    reloaded.eval()
+    config = json.loads((Path(folder) / "config.json").read_text())
+    four_bit = is_4bit_folder(folder)
+    dtype = getattr(torch, str(config.get("dtype", "float32")).replace("torch.", ""), torch.float32)
+    reloaded = reload_merged_folder(folder)
     worst = scale = 0.0
     equal = 0
     prompts = prompt_ids(tokenizer)
@@ -116,9 +174,11 @@ def check_merged_folder(model: nn.Module, folder: os.PathLike, tokenizer: Any, n
         worst = max(worst, float((a - b).abs().max()))
         scale = max(scale, float(a.abs().max()))
         equal += greedy_hf(model, ids, n_tokens) == greedy_hf(reloaded, ids, n_tokens)
+    exact = _nf4_weights_exact(model, reloaded) if four_bit else None
     del reloaded
     rel = worst / scale if scale > 0 else float("nan")
-    return MergedCheck(worst, rel, MERGED_TOLERANCE.get(dtype, 2.0**-6), equal, len(prompts), str(dtype).replace("torch.", ""))
+    tolerance = None if four_bit else MERGED_TOLERANCE.get(dtype, 2.0**-6)
+    return MergedCheck(worst, rel, tolerance, equal, len(prompts), "nf4" if four_bit else str(dtype).replace("torch.", ""), exact)
 
 
 @contextlib.contextmanager
