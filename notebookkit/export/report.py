@@ -3,6 +3,8 @@
 Row fields: ``form``, ``path``, ``size_on_disk``, ``max_logit_diff`` (largest logit difference
 against the adapter model on the fixed prompts; for GGUF, teacher-forced in llama.cpp),
 ``greedy_equal`` ("k/n" prompts whose greedy continuations are equal), ``within_tolerance`` (for
+GGUF also: llama.cpp tokenizes alike and its differences are the size the format's rounding
+explains, continuations parting only at near-ties, see ``GGUFCheck.explained``; for
 ``merged_4bit_forced``: the loaded 4-bit weights are exactly the merge's NF4 quantisation; its
 logit difference is stated, with the measured weight rounding in ``note``) and ``canary`` (the
 canary fact recalled from the reloaded artefact, when a canary is given).
@@ -65,9 +67,9 @@ def export_and_verify(
             if verify:
                 from .verify import _llama, check_gguf_file, greedy_llama_cpp
 
-                check = check_gguf_file(model, r.path, tokenizer, n_tokens=8)
+                check = check_gguf_file(model, r.path, tokenizer, n_tokens=8, method=r.form)
                 row.update(max_logit_diff=f"{check.max_abs_diff:.2e}", greedy_equal=f"{check.greedy_equal}/{check.prompts}",
-                           within_tolerance=check.within(r.form) and check.tokenizer_equal)
+                           within_tolerance=check.within(r.form) and check.tokenizer_equal and check.explained())
                 if canary is not None:
                     tokens, _ = greedy_llama_cpp(_llama(r.path), canary.prompt_ids(tokenizer), canary.recall_tokens)
                     row["canary"] = canary.recalled(tokenizer, tokens)
