@@ -21,6 +21,7 @@ one merged tensor (and its fp32 working copy) exists at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -66,11 +67,25 @@ def _weight_shape(weight: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(s) for s in weight.quant_state.shape) if _is_nf4(weight) else tuple(weight.shape)
 
 
+def _quant_state_on(quant_state, device: torch.device) -> SimpleNamespace:
+    """The fields of a bitsandbytes ``QuantState`` that :func:`dequantize_nf4` reads, moved to ``device``."""
+    state2 = getattr(quant_state, "state2", None)
+    nested = None if state2 is None else SimpleNamespace(
+        code=state2.code.to(device), absmax=state2.absmax.to(device), blocksize=state2.blocksize)
+    offset = getattr(quant_state, "offset", None)
+    return SimpleNamespace(absmax=quant_state.absmax.to(device), shape=quant_state.shape, dtype=quant_state.dtype,
+                           blocksize=quant_state.blocksize, quant_type=getattr(quant_state, "quant_type", "nf4"),
+                           state2=nested, offset=None if offset is None else offset.to(device))
+
+
 def _dense_fp32(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The base weight in fp32 on ``device``: NF4 decoded by notebookkit, 16-bit upcast."""
+    """The base weight in fp32 on ``device``: NF4 decoded by notebookkit, 16-bit upcast. An NF4 weight
+    merged on another device is decoded there (its packed bytes, n/2, move; not the fp32 result),
+    so a layer the memory budget sends to the CPU takes no GPU memory."""
     if _is_nf4(weight):
-        dense = dequantize_nf4(weight, out_dtype=torch.float32)  # decoded where the bytes live
-        return dense.to(device)
+        if weight.device == device:
+            return dequantize_nf4(weight, out_dtype=torch.float32)
+        return dequantize_nf4(weight.data.to(device), _quant_state_on(weight.quant_state, device), out_dtype=torch.float32)
     return weight.detach().to(device=device, dtype=torch.float32, copy=True)
 
 

@@ -95,6 +95,10 @@ def test_4bit_folder_loads_in_transformers_with_the_nearest_levels(family, load_
           f"greedy equal {check.greedy_equal}/{check.prompts}, weights {result.measurements}")
     assert check.ok and check.weights_exact and check.tolerance is None and check.dtype == "nf4"
     assert check.relative_diff > 2.0**-6  # the rounding is visible in the logits: stated, not hidden
+    from notebookkit import FastLanguageModel
+
+    again, _ = FastLanguageModel.from_pretrained(str(out), show_banner=False)  # the user's way back: 4-bit as written
+    assert sum(type(m).__name__ == "Linear4bit" for m in again.modules()) == len(four_bit)
 
 
 def test_update_norm_without_the_dense_product(llama_nf4):
@@ -129,3 +133,29 @@ def test_merged_4bit_refused_with_the_alternatives(llama_nf4, tmp_path):
     with pytest.raises(ExportError, match=r"merged_4bit' re-quantises.*'merged_16bit' \(lossless.*'merged_4bit_forced'"):
         model.save_pretrained_merged(tmp_path / "x", tokenizer, save_method="merged_4bit")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.gpu
+def test_4bit_folder_quantised_on_the_gpu(tmp_path):
+    """On CUDA the merge and the quantiser run on the GPU: the folder still holds the nearest NF4 levels
+    of the merge (tests/nf4_format's definition), loads in 4-bit with FastLanguageModel, and the check
+    finds exactly the merge's quantisation."""
+    from notebookkit import FastLanguageModel
+    from tests.export.conftest import lora_model
+
+    model, tokenizer = lora_model("llama", load_in_4bit=True)
+    assert next(model.parameters()).is_cuda
+    with pytest.warns(UserWarning, match="merged_16bit' is the lossless choice"):
+        result = model.save_pretrained_merged(tmp_path / "nf4", tokenizer, save_method="merged_4bit_forced", verbose=False)
+    assert result.merged_on.get("cuda", 0) > 0
+    merged = _merged_fp32(model)
+    reloaded = reload_merged_folder(tmp_path / "nf4")
+    for name, module in reloaded.named_modules():
+        if type(module).__name__ == "Linear4bit":
+            assert_packing_is_nearest_level(merged[name + ".weight"], module.weight.data, module.weight.quant_state)
+    check = check_merged_folder(model, tmp_path / "nf4", tokenizer, n_tokens=8)
+    print(f"GPU merged_4bit_forced: rel logit diff {check.relative_diff:.3f}, greedy {check.greedy_equal}/{check.prompts}")
+    assert check.ok and check.weights_exact
+    again, _ = FastLanguageModel.from_pretrained(str(tmp_path / "nf4"), show_banner=False)
+    assert sum(type(m).__name__ == "Linear4bit" for m in again.modules()) == len(
+        [n for n in merged if n.endswith("_proj.weight")])
