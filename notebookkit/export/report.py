@@ -37,6 +37,10 @@ def export_and_verify(
 ) -> list[dict]:
     """Write ``forms`` under ``output_dir`` (``lora/``, ``merged_16bit/``, ``merged_4bit_forced/``, ``gguf/``) and check each."""
     out = Path(output_dir)
+    if verify and "gguf" in forms:  # before any export: the GGUF check needs llama.cpp
+        from .kquants import require_llama_cpp
+
+        require_llama_cpp(purpose="Verifying a GGUF export")
     rows: list[dict] = []
     if "lora" in forms:
         r = model.save_pretrained_merged(out / "lora", tokenizer, save_method="lora", verbose=False)
@@ -71,7 +75,11 @@ def export_and_verify(
                 row.update(max_logit_diff=f"{check.max_abs_diff:.2e}", greedy_equal=f"{check.greedy_equal}/{check.prompts}",
                            within_tolerance=check.within(r.form) and check.tokenizer_equal and check.explained())
                 if canary is not None:
-                    tokens, _ = greedy_llama_cpp(_llama(r.path), canary.prompt_ids(tokenizer), canary.recall_tokens)
+                    llm = _llama(r.path)
+                    try:
+                        tokens, _ = greedy_llama_cpp(llm, canary.prompt_ids(tokenizer), canary.recall_tokens)
+                    finally:
+                        llm.close()
                     row["canary"] = canary.recalled(tokenizer, tokens)
             rows.append(row)
     return rows

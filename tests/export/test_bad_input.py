@@ -99,6 +99,25 @@ def test_k_quant_without_llama_cpp_says_how_to_get_it(llama_nf4, tmp_path, monke
     assert not (tmp_path / "g").exists()
 
 
+def test_gguf_check_without_llama_cpp_says_how_to_get_it(llama_nf4, tmp_path, monkeypatch, no_work):
+    import builtins
+
+    from notebookkit.export import export_and_verify
+
+    real_import = builtins.__import__
+
+    def without_llama_cpp(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise ImportError("No module named 'llama_cpp'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_llama_cpp)
+    model, tokenizer = llama_nf4
+    with pytest.raises(ExportError, match=r"Verifying a GGUF export loads the GGUF file in llama.cpp.*pip install llama-cpp-python.*verify=False"):
+        export_and_verify(model, tokenizer, tmp_path / "out", forms=("lora", "merged_16bit", "gguf"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_push_offline_fails_before_any_work(llama_nf4, monkeypatch, no_work):
     model, tokenizer = llama_nf4
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
