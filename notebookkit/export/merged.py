@@ -16,6 +16,7 @@ The folder loads with ``transformers.AutoModelForCausalLM.from_pretrained``: ``c
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import time
@@ -124,7 +125,7 @@ def _folder_bytes(folder: Path) -> tuple[list[Path], int]:
     return files, sum(p.stat().st_size for p in files)
 
 
-def _write_config(base: nn.Module, folder: Path, dtype: torch.dtype, tokenizer: Any) -> None:
+def _write_config(base: nn.Module, folder: Path, dtype: torch.dtype, tokenizer: Any, extra: Optional[dict] = None) -> None:
     config = copy.deepcopy(base.config)
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
@@ -132,6 +133,9 @@ def _write_config(base: nn.Module, folder: Path, dtype: torch.dtype, tokenizer: 
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(folder)
+    if extra:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **extra}, indent=2, sort_keys=True) + "\n")
     gen = copy.deepcopy(getattr(base, "generation_config", None))
     if gen is None:
         from transformers import GenerationConfig
@@ -243,12 +247,15 @@ def _save_lora(model: nn.Module, base: nn.Module, save_directory, tokenizer) -> 
     return ExportResult("lora", target, files, size, time.perf_counter() - start)
 
 
-def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose) -> ExportResult:
+def write_merged_folder(model: nn.Module, base: nn.Module, plan: list[PlannedTensor], save_directory: Any, tokenizer: Any,
+                        dtype: torch.dtype, maximum_memory_usage: float, max_shard_size: Any, form: str, what: str,
+                        extra_config: Optional[dict] = None) -> tuple[ExportResult, int]:
+    """Stream ``plan`` into the safetensors shards of a new folder, with config (plus ``extra_config``
+    entries), generation config and tokenizer, written beside the target and renamed at the end.
+    Returns the result and the number of shards."""
     shard_bytes = parse_size(max_shard_size)
     chooser = MergeDevice(maximum_memory_usage)
-    plan = plan_merged_tensors(model, out_dtype)
-    total = sum(t.nbytes for t in plan)
-    target = check_output_folder(save_directory, total, "the merged model")
+    target = check_output_folder(save_directory, sum(t.nbytes for t in plan), what)
     cuda_devices = sorted({t.source_device for t in plan if t.source_device.type == "cuda"}, key=str)
     for dev in cuda_devices:
         torch.cuda.reset_peak_memory_stats(dev)
@@ -259,7 +266,7 @@ def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximu
         model.eval()
         with torch.no_grad():
             shards = write_sharded_safetensors(plan, tmp, shard_bytes, lambda p: p.make(chooser.pick(p)))
-        _write_config(base, tmp, out_dtype, tokenizer)
+        _write_config(base, tmp, dtype, tokenizer, extra_config)
         _save_tokenizer(tokenizer, tmp)
         _move_into_place(tmp, target)
     except BaseException:
@@ -269,9 +276,17 @@ def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximu
         model.train(was_training)
     files, size = _folder_bytes(target)
     peak = max((torch.cuda.max_memory_allocated(d) for d in cuda_devices), default=None)
-    result = ExportResult("merged_16bit", target, files, size, time.perf_counter() - start, peak, dict(chooser.counts))
-    result.notes.append(f"{len(plan)} tensors in {len(shards)} shard(s), {str(out_dtype).replace('torch.', '')}")
+    result = ExportResult(form, target, files, size, time.perf_counter() - start, peak, dict(chooser.counts))
+    return result, len(shards)
+
+
+def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose) -> ExportResult:
+    plan = plan_merged_tensors(model, out_dtype)
+    result, shards = write_merged_folder(model, base, plan, save_directory, tokenizer, out_dtype, maximum_memory_usage,
+                                                  max_shard_size, "merged_16bit", "the merged model")
+    target, size = result.path, result.bytes_on_disk
+    result.notes.append(f"{len(plan)} tensors in {shards} shard(s), {str(out_dtype).replace('torch.', '')}")
     if verbose:
-        where = ", ".join(f"{n} on {d}" for d, n in chooser.counts.items())
-        print(f"notebookkit: merged model written to {target} ({format_bytes(size)}, {len(shards)} shard(s); merged {where})")
+        where = ", ".join(f"{n} on {d}" for d, n in result.merged_on.items())
+        print(f"notebookkit: merged model written to {target} ({format_bytes(size)}, {shards} shard(s); merged {where})")
     return result

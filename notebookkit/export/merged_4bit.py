@@ -24,10 +24,7 @@ the gap between levels. The export measures it while quantising and says so in a
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -37,10 +34,9 @@ import torch.nn as nn
 
 from notebookkit.memory.export import nf4_merge_working_bytes
 
-from .checks import check_output_folder, format_bytes, parse_size
+from .checks import format_bytes
 from .merge import PlannedTensor, _active_adapters, base_model_of, plan_merged_tensors
 from .nf4_quantize import NF4Weight, nf4_tensor_shapes, quantize_nf4
-from .safetensors_stream import write_sharded_safetensors
 
 __all__ = ["save_merged_4bit_forced", "quantization_config", "NF4Rounding", "lora_update_norms", "plan_4bit_tensors"]
 
@@ -172,38 +168,14 @@ def plan_4bit_tensors(model: nn.Module, compute_dtype: torch.dtype, rounding: NF
 def save_merged_4bit_forced(model: nn.Module, base: nn.Module, save_directory: Any, tokenizer: Any, compute_dtype: torch.dtype,
                             maximum_memory_usage: float, max_shard_size: Any, verbose: bool):
     """Write the NF4 folder (module docstring); returns an ``ExportResult`` whose ``measurements`` hold the rounding."""
-    from .merged import ExportResult, MergeDevice, _folder_bytes, _move_into_place, _save_tokenizer, _temporary_sibling, _write_config
+    from .merged import write_merged_folder
 
-    shard_bytes = parse_size(max_shard_size)
-    chooser = MergeDevice(maximum_memory_usage)
     rounding = NF4Rounding(lora_update_norms(model))
     plan = plan_4bit_tensors(model, compute_dtype, rounding)
-    target = check_output_folder(save_directory, sum(t.nbytes for t in plan), "the 4-bit merged model")
-    cuda_devices = sorted({t.source_device for t in plan if t.source_device.type == "cuda"}, key=str)
-    for dev in cuda_devices:
-        torch.cuda.reset_peak_memory_stats(dev)
-    start = time.perf_counter()
-    tmp = _temporary_sibling(target)
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad():
-            shards = write_sharded_safetensors(plan, tmp, shard_bytes, lambda p: p.make(chooser.pick(p)))
-        _write_config(base, tmp, compute_dtype, tokenizer)
-        config_path = tmp / "config.json"
-        config = json.loads(config_path.read_text())
-        config["quantization_config"] = quantization_config(compute_dtype, _skip_modules(base))
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _save_tokenizer(tokenizer, tmp)
-        _move_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        model.train(was_training)
-    files, size = _folder_bytes(target)
-    peak = max((torch.cuda.max_memory_allocated(d) for d in cuda_devices), default=None)
-    result = ExportResult("merged_4bit_forced", target, files, size, time.perf_counter() - start, peak, dict(chooser.counts))
+    extra = {"quantization_config": quantization_config(compute_dtype, _skip_modules(base))}
+    result, shards = write_merged_folder(model, base, plan, save_directory, tokenizer, compute_dtype, maximum_memory_usage,
+                                            max_shard_size, "merged_4bit_forced", "the 4-bit merged model", extra)
+    target, size = result.path, result.bytes_on_disk
     message = rounding.message()
     result.notes.append(message)
     result.measurements = {"nf4_relative_error": rounding.relative_error, "nf4_worst_relative_error": rounding.worst[0],
@@ -211,5 +183,5 @@ def save_merged_4bit_forced(model: nn.Module, base: nn.Module, save_directory: A
                            "nf4_quantised_weights": rounding.tensors}
     warnings.warn(message, UserWarning, stacklevel=3)
     if verbose:
-        print(f"notebookkit: 4-bit merged model written to {target} ({format_bytes(size)}, {len(shards)} shard(s))")
+        print(f"notebookkit: 4-bit merged model written to {target} ({format_bytes(size)}, {shards} shard(s))")
     return result

@@ -10,11 +10,10 @@ import os
 
 import gguf
 import pytest
-import torch
 
-from notebookkit import FastLanguageModel
 from notebookkit.export.checks import ExportError
 from notebookkit.export.gguf_sentencepiece import merge_scores, sentencepiece_metadata, space_prefix_rule
+from tests.export.conftest import lora_model_from
 from tests.export.sentencepiece_models import VARIANTS, build_model_folder
 from tests.export.test_gguf_format import _read
 
@@ -36,15 +35,7 @@ def folders(tmp_path_factory):
 
 
 def _adapted(folder):
-    model, tokenizer = FastLanguageModel.from_pretrained(str(folder), load_in_4bit=False, show_banner=False)
-    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, show_banner=False)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    FastLanguageModel.for_inference(model)
-    return model, tokenizer
+    return lora_model_from(folder, load_in_4bit=False)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
