@@ -114,11 +114,9 @@ def test_kv_cache_formula_is_an_upper_bound_where_hf_caps_sliding_layers(family)
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
 def test_kv_cache_formula_equals_notebookkits_static_cache(family):
-    """Against the fast path's own cache (gen-core's static_cache), when it is installed."""
-    try:
-        from notebookkit.models.generation.static_cache import StaticKVCache
-    except ImportError:
-        pytest.skip("notebookkit.models.generation.static_cache is not installed (gen-core's branch not merged)")
+    """Against the fast path's own cache (notebookkit.models.generation.static_cache)."""
+    from notebookkit.models.generation.static_cache import StaticKVCache
+
     shape = model_shape(random_model(family).config)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         cache = StaticKVCache(n_layers=shape.num_layers, batch=3, kv_heads=shape.num_kv_heads,

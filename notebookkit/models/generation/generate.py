@@ -44,48 +44,9 @@ from ..patching import WeakBoundMethod
 from .cached_forward import cached_forward
 from .decoder_plan import DecoderPlan, causal_lm_of
 from .graph_runner import graphs_enabled
+from .sampling import SamplingSettings, choose_next, filter_logits, mark_seen, new_seen_mask
 from .state import GenerationState, generation_state
 from .static_cache import StaticKVCache
-
-try:
-    from .sampling import SamplingSettings, choose_next, filter_logits, mark_seen, new_seen_mask
-except ImportError:  # notebookkit.models.generation.sampling not installed yet: greedy decoding only
-
-    @dataclass(frozen=True)
-    class SamplingSettings:  # type: ignore[no-redef]
-        """Greedy decoding only (the sampling module is missing): see ``from_generation_config``."""
-
-        do_sample: bool = False
-        temperature: float = 1.0
-        top_k: int = 0
-        top_p: float = 1.0
-        min_p: float = 0.0
-        repetition_penalty: float = 1.0
-
-        @classmethod
-        def from_generation_config(cls, generation_config: Any, **overrides: Any) -> "SamplingSettings":
-            values = {"do_sample": generation_config.do_sample,
-                      "repetition_penalty": generation_config.repetition_penalty, **overrides}
-            if values["do_sample"]:
-                raise ValueError("do_sample=True needs notebookkit.models.generation.sampling, which is not installed")
-            if values["repetition_penalty"] not in (None, 1.0):
-                raise ValueError(f"repetition_penalty={values['repetition_penalty']} needs "
-                                 "notebookkit.models.generation.sampling, which is not installed")
-            return cls()
-
-    def new_seen_mask(input_ids: torch.Tensor, vocab_size: int,  # type: ignore[misc]
-                      pad_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return torch.zeros(input_ids.shape[0], vocab_size, dtype=torch.bool, device=input_ids.device)  # unread
-
-    def mark_seen(seen: torch.Tensor, next_ids: torch.Tensor) -> None:  # type: ignore[misc]
-        seen.scatter_(1, next_ids[:, None], True)
-
-    def filter_logits(logits: torch.Tensor, seen: torch.Tensor, s: Any) -> torch.Tensor:  # type: ignore[misc]
-        return logits
-
-    def choose_next(logits: torch.Tensor, s: Any, uniform: Optional[torch.Tensor]) -> torch.Tensor:  # type: ignore[misc]
-        return torch.argmax(logits, dim=-1)
-
 
 __all__ = ["generate", "bind_generate", "unbind_generate", "is_bound", "describe_generation", "cache_capacity",
            "bucket_for", "left_pad_lengths", "SamplingSettings"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import warnings
 import weakref
 
@@ -325,8 +324,6 @@ def test_fp32_adapters_of_a_16_bit_model_are_cast_once_and_recast_after_an_updat
     assert not torch.equal(after, before)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("notebookkit.models.generation.sampling") is None,
-                    reason="notebookkit.models.generation.sampling is not merged yet")
 def test_sampling_runs_on_the_fast_path_and_follows_the_seed(pair):
     _, fast = pair
     ids, mask = left_padded_prompts()

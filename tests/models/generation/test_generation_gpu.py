@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -226,8 +225,6 @@ def test_release_gives_the_memory_back():
     assert torch.cuda.memory_allocated() <= held - cache_bytes
 
 
-@pytest.mark.skipif(importlib.util.find_spec("notebookkit.models.generation.sampling") is None,
-                    reason="notebookkit.models.generation.sampling is not merged yet")
 def test_sampling_inside_the_graph_follows_the_seed():
     fast = fast_copy(lora_model("llama")).to("cuda", torch.bfloat16)
     ids, mask = _cuda(*left_padded_prompts())

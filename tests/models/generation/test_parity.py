@@ -14,7 +14,6 @@ or ``FastLanguageModel.unpatch`` on a copy of a notebookkit model).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import warnings
 
 import pytest
@@ -94,8 +93,6 @@ def test_min_new_tokens_and_min_length_hold_eos_back_as_hugging_face(limit):
     assert torch.equal(got, want), f"\nfast {got[:, PROMPT:].tolist()}\nhf   {want[:, PROMPT:].tolist()}"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("notebookkit.models.generation.sampling") is None,
-                    reason="notebookkit.models.generation.sampling is not merged yet")
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_greedy_with_repetition_penalty_equals_hugging_face(family):
     """The penalty counts the prompt without its left padding and every token generated so far (pad ids
