@@ -6,7 +6,9 @@ adapters ``(A_i, B_i, s_i)`` (``A_i``: ``[r, in]``, ``B_i``: ``[out, r]``, ``s_i
 
     W' = dtype( fp32(W) + sum_i s_i * fp32(B_i) @ fp32(A_i) )
 
-with one rounding, to the model's 16-bit dtype, at the end. An NF4 weight is decoded by
+with one rounding, to the model's 16-bit dtype, at the end. The product runs in IEEE fp32 even where
+TF32 is switched on (``tf32=True`` training, ``torch.set_float32_matmul_precision("high")``): TF32
+keeps 10 mantissa bits, which shows in the 16-bit result wherever ``s B @ A`` is small. An NF4 weight is decoded by
 notebookkit's own decode (:func:`notebookkit.kernels.nf4.dequantize_nf4`, straight to fp32), never by
 bitsandbytes' CPU dequantisation. Every other parameter and persistent buffer of the model is
 passed through under its Hugging Face name (cast to the 16-bit dtype when floating point); a tied
@@ -20,6 +22,7 @@ one merged tensor (and its fp32 working copy) exists at a time.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -110,16 +113,28 @@ def _check_supported_lora(module: nn.Module, name: str) -> None:
         raise NotImplementedError(f"{name} has a LoRA bias (lora_bias=True), which the merge does not write.")
 
 
+@contextlib.contextmanager
+def _ieee_fp32_matmul():
+    """fp32 matrix products at full fp32 precision (TF32 off) inside the block; the caller's setting after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def _merged_linear_maker(module: nn.Module, out_dtype: torch.dtype) -> Callable[[torch.device], torch.Tensor]:
     base = module.base_layer
     adapters = [(module.lora_A[a].weight, module.lora_B[a].weight, float(module.scaling[a])) for a in _active_adapters(module)]
 
     def make(device: torch.device) -> torch.Tensor:
         merged = _dense_fp32(base.weight, device)
-        for lora_a, lora_b, scaling in adapters:
-            a = lora_a.detach().to(device=device, dtype=torch.float32)
-            b = lora_b.detach().to(device=device, dtype=torch.float32)
-            merged.addmm_(b, a, alpha=scaling)  # W += s * B @ A, in place, fp32
+        with _ieee_fp32_matmul():
+            for lora_a, lora_b, scaling in adapters:
+                a = lora_a.detach().to(device=device, dtype=torch.float32)
+                b = lora_b.detach().to(device=device, dtype=torch.float32)
+                merged.addmm_(b, a, alpha=scaling)  # W += s * B @ A, in place, fp32
         return merged.to(out_dtype)
 
     return make

@@ -84,14 +84,11 @@ class MergeDevice:
 
     def budget(self, device: torch.device) -> int:
         """Bytes this export may have allocated on ``device``."""
+        if device.index is None:  # "cuda" means the current device; the fraction getter wants an index
+            device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
-        cap = 1.0
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if getter is not None:
-            try:
-                cap = float(getter(device))
-            except Exception:  # noqa: BLE001 - older torch
-                cap = 1.0
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # absent in older torch
+        cap = float(getter(device)) if getter is not None else 1.0
         return int(total * min(self.fraction, cap))
 
     def pick(self, planned: PlannedTensor) -> torch.device:
