@@ -40,6 +40,8 @@ _LAZY = {
     "completion_text": "rewards",
     "extract_tagged_answer": "rewards",
     "RewardFunctionError": "rewards",
+    "untrained_tokens": "token_rows",
+    "train_token_rows": "token_rows",
     "run_notebook": "headless",
     "NotebookRun": "headless",
 }
