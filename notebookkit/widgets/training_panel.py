@@ -1,8 +1,10 @@
 """Training panel: learning rate, epochs or max steps, batch size, accumulation, warm-up, scheduler,
-seed, packing, optimizer.
+seed, packing, optimizer; for preference training the method (DPO or ORPO) and its beta.
 
 ``TrainingPanel().value`` is a :class:`TrainingChoice`; :meth:`~TrainingChoice.trainer_kwargs`
 returns ``TrainingArguments`` / TRL ``SFTConfig`` field names (``SFTConfig(output_dir=..., **kw)``).
+``TrainingPanel(method="dpo")`` shows a DPO / ORPO switch and a beta field instead of packing; its
+``trainer_kwargs()`` then fit ``DPOConfig`` / ``ORPOConfig`` (``beta`` in, ``packing`` out).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from ._base import Panel, header, styled
 
 SCHEDULERS = ["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"]
 OPTIMIZERS = ["adamw_8bit", "paged_adamw_8bit", "adamw_torch", "adamw_torch_fused", "adafactor", "sgd"]
+#: method -> label of the preference switch (DPO: beta scales the implicit reward; ORPO: beta weighs
+#: the odds-ratio term against the SFT loss)
+PREFERENCE_METHODS = {"dpo": "DPO", "orpo": "ORPO"}
 
 
 def _default_optim() -> str:
@@ -32,7 +37,8 @@ class TrainingChoice:
     """Trainer settings, named as ``TrainingArguments`` / ``SFTConfig`` take them.
 
     ``max_steps > 0`` stops after that many optimizer steps; ``max_steps = -1`` runs
-    ``num_train_epochs`` epochs instead.
+    ``num_train_epochs`` epochs instead. ``method`` is ``"sft"``, or ``"dpo"`` / ``"orpo"`` for
+    preference pairs, whose ``beta`` is DPO's reward scale or ORPO's odds-ratio weight.
     """
 
     learning_rate: float = 2e-4
@@ -45,18 +51,29 @@ class TrainingChoice:
     seed: int = 3407
     packing: bool = False
     optim: str = ""
+    method: str = "sft"
+    beta: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.optim:
             self.optim = _default_optim()
+        if self.method not in ("sft", *PREFERENCE_METHODS):
+            raise ValueError(f"method={self.method!r}: use 'sft', or {' / '.join(map(repr, PREFERENCE_METHODS))} for "
+                             "preference pairs")
 
     @property
     def effective_batch_size(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``SFTConfig`` / ``TrainingArguments`` (packing included)."""
+        """Keyword arguments for ``SFTConfig`` (packing included), or for ``DPOConfig`` / ``ORPOConfig``
+        (beta included, no packing) when ``method`` is ``"dpo"`` / ``"orpo"``."""
         d = asdict(self)
+        d.pop("method")
+        if self.method == "sft":
+            d.pop("beta")
+        else:
+            d.pop("packing")
         if self.max_steps and self.max_steps > 0:
             d["num_train_epochs"] = 1.0  # ignored by the Trainer when max_steps > 0
         else:
@@ -112,13 +129,24 @@ class TrainingPanel(Panel):
                            "nbk-seed")
         self.packing = styled(W.Checkbox(value=bool(v.packing), description="packing (padding-free batches)",
                                          indent=False), "nbk-packing")
+        preference = v.method in PREFERENCE_METHODS
+        self.method = styled(
+            W.ToggleButtons(options=[(label, key) for key, label in PREFERENCE_METHODS.items()],
+                            value=v.method if preference else "dpo", description="method",
+                            style={"description_width": "150px", "button_width": "90px"}), "nbk-method")
+        self.beta = styled(W.BoundedFloatText(value=float(v.beta), min=1e-4, max=100.0, step=0.05, description="beta",
+                                              style=st, layout=W.Layout(width="260px")), "nbk-beta")
+        self._preference = preference
         self.summary = styled(W.HTML(""), "nbk-training-summary")
         self._controls = [self.learning_rate, self.stop_by, self.max_steps, self.epochs, self.batch_size,
-                          self.grad_accum, self.warmup, self.scheduler, self.optim, self.seed, self.packing]
+                          self.grad_accum, self.warmup, self.scheduler, self.optim, self.seed, self.packing,
+                          self.method, self.beta]
+        method_rows = [self.method, self.beta] if preference else [self.packing]
         self.widget = styled(
-            W.VBox([header("Training", "optimizer steps and schedule"), self.learning_rate, self.stop_by,
-                    self.max_steps, self.epochs, W.HBox([self.batch_size, self.grad_accum]), self.warmup,
-                    self.scheduler, self.optim, self.seed, self.packing, self.summary]),
+            W.VBox([header("Training", "preference optimisation" if preference else "optimizer steps and schedule"),
+                    *method_rows[:1], self.learning_rate, self.stop_by, self.max_steps, self.epochs,
+                    W.HBox([self.batch_size, self.grad_accum]), self.warmup, self.scheduler, self.optim, self.seed,
+                    *method_rows[1:], self.summary]),
             "nbk-panel", "nbk-training-panel",
         )
         self._wire()
@@ -130,8 +158,12 @@ class TrainingPanel(Panel):
         self.max_steps.layout.display = None if steps else "none"
         self.epochs.layout.display = "none" if steps else None
         v = self.value
+        unit = "preference pairs" if self._preference else "sequences"
+        note = {"dpo": "DPO: beta scales the implicit reward; the reference is the model with adapters off",
+                "orpo": "ORPO: SFT loss on the chosen answer + beta x odds-ratio term; no reference"}.get(v.method, "")
         self.summary.value = (
-            f"<div style='color:#555'>effective batch: {v.effective_batch_size} sequences per optimizer step</div>"
+            f"<div style='color:#555'>effective batch: {v.effective_batch_size} {unit} per optimizer step"
+            + (f"<br>{note}" if note else "") + "</div>"
         )
 
     @property
@@ -146,6 +178,8 @@ class TrainingPanel(Panel):
             warmup_steps=int(self.warmup.value),
             lr_scheduler_type=str(self.scheduler.value),
             seed=int(self.seed.value),
-            packing=bool(self.packing.value),
+            packing=bool(self.packing.value) and not self._preference,
             optim=str(self.optim.value),
+            method=str(self.method.value) if self._preference else "sft",
+            beta=float(self.beta.value),
         )
