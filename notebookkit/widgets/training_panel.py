@@ -5,6 +5,8 @@ seed, packing, optimizer; for preference training the method (DPO or ORPO) and i
 returns ``TrainingArguments`` / TRL ``SFTConfig`` field names (``SFTConfig(output_dir=..., **kw)``).
 ``TrainingPanel(method="dpo")`` shows a DPO / ORPO switch and a beta field instead of packing; its
 ``trainer_kwargs()`` then fit ``DPOConfig`` / ``ORPOConfig`` (``beta`` in, ``packing`` out).
+``TrainingPanel(method="grpo")`` shows beta as the KL weight, for ``GRPOConfig``; its batch size counts
+completions (prompts per step x generations per prompt).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ class TrainingChoice:
     """Trainer settings, named as ``TrainingArguments`` / ``SFTConfig`` take them.
 
     ``max_steps > 0`` stops after that many optimizer steps; ``max_steps = -1`` runs
-    ``num_train_epochs`` epochs instead. ``method`` is ``"sft"``, or ``"dpo"`` / ``"orpo"`` for
-    preference pairs, whose ``beta`` is DPO's reward scale or ORPO's odds-ratio weight.
+    ``num_train_epochs`` epochs instead. ``method`` is ``"sft"``, ``"dpo"`` / ``"orpo"`` for
+    preference pairs (``beta``: DPO's reward scale, ORPO's odds-ratio weight) or ``"grpo"``
+    (``beta``: the weight of the KL term, 0 for none).
     """
 
     learning_rate: float = 2e-4
@@ -57,17 +60,17 @@ class TrainingChoice:
     def __post_init__(self) -> None:
         if not self.optim:
             self.optim = _default_optim()
-        if self.method not in ("sft", *PREFERENCE_METHODS):
-            raise ValueError(f"method={self.method!r}: use 'sft', or {' / '.join(map(repr, PREFERENCE_METHODS))} for "
-                             "preference pairs")
+        if self.method not in ("sft", "grpo", *PREFERENCE_METHODS):
+            raise ValueError(f"method={self.method!r}: use 'sft', {' / '.join(map(repr, PREFERENCE_METHODS))} for "
+                             "preference pairs, or 'grpo'")
 
     @property
     def effective_batch_size(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``SFTConfig`` (packing included), or for ``DPOConfig`` / ``ORPOConfig``
-        (beta included, no packing) when ``method`` is ``"dpo"`` / ``"orpo"``."""
+        """Keyword arguments for ``SFTConfig`` (packing included), or for ``DPOConfig`` / ``ORPOConfig`` /
+        ``GRPOConfig`` (beta included, no packing) when ``method`` is ``"dpo"`` / ``"orpo"`` / ``"grpo"``."""
         d = asdict(self)
         d.pop("method")
         if self.method == "sft":
@@ -130,23 +133,27 @@ class TrainingPanel(Panel):
         self.packing = styled(W.Checkbox(value=bool(v.packing), description="packing (padding-free batches)",
                                          indent=False), "nbk-packing")
         preference = v.method in PREFERENCE_METHODS
+        self._kind = "preference" if preference else v.method  # fixed per panel: which rows it shows
         self.method = styled(
             W.ToggleButtons(options=[(label, key) for key, label in PREFERENCE_METHODS.items()],
                             value=v.method if preference else "dpo", description="method",
                             style={"description_width": "150px", "button_width": "90px"}), "nbk-method")
-        self.beta = styled(W.BoundedFloatText(value=float(v.beta), min=1e-4, max=100.0, step=0.05, description="beta",
-                                              style=st, layout=W.Layout(width="260px")), "nbk-beta")
-        self._preference = preference
+        self.beta = styled(W.BoundedFloatText(value=float(v.beta), min=0.0, max=100.0, step=0.01,
+                                              description="KL beta" if v.method == "grpo" else "beta", style=st,
+                                              layout=W.Layout(width="260px")), "nbk-beta")
         self.summary = styled(W.HTML(""), "nbk-training-summary")
         self._controls = [self.learning_rate, self.stop_by, self.max_steps, self.epochs, self.batch_size,
                           self.grad_accum, self.warmup, self.scheduler, self.optim, self.seed, self.packing,
                           self.method, self.beta]
-        method_rows = [self.method, self.beta] if preference else [self.packing]
+        # rows that depend on the kind of run: above the schedule, and below the seed
+        top, bottom = {"preference": ([self.method], [self.beta]), "grpo": ([], [self.beta])}.get(
+            self._kind, ([], [self.packing]))
+        subtitle = {"preference": "preference optimisation", "grpo": "reinforcement learning (GRPO)"}
         self.widget = styled(
-            W.VBox([header("Training", "preference optimisation" if preference else "optimizer steps and schedule"),
-                    *method_rows[:1], self.learning_rate, self.stop_by, self.max_steps, self.epochs,
+            W.VBox([header("Training", subtitle.get(self._kind, "optimizer steps and schedule")), *top,
+                    self.learning_rate, self.stop_by, self.max_steps, self.epochs,
                     W.HBox([self.batch_size, self.grad_accum]), self.warmup, self.scheduler, self.optim, self.seed,
-                    *method_rows[1:], self.summary]),
+                    *bottom, self.summary]),
             "nbk-panel", "nbk-training-panel",
         )
         self._wire()
@@ -158,9 +165,11 @@ class TrainingPanel(Panel):
         self.max_steps.layout.display = None if steps else "none"
         self.epochs.layout.display = "none" if steps else None
         v = self.value
-        unit = "preference pairs" if self._preference else "sequences"
+        unit = {"preference": "preference pairs", "grpo": "completions"}.get(self._kind, "sequences")
         note = {"dpo": "DPO: beta scales the implicit reward; the reference is the model with adapters off",
-                "orpo": "ORPO: SFT loss on the chosen answer + beta x odds-ratio term; no reference"}.get(v.method, "")
+                "orpo": "ORPO: SFT loss on the chosen answer + beta x odds-ratio term; no reference",
+                "grpo": "GRPO: the batch is prompts x generations; beta > 0 adds a KL term to the reference"}.get(
+                    v.method, "")
         self.summary.value = (
             f"<div style='color:#555'>effective batch: {v.effective_batch_size} {unit} per optimizer step"
             + (f"<br>{note}" if note else "") + "</div>"
@@ -178,8 +187,8 @@ class TrainingPanel(Panel):
             warmup_steps=int(self.warmup.value),
             lr_scheduler_type=str(self.scheduler.value),
             seed=int(self.seed.value),
-            packing=bool(self.packing.value) and not self._preference,
+            packing=bool(self.packing.value) and self._kind == "sft",
             optim=str(self.optim.value),
-            method=str(self.method.value) if self._preference else "sft",
+            method={"preference": str(self.method.value)}.get(self._kind, self._kind),
             beta=float(self.beta.value),
         )

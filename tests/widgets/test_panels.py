@@ -146,3 +146,15 @@ def test_training_panel_preference_method():
     assert sft.method not in sft.widget.children
     with pytest.raises(ValueError, match="method='ppo'"):
         TrainingPanel(method="ppo")
+
+
+def test_training_panel_grpo_kl_beta():
+    from trl import GRPOConfig
+
+    p = TrainingPanel(method="grpo", beta=0.0, per_device_train_batch_size=16, gradient_accumulation_steps=1,
+                      optim="adamw_torch")
+    kw = p.value.trainer_kwargs()
+    assert p.value.method == "grpo" and kw["beta"] == 0.0 and "packing" not in kw
+    assert p.beta.description == "KL beta" and p.method not in p.widget.children
+    assert "16 completions" in p.summary.value
+    GRPOConfig(output_dir="unused", use_cpu=True, num_generations=8, **kw)
