@@ -100,8 +100,11 @@ class TrainingPanel(Panel):
         v = TrainingChoice(**overrides)
         st = {"description_width": "150px"}
         lay = W.Layout(width="420px")
+        # A log slider cannot show 0: a run asked for with learning rate 0 (a control that trains nothing)
+        # keeps exactly 0 until the slider is moved.
+        self._zero_learning_rate = float(v.learning_rate) == 0.0
         self.learning_rate = styled(
-            W.FloatLogSlider(value=float(v.learning_rate), base=10, min=-6, max=-2, step=0.1,
+            W.FloatLogSlider(value=float(v.learning_rate) or 1e-6, base=10, min=-6, max=-2, step=0.1,
                              description="learning rate", readout_format=".1e", continuous_update=False,
                              style=st, layout=lay), "nbk-lr-slider")
         by_steps = bool(v.max_steps and v.max_steps > 0)
@@ -156,9 +159,13 @@ class TrainingPanel(Panel):
                     *bottom, self.summary]),
             "nbk-panel", "nbk-training-panel",
         )
+        self.learning_rate.observe(self._slider_moved, names="value")
         self._wire()
         self.on_change(lambda _p: self._update())
         self._update()
+
+    def _slider_moved(self, change: dict) -> None:
+        self._zero_learning_rate = False
 
     def _update(self) -> None:
         steps = self.stop_by.value == "max steps"
@@ -172,14 +179,16 @@ class TrainingPanel(Panel):
                     v.method, "")
         self.summary.value = (
             f"<div style='color:#555'>effective batch: {v.effective_batch_size} {unit} per optimizer step"
-            + (f"<br>{note}" if note else "") + "</div>"
+            + (f"<br>{note}" if note else "")
+            + ("<br>learning rate 0: a control run, nothing trains (move the slider to train)"
+               if self._zero_learning_rate else "") + "</div>"
         )
 
     @property
     def value(self) -> TrainingChoice:
         steps = self.stop_by.value == "max steps"
         return TrainingChoice(
-            learning_rate=float(f"{self.learning_rate.value:.3g}"),
+            learning_rate=0.0 if self._zero_learning_rate else float(f"{self.learning_rate.value:.3g}"),
             num_train_epochs=float(self.epochs.value),
             max_steps=int(self.max_steps.value) if steps else -1,
             per_device_train_batch_size=int(self.batch_size.value),

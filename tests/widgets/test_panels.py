@@ -158,3 +158,11 @@ def test_training_panel_grpo_kl_beta():
     assert p.beta.description == "KL beta" and p.method not in p.widget.children
     assert "16 completions" in p.summary.value
     GRPOConfig(output_dir="unused", use_cpu=True, num_generations=8, **kw)
+
+
+def test_training_panel_keeps_a_zero_learning_rate_until_the_slider_moves():
+    p = TrainingPanel(learning_rate=0.0)
+    assert p.value.learning_rate == 0.0 and p.value.trainer_kwargs()["learning_rate"] == 0.0
+    assert "a control run, nothing trains" in p.summary.value
+    p.learning_rate.value = 1e-4
+    assert p.value.learning_rate == pytest.approx(1e-4) and "control run" not in p.summary.value
