@@ -913,17 +913,24 @@ print("learning signal: OK")
 """
 
 
-def dpo_notebook() -> list[nbformat.NotebookNode]:
+def rl_setup_cells(intro: str, parameters: str, resolve: str, panels_md: str, panels: str) -> list[nbformat.NotebookNode]:
+    """The first cells of the DPO and GRPO notebooks: title, install, parameters, resolve, panels."""
     return [
-        md(DPO_INTRO),
+        md(intro),
         code(INSTALL),
         md("""\
 **Parameters.** `None` means "choose for this machine". CI and `make demo` override this cell (it is
 tagged `parameters`)."""),
-        code(DPO_PARAMETERS, tags=["parameters"]),
-        code(DPO_RESOLVE),
-        md(DPO_PANELS_MD),
-        code(DPO_PANELS),
+        code(parameters, tags=["parameters"]),
+        code(resolve),
+        md(panels_md),
+        code(panels),
+    ]
+
+
+def dpo_notebook() -> list[nbformat.NotebookNode]:
+    return [
+        *rl_setup_cells(DPO_INTRO, DPO_PARAMETERS, DPO_RESOLVE, DPO_PANELS_MD, DPO_PANELS),
         md("""\
 ## 2. Load the model and its chat template
 
@@ -1214,15 +1221,7 @@ print("learning signal: OK")
 
 def grpo_notebook() -> list[nbformat.NotebookNode]:
     return [
-        md(GRPO_INTRO),
-        code(INSTALL),
-        md("""\
-**Parameters.** `None` means "choose for this machine". CI and `make demo` override this cell (it is
-tagged `parameters`)."""),
-        code(GRPO_PARAMETERS, tags=["parameters"]),
-        code(GRPO_RESOLVE),
-        md(GRPO_PANELS_MD),
-        code(GRPO_PANELS),
+        *rl_setup_cells(GRPO_INTRO, GRPO_PARAMETERS, GRPO_RESOLVE, GRPO_PANELS_MD, GRPO_PANELS),
         md("""\
 ## 2. Load the model and its chat template"""),
         code(LOAD.format(chat_template_default="guess_chat_template(tokenizer, cfg.model.model_name)")),

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .trainer_glue import built_once
+
 __all__ = ["PreferenceInputError", "check_preference_dataset", "FastDPOTrainer", "PREFERENCE_COLUMNS"]
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
@@ -85,16 +87,9 @@ def check_preference_dataset(dataset: Any, *, name: str = "train_dataset", train
         PreferenceInputError: no rows, a missing column (named, with the expected format and a line
             that renames columns), or a value of the wrong type (the row's column and its type).
     """
-    from .sft_inputs import _first_row, _type_error
+    from .trainer_glue import first_row
 
-    error = _type_error(name, dataset, trainer)
-    if error is not None:
-        raise error
-    try:
-        row = _first_row(name, dataset)
-    except ValueError as err:
-        raise PreferenceInputError(str(err)) from None
-    columns = list(getattr(dataset, "column_names", None) or row)
+    row, columns = first_row(dataset, name, trainer, PreferenceInputError)
     if tokenised and set(_TOKENISED) <= set(columns):
         return
     implicit_prompt = "prompt" not in columns and _is_turns(row.get("chosen")) and _is_turns(row.get("rejected"))
@@ -137,13 +132,8 @@ def check_preference_datasets(arguments: dict[str, Any], trainer: str, tokenised
         check_preference_dataset(evaluation, name="eval_dataset", trainer=trainer, tokenised=tokenised)
 
 
-_TRAINER_CLASS: Any = None
-
-
+@built_once(__name__, "FastDPOTrainer")
 def _fast_dpo_trainer_class() -> type:
-    global _TRAINER_CLASS
-    if _TRAINER_CLASS is not None:
-        return _TRAINER_CLASS
     from trl import DPOTrainer
 
     from .reference import describe_reference, refuse_second_model, use_base_as_reference
@@ -187,9 +177,6 @@ def _fast_dpo_trainer_class() -> type:
             """
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
 
-    FastDPOTrainer.__module__ = __name__
-    FastDPOTrainer.__qualname__ = "FastDPOTrainer"
-    _TRAINER_CLASS = FastDPOTrainer
     return FastDPOTrainer
 
 

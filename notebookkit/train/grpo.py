@@ -36,6 +36,8 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
+from .trainer_glue import built_once
+
 __all__ = ["GRPOInputError", "check_grpo_dataset", "FastGRPOTrainer", "TIME_KEYS"]
 
 #: the timing metrics FastGRPOTrainer logs (seconds per optimizer step)
@@ -64,16 +66,9 @@ def check_grpo_dataset(dataset: Any, reward_funcs: Iterable[Any] = (), *, name: 
         RewardFunctionError: a reward function that needs a column the data set lacks.
     """
     from .rewards import check_reward_functions
-    from .sft_inputs import _first_row, _type_error
+    from .trainer_glue import first_row
 
-    error = _type_error(name, dataset, "GRPOTrainer")
-    if error is not None:
-        raise error
-    try:
-        row = _first_row(name, dataset)
-    except ValueError as err:
-        raise GRPOInputError(str(err)) from None
-    columns = list(getattr(dataset, "column_names", None) or row)
+    row, columns = first_row(dataset, name, "GRPOTrainer", GRPOInputError)
     if "prompt" not in columns:
         source = next((c for c in ("question", "query", "instruction", "input", "problem", "text") if c in columns), None)
         fix = (f"dataset = dataset.map(lambda row: {{'prompt': [{{'role': 'user', 'content': row[{source!r}]}}]}})"
@@ -116,13 +111,8 @@ def _synchronize(trainer: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-_TRAINER_CLASS: Any = None
-
-
+@built_once(__name__, "FastGRPOTrainer")
 def _fast_grpo_trainer_class() -> type:
-    global _TRAINER_CLASS
-    if _TRAINER_CLASS is not None:
-        return _TRAINER_CLASS
     from trl import GRPOTrainer
 
     from ..models.fast_language_model import FastLanguageModel
@@ -221,9 +211,6 @@ def _fast_grpo_trainer_class() -> type:
             """
             return super().compute_loss(model, inputs)
 
-    FastGRPOTrainer.__module__ = __name__
-    FastGRPOTrainer.__qualname__ = "FastGRPOTrainer"
-    _TRAINER_CLASS = FastGRPOTrainer
     return FastGRPOTrainer
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .trainer_glue import built_once
+
 __all__ = ["FastORPOTrainer", "orpo_config_class", "orpo_trainer_class"]
 
 
@@ -48,13 +50,8 @@ def orpo_trainer_class() -> type:
     return _trl_orpo()[1]
 
 
-_TRAINER_CLASS: Any = None
-
-
+@built_once(__name__, "FastORPOTrainer")
 def _fast_orpo_trainer_class() -> type:
-    global _TRAINER_CLASS
-    if _TRAINER_CLASS is not None:
-        return _TRAINER_CLASS
     ORPOTrainer = orpo_trainer_class()
 
     from .dpo import check_preference_datasets
@@ -96,9 +93,6 @@ def _fast_orpo_trainer_class() -> type:
             """
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
 
-    FastORPOTrainer.__module__ = __name__
-    FastORPOTrainer.__qualname__ = "FastORPOTrainer"
-    _TRAINER_CLASS = FastORPOTrainer
     return FastORPOTrainer
 
 

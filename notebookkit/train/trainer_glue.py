@@ -1,13 +1,31 @@
-"""What the notebookkit subclasses of TRL's preference and RL trainers share: reading their arguments
-the way Python binds them (so the checks see every data set, given by position or by keyword) and
-printing their one-line banner."""
+"""What the notebookkit subclasses of TRL's preference and RL trainers share: building each class once, on
+first use (it subclasses a TRL trainer, and importing TRL takes seconds); reading their arguments the way
+Python binds them (so the checks see every data set, given by position or by keyword); and printing
+their one-line banner."""
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["bind_trainer_arguments", "print_banner"]
+__all__ = ["built_once", "bind_trainer_arguments", "first_row", "print_banner"]
+
+
+def built_once(module: str, name: str) -> Callable[[Callable[[], type]], Callable[[], type]]:
+    """Decorate the function that defines a trainer class: it runs once, and the class it returns is
+    named ``module.name`` (where users import it from), not after the function that built it."""
+
+    def decorate(build: Callable[[], type]) -> Callable[[], type]:
+        @functools.cache
+        def cached() -> type:
+            cls = build()
+            cls.__module__, cls.__qualname__ = module, name
+            return cls
+
+        return cached
+
+    return decorate
 
 
 def bind_trainer_arguments(trainer_class: type, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -25,3 +43,22 @@ def print_banner(trainer: Any, line: str) -> None:
     """Print ``notebookkit: <line>`` on the main process."""
     if trainer.is_world_process_zero():
         print(f"notebookkit: {line}", flush=True)
+
+
+def first_row(dataset: Any, name: str, trainer: str, error: type[Exception]) -> tuple[dict[str, Any], list[str]]:
+    """``(first row, column names)`` of a data set a trainer was given.
+
+    Raises ``TypeError`` for something that is not a ``datasets.Dataset`` / ``IterableDataset`` and
+    ``error`` for a data set without rows, each with the message of :mod:`notebookkit.train.sft_inputs`
+    (naming ``trainer``).
+    """
+    from .sft_inputs import _first_row, _type_error
+
+    problem = _type_error(name, dataset, trainer)
+    if problem is not None:
+        raise problem
+    try:
+        row = _first_row(name, dataset)
+    except ValueError as err:
+        raise error(str(err)) from None
+    return row, list(getattr(dataset, "column_names", None) or row)

@@ -12,8 +12,9 @@ pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 
-from notebookkit.models import FastLanguageModel  # noqa: E402
 from notebookkit.train import FastDPOTrainer, FastORPOTrainer, ORPOConfig, PreferenceInputError  # noqa: E402
+
+from .tiny_models import tiny_model as _model  # noqa: E402
 
 PAIRS = [
     {"prompt": "What colour is a banana?", "chosen": "A banana is yellow.", "rejected": "A banana is blue."},
@@ -23,18 +24,7 @@ PAIRS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
-def _model(adapters=True):
-    model, tok = FastLanguageModel.from_pretrained(
-        "notebookkit/tiny-llama", max_seq_length=64, load_in_4bit=False, show_banner=False
-    )
-    if adapters:
-        model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, show_banner=False)
-    return model, tok
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _common(tmp_path, **kw):

@@ -13,7 +13,6 @@ pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 
-from notebookkit.models import FastLanguageModel  # noqa: E402
 from notebookkit.train import (  # noqa: E402
     FastGRPOTrainer,
     GRPOInputError,
@@ -23,22 +22,13 @@ from notebookkit.train import (  # noqa: E402
 )
 from notebookkit.train.grpo import TIME_KEYS  # noqa: E402
 
+from .tiny_models import tiny_model as _model  # noqa: E402
+
 ROWS = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
         for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
-def _model(adapters=True):
-    model, tok = FastLanguageModel.from_pretrained(
-        "notebookkit/tiny-llama", max_seq_length=64, load_in_4bit=False, show_banner=False
-    )
-    if adapters:
-        model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, show_banner=False)
-    return model, tok
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(tmp_path, **kw):
