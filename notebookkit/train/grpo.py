@@ -118,6 +118,7 @@ def _fast_grpo_trainer_class() -> type:
     from ..models.fast_language_model import FastLanguageModel
     from .reference import describe_reference, refuse_second_model, use_base_as_reference
     from .rewards import checked_reward
+    from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .trainer_glue import bind_trainer_arguments, print_banner
 
     class FastGRPOTrainer(GRPOTrainer):
@@ -147,6 +148,7 @@ def _fast_grpo_trainer_class() -> type:
             if funcs:
                 arguments["reward_funcs"] = [checked_reward(f) if callable(f) else f for f in funcs]
             super().__init__(**arguments)
+            keep_fp32_adapters_under_fp16(self)  # TRL casts a quantised model's adapters to bf16 even for fp16
             use_base_as_reference(self.model)
             self._clock = dict.fromkeys(TIME_KEYS, 0.0)
             if show_banner:

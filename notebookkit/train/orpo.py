@@ -55,6 +55,7 @@ def _fast_orpo_trainer_class() -> type:
     ORPOTrainer = orpo_trainer_class()
 
     from .dpo import check_preference_datasets
+    from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .trainer_glue import bind_trainer_arguments, print_banner
 
     class FastORPOTrainer(ORPOTrainer):
@@ -79,6 +80,7 @@ def _fast_orpo_trainer_class() -> type:
                 raise TypeError("FastORPOTrainer needs a train_dataset of prompt / chosen / rejected rows.")
             check_preference_datasets(arguments, "ORPOTrainer", tokenised=False)
             super().__init__(**arguments)
+            keep_fp32_adapters_under_fp16(self)  # TRL casts a quantised model's adapters to bf16 even for fp16
             if show_banner:
                 print_banner(self, f"ORPO (lambda = beta = {self.beta}); no reference model (ORPO needs none)")
 
