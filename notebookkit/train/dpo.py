@@ -19,11 +19,16 @@ update ``pi_theta = pi_ref``, so all four are 0, and training should raise the m
 * the reference is the same weights (:mod:`notebookkit.train.reference`): a fresh adapter's reference
   is the model with the adapters disabled, and a model without adapters is refused rather than
   copied;
-* the loss of a micro-batch is computed in one method, :meth:`FastDPOTrainer._loss`. Today it is TRL's
-  own computation: per-token log-probs from TRL's chunked LM head on ``lm_head.weight`` (no full
-  logits), for the policy and, under ``torch.no_grad``, for the reference. It is the seam where
-  ``notebookkit.train.rl_losses`` takes over; whatever replaces it must log the same
-  ``rewards/*`` / ``logps/*`` metrics, which the dashboard reads.
+* the loss of a micro-batch is computed in one method, :meth:`FastDPOTrainer._loss`, on notebookkit's
+  fused path: TRL's batch and masks, per-token log-probs from
+  :func:`~notebookkit.train.token_logprobs.token_logprobs` (chunked LM head, never ``[2P, T, V]``
+  logits) for the policy and, without gradient, for the reference (the same weights, adapters off),
+  and :func:`~notebookkit.train.rl_losses.dpo_loss` (``sigmoid``, ``ipo``, ``robust``, or a weighted
+  list). It logs TRL's metrics under TRL's names (``rewards/*``, ``logps/*``, ``logits/*``,
+  ``entropy``, ``mean_token_accuracy``, ``num_tokens``), which the dashboard reads. A setting it
+  does not implement (another loss type, ``ld_alpha``, ``use_weighting``, an f-divergence, images,
+  several processes) runs TRL's own computation, said once in a warning;
+* under ``fp16=True`` the adapters stay fp32 (:mod:`notebookkit.train.adapter_dtype`).
 """
 
 from __future__ import annotations
@@ -136,8 +141,10 @@ def check_preference_datasets(arguments: dict[str, Any], trainer: str, tokenised
 def _fast_dpo_trainer_class() -> type:
     from trl import DPOTrainer
 
-    from .reference import describe_reference, refuse_second_model, use_base_as_reference
-    from .trainer_glue import bind_trainer_arguments, print_banner
+    from .adapter_dtype import keep_fp32_adapters_under_fp16
+    from .reference import describe_reference, reference_policy, refuse_second_model, use_base_as_reference
+    from .token_logprobs import token_logprobs
+    from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner, unsupported_inputs
 
     class FastDPOTrainer(DPOTrainer):
         """TRL's ``DPOTrainer`` for a model from ``FastLanguageModel``: same arguments, same use.
@@ -145,7 +152,8 @@ def _fast_dpo_trainer_class() -> type:
         ``FastDPOTrainer(model=model, ref_model=None, args=DPOConfig(...), train_dataset=pairs,
         processing_class=tokenizer)``. The data sets are checked before TRL builds anything; the
         reference is the same weights (adapters disabled while the adapter is fresh, else TRL's frozen
-        adapter copy; never a second model). ``DPOConfig(loss_type="ipo")`` selects IPO. Plus:
+        adapter copy; never a second model). ``DPOConfig(loss_type="ipo")`` selects IPO. The loss runs on
+        the fused path (module notes). Plus:
 
         Args:
             show_banner: print one line saying what the reference is.
@@ -160,6 +168,7 @@ def _fast_dpo_trainer_class() -> type:
                     trainer="FastDPOTrainer", reference_off="DPOConfig(precompute_ref_log_probs=True)",
                 )
             super().__init__(**arguments)
+            keep_fp32_adapters_under_fp16(self)  # TRL casts a quantised model's adapters to bf16 even for fp16
             use_base_as_reference(self.model)
             if show_banner:
                 print_banner(self, f"DPO ({', '.join(self.loss_types)}, beta={self.beta}); reference: "
@@ -169,15 +178,111 @@ def _fast_dpo_trainer_class() -> type:
             return self._loss(model, inputs, return_outputs)
 
         def _loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False) -> Any:
-            """The DPO loss of one micro-batch (and its ``rewards/*`` metrics): TRL's computation today.
+            """The DPO loss of one micro-batch, with TRL's metrics, on notebookkit's fused path.
 
-            The seam for notebookkit's chunked log-prob loss (``notebookkit.train.rl_losses``): the
-            policy's per-token log-probs of ``chosen`` and ``rejected`` (one concatenated batch), the
-            reference's under ``torch.no_grad`` with the adapters disabled, then the loss.
+            TRL's batch (``[chosen; rejected]`` concatenated, ``completion_mask`` marking the answers) is
+            scored by :func:`~notebookkit.train.token_logprobs.token_logprobs` (chunked LM head, never
+            ``[2P, T, V]`` logits) for the policy and, under ``torch.no_grad``, for the reference (the same
+            weights with the adapters disabled, :func:`~notebookkit.train.reference.reference_policy`);
+            the loss is :func:`~notebookkit.train.rl_losses.dpo_loss`. A setting the fused path does not
+            implement (:meth:`_fused_unsupported`) runs TRL's computation, with one warning.
             """
-            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+            reason = self._fused_unsupported(inputs, return_outputs)
+            if reason is not None:
+                fall_back_once(self, reason)
+                return super().compute_loss(model, inputs, return_outputs=return_outputs)
+            return self._fused_loss(model, inputs)
+
+        def _fused_unsupported(self, inputs: dict[str, Any], return_outputs: bool = False) -> Optional[str]:
+            """Why this batch cannot take the fused path (a sentence naming the setting), or None."""
+            from .rl_losses import DPO_LOSS_TYPES
+
+            if return_outputs:
+                return "return_outputs=True (logits for compute_metrics) was asked for"
+            if self.accelerator.num_processes > 1:
+                return f"training runs on {self.accelerator.num_processes} processes (the fused path is single-process)"
+            if self._is_vision_dataset:
+                return "the data set has images"
+            if self.aux_loss_enabled:
+                return "the model's mixture-of-experts router loss is on (router_aux_loss_coef)"
+            if self.ld_alpha is not None:
+                return f"DPOConfig(ld_alpha={self.ld_alpha}) (LD-DPO) is set; leave ld_alpha=None"
+            if self.f_divergence_type != "reverse_kl":
+                return f"DPOConfig(f_divergence_type={self.f_divergence_type!r}); 'reverse_kl' is fused"
+            if self.use_weighting:
+                return "DPOConfig(use_weighting=True) (WPO) is set"
+            other = [t for t in self.loss_types if t not in DPO_LOSS_TYPES]
+            if other:
+                return f"DPOConfig(loss_type={other}) is set; the fused losses are {list(DPO_LOSS_TYPES)}"
+            if self.label_smoothing and {"sigmoid", "robust"} <= set(self.loss_types):
+                return "label_smoothing with both 'sigmoid' and 'robust' losses is set"
+            extra = unsupported_inputs(inputs, set(_BATCH_KEYS))
+            if extra:
+                return f"the batch carries {extra}, which the fused path does not pass to the model"
+            return None
+
+        def _score(self, model: Any, inputs: dict[str, Any], **extras: bool) -> Any:
+            """Per-token log-probs of the completions (prompt and padding 0), ``[2P, T - 1]``."""
+            labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+            return token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], labels=labels, **extras)
+
+        def compute_ref_log_probs(self, model, inputs):
+            """The reference's summed completion log-probs ``(chosen [P], rejected [P])`` of one batch (TRL's
+            ``precompute_ref_log_probs`` pass), through :func:`token_logprobs`."""
+            if self._fused_unsupported(inputs) is not None:
+                return super().compute_ref_log_probs(model, inputs)
+            with reference_policy(self) as reference, self.accelerator.autocast():
+                return self._score(reference, inputs).sum(1).chunk(2, dim=0)
+
+        def _fused_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+            from .rl_losses import dpo_loss
+
+            mode = "train" if self.model.training else "eval"
+            logps, entropy, mean_logits, is_top1 = self._score(model, inputs, return_entropy=True,
+                                                               return_logit_stats=True)
+            chosen_logps, rejected_logps = logps.sum(1).chunk(2, dim=0)
+            if self.precompute_ref_logps:
+                ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+            else:
+                with reference_policy(self) as reference:
+                    ref_chosen, ref_rejected = self._score(reference, inputs).sum(1).chunk(2, dim=0)
+            chosen_lengths, rejected_lengths = inputs["completion_mask"].sum(1).float().chunk(2, dim=0)
+            loss, metrics = dpo_loss(
+                chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta=self.beta, loss_type=self.loss_types,
+                loss_weights=self.loss_weights, label_smoothing=self.label_smoothing if "robust" in self.loss_types else 0.0,
+                chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
+            )
+            self._log_fused_metrics(mode, inputs, metrics, entropy, mean_logits, is_top1)
+            return loss
+
+        def _log_fused_metrics(self, mode: str, inputs: dict[str, Any], metrics: dict[str, Any], entropy: Any,
+                               mean_logits: Any, is_top1: Any) -> None:
+            """Append TRL's DPO metrics (the same keys and values as its ``_compute_loss``) to ``self._metrics``."""
+            mask = inputs["completion_mask"][:, 1:].bool()
+            chosen_mask, rejected_mask = mask.chunk(2, dim=0)
+            logged = self._metrics[mode]
+            logged["entropy"].append(_masked_mean(entropy, mask))
+            if mode == "train":
+                self._total_train_tokens += int(inputs["attention_mask"].sum().item()) // self._tp_size
+            logged["num_tokens"] = [self._total_train_tokens]
+            chosen_logits, rejected_logits = mean_logits.chunk(2, dim=0)
+            logged["logits/chosen"].append(_masked_mean(chosen_logits, chosen_mask))
+            logged["logits/rejected"].append(_masked_mean(rejected_logits, rejected_mask))
+            logged["mean_token_accuracy"].append(_masked_mean(is_top1.chunk(2, dim=0)[0].float(), chosen_mask))
+            for key, value in metrics.items():
+                logged[key].append(value.item())
 
     return FastDPOTrainer
+
+
+#: the batch keys of TRL's DPO collator that the fused path reads
+_BATCH_KEYS = ("input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+
+
+def _masked_mean(values: Any, mask: Any) -> float:
+    """Mean of ``values`` where ``mask`` is set, 0.0 when nothing is (TRL's convention for these metrics)."""
+    count = mask.sum().item()
+    return (values[mask].sum() / count).item() if count > 0 else 0.0
 
 
 def __getattr__(name: str) -> Any:

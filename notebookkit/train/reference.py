@@ -24,9 +24,11 @@ name; :func:`refuse_second_model` stops that before anything is built.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
-__all__ = ["REFERENCE_ADAPTER", "adapter_is_fresh", "use_base_as_reference", "refuse_second_model", "describe_reference"]
+__all__ = ["REFERENCE_ADAPTER", "adapter_is_fresh", "use_base_as_reference", "refuse_second_model", "describe_reference",
+           "reference_policy"]
 
 #: the name TRL gives its frozen copy of the trained adapter
 REFERENCE_ADAPTER = "ref"
@@ -100,3 +102,28 @@ def describe_reference(trainer: Any) -> str:
         return (f"a frozen copy of the trained adapter (adapter {REFERENCE_ADAPTER!r}), on the same base weights: "
                 "the reference is the model before this run")
     return "the same weights with the LoRA adapters disabled (no copy)"
+
+
+@contextlib.contextmanager
+def reference_policy(trainer: Any) -> Iterator[Any]:
+    """Yield the model that scores ``pi_ref`` for ``trainer``, under ``torch.no_grad``: the ``ref_model`` it was
+    given, else its own PEFT model with TRL's frozen ``"ref"`` adapter active when that exists, else with the
+    adapters disabled (the same choice as TRL's trainers; gradient checkpointing off meanwhile, as TRL does)."""
+    import torch
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.utils import use_adapter
+
+    with torch.no_grad():
+        if getattr(trainer, "ref_model", None) is not None:
+            yield trainer.accelerator.unwrap_model(trainer.ref_model)
+            return
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if not _is_peft(model):
+            raise ValueError(
+                f"{type(trainer).__name__} scores its reference with the LoRA adapters disabled, but the model has no "
+                "adapters and no ref_model was given; add adapters with FastLanguageModel.get_peft_model."
+            )
+        adapter = REFERENCE_ADAPTER if REFERENCE_ADAPTER in model.peft_config else None
+        with disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs), \
+                use_adapter(model, adapter_name=adapter):
+            yield model

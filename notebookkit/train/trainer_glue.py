@@ -9,7 +9,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-__all__ = ["built_once", "bind_trainer_arguments", "first_row", "print_banner"]
+__all__ = ["built_once", "bind_trainer_arguments", "first_row", "print_banner", "fall_back_once", "unsupported_inputs"]
 
 
 def built_once(module: str, name: str) -> Callable[[Callable[[], type]], Callable[[], type]]:
@@ -62,3 +62,21 @@ def first_row(dataset: Any, name: str, trainer: str, error: type[Exception]) -> 
     except ValueError as err:
         raise error(str(err)) from None
     return row, list(getattr(dataset, "column_names", None) or row)
+
+
+def fall_back_once(trainer: Any, reason: str) -> None:
+    """Warn, once per trainer and reason, that a micro-batch's loss runs TRL's own computation instead of
+    notebookkit's fused path (``reason`` names the setting and what to change to get the fused path)."""
+    import warnings
+
+    said = trainer.__dict__.setdefault("_notebookkit_fallbacks", set())
+    if reason in said:
+        return
+    said.add(reason)
+    warnings.warn(f"{type(trainer).__name__}: {reason}; this loss runs TRL's own computation (correct, but not "
+                  "notebookkit's chunked log-prob path).", UserWarning, stacklevel=3)
+
+
+def unsupported_inputs(inputs: dict[str, Any], known: set[str]) -> list[str]:
+    """The keys of a trainer's batch that the fused path does not read (images, position ids, ...)."""
+    return sorted(k for k, v in inputs.items() if k not in known and v is not None)
