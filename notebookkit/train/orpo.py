@@ -13,16 +13,19 @@ default). TRL logs ``rewards/chosen`` / ``rewards/rejected`` as ``beta * mean lo
 
 :class:`FastORPOTrainer` is that trainer, used the same way (``from trl.experimental.orpo import
 ORPOConfig``, or :func:`orpo_config_class`, which finds it in either TRL home), plus the
-preference-data check of :func:`notebookkit.train.dpo.check_preference_dataset`. The loss of a
-micro-batch is computed in :meth:`FastORPOTrainer._loss`; today that is TRL's computation, which
-runs the model's forward to full ``[2B, T, V]`` logits (the patched forward returns them when it is
-given no labels), and it is the seam where ``notebookkit.train.rl_losses`` takes over.
+preference-data check of :func:`notebookkit.train.dpo.check_preference_dataset`, fp32 adapters under
+``fp16=True``, and the loss on notebookkit's fused path: :meth:`FastORPOTrainer.get_batch_loss_metrics`
+(training and evaluation) scores TRL's concatenated ``[chosen; rejected]`` batch once with
+:func:`~notebookkit.train.token_logprobs.token_logprobs` (chunked LM head; TRL's own computation runs the
+model's forward to full ``[2P, T, V]`` logits) and computes :func:`~notebookkit.train.rl_losses.orpo_loss`,
+logging TRL's keys (``logits/*`` from :mod:`~notebookkit.train.logit_statistics`). An encoder-decoder,
+an MoE router loss, images or several processes run TRL's computation, said once in a warning.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 from .trainer_glue import built_once
 
@@ -54,9 +57,12 @@ def orpo_trainer_class() -> type:
 def _fast_orpo_trainer_class() -> type:
     ORPOTrainer = orpo_trainer_class()
 
-    from .dpo import check_preference_datasets
+    import torch
+
     from .adapter_dtype import keep_fp32_adapters_under_fp16
-    from .trainer_glue import bind_trainer_arguments, print_banner
+    from .dpo import check_preference_datasets
+    from .token_logprobs import token_logprobs
+    from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner
 
     class FastORPOTrainer(ORPOTrainer):
         """TRL's ``ORPOTrainer`` for a model from ``FastLanguageModel``: same arguments, same use.
@@ -88,12 +94,61 @@ def _fast_orpo_trainer_class() -> type:
             return self._loss(model, inputs, return_outputs)
 
         def _loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False) -> Any:
-            """The ORPO loss of one micro-batch (and its metrics): TRL's computation today.
-
-            The seam for notebookkit's chunked log-prob loss (``notebookkit.train.rl_losses``): the
-            chosen answer's NLL and both answers' mean log-probs, from one concatenated batch.
-            """
+            """The ORPO loss of one micro-batch (and its metrics): TRL's ``compute_loss`` (its autocast,
+            its metric store) around :meth:`get_batch_loss_metrics`, which is notebookkit's fused path."""
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+        def _fused_unsupported(self, batch: dict[str, Any]) -> Optional[str]:
+            """Why this batch cannot take the fused path (a sentence naming the setting), or None."""
+            if self.accelerator.num_processes > 1:
+                return f"training runs on {self.accelerator.num_processes} processes (the fused path is single-process)"
+            if self.is_encoder_decoder:
+                return "the model is an encoder-decoder"
+            if self.aux_loss_enabled:
+                return "the model's mixture-of-experts router loss is on (output_router_logits)"
+            extra = [k for k, v in batch.items() if k.endswith("pixel_values") and v is not None]
+            if extra:
+                return f"the batch carries images ({extra})"
+            return None
+
+        def get_batch_loss_metrics(self, model, batch, train_eval="train"):
+            """ORPO's loss and TRL's metrics for a batch (training and evaluation), without ``[2P, T, V]`` logits.
+
+            TRL's concatenated ``[chosen; rejected]`` batch is scored once by
+            :func:`~notebookkit.train.token_logprobs.token_logprobs` on every non-padding token: the chosen
+            rows' mean gives the NLL term (prompt and answer, as TRL), the answer tokens' per-sequence
+            mean log-probs give the odds ratio (:func:`~notebookkit.train.rl_losses.orpo_loss`). TRL's
+            ``logits/*`` (mean logit over the vocabulary and every position) come from the chunked
+            :mod:`~notebookkit.train.logit_statistics`.
+            """
+            from .rl_losses import orpo_loss, sequence_logps
+
+            reason = self._fused_unsupported(batch)
+            if reason is not None:
+                fall_back_once(self, reason)
+                return super().get_batch_loss_metrics(model, batch, train_eval)
+            joined = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=self.padding_value,
+                                              device=self.accelerator.device)
+            input_ids, attention_mask = joined["concatenated_input_ids"], joined["concatenated_attention_mask"]
+            answer_labels = joined["concatenated_labels"]
+            n_chosen = batch["chosen_labels"].shape[0]
+            every_token = input_ids.masked_fill(attention_mask != 1, -100)
+            scored = answer_labels != -100
+            if not torch.equal(answer_labels[scored], every_token[scored]):
+                raise ValueError(
+                    "ORPO's answer labels differ from the input ids at the answer tokens; FastORPOTrainer reads them "
+                    "as TRL's tokenize_row writes them (the input ids with the prompt and padding set to -100)."
+                )
+            logps, mean_logits, _ = token_logprobs(model, input_ids, attention_mask, labels=every_token,
+                                                   return_logit_stats=True)
+            counted = every_token[:n_chosen, 1:] != -100
+            chosen_nll = -logps[:n_chosen].sum() / counted.sum()
+            average = sequence_logps(logps, scored[:, 1:], average=True)
+            loss, metrics = orpo_loss(average[:n_chosen], average[n_chosen:], chosen_nll, beta=self.beta)
+            metrics["logits/chosen"] = mean_logits[:n_chosen].mean()
+            metrics["logits/rejected"] = mean_logits[n_chosen:].mean()
+            prefix = "eval_" if train_eval == "eval" else ""
+            return loss, {f"{prefix}{key}": value.item() for key, value in metrics.items()}
 
     return FastORPOTrainer
 

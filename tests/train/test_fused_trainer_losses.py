@@ -145,3 +145,36 @@ def test_dpo_unsupported_setting_falls_back_with_one_warning(tmp_path):
     assert len(said) == 1 and "DPOConfig(loss_type=['hinge'])" in said[0]
     theirs = _loss_grads_metrics(trainer, lambda: DPOTrainer.compute_loss(trainer, trainer.model, batch))
     _assert_equal_paths(ours, theirs)
+
+
+# ---------------------------------------------------------------------------------- ORPO
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_orpo_fused_loss_grads_and_metrics_equal_trl(tmp_path, mode):
+    from notebookkit.train.orpo import orpo_trainer_class
+
+    model, tok = tiny_model()
+    _move_adapters(model)
+    trainer = FastORPOTrainer(model=model, args=ORPOConfig(**_common(tmp_path, per_device_train_batch_size=4)),
+                              train_dataset=Dataset.from_list(PAIRS), processing_class=tok, show_banner=False)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert (batch["chosen_attention_mask"] == 0).any() or (batch["rejected_attention_mask"] == 0).any()
+    calls, hook = _no_lm_head_forward(model)
+    try:
+        loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch, train_eval=mode)
+    finally:
+        hook.remove()
+    assert calls == []  # TRL's own path runs the LM head on every position ([2P, T, V] logits)
+    grads = torch.autograd.grad(loss, [p for _, p in _lora_params(model)])
+    trl_loss, trl_metrics = orpo_trainer_class().get_batch_loss_metrics(trainer, trainer.model, batch, train_eval=mode)
+    trl_grads = torch.autograd.grad(trl_loss, [p for _, p in _lora_params(model)])
+    assert rel_err(loss, trl_loss) < RTOL
+    for (name, _), g, r in zip(_lora_params(model), grads, trl_grads):
+        assert r.abs().sum() > 0 and rel_err(g, r) < RTOL, name
+    assert sorted(metrics) == sorted(trl_metrics) and (mode == "train") != all(k.startswith("eval_") for k in metrics)
+    for key, value in trl_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=RTOL, abs=1e-6), key
+    # and the trainer's compute_loss (the training step's entry) stores the same metrics
+    trainer.compute_loss(trainer.model, batch)
+    if mode == "train":
+        assert {k: v[-1] for k, v in trainer._stored_metrics["train"].items()} == pytest.approx(metrics, rel=RTOL)
