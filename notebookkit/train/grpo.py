@@ -26,15 +26,24 @@ is ``pi_theta`` detached, so ``rho = 1`` and the gradient is ``-A_i * grad log p
 * time per optimizer step goes into the logs: ``time/generation`` (``model.generate``),
   ``time/scoring`` (decoding, reward functions, the old / reference log-probs) and ``time/training``
   (the loss's forward and backward), in seconds;
-* the loss of a micro-batch is computed in one method, :meth:`FastGRPOTrainer._loss`. Today that is
-  TRL's computation (per-token log-probs from TRL's chunked LM head on ``lm_head.weight``, no full
-  logits); it is the seam where ``notebookkit.train.rl_losses`` takes over.
+* per-token log-probs (the policy's in the loss, the old policy's and the reference's after
+  generation) come from :func:`~notebookkit.train.token_logprobs.token_logprobs`: the chunked LM head
+  on the completion positions only, never ``[B, T, V]`` logits; the reference is the same weights
+  inside TRL's adapter context (adapters off, or its frozen ``"ref"`` adapter);
+* the loss of a micro-batch is :meth:`FastGRPOTrainer._loss`:
+  :func:`~notebookkit.train.rl_losses.grpo_loss` (``grpo``, ``dapo``, ``dr_grpo``; clipping with
+  ``epsilon`` / ``epsilon_high``; the k3 KL when ``beta > 0``) on TRL's prepared batch, logging TRL's
+  ``entropy``, ``kl`` and ``clip_ratio/*``. Settings it does not implement (other loss types,
+  sequence-level importance sampling, the off-policy mask, entropy masks or bonuses, ``delta``, vLLM's
+  correction, MoE router losses, images, several processes) run TRL's computation, said once in a
+  warning;
+* under ``fp16=True`` the adapters stay fp32 (:mod:`notebookkit.train.adapter_dtype`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from .trainer_glue import built_once
 
@@ -115,11 +124,14 @@ def _synchronize(trainer: Any) -> None:
 def _fast_grpo_trainer_class() -> type:
     from trl import GRPOTrainer
 
+    import torch
+
     from ..models.fast_language_model import FastLanguageModel
+    from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .reference import describe_reference, refuse_second_model, use_base_as_reference
     from .rewards import checked_reward
-    from .adapter_dtype import keep_fp32_adapters_under_fp16
-    from .trainer_glue import bind_trainer_arguments, print_banner
+    from .token_logprobs import token_logprobs
+    from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner, unsupported_inputs
 
     class FastGRPOTrainer(GRPOTrainer):
         """TRL's ``GRPOTrainer`` for a model from ``FastLanguageModel``: same arguments, same use.
@@ -203,17 +215,119 @@ def _fast_grpo_trainer_class() -> type:
                 return super().compute_loss(model, inputs, return_outputs=True)  # TRL's message: not supported
             return self._loss(model, inputs)
 
-        def _loss(self, model: Any, inputs: dict[str, Any]) -> Any:
-            """The GRPO loss of one micro-batch (and its ``kl`` / ``entropy`` / ``clip_ratio`` metrics): TRL's
-            computation today.
+        def _scoring_unsupported(self, compute_aux_loss: bool = False, extra: Optional[dict] = None) -> Optional[str]:
+            """Why per-token log-probs cannot come from :func:`token_logprobs` here (a sentence), or None."""
+            if self.accelerator.num_processes > 1:
+                return f"training runs on {self.accelerator.num_processes} processes (the fused path is single-process)"
+            if compute_aux_loss or self.aux_loss_enabled:
+                return "the model's mixture-of-experts router loss is on (router_aux_loss_coef)"
+            if getattr(self.args, "cast_lm_head_to_fp32", False):
+                return "GRPOConfig(cast_lm_head_to_fp32=True) is set"
+            images = sorted(k for k, v in (extra or {}).items() if v is not None)
+            if images:
+                return f"the batch carries {images} (vision inputs)"
+            return None
 
-            The seam for notebookkit's chunked log-prob loss (``notebookkit.train.rl_losses``): the
-            policy's per-token log-probs of the completion tokens, the clipped surrogate with the
-            group advantages, and the k3 KL to the reference log-probs in ``inputs`` when beta > 0.
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                               compute_entropy=False, compute_aux_loss=False, **extra):
+            """TRL's scoring step (policy, old policy and reference log-probs of the completion tokens) through
+            :func:`~notebookkit.train.token_logprobs.token_logprobs`: the chunked LM head on the last
+            ``logits_to_keep`` positions, never ``[B, T, V]`` logits. Returns ``(logps, entropies, None)``
+            like TRL; the reference is scored inside TRL's adapter context (adapters off, or its ``"ref"``
+            adapter)."""
+            reason = self._scoring_unsupported(compute_aux_loss, extra)
+            if reason is not None:
+                fall_back_once(self, reason)
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+            scorer = self.accelerator.unwrap_model(model)
+            batch_size = batch_size or input_ids.size(0)
+            logps, entropies = [], []
+            for start in range(0, input_ids.size(0), batch_size):
+                ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+                with self.accelerator.autocast():
+                    scores = token_logprobs(scorer, ids, mask, labels=ids.masked_fill(mask == 0, -100),
+                                            logits_to_keep=logits_to_keep, temperature=self.temperature,
+                                            return_entropy=compute_entropy)
+                logps.append(scores[0] if compute_entropy else scores)
+                if compute_entropy:
+                    entropies.append(scores[1])
+            return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+        def _loss_unsupported(self, inputs: dict[str, Any]) -> Optional[str]:
+            """Why this batch's loss cannot be :func:`~notebookkit.train.rl_losses.grpo_loss` (a sentence), or None."""
+            from .rl_losses import GRPO_LOSS_TYPES
+
+            if self.loss_type not in GRPO_LOSS_TYPES:
+                return f"GRPOConfig(loss_type={self.loss_type!r}) is set; the fused losses are {list(GRPO_LOSS_TYPES)}"
+            if self.importance_sampling_level != "token":
+                return f"GRPOConfig(importance_sampling_level={self.importance_sampling_level!r}) is set (GSPO)"
+            if self.off_policy_mask_threshold is not None:
+                return "GRPOConfig(off_policy_mask_threshold=...) is set"
+            if self.top_entropy_quantile < 1.0:
+                return f"GRPOConfig(top_entropy_quantile={self.top_entropy_quantile}) is set"
+            if self._entropy_bonus_enabled:
+                return "an entropy bonus (GRPOConfig(entropy_coef=...) / use_adaptive_entropy) is set"
+            if self.args.delta is not None:
+                return f"GRPOConfig(delta={self.args.delta}) (two-sided clipping) is set"
+            if self.use_vllm and self.vllm_importance_sampling_correction:
+                return "vLLM's importance-sampling correction is on"
+            extra = unsupported_inputs(inputs, set(_LOSS_INPUT_KEYS))
+            if extra:
+                return f"the batch carries {extra}, which the fused path does not pass to the model"
+            return self._scoring_unsupported()
+
+        def _loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+            """The GRPO loss of one micro-batch (and TRL's ``entropy`` / ``kl`` / ``clip_ratio/*`` metrics).
+
+            TRL's prepared batch (prompt + completion ids and masks, advantages, the old and reference
+            log-probs it scored after generating, ``num_items_in_batch``) goes to
+            :meth:`_get_per_token_logps_and_entropies` (chunked, :func:`token_logprobs`) and
+            :func:`~notebookkit.train.rl_losses.grpo_loss` (``grpo`` / ``dapo`` / ``dr_grpo``, clipping,
+            the k3 KL with ``beta > 0``). Another setting (:meth:`_loss_unsupported`) runs TRL's loss,
+            with one warning; its log-probs still come from the chunked path where that applies.
             """
-            return super().compute_loss(model, inputs)
+            from .rl_losses import grpo_loss
+
+            reason = self._loss_unsupported(inputs)
+            if reason is not None:
+                fall_back_once(self, reason)
+                return super().compute_loss(model, inputs)
+            mode = "train" if self.model.training else "eval"
+            completion_ids = inputs["completion_ids"]
+            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                mask = mask * inputs["tool_mask"]
+            per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True)
+            training = mode == "train"
+            loss, metrics = grpo_loss(
+                per_token_logps, inputs["advantages"], mask,
+                old_per_token_logps=inputs.get("old_per_token_logps"),
+                ref_per_token_logps=inputs.get("ref_per_token_logps"),
+                loss_type=self.loss_type, beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                max_completion_length=self.max_completion_length, num_items_in_batch=inputs["num_items_in_batch"],
+                gradient_accumulation_steps=self.current_gradient_accumulation_steps if training else 1,
+                steps_per_generation=self.args.steps_per_generation if training else 1,
+                use_bias_correction_kl=self.args.use_bias_correction_kl,
+            )
+            logged = self._metrics[mode]
+            counted = mask.sum().clamp(min=1.0)
+            logged["entropy"].append(((entropies * mask).sum() / counted).item())
+            for key, value in metrics.items():
+                logged[key].append(value.item())
+            return loss
 
     return FastGRPOTrainer
+
+
+#: the keys of TRL's prepared GRPO batch that the fused loss reads (the rest it does not pass on)
+_LOSS_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", "advantages",
+                    "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps",
+                    "sampling_per_token_logps")  # the last feeds only settings that fall back (off-policy mask, vLLM)
 
 
 def __getattr__(name: str) -> Any:

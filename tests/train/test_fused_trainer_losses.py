@@ -178,3 +178,111 @@ def test_orpo_fused_loss_grads_and_metrics_equal_trl(tmp_path, mode):
     trainer.compute_loss(trainer.model, batch)
     if mode == "train":
         assert {k: v[-1] for k, v in trainer._stored_metrics["train"].items()} == pytest.approx(metrics, rel=RTOL)
+
+
+# ---------------------------------------------------------------------------------- GRPO
+
+GRPO_ROWS = [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in [
+    ("What is 1 + 2?", "3"), ("Add four and three, then tell me the sum please.", "7"),
+]]
+
+
+def _length_reward(completions, **kwargs):
+    """Rewards that differ within a group (so advantages have both signs)."""
+    return [float(len(str(c))) for c in completions]
+
+
+def _grpo_trainer(tmp_path, **config):
+    from trl import GRPOConfig
+
+    model, tok = tiny_model()
+    base = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                max_completion_length=7, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
+                use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    base.update(config)
+    trainer = FastGRPOTrainer(model=model, reward_funcs=[_length_reward], args=GRPOConfig(**base),
+                              train_dataset=Dataset.from_list(GRPO_ROWS), processing_class=tok, show_banner=False)
+    _move_adapters(model)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by train()
+    rows = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(rows)
+    # a completion that stopped early: its tail is masked (the masks are inputs, equal for both paths)
+    inputs["completion_mask"][0, -3:] = 0
+    g = torch.Generator().manual_seed(5)
+    logps = inputs.get("ref_per_token_logps")
+    if logps is None:
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1))
+    # an older policy: ratios away from 1, so both clip sides act
+    inputs["old_per_token_logps"] = logps.detach() + 0.4 * torch.randn(logps.shape, generator=g)
+    return trainer, inputs
+
+
+def _trl_scoring(trainer):
+    """The trainer with TRL's own scoring method (its fused LM head) bound in place of notebookkit's."""
+    import types
+
+    from trl import GRPOTrainer
+
+    trainer._get_per_token_logps_and_entropies = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
+    return trainer
+
+
+@pytest.mark.parametrize("loss_type, beta, epsilon_high", [("dapo", 0.0, None), ("grpo", 0.04, None),
+                                                             ("dr_grpo", 0.04, 0.28)])
+def test_grpo_fused_loss_grads_and_metrics_equal_trl(tmp_path, loss_type, beta, epsilon_high):
+    from trl import GRPOTrainer
+
+    trainer, inputs = _grpo_trainer(tmp_path, loss_type=loss_type, beta=beta, epsilon_high=epsilon_high)
+    assert (inputs["prompt_mask"] == 0).any() and (inputs["completion_mask"] == 0).any()  # padded, masked
+    assert (inputs["advantages"] > 0).any() and (inputs["advantages"] < 0).any()
+    assert ("ref_per_token_logps" in inputs) == (beta > 0)
+    assert trainer._loss_unsupported(inputs) is None
+    calls, hook = _no_lm_head_forward(trainer.model)
+    try:
+        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
+    finally:
+        hook.remove()
+    assert calls == []
+    _trl_scoring(trainer)
+    theirs = _loss_grads_metrics(trainer, lambda: GRPOTrainer.compute_loss(trainer, trainer.model, inputs))
+    _assert_equal_paths(ours, theirs)
+    assert ours[2]["clip_ratio/region_mean"][0] > 0  # clipping acted
+    if beta:
+        assert ours[2]["kl"][0] > 0
+
+
+def test_grpo_scoring_equals_trl_for_policy_and_reference(tmp_path):
+    """The old-policy / reference scoring TRL runs after generation (chunked batches, adapters off)."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import use_adapter
+
+    trainer, inputs = _grpo_trainer(tmp_path, beta=0.04)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    keep = inputs["completion_ids"].size(1)
+    for adapters in (True, False):
+        with torch.no_grad(), (use_adapter(trainer.model, None) if not adapters else torch.enable_grad()):
+            ours = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep, batch_size=3,
+                                                              compute_entropy=True)
+            theirs = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, keep,
+                                                                    batch_size=3, compute_entropy=True)
+        assert rel_err(ours[0], theirs[0]) < RTOL and rel_err(ours[1], theirs[1]) < RTOL and ours[2] is None
+    kept = inputs["completion_mask"].bool()  # the test masked a tail after TRL's step scored it
+    assert rel_err(ours[0][kept], inputs["ref_per_token_logps"][kept]) < RTOL  # TRL's step stored the adapters-off score
+
+
+def test_grpo_unsupported_loss_type_falls_back_with_one_warning(tmp_path):
+    from trl import GRPOTrainer
+
+    trainer, inputs = _grpo_trainer(tmp_path, loss_type="bnpo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
+        trainer.compute_loss(trainer.model, inputs)
+    said = [str(w.message) for w in caught if "TRL's own computation" in str(w.message)]
+    assert len(said) == 1 and "GRPOConfig(loss_type='bnpo')" in said[0]
+    theirs = _loss_grads_metrics(_trl_scoring(trainer), lambda: GRPOTrainer.compute_loss(trainer, trainer.model, inputs))
+    _assert_equal_paths(ours, theirs)
