@@ -23,6 +23,9 @@ folder of ``../shared/tools/gpu_site.sh --unsloth``, put before the repository o
 ``PYTHONPATH``). LoRA r=16, alpha=16 on all seven projections, AdamW, bf16, one warm-up step, then
 the timed step. A missing package is reported as "not installed", never dropped.
 
+notebookkit's rows record ``fused_path``: LM-head module forwards outside generation (0: the loss ran on
+the chunked log-prob path, never ``[B, T, V]`` logits) and any setting that fell back to TRL's loss.
+
 Writes ``<out>/<date>-<gpu>-rl-step.json`` and ``.md``; the markdown table is printed last.
 """
 
@@ -226,7 +229,22 @@ def _peak_gib() -> float | None:
     return round(host_rss() / 2**30, 3)  # CPU check only: the process's resident memory
 
 
-def time_generate(model) -> list[tuple[int, float]]:
+def watch_fused_path(model, calls: list) -> dict:
+    """Count the LM head's module forwards outside ``model.generate`` (``calls`` is :func:`time_generate`'s list,
+    whose wrapper flags generation): notebookkit's fused loss calls none (it reads ``lm_head.weight`` in chunks);
+    a forward there means ``[B, T, V]`` logits. Returns the live counter dict."""
+    seen = {"lm_head_forwards_in_training": 0, "in_generate": False}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def hook(module, args, output):
+        if not seen["in_generate"]:
+            seen["lm_head_forwards_in_training"] += 1
+
+    base.get_output_embeddings().register_forward_hook(hook)
+    return seen
+
+
+def time_generate(model, flags: dict | None = None) -> list[tuple[int, float]]:
     """Wrap ``model.generate`` (the instance's) to record (global call index, seconds) per call."""
     calls: list[tuple[int, float]] = []
     generate = model.generate
@@ -234,7 +252,13 @@ def time_generate(model) -> list[tuple[int, float]]:
     def timed(*args, **kwargs):
         _sync()
         start = time.perf_counter()
-        out = generate(*args, **kwargs)
+        if flags is not None:
+            flags["in_generate"] = True
+        try:
+            out = generate(*args, **kwargs)
+        finally:
+            if flags is not None:
+                flags["in_generate"] = False
         _sync()
         calls.append((len(calls), time.perf_counter() - start))
         return out
@@ -260,6 +284,7 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
                   optim="adamw_torch", seed=0, dataloader_num_workers=0, disable_tqdm=True,
                   gradient_checkpointing=gradient_checkpointing and system == "trl")
     clock = StepClock(timed_step=2)
+    fused = watch_fused_path(model, []) if system == "notebookkit" else None
     if task_name == "grpo":
         batch = task["prompts"] * task["generations"]
         args = config_class(**common, per_device_train_batch_size=batch, num_generations=task["generations"],
@@ -268,7 +293,7 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
         data = Dataset.from_list(grpo_rows(task, vocab, 2 * task["prompts"]))
         trainer = trainer_class(model=model, reward_funcs=length_reward, args=args, train_dataset=data,
                                 processing_class=tokenizer)
-        calls = time_generate(model)
+        calls = time_generate(model, fused)
     else:
         args = config_class(**common, per_device_train_batch_size=task["pairs"], beta=0.1,
                             max_length=task["prompt_len"] + task["answer_len"])
@@ -281,6 +306,9 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
     row = dict(status="ok", step_s=round(step_s, 3), warmup_step_s=round(clock.step_s.get(1, float("nan")), 3),
                peak_gib=clock.peak_gib, losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
                versions=versions(system) | _trl_version(), gpu=torch.cuda.get_device_name(0) if cuda else "cpu")
+    if fused is not None:  # notebookkit's loss on the fused path: no LM-head forward, no TRL fallback
+        row["fused_path"] = dict(lm_head_forwards_in_training=fused["lm_head_forwards_in_training"],
+                                 fallbacks=sorted(trainer.__dict__.get("_notebookkit_fallbacks", ())))
     if task_name == "grpo":
         timed = [s for i, s in calls if i >= len(calls) // 2]  # the second step's generation (one call per step)
         generate_s = sum(timed) if calls else None

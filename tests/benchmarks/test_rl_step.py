@@ -35,6 +35,11 @@ def test_tiny_run_writes_rows_and_table(tmp_path):
             assert abs(row["generate_s"] + row["rest_s"] - row["step_s"]) < 2e-3
             assert row["completion_tokens"] == 2 * 4 * 16
     assert "logged_times" in rows[0]  # notebookkit's own split of the step
+    for row in rows:  # notebookkit's rows ran the fused loss: no LM-head forward in training, no fallback
+        if row["system"] == "notebookkit":
+            assert row["fused_path"] == {"lm_head_forwards_in_training": 0, "fallbacks": []}, row
+        elif row["status"] == "ok":
+            assert "fused_path" not in row
     table = next(tmp_path.glob("*-rl-step-tiny.md")).read_text()
     assert "## GRPO: llama-tiny" in table and "## DPO: llama-tiny" in table and "not installed" in table
 
