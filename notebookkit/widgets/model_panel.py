@@ -32,6 +32,7 @@ PART_COLOURS = {
     "adapters + optimizer": "#f28e2b",
     "activations": "#59a14f",
     "logits / loss": "#e15759",
+    "generation": "#b07aa1",
     "other": "#9c9c9c",
 }
 

@@ -77,3 +77,13 @@ def test_model_panel_estimate_follows_the_training_method():
     dpo = compute_estimate(model, lora, TrainingChoice(per_device_train_batch_size=2, method="dpo"))
     assert dpo.estimate.inputs["method"] == "dpo" and dpo.estimate.inputs["rows"] == 4
     assert dpo.estimate.total > sft.estimate.total
+
+
+def test_model_panel_draws_grpo_generation():
+    from notebookkit.widgets.model_panel import ModelPanel
+
+    panel = ModelPanel(model_name=LLAMA8B, load_in_4bit=True, max_seq_length=1024)
+    from notebookkit.widgets.training_panel import TrainingPanel
+
+    panel.link(training=TrainingPanel(method="grpo", per_device_train_batch_size=8))
+    assert panel.last_result.estimate.generation > 0  # drawn as its own bar part (it has a colour)
