@@ -144,7 +144,9 @@ def _fast_dpo_trainer_class() -> type:
     from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .reference import describe_reference, reference_policy, refuse_second_model, use_base_as_reference
     from .token_logprobs import token_logprobs
-    from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner, unsupported_inputs
+    from .trainer_glue import (
+        bind_trainer_arguments, fall_back_once, print_banner, shared_fallback_reason, unsupported_inputs,
+    )
 
     class FastDPOTrainer(DPOTrainer):
         """TRL's ``DPOTrainer`` for a model from ``FastLanguageModel``: same arguments, same use.
@@ -199,12 +201,11 @@ def _fast_dpo_trainer_class() -> type:
 
             if return_outputs:
                 return "return_outputs=True (logits for compute_metrics) was asked for"
-            if self.accelerator.num_processes > 1:
-                return f"training runs on {self.accelerator.num_processes} processes (the fused path is single-process)"
+            shared = shared_fallback_reason(self, "router_aux_loss_coef")
+            if shared is not None:
+                return shared
             if self._is_vision_dataset:
                 return "the data set has images"
-            if self.aux_loss_enabled:
-                return "the model's mixture-of-experts router loss is on (router_aux_loss_coef)"
             if self.ld_alpha is not None:
                 return f"DPOConfig(ld_alpha={self.ld_alpha}) (LD-DPO) is set; leave ld_alpha=None"
             if self.f_divergence_type != "reverse_kl":

@@ -131,7 +131,9 @@ def _fast_grpo_trainer_class() -> type:
     from .reference import describe_reference, refuse_second_model, use_base_as_reference
     from .rewards import checked_reward
     from .token_logprobs import token_logprobs
-    from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner, unsupported_inputs
+    from .trainer_glue import (
+        bind_trainer_arguments, fall_back_once, print_banner, shared_fallback_reason, unsupported_inputs,
+    )
 
     class FastGRPOTrainer(GRPOTrainer):
         """TRL's ``GRPOTrainer`` for a model from ``FastLanguageModel``: same arguments, same use.
@@ -217,10 +219,9 @@ def _fast_grpo_trainer_class() -> type:
 
         def _scoring_unsupported(self, compute_aux_loss: bool = False, extra: Optional[dict] = None) -> Optional[str]:
             """Why per-token log-probs cannot come from :func:`token_logprobs` here (a sentence), or None."""
-            if self.accelerator.num_processes > 1:
-                return f"training runs on {self.accelerator.num_processes} processes (the fused path is single-process)"
-            if compute_aux_loss or self.aux_loss_enabled:
-                return "the model's mixture-of-experts router loss is on (router_aux_loss_coef)"
+            shared = shared_fallback_reason(self, "router_aux_loss_coef")
+            if shared is not None or compute_aux_loss:
+                return shared or "the model's mixture-of-experts router loss is on (router_aux_loss_coef)"
             if getattr(self.args, "cast_lm_head_to_fp32", False):
                 return "GRPOConfig(cast_lm_head_to_fp32=True) is set"
             images = sorted(k for k, v in (extra or {}).items() if v is not None)

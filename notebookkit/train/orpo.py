@@ -62,7 +62,7 @@ def _fast_orpo_trainer_class() -> type:
     from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .dpo import check_preference_datasets
     from .token_logprobs import token_logprobs
-    from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner
+    from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner, shared_fallback_reason
 
     class FastORPOTrainer(ORPOTrainer):
         """TRL's ``ORPOTrainer`` for a model from ``FastLanguageModel``: same arguments, same use.
@@ -100,12 +100,11 @@ def _fast_orpo_trainer_class() -> type:
 
         def _fused_unsupported(self, batch: dict[str, Any]) -> Optional[str]:
             """Why this batch cannot take the fused path (a sentence naming the setting), or None."""
-            if self.accelerator.num_processes > 1:
-                return f"training runs on {self.accelerator.num_processes} processes (the fused path is single-process)"
+            shared = shared_fallback_reason(self, "output_router_logits")
+            if shared is not None:
+                return shared
             if self.is_encoder_decoder:
                 return "the model is an encoder-decoder"
-            if self.aux_loss_enabled:
-                return "the model's mixture-of-experts router loss is on (output_router_logits)"
             extra = [k for k, v in batch.items() if k.endswith("pixel_values") and v is not None]
             if extra:
                 return f"the batch carries images ({extra})"

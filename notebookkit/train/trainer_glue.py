@@ -9,7 +9,8 @@ import functools
 import inspect
 from typing import Any, Callable
 
-__all__ = ["built_once", "bind_trainer_arguments", "first_row", "print_banner", "fall_back_once", "unsupported_inputs"]
+__all__ = ["built_once", "bind_trainer_arguments", "first_row", "print_banner", "fall_back_once", "unsupported_inputs",
+           "shared_fallback_reason"]
 
 
 def built_once(module: str, name: str) -> Callable[[Callable[[], type]], Callable[[], type]]:
@@ -80,3 +81,15 @@ def fall_back_once(trainer: Any, reason: str) -> None:
 def unsupported_inputs(inputs: dict[str, Any], known: set[str]) -> list[str]:
     """The keys of a trainer's batch that the fused path does not read (images, position ids, ...)."""
     return sorted(k for k, v in inputs.items() if k not in known and v is not None)
+
+
+def shared_fallback_reason(trainer: Any, router_setting: str) -> "str | None":
+    """The settings no fused preference / RL loss implements: several processes (the fused path calls the
+    unwrapped model, outside DDP's gradient hooks) and a mixture-of-experts router loss (``router_setting``
+    names the option that turns it on). A sentence, or None."""
+    processes = trainer.accelerator.num_processes
+    if processes > 1:
+        return f"training runs on {processes} processes (the fused path is single-process)"
+    if trainer.aux_loss_enabled:
+        return f"the model's mixture-of-experts router loss is on ({router_setting})"
+    return None

@@ -133,18 +133,24 @@ def test_dpo_reference_is_trl_frozen_copy_of_a_trained_adapter(tmp_path):
         assert rel_err(a, b) < RTOL
 
 
-def test_dpo_unsupported_setting_falls_back_with_one_warning(tmp_path):
-    from trl import DPOTrainer
-
-    trainer, batch = _dpo_trainer(tmp_path, loss_type="hinge")
+def _falls_back_once(trainer, batch, trl_loss, setting):
+    """Two fused-path calls on an unsupported setting: one warning naming it; the loss, gradients and
+    metrics are TRL's (``trl_loss()`` computes TRL's own)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, batch))
         trainer.compute_loss(trainer.model, batch)
     said = [str(w.message) for w in caught if "TRL's own computation" in str(w.message)]
-    assert len(said) == 1 and "DPOConfig(loss_type=['hinge'])" in said[0]
-    theirs = _loss_grads_metrics(trainer, lambda: DPOTrainer.compute_loss(trainer, trainer.model, batch))
-    _assert_equal_paths(ours, theirs)
+    assert len(said) == 1 and setting in said[0], said
+    _assert_equal_paths(ours, _loss_grads_metrics(trainer, trl_loss))
+
+
+def test_dpo_unsupported_setting_falls_back_with_one_warning(tmp_path):
+    from trl import DPOTrainer
+
+    trainer, batch = _dpo_trainer(tmp_path, loss_type="hinge")
+    _falls_back_once(trainer, batch, lambda: DPOTrainer.compute_loss(trainer, trainer.model, batch),
+                     "DPOConfig(loss_type=['hinge'])")
 
 
 # ---------------------------------------------------------------------------------- ORPO
@@ -278,11 +284,5 @@ def test_grpo_unsupported_loss_type_falls_back_with_one_warning(tmp_path):
     from trl import GRPOTrainer
 
     trainer, inputs = _grpo_trainer(tmp_path, loss_type="bnpo")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
-        trainer.compute_loss(trainer.model, inputs)
-    said = [str(w.message) for w in caught if "TRL's own computation" in str(w.message)]
-    assert len(said) == 1 and "GRPOConfig(loss_type='bnpo')" in said[0]
-    theirs = _loss_grads_metrics(_trl_scoring(trainer), lambda: GRPOTrainer.compute_loss(trainer, trainer.model, inputs))
-    _assert_equal_paths(ours, theirs)
+    _falls_back_once(trainer, inputs, lambda: GRPOTrainer.compute_loss(_trl_scoring(trainer), trainer.model, inputs),
+                     "GRPOConfig(loss_type='bnpo')")
