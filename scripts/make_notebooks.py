@@ -1,4 +1,5 @@
-"""Write the notebooks (notebooks/sft/*.ipynb, notebooks/export/export.ipynb) from the cell lists below.
+"""Write the notebooks (notebooks/sft/*.ipynb, notebooks/export/export.ipynb, notebooks/dpo/dpo.ipynb,
+notebooks/grpo/grpo.ipynb) from the cell lists below.
 
 The notebooks are generated so that a review reads this file, and so that every notebook shares the
 same install / parameters / evaluation cells. Outputs are never stored: run
@@ -695,10 +696,562 @@ def export_notebook() -> list[nbformat.NotebookNode]:
     ]
 
 
+# ------------------------------------------------------------------------------------------------
+# the preference notebook (DPO, or ORPO from the training panel)
+
+DPO_INTRO = """\
+# Preference tuning: DPO (or ORPO)
+
+Supervised fine-tuning shows a model good answers; **preference tuning** shows it pairs, a *chosen*
+answer and a *rejected* one to the same prompt, and moves probability from the second to the first.
+**DPO** (Direct Preference Optimisation) does it against a frozen **reference**: the implicit reward of
+an answer is `r = beta * (log pi(answer) - log pi_ref(answer))`, and the loss
+`-log sigmoid(r_chosen - r_rejected)` pushes the chosen answer's reward above the rejected one's. With
+LoRA the reference costs nothing: it is the same weights with the adapters switched off. **ORPO** (the
+other choice in the training panel) needs no reference at all: it adds an odds-ratio term to the SFT
+loss of the chosen answer.
+
+Steps: **panels** → **load** → **LoRA** → **preference pairs** → **train** with a live dashboard
+(rewards of both answers, their margin, how often the chosen one wins) → **held-back pairs** before
+and after → **save**, and a last cell that checks the model learned.
+
+*On a CPU it uses `notebookkit/tiny-llama` (built offline, nothing is downloaded) and runs in a few
+minutes.*"""
+
+DPO_PARAMETERS = """\
+MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
+GPU_MODEL = "Qwen/Qwen3-0.6B"
+CHAT_TEMPLATE = None       # None: guessed from the model name / tokenizer
+LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
+MAX_SEQ_LENGTH = None      # None: 2048 on a GPU, 256 on CPU
+DTYPE = None               # None: bfloat16 where the GPU has it natively, else float16 (a T4)
+LORA_R = 16
+METHOD = "dpo"             # "dpo" or "orpo" (also a switch in the training panel)
+BETA = 0.1                 # DPO: scale of the implicit reward; ORPO: weight of the odds-ratio term
+MAX_STEPS = None           # None: 60 on a GPU, CPU_STEPS on CPU
+CPU_STEPS = 60
+BATCH_SIZE = 8             # preference pairs per step (each pair is two sequences)
+GRAD_ACCUM = 1
+LEARNING_RATE = None       # None: 5e-5 on a GPU, CPU_LEARNING_RATE on CPU; 0 trains nothing (a control)
+CPU_LEARNING_RATE = 5e-4
+WARMUP_STEPS = 2
+MAX_LENGTH = 128           # tokens of prompt + answer
+N_EVAL = 48                # held-back pairs to evaluate on
+SEED = 3407
+OUTPUT_DIR = "outputs/dpo"
+FIRST_LAST = 5             # the last cell compares the first and the last FIRST_LAST logged steps:
+MIN_ACCURACY_RISE = 0.15   # ... reward accuracy must rise by at least this (DPO starts at 0: policy = reference)
+MIN_MARGIN_RISE = 0.5      # ... and the reward margin by at least this
+MIN_NLL_DROP = 0.2         # ORPO: its NLL on the chosen answers must fall by at least this fraction
+"""
+
+DPO_RESOLVE = """\
+import os
+import torch
+
+ON_GPU = torch.cuda.is_available()
+MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
+LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
+MAX_SEQ_LENGTH = MAX_SEQ_LENGTH or (2048 if ON_GPU else 256)
+MAX_STEPS = MAX_STEPS or (60 if ON_GPU else CPU_STEPS)
+LEARNING_RATE = (5e-5 if ON_GPU else CPU_LEARNING_RATE) if LEARNING_RATE is None else LEARNING_RATE
+torch.manual_seed(SEED)
+os.makedirs(OUTPUT_DIR, exist_ok=True)
+print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | "
+      f"4-bit: {LOAD_IN_4BIT} | method: {METHOD} | steps: {MAX_STEPS} | learning rate: {LEARNING_RATE}")
+"""
+
+DPO_PANELS_MD = """\
+## 1. Choose the model, the adapter and the run
+
+The panels hold every setting the rest of the notebook reads. The training panel's **method** switch
+picks DPO or ORPO, and **beta** is DPO's reward scale (ORPO's odds-ratio weight). The VRAM estimate
+beside the model panel follows every choice; for preference pairs, count each pair as two sequences."""
+
+DPO_PANELS = """\
+from notebookkit.widgets import ConfigPanels
+
+panels = ConfigPanels(
+    model=dict(model_name=MODEL_NAME, load_in_4bit=LOAD_IN_4BIT, max_seq_length=MAX_SEQ_LENGTH, dtype=DTYPE),
+    lora=dict(r=LORA_R, lora_alpha=LORA_R, random_state=SEED),
+    training=dict(method=METHOD, beta=BETA, max_steps=MAX_STEPS, per_device_train_batch_size=BATCH_SIZE,
+                  gradient_accumulation_steps=GRAD_ACCUM, learning_rate=LEARNING_RATE, warmup_steps=WARMUP_STEPS,
+                  seed=SEED),
+)
+panels
+"""
+
+DPO_DATA_MD = """\
+## 4. Preference pairs
+
+Each bundled row is a question, the true answer (*chosen*) and a wrong or unhelpful one (*rejected*).
+A chat model reads them as conversations, so the prompt becomes a user turn and each answer an
+assistant turn; the trainer renders both with the chat template and scores only the answer tokens.
+The `eval` split is **held back**: pairs about facts the training rows never mention."""
+
+DPO_DATA = """\
+from notebookkit.data import load_bundled
+
+def as_chat(row):
+    return {"prompt": [{"role": "user", "content": row["prompt"]}],
+            "chosen": [{"role": "assistant", "content": row["chosen"]}],
+            "rejected": [{"role": "assistant", "content": row["rejected"]}]}
+
+raw = load_bundled("preference")
+print(raw)
+print(raw[0])
+train_ds = raw.map(as_chat)
+heldout_ds = load_bundled("preference", split="eval").map(as_chat)
+heldout_ds = heldout_ds.select(range(min(N_EVAL, len(heldout_ds))))
+print(f"{len(train_ds)} pairs to train on, {len(heldout_ds)} held back")
+"""
+
+DPO_TRAINER_MD = """\
+## 5. The trainer
+
+`FastDPOTrainer` and `FastORPOTrainer` are TRL's `DPOTrainer` and `ORPOTrainer` (ORPO lives in
+`trl.experimental.orpo` now), used exactly as with TRL; they check the data first (a missing
+`prompt` / `chosen` / `rejected` column is named, with the expected format) and, for DPO, make the
+reference the model itself with the adapters switched off (`ref_model=None`: no second copy). The
+banner line says which reference is used."""
+
+DPO_TRAINER = """\
+from trl import DPOConfig
+from notebookkit.train import FastDPOTrainer, FastORPOTrainer, ORPOConfig, precision_flags
+
+choice = cfg.training
+common = dict(output_dir=OUTPUT_DIR, max_length=MAX_LENGTH, logging_steps=1, report_to="none", save_strategy="no",
+              use_cpu=not ON_GPU, dataloader_num_workers=0, **precision_flags(model), **choice.trainer_kwargs())
+if choice.method == "orpo":
+    trainer = FastORPOTrainer(model=model, args=ORPOConfig(**common), train_dataset=train_ds,
+                              eval_dataset=heldout_ds, processing_class=tokenizer)
+else:
+    trainer = FastDPOTrainer(model=model, ref_model=None, args=DPOConfig(**common), train_dataset=train_ds,
+                             eval_dataset=heldout_ds, processing_class=tokenizer)
+"""
+
+DPO_EVAL_MD = """\
+**Before training**, score the held-back pairs: the mean rewards of both answers, their margin and the
+fraction of pairs whose chosen answer scores higher. For DPO all of them are 0 before the first update:
+the policy *is* the reference."""
+
+DPO_EVAL_BEFORE = """\
+def pair_scores(metrics):
+    return {k.removeprefix("eval_"): round(v, 4) for k, v in metrics.items()
+            if k.startswith(("eval_rewards/", "eval_loss"))}
+
+before = pair_scores(trainer.evaluate())
+before
+"""
+
+DPO_TRAIN_MD = """\
+## 6. Train, with the live dashboard
+
+Beside loss, learning rate, gradient norm and memory, the dashboard plots the implicit **reward** of
+the chosen and the rejected answers, their **margin** and the reward **accuracy** (the fraction of
+pairs in the step whose chosen answer wins). Training should open the gap: chosen up or steady,
+rejected down."""
+
+DPO_EVAL_AFTER_MD = """\
+## 7. The held-back pairs after training
+
+The same scores on pairs the model never trained on: a margin and an accuracy above the start mean it
+learned to prefer true answers in general, not only the ones it saw."""
+
+DPO_EVAL_AFTER = """\
+after = pair_scores(trainer.evaluate())
+for key in after:
+    print(f"{key:22s} {before.get(key, float('nan')):9.4f} -> {after[key]:9.4f}")
+"""
+
+DPO_GENERATE = """\
+from notebookkit import FastLanguageModel
+from notebookkit.train import generate_reply
+
+FastLanguageModel.for_inference(model)
+for row in heldout_ds.select(range(2)):
+    print("question: ", row["prompt"][0]["content"])
+    print("model:    ", generate_reply(model, tokenizer, row["prompt"], max_new_tokens=24))
+    print("chosen:   ", row["chosen"][0]["content"], "| rejected:", row["rejected"][0]["content"])
+model = FastLanguageModel.for_training(model)
+"""
+
+DPO_SIGNAL_MD = """\
+## Last: did it learn? (checked automatically)
+
+CI runs this notebook on the tiny default and this cell fails the run unless the preference was
+learned: averaged over the first and the last `FIRST_LAST` logged steps, DPO's reward accuracy must
+rise by `MIN_ACCURACY_RISE` and its reward margin by `MIN_MARGIN_RISE`. With the learning rate at 0
+the policy stays equal to the reference, every reward stays exactly 0, and this cell fails.
+
+ORPO is checked on what it optimises first: its NLL on the chosen answers must fall by
+`MIN_NLL_DROP`. Its rewards have no reference, so they start apart, and on the tiny default its
+odds-ratio term is weak: the answers of a pair differ by a word, the log-probabilities are averaged
+over the answer, and at `beta = 0.1` that term's gradient is a few hundred times smaller than the
+NLL's (measured on the first batch), so in 60 CPU steps the margin does not widen. Its accuracy and
+margin are printed, not asserted."""
+
+DPO_SIGNAL = """\
+import statistics
+
+steps = [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
+def first_last(key):
+    return (statistics.mean(h[key] for h in steps[:FIRST_LAST]), statistics.mean(h[key] for h in steps[-FIRST_LAST:]))
+
+acc_first, acc_last = first_last("rewards/accuracies")
+margin_first, margin_last = first_last("rewards/margins")
+print(f"reward accuracy {acc_first:.3f} -> {acc_last:.3f} (rise {acc_last - acc_first:+.3f})")
+print(f"reward margin   {margin_first:.3f} -> {margin_last:.3f} (rise {margin_last - margin_first:+.3f})")
+if cfg.training.method == "orpo":
+    nll_first, nll_last = first_last("nll_loss")
+    drop = 1 - nll_last / nll_first
+    print(f"ORPO NLL on the chosen answers {nll_first:.3f} -> {nll_last:.3f} ({drop:.0%} lower; required {MIN_NLL_DROP:.0%})")
+    assert drop >= MIN_NLL_DROP, "ORPO's NLL on the chosen answers did not fall enough: nothing was learned"
+else:
+    print(f"required: accuracy rise {MIN_ACCURACY_RISE}, margin rise {MIN_MARGIN_RISE}")
+    assert acc_last - acc_first >= MIN_ACCURACY_RISE, "the reward accuracy did not rise enough: the preference was not learned"
+    assert margin_last - margin_first >= MIN_MARGIN_RISE, "the reward margin did not rise enough: the preference was not learned"
+print("learning signal: OK")
+"""
+
+
+def rl_setup_cells(intro: str, parameters: str, resolve: str, panels_md: str, panels: str) -> list[nbformat.NotebookNode]:
+    """The first cells of the DPO and GRPO notebooks: title, install, parameters, resolve, panels."""
+    return [
+        md(intro),
+        code(INSTALL),
+        md("""\
+**Parameters.** `None` means "choose for this machine". CI and `make demo` override this cell (it is
+tagged `parameters`)."""),
+        code(parameters, tags=["parameters"]),
+        code(resolve),
+        md(panels_md),
+        code(panels),
+    ]
+
+
+def dpo_notebook() -> list[nbformat.NotebookNode]:
+    return [
+        *rl_setup_cells(DPO_INTRO, DPO_PARAMETERS, DPO_RESOLVE, DPO_PANELS_MD, DPO_PANELS),
+        md("""\
+## 2. Load the model and its chat template
+
+`FastLanguageModel.from_pretrained` loads the checkpoint and patches it onto fused kernels; the chat
+template renders prompts and answers as the model's conversation format."""),
+        code(LOAD.format(chat_template_default="guess_chat_template(tokenizer, cfg.model.model_name)")),
+        md(LORA_MD),
+        code(LORA),
+        md(DPO_DATA_MD),
+        code(DPO_DATA),
+        md(DPO_TRAINER_MD),
+        code(DPO_TRAINER),
+        md(DPO_EVAL_MD),
+        code(DPO_EVAL_BEFORE),
+        md(DPO_TRAIN_MD),
+        code(TRAIN),
+        md(DPO_EVAL_AFTER_MD),
+        code(DPO_EVAL_AFTER),
+        md("""\
+## 8. Ask the tuned model
+
+Greedy answers to two held-back questions, beside the pair's chosen and rejected answers."""),
+        code(DPO_GENERATE),
+        md(SAVE_MD),
+        code(SAVE),
+        md(DPO_SIGNAL_MD),
+        code(DPO_SIGNAL),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# the GRPO notebook: a short SFT priming on the answer format, then GRPO with verifiable rewards
+
+GRPO_INTRO = """\
+# Reinforcement learning with verifiable rewards: GRPO
+
+**GRPO** (Group Relative Policy Optimisation) needs no written answers to train on: for each prompt
+the model samples a *group* of completions, a program scores each one (here: is the answer in the
+asked-for format, and is it right?), and the model is pushed towards the completions that scored
+above their group's mean and away from those below it. This is how reasoning models learn from
+problems whose answers can be checked.
+
+A model that never writes the format cannot be rewarded for it, so the run starts with a **short SFT
+priming** on a few worked solutions, then GRPO takes over with the reward functions.
+
+Steps: **panels** → **load** → **LoRA** → **data** and **reward functions** → **priming** (SFT on the
+format) → **GRPO** with a live dashboard (reward per function, completion length, time in generation
+vs training) → **held-back problems** → **save**, and a last cell that checks the reward rose.
+
+*On a CPU it uses `notebookkit/tiny-llama` (built offline, nothing is downloaded) and runs in a few
+minutes; the tiny model can barely do arithmetic, so its gain is mostly in the format, while a real
+model's shows in correctness too.*"""
+
+GRPO_PARAMETERS = """\
+MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
+GPU_MODEL = "Qwen/Qwen3-0.6B"
+CHAT_TEMPLATE = None       # None: guessed from the model name / tokenizer
+LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
+MAX_SEQ_LENGTH = None      # None: 1024 on a GPU, 256 on CPU
+DTYPE = None               # None: bfloat16 where the GPU has it natively, else float16 (a T4)
+LORA_R = 16
+PRIME_ROWS = 100           # worked solutions for the SFT priming (held apart from the GRPO prompts)
+PRIME_STEPS = None         # None: 30 on a GPU, CPU_PRIME_STEPS on CPU; 0 skips the priming
+CPU_PRIME_STEPS = 40
+PRIME_LEARNING_RATE = None # None: 2e-4 on a GPU, 5e-3 on CPU
+GRPO_STEPS = None          # None: 100 on a GPU, CPU_GRPO_STEPS on CPU
+CPU_GRPO_STEPS = 50
+PROMPTS_PER_STEP = 4
+NUM_GENERATIONS = 8        # completions sampled per prompt: the group
+MAX_COMPLETION_LENGTH = None  # None: 256 on a GPU, 24 on CPU
+TEMPERATURE = 0.8
+TOP_K = 50                 # sample from the 50 likeliest tokens (0: the whole vocabulary)
+KL_BETA = 0.0              # > 0 adds a KL term to the reference (the model before GRPO)
+LEARNING_RATE = None       # None: 5e-5 on a GPU, CPU_LEARNING_RATE on CPU; 0 trains nothing (a control)
+CPU_LEARNING_RATE = 1e-3
+WARMUP_STEPS = 3
+FORMAT_ROWS = None         # train the embedding rows of the answer tags' tokens too; None: on CPU (the tiny default)
+N_EVAL = 8                 # held-back problems answered before the end
+SEED = 3407
+OUTPUT_DIR = "outputs/grpo"
+FIRST_LAST = 10            # the last cell compares the mean reward of the first and the last FIRST_LAST steps:
+MIN_REWARD_RISE = 0.25     # ... it must rise by at least this (rewards: format 0 / 0.5 / 1 plus correctness 0 / 1)
+"""
+
+GRPO_RESOLVE = """\
+import os
+import torch
+
+ON_GPU = torch.cuda.is_available()
+MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
+LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
+MAX_SEQ_LENGTH = MAX_SEQ_LENGTH or (1024 if ON_GPU else 256)
+PRIME_STEPS = (30 if ON_GPU else CPU_PRIME_STEPS) if PRIME_STEPS is None else PRIME_STEPS
+PRIME_LEARNING_RATE = PRIME_LEARNING_RATE or (2e-4 if ON_GPU else 5e-3)
+GRPO_STEPS = GRPO_STEPS or (100 if ON_GPU else CPU_GRPO_STEPS)
+MAX_COMPLETION_LENGTH = MAX_COMPLETION_LENGTH or (256 if ON_GPU else 24)
+LEARNING_RATE = (5e-5 if ON_GPU else CPU_LEARNING_RATE) if LEARNING_RATE is None else LEARNING_RATE
+FORMAT_ROWS = (not ON_GPU) if FORMAT_ROWS is None else FORMAT_ROWS
+torch.manual_seed(SEED)
+os.makedirs(OUTPUT_DIR, exist_ok=True)
+print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | 4-bit: {LOAD_IN_4BIT} | "
+      f"priming steps: {PRIME_STEPS} | GRPO steps: {GRPO_STEPS} | learning rate: {LEARNING_RATE}")
+"""
+
+GRPO_PANELS_MD = """\
+## 1. Choose the model, the adapter and the run
+
+The training panel holds the GRPO run: its **batch size** counts completions (prompts per step ×
+generations per prompt) and **KL beta** weighs a KL term to the reference (0: none, and then no
+reference is computed). Generation settings (group size, completion length, sampling) are in the
+parameters cell."""
+
+GRPO_PANELS = """\
+from notebookkit.widgets import ConfigPanels
+
+panels = ConfigPanels(
+    model=dict(model_name=MODEL_NAME, load_in_4bit=LOAD_IN_4BIT, max_seq_length=MAX_SEQ_LENGTH, dtype=DTYPE),
+    lora=dict(r=LORA_R, lora_alpha=LORA_R, random_state=SEED),
+    training=dict(method="grpo", beta=KL_BETA, max_steps=GRPO_STEPS,
+                  per_device_train_batch_size=PROMPTS_PER_STEP * NUM_GENERATIONS, gradient_accumulation_steps=1,
+                  learning_rate=LEARNING_RATE, warmup_steps=WARMUP_STEPS, seed=SEED),
+)
+panels
+"""
+
+GRPO_DATA_MD = """\
+## 4. Problems and reward functions
+
+Each bundled row has a `prompt` (a system turn asking for one line of working and the final number in
+`<answer></answer>` tags, and the problem), the reference `answer`, and a worked `solution`. GRPO
+reads the `prompt`; the other columns reach the reward functions by name. The `eval` split is held
+back."""
+
+GRPO_DATA = """\
+from notebookkit.data import load_bundled
+
+raw = load_bundled("grpo_math")
+print(raw)
+print(raw[0]["prompt"][0]["content"])
+print(raw[0]["prompt"][1]["content"], "->", raw[0]["answer"])
+prime_ds = raw.select(range(PRIME_ROWS))
+grpo_ds = raw.select(range(PRIME_ROWS, len(raw)))
+heldout_ds = load_bundled("grpo_math", split="eval").select(range(N_EVAL))
+print(f"{len(prime_ds)} worked solutions for the priming, {len(grpo_ds)} prompts for GRPO, {len(heldout_ds)} held back")
+"""
+
+GRPO_REWARDS_MD = """\
+**Reward functions** follow TRL's convention: `fn(prompts, completions, **columns) -> list[float]`,
+called once per batch with the prompts and completions (chat turns here) and every other column of
+the rows (`answer`, `question`, `solution`) as lists aligned with the completions; one score per
+completion comes back (`None` where a function does not apply). Two ship with notebookkit:
+
+* `format_reward`: 1.0 for exactly one line of working, a newline and `<answer>N</answer>`; 0.5 for an
+  answer tag anywhere; 0 otherwise;
+* `correctness_reward`: 1.0 when the tagged number equals the row's `answer`.
+
+Write your own the same way (see `help(notebookkit.train.rewards)`): name the columns you need, end
+with `**kwargs`. The trainer checks each function's parameters against the data set before training,
+and a function that raises or returns the wrong number of scores is reported with its name and the
+offending row. Below, both rewards score a worked solution and a rambling reply, and a third,
+home-made one shows the shape."""
+
+GRPO_REWARDS = """\
+from notebookkit.train import completion_text, correctness_reward, format_reward
+
+def short_reply_reward(completions, **kwargs):  # a home-made example (not used below)
+    return [0.2 if completion_text(c).count("\\n") <= 1 else 0.0 for c in completions]  # at most two lines
+
+samples = [[{"role": "assistant", "content": raw[0]["solution"]}],
+           [{"role": "assistant", "content": "Let me think. Max has some marbles and then more."}]]
+answers = [raw[0]["answer"]] * 2
+for fn in (format_reward, correctness_reward, short_reply_reward):
+    print(f"{fn.__name__:20s}", fn(prompts=[raw[0]["prompt"]] * 2, completions=samples, answer=answers))
+reward_funcs = [format_reward, correctness_reward]
+"""
+
+GRPO_PRIME_MD = """\
+## 5. Priming: a short SFT run on the answer format
+
+A few worked solutions, trained as prompt → completion, teach the shape of an answer; the priming is
+kept short on purpose, so that the format is half there and GRPO has something to learn.
+
+One more step is needed on the tiny default: it never saw `<`, `>`, `/` or its end-of-turn token in
+pre-training, so their embedding rows are near-copies of each other and no adapter can make the model
+write one rather than another. `untrained_tokens` finds such rows among the tokens of the solutions,
+and `train_token_rows` trains exactly those rows (here with the other tokens of the tags,
+`FORMAT_ROWS`) alongside the adapters, in the priming and in GRPO. A real checkpoint usually has no
+such rows among these tokens: on a GPU the list is then empty and this changes nothing. The trained
+rows are part of the base weights from then on (save the model, not only the adapter, to keep them;
+a KL reference shares them)."""
+
+GRPO_PRIME = """\
+from notebookkit.train import make_sft_trainer, train_token_rows, untrained_tokens
+
+prime_rows = prime_ds.map(lambda row: {"completion": [{"role": "assistant", "content": row["solution"]}]},
+                          remove_columns=["question", "answer", "solution"])
+token_rows = set(untrained_tokens(model, tokenizer, list(prime_ds["solution"]) + [tokenizer.eos_token]))
+if FORMAT_ROWS:
+    token_rows |= set(tokenizer("<answer></answer>", add_special_tokens=False)["input_ids"])
+token_rows = sorted(token_rows)
+print(f"embedding rows trained with the adapters: {tokenizer.convert_ids_to_tokens(token_rows)}")
+if PRIME_STEPS:
+    priming = make_sft_trainer(model, tokenizer, prime_rows, max_steps=PRIME_STEPS, learning_rate=PRIME_LEARNING_RATE,
+                               per_device_train_batch_size=8, gradient_accumulation_steps=1, warmup_steps=1,
+                               weight_decay=0.0, max_length=192, seed=SEED, output_dir=f"{OUTPUT_DIR}/priming")
+    with train_token_rows(model, token_rows):
+        priming.train()
+    losses = [h["loss"] for h in priming.state.log_history if "loss" in h]
+    print(f"priming: {PRIME_STEPS} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+"""
+
+GRPO_TRAINER_MD = """\
+## 6. GRPO, with the live dashboard
+
+`FastGRPOTrainer` is TRL's `GRPOTrainer`, used exactly as with TRL. Completions come from the model's
+own `generate`, switched into `FastLanguageModel.for_inference` for the call and back to training
+afterwards; the time spent in generation, in scoring (rewards, log-probs) and in training is logged
+per step. The dashboard adds the mean reward with its spread, each reward function's mean, the
+completion length and those times (and KL when `KL_BETA > 0`)."""
+
+GRPO_TRAINER = """\
+from trl import GRPOConfig
+from transformers import ProgressCallback
+from notebookkit.train import FastGRPOTrainer, precision_flags
+from notebookkit.widgets import LiveDashboard
+
+config = GRPOConfig(
+    output_dir=OUTPUT_DIR, num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH,
+    temperature=TEMPERATURE, top_k=TOP_K, logging_steps=1, report_to="none", save_strategy="no",
+    use_cpu=not ON_GPU, dataloader_num_workers=0, **precision_flags(model), **cfg.training.trainer_kwargs(),
+)
+trainer = FastGRPOTrainer(model=model, reward_funcs=reward_funcs, args=config, train_dataset=grpo_ds,
+                          processing_class=tokenizer)
+dashboard = LiveDashboard(title="GRPO")
+trainer.remove_callback(ProgressCallback)
+trainer.add_callback(dashboard)
+with train_token_rows(model, token_rows):  # weight_decay is 0 (TRL's default): the other rows stay as they are
+    train_result = trainer.train()
+dashboard.save_figure(f"{OUTPUT_DIR}/dashboard.png")
+times = {k: sum(h.get(k, 0.0) for h in trainer.state.log_history) for k in ("time/generation", "time/scoring", "time/training")}
+print(f"trained {train_result.global_step} steps in {train_result.metrics['train_runtime']:.0f} s: " +
+      ", ".join(f"{k.split('/')[1]} {v:.0f} s" for k, v in times.items()))
+"""
+
+GRPO_HELDOUT_MD = """\
+## 7. Held-back problems
+
+Greedy answers to problems the model never saw, with both rewards. The tiny default learns the
+format (its greedy answers are well formed) but not the arithmetic, and its answers tend to repeat
+one line whatever the question: the reward asked for the format, and the format is what it got. A
+real model, with a correctness reward it can reach, learns both."""
+
+GRPO_HELDOUT = """\
+from notebookkit import FastLanguageModel
+from notebookkit.train import generate_reply
+
+FastLanguageModel.for_inference(model)
+for row in heldout_ds:
+    reply = generate_reply(model, tokenizer, row["prompt"], max_new_tokens=MAX_COMPLETION_LENGTH)
+    done = [[{"role": "assistant", "content": reply}]]
+    print(f"{row['question']!r} -> {reply!r} | format {format_reward(done)[0]} | "
+          f"correct {correctness_reward(done, answer=[row['answer']])[0]} (answer {row['answer']})")
+model = FastLanguageModel.for_training(model)
+"""
+
+GRPO_SIGNAL_MD = """\
+## Last: did the reward rise? (checked automatically)
+
+CI runs this notebook on the tiny default and this cell fails the run unless GRPO raised the mean
+reward of the sampled completions: the mean over the last `FIRST_LAST` steps must exceed the mean over
+the first `FIRST_LAST` by `MIN_REWARD_RISE`. With the learning rate at 0 the policy stays the primed
+model, the reward only fluctuates, and this cell fails."""
+
+GRPO_SIGNAL = """\
+import statistics
+
+rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h and "loss" in h]
+first, last = statistics.mean(rewards[:FIRST_LAST]), statistics.mean(rewards[-FIRST_LAST:])
+print(f"mean reward, first {FIRST_LAST} steps {first:.3f} -> last {FIRST_LAST} steps {last:.3f} "
+      f"(rise {last - first:+.3f}; required {MIN_REWARD_RISE})")
+for name in ("format_reward", "correctness_reward"):
+    values = [h[f"rewards/{name}/mean"] for h in trainer.state.log_history if f"rewards/{name}/mean" in h]
+    print(f"  {name}: {statistics.mean(values[:FIRST_LAST]):.3f} -> {statistics.mean(values[-FIRST_LAST:]):.3f}")
+assert last - first >= MIN_REWARD_RISE, f"the mean reward rose only {last - first:+.3f} (< {MIN_REWARD_RISE})"
+print("learning signal: OK")
+"""
+
+
+def grpo_notebook() -> list[nbformat.NotebookNode]:
+    return [
+        *rl_setup_cells(GRPO_INTRO, GRPO_PARAMETERS, GRPO_RESOLVE, GRPO_PANELS_MD, GRPO_PANELS),
+        md("""\
+## 2. Load the model and its chat template"""),
+        code(LOAD.format(chat_template_default="guess_chat_template(tokenizer, cfg.model.model_name)")),
+        md(LORA_MD),
+        code(LORA),
+        md(GRPO_DATA_MD),
+        code(GRPO_DATA),
+        md(GRPO_REWARDS_MD),
+        code(GRPO_REWARDS),
+        md(GRPO_PRIME_MD),
+        code(GRPO_PRIME),
+        md(GRPO_TRAINER_MD),
+        code(GRPO_TRAINER),
+        md(GRPO_HELDOUT_MD),
+        code(GRPO_HELDOUT),
+        md(SAVE_MD),
+        code(SAVE),
+        md(GRPO_SIGNAL_MD),
+        code(GRPO_SIGNAL),
+    ]
+
+
 NOTEBOOKS = {
     "notebooks/sft/chat_sft.ipynb": chat_sft,
     "notebooks/sft/alpaca_sft.ipynb": alpaca_sft,
     "notebooks/export/export.ipynb": export_notebook,
+    "notebooks/dpo/dpo.ipynb": dpo_notebook,
+    "notebooks/grpo/grpo.ipynb": grpo_notebook,
 }
 
 

@@ -91,6 +91,23 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
     so :attr:`MemoryEstimate.peak_allocated` leaves it out.
 
+Preference and RL steps (``method=``)
+    ``"dpo"`` / ``"orpo"``: ``batch_size`` counts preference pairs; chosen and rejected go through the
+    model as one batch of ``2 * batch_size`` rows of ``seq_len`` tokens, so activations, loss buffers
+    and working sets are those of ``2 * batch_size`` rows. The loss is the chunked per-token log-prob
+    op (``kernels.linear_logprobs``): the same buffers as the fused cross-entropy (it saves the final
+    norm's input and output, makes the hidden-state gradient in backward, one ``[C, V]`` chunk at a
+    time) plus an fp32 entropy per row (``4 * N``). DPO's reference pass (adapters off, no gradient)
+    runs after the policy's forward, while the policy's activations are saved: it adds one decoder
+    layer's no-grad working set for ``N`` tokens (:mod:`notebookkit.memory.generation`'s formula) to
+    the end-of-forward peak (its hidden states and logits chunk take the place of the policy's
+    forward chunk). ORPO has no reference.
+    ``"grpo"``: ``batch_size`` counts completions per micro-batch, ``seq_len`` is prompt +
+    completion; only the last ``completion_len`` positions of a row reach the LM head
+    (``logits_to_keep``), so the loss buffers are for ``batch_size * completion_len`` rows (default:
+    ``seq_len``, the most). Generation is held alongside (below); without ``generation=`` it is
+    ``batch_size`` rows of ``seq_len`` slots with a ``seq_len - completion_len`` prompt.
+
 Generation held alongside training (``generation=``, GRPO: a generation and a training step every
 step, on one model): the KV cache, the captured decode step's buffers and its graph pool stay
 allocated through the training step; a prefill never overlaps the training step's transients, so
@@ -115,6 +132,7 @@ from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 GiB = 1024**3
 
 MODES = ("keep", "recompute", "offload")
+METHODS = ("sft", "dpo", "orpo", "grpo")
 
 _OPT_STATE_BYTES = {
     "adamw": 8.0, "adamw_torch": 8.0, "adamw_torch_fused": 8.0, "adamw_hf": 8.0, "adam": 8.0,
@@ -527,6 +545,8 @@ def estimate_training_memory(
     attention: str = "auto",
     fp8_forward: bool = False,
     generation: Any = None,
+    method: str = "sft",
+    completion_len: int | None = None,
     cuda_context_bytes: int = 400 * 2**20,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
@@ -556,6 +576,10 @@ def estimate_training_memory(
             prompt_len=...)`` (rows generated at once, prompt + new tokens, prompt length) or a
             :class:`~notebookkit.memory.generation.GenerationMemory`; adds its KV cache, CUDA graph
             buffers and decode step, and what its prefill needs beyond the training step's transients.
+        method: ``"sft"``, ``"dpo"`` / ``"orpo"`` (``batch_size`` counts pairs: ``2 * batch_size``
+            rows; DPO adds its reference pass) or ``"grpo"`` (``batch_size`` counts completions; the
+            loss over ``completion_len`` positions per row; generation held alongside). Module notes.
+        completion_len: GRPO's completion tokens per row (``max_completion_length``); default ``seq_len``.
         cuda_context_bytes: memory the CUDA context and libraries take outside PyTorch's allocator.
 
     Returns:
@@ -566,21 +590,27 @@ def estimate_training_memory(
     shape = model_shape(model_config)
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"notebookkit.memory: batch_size and seq_len must be >= 1 (got {batch_size}, {seq_len}).")
+    if method not in METHODS:
+        raise ValueError(f"notebookkit.memory: method={method!r}; use one of {list(METHODS)} (the trainer's kind).")
     s = _dtype_bytes(dtype)
     targets = _targets(target_modules)
     plan = normalize_plan(activation_plan, shape.num_layers)
     opt = _optimizer_name(optimizer)
     attention = resolve_attention(shape, attention)
-    tokens = batch_size * seq_len
+    rows = 2 * batch_size if method in ("dpo", "orpo") else batch_size
+    scored = _scored_len(method, seq_len, completion_len)
+    if method == "grpo" and generation is None:
+        generation = dict(batch_size=batch_size, max_len=seq_len, prompt_len=max(1, seq_len - scored))
 
     base = _base_weights(shape, s, load_in_4bit, double_quant)
     adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
-    acts = _activations(shape, plan, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
+    acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
                         target_modules=targets, lora_dropout=lora_dropout, attention=attention)
-    loss = _logits_and_loss(shape, tokens, s, fused_loss, loss_chunk_size)
-    working_set = backward_working_set(shape, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
+    loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=method != "sft")
+    working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
                                        load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
-    temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes)
+    reference = _reference_pass(shape, rows, seq_len, s, load_in_4bit, attention) if method == "dpo" else _Part(0)
+    temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes, reference.bytes)
     gen_bytes, gen_details = 0, {}
     if generation is not None:
         transients = acts.bytes + loss.bytes + temporaries.bytes - cuda_context_bytes
@@ -599,7 +629,7 @@ def estimate_training_memory(
         target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
-        generation=getattr(generation, "inputs", generation),
+        generation=getattr(generation, "inputs", generation), method=method, rows=rows, scored_len=scored,
     )
     return MemoryEstimate(
         base_weights=int(base.bytes), adapters=int(adapters.bytes), activations=int(acts.bytes),
@@ -712,24 +742,46 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
                         layer_input=X, host_offload=counts["offload"] * X)
 
 
-def _logits_and_loss(shape: ModelShape, tokens: int, s: int, fused_loss: bool, loss_chunk_size: int | None) -> _Part:
-    """The fused linear cross-entropy's buffers and one logits chunk, or the materialised ``[N, V]`` logits."""
+def _logits_and_loss(shape: ModelShape, tokens: int, s: int, fused_loss: bool, loss_chunk_size: int | None,
+                     logprobs: bool = False) -> _Part:
+    """The fused linear cross-entropy's buffers and one logits chunk (or, ``logprobs``, the chunked per-token
+    log-prob op's, with an fp32 entropy per row), or the materialised ``[N, V]`` logits."""
     N, H, V = tokens, shape.hidden_size, shape.vocab_size
     X = N * H * s
     if fused_loss:
         chunk = loss_chunk_size or default_loss_chunk(N, H, V, s)
         chunk = min(chunk, N)
-        hidden_b = 3 * X + 16 * N
+        hidden_b = 3 * X + (20 if logprobs else 16) * N
         chunk_b = chunk * V * s
+        what = "per-token log-probs" if logprobs else "logits chunk"
         return _Part(hidden_b + chunk_b, {"logits / loss: final norm, hidden grad": hidden_b,
-                                          f"logits / loss: logits chunk ({chunk} rows)": chunk_b})
+                                          f"logits / loss: {what} ({chunk} rows)": chunk_b})
     logits_loss = 2 * X + N * V * (s + 3 * 4)
     notes = ["the materialised logits are large; fused_loss=True computes the loss in chunks"] if N * V * 4 > 2 * GiB else []
     return _Part(logits_loss, {"logits / loss: materialised [N, V] logits (16-bit + fp32)": logits_loss}, notes)
 
 
+def _scored_len(method: str, seq_len: int, completion_len: int | None) -> int:
+    """Positions per row that reach the LM head: all but GRPO's prompt (``logits_to_keep``)."""
+    if completion_len is None or method != "grpo":
+        return seq_len
+    if not 1 <= completion_len <= seq_len:
+        raise ValueError(f"notebookkit.memory: completion_len must be between 1 and seq_len={seq_len} (prompt + "
+                         f"completion), got {completion_len}.")
+    return int(completion_len)
+
+
+def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, load_in_4bit: bool, attention: str) -> _Part:
+    """DPO's reference forward (no gradient) on top of the saved policy activations: one decoder layer's
+    no-grad working set for ``rows * seq_len`` tokens."""
+    from .generation import _layer_working_set
+
+    return _Part(_layer_working_set(shape, rows, seq_len, seq_len, s, load_in_4bit, attention))
+
+
 def _temporaries(
-    plan: tuple[str, ...], acts: _Activations, logits_loss: float, working_set: dict[str, int], cuda_context_bytes: int
+    plan: tuple[str, ...], acts: _Activations, logits_loss: float, working_set: dict[str, int], cuda_context_bytes: int,
+    forward_extra: float = 0,
 ) -> _Part:
     """The backward's working set beyond the (by then freed) loss buffers, and the CUDA context.
 
@@ -743,7 +795,9 @@ def _temporaries(
     """
     ws_max = max(working_set["mlp"], working_set["attention"], working_set["fp8_forward"])
     activations, keep_layer = acts.bytes, acts.keep_layer
-    end_of_forward = activations + max(logits_loss, ws_max if plan and plan[-1] == "keep" else 0)
+    policy_end = activations + max(logits_loss, ws_max if plan and plan[-1] == "keep" else 0)
+    reference_end = activations + logits_loss + forward_extra
+    end_of_forward = max(policy_end, reference_end)
     non_kept = [i for i, m in enumerate(plan) if m != "keep"]
     if non_kept:
         kept_after = len(plan) - 1 - non_kept[-1]
@@ -753,6 +807,8 @@ def _temporaries(
     over = max(end_of_forward, first_recompute) - activations - logits_loss
     details = {}
     if over:
-        details["temporaries: backward working set beyond the loss buffers"] = over
+        peak_in_reference = forward_extra and reference_end > policy_end and reference_end >= first_recompute
+        details["temporaries: " + ("DPO reference pass (no grad) beyond the loss buffers" if peak_in_reference
+                                   else "backward working set beyond the loss buffers")] = over
     details["temporaries: CUDA context"] = cuda_context_bytes
     return _Part(over + cuda_context_bytes, details)

@@ -1,7 +1,9 @@
-"""Training presets around TRL trainers, the calibration run, held-out evaluation, and the
-headless notebook runner. Imported on first use::
+"""Training presets around TRL trainers (SFT, DPO, ORPO, GRPO), reward helpers, the calibration run,
+held-out evaluation, and the headless notebook runner. Imported on first use::
 
     from notebookkit.train import make_sft_trainer, calibrate, answer_loss, exact_match
+    from notebookkit.train import FastDPOTrainer, FastORPOTrainer, ORPOConfig, FastGRPOTrainer
+    from notebookkit.train import format_reward, correctness_reward
 """
 
 from __future__ import annotations
@@ -24,6 +26,22 @@ _LAZY = {
     "exact_match": "evaluation",
     "generate_reply": "evaluation",
     "normalize_answer": "evaluation",
+    "FastDPOTrainer": "dpo",
+    "check_preference_dataset": "dpo",
+    "PreferenceInputError": "dpo",
+    "FastORPOTrainer": "orpo",
+    "ORPOConfig": "orpo",
+    "FastGRPOTrainer": "grpo",
+    "check_grpo_dataset": "grpo",
+    "GRPOInputError": "grpo",
+    "format_reward": "rewards",
+    "correctness_reward": "rewards",
+    "checked_reward": "rewards",
+    "completion_text": "rewards",
+    "extract_tagged_answer": "rewards",
+    "RewardFunctionError": "rewards",
+    "untrained_tokens": "token_rows",
+    "train_token_rows": "token_rows",
     "run_notebook": "headless",
     "NotebookRun": "headless",
 }

@@ -9,8 +9,9 @@ TRL's log names to detached 0-dim tensors, read them with ``.item()`` when loggi
     # notebookkit.train.token_logprobs (where the log-probs come from)
     token_logprobs(model, input_ids [B, T], attention_mask=None [B, T], *, labels=None [B, T],
                    logits_to_keep=0, temperature=1.0, reference=False, position_ids=None,
-                   chunk_size=None, return_entropy=False)
+                   chunk_size=None, return_entropy=False, return_logit_stats=False)
         -> [B, T - 1] (or [B, logits_to_keep]) log-probs of the next tokens, 0 where the label is -100
+           (+ entropy, + mean logits and top-1 flags, when asked)
 
     sequence_logps(per_token_logps [B, T], mask [B, T], average=False) -> [B]
 

@@ -24,8 +24,9 @@ class SFTInputError(ValueError):
     """A data set or setting an SFT trainer cannot train on; the message says what to change."""
 
 
-def _type_error(name: str, dataset: Any) -> Optional[TypeError]:
-    """A ``TypeError`` for a data set that is not a ``datasets.Dataset`` / ``IterableDataset``."""
+def _type_error(name: str, dataset: Any, trainer: str = "SFTTrainer") -> Optional[TypeError]:
+    """A ``TypeError`` for a data set that is not a ``datasets.Dataset`` / ``IterableDataset`` (``trainer``
+    names the trainer that reads it)."""
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
     if isinstance(dataset, (Dataset, IterableDataset)):
@@ -43,21 +44,21 @@ def _type_error(name: str, dataset: Any) -> Optional[TypeError]:
             else "datasets.Dataset.from_list(rows)"
         )
         return TypeError(
-            f"{name} is a Python {type(dataset).__name__} of {len(dataset)} rows; SFTTrainer reads a "
+            f"{name} is a Python {type(dataset).__name__} of {len(dataset)} rows; {trainer} reads a "
             f"datasets.Dataset. Wrap it first: {name} = {fix}."
         )
     if type(dataset).__name__ == "DataFrame":
         return TypeError(
-            f"{name} is a pandas DataFrame; SFTTrainer reads a datasets.Dataset. Convert it first: "
+            f"{name} is a pandas DataFrame; {trainer} reads a datasets.Dataset. Convert it first: "
             f"{name} = datasets.Dataset.from_pandas(df, preserve_index=False)."
         )
     if isinstance(dataset, dict):
         return TypeError(
-            f"{name} is a dict of columns {sorted(dataset)}; SFTTrainer reads a datasets.Dataset. Convert it "
+            f"{name} is a dict of columns {sorted(dataset)}; {trainer} reads a datasets.Dataset. Convert it "
             f"first: {name} = datasets.Dataset.from_dict(columns)."
         )
     return TypeError(
-        f"{name} is a {type(dataset).__name__}; SFTTrainer reads a datasets.Dataset or IterableDataset "
+        f"{name} is a {type(dataset).__name__}; {trainer} reads a datasets.Dataset or IterableDataset "
         "(datasets.load_dataset, Dataset.from_list, Dataset.from_pandas)."
     )
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from notebookkit.kernels.linear_logprobs import linear_logprobs
 from notebookkit.models.architectures import final_softcap, lookup, text_config
+from notebookkit.train.logit_statistics import logit_statistics
 
 __all__ = ["token_logprobs", "causal_lm_parts"]
 
@@ -72,7 +73,8 @@ def token_logprobs(
     position_ids: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
     return_entropy: bool = False,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    return_logit_stats: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Log-probability of every next token of ``input_ids`` under ``model``, without full logits.
 
     Args:
@@ -88,10 +90,14 @@ def token_logprobs(
         position_ids: passed to the backbone (``None``: its default positions, as TRL does).
         chunk_size: rows per LM-head chunk (``None``: chosen from memory).
         return_entropy: also return each position's entropy (no gradient).
+        return_logit_stats: also return each position's mean logit over the vocabulary and whether
+            its label is the top-1 token (:mod:`notebookkit.train.logit_statistics`; no gradient, one
+            more chunked LM-head GEMM): the ``logits/*`` and ``mean_token_accuracy`` metrics of TRL.
 
     Returns:
         float32 ``[B, T - 1]`` (or ``[B, K]``) log-probs, 0 where the label is ``-100``; with
-        ``return_entropy=True`` also the entropies, same shape.
+        ``return_entropy=True`` also the entropies, and with ``return_logit_stats=True`` also the mean
+        logits (float32) and the top-1 flags (bool), all of the same shape, in that order.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}.")
@@ -111,15 +117,15 @@ def token_logprobs(
     context = _reference_context(model) if reference else contextlib.nullcontext()
     with context:
         outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        hidden = outputs[0][:, -keep - 1:-1]
         weight = lm_head.weight
-        return linear_logprobs(
-            hidden.to(weight.device),
-            weight,
-            labels[:, -keep:].to(weight.device),
-            lm_head.bias,
-            softcap=softcap,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_entropy=return_entropy,
+        hidden = outputs[0][:, -keep - 1:-1].to(weight.device)
+        targets = labels[:, -keep:].to(weight.device)
+        scores = linear_logprobs(
+            hidden, weight, targets, lm_head.bias, softcap=softcap, temperature=temperature,
+            chunk_size=chunk_size, return_entropy=return_entropy,
         )
+        if not return_logit_stats:
+            return scores
+        stats = logit_statistics(hidden.detach(), weight.detach(), targets, lm_head.bias, softcap=softcap,
+                                 temperature=temperature, chunk_size=chunk_size)
+        return (*(scores if return_entropy else (scores,)), *stats)

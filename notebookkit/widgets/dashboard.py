@@ -8,7 +8,9 @@
 
 While training: a progress bar with elapsed time and ETA, the latest loss / eval loss / learning
 rate / grad norm / tokens per second / memory (VRAM now and peak, or host RSS on CPU), and a plot
-of the curves. Text updates at most every ``update_every`` seconds and the plot at most every
+of the curves. DPO / ORPO runs add the chosen and rejected rewards, their margin and accuracy; GRPO
+runs add the reward (mean, spread, per function), KL, completion length and the time per step in
+generation vs training (:mod:`notebookkit.widgets.rl_metrics`). Text updates at most every ``update_every`` seconds and the plot at most every
 ``plot_every`` seconds (drawing a figure costs tens of milliseconds, too much for every CPU step);
 everything is redrawn once at the end. Then a static PNG of the final figure is displayed as an
 ordinary output, so an executed or exported notebook still shows it without the widget state.
@@ -21,6 +23,8 @@ import io
 import time
 
 from notebookkit.train.callbacks import TrainingMonitor, format_seconds
+
+from . import rl_metrics
 
 
 def _in_notebook() -> bool:
@@ -122,7 +126,7 @@ class LiveDashboard(TrainingMonitor):
             ("tokens/s", _fmt(self.tokens_per_s, ",.0f")),
             (f"{self.mem_kind} now", _fmt(self.mem_now_gib, ".2f") + " GiB"),
             (f"{self.mem_kind} peak", _fmt(self.mem_peak_gib, ".2f") + " GiB"),
-        ]
+        ] + rl_metrics.stat_cells(self)
         head = "".join(f"<th style='padding:0 10px;font-weight:normal;color:#666'>{k}</th>" for k, _ in cells)
         body = "".join(f"<td style='padding:0 10px;text-align:center'><b>{v}</b></td>" for _, v in cells)
         return f"<table><tr>{head}</tr><tr>{body}</tr></table>"
@@ -132,39 +136,50 @@ class LiveDashboard(TrainingMonitor):
         state = "done" if self.finished else f"ETA {format_seconds(self.eta_seconds)}"
         return f"step {self.step}/{total} · {format_seconds(self.elapsed)} elapsed · {state}"
 
-    def figure(self):
-        """A matplotlib ``Figure`` of the curves so far (loss, learning rate, grad norm, memory)."""
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(10, 5.6), dpi=90, layout="constrained")
-        axes = fig.subplots(2, 2)
-        ax = axes[0][0]
+    def _draw_loss(self, ax) -> None:
         xs, ys = self.series("loss")
         ax.plot(xs, ys, label="train loss", color="#4e79a7")
         ex, ey = self.series("eval_loss")
         if ex:
             ax.plot(ex, ey, "o-", label="eval loss", color="#e15759")
         ax.set_title("loss")
-        ax.set_xlabel("step")
         if xs or ex:
             ax.legend(loc="upper right", fontsize=8)
-        for ax, key, title, colour in (
-            (axes[0][1], "learning_rate", "learning rate", "#f28e2b"),
-            (axes[1][0], "grad_norm", "grad norm", "#59a14f"),
-        ):
-            x, y = self.series(key)
-            ax.plot(x, y, color=colour)
-            ax.set_title(title)
-            ax.set_xlabel("step")
-        ax = axes[1][1]
+
+    def _draw_series(self, ax, key: str, title: str, colour: str) -> None:
+        ax.plot(*self.series(key), color=colour)
+        ax.set_title(title)
+
+    def _draw_memory(self, ax) -> None:
         mx, my = self.series("mem_gib")
         px, py = self.series("mem_peak_gib")
         ax.plot(mx, my, label=f"{self.mem_kind} now", color="#76b7b2")
         ax.plot(px, py, "--", label=f"{self.mem_kind} peak", color="#b07aa1")
         ax.set_title("memory (GiB)")
-        ax.set_xlabel("step")
         if mx:
             ax.legend(loc="lower right", fontsize=8)
+
+    def figure(self):
+        """A matplotlib ``Figure`` of the curves so far: loss, learning rate, grad norm, memory, and for
+        DPO / ORPO / GRPO runs their reward panels (:mod:`notebookkit.widgets.rl_metrics`)."""
+        from matplotlib.figure import Figure
+
+        drawers = [
+            self._draw_loss,
+            lambda ax: self._draw_series(ax, "learning_rate", "learning rate", "#f28e2b"),
+            lambda ax: self._draw_series(ax, "grad_norm", "grad norm", "#59a14f"),
+            self._draw_memory,
+        ] + rl_metrics.panels(self)
+        cols = 2 if len(drawers) <= 4 else 3
+        rows = -(-len(drawers) // cols)
+        size = (10, 5.6) if len(drawers) <= 4 else (13, 2.9 * rows)
+        fig = Figure(figsize=size, dpi=90, layout="constrained")
+        axes = fig.subplots(rows, cols, squeeze=False).ravel()
+        for ax, draw in zip(axes, drawers):
+            draw(ax)
+            ax.set_xlabel("step")
+        for ax in axes[len(drawers):]:
+            fig.delaxes(ax)
         tps = [r["tokens_per_s"] for r in self.history if r.get("tokens_per_s")]
         sub = f" · {sum(tps) / len(tps):,.0f} tokens/s" if tps else ""
         fig.suptitle(f"{self.title}: step {self.step}/{self.max_steps or '?'}{sub}", fontsize=11)

@@ -32,6 +32,7 @@ PART_COLOURS = {
     "adapters + optimizer": "#f28e2b",
     "activations": "#59a14f",
     "logits / loss": "#e15759",
+    "generation": "#b07aa1",
     "other": "#9c9c9c",
 }
 
@@ -115,6 +116,7 @@ def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None)
         optimizer=str(optim), batch_size=int(batch), seq_len=int(model.max_seq_length),
         lora_dropout=float(getattr(lora, "lora_dropout", 0.0) or 0.0),
         fp8_forward=bool(getattr(lora, "fp8_base_matmul", False)),
+        method=str(getattr(training, "method", "sft") or "sft"),
         cuda_context_bytes=400 * 2**20 if card is not None else 0,
     )
     try:

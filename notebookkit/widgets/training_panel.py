@@ -1,8 +1,12 @@
 """Training panel: learning rate, epochs or max steps, batch size, accumulation, warm-up, scheduler,
-seed, packing, optimizer.
+seed, packing, optimizer; for preference training the method (DPO or ORPO) and its beta.
 
 ``TrainingPanel().value`` is a :class:`TrainingChoice`; :meth:`~TrainingChoice.trainer_kwargs`
 returns ``TrainingArguments`` / TRL ``SFTConfig`` field names (``SFTConfig(output_dir=..., **kw)``).
+``TrainingPanel(method="dpo")`` shows a DPO / ORPO switch and a beta field instead of packing; its
+``trainer_kwargs()`` then fit ``DPOConfig`` / ``ORPOConfig`` (``beta`` in, ``packing`` out).
+``TrainingPanel(method="grpo")`` shows beta as the KL weight, for ``GRPOConfig``; its batch size counts
+completions (prompts per step x generations per prompt).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from ._base import Panel, header, styled
 
 SCHEDULERS = ["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"]
 OPTIMIZERS = ["adamw_8bit", "paged_adamw_8bit", "adamw_torch", "adamw_torch_fused", "adafactor", "sgd"]
+#: method -> label of the preference switch (DPO: beta scales the implicit reward; ORPO: beta weighs
+#: the odds-ratio term against the SFT loss)
+PREFERENCE_METHODS = {"dpo": "DPO", "orpo": "ORPO"}
 
 
 def _default_optim() -> str:
@@ -32,7 +39,9 @@ class TrainingChoice:
     """Trainer settings, named as ``TrainingArguments`` / ``SFTConfig`` take them.
 
     ``max_steps > 0`` stops after that many optimizer steps; ``max_steps = -1`` runs
-    ``num_train_epochs`` epochs instead.
+    ``num_train_epochs`` epochs instead. ``method`` is ``"sft"``, ``"dpo"`` / ``"orpo"`` for
+    preference pairs (``beta``: DPO's reward scale, ORPO's odds-ratio weight) or ``"grpo"``
+    (``beta``: the weight of the KL term, 0 for none).
     """
 
     learning_rate: float = 2e-4
@@ -45,18 +54,29 @@ class TrainingChoice:
     seed: int = 3407
     packing: bool = False
     optim: str = ""
+    method: str = "sft"
+    beta: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.optim:
             self.optim = _default_optim()
+        if self.method not in ("sft", "grpo", *PREFERENCE_METHODS):
+            raise ValueError(f"method={self.method!r}: use 'sft', {' / '.join(map(repr, PREFERENCE_METHODS))} for "
+                             "preference pairs, or 'grpo'")
 
     @property
     def effective_batch_size(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``SFTConfig`` / ``TrainingArguments`` (packing included)."""
+        """Keyword arguments for ``SFTConfig`` (packing included), or for ``DPOConfig`` / ``ORPOConfig`` /
+        ``GRPOConfig`` (beta included, no packing) when ``method`` is ``"dpo"`` / ``"orpo"`` / ``"grpo"``."""
         d = asdict(self)
+        d.pop("method")
+        if self.method == "sft":
+            d.pop("beta")
+        else:
+            d.pop("packing")
         if self.max_steps and self.max_steps > 0:
             d["num_train_epochs"] = 1.0  # ignored by the Trainer when max_steps > 0
         else:
@@ -80,8 +100,11 @@ class TrainingPanel(Panel):
         v = TrainingChoice(**overrides)
         st = {"description_width": "150px"}
         lay = W.Layout(width="420px")
+        # A log slider cannot show 0: a run asked for with learning rate 0 (a control that trains nothing)
+        # keeps exactly 0 until the slider is moved.
+        self._zero_learning_rate = float(v.learning_rate) == 0.0
         self.learning_rate = styled(
-            W.FloatLogSlider(value=float(v.learning_rate), base=10, min=-6, max=-2, step=0.1,
+            W.FloatLogSlider(value=float(v.learning_rate) or 1e-6, base=10, min=-6, max=-2, step=0.1,
                              description="learning rate", readout_format=".1e", continuous_update=False,
                              style=st, layout=lay), "nbk-lr-slider")
         by_steps = bool(v.max_steps and v.max_steps > 0)
@@ -112,33 +135,60 @@ class TrainingPanel(Panel):
                            "nbk-seed")
         self.packing = styled(W.Checkbox(value=bool(v.packing), description="packing (padding-free batches)",
                                          indent=False), "nbk-packing")
+        preference = v.method in PREFERENCE_METHODS
+        self._kind = "preference" if preference else v.method  # fixed per panel: which rows it shows
+        self.method = styled(
+            W.ToggleButtons(options=[(label, key) for key, label in PREFERENCE_METHODS.items()],
+                            value=v.method if preference else "dpo", description="method",
+                            style={"description_width": "150px", "button_width": "90px"}), "nbk-method")
+        self.beta = styled(W.BoundedFloatText(value=float(v.beta), min=0.0, max=100.0, step=0.01,
+                                              description="KL beta" if v.method == "grpo" else "beta", style=st,
+                                              layout=W.Layout(width="260px")), "nbk-beta")
         self.summary = styled(W.HTML(""), "nbk-training-summary")
         self._controls = [self.learning_rate, self.stop_by, self.max_steps, self.epochs, self.batch_size,
-                          self.grad_accum, self.warmup, self.scheduler, self.optim, self.seed, self.packing]
+                          self.grad_accum, self.warmup, self.scheduler, self.optim, self.seed, self.packing,
+                          self.method, self.beta]
+        # rows that depend on the kind of run: above the schedule, and below the seed
+        top, bottom = {"preference": ([self.method], [self.beta]), "grpo": ([], [self.beta])}.get(
+            self._kind, ([], [self.packing]))
+        subtitle = {"preference": "preference optimisation", "grpo": "reinforcement learning (GRPO)"}
         self.widget = styled(
-            W.VBox([header("Training", "optimizer steps and schedule"), self.learning_rate, self.stop_by,
-                    self.max_steps, self.epochs, W.HBox([self.batch_size, self.grad_accum]), self.warmup,
-                    self.scheduler, self.optim, self.seed, self.packing, self.summary]),
+            W.VBox([header("Training", subtitle.get(self._kind, "optimizer steps and schedule")), *top,
+                    self.learning_rate, self.stop_by, self.max_steps, self.epochs,
+                    W.HBox([self.batch_size, self.grad_accum]), self.warmup, self.scheduler, self.optim, self.seed,
+                    *bottom, self.summary]),
             "nbk-panel", "nbk-training-panel",
         )
+        self.learning_rate.observe(self._slider_moved, names="value")
         self._wire()
         self.on_change(lambda _p: self._update())
         self._update()
+
+    def _slider_moved(self, change: dict) -> None:
+        self._zero_learning_rate = False
 
     def _update(self) -> None:
         steps = self.stop_by.value == "max steps"
         self.max_steps.layout.display = None if steps else "none"
         self.epochs.layout.display = "none" if steps else None
         v = self.value
+        unit = {"preference": "preference pairs", "grpo": "completions"}.get(self._kind, "sequences")
+        note = {"dpo": "DPO: beta scales the implicit reward; the reference is the model with adapters off",
+                "orpo": "ORPO: SFT loss on the chosen answer + beta x odds-ratio term; no reference",
+                "grpo": "GRPO: the batch is prompts x generations; beta > 0 adds a KL term to the reference"}.get(
+                    v.method, "")
         self.summary.value = (
-            f"<div style='color:#555'>effective batch: {v.effective_batch_size} sequences per optimizer step</div>"
+            f"<div style='color:#555'>effective batch: {v.effective_batch_size} {unit} per optimizer step"
+            + (f"<br>{note}" if note else "")
+            + ("<br>learning rate 0: a control run, nothing trains (move the slider to train)"
+               if self._zero_learning_rate else "") + "</div>"
         )
 
     @property
     def value(self) -> TrainingChoice:
         steps = self.stop_by.value == "max steps"
         return TrainingChoice(
-            learning_rate=float(f"{self.learning_rate.value:.3g}"),
+            learning_rate=0.0 if self._zero_learning_rate else float(f"{self.learning_rate.value:.3g}"),
             num_train_epochs=float(self.epochs.value),
             max_steps=int(self.max_steps.value) if steps else -1,
             per_device_train_batch_size=int(self.batch_size.value),
@@ -146,6 +196,8 @@ class TrainingPanel(Panel):
             warmup_steps=int(self.warmup.value),
             lr_scheduler_type=str(self.scheduler.value),
             seed=int(self.seed.value),
-            packing=bool(self.packing.value),
+            packing=bool(self.packing.value) and self._kind == "sft",
             optim=str(self.optim.value),
+            method={"preference": str(self.method.value)}.get(self._kind, self._kind),
+            beta=float(self.beta.value),
         )

@@ -69,3 +69,34 @@ def test_fp16_trainer_gets_fp32_adapters_back(tmp_path):
     assert keep_fp32_adapters_under_fp16(trainer) == 0  # already fp32
     trainer.args = types.SimpleNamespace(fp16=False)
     assert keep_fp32_adapters_under_fp16(trainer) == 0
+
+
+def _rl_trainer(kind: str, tmp_path, fp16: bool):
+    """A FastDPO/ORPO/GRPOTrainer on the 4-bit tiny default; ``fp16`` is set on the config after it is built
+    (TrainingArguments refuses fp16 on a CPU at construction; the trainers' constructors run with it)."""
+    from datasets import Dataset
+    from trl import DPOConfig, GRPOConfig
+
+    from notebookkit.train import FastDPOTrainer, FastGRPOTrainer, FastORPOTrainer, ORPOConfig, format_reward
+
+    model, tok = _qlora()
+    common = dict(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False, fp16=False)
+    pairs = Dataset.from_list([{"prompt": "Sky?", "chosen": "Blue.", "rejected": "Green."}] * 2)
+    if kind == "grpo":
+        args = GRPOConfig(**common, per_device_train_batch_size=2, num_generations=2, max_completion_length=4)
+    else:
+        args = (DPOConfig if kind == "dpo" else ORPOConfig)(**common, max_length=32)
+    args.fp16 = fp16
+    if kind == "grpo":
+        prompts = Dataset.from_list([{"prompt": "Sky?"}] * 2)
+        return FastGRPOTrainer(model=model, reward_funcs=[format_reward], args=args, train_dataset=prompts,
+                               processing_class=tok, show_banner=False)
+    cls = FastDPOTrainer if kind == "dpo" else FastORPOTrainer
+    return cls(model=model, args=args, train_dataset=pairs, processing_class=tok, show_banner=False)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "orpo", "grpo"])
+def test_rl_trainers_keep_fp32_adapters_under_fp16(tmp_path, kind):
+    assert _trainable_dtypes(_rl_trainer(kind, tmp_path, fp16=True).model) == {torch.float32}
+    if kind != "orpo":  # TRL's DPO and GRPO trainers cast a quantised model's adapters (ORPO only under bf16)
+        assert _trainable_dtypes(_rl_trainer(kind, tmp_path, fp16=False).model) == {torch.bfloat16}

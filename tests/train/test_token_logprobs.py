@@ -130,3 +130,33 @@ def test_bad_inputs_explain_what_to_change(lora_model):
         token_logprobs(model, ids, mask, labels=ids[:, 1:])
     with pytest.raises(ValueError, match="get_peft_model"):
         token_logprobs(model.get_base_model(), ids, mask, reference=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logit_stats_equal_the_materialised_logits(lora_model, temperature):
+    """Mean logit over the vocabulary and top-1 flags (TRL's logits/* and mean_token_accuracy), chunked."""
+    family, model = lora_model
+    ids, mask = _batch(model.config.vocab_size, seed=7)
+    backbone, lm_head, _ = causal_lm_parts(model)
+    original = lm_head.weight.detach().clone()
+    with torch.no_grad():
+        hidden = backbone(input_ids=ids, attention_mask=mask)[0]
+        lm_head.weight.mul_(40.0)  # sharpen the near-uniform tiny head: a clear top-1, and the soft-cap reached
+    try:
+        with torch.no_grad():
+            top = hidden[:, :-1] @ lm_head.weight.t()
+            ids[:, 1:] = torch.where(torch.rand(ids[:, 1:].shape, generator=torch.Generator().manual_seed(8)) < 0.5,
+                                     top.argmax(-1), ids[:, 1:])  # half the labels are the top-1 token
+        logp, entropy, mean_logits, is_top1 = token_logprobs(
+            model, ids, mask, temperature=temperature, chunk_size=6, return_entropy=True, return_logit_stats=True)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, return_logits=True).logits.float()[:, :-1] / temperature
+        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        assert rel_err(mean_logits, logits.mean(-1)) < 1e-5, family
+        expected_top1 = (logits.argmax(-1) == targets) & (targets != -100)
+        assert torch.equal(is_top1, expected_top1) and 0 < int(is_top1.sum()) < int((targets != -100).sum())
+        assert rel_err(logp, _materialised(model, ids, mask, temperature)) < 1e-5
+        assert not mean_logits.requires_grad and entropy.shape == logp.shape
+    finally:
+        with torch.no_grad():
+            lm_head.weight.copy_(original)

@@ -124,3 +124,45 @@ def test_estimate_says_the_longest_sequence_for_the_card():
     assert longest["t4"] == compute_estimate(ModelChoice(name, True, 8192, None, "t4")).longest_seq  # slider-independent
     text = estimate_html(compute_estimate(ModelChoice(name, True, 2048, None, "t4")))
     assert f"{longest['t4']:,} tokens" in text
+
+
+def test_training_panel_preference_method():
+    from trl import DPOConfig
+
+    from notebookkit.train import ORPOConfig
+
+    p = TrainingPanel(method="dpo", beta=0.2, max_steps=10, optim="adamw_torch")
+    assert p.value.method == "dpo" and p.value.beta == pytest.approx(0.2)
+    kw = p.value.trainer_kwargs()
+    assert "packing" not in kw and "method" not in kw and kw["beta"] == pytest.approx(0.2)
+    DPOConfig(output_dir="unused", use_cpu=True, **kw)  # every key is a DPOConfig field
+    p.method.value = "orpo"
+    p.beta.value = 0.5
+    assert p.value.method == "orpo" and "ORPO" in p.summary.value
+    ORPOConfig(output_dir="unused", use_cpu=True, **p.value.trainer_kwargs())
+    assert p.packing not in p.widget.children  # packing is an SFT setting
+    sft = TrainingPanel()
+    assert sft.value.method == "sft" and "beta" not in sft.value.trainer_kwargs()
+    assert sft.method not in sft.widget.children
+    with pytest.raises(ValueError, match="method='ppo'"):
+        TrainingPanel(method="ppo")
+
+
+def test_training_panel_grpo_kl_beta():
+    from trl import GRPOConfig
+
+    p = TrainingPanel(method="grpo", beta=0.0, per_device_train_batch_size=16, gradient_accumulation_steps=1,
+                      optim="adamw_torch")
+    kw = p.value.trainer_kwargs()
+    assert p.value.method == "grpo" and kw["beta"] == 0.0 and "packing" not in kw
+    assert p.beta.description == "KL beta" and p.method not in p.widget.children
+    assert "16 completions" in p.summary.value
+    GRPOConfig(output_dir="unused", use_cpu=True, num_generations=8, **kw)
+
+
+def test_training_panel_keeps_a_zero_learning_rate_until_the_slider_moves():
+    p = TrainingPanel(learning_rate=0.0)
+    assert p.value.learning_rate == 0.0 and p.value.trainer_kwargs()["learning_rate"] == 0.0
+    assert "a control run, nothing trains" in p.summary.value
+    p.learning_rate.value = 1e-4
+    assert p.value.learning_rate == pytest.approx(1e-4) and "control run" not in p.summary.value

@@ -1,0 +1,59 @@
+"""benchmarks/rl_step.py on a CPU: the --tiny run writes one row per (task, system) with its times and peak,
+reports a missing Unsloth instead of dropping it, and the table's ratios come from the rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import rl_step  # noqa: E402
+
+
+def test_tiny_run_writes_rows_and_table(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rl_step.py"), "--tiny", "--out", str(tmp_path),
+                           "--systems", "notebookkit,trl,unsloth"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(next(tmp_path.glob("*-rl-step-tiny.json")).read_text())
+    assert [(r["task"], r["system"]) for r in rows] == [
+        (t, s) for t in ("grpo", "dpo") for s in ("notebookkit", "trl", "unsloth")]
+    for row in rows:
+        if row["system"] == "unsloth" and importlib.util.find_spec("unsloth") is None:
+            assert row["status"].startswith("not installed"), row
+            continue
+        assert row["status"] == "ok", row
+        assert row["step_s"] > 0 and row["peak_gib"] > 0 and len(row["losses"]) == 2
+        if row["task"] == "grpo":
+            assert row["generate_calls"] == 2 and 0 < row["generate_s"] < row["step_s"]
+            assert abs(row["generate_s"] + row["rest_s"] - row["step_s"]) < 2e-3
+            assert row["completion_tokens"] == 2 * 4 * 16
+    assert "logged_times" in rows[0]  # notebookkit's own split of the step
+    for row in rows:  # notebookkit's rows ran the fused loss: no LM-head forward in training, no fallback
+        if row["system"] == "notebookkit":
+            assert row["fused_path"] == {"lm_head_forwards_in_training": 0, "fallbacks": []}, row
+        elif row["status"] == "ok":
+            assert "fused_path" not in row
+    table = next(tmp_path.glob("*-rl-step-tiny.md")).read_text()
+    assert "## GRPO: llama-tiny" in table and "## DPO: llama-tiny" in table and "not installed" in table
+
+
+def test_table_ratios():
+    base = dict(shape="s", quant="nf4", prompts=2, generations=8, new_tokens=512, gpu="G", status="ok")
+    rows = [
+        dict(base, task="grpo", system="notebookkit", step_s=2.0, generate_s=1.5, rest_s=0.5, peak_gib=10.0),
+        dict(base, task="grpo", system="unsloth", step_s=5.0, generate_s=4.0, rest_s=1.0, peak_gib=12.0),
+        dict(base, task="dpo", system="notebookkit", pairs=2, prompt_len=256, answer_len=767, step_s=1.0, peak_gib=6.0),
+        dict(base, task="dpo", system="trl", pairs=2, prompt_len=256, answer_len=767, step_s=2.0, peak_gib=15.0),
+        dict(base, task="dpo", system="unsloth", pairs=2, prompt_len=256, answer_len=767, step_s=1.5, peak_gib=8.0),
+    ]
+    table = rl_step.markdown(rows)
+    assert "| notebookkit | 2.00 | 1.50 | 0.50 | 10.00 | 2.50 | ok |" in table
+    assert "| notebookkit | 1.00 | 6.00 | 0.40 | 1.50 | ok |" in table
+    assert "| trl | 2.00 | 15.00 | 1.00 | 0.75 | ok |" in table
