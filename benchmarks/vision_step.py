@@ -44,6 +44,9 @@ if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unslo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from train_step import versions  # noqa: E402  (this folder: the package versions a row ran with)
 
 # Text decoder and vision tower numbers of the public configs (random weights of these shapes).
 SHAPES: dict[str, dict] = {
@@ -294,19 +297,6 @@ def collator_vision(model):
     from notebookkit.families import for_vision_model_type
 
     return for_vision_model_type(model.config.model_type).vision
-
-
-def versions(system: str) -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ["torch", "transformers", "peft", "bitsandbytes", "triton"] + (["unsloth", "unsloth_zoo"]
-                                                                               if system == "unsloth" else []):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return out
 
 
 # --------------------------------------------------------------------------------------- parent

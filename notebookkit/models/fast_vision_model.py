@@ -164,15 +164,7 @@ class FastVisionModel:
 
 def _require_model(obj: Any, where: str) -> None:
     """Refuse what is not a model, in FastVisionModel's words (the ``(model, processor)`` pair is the usual slip)."""
-    if isinstance(obj, nn.Module):
-        return
-    if isinstance(obj, tuple) and obj and isinstance(obj[0], nn.Module):
-        raise TypeError(
-            f"{where}: the model argument is a tuple ({', '.join(type(x).__name__ for x in obj)}), not a model. "
-            "FastVisionModel.from_pretrained returns two values: write "
-            "`model, processor = FastVisionModel.from_pretrained(...)` and pass `model`."
-        )
-    arguments.require_model(obj, where)
+    arguments.require_model(obj, where, api="FastVisionModel", second="processor")
 
 
 def _selected_targets(model: nn.Module, vision: Any, where: str, *switches: bool) -> tuple[list[str], str]:

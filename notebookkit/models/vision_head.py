@@ -31,7 +31,7 @@ from notebookkit.memory.model_setup import record_fused_lm_head
 
 from .forward_state import forward_pass
 from .kernel_ops import kernel
-from .patch_lm_head import shifted_labels
+from .patch_lm_head import lm_head_ready, shifted_labels
 from .patching import rebind
 
 TAG = "causal_lm"  # the tag the SFT trainer looks for (notebookkit.train.sft.fused_loss_blocker)
@@ -99,14 +99,8 @@ def make_vision_lm_forward(model: nn.Module, final_softcap: Optional[float]):
 
 
 def vision_head_ready(model: nn.Module) -> Optional[str]:
-    """None when the head of ``model`` can be patched, else the reason."""
-    if not isinstance(getattr(model, "model", None), nn.Module):
-        return f"{type(model).__name__} has no .model backbone"
-    if not isinstance(model.get_output_embeddings(), nn.Linear):
-        return "output embedding is not a plain linear layer"
-    if kernel("fused_linear_cross_entropy", "fused_linear_cross_entropy") is None:
-        return "notebookkit.kernels.fused_linear_cross_entropy is unavailable"
-    return None
+    """None when the head of ``model`` can be patched, else the reason (the causal-LM head's conditions)."""
+    return lm_head_ready(model)
 
 
 def patch_vision_head(model: nn.Module, final_softcap: Optional[float]) -> None:

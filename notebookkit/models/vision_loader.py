@@ -15,17 +15,15 @@ included, as transformers quantises a VLM by default); the processor with
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from notebookkit.families import Family, for_vision_model_type, vision_support_error
+from notebookkit.families import for_vision_model_type, vision_support_error
 
 from . import arguments, loader
 from .banner import Banner
-from .offline import explain_unreachable
 
 
 def resolve_vision(model_name: Union[str, os.PathLike]) -> tuple[str, str]:
@@ -107,15 +105,12 @@ def from_pretrained(
     banner.header.append(f"vision-language model: {family.vision.model_class} ({family.name} decoder)")
     device_map, torch_dtype = loader._placement(device_map, dtype, banner)
     quant = loader._weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
-    load_kwargs: dict[str, Any] = dict(dtype=torch_dtype, token=token, trust_remote_code=trust_remote_code)
-    if device_map is not None:
-        load_kwargs["device_map"] = device_map
-    if quant is not None:
-        load_kwargs["quantization_config"] = quant
-    if attn_implementation is not None:
-        load_kwargs["attn_implementation"] = attn_implementation
-    load_kwargs.update(kwargs)
-    model = _load_weights(path, kind, model_name, family, load_kwargs)
+    load_kwargs = loader.weights_kwargs(torch_dtype, token, trust_remote_code, device_map, quant, attn_implementation,
+                                        kwargs)
+    import transformers
+
+    model = loader._load_weights(path, kind, model_name, load_kwargs, getattr(transformers, family.vision.model_class),
+                                 api=from_pretrained, where=where)
 
     from .vision_processor import load_processor
 
@@ -125,30 +120,6 @@ def from_pretrained(
     if show_banner:
         banner.show()
     return model, processor
-
-
-def _load_weights(path: str, kind: str, model_name: Any, family: Family, load_kwargs: dict[str, Any]):
-    """The wrapper class's ``from_pretrained``; one readable error when a hub name cannot be fetched."""
-    import transformers
-
-    cls = getattr(transformers, family.vision.model_class)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch_dtype.*")
-            return cls.from_pretrained(path, **load_kwargs)
-    except OSError as exc:
-        if kind == "hub":
-            raise explain_unreachable(os.fspath(model_name), exc) from None
-        raise
-    except TypeError as exc:
-        keyword = arguments.unknown_keyword(exc, load_kwargs)
-        if keyword is None:
-            raise
-        import inspect
-
-        known = [k for k in inspect.signature(from_pretrained).parameters if k != "kwargs"]
-        raise arguments.unknown_keyword_error("FastVisionModel.from_pretrained", keyword, known,
-                                              "transformers' from_pretrained") from None
 
 
 def finish_vision_model(model, banner: Banner, max_seq_length: int, full_finetuning: bool, fast_path: bool) -> None:
@@ -200,7 +171,11 @@ def _load_adapter_folder(path: str, adapter_cfg: dict, show_banner: bool = True,
         from .vision_processor import load_processor
         from .patch_vision import vision_family
 
-        processor = load_processor(path, vision_family(model).vision, banner)
+        try:
+            processor = load_processor(path, vision_family(model).vision, banner)
+        except Exception as exc:  # noqa: BLE001 - the base model's processor is the same but for the template
+            banner.note(f"the processor saved with the adapter did not load ({type(exc).__name__}: {exc}); "
+                        f"using the base model's")
         loader._fix_tokenizer(processor.tokenizer, model, banner, kw.get("max_seq_length", 2048))
     if show_banner:
         banner.show()

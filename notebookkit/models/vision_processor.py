@@ -33,10 +33,19 @@ def load_processor(path: str, vision: Vision, banner: Banner, **kwargs: Any):
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(path, **kwargs)
+        processor = AutoProcessor.from_pretrained(path, **kwargs)
     except Exception:  # noqa: BLE001 - re-raised unless it is the missing-torchvision case
         if has_torchvision() or not _has_video_part(vision):
             raise
+    else:
+        if hasattr(processor, "image_processor"):
+            return processor
+        # AutoProcessor hands back the bare tokenizer when it cannot build the processor class
+        if has_torchvision() or not _has_video_part(vision):
+            raise ValueError(
+                f"{path} holds no processor for {vision.model_class} (AutoProcessor found only a "
+                f"{type(processor).__name__}): save the processor beside the model with processor.save_pretrained(folder)."
+            )
     banner.note(
         f"torchvision is not installed, and {vision.processor_class} needs it for videos: loaded its image-only "
         "part (images and text work; pip install torchvision for videos)"
@@ -80,7 +89,13 @@ def _image_only_class(base: type) -> type:
                     getattr(tokenizer, f"{kind}_token_id", None) or tokenizer.convert_tokens_to_ids(token))
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
-    return type(f"ImageOnly{base.__name__}", (base,), {"__init__": __init__, "__module__": __name__})
+    def to_dict(self):  # saved as the stock class, so a machine with torchvision loads the stock processor
+        out = ProcessorMixin.to_dict(self)
+        out["processor_class"] = base.__name__
+        return out
+
+    return type(f"ImageOnly{base.__name__}", (base,), {"__init__": __init__, "to_dict": to_dict,
+                                                        "__module__": __name__})
 
 
 def _chat_template(path: str, tokenizer: Any) -> Any:
