@@ -86,7 +86,9 @@ class VisionRecipe:
     into the decoder: at zero no image would reach the language model); they are drawn from
     ``N(0, redraw_std^2)``. ``text_width_keys``: vision config keys that hold the decoder's hidden size
     (the builder's, so they are set by it). ``pretrained``: the decoder gets the short pre-training of
-    the text models on the bundled corpus (text only; the vision tower keeps its random weights).
+    ``tiny-llama`` on the bundled corpus plus sentences in the caption grammar (text only; the vision
+    tower keeps its random weights), so a CPU fine-tune in a notebook has to learn to read images,
+    not a language.
     """
 
     vision_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
@@ -223,6 +225,7 @@ _GEMMA3_VISION = Vision(
         tokenizer_attributes={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"},
         redraw=("model.multi_modal_projector.mm_input_projection_weight",),
+        pretrained=True,  # the vision notebook's CPU default
     ),
 )
 _ALTERNATING = {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]}

@@ -184,6 +184,33 @@ def write_processor(folder: Path, family: str) -> None:
     (folder / "chat_template.jinja").write_text(VISION_TEMPLATES[vision.name], encoding="utf-8")
 
 
+#: Sentences in the bundled caption grammar the pre-trained decoders read (text only), and their seed.
+CAPTION_SENTENCES, CAPTION_SENTENCES_SEED, SENTENCES_PER_DOCUMENT = 3000, 7, 10
+
+
+def caption_documents(n: int = CAPTION_SENTENCES, seed: int = CAPTION_SENTENCES_SEED) -> list[str]:
+    """Documents of sentences in the caption grammar (``A small red star on a white background.``),
+    any colour with any shape: text only, no image.
+
+    A pre-trained decoder reads them with the corpus, so it knows the words of a caption (their
+    embeddings are trained, not left near their initial values, where the tied LM head could not
+    give them a confident logit) but not what any image looks like: the notebook's fine-tuning
+    teaches it to read the image and to answer in the chat format.
+    """
+    import random
+
+    from .generate_datasets import BACKGROUNDS, CAPTION_COLOURS, CAPTION_SHAPES, _POSITIONS
+
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(n):
+        size, colour, shape = rng.choice(("small", "large")), rng.choice(list(CAPTION_COLOURS)), rng.choice(CAPTION_SHAPES)
+        background = rng.choice([b for b in BACKGROUNDS if b != colour])
+        where = "" if size == "large" else " " + rng.choice(list(_POSITIONS))
+        sentences.append(f"A {size} {colour} {shape} on a {background} background{where}.")
+    return [" ".join(sentences[i:i + SENTENCES_PER_DOCUMENT]) for i in range(0, n, SENTENCES_PER_DOCUMENT)]
+
+
 def build_vision_model_folder(family: str, folder: Path, base_tokenizer, seed: int, pretrain_config=None,
                               heldout_docs: list[str] | None = None, train_docs: list[str] | None = None,
                               log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -191,7 +218,8 @@ def build_vision_model_folder(family: str, folder: Path, base_tokenizer, seed: i
 
     ``pretrain_config`` (a :class:`~notebookkit.embedded.generate_pretrain.PretrainConfig`) switches
     on the text pre-training of the decoder (:func:`~.generate_models.pretrain_on_corpus`, as for
-    ``tiny-llama``), which then needs ``train_docs`` and ``heldout_docs``.
+    ``tiny-llama``) on ``train_docs`` plus :func:`caption_documents`, shuffled together (seeded);
+    ``heldout_docs`` measure it. The vision tower keeps its random weights.
     """
     from .generate_models import INFO_FILE, count_parameters, pretrain_on_corpus, save_model_folder
     from .generate_tokenizer import special_token_ids
@@ -205,7 +233,11 @@ def build_vision_model_folder(family: str, folder: Path, base_tokenizer, seed: i
     info = {"family": family, "vision": vision.name, "model_type": vision.model_type,
             "params": count_parameters(model), "seed": seed, "pretrained": pretrain_config is not None}
     if pretrain_config is not None:
-        info["pretrain"] = pretrain_on_corpus(model, base_tokenizer, pretrain_config, train_docs, heldout_docs, log)
+        import random
+
+        docs = list(train_docs or []) + caption_documents()
+        random.Random(CAPTION_SENTENCES_SEED).shuffle(docs)
+        info["pretrain"] = pretrain_on_corpus(model, base_tokenizer, pretrain_config, docs, heldout_docs, log)
     save_model_folder(model, family, ids, folder)
     write_processor(folder, family)
     (folder / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")

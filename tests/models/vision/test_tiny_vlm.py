@@ -104,3 +104,19 @@ def test_gemma3_projection_is_not_left_at_zero():
 def test_a_family_without_vision_is_named():
     with pytest.raises(ValueError, match="llama family has no vision-language model.*qwen2, gemma3"):
         gv.vision_row("llama")
+
+
+def test_the_build_table_lists_the_vision_models(vlm_folder):
+    from notebookkit.embedded import cli
+
+    models = []
+    for name in tiny.TINY_VISION_MODELS:
+        info = tiny.tiny_model_info(name)
+        info["cached"] = True
+        models.append(info)
+    table = cli.format_report({"models": models, "datasets": [], "parts": {}, "seconds": 0.0})
+    assert "notebookkit/tiny-qwen2.5-vl " in table and "vision-language (qwen2_5_vl)" in table
+    [gemma_line] = [line for line in table.splitlines() if "tiny-gemma3-vision" in line]
+    assert "pre-trained 440 steps" in gemma_line and gemma_line.endswith("vision-language (gemma3)")
+    gemma = next(m for m in models if m["vision"] == "gemma3-vision")
+    assert gemma["pretrained"] and gemma["pretrain"]["heldout_loss_after"] < gemma["pretrain"]["heldout_loss_before"]
