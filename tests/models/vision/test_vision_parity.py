@@ -46,7 +46,7 @@ def _targets(folder: str, family: str) -> list[str]:
     return select_targets(model, VISION[family]).names
 
 
-def reference(folder: str, family: str, names: list[str], load_in_4bit: bool):
+def reference(folder: str, family: str, names: list[str], load_in_4bit: bool, dtype=torch.float32, device=None):
     import transformers as tf
     from peft import LoraConfig, get_peft_model
     from transformers import BitsAndBytesConfig
@@ -55,10 +55,12 @@ def reference(folder: str, family: str, names: list[str], load_in_4bit: bool):
     if load_in_4bit:
         kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                        bnb_4bit_use_double_quant=True,
-                                                       bnb_4bit_compute_dtype=torch.float32,
+                                                       bnb_4bit_compute_dtype=dtype,
                                                        bnb_4bit_quant_storage=torch.uint8)
-    model = getattr(tf, VISION[family].model_class).from_pretrained(folder, dtype=torch.float32, **kw)
-    if load_in_4bit:
+    if device is not None:
+        kw["device_map"] = {"": device}
+    model = getattr(tf, VISION[family].model_class).from_pretrained(folder, dtype=dtype, **kw)
+    if load_in_4bit and device is None:  # on the CPU: the NF4 definition, never bitsandbytes' CPU decode
         from tests.nf4_format import replace_4bit_layers_by_dense
 
         assert replace_4bit_layers_by_dense(model) > 0
@@ -70,8 +72,8 @@ def reference(folder: str, family: str, names: list[str], load_in_4bit: bool):
     return get_peft_model(model, config)
 
 
-def ours(folder: str, load_in_4bit: bool):
-    model, processor = FastVisionModel.from_pretrained(folder, max_seq_length=128, dtype=torch.float32,
+def ours(folder: str, load_in_4bit: bool, dtype=torch.float32):
+    model, processor = FastVisionModel.from_pretrained(folder, max_seq_length=128, dtype=dtype,
                                                        load_in_4bit=load_in_4bit, show_banner=False)
     model = FastVisionModel.get_peft_model(model, r=R, lora_alpha=ALPHA, random_state=SEED,
                                            use_gradient_checkpointing=False, show_banner=False)
