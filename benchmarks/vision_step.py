@@ -24,7 +24,8 @@ Systems (``--systems``, comma-separated):
 * ``hf``                   the wrapper class + ``prepare_model_for_kbit_training`` (gradient checkpointing) + PEFT;
 * ``unsloth``              Unsloth's FastVisionModel with ``use_gradient_checkpointing="unsloth"``.
 
-The parent writes ``<out>/<date>-<device>-vision-<shape>.json`` and ``.md`` and prints the table. A
+The parent writes ``<out>/<date>-<device>-vision-<shape>-<systems>.json`` and ``.md`` and prints the
+table (one file per set of systems, so rows split over several runs do not overwrite each other). A
 system whose package is missing is reported as "not installed", a failed one with its error.
 """
 
@@ -359,6 +360,28 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def combine_runs(prefix: str, args) -> str | None:
+    """Merge the rows of every run of this day, device and shape (``<prefix>-<systems>.json``; a later run's
+    row of a system replaces an earlier one) into ``<prefix>-all.json`` / ``.md``; its table, or ``None``
+    when there is only one run."""
+    import glob
+
+    files = sorted((f for f in glob.glob(prefix + "-*.json") if not f.endswith("-all.json")), key=os.path.getmtime)
+    if len(files) < 2:
+        return None
+    merged: dict[str, dict] = {}
+    for f in files:
+        for row in json.load(open(f))["rows"]:
+            if row.get("status") == "ok" or row["system"] not in merged:
+                merged[row["system"]] = row
+    rows = [merged[s] for s in SYSTEMS if s in merged]
+    table = markdown(rows, args)
+    json.dump({"config": vars(args), "runs": files, "rows": rows}, open(prefix + "-all.json", "w"), indent=2)
+    open(prefix + "-all.md", "w").write(table)
+    print(f"combined {len(files)} runs into {prefix}-all.json and .md")
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--system", default=None, choices=SYSTEMS, help="(child) run one system in this process")
@@ -389,10 +412,15 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         device = next((r["device"] for r in rows if r.get("status") == "ok"), "none").replace(" ", "-")
-        stem = os.path.join(args.out, f"{dt.date.today().isoformat()}-{device}-vision-{'tiny' if args.tiny else args.shape}")
+        systems = "+".join(r["system"] for r in rows)
+        stem = os.path.join(args.out, f"{dt.date.today().isoformat()}-{device}-vision-"
+                                      f"{'tiny' if args.tiny else args.shape}-{systems}")
         json.dump({"config": vars(args), "rows": rows}, open(stem + ".json", "w"), indent=2)
         open(stem + ".md", "w").write(table)
         print(f"wrote {stem}.json and .md")
+        combined = combine_runs(stem.rsplit("-", 1)[0], args)
+        if combined is not None:
+            table = combined
     print(table)
 
 

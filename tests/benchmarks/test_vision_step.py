@@ -36,3 +36,25 @@ def test_vision_step_tiny_on_cpu(tmp_path):
         assert rows["unsloth"]["status"] == "not installed (unsloth)"
     table = open(tmp_path / result.replace(".json", ".md")).read()
     assert "| notebookkit |" in table and "| hf |" in table and "| unsloth |" in table
+
+
+def test_runs_split_over_calls_are_combined(tmp_path):
+    import time
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import vision_step
+
+    prefix = str(tmp_path / "2026-12-01-GPU-vision-qwen2.5-vl-7b")
+    row = dict(shape="qwen2.5-vl-7b", device="GPU", seq=300, image_tokens=1024, trainable=1, losses=[1.0], peak_gib=9.0)
+    runs = [[dict(row, system="notebookkit", status="ok", s_step=1.0), dict(row, system="hf", status="ok", s_step=2.0)],
+            [dict(system="unsloth", status="failed (exit 1): boom"), dict(row, system="hf", status="ok", s_step=4.0)]]
+    for i, rows in enumerate(runs):
+        json.dump({"rows": rows}, open(f"{prefix}-run{i}.json", "w"))
+        time.sleep(0.01)
+    args = types.SimpleNamespace(shape="qwen2.5-vl-7b", quant="nf4", batch=4, image_size=448, warmup=2, steps=3)
+    table = vision_step.combine_runs(prefix, args)
+    merged = {r["system"]: r for r in json.load(open(prefix + "-all.json"))["rows"]}
+    assert merged["hf"]["s_step"] == 4.0 and merged["unsloth"]["status"].startswith("failed")
+    assert "| notebookkit | 1.000 | 4.00 |" in table and "boom" in table
+    assert vision_step.combine_runs(str(tmp_path / "other"), args) is None
