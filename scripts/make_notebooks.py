@@ -598,6 +598,8 @@ GPU_MODEL = "Qwen/Qwen3-0.6B"
 LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
 LORA_R = 16
 CANARY_STEPS = 200         # at most this many steps to learn the canary fact
+EXPORT_FORMS = ["lora", "merged_16bit", "gguf"]   # the panel's starting choice
+GGUF_METHODS = ["q8_0"]    # f16, bf16, q8_0, q4_0 (notebookkit); q4_k_m, q5_k_m, q6_k (llama.cpp's quantiser)
 OUTPUT_DIR = "outputs/export"
 SEED = 3407
 '''
@@ -622,7 +624,7 @@ files for llama.cpp / Ollama / LM Studio), the GGUF quantisations (K-quants need
 EXPORT_PANEL = '''\
 from notebookkit.widgets import ExportPanel
 
-export_panel = ExportPanel(output_dir=OUTPUT_DIR)
+export_panel = ExportPanel(output_dir=OUTPUT_DIR, forms=EXPORT_FORMS, gguf_methods=GGUF_METHODS)
 export_panel
 '''
 

@@ -33,7 +33,7 @@ import torch
 
 from .checks import ExportError
 
-__all__ = ["GGUFFamily", "GGUF_FAMILIES", "gguf_family", "permute_for_llama_rope", "llama3_rope_factors"]
+__all__ = ["GGUFFamily", "GGUF_FAMILIES", "gguf_family", "permute_for_llama_rope", "unpermute_for_llama_rope", "llama3_rope_factors"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,13 @@ def permute_for_llama_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     head = rows // n_heads
     return weight.reshape(n_heads, 2, head // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def unpermute_for_llama_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`permute_for_llama_rope`: adjacent-pair rows back to rotate-half order."""
+    rows = weight.shape[0]
+    head = rows // n_heads
+    return weight.reshape(n_heads, head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def llama3_rope_factors(head_dim: int, rope: dict) -> torch.Tensor:

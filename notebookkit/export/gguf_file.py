@@ -186,7 +186,11 @@ def _add_tokenizer_metadata(writer: Any, meta: dict[str, Any]) -> None:
     writer.add_tokenizer_pre(meta["pre"])
     writer.add_token_list(meta["tokens"])
     writer.add_token_types(meta["token_type"])
-    writer.add_token_merges(meta["merges"])
+    if "scores" in meta:  # SentencePiece-style: llama.cpp merges by score
+        writer.add_token_scores(meta["scores"])
+        writer.add_add_space_prefix(meta["add_space_prefix"])
+    if "merges" in meta:
+        writer.add_token_merges(meta["merges"])
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id), ("pad", writer.add_pad_token_id),
                      ("unk", writer.add_unk_token_id), ("eot", writer.add_eot_token_id)):
         if key in meta:
@@ -197,18 +201,26 @@ def _add_tokenizer_metadata(writer: Any, meta: dict[str, Any]) -> None:
         writer.add_chat_template(meta["chat_template"])
 
 
+def tensor_type(shape: tuple[int, ...], method: str, from_weights: bool = True):
+    """The ggml type a tensor of ``shape`` is stored in, in ``method``'s file (a direct method): F32 for
+    1-D tensors and tensors made from the config (``from_weights=False``), else the method's type, or
+    F16 where a row does not divide into the type's blocks."""
+    import gguf
+
+    t = gguf.GGMLQuantizationType
+    if len(shape) < 2 or not from_weights or method == "f32":
+        return t.F32
+    qtype = _ggml_type(method)
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    return t.F16 if shape[-1] % block else qtype
+
+
 def _encoding(tensor: _GGUFTensor, method: str):
     """(ggml type, numpy dtype for add_tensor_info, byte count) of one tensor in one method's file."""
     import gguf
 
     t = gguf.GGMLQuantizationType
-    if len(tensor.shape) < 2 or tensor.source is None or method == "f32":
-        qtype = t.F32
-    else:
-        qtype = _ggml_type(method)
-        block, _ = gguf.GGML_QUANT_SIZES[qtype]
-        if tensor.shape[-1] % block:
-            qtype = t.F16
+    qtype = tensor_type(tensor.shape, method, tensor.source is not None)
     n = int(np.prod(tensor.shape))
     if qtype == t.F32:
         return qtype, np.float32, n * 4, tensor.shape

@@ -1,4 +1,5 @@
-"""The tokenizer of a byte-level BPE model as GGUF metadata (``tokenizer.ggml.*``).
+"""The tokenizer as GGUF metadata (``tokenizer.ggml.*``): byte-level BPE here, SentencePiece-style
+(byte-fallback BPE: Llama 2, Mistral v0.1-v0.3, Gemma) in :mod:`.gguf_sentencepiece`.
 
 llama.cpp rebuilds the Hugging Face tokenizer from:
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from .chat_turns import chat_turns
 from .checks import ExportError
+from .gguf_sentencepiece import is_sentencepiece_style, sentencepiece_metadata
 
 __all__ = ["tokenizer_metadata", "pre_tokenizer_name"]
 
@@ -57,17 +59,36 @@ def _adds_token(tokenizer: Any, token_id: int | None, at_start: bool) -> bool:
 
 
 def tokenizer_metadata(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` fields (plus the chat template) for a fast byte-level BPE tokenizer."""
+    """The ``tokenizer.ggml.*`` fields (plus the chat template) of a fast tokenizer: byte-level BPE
+    (``model = "gpt2"``, below) or SentencePiece-style (``model = "llama"``, :mod:`.gguf_sentencepiece`)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ExportError("GGUF export needs a fast tokenizer (tokenizer.json); load it with use_fast=True.")
     spec = json.loads(backend.to_str())
+    if is_sentencepiece_style(spec):
+        meta = sentencepiece_metadata(spec, vocab_size)
+    else:
+        meta = _byte_level_metadata(spec, vocab_size)
+    meta["add_bos"] = _adds_token(tokenizer, tokenizer.bos_token_id, True)
+    meta["add_eos"] = _adds_token(tokenizer, tokenizer.eos_token_id, False)
+    for key, value in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
+                       ("pad", tokenizer.pad_token_id), ("unk", getattr(tokenizer, "unk_token_id", None))):
+        if value is not None:
+            meta[key] = int(value)
+    if getattr(tokenizer, "chat_template", None):
+        meta["chat_template"] = tokenizer.chat_template
+        end = chat_turns(tokenizer).end_of_turn_id
+        if end is not None:
+            meta["eot"] = int(end)
+    return meta
+
+
+def _byte_level_metadata(spec: dict, vocab_size: int) -> dict[str, Any]:
     model = spec.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    if model.get("type") != "BPE":
         raise ExportError(
-            f"GGUF export writes byte-level BPE tokenizers; this one is {model.get('type')} "
-            f"{'with byte fallback (SentencePiece-style)' if model.get('byte_fallback') else ''}. Save with "
-            "save_pretrained_merged and convert the folder with llama.cpp's convert_hf_to_gguf.py."
+            f"GGUF export writes BPE tokenizers (byte-level, or SentencePiece-style with byte fallback); this one is "
+            f"{model.get('type')}. Save with save_pretrained_merged and convert the folder with llama.cpp's convert_hf_to_gguf.py."
         )
     pre = pre_tokenizer_name(spec.get("pre_tokenizer"))
     vocab: dict[str, int] = dict(model["vocab"])
@@ -82,18 +103,4 @@ def tokenizer_metadata(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
         tok = added.get(text)
         types[idx] = 1 if tok is None else (3 if tok.get("special") else 4)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    meta: dict[str, Any] = {
-        "model": "gpt2", "pre": pre, "tokens": tokens, "token_type": types, "merges": merges,
-        "add_bos": _adds_token(tokenizer, tokenizer.bos_token_id, True),
-        "add_eos": _adds_token(tokenizer, tokenizer.eos_token_id, False),
-    }
-    for key, value in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
-                       ("pad", tokenizer.pad_token_id), ("unk", getattr(tokenizer, "unk_token_id", None))):
-        if value is not None:
-            meta[key] = int(value)
-    if getattr(tokenizer, "chat_template", None):
-        meta["chat_template"] = tokenizer.chat_template
-        end = chat_turns(tokenizer).end_of_turn_id
-        if end is not None:
-            meta["eot"] = int(end)
-    return meta
+    return {"model": "gpt2", "pre": pre, "tokens": tokens, "token_type": types, "merges": merges}

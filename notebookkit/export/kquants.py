@@ -23,11 +23,21 @@ LLAMA_CPP_HINT = (
 )
 
 
-def require_llama_cpp(methods: Sequence[str]):
-    """The ``llama_cpp`` module; raises saying how to get it when it is not installed."""
+VERIFY_HINT = (
+    "Install it with `pip install llama-cpp-python` (it compiles llama.cpp: about 6 minutes on 2 cores; "
+    "pip caches the wheel), or export without the check (verify=False; the panel's 'reload and verify' box)."
+)
+
+
+def require_llama_cpp(methods: Sequence[str] = (), purpose: str = ""):
+    """The ``llama_cpp`` module; raises saying how to get it when it is not installed. ``methods``: the
+    K-quants that need its quantiser; or ``purpose``: what else needs it (the GGUF check)."""
     try:
         import llama_cpp
     except ImportError as exc:
+        if purpose:
+            raise ExportError(f"{purpose} loads the GGUF file in llama.cpp, and llama-cpp-python is not installed "
+                              f"({exc}). {VERIFY_HINT}") from None
         raise ExportError(
             f"quantization_method {', '.join(methods)} is made by llama.cpp's quantiser, and llama-cpp-python "
             f"is not installed ({exc}). {LLAMA_CPP_HINT}"

@@ -21,6 +21,7 @@ one merged tensor (and its fp32 working copy) exists at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +29,7 @@ import torch.nn as nn
 
 from notebookkit.kernels.nf4 import dequantize_nf4
 from notebookkit.memory.export import merge_working_bytes
+from notebookkit.models.patch_linear4bit import is_linear4bit
 
 __all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of"]
 
@@ -42,6 +44,7 @@ class PlannedTensor:
     make: Callable[[torch.device], torch.Tensor]  # computes the tensor on (or via) the given device
     source_device: torch.device  # where its inputs live
     working_bytes: int  # device memory make() needs beyond its inputs (fp32 copies, products)
+    linear_rank: Optional[int] = None  # the weight of a linear layer: its LoRA rank (0: no adapter); else None
 
     @property
     def nbytes(self) -> int:
@@ -64,11 +67,25 @@ def _weight_shape(weight: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(s) for s in weight.quant_state.shape) if _is_nf4(weight) else tuple(weight.shape)
 
 
+def _quant_state_on(quant_state, device: torch.device) -> SimpleNamespace:
+    """The fields of a bitsandbytes ``QuantState`` that :func:`dequantize_nf4` reads, moved to ``device``."""
+    state2 = getattr(quant_state, "state2", None)
+    nested = None if state2 is None else SimpleNamespace(
+        code=state2.code.to(device), absmax=state2.absmax.to(device), blocksize=state2.blocksize)
+    offset = getattr(quant_state, "offset", None)
+    return SimpleNamespace(absmax=quant_state.absmax.to(device), shape=quant_state.shape, dtype=quant_state.dtype,
+                           blocksize=quant_state.blocksize, quant_type=getattr(quant_state, "quant_type", "nf4"),
+                           state2=nested, offset=None if offset is None else offset.to(device))
+
+
 def _dense_fp32(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The base weight in fp32 on ``device``: NF4 decoded by notebookkit, 16-bit upcast."""
+    """The base weight in fp32 on ``device``: NF4 decoded by notebookkit, 16-bit upcast. An NF4 weight
+    merged on another device is decoded there (its packed bytes, n/2, move; not the fp32 result),
+    so a layer the memory budget sends to the CPU takes no GPU memory."""
     if _is_nf4(weight):
-        dense = dequantize_nf4(weight, out_dtype=torch.float32)  # decoded where the bytes live
-        return dense.to(device)
+        if weight.device == device:
+            return dequantize_nf4(weight, out_dtype=torch.float32)
+        return dequantize_nf4(weight.data.to(device), _quant_state_on(weight.quant_state, device), out_dtype=torch.float32)
     return weight.detach().to(device=device, dtype=torch.float32, copy=True)
 
 
@@ -130,8 +147,9 @@ def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTen
     seen: set[int] = set()
     skip_prefixes: list[str] = []
 
-    def add(name: str, tensor: torch.Tensor, make: Callable, shape: tuple[int, ...], out_dtype: torch.dtype, work: int):
-        plan.append(PlannedTensor(name, shape, out_dtype, make, tensor.device, work))
+    def add(name: str, tensor: torch.Tensor, make: Callable, shape: tuple[int, ...], out_dtype: torch.dtype, work: int,
+            linear_rank: Optional[int] = None):
+        plan.append(PlannedTensor(name, shape, out_dtype, make, tensor.device, work, linear_rank))
 
     for mod_name, module in base.named_modules():
         if any(mod_name == p or mod_name.startswith(p + ".") for p in skip_prefixes):
@@ -145,7 +163,7 @@ def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTen
             rank = sum(module.lora_A[a].weight.shape[0] for a in _active_adapters(module))
             seen.add(id(weight))
             add(prefix + "weight", weight, _merged_linear_maker(module, dtype), (out_f, in_f), dtype,
-                merge_working_bytes(out_f, in_f, rank, torch.empty((), dtype=dtype).element_size()))
+                merge_working_bytes(out_f, in_f, rank, torch.empty((), dtype=dtype).element_size()), rank)
             bias = getattr(module.base_layer, "bias", None)
             if bias is not None:
                 add(prefix + "bias", bias, _plain_maker(bias, dtype), tuple(bias.shape), dtype, 0)
@@ -158,16 +176,18 @@ def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTen
                 seen.add(id(p))
                 add(prefix + pname, p, _plain_maker(p, dtype), tuple(p.shape), dtype, 0)
             continue
+        linear = type(module) is nn.Linear or is_linear4bit(module)
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in seen:  # tied weights (the LM head of a tied model): written once
                 continue
             seen.add(id(p))
+            rank = 0 if linear and pname == "weight" else None
             if _is_nf4(p):
                 shape = _weight_shape(p)
-                add(prefix + pname, p, _plain_maker(p, dtype), shape, dtype, shape[0] * shape[1] * 6)
+                add(prefix + pname, p, _plain_maker(p, dtype), shape, dtype, shape[0] * shape[1] * 6, rank)
             else:
                 out_dtype = dtype if p.is_floating_point() else p.dtype
-                add(prefix + pname, p, _plain_maker(p, out_dtype if p.is_floating_point() else None), tuple(p.shape), out_dtype, 0)
+                add(prefix + pname, p, _plain_maker(p, out_dtype if p.is_floating_point() else None), tuple(p.shape), out_dtype, 0, rank)
         non_persistent = getattr(module, "_non_persistent_buffers_set", set())
         for bname, buf in module.named_buffers(recurse=False):
             if bname in non_persistent or buf is None or id(buf) in seen:

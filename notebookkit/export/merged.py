@@ -16,6 +16,7 @@ The folder loads with ``transformers.AutoModelForCausalLM.from_pretrained``: ``c
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import time
@@ -50,6 +51,7 @@ class ExportResult:
     gpu_peak_bytes: Optional[int] = None
     merged_on: dict[str, int] = field(default_factory=dict)  # device type -> tensors merged there
     notes: list[str] = field(default_factory=list)
+    measurements: dict[str, Any] = field(default_factory=dict)  # e.g. merged_4bit_forced's measured rounding
 
     def __repr__(self) -> str:
         return f"ExportResult({self.form!r}, {str(self.path)!r}, {format_bytes(self.bytes_on_disk)}, {self.seconds:.1f} s)"
@@ -123,7 +125,7 @@ def _folder_bytes(folder: Path) -> tuple[list[Path], int]:
     return files, sum(p.stat().st_size for p in files)
 
 
-def _write_config(base: nn.Module, folder: Path, dtype: torch.dtype, tokenizer: Any) -> None:
+def _write_config(base: nn.Module, folder: Path, dtype: torch.dtype, tokenizer: Any, extra: Optional[dict] = None) -> None:
     config = copy.deepcopy(base.config)
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
@@ -131,6 +133,9 @@ def _write_config(base: nn.Module, folder: Path, dtype: torch.dtype, tokenizer: 
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(folder)
+    if extra:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **extra}, indent=2, sort_keys=True) + "\n")
     gen = copy.deepcopy(getattr(base, "generation_config", None))
     if gen is None:
         from transformers import GenerationConfig
@@ -185,15 +190,18 @@ def save_pretrained_merged(
         tokenizer: saved beside the weights, with its chat template; its end-of-turn token goes into
             ``generation_config.json`` so generation stops at the end of the assistant's answer.
         save_method: ``"merged_16bit"`` (LoRA merged into 16-bit weights, loads with plain
-            ``transformers``) or ``"lora"`` (the adapter in PEFT's format). ``"merged_4bit_forced"``
-            (re-quantised to NF4) is not written yet: load the 16-bit folder with ``load_in_4bit=True``.
+            ``transformers``), ``"lora"`` (the adapter in PEFT's format) or ``"merged_4bit_forced"``
+            (merged in fp32, then re-quantised to NF4 by notebookkit; loads in 4-bit with
+            ``transformers`` + ``bitsandbytes``; warns with the measured rounding, see
+            :mod:`notebookkit.export.merged_4bit`). ``"merged_4bit"`` is refused: the rounding is lossy.
         maximum_memory_usage: fraction of the GPU the export may fill (model included); a tensor
             whose merge would go over it is merged on the CPU instead.
         max_shard_size: largest safetensors shard, ``"5GB"`` as in Hugging Face.
         temporary_location: accepted for compatibility; the export streams tensor by tensor and
             needs no spill folder (the unfinished export lives beside ``save_directory``).
         dtype: dtype of the merged weights; default the model's compute dtype (bf16/fp16 on a
-            GPU; fp32 for a model loaded in fp32 on a CPU).
+            GPU; fp32 for a model loaded in fp32 on a CPU). For ``merged_4bit_forced``: the compute
+            dtype of the 4-bit layers and the dtype of the tensors left in 16-bit.
 
     Returns:
         an :class:`ExportResult` (folder, files, size on disk, seconds, GPU peak, where tensors merged).
@@ -201,21 +209,20 @@ def save_pretrained_merged(
     base = require_notebookkit_model(model, "save_pretrained_merged")
     if save_method == "merged_4bit":
         raise ExportError(
-            "save_method='merged_4bit' re-quantises the merged weights to 4-bit, which rounds the LoRA "
-            "update away in part. Use save_method='merged_16bit' (recommended), or 'merged_4bit_forced' "
-            "if you really want a 4-bit folder."
+            "save_method='merged_4bit' re-quantises the merged weights to 4-bit, which rounds part of the LoRA "
+            "update away. Use save_method='merged_16bit' (lossless; load it with load_in_4bit=True for 4-bit "
+            "memory), or save_method='merged_4bit_forced' if you need a 4-bit folder (it warns how much the "
+            "rounding changed the weights)."
         )
     if save_method not in SAVE_METHODS:
         raise ExportError(f"save_method={save_method!r} is not one of {', '.join(repr(m) for m in SAVE_METHODS)}.")
     if save_method == "lora":
         return _save_lora(model, base, save_directory, tokenizer)
-    if save_method == "merged_4bit_forced":
-        raise ExportError(
-            "save_method='merged_4bit_forced' is not available in notebookkit yet: re-quantising the merged "
-            "weights to NF4 rounds part of the LoRA update away. Save with save_method='merged_16bit' and load "
-            "that folder with FastLanguageModel.from_pretrained(folder, load_in_4bit=True), which quantises it at load."
-        )
     out_dtype = _written_dtype(model, dtype)
+    if save_method == "merged_4bit_forced":
+        from .merged_4bit import save_merged_4bit_forced
+
+        return save_merged_4bit_forced(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose)
     return _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose)
 
 
@@ -240,12 +247,15 @@ def _save_lora(model: nn.Module, base: nn.Module, save_directory, tokenizer) -> 
     return ExportResult("lora", target, files, size, time.perf_counter() - start)
 
 
-def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose) -> ExportResult:
+def write_merged_folder(model: nn.Module, base: nn.Module, plan: list[PlannedTensor], save_directory: Any, tokenizer: Any,
+                        dtype: torch.dtype, maximum_memory_usage: float, max_shard_size: Any, form: str, what: str,
+                        extra_config: Optional[dict] = None) -> tuple[ExportResult, int]:
+    """Stream ``plan`` into the safetensors shards of a new folder, with config (plus ``extra_config``
+    entries), generation config and tokenizer, written beside the target and renamed at the end.
+    Returns the result and the number of shards."""
     shard_bytes = parse_size(max_shard_size)
     chooser = MergeDevice(maximum_memory_usage)
-    plan = plan_merged_tensors(model, out_dtype)
-    total = sum(t.nbytes for t in plan)
-    target = check_output_folder(save_directory, total, "the merged model")
+    target = check_output_folder(save_directory, sum(t.nbytes for t in plan), what)
     cuda_devices = sorted({t.source_device for t in plan if t.source_device.type == "cuda"}, key=str)
     for dev in cuda_devices:
         torch.cuda.reset_peak_memory_stats(dev)
@@ -256,7 +266,7 @@ def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximu
         model.eval()
         with torch.no_grad():
             shards = write_sharded_safetensors(plan, tmp, shard_bytes, lambda p: p.make(chooser.pick(p)))
-        _write_config(base, tmp, out_dtype, tokenizer)
+        _write_config(base, tmp, dtype, tokenizer, extra_config)
         _save_tokenizer(tokenizer, tmp)
         _move_into_place(tmp, target)
     except BaseException:
@@ -266,9 +276,17 @@ def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximu
         model.train(was_training)
     files, size = _folder_bytes(target)
     peak = max((torch.cuda.max_memory_allocated(d) for d in cuda_devices), default=None)
-    result = ExportResult("merged_16bit", target, files, size, time.perf_counter() - start, peak, dict(chooser.counts))
-    result.notes.append(f"{len(plan)} tensors in {len(shards)} shard(s), {str(out_dtype).replace('torch.', '')}")
+    result = ExportResult(form, target, files, size, time.perf_counter() - start, peak, dict(chooser.counts))
+    return result, len(shards)
+
+
+def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose) -> ExportResult:
+    plan = plan_merged_tensors(model, out_dtype)
+    result, shards = write_merged_folder(model, base, plan, save_directory, tokenizer, out_dtype, maximum_memory_usage,
+                                                  max_shard_size, "merged_16bit", "the merged model")
+    target, size = result.path, result.bytes_on_disk
+    result.notes.append(f"{len(plan)} tensors in {shards} shard(s), {str(out_dtype).replace('torch.', '')}")
     if verbose:
-        where = ", ".join(f"{n} on {d}" for d, n in chooser.counts.items())
-        print(f"notebookkit: merged model written to {target} ({format_bytes(size)}, {len(shards)} shard(s); merged {where})")
+        where = ", ".join(f"{n} on {d}" for d, n in result.merged_on.items())
+        print(f"notebookkit: merged model written to {target} ({format_bytes(size)}, {shards} shard(s); merged {where})")
     return result

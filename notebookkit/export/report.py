@@ -2,13 +2,18 @@
 
 Row fields: ``form``, ``path``, ``size_on_disk``, ``max_logit_diff`` (largest logit difference
 against the adapter model on the fixed prompts; for GGUF, teacher-forced in llama.cpp),
-``greedy_equal`` ("k/n" prompts whose greedy continuations are equal), ``within_tolerance`` and
-``canary`` (the canary fact recalled from the reloaded artefact, when a canary is given).
+``greedy_equal`` ("k/n" prompts whose greedy continuations are equal), ``within_tolerance`` (for
+GGUF also: llama.cpp tokenizes alike and its differences are the size the format's rounding
+explains, continuations parting only at near-ties, see ``GGUFCheck.explained``; for
+``merged_4bit_forced``: the loaded 4-bit weights are exactly the merge's NF4 quantisation; its
+logit difference is stated, with the measured weight rounding in ``note``) and ``canary`` (the
+canary fact recalled from the reloaded artefact, when a canary is given).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -30,25 +35,34 @@ def export_and_verify(
     verify: bool = True,
     canary: Optional[Canary] = None,
 ) -> list[dict]:
-    """Write ``forms`` under ``output_dir`` (``lora/``, ``merged_16bit/``, ``gguf/``) and check each."""
+    """Write ``forms`` under ``output_dir`` (``lora/``, ``merged_16bit/``, ``merged_4bit_forced/``, ``gguf/``) and check each."""
     out = Path(output_dir)
+    if verify and "gguf" in forms:  # before any export: the GGUF check needs llama.cpp
+        from .kquants import require_llama_cpp
+
+        require_llama_cpp(purpose="Verifying a GGUF export")
     rows: list[dict] = []
     if "lora" in forms:
         r = model.save_pretrained_merged(out / "lora", tokenizer, save_method="lora", verbose=False)
         rows.append({"form": "lora", "path": str(r.path), "size_on_disk": format_bytes(r.bytes_on_disk)})
-    if "merged_16bit" in forms:
-        r = model.save_pretrained_merged(out / "merged_16bit", tokenizer, maximum_memory_usage=maximum_memory_usage, verbose=False)
-        row = {"form": "merged_16bit", "path": str(r.path), "size_on_disk": format_bytes(r.bytes_on_disk)}
+    for form in ("merged_16bit", "merged_4bit_forced"):
+        if form not in forms:
+            continue
+        with warnings.catch_warnings():  # merged_4bit_forced's rounding warning: its numbers go into the row
+            warnings.simplefilter("ignore", UserWarning)
+            r = model.save_pretrained_merged(out / form, tokenizer, save_method=form, maximum_memory_usage=maximum_memory_usage,
+                                             verbose=False)
+        row = {"form": form, "path": str(r.path), "size_on_disk": format_bytes(r.bytes_on_disk)}
+        if "nf4_relative_error" in r.measurements:
+            row["note"] = f"NF4 rounding {r.measurements['nf4_relative_error']:.1%} of the weights"
         if verify:
-            from transformers import AutoModelForCausalLM
-
-            from .verify import check_merged_folder
+            from .verify import check_merged_folder, reload_merged_folder
 
             check = check_merged_folder(model, r.path, tokenizer, n_tokens=8)
             row.update(max_logit_diff=f"{check.max_abs_diff:.2e}", greedy_equal=f"{check.greedy_equal}/{check.prompts}",
                        within_tolerance=check.ok)
             if canary is not None:
-                row["canary"] = canary.recalled_by(AutoModelForCausalLM.from_pretrained(r.path), tokenizer)
+                row["canary"] = canary.recalled_by(reload_merged_folder(r.path), tokenizer)
         rows.append(row)
     if "gguf" in forms:
         results = model.save_pretrained_gguf(out / "gguf", tokenizer, list(gguf_methods), maximum_memory_usage=maximum_memory_usage, verbose=False)
@@ -57,11 +71,15 @@ def export_and_verify(
             if verify:
                 from .verify import _llama, check_gguf_file, greedy_llama_cpp
 
-                check = check_gguf_file(model, r.path, tokenizer, n_tokens=8)
+                check = check_gguf_file(model, r.path, tokenizer, n_tokens=8, method=r.form)
                 row.update(max_logit_diff=f"{check.max_abs_diff:.2e}", greedy_equal=f"{check.greedy_equal}/{check.prompts}",
-                           within_tolerance=check.within(r.form) and check.tokenizer_equal)
+                           within_tolerance=check.within(r.form) and check.tokenizer_equal and check.explained())
                 if canary is not None:
-                    tokens, _ = greedy_llama_cpp(_llama(r.path), canary.prompt_ids(tokenizer), canary.recall_tokens)
+                    llm = _llama(r.path)
+                    try:
+                        tokens, _ = greedy_llama_cpp(llm, canary.prompt_ids(tokenizer), canary.recall_tokens)
+                    finally:
+                        llm.close()
                     row["canary"] = canary.recalled(tokenizer, tokens)
             rows.append(row)
     return rows

@@ -8,6 +8,7 @@ One op per module, named after its public function, imported from there::
     from notebookkit.kernels.cross_entropy import cross_entropy
     from notebookkit.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
     from notebookkit.kernels.nf4 import dequantize_nf4
+    from notebookkit.kernels.nf4_matvec import nf4_matvec  # decode: x @ W^T from the NF4 bytes, M <= 16
     from notebookkit.kernels.lora_projection import LoRAProjection
     from notebookkit.kernels.lora_mlp import lora_mlp     # lora_qkv, lora_o likewise
     from notebookkit.kernels.fp8_matmul import fp8_linear  # FP8 base GEMM of a LoRA forward (opt-in)

@@ -120,6 +120,24 @@ def _accumulate_weight_grad(acc32: torch.Tensor, g: torch.Tensor, h: torch.Tenso
     acc32.add_(torch.mm(g.t(), h))
 
 
+def backprop_lm_head_chunk(
+    g: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden_rows: Optional[torch.Tensor],
+    grad_weight: Optional[torch.Tensor],
+    grad_bias: Optional[torch.Tensor],
+) -> None:
+    """Chain rule through ``X = h W^T + b`` for one chunk with logits gradient ``g = dL/dX``:
+    ``grad_hidden_rows = g W``, ``grad_weight += g^T h``, ``grad_bias += sum_rows g`` (each skipped when ``None``)."""
+    if grad_hidden_rows is not None:
+        torch.mm(g, weight, out=grad_hidden_rows)
+    if grad_weight is not None:
+        _accumulate_weight_grad(grad_weight, g, h)
+    if grad_bias is not None:
+        grad_bias.add_(g.sum(dim=0, dtype=torch.float32))
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Chunked ``lm_head`` + Triton cross-entropy; gradients made in forward, scaled in backward."""
 
@@ -183,12 +201,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
                 z_loss=z_loss, block_size=block_size,
             )
-            if need_h:
-                torch.mm(lg, weight, out=grad_hidden[start:end])
-            if need_w:
-                _accumulate_weight_grad(grad_weight, lg, h)
-            if need_b:
-                grad_bias.add_(lg.sum(dim=0, dtype=torch.float32))
+            backprop_lm_head_chunk(lg, h, weight, grad_hidden[start:end] if need_h else None, grad_weight, grad_bias)
         del logits
 
         if not fp16:  # fp16 keeps fp32 accumulators until backward has scaled them
@@ -225,6 +238,42 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 g = g if g.dtype == out_dtype else g.to(out_dtype)
             scaled.append(g)
         return tuple(scaled) + (None,) * 9
+
+
+def check_lm_head_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    softcap: Optional[float],
+    chunk_size: Optional[int],
+) -> None:
+    """Argument checks shared by the ops on final hidden states and the LM head (this one and
+    :mod:`notebookkit.kernels.linear_logprobs`): shapes, labels, soft-cap, chunk size."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be the [V, H] LM-head matrix, got shape {tuple(weight.shape)}.")
+    vocab, n_hidden = weight.shape
+    if hidden.shape[-1] != n_hidden:
+        raise ValueError(
+            f"hidden has last dimension {hidden.shape[-1]} but weight is [V={vocab}, H={n_hidden}]: "
+            f"pass the final hidden states and lm_head.weight (not its transpose)."
+        )
+    check_labels_and_softcap("hidden", hidden, labels, softcap)
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"bias must have shape [{vocab}], got {tuple(bias.shape)}.")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size!r}.")
+
+
+def lm_head_compute_dtype(op: str, hidden: torch.Tensor, weight: torch.Tensor, hint: str = "") -> torch.dtype:
+    """One compute dtype for the LM-head GEMMs: autocast's when active, else the weight's (fp32/16/bf16)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+    else:
+        dtype = weight.dtype
+    if dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{op} runs in float32, float16 or bfloat16, got {dtype}.{hint}")
+    return dtype
 
 
 def fused_linear_cross_entropy_reference(
@@ -285,35 +334,16 @@ def fused_linear_cross_entropy(
     the Triton path; CPU tensors run :func:`fused_linear_cross_entropy_reference` (which does
     materialise the logits) unless Triton is forced under the interpreter.
     """
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be the [V, H] LM-head matrix, got shape {tuple(weight.shape)}.")
+    check_lm_head_inputs(hidden, weight, labels, bias, softcap, chunk_size)
     vocab, n_hidden = weight.shape
-    if hidden.shape[-1] != n_hidden:
-        raise ValueError(
-            f"hidden has last dimension {hidden.shape[-1]} but weight is [V={vocab}, H={n_hidden}]: "
-            f"pass the final hidden states and lm_head.weight (not its transpose)."
-        )
-    check_labels_and_softcap("hidden", hidden, labels, softcap)
     n_rows = hidden.numel() // max(n_hidden, 1)
-    if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"bias must have shape [{vocab}], got {tuple(bias.shape)}.")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size!r}.")
 
     if not should_use_triton(hidden):
         return fused_linear_cross_entropy_reference(
             hidden, weight, labels, bias, ignore_index, softcap, logit_scale, z_loss, n_items
         )
 
-    # One compute dtype for the GEMMs: autocast's when active, else the weight's.
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-    else:
-        dtype = weight.dtype
-    if dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(
-            f"fused_linear_cross_entropy runs in float32, float16 or bfloat16, got {dtype}."
-        )
+    dtype = lm_head_compute_dtype("fused_linear_cross_entropy", hidden, weight)
     h = hidden.reshape(n_rows, n_hidden).to(dtype)
     w = weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None

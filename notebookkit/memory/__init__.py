@@ -1,5 +1,6 @@
-"""Memory: one memory model (:func:`estimate_training_memory`), the activation planner
-(:func:`plan_activations`), GPU cards and memory-size parsing, and memory meters.
+"""Memory: one memory model (:func:`estimate_training_memory`, generation's share included with
+``generation=``: :func:`generation_memory`), the activation planner (:func:`plan_activations`), GPU
+cards and memory-size parsing, and memory meters.
 
     >>> from notebookkit.memory import estimate_training_memory
     >>> print(estimate_training_memory("meta-llama/Llama-3.1-8B-Instruct", load_in_4bit=True,
@@ -19,6 +20,7 @@ from .estimate import (
     normalize_plan,
 )
 from .export import ExportMemory, export_memory, merge_working_bytes
+from .generation import GenerationMemory, generation_bytes, generation_memory, kv_cache_bytes
 from .meters import gpu_memory, host_memory, reset_gpu_peak
 from .planner import ActivationPlan, DoesNotFitError, plan_activations
 from .shapes import KNOWN_MODELS, ModelShape, model_shape, shape_from_config
@@ -38,6 +40,7 @@ __all__ = [
     "MemoryEstimate", "activation_plan_of", "estimate_for_model", "estimate_kwargs_from_model", "estimate_training_memory", "layer_activation_bytes",
     "lora_param_count", "normalize_plan", "HostMemoryError", "PinnedBufferPool",
     "gpu_memory", "host_memory", "reset_gpu_peak", "ExportMemory", "export_memory", "merge_working_bytes",
+    "GenerationMemory", "generation_bytes", "generation_memory", "kv_cache_bytes",
     "ActivationPlan", "DoesNotFitError", "plan_activations", "LongestSequence", "longest_sequence",
     "KNOWN_MODELS", "ModelShape", "model_shape", "shape_from_config",
 ]

@@ -91,8 +91,13 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
     so :attr:`MemoryEstimate.peak_allocated` leaves it out.
 
-Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries``: the larger of
-the end-of-forward peak (inside the loss) and the backward peak, plus the CUDA context. What
+Generation held alongside training (``generation=``, GRPO: a generation and a training step every
+step, on one model): the KV cache, the captured decode step's buffers and its graph pool stay
+allocated through the training step; a prefill never overlaps the training step's transients, so
+only what it needs beyond them is added (:mod:`notebookkit.memory.generation`).
+
+Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
+the larger of the end-of-forward peak (inside the loss) and the backward peak, plus the CUDA context. What
 ``torch.cuda.max_memory_reserved`` shows is higher by the caching allocator's fragmentation (a few
 percent); the planner leaves a margin for it.
 """
@@ -103,8 +108,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from .generation import generation_term
 from .model_setup import fp8_forward, fused_lm_head, recorded_activation_plan
-from .shapes import PROJECTIONS, ModelShape, model_shape
+from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 
 GiB = 1024**3
 
@@ -230,6 +236,7 @@ class MemoryEstimate:
     total: int
     cuda_context: int = 0
     host_offload: int = 0
+    generation: int = 0
     per_layer_activations: tuple[int, ...] = ()
     plan: tuple[str, ...] = ()
     details: dict[str, int] = field(default_factory=dict)
@@ -250,14 +257,17 @@ class MemoryEstimate:
         return self.total <= budget_bytes
 
     def parts(self) -> dict[str, int]:
-        """The five parts that add up to ``total``, with readable names."""
-        return {
+        """The parts that add up to ``total``, with readable names (generation only when estimated)."""
+        parts = {
             "base weights": self.base_weights,
             "adapters + optimizer": self.adapters,
             "activations": self.activations,
             "logits / loss": self.logits_loss,
             "temporaries": self.temporaries,
         }
+        if self.generation:
+            parts["generation"] = self.generation
+        return parts
 
     def plan_counts(self) -> dict[str, int]:
         return {m: sum(1 for p in self.plan if p == m) for m in MODES}
@@ -267,7 +277,7 @@ class MemoryEstimate:
             "base_weights": self.base_weights, "adapters": self.adapters, "activations": self.activations,
             "logits_loss": self.logits_loss, "temporaries": self.temporaries, "total": self.total,
             "peak_allocated": self.peak_allocated, "cuda_context": self.cuda_context,
-            "host_offload": self.host_offload, "plan": list(self.plan), "details": dict(self.details),
+            "host_offload": self.host_offload, "generation": self.generation, "plan": list(self.plan), "details": dict(self.details),
             "inputs": dict(self.inputs),
         }
 
@@ -409,17 +419,6 @@ def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | 
     return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in _targets(target_modules))
 
 
-def resolve_attention(shape: ModelShape, attention: str | None = "auto") -> str:
-    """The attention path the fused model runs: ``"eager"`` (explicit softmax) for soft-capped
-    attention (Gemma 2), else ``"sdpa"``; an explicit ``"sdpa"``/``"flash"``/``"eager"`` is kept."""
-    key = "auto" if attention is None else str(attention).lower()
-    if key == "auto":
-        return "eager" if shape.attn_softcap else "sdpa"
-    if key in ("sdpa", "flash", "flash_attention_2", "eager"):
-        return "eager" if key == "eager" else "sdpa"
-    raise ValueError(f"notebookkit.memory: unknown attention {attention!r}; use 'auto', 'sdpa', 'flash' or 'eager'.")
-
-
 def layer_activation_bytes(
     shape: ModelShape,
     mode: str,
@@ -527,6 +526,7 @@ def estimate_training_memory(
     lora_dropout: float = 0.0,
     attention: str = "auto",
     fp8_forward: bool = False,
+    generation: Any = None,
     cuda_context_bytes: int = 400 * 2**20,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
@@ -552,6 +552,10 @@ def estimate_training_memory(
             attention, Gemma 2, else SDPA), ``"sdpa"``/``"flash"`` (no T^2 storage) or ``"eager"``.
         fp8_forward: the base GEMMs of the forward run in FP8 (``get_peft_model(fp8_base_matmul=True)``):
             their one-byte copies of input and weight join the temporaries.
+        generation: generation held alongside training (GRPO): ``dict(batch_size=..., max_len=...,
+            prompt_len=...)`` (rows generated at once, prompt + new tokens, prompt length) or a
+            :class:`~notebookkit.memory.generation.GenerationMemory`; adds its KV cache, CUDA graph
+            buffers and decode step, and what its prefill needs beyond the training step's transients.
         cuda_context_bytes: memory the CUDA context and libraries take outside PyTorch's allocator.
 
     Returns:
@@ -577,24 +581,30 @@ def estimate_training_memory(
     working_set = backward_working_set(shape, batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
                                        load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
     temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes)
+    gen_bytes, gen_details = 0, {}
+    if generation is not None:
+        transients = acts.bytes + loss.bytes + temporaries.bytes - cuda_context_bytes
+        gen_bytes, gen_details = generation_term(generation, shape, s, load_in_4bit, attention, transients)
 
     notes = list(loss.notes)
     if lora_dropout and lora_dropout > 0:
         notes.append("lora_dropout > 0 stores a dropped copy of every adapter input and leaves the fused path")
     if opt.startswith("paged"):
         notes.append("paged optimizer states can move to host memory under pressure; counted on the GPU here")
-    details = {**base.details, **adapters.details, **acts.details, **loss.details, **temporaries.details}
-    total = base.bytes + adapters.bytes + acts.bytes + loss.bytes + temporaries.bytes
+    details = {**base.details, **adapters.details, **acts.details, **loss.details, **temporaries.details,
+               **gen_details}
+    total = base.bytes + adapters.bytes + acts.bytes + loss.bytes + temporaries.bytes + gen_bytes
     inputs = dict(
         load_in_4bit=bool(load_in_4bit), dtype=str(dtype).replace("torch.", ""), lora_r=lora_r,
         target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
+        generation=getattr(generation, "inputs", generation),
     )
     return MemoryEstimate(
         base_weights=int(base.bytes), adapters=int(adapters.bytes), activations=int(acts.bytes),
         logits_loss=int(loss.bytes), temporaries=int(temporaries.bytes), total=int(total),
-        cuda_context=int(cuda_context_bytes), host_offload=int(acts.host_offload),
+        cuda_context=int(cuda_context_bytes), host_offload=int(acts.host_offload), generation=int(gen_bytes),
         per_layer_activations=acts.per_layer, plan=plan, details={k: int(v) for k, v in details.items()},
         inputs=inputs, notes=notes, shape=shape,
     )

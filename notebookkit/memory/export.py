@@ -12,6 +12,12 @@ buffer of its own. The host holds one merged tensor at a time on its way to the 
 (``b * out * in``, the largest one, usually the embedding). :func:`merge_working_bytes` is the
 per-layer formula the export's GPU budget check uses; :func:`export_memory` applies it to a whole
 model shape.
+
+``merged_4bit_forced`` re-quantises each merged weight to NF4 on the merging device
+(``notebookkit.export.nf4_quantize``): the fp32 merged weight and factors as above, the packed codes
+and scales (``n/2 + n/16`` bytes), and the quantiser's temporaries for one chunk of
+``NF4_CHUNK_ELEMENTS`` values (about 40 bytes each: fp32 and int64 copies, the fp64 error sums):
+:func:`nf4_merge_working_bytes`.
 """
 
 from __future__ import annotations
@@ -21,12 +27,22 @@ from typing import Iterable, Optional
 
 from .shapes import PROJECTIONS, ModelShape
 
-__all__ = ["merge_working_bytes", "ExportMemory", "export_memory"]
+__all__ = ["merge_working_bytes", "nf4_merge_working_bytes", "NF4_CHUNK_ELEMENTS", "ExportMemory", "export_memory"]
+
+NF4_CHUNK_ELEMENTS = 2**21  # values the NF4 quantiser processes at a time
+_NF4_BYTES_PER_CHUNK_ELEMENT = 40
 
 
 def merge_working_bytes(out_features: int, in_features: int, rank: int, out_bytes: int = 2) -> int:
     """Device bytes to merge one linear layer: fp32 weight and factors, and the written copy."""
     return out_features * in_features * (4 + out_bytes) + rank * (out_features + in_features) * 4
+
+
+def nf4_merge_working_bytes(out_features: int, in_features: int, rank: int) -> int:
+    """Device bytes to merge one linear layer and re-quantise it to NF4 (module docstring)."""
+    n = out_features * in_features
+    packed = (n + 1) // 2 + -(-n // 64) * 5 + 256 * 4
+    return 4 * n + rank * (out_features + in_features) * 4 + packed + _NF4_BYTES_PER_CHUNK_ELEMENT * min(n, NF4_CHUNK_ELEMENTS)
 
 
 @dataclass(frozen=True)

@@ -242,3 +242,14 @@ def model_shape(model_config: Any) -> ModelShape:
     if cfg is not None and not isinstance(model_config, Mapping) and _get(model_config, "hidden_size") is None:
         return shape_from_config(cfg)
     return shape_from_config(model_config)
+
+
+def resolve_attention(shape: ModelShape, attention: str | None = "auto") -> str:
+    """The attention path the fused model runs: ``"eager"`` (explicit softmax) for soft-capped
+    attention (Gemma 2), else ``"sdpa"``; an explicit ``"sdpa"``/``"flash"``/``"eager"`` is kept."""
+    key = "auto" if attention is None else str(attention).lower()
+    if key == "auto":
+        return "eager" if shape.attn_softcap else "sdpa"
+    if key in ("sdpa", "flash", "flash_attention_2", "eager"):
+        return "eager" if key == "eager" else "sdpa"
+    raise ValueError(f"notebookkit.memory: unknown attention {attention!r}; use 'auto', 'sdpa', 'flash' or 'eager'.")

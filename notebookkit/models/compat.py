@@ -77,3 +77,17 @@ def trl_add_train_tokens(trainer: Any, tokens: int) -> None:
     """Add ``tokens`` (the step's micro-batch, summed over processes) to TRL's ``num_tokens`` metric."""
     trainer._total_train_tokens += tokens // getattr(trainer, "_tp_size", 1)
     trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+
+
+# ---- transformers: the generation config of one generate() call -------------------------------
+# Checked on transformers 4.56.2, 5.17.0, 5.24.0: ``GenerationMixin._prepare_generation_config(
+# generation_config, **kwargs)`` returns ``(config, model_kwargs)``: a copy of the given config (or
+# the model's), the model's ``generation_config`` values filled in where it leaves them unset, the
+# keyword arguments applied on top, and the keywords that are no generation setting (inputs for the
+# forward: ``attention_mask``, ...). ``generate`` itself resolves its settings this way; the fast
+# decode path (notebookkit.models.generation) must read the same values.
+
+
+def prepare_generation_config(model: Any, generation_config: Any, kwargs: dict) -> tuple[Any, dict]:
+    """``(generation config, model kwargs)`` of ``model.generate(generation_config=..., **kwargs)``."""
+    return model._prepare_generation_config(generation_config, **kwargs)

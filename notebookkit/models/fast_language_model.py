@@ -127,7 +127,19 @@ class FastLanguageModel:
 
     @staticmethod
     def for_inference(model: nn.Module) -> nn.Module:
-        """Switch to generation: eval mode, KV cache on, no checkpointing. Returns the model."""
+        """Switch to generation: eval mode, KV cache on, no checkpointing, and the fast ``model.generate``.
+
+        ``model.generate(...)`` then runs notebookkit's decode path (``notebookkit.models.generation``):
+        a static KV cache sized from the request (up to ``max_seq_length``), the prompt on the fused
+        kernels and each new token as one replayed CUDA graph, LoRA adapters unmerged. It takes
+        Hugging Face's arguments and returns the same ids; what it does not implement (beam search,
+        output dicts, logits processors passed in, ...) runs Hugging Face's ``generate``, with a
+        warning that says why. The banner's ``fast generation`` line says whether this model runs it.
+        ``for_training`` restores Hugging Face's ``generate`` and keeps the cache (GRPO switches every
+        step); ``notebookkit.models.generation.release(model)`` frees it. Returns the model.
+        """
+        from .generation import bind_generate, describe_generation
+
         arguments.require_model(model, "for_inference")
         model.eval()
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -136,17 +148,26 @@ class FastLanguageModel:
         gen = getattr(base, "generation_config", None)
         if gen is not None and getattr(gen, "use_cache", None) is not None:
             gen.use_cache = True
+        bound = bind_generate(model)
+        banner = get_banner(model)
+        if banner is not None:
+            describe_generation(model, banner, bound)
         return model
 
     @staticmethod
     def for_training(
         model: nn.Module, use_gradient_checkpointing: Union[bool, str, None] = None, max_memory: Any = None
     ) -> nn.Module:
-        """Switch back to training mode (KV cache off). Optionally change the checkpointing mode
-        (``"auto"`` re-plans, within ``max_memory`` when given)."""
+        """Switch back to training mode (KV cache off, Hugging Face's ``generate`` back). Optionally change
+        the checkpointing mode (``"auto"`` re-plans, within ``max_memory`` when given). The static KV
+        cache of ``for_inference`` is kept for the next generation (``notebookkit.models.generation.release``
+        frees it)."""
+        from .generation import unbind_generate
+
         arguments.require_model(model, "for_training")
         if max_memory is not None:
             arguments.max_memory_bytes(max_memory, "for_training")
+        unbind_generate(model)  # Hugging Face's generate again; the generation cache is kept
         model.train()
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(base.config, "use_cache", None) is not None:

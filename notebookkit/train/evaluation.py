@@ -81,15 +81,32 @@ def normalize_answer(text: str) -> str:
 
 @contextlib.contextmanager
 def _eval_mode(model: Any) -> Iterator[None]:
+    """Evaluation mode for the block; a model from FastLanguageModel also gets the fast decode path
+    (``for_inference``), and goes back to exactly what it was after (``for_training`` when it was
+    training, Hugging Face's ``generate`` when it had not been switched)."""
     import torch
 
+    from notebookkit.models import FastLanguageModel
+    from notebookkit.models.banner import get_banner
+    from notebookkit.models.generation import is_bound, unbind_generate
+
     was_training = model.training
-    model.eval()
+    fast = get_banner(model) is not None
+    was_bound = fast and is_bound(model)
+    if fast:
+        FastLanguageModel.for_inference(model)
+    else:
+        model.eval()
     try:
         with torch.no_grad():
             yield
     finally:
-        model.train(was_training)
+        if fast and was_training:
+            FastLanguageModel.for_training(model)
+        else:
+            if fast and not was_bound:
+                unbind_generate(model)
+            model.train(was_training)
 
 
 def _device(model: Any) -> Any:

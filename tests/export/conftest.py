@@ -10,7 +10,12 @@ from notebookkit import FastLanguageModel
 
 def lora_model(family: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
     """A tiny model of ``family`` with LoRA on all seven projections and random non-zero B."""
-    model, tokenizer = FastLanguageModel.from_pretrained(f"notebookkit/tiny-{family}", load_in_4bit=load_in_4bit, show_banner=False)
+    return lora_model_from(f"notebookkit/tiny-{family}", load_in_4bit, seed, r)
+
+
+def lora_model_from(name: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
+    """The model ``name`` (a tiny default or a folder) with LoRA on all seven projections and random non-zero B."""
+    model, tokenizer = FastLanguageModel.from_pretrained(str(name), load_in_4bit=load_in_4bit, show_banner=False)
     model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=16, show_banner=False)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -82,7 +82,9 @@ def test_model_not_from_fast_language_model(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_k_quant_without_llama_cpp_says_how_to_get_it(llama_nf4, tmp_path, monkeypatch, no_work):
+@pytest.fixture
+def no_llama_cpp(monkeypatch):
+    """``import llama_cpp`` fails, as where llama-cpp-python is not installed."""
     import builtins
 
     real_import = builtins.__import__
@@ -93,10 +95,22 @@ def test_k_quant_without_llama_cpp_says_how_to_get_it(llama_nf4, tmp_path, monke
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", without_llama_cpp)
+
+
+def test_k_quant_without_llama_cpp_says_how_to_get_it(llama_nf4, tmp_path, no_llama_cpp, no_work):
     model, tokenizer = llama_nf4
     with pytest.raises(ExportError, match=r"q4_k_m is made by llama.cpp's quantiser.*pip install llama-cpp-python.*q8_0"):
         model.save_pretrained_gguf(tmp_path / "g", tokenizer, ["q8_0", "q4_k_m"])
     assert not (tmp_path / "g").exists()
+
+
+def test_gguf_check_without_llama_cpp_says_how_to_get_it(llama_nf4, tmp_path, no_llama_cpp, no_work):
+    from notebookkit.export import export_and_verify
+
+    model, tokenizer = llama_nf4
+    with pytest.raises(ExportError, match=r"Verifying a GGUF export loads the GGUF file in llama.cpp.*pip install llama-cpp-python.*verify=False"):
+        export_and_verify(model, tokenizer, tmp_path / "out", forms=("lora", "merged_16bit", "gguf"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_push_offline_fails_before_any_work(llama_nf4, monkeypatch, no_work):

@@ -118,3 +118,22 @@ def test_unknown_method_lists_valid_ones():
     for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"):
         assert name in message
     assert normalize_quantization_methods(["Q8_0", "quantized", "fast_quantized"]) == ["q8_0", "q4_k_m"]
+
+
+@pytest.mark.parametrize("family, method", [("llama", "q8_0"), ("llama", "bf16"), ("gemma2", "q4_0")])
+def test_file_holds_the_rounded_reference(family, method, tmp_path):
+    """The reference the llama.cpp checks use (merged weights rounded by gguf.quants, in Hugging Face's
+    layout) is exactly what the file stores, once its tensors are decoded and mapped back
+    (un-permuted, Gemma's +1 removed): the writer adds no rounding of its own and loses no tensor."""
+    from notebookkit.export.gguf_rounding import _from_file, rounded_reference_model
+
+    model, tokenizer = lora_model(family, load_in_4bit=family == "llama")
+    (result,) = model.save_pretrained_gguf(tmp_path, tokenizer, method, verbose=False)
+    reference = rounded_reference_model(model, method).state_dict()
+    from_file: dict = {}
+    _from_file(model, result.path, from_file)
+    from notebookkit.export.merge import plan_merged_tensors
+
+    assert set(from_file) == {t.name for t in plan_merged_tensors(model, torch.float32)}  # every tensor, once
+    for name, values in from_file.items():
+        assert torch.equal(values, reference[name]), name

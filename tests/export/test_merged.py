@@ -109,12 +109,8 @@ def test_lora_form_is_peft_adapter(llama_nf4, tmp_path):
     assert keys and all("lora_" in k for k in keys)
 
 
-def test_merged_4bit_needs_forced(llama_nf4, tmp_path):
+def test_unknown_save_method(llama_nf4, tmp_path):
     model, tokenizer = llama_nf4
-    with pytest.raises(ExportError, match="merged_4bit_forced"):
-        model.save_pretrained_merged(tmp_path / "x", tokenizer, save_method="merged_4bit")
-    with pytest.raises(ExportError, match=r"merged_4bit_forced' is not available.*load_in_4bit=True"):
-        model.save_pretrained_merged(tmp_path / "x", tokenizer, save_method="merged_4bit_forced")
     with pytest.raises(ExportError, match="'merged_16bit', 'lora', 'merged_4bit_forced'"):
         model.save_pretrained_merged(tmp_path / "x", tokenizer, save_method="fp8")
     assert not (tmp_path / "x").exists()

@@ -59,6 +59,23 @@ def test_accelerate_hooks_call_the_forward_kept_in_their_slot():
     assert calls == [1]  # the hook's wrapper runs whatever the slot holds
 
 
+def test_generation_config_of_a_call_is_the_models_overlaid_by_the_call():
+    """Unset values come from the model's generation config, the call's keywords win, and the
+    keywords that are no generation setting come back as model inputs."""
+    from transformers import GenerationConfig
+
+    model = random_model("llama")
+    model.generation_config.eos_token_id = [3, 4]
+    model.generation_config.temperature = 0.5
+    mask = torch.ones(1, 3, dtype=torch.long)
+    config, model_kwargs = compat.prepare_generation_config(model, None, {"max_new_tokens": 7, "attention_mask": mask})
+    assert config.max_new_tokens == 7 and config.eos_token_id == [3, 4] and config.temperature == 0.5
+    assert model_kwargs["attention_mask"] is mask and "max_new_tokens" not in model_kwargs
+    given = GenerationConfig(max_new_tokens=5, top_k=3)
+    config, _ = compat.prepare_generation_config(model, given, {})
+    assert (config.max_new_tokens, config.top_k, config.eos_token_id) == (5, 3, [3, 4]) and config is not given
+
+
 def test_trl_token_count_is_the_one_sft_trainer_keeps(tmp_path):
     """TRL's own ``compute_loss`` and :func:`compat.trl_add_train_tokens` log the same ``num_tokens``."""
     pytest.importorskip("trl")

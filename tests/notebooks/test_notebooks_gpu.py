@@ -90,9 +90,9 @@ def test_chat_sft_t4_emulation_fp16_under_15_gib(tmp_path, monkeypatch):
     result = run_notebook("notebooks/sft/chat_sft.ipynb", params, out / "chat_sft.ipynb", cell_timeout=1800, env=env)
     print(result.log_line())
     assert result.ok, result.error
-    outputs = "".join(
-        o.get("text", "") for c in json.loads((out / "chat_sft.ipynb").read_text())["cells"] if c["cell_type"] == "code"
-        for o in c.get("outputs", [])
+    outputs = "".join(  # nbformat keeps a stream's text as one string or as a list of lines
+        "".join(o.get("text", "")) for c in json.loads((out / "chat_sft.ipynb").read_text())["cells"]
+        if c["cell_type"] == "code" for o in c.get("outputs", [])
     )
     line = next(l for l in outputs.splitlines() if l.startswith("fp16:"))
     print(line)

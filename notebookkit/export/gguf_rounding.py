@@ -1,0 +1,98 @@
+"""The merged model with its weights rounded as a GGUF file stores them, as a plain fp32 Hugging Face model.
+
+What llama.cpp computes from a GGUF file differs from the adapter model by two roundings: the
+weights' rounding to the file's format, and llama.cpp's own arithmetic, whose CPU products round
+the activations to the weight's companion type (f16 for F16, bf16 for BF16, q8_0 blocks for Q8_0;
+finer q8 blocks for Q4_0 and the K-quants). The first is measured here without llama.cpp, by running
+this model in fp32 Hugging Face arithmetic on the same tokens (:func:`notebookkit.export.verify.check_gguf_file`
+uses it to say whether llama.cpp's differences are the size the format explains):
+
+* direct formats (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``): every tensor the writer stores in a
+  rounded type (:func:`notebookkit.export.gguf_file.tensor_type`) is taken from the merged fp32
+  weights and rounded by ``gguf.quants`` (quantise, then dequantise), in Hugging Face's own names
+  and layout: independent of the writer's tensor names and layout conversions, so a tensor written
+  in the wrong place or permuted wrongly shows as llama.cpp differing from this model;
+* K-quants: ``gguf`` has no Python quantiser for them, so the file's own tensors are decoded
+  (``gguf.quants.dequantize``) and mapped back through the family's table (rows un-permuted,
+  Gemma's ``+1`` removed). That relies on the writer's table, which the direct formats check.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .gguf_arch import gguf_family, unpermute_for_llama_rope
+from .merge import base_model_of, plan_merged_tensors
+
+__all__ = ["rounded_reference_model"]
+
+
+def _round_trip(values: np.ndarray, qtype) -> np.ndarray:
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return values
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return values.astype(np.float16).astype(np.float32)
+    return np.asarray(gguf.quants.dequantize(gguf.quants.quantize(values, qtype), qtype), dtype=np.float32).reshape(values.shape)
+
+
+def _from_file(model: nn.Module, path: os.PathLike, state: dict[str, torch.Tensor]) -> None:
+    """Overwrite ``state`` with the file's decoded tensors, in Hugging Face names and layout."""
+    import gguf
+
+    from .gguf_file import _gguf_tensors, _text_config
+
+    family = gguf_family(_text_config(base_model_of(model).config))
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for tensor in _gguf_tensors(model, family):
+        if tensor.source is None:
+            continue
+        t = stored[tensor.name]
+        values = torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
+        values = values.reshape(tensor.shape)
+        if tensor.permute_heads:
+            values = unpermute_for_llama_rope(values, tensor.permute_heads)
+        if tensor.add:
+            values = values - tensor.add
+        state[tensor.source.name] = values
+
+
+@torch.no_grad()
+def rounded_reference_model(model: nn.Module, method: str, path: Optional[os.PathLike] = None) -> nn.Module:
+    """A plain fp32 CPU model with ``model``'s merged weights rounded as ``method``'s GGUF stores them
+    (module docstring); ``path`` (the written file) is needed for the K-quants."""
+    from transformers import AutoModelForCausalLM
+
+    from .gguf_file import GGUF_METHODS, tensor_type
+
+    base = base_model_of(model)
+    state = {t.name: t.make(torch.device("cpu")).float() if t.dtype.is_floating_point else t.make(torch.device("cpu"))
+             for t in plan_merged_tensors(model, torch.float32)}
+    if method in GGUF_METHODS:
+        for name, values in state.items():
+            if values.is_floating_point():
+                qtype = tensor_type(tuple(values.shape), method)
+                state[name] = torch.from_numpy(_round_trip(values.numpy(), qtype))
+    else:
+        if path is None:
+            raise ValueError(f"the rounding of {method} is read from its file: pass path=")
+        _from_file(model, path, state)
+    config = copy.deepcopy(base.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = reference.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"the rounded reference does not match the model: missing {missing}, unexpected {unexpected}")
+    if tied:
+        reference.tie_weights()
+    return reference.eval()

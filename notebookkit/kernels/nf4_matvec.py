@@ -1,0 +1,556 @@
+"""NF4 matrix-vector product for decoding: ``y = x @ dequant(W)^T (+ b)`` for a few rows of ``x``,
+reading bitsandbytes' 4-bit bytes and block scales directly, never writing the dense weight.
+
+Math (``W`` is ``[N, K]``, ``x`` is ``[M, K]`` with ``M`` the decode batch, 1..16):
+
+    w[n, k] = c( NF4[code(n, k)] * absmax[block(n, k)] )        fp32 product, one rounding to c
+    y[m, n] = c( sum_k fp32(x[m, k]) * w[n, k]  +  b[n] )        fp32 accumulation, one rounding
+
+``c`` is the dtype of ``x`` (fp16, bf16 or fp32): ``w`` is, bit for bit,
+``notebookkit.kernels.nf4.dequantize_nf4(W, out_dtype=x.dtype)`` (plain or nested absmax, the
+nested ``code2 * absmax2 + offset`` rounded twice as bitsandbytes does), so ``y`` is
+``x @ dequantize_nf4(W)^T + b`` up to the order of the fp32 additions: what the dequantise-then-
+matmul path computes. There is no backward: decoding runs without gradients.
+
+Layout (bitsandbytes' NF4, see :mod:`notebookkit.kernels.nf4`): the flat weight in row-major order,
+two 4-bit codes a byte (element ``2i`` in the high nibble), one scale per ``B`` consecutive elements
+(64). With ``K`` a multiple of ``B`` every row is ``K / B`` whole blocks of ``B / 2`` bytes; a
+program owns ``BLOCK_N`` whole rows of ``W`` (columns of ``y``: no split over ``K``, one launch, no
+workspace, the same result every run) and walks along them ``STEP_BLOCKS`` blocks at a time, a tile
+``[BLOCK_N, STEP_BLOCKS, B / 2]`` of bytes with one scale per ``(row, block)``. Byte ``t`` of a row
+holds the codes of columns ``2t`` (high nibble) and ``2t + 1`` (low nibble); ``x`` is read as 32-bit
+words (two 16-bit values; 64-bit for fp32), so word ``t`` is the pair ``(x[2t], x[2t + 1])`` that
+byte ``t`` multiplies: the same tile shape as the bytes, read where it is used.
+
+The NF4 level of a code: on a GPU each lane of a warp holds ``NF4[lane % 16]`` and a warp shuffle
+(``shfl.sync.idx``, the lane from the low 5 bits of the index) fetches any level in one instruction,
+with no address arithmetic and no cache traffic; under the interpreter a load from the 16-entry
+table does the same.
+
+Two ways through the tile, picked by the launcher from ``(M, N, K)`` (:func:`matvec_config`):
+
+* ``use_dot=False`` (``M == 1``): fused multiply-adds into a per-thread accumulator of the tile's
+  shape, reduced once after the last step; few rows per program, so that ``N = 1024`` still gives
+  every SM of an H200 several programs. The rounding of ``w`` to bf16 / fp16 is one packed
+  conversion for two values on sm_80+.
+* ``use_dot=True`` (``M >= 2``): ``tl.dot`` on the tensor cores, ``[BLOCK_N, bytes] @ [bytes, 16]``
+  once for the high and once for the low nibbles, ``x`` padded to 16 rows with zeros; the cost per
+  weight byte does not grow with ``M``.
+
+Weights whose rows are not whole NF4 blocks (``K % B != 0``: blocks straddle rows) are not run by
+the kernel: :func:`nf4_matvec_supported` says ``False`` and :func:`nf4_matvec` decodes the weight
+(``dequantize_nf4``) and multiplies, with the same numbers. Graph-safe: no host synchronisation,
+the only allocation is ``y`` (its size from the shapes). The kernel is compiled without FMA
+contraction (``enable_fp_fusion=False``: the nested absmax is a product and a sum, two roundings, as
+in bitsandbytes); the accumulation uses explicit ``tl.fma``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .nf4 import _kernel_operands, _read_state, _unwrap, dequantize_nf4, dequantize_nf4_reference
+from .runtime import interpreter_on, should_use_triton
+
+__all__ = [
+    "MAX_ROWS", "MatvecConfig", "matvec_config", "nf4_matvec", "nf4_matvec_reference", "nf4_matvec_supported",
+    "AOT_SPECS",
+]
+
+MAX_ROWS = 16  # rows of x (the decode batch) the kernel takes; tl.dot pads to this many
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# X_KIND of the kernel: how x's words hold two values, and the rounding of w and y
+_X_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_WORDS = {torch.float32: torch.int64, torch.float16: torch.int32, torch.bfloat16: torch.int32}
+_SM_COUNTS: dict[torch.device, tuple[int, int]] = {}
+
+
+def _device_facts(device: torch.device) -> tuple[int, int]:
+    """(SM count, compute capability major * 10 + minor) of a CUDA device; an H200's for the interpreter."""
+    facts = _SM_COUNTS.get(device)
+    if facts is None:
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            facts = (props.multi_processor_count, props.major * 10 + props.minor)
+        else:
+            facts = (132, 90)
+        _SM_COUNTS[device] = facts
+    return facts
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok,
+                 BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 absmax of NF4 blocks ``blocks`` (``ok``: which exist, when ``MASKED``); nested as
+    ``fp32(code2[c] * absmax2[b // BLOCKSIZE2]) + offset`` (no FMA: the kernel compiles without
+    contraction), as in bitsandbytes' decode. :func:`notebookkit.kernels.nf4._block_absmax` with
+    bounds checks that can be left out."""
+    if NESTED:
+        if MASKED:
+            c = tl.load(absmax_ptr + blocks, mask=ok, other=0).to(tl.int32)
+            s2 = tl.load(absmax2_ptr + blocks // BLOCKSIZE2, mask=ok, other=0.0)
+        else:
+            c = tl.load(absmax_ptr + blocks).to(tl.int32)
+            s2 = tl.load(absmax2_ptr + blocks // BLOCKSIZE2)
+        absmax = tl.load(code2_ptr + c) * s2
+        absmax = absmax + tl.load(offset_ptr)
+    elif MASKED:
+        absmax = tl.load(absmax_ptr + blocks, mask=ok, other=0.0)
+    else:
+        absmax = tl.load(absmax_ptr + blocks)
+    return absmax
+
+
+@triton.jit
+def _lane_level(table_ptr, LANE_TABLE: tl.constexpr):
+    """This lane's NF4 level, ``NF4[lane % 16]``, for :func:`_nf4_level` (0 without ``LANE_TABLE``)."""
+    if LANE_TABLE:
+        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.full((1,), 0, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+        level = tl.load(table_ptr + (lane & 15))
+    else:
+        level = tl.full((1,), 0.0, tl.float32)
+    return level
+
+
+@triton.jit
+def _nf4_level(lane_level, table_ptr, code, LANE_TABLE: tl.constexpr):
+    """``NF4[code & 15]`` (fp32): a warp shuffle from the lane holding it (the table is in lanes 0-15
+    and again in 16-31, the shuffle reads the low 5 bits of ``code``), or a load from the table."""
+    if LANE_TABLE:
+        level = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", [lane_level, code],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        level = tl.load(table_ptr + (code & 15))
+    return level
+
+
+@triton.jit
+def _round_pair(a, b, X_KIND: tl.constexpr, PACKED: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """``a`` and ``b`` (fp32) rounded to nearest-even in x's dtype and widened back: one packed
+    conversion for both on sm_80+ (``PACKED``), else one each (by hand for bf16 under the
+    interpreter, whose cast truncates)."""
+    if X_KIND == 2 and PACKED:
+        a, b = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $2, $3; and.b32 $0, t, 0xffff0000; shl.b32 $1, t, 16; }",
+            "=r,=r,r,r", [a, b], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    elif X_KIND == 1 and PACKED:
+        a, b = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 l, h; cvt.rn.f16x2.f32 t, $2, $3; mov.b32 {l, h}, t; "
+            "cvt.f32.f16 $0, h; cvt.f32.f16 $1, l; }",
+            "=r,=r,r,r", [a, b], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        a = _round_one(a, X_KIND, BF16_BY_HAND)
+        b = _round_one(b, X_KIND, BF16_BY_HAND)
+    return a, b
+
+
+@triton.jit
+def _round_one(v, X_KIND: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    if X_KIND == 1:
+        v = v.to(tl.float16).to(tl.float32)
+    elif X_KIND == 2 and BF16_BY_HAND:
+        bits = v.to(tl.uint32, bitcast=True)
+        v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif X_KIND == 2:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _x_pair(word, X_KIND: tl.constexpr, dtype: tl.constexpr):
+    """``(x[2t], x[2t + 1])`` in ``dtype`` from the word holding both (little endian: the first in the
+    low half)."""
+    if X_KIND == 0:
+        even = word.to(tl.int32).to(tl.float32, bitcast=True)
+        odd = (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    elif X_KIND == 2 and dtype == tl.float32:
+        even = (word << 16).to(tl.float32, bitcast=True)
+        odd = (word & -65536).to(tl.float32, bitcast=True)
+    elif X_KIND == 2:
+        even = word.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        odd = (word >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        even = word.to(tl.int16).to(tl.float16, bitcast=True).to(dtype)
+        odd = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(dtype)
+    return even, odd
+
+
+@triton.jit
+def _nf4_matvec_kernel(
+    x_words_ptr,  # *i32 (fp16 / bf16 x) or *i64 (fp32 x): [M, K / 2] words, row stride stride_xw
+    packed_ptr,  # *u8 NF4 bytes of W [N, K]
+    absmax_ptr,  # *fp32 [n_blocks] (plain) or *u8 [n_blocks] (nested codes)
+    table_ptr,  # *fp32 [16] NF4 levels
+    code2_ptr,  # *fp32 [256] dynamic map (nested only)
+    absmax2_ptr,  # *fp32 second-level scales (nested only)
+    offset_ptr,  # *fp32 [1] mean offset (nested only)
+    bias_ptr,  # *fp16 / *bf16 / *fp32 [N] (HAS_BIAS only)
+    y_ptr,  # x's dtype, [M, N] contiguous
+    M,
+    N,
+    blocks_per_row,  # K // BLOCKSIZE
+    stride_xw,
+    BLOCKSIZE: tl.constexpr,
+    BLOCKSIZE2: tl.constexpr,
+    NESTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # rows of W (columns of y) per program
+    BLOCK_M: tl.constexpr,  # 1 (fma) or 16 (dot)
+    STEP_BLOCKS: tl.constexpr,  # NF4 blocks of a row per loop step
+    USE_DOT: tl.constexpr,
+    X_KIND: tl.constexpr,  # 0 fp32, 1 fp16, 2 bf16
+    MASKED: tl.constexpr,  # N % BLOCK_N or blocks_per_row % STEP_BLOCKS: bounds checks needed
+    LANE_TABLE: tl.constexpr,  # NF4 levels by warp shuffle (GPU), else by table loads (interpreter)
+    PACKED: tl.constexpr,  # packed fp32 -> 16-bit conversions (sm_80+)
+    BF16_BY_HAND: tl.constexpr,  # round to bf16 with integer ops (the interpreter truncates a cast)
+    INT64: tl.constexpr,
+):
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    pid = tl.program_id(0)
+    if INT64:
+        rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    first_block = rows * blocks_per_row  # [BLOCK_N] each row's first NF4 block
+    step_block = tl.arange(0, STEP_BLOCKS)
+    byte_in_block = tl.arange(0, HALF)
+    ms = tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    lane_level = _lane_level(table_ptr, LANE_TABLE)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, STEP_BLOCKS, HALF), dtype=tl.float32)
+
+    for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
+        block_in_row = step * STEP_BLOCKS + step_block  # [R]
+        col_ok = block_in_row < blocks_per_row
+        blocks = first_block[:, None] + block_in_row[None, :]  # [BLOCK_N, R]
+        ok = row_ok[:, None] & col_ok[None, :]
+        absmax = _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok, BLOCKSIZE2, NESTED, MASKED)
+        at = blocks[:, :, None] * HALF + byte_in_block[None, None, :]  # [BLOCK_N, R, HALF] byte index
+        if MASKED:
+            byte = tl.load(packed_ptr + at, mask=ok[:, :, None], other=0).to(tl.int32)
+        else:
+            byte = tl.load(packed_ptr + at).to(tl.int32)
+        hi = _nf4_level(lane_level, table_ptr, byte >> 4, LANE_TABLE) * absmax[:, :, None]
+        lo = _nf4_level(lane_level, table_ptr, byte, LANE_TABLE) * absmax[:, :, None]
+        if USE_DOT:
+            STEP_BYTES: tl.constexpr = STEP_BLOCKS * HALF
+            dtype: tl.constexpr = y_ptr.dtype.element_ty
+            w_hi = tl.reshape(hi.to(dtype), (BLOCK_N, STEP_BYTES))
+            w_lo = tl.reshape(lo.to(dtype), (BLOCK_N, STEP_BYTES))
+            word_col = step * STEP_BYTES + tl.arange(0, STEP_BYTES)
+            word_at = x_words_ptr + ms[None, :] * stride_xw + word_col[:, None]  # [STEP_BYTES, BLOCK_M]
+            if MASKED:
+                word = tl.load(word_at, mask=(word_col < blocks_per_row * HALF)[:, None] & m_ok[None, :], other=0)
+            else:
+                word = tl.load(word_at, mask=m_ok[None, :], other=0)
+            x_even, x_odd = _x_pair(word, X_KIND, dtype)
+            if X_KIND == 0:
+                acc = tl.dot(w_hi, x_even, acc, input_precision="ieee")
+                acc = tl.dot(w_lo, x_odd, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w_hi, x_even, acc)
+                acc = tl.dot(w_lo, x_odd, acc)
+        else:
+            # the same [BLOCK_N, R, HALF] shape as the bytes (a row index times 0), so x arrives in
+            # their layout; every row of the tile reads the same words (from L1)
+            word_at = x_words_ptr + (block_in_row[None, :, None] * HALF + byte_in_block[None, None, :]
+                                     + 0 * rows[:, None, None])
+            if MASKED:
+                word = tl.load(word_at, mask=col_ok[None, :, None], other=0)
+            else:
+                word = tl.load(word_at)
+            x_even, x_odd = _x_pair(word, X_KIND, tl.float32)
+            hi, lo = _round_pair(hi, lo, X_KIND, PACKED, BF16_BY_HAND)
+            acc = tl.fma(hi, x_even, acc)
+            acc = tl.fma(lo, x_odd, acc)
+
+    if USE_DOT:
+        y = acc  # [BLOCK_N, BLOCK_M]
+    else:
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # [BLOCK_N, 1]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y = _round_one(y, X_KIND, BF16_BY_HAND)
+    tl.store(y_ptr + ms[None, :] * N + rows[:, None], y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & m_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MatvecConfig:
+    """Launch parameters of the kernel: rows of ``W`` per program, NF4 blocks of a row per loop
+    step, ``tl.dot`` or fused multiply-adds, warps per program."""
+
+    block_n: int
+    step_blocks: int
+    use_dot: bool
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "step_blocks", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"MatvecConfig.{name} must be a power of two, got {value}.")
+        if self.use_dot and self.block_n < 16:
+            raise ValueError(f"tl.dot needs block_n >= 16, got {self.block_n}.")
+
+
+# NF4 bytes of one program's tile per loop step: 16 per thread with 4 warps (one 128-bit load).
+_TILE_BYTES = 2048
+
+
+def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 132) -> MatvecConfig:
+    """Block sizes for ``x [m, k] @ W[n, k]^T`` on a GPU with ``sm_count`` SMs.
+
+    ``m == 1``: fused multiply-adds, 4 warps, the most rows per program (up to 16) that still leave
+    two programs per SM, and steps of ``_TILE_BYTES``. ``m >= 2``: ``tl.dot``, 32 rows and 2 warps
+    per program (64 rows and 4 warps, one warpgroup MMA, once ``n`` gives two programs per SM even
+    so), steps of 64 bytes a row (at least 16: ``tl.dot``'s smallest inner size). Steps never exceed
+    a row.
+    """
+    half = max(1, blocksize // 2)
+    row_blocks = triton.next_power_of_2(max(1, k // blocksize))
+    if m <= 1:
+        block_n = 1
+        while block_n < 16 and triton.cdiv(n, block_n * 2) >= 2 * sm_count:
+            block_n *= 2
+        step_blocks = max(1, min(_TILE_BYTES // (block_n * half), row_blocks))
+        return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4)
+    wide = triton.cdiv(n, 64) >= 2 * sm_count
+    block_n, num_warps = (64, 4) if wide else (32, 2)
+    step_blocks = max(triton.cdiv(16, half), min(triton.cdiv(64, half), row_blocks))
+    return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=True, num_warps=num_warps)
+
+
+def _check_x(x: torch.Tensor, k: int, where: str) -> None:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{where} multiplies float16, bfloat16 or float32 inputs, not {x.dtype}.")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"{where}: x has shape {tuple(x.shape)}, but the 4-bit weight has {k} input features: the last "
+            f"dimension of x must be {k}."
+        )
+
+
+def _matrix_shape(st: Any, where: str) -> tuple[int, int]:
+    if len(st.shape) != 2:
+        raise ValueError(f"{where} needs a 2-D weight [out_features, in_features], got shape {st.shape}.")
+    return int(st.shape[0]), int(st.shape[1])
+
+
+def _weight_parts(weight: Any, quant_state: Any) -> tuple[torch.Tensor, Any]:
+    """(packed bytes, QuantState) of a ``Params4bit``, a ``(packed, quant_state)`` pair, or bare bytes
+    with ``quant_state`` given."""
+    if isinstance(weight, (tuple, list)):
+        if len(weight) != 2:
+            raise ValueError("Pass the 4-bit weight as a Params4bit or as a pair (packed bytes, quant_state).")
+        weight, quant_state = weight
+    return _unwrap(weight, quant_state)
+
+
+def nf4_matvec_reference(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, *,
+                         quant_state: Any = None) -> torch.Tensor:
+    """Plain PyTorch: ``W`` decoded by :func:`~notebookkit.kernels.nf4.dequantize_nf4_reference` in
+    ``x``'s dtype, then ``x @ W^T + b`` in fp32, rounded once to ``x``'s dtype (the CPU path and the
+    tests' oracle; same arguments as :func:`nf4_matvec`, any number of rows)."""
+    return _decode_then_multiply(x, weight, quant_state, bias, dequantize_nf4_reference, "nf4_matvec_reference")
+
+
+def _decode_then_multiply(x, weight, quant_state, bias, decode, where: str) -> torch.Tensor:
+    packed, quant_state = _weight_parts(weight, quant_state)
+    st = _read_state(packed, quant_state)
+    n, k = _matrix_shape(st, where)
+    _check_x(x, k, where)
+    w = decode(packed, quant_state, out_dtype=x.dtype)
+    y = x.reshape(-1, k).float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _why_not(x: torch.Tensor, packed: torch.Tensor, quant_state: Any) -> str | None:
+    """Why the kernel cannot take this call (None when it can)."""
+    if not should_use_triton(x):
+        return "x is not a CUDA tensor"
+    if x.dtype not in _DTYPES:
+        return f"x is {x.dtype}"
+    if quant_state is None or getattr(quant_state, "quant_type", "nf4") != "nf4":
+        return "the weight is not NF4"
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        return "the weight was repacked for bitsandbytes' CPU kernel"
+    shape = tuple(int(s) for s in quant_state.shape)
+    if len(shape) != 2:
+        return f"the weight has shape {shape}, not [out, in]"
+    blocksize = int(quant_state.blocksize)
+    if blocksize < 2 or shape[1] % blocksize:
+        return f"in_features {shape[1]} is not a multiple of the NF4 blocksize {blocksize} (blocks straddle rows)"
+    if x.dim() < 1 or x.shape[-1] != shape[1]:
+        return f"x has {x.shape[-1] if x.dim() else 0} features, the weight {shape[1]}"
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows > MAX_ROWS:
+        return f"x has {rows} rows (more than {MAX_ROWS})"
+    if packed.device != x.device:
+        return "x and the weight are on different devices"
+    return None
+
+
+def nf4_matvec_supported(x: torch.Tensor, weight: Any, *, quant_state: Any = None) -> bool:
+    """True when :func:`nf4_matvec` runs its kernel for ``x`` and ``weight``: a CUDA tensor (or
+    Triton forced on under ``TRITON_INTERPRET=1``) of fp16 / bf16 / fp32 with at most ``MAX_ROWS``
+    rows (all dimensions but the last), and an NF4 weight ``[N, K]`` on the same device whose rows
+    are whole NF4 blocks (``K % blocksize == 0``, true of every released model). Never raises;
+    where it says False, :func:`nf4_matvec` still gives the right answer, by decoding the weight."""
+    try:
+        packed, quant_state = _weight_parts(weight, quant_state)
+        _read_state(packed, quant_state)  # raises for bytes and state that do not belong together
+        return _why_not(x, packed, quant_state) is None
+    except Exception:  # a weight it cannot read: not supported (nf4_matvec says why)
+        return False
+
+
+def _as_words(x2: torch.Tensor) -> torch.Tensor:
+    """``x2 [M, K]`` viewed as ``[M, K / 2]`` words of two values (copied first when its rows are not
+    contiguous or not aligned to a word)."""
+    word = _WORDS[x2.dtype]
+    size = torch.empty((), dtype=word).element_size()
+    aligned = x2.stride(1) == 1 and x2.stride(0) % 2 == 0 and x2.data_ptr() % size == 0
+    if not aligned:
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    return x2.view(word)
+
+
+def nf4_matvec(
+    x: torch.Tensor,
+    weight: Any,
+    bias: torch.Tensor | None = None,
+    *,
+    quant_state: Any = None,
+    config: MatvecConfig | None = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for an NF4 weight ``W [N, K]`` and a few rows of ``x``, without decoding ``W``.
+
+    Args:
+        x: ``[..., K]`` in float16 / bfloat16 / float32; at most ``MAX_ROWS`` (16) rows for the
+            kernel (the decode batch: ``[batch, 1, hidden]`` is fine).
+        weight: the bitsandbytes ``Params4bit`` (its ``quant_state`` is used), a pair
+            ``(packed bytes, quant_state)``, or the bare bytes with ``quant_state=`` given; plain or
+            nested (double-quantised) absmax.
+        bias: optional ``[N]``, added in fp32 before the one rounding.
+        quant_state: the weight's ``QuantState`` when ``weight`` is the bare bytes.
+        config: launch parameters (:class:`MatvecConfig`) instead of :func:`matvec_config`'s
+            choice; for tests and benchmarks.
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype: ``x @ dequantize_nf4(W, out_dtype=x.dtype)^T + bias``,
+        accumulated in fp32 and rounded once (:func:`nf4_matvec_reference` is the same math).
+
+    CUDA tensors run the Triton kernel when :func:`nf4_matvec_supported`; other calls (CPU
+    tensors, more rows, rows that are not whole NF4 blocks) decode the weight with
+    ``dequantize_nf4`` and multiply, with the same numbers. Safe inside CUDA graph capture once a
+    call of the same shapes has run (that call compiles the kernel).
+    """
+    packed, quant_state = _weight_parts(weight, quant_state)
+    st = _read_state(packed, quant_state)
+    n, k = _matrix_shape(st, "nf4_matvec")
+    _check_x(x, k, "nf4_matvec")
+    if bias is not None and (bias.numel() != n or bias.device != x.device):
+        raise ValueError(
+            f"nf4_matvec: bias must have {n} elements on {x.device}, got {tuple(bias.shape)} on {bias.device}."
+        )
+    if _why_not(x, packed, quant_state) is not None:
+        return _decode_then_multiply(x, (packed, quant_state), None, bias, dequantize_nf4, "nf4_matvec")
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*x.shape[:-1], n)
+    sm_count, capability = _device_facts(x.device)
+    if config is None:
+        config = matvec_config(m, n, k, st.blocksize, sm_count)
+    half = st.blocksize // 2
+    if config.use_dot and half * config.step_blocks < 16:
+        raise ValueError(f"tl.dot needs at least 16 bytes a row per step: step_blocks={config.step_blocks} is too few.")
+    if not config.use_dot and m > 1:
+        raise ValueError(
+            f"The fused multiply-add path takes one row of x, got {m}: use a MatvecConfig with use_dot=True."
+        )
+    words = _as_words(x2)
+    packed, absmax, table, code2, absmax2, offset = _kernel_operands(packed, st)
+    blocks_per_row = k // st.blocksize
+    on_gpu = x.is_cuda
+    _nf4_matvec_kernel[(triton.cdiv(n, config.block_n),)](
+        words, packed, absmax, table, code2, absmax2, offset, bias.reshape(-1) if bias is not None else y, y,
+        m, n, blocks_per_row, words.stride(0),
+        BLOCKSIZE=st.blocksize,
+        BLOCKSIZE2=st.blocksize2,
+        NESTED=st.nested,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_M=MAX_ROWS if config.use_dot else 1,
+        STEP_BLOCKS=config.step_blocks,
+        USE_DOT=config.use_dot,
+        X_KIND=_X_KINDS[x.dtype],
+        MASKED=bool(n % config.block_n or blocks_per_row % config.step_blocks),
+        LANE_TABLE=on_gpu,
+        PACKED=on_gpu and capability >= 80,
+        BF16_BY_HAND=not on_gpu and interpreter_on(),
+        INT64=packed.numel() + half * config.block_n * config.step_blocks >= 2**31,
+        num_warps=config.num_warps,
+        enable_fp_fusion=False,
+    )
+    return y.reshape(*x.shape[:-1], n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile specs (tests/kernels/test_aot_compile.py, e.g. for sm_75)
+# --------------------------------------------------------------------------------------------------
+
+
+def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
+    """The Llama-3.1-8B decode configurations (K = 4096, M = 1 and 8) on a GPU, fp16 and bf16,
+    nested and plain absmax, with and without bias, masked and not. Packed conversions and the bf16
+    ``tl.dot`` need sm_80+: on a T4 (sm_75, fp16 only) the launcher passes ``PACKED=False``."""
+    specs = []
+    for x_ty, kind in (("fp16", 1), ("bf16", 2)):
+        for m, nested, bias, masked, packed in ((1, True, False, False, True), (1, False, True, True, False),
+                                                (8, True, True, False, True), (8, False, False, True, False)):
+            config = matvec_config(m, 4096, 4096)
+            signature = {
+                "x_words_ptr": "*i32", "packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32",
+                "table_ptr": "*fp32", "code2_ptr": "*fp32", "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
+                "bias_ptr": f"*{x_ty}", "y_ptr": f"*{x_ty}", "M": "i32", "N": "i32", "blocks_per_row": "i32",
+                "stride_xw": "i32",
+            }
+            constexprs = {
+                "BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": nested, "HAS_BIAS": bias, "BLOCK_N": config.block_n,
+                "BLOCK_M": MAX_ROWS if config.use_dot else 1, "STEP_BLOCKS": config.step_blocks,
+                "USE_DOT": config.use_dot, "X_KIND": kind, "MASKED": masked, "LANE_TABLE": True, "PACKED": packed,
+                "BF16_BY_HAND": False, "INT64": False,
+            }
+            options: dict[str, Any] = {"num_warps": config.num_warps, "enable_fp_fusion": False}
+            if packed or (config.use_dot and x_ty == "bf16"):
+                options["targets"] = [80, 86, 89, 90]
+            specs.append((_nf4_matvec_kernel, signature, constexprs, options))
+    return specs
+
+
+AOT_SPECS = _aot_specs()

@@ -1,0 +1,203 @@
+"""Memory of generation: the static KV cache, the captured decode step's buffers, prefill.
+
+Notation as in :mod:`notebookkit.memory.estimate`, with ``B`` rows generated at once, ``M`` cache
+slots per row (``max_len``: prompt + new tokens), ``T`` the prompt length (padded), ``s`` bytes of
+the compute dtype (the cache's dtype too), ``nk`` key/value heads of ``hd`` values, ``nh`` query heads.
+
+KV cache (allocated once, reused by every call):
+    ``L * 2 * B * nk * M * hd * s``. Every layer holds all ``M`` slots, sliding-window layers too
+    (the fast path's cache is full length on every layer).
+
+CUDA graph buffers (the captured step's static inputs and outputs, alive as long as the graph):
+    fp32 logits ``[B, V]`` (4 bytes each), the seen-token mask ``[B, V]`` (1), the uniforms
+    ``[B, V]`` (4), the hidden state ``[B, H]`` (``s``), the token ids by slot ``[B, M]`` (int64),
+    and a few int64 numbers per row (next token, position, padding, finished flag:
+    ``GRAPH_INTS_PER_ROW * 8`` bytes).
+
+Decode step (the graph's private memory pool: what one step allocates is kept between replays):
+    the larger of one decoder layer's working set for ``N = B`` tokens and the LM head's output
+    ``[B, V]`` (``s``) with the sampling filters' temporaries, ``SAMPLING_BYTES_PER_LOGIT * B * V``
+    (:mod:`notebookkit.models.generation.sampling` with every filter on: the sorted logits and
+    their int64 order for top-p, probabilities, cumulative sums, masks, the Gumbel noise).
+
+Prefill (eager, one forward over the prompt; freed when it ends):
+    one decoder layer's working set for ``N = B * T`` tokens, plus the last position's logits
+    ``[B, V]`` (``s``).
+
+One decoder layer's working set for ``N`` tokens attending over ``M`` slots, without autograd
+(each tensor is freed after its last reader):
+    attention: ``N * s * (2H + 2(dq + 2dk) + dq)`` (residual, normed input, q/k/v, rotated q/k,
+    attention output), the mask ``B * T' * M * s`` (``T'`` queries per row: ``T`` or 1), in
+    prefill with grouped-query attention K and V repeated to every head for the attention kernel
+    (``2 * B * nh * M * hd * s``; a decode step's single query is grouped onto the key/value heads
+    instead, as Hugging Face does, with no copy), and for soft-capped attention (Gemma 2) the
+    explicit scores ``B * nh * T' * M * (2s + 4)``;
+    MLP: ``N * s * (2H + 3I)`` (residual, normed input, gate, up, their product);
+    with NF4 weights the dequantised 16-bit copy of the largest projection, ``max(in*out) * s``,
+    in either. LoRA's ``x A^T`` (``N * r`` per projection) is left out.
+
+``generation = kv_cache + graph_buffers + decode_step + prefill``: the cache, the buffers and the
+graph's pool stay allocated between calls, so a later call's prefill comes on top of them.
+
+While training (GRPO alternates generation and training steps), the cache, the buffers and the
+graph's pool stay allocated; prefill and the training step's activations never live at the same
+time. :func:`generation_term` is what the training estimate adds:
+``held + max(0, prefill - training transients)`` with ``held = kv_cache + graph_buffers + decode_step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .shapes import ModelShape, resolve_attention
+
+__all__ = [
+    "GenerationMemory", "generation_memory", "generation_bytes", "kv_cache_bytes", "graph_buffer_bytes",
+    "generation_term", "SAMPLING_BYTES_PER_LOGIT", "GRAPH_INTS_PER_ROW",
+]
+
+# Peak temporaries of filter_logits + choose_next per logit, every filter on: top-p holds the
+# filtered input (4), its sorted copy (4), int64 order (8), softmax and cumulative sums (4 + 4), two
+# masks (2) and its output (4) = 26 bytes, plus the working space of CUDA's sort (a second buffer of
+# keys and order, and radix-sort scratch). Measured on an H200 (torch 2.11, the GPU test in
+# tests/memory/test_generation_memory.py): 48.9 bytes per logit at [8, 128256], 48.2 at [16, 151936].
+SAMPLING_BYTES_PER_LOGIT = 50
+GRAPH_INTS_PER_ROW = 8
+
+
+@dataclass(frozen=True)
+class GenerationMemory:
+    """Bytes generation needs on the device, by part (see the module docstring)."""
+
+    kv_cache: int
+    graph_buffers: int
+    decode_step: int
+    prefill: int
+    inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def held(self) -> int:
+        """What stays allocated between calls (and through training steps): cache, buffers, graph pool."""
+        return self.kv_cache + self.graph_buffers + self.decode_step
+
+    @property
+    def total(self) -> int:
+        """The peak of a generate call: what is held plus a prefill."""
+        return self.held + self.prefill
+
+    def details(self) -> dict[str, int]:
+        return {
+            "generation: KV cache": self.kv_cache,
+            "generation: CUDA graph buffers": self.graph_buffers,
+            "generation: decode step (graph pool)": self.decode_step,
+            "generation: prefill": self.prefill,
+        }
+
+
+def kv_cache_bytes(shape: ModelShape, batch_size: int, max_len: int, dtype_bytes: int = 2) -> int:
+    """``L * 2 * B * kv_heads * max_len * head_dim * s``: keys and values of every layer, full length."""
+    return shape.num_layers * 2 * batch_size * shape.num_kv_heads * max_len * shape.head_dim * dtype_bytes
+
+
+def graph_buffer_bytes(shape: ModelShape, batch_size: int, max_len: int, dtype_bytes: int = 2) -> int:
+    """The captured step's static tensors: fp32 logits, seen mask, fp32 uniforms ``[B, V]``, hidden
+    ``[B, H]``, token ids ``[B, max_len]`` and a few int64 numbers per row."""
+    V = shape.vocab_size
+    per_row = V * (4 + 1 + 4) + shape.hidden_size * dtype_bytes + (max_len + GRAPH_INTS_PER_ROW) * 8
+    return batch_size * per_row
+
+
+def _layer_working_set(
+    shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, load_in_4bit: bool, attention: str
+) -> int:
+    """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots."""
+    H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    N = batch_size * queries
+    attn = N * s * (2 * H + 2 * (dq + 2 * dk) + dq) + batch_size * queries * slots * s
+    if dk != dq and queries > 1:
+        attn += 2 * batch_size * shape.num_heads * slots * shape.head_dim * s
+    if resolve_attention(shape, attention) == "eager":
+        attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
+    mlp = N * s * (2 * H + 3 * I)
+    dequant = max(i * o for i, o in shape.projection_shapes().values()) * s if load_in_4bit else 0
+    return max(attn, mlp) + dequant
+
+
+def generation_memory(
+    shape: ModelShape,
+    batch_size: int,
+    max_len: int,
+    dtype_bytes: int = 2,
+    *,
+    prompt_len: int | None = None,
+    load_in_4bit: bool = False,
+    attention: str = "auto",
+) -> GenerationMemory:
+    """What generating ``batch_size`` rows of up to ``max_len`` tokens (prompt + new) needs on the device.
+
+    Args:
+        shape: the model's :class:`~notebookkit.memory.shapes.ModelShape` (``model_shape(...)``).
+        batch_size: rows generated at once (GRPO: prompts x completions per prompt).
+        max_len: cache slots per row, the longest prompt plus ``max_new_tokens``.
+        dtype_bytes: bytes of the compute dtype (2 for fp16/bf16, 4 for fp32).
+        prompt_len: the (padded) prompt length of the prefill; default ``max_len`` (the most it can be).
+        load_in_4bit: NF4 base weights: one dequantised projection in the working sets.
+        attention: as for :func:`~notebookkit.memory.estimate.estimate_training_memory`.
+    """
+    if batch_size < 1 or max_len < 1:
+        raise ValueError(
+            f"notebookkit.memory: generation needs batch_size >= 1 and max_len >= 1 (got {batch_size}, {max_len})."
+        )
+    T = max_len if prompt_len is None else int(prompt_len)
+    if not 1 <= T <= max_len:
+        raise ValueError(
+            f"notebookkit.memory: prompt_len must be between 1 and max_len={max_len} (got {prompt_len}); max_len "
+            "counts the prompt and the new tokens."
+        )
+    s, V = dtype_bytes, shape.vocab_size
+    sampling = batch_size * V * (s + SAMPLING_BYTES_PER_LOGIT)
+    decode = max(_layer_working_set(shape, batch_size, 1, max_len, s, load_in_4bit, attention), sampling)
+    prefill = _layer_working_set(shape, batch_size, T, max_len, s, load_in_4bit, attention) + batch_size * V * s
+    return GenerationMemory(
+        kv_cache=kv_cache_bytes(shape, batch_size, max_len, s),
+        graph_buffers=graph_buffer_bytes(shape, batch_size, max_len, s),
+        decode_step=decode,
+        prefill=prefill,
+        inputs=dict(batch_size=batch_size, max_len=max_len, prompt_len=T, dtype_bytes=s,
+                    load_in_4bit=bool(load_in_4bit), attention=attention),
+    )
+
+
+def generation_bytes(shape: ModelShape, batch_size: int, max_len: int, dtype_bytes: int = 2, **kwargs: Any) -> int:
+    """Peak device bytes of a generate call beyond the model itself (:func:`generation_memory` ``.total``)."""
+    return generation_memory(shape, batch_size, max_len, dtype_bytes, **kwargs).total
+
+
+def generation_term(
+    generation: GenerationMemory | Mapping[str, Any], shape: ModelShape, dtype_bytes: int, load_in_4bit: bool,
+    attention: str, training_transients: int,
+) -> tuple[int, dict[str, int]]:
+    """Bytes a training step's estimate adds for generation held alongside it, and their breakdown.
+
+    ``generation``: a :class:`GenerationMemory`, or the keywords of :func:`generation_memory`
+    (``batch_size``, ``max_len``, ``prompt_len``), which then takes the dtype, NF4 setting and
+    attention of the training estimate. ``training_transients``: the step's activations, loss
+    buffers and temporaries, which a prefill never overlaps.
+    """
+    if not isinstance(generation, GenerationMemory):
+        kwargs = dict(generation)
+        unknown = sorted(set(kwargs) - {"batch_size", "max_len", "prompt_len", "attention"})
+        if unknown or "max_len" not in kwargs:
+            raise ValueError(
+                f"notebookkit.memory: generation= takes batch_size, max_len (prompt + new tokens) and prompt_len "
+                f"(got {sorted(kwargs)}), e.g. generation=dict(batch_size=8, max_len=1024, prompt_len=512)."
+            )
+        kwargs.setdefault("attention", attention)
+        generation = generation_memory(shape, kwargs.pop("batch_size", 1), kwargs.pop("max_len"), dtype_bytes,
+                                       load_in_4bit=load_in_4bit, **kwargs)
+    extra_prefill = max(0, generation.prefill - training_transients)
+    details = {k: v for k, v in generation.details().items() if k != "generation: prefill"}
+    if extra_prefill:
+        details["generation: prefill beyond the training step's transients"] = extra_prefill
+    return generation.held + extra_prefill, details

@@ -1,0 +1,88 @@
+"""Attention of new queries over the static KV cache, with the mask of a left-padded batch.
+
+Slots and positions (see :mod:`.static_cache`): row ``b``'s prompt occupies slots ``pad[b] .. P - 1``
+of a batch padded on the left to ``P`` columns; the token of step ``t`` sits in slot ``t`` and has
+position ``t - pad[b]``. A query in slot ``q`` may see slot ``s`` when::
+
+    pad[b] <= s <= q   and   s > q - W   (sliding-window layers of window W; HF's rule)
+
+or when ``s == q`` (itself): a padding query (``q < pad[b]``) then still sees one slot, so its
+softmax stays finite; nothing real ever reads its output, since every real query hides slots
+``< pad[b]``. Slots ``> q`` (not yet written, or stale from an earlier request) are hidden.
+
+One decode step (``T = 1``), grouped-query attention without repeating keys: the ``rep = Hq / Hkv``
+query heads that share a key/value head are laid out as ``rep`` query rows of that head,
+``Q [B, Hq, 1, D] -> [B, Hkv, rep, D]``, and the step's mask row serves all of them (a broadcast view).
+Then::
+
+    S = scaling * Q K^T                          [B, Hkv, rep, kv_length]
+    S = c * tanh(S / c)                          attention soft-cap (Gemma 2), explicit fp32 softmax
+    O = softmax(S masked) V                      PyTorch SDPA when there is no soft-cap
+
+The prompt (``T > 1``) runs the training path's attention
+(:func:`notebookkit.models.patch_attention.attend`: the same scores, the mask broadcast over heads),
+so a long prompt never materialises a mask per query head.
+
+Everything has static shapes for a fixed ``kv_length`` and reads the step's slot from a device
+tensor, so the decode step can be captured as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..patch_attention import attend
+
+__all__ = ["slot_mask", "cache_attention"]
+
+
+def slot_mask(query_slots: torch.Tensor, kv_length: int, pad_lengths: torch.Tensor,
+              window: Optional[int]) -> torch.Tensor:
+    """Boolean ``[B, 1, T, kv_length]`` mask (True = may attend) for queries in ``query_slots`` ``[T]``.
+
+    ``pad_lengths`` ``[B]``: left padding of each row; ``window``: sliding window of the layer, or
+    ``None`` for full causal attention (see the module docstring for the rule).
+    """
+    slots = torch.arange(kv_length, device=query_slots.device)
+    query = query_slots.reshape(-1, 1)  # [T, 1]
+    visible = slots <= query
+    if window is not None:
+        visible = visible & (slots > query - window)
+    visible = visible & (slots >= pad_lengths.reshape(-1, 1, 1))  # [B, T, S]
+    visible = visible | (slots == query)
+    return visible[:, None]
+
+
+def cache_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[B, Hq, T, D]`` over cached ``keys``/``values`` ``[B, Hkv, S, D]``.
+
+    ``visible``: the boolean ``[B, 1, T, S]`` mask of :func:`slot_mask`; ``scaling``: the score
+    scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma 2/3); ``softcap``:
+    ``c`` of ``c * tanh(S / c)`` on the scores, or ``None``. Returns ``[B, Hq, T, D]``.
+    """
+    batch, heads, length, head_dim = q.shape
+    if length > 1:
+        return attend(q, keys, values, visible, scaling, softcap=softcap)
+    kv_heads, kv_length = keys.shape[1], keys.shape[2]
+    rep = heads // kv_heads
+    q = q.reshape(batch, kv_heads, rep, head_dim)
+    mask = visible.expand(batch, 1, rep, kv_length)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    else:
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scaling
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, values)
+    return out.reshape(batch, heads, 1, head_dim)

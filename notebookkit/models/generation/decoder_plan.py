@@ -1,0 +1,231 @@
+"""What the cached forward reads from a loaded model, once: its modules and its family's facts.
+
+A :class:`DecoderPlan` holds, for a causal LM of a family in :mod:`notebookkit.families`:
+
+* the token embedding module and whether the hidden states still need ``* sqrt(hidden_size)``
+  after it (Gemma family: transformers 5 scales inside the embedding module, ``embed_scale``;
+  earlier versions in the backbone's forward: :func:`embedding_scale` decides, and
+  tests/models/generation/test_cached_forward.py proves it by equality with the layer-0 input);
+* per decoder layer (:class:`LayerPlan`): the layer and its attention module, heads, scaling
+  (``query_pre_attn_scalar ** -0.5`` for Gemma 2/3, read from the module), the attention soft-cap,
+  its sliding window (the module's ``sliding_window``; Mistral's config one for every layer),
+  q/k norms, sandwich norms, and which RoPE table it reads;
+* the RoPE tables (:class:`RopeTables`): ``cos``/``sin`` ``[positions, head_dim]`` computed by the
+  model's own rotary embedding for positions ``0 .. n - 1`` (Llama 3.1 scaling, Gemma 3's local base
+  on sliding layers: whatever that module computes), gathered per row and step afterwards;
+* the final norm, the LM head and the final-logit soft-cap.
+
+:func:`plan_for` says why a model cannot be planned (family not in the table, rotary embeddings that
+recompute their frequencies from the sequence length, ...); the caller then uses Hugging Face's
+``generate``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from notebookkit.families import Family
+
+from .. import architectures
+from ..decoder_layers import decoder_layers
+
+__all__ = ["DecoderPlan", "LayerPlan", "RopeTables", "embedding_scale", "plan_for", "causal_lm_of"]
+
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The Hugging Face ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@dataclass
+class LayerPlan:
+    """One decoder layer as the cached forward runs it."""
+
+    index: int
+    layer: nn.Module
+    attn: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    softcap: Optional[float]
+    window: Optional[int]
+    rope_key: str
+    qk_norm: bool
+    sandwich: bool
+    activation: Optional[str]  # the gated MLP's fused activation ("swiglu", "geglu_tanh", ...), None if none
+
+    @property
+    def pre_mlp_norm(self) -> nn.Module:
+        """The norm in front of the MLP: ``pre_feedforward_layernorm`` with sandwich norms (Gemma 2/3),
+        ``post_attention_layernorm`` otherwise (Llama's name for the same place)."""
+        return self.layer.pre_feedforward_layernorm if self.sandwich else self.layer.post_attention_layernorm
+
+
+class RopeTables:
+    """``cos``/``sin`` of every position, per RoPE kind, computed by the model's rotary embedding.
+
+    ``sources[key](x, position_ids)`` is the model's own call for that kind (``x`` gives the dtype and
+    device, as in Hugging Face). The tables grow (are recomputed) when a longer cache needs them;
+    :meth:`lookup` only gathers rows, so it is graph-safe.
+    """
+
+    def __init__(self, sources: dict[str, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]):
+        self.sources = sources
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0
+        self.dtype: Optional[torch.dtype] = None
+        self.device: Optional[torch.device] = None
+
+    def ensure(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Tables for positions ``0 .. length - 1`` in ``dtype`` on ``device`` (recomputed when shorter)."""
+        if length <= self.length and dtype == self.dtype and torch.device(device) == self.device:
+            return
+        probe = torch.empty(1, 1, dtype=dtype, device=device)
+        positions = torch.arange(length, device=device)[None]
+        with torch.no_grad():
+            self.tables = {key: tuple(t[0].contiguous() for t in source(probe, positions))
+                           for key, source in self.sources.items()}
+        self.length, self.dtype, self.device = length, dtype, torch.device(device)
+
+    def lookup(self, key: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, T, D]`` of ``positions`` ``[B, T]``."""
+        cos, sin = self.tables[key]
+        return cos[positions], sin[positions]
+
+    def release(self) -> None:
+        self.tables, self.length = {}, 0
+
+
+@dataclass
+class DecoderPlan:
+    """A causal LM as :func:`~.cached_forward.cached_forward` runs it (see the module docstring)."""
+
+    family: Family
+    embed: nn.Module
+    embed_scale: Optional[float]
+    layers: list[LayerPlan]
+    final_norm: nn.Module
+    lm_head: nn.Module
+    final_softcap: Optional[float]
+    rope: RopeTables
+    vocab_size: int
+    windows: tuple[Optional[int], ...] = field(default=())
+
+    @property
+    def kv_heads(self) -> int:
+        return self.layers[0].kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].head_dim
+
+    def hidden_dtype(self) -> torch.dtype:
+        """dtype of the hidden states (and so of the KV cache): the embedding's."""
+        return self.embed.weight.dtype
+
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+
+def embedding_scale(embed: nn.Module, family: Family, hidden_size: int) -> Optional[float]:
+    """The factor the backbone still multiplies the embeddings by, or ``None``.
+
+    Gemma-family models multiply token embeddings by ``sqrt(hidden_size)``. A module with an
+    ``embed_scale`` (transformers 5's ``*ScaledWordEmbedding``) already does it in its own forward;
+    otherwise (a plain ``nn.Embedding``, transformers 4) the backbone's forward did it, so we do too.
+    """
+    if not family.scaled_embedding or hasattr(embed, "embed_scale"):
+        return None
+    return float(hidden_size) ** 0.5
+
+
+def _rope_sources(backbone: nn.Module, config: Any, n_layers: int) -> tuple[list[str], dict[str, Callable]]:
+    """Per layer the key of its RoPE table, and per key the model's call that computes it."""
+    rotary = backbone.rotary_emb
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if layer_types and "layer_type" in inspect.signature(rotary.forward).parameters:
+        keys = [layer_types[i] for i in range(n_layers)]
+
+        def by_type(kind: str) -> Callable:
+            return lambda x, pos: rotary(x, pos, layer_type=kind)
+
+        return keys, {kind: by_type(kind) for kind in sorted(set(keys))}
+    local = getattr(backbone, "rotary_emb_local", None)
+    if layer_types and local is not None:  # transformers 4: a second module for the sliding layers
+        keys = ["local" if layer_types[i] == "sliding_attention" else "global" for i in range(n_layers)]
+        return keys, {"local": local, "global": rotary}
+    return ["default"] * n_layers, {"default": rotary}
+
+
+def _rope_problem(backbone: nn.Module) -> Optional[str]:
+    modules = [m for m in (getattr(backbone, "rotary_emb", None), getattr(backbone, "rotary_emb_local", None)) if m]
+    if not modules:
+        return f"{type(backbone).__name__} has no rotary_emb"
+    for module in modules:
+        kinds = getattr(module, "rope_type", "default")
+        for kind in (kinds.values() if isinstance(kinds, dict) else [kinds]):
+            if kind in _DYNAMIC_ROPE:
+                return f"rope_type {kind!r} recomputes its frequencies from the sequence length"
+    return None
+
+
+def _window_of(attn: nn.Module, config: Any) -> Optional[int]:
+    """The sliding window of one attention layer (``None``: full attention), as Hugging Face masks it."""
+    if hasattr(attn, "sliding_window"):  # Qwen2/3, Gemma 2/3: None on full-attention layers
+        window = attn.sliding_window
+    else:  # Mistral: the config's window on every layer
+        window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
+def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
+    """The :class:`DecoderPlan` of ``model`` (PEFT-wrapped or not), or the reason it has none."""
+    causal_lm = causal_lm_of(model)
+    config = architectures.text_config(causal_lm.config)
+    family = architectures.lookup(causal_lm.config)
+    if family is None:
+        return (f"model_type {getattr(causal_lm.config, 'model_type', '?')!r} is not in notebookkit's family table "
+                f"({', '.join(architectures.supported_model_types())})")
+    backbone = getattr(causal_lm, "model", None)
+    layers = decoder_layers(causal_lm)
+    if backbone is None or not layers:
+        return f"{type(causal_lm).__name__} has no decoder layers where notebookkit looks for them"
+    problem = _rope_problem(backbone)
+    if problem is not None:
+        return problem
+    lm_head = causal_lm.get_output_embeddings()
+    embed = causal_lm.get_input_embeddings()
+    if lm_head is None or embed is None or not hasattr(embed, "weight"):
+        return "the model has no input embedding or LM head module"
+    keys, sources = _rope_sources(backbone, config, len(layers))
+    softcap = architectures.attn_softcap(causal_lm.config, family)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    plans = []
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
+            if not hasattr(attn, name):
+                return f"{type(attn).__name__} has no {name}"
+        if family.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
+            return f"{type(attn).__name__}: q/k norms expected but not found"
+        plans.append(LayerPlan(
+            index=i, layer=layer, attn=attn, heads=int(config.num_attention_heads), kv_heads=kv_heads,
+            head_dim=int(attn.head_dim), scaling=float(attn.scaling), softcap=softcap,
+            window=_window_of(attn, config), rope_key=keys[i], qk_norm=family.qk_norm,
+            sandwich=family.sandwich_norm,
+            activation=architectures.activation_of(getattr(layer.mlp, "act_fn", None), causal_lm.config, family),
+        ))
+    return DecoderPlan(
+        family=family, embed=embed, embed_scale=embedding_scale(embed, family, int(config.hidden_size)),
+        layers=plans, final_norm=backbone.norm, lm_head=lm_head,
+        final_softcap=architectures.final_softcap(causal_lm.config, family), rope=RopeTables(sources),
+        vocab_size=int(lm_head.weight.shape[0]), windows=tuple(sorted({p.window for p in plans}, key=lambda w: w or 0)),
+    )

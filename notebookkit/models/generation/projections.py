@@ -1,0 +1,131 @@
+"""Linear projections of the decode path, LoRA adapters unmerged: ``Y_i = X W_i^T + b_i + s_i (X A_i^T) B_i^T``.
+
+Projections that read one input (q/k/v; gate/up; o or down alone) go through the training path's
+helpers of :mod:`notebookkit.kernels.lora_projection` without autograd
+(:func:`~notebookkit.kernels.lora_projection.shared_input_forward`: the adapters of one rank share
+``X A_cat^T``), with one difference for 4-bit base weights: when the decode kernel
+``notebookkit.kernels.nf4_matvec`` is available and takes the input (CUDA, few rows), the base part
+``X W^T`` reads the NF4 bytes directly instead of dequantising each whole weight per token, and the
+low-rank part is added into its output (``grouped_projection_forward`` with the base outputs given).
+
+Adapters in another dtype than the compute dtype (PEFT keeps them in fp32 next to 16-bit and 4-bit
+bases) are read through :class:`AdapterCasts`: one cast per adapter kept between decode steps and
+``generate`` calls, so a captured step reads the casts and casts nothing itself (two launches per
+adapter per token saved: about a fifth of a decode step's kernels). An adapter changed in place
+(an optimizer step: GRPO trains between generations) is re-cast into the same buffer by
+:meth:`AdapterCasts.refresh` before the next forward, so the graphs read its new values.
+``A_cat`` of a group is built inside the step (one concatenation per group).
+
+A projection that the fused path cannot take (DoRA, several adapters, 8-bit, ...) runs its own module.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from notebookkit.kernels.lora_projection import (
+    LoRAProjection,
+    adapter_group,
+    grouped_projection_forward,
+    projection_forward,
+    shared_input_forward,
+)
+
+from ..kernel_ops import kernel
+from ..lora_fast_path import views
+
+__all__ = ["AdapterCasts", "project", "fused_views"]
+
+
+class AdapterCasts:
+    """LoRA matrices in the compute dtype, kept (see the module docstring).
+
+    ``casts(adapter, dtype)`` is ``adapter`` itself when it already has ``dtype``, else its kept cast
+    (made on first use). :meth:`refresh` re-casts, in place, every adapter whose version counter moved.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[int, torch.dtype], list] = {}  # (id, dtype) -> [adapter, its version, cast]
+
+    def __call__(self, adapter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if adapter.dtype == dtype:
+            return adapter
+        entry = self._kept.get((id(adapter), dtype))
+        if entry is None or entry[0] is not adapter:
+            entry = [adapter, adapter._version, adapter.detach().to(dtype)]
+            self._kept[(id(adapter), dtype)] = entry
+        return entry[2]
+
+    def refresh(self) -> int:
+        """Re-cast the adapters changed in place since they were cast; returns how many."""
+        changed = 0
+        for entry in self._kept.values():
+            adapter, version, cast = entry
+            if adapter._version != version:
+                cast.copy_(adapter.detach())
+                entry[1] = adapter._version
+                changed += 1
+        return changed
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def _nf4_kernels():
+    return kernel("nf4_matvec", "nf4_matvec"), kernel("nf4_matvec", "nf4_matvec_supported")
+
+
+def _nf4_takes(x2d: torch.Tensor, projs: Sequence[LoRAProjection]) -> bool:
+    matvec, supported = _nf4_kernels()
+    if matvec is None or supported is None:
+        return False
+    quantized = [p for p in projs if p.quantized]
+    return bool(quantized) and all(supported(x2d, (p.weight, p.quant_state)) for p in quantized)
+
+
+def fused_views(modules: Sequence[nn.Module]) -> bool:
+    """Whether every one of ``modules`` runs on the fused projection path (else :func:`project` calls them)."""
+    found, _ = views(*modules)
+    return found is not None
+
+
+def _nf4_bases(x2d: torch.Tensor, projs: Sequence[LoRAProjection]) -> Optional[list]:
+    if not _nf4_takes(x2d, projs):
+        return None
+    matvec, _ = _nf4_kernels()
+    return [matvec(x2d, (p.weight, p.quant_state)) if p.quantized else None for p in projs]
+
+
+def _with_casts(proj: LoRAProjection, dtype: torch.dtype, casts: Optional[AdapterCasts]) -> LoRAProjection:
+    if casts is None or not proj.has_adapter:
+        return proj
+    return LoRAProjection(proj.weight, proj.quant_state, casts(proj.lora_A, dtype), casts(proj.lora_B, dtype),
+                          proj.scaling)
+
+
+def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[AdapterCasts] = None) -> list[torch.Tensor]:
+    """Outputs ``[N, out_i]`` of the linear ``modules`` (plain, 4-bit or PEFT LoRA) that all read ``x2d [N, in]``.
+
+    ``casts``: where adapters in another dtype are read from (:class:`AdapterCasts`); ``None`` casts
+    them on each call, as the training path does.
+    """
+    found, _ = views(*modules)
+    if found is None:
+        return [module(x2d) for module in modules]
+    projs = tuple(_with_casts(v.projection, x2d.dtype, casts) for v in found)
+    bases = _nf4_bases(x2d, projs)
+    if bases is None:
+        outs, _ = shared_input_forward(x2d, projs)
+    else:
+        group = adapter_group(projs, x2d.dtype)
+        if group is not None:
+            outs = grouped_projection_forward(x2d, group, None, bases)
+        else:
+            outs = [projection_forward(x2d, p, *p.adapters(x2d.dtype), None, base) for p, base in zip(projs, bases)]
+    return [y if v.bias is None else y + v.bias for y, v in zip(outs, found)]

@@ -1,0 +1,134 @@
+"""What a model keeps between ``generate`` calls: its decoder plan, static KV cache, buffers, graphs
+and adapter casts.
+
+One :class:`GenerationState` per causal LM, in the instance's ``__dict__`` (never on a class). It
+survives ``for_training`` / ``for_inference`` switches, so a GRPO loop that alternates them every
+step reuses the cache and the captured graphs; :func:`release` frees them.
+
+The captured graphs read the weights, the adapters and the cache in place. They stay valid while
+the model's structure and parameter storage stay the same (an optimizer step updates parameters in
+place; the graphs then read the new values). :func:`model_signature` notices anything else (an
+adapter merged, disabled or swapped, parameters moved or replaced): the plan is rebuilt and the
+graphs are captured again.
+
+The state holds the model's submodules but nothing holds the model itself, so there is no reference
+cycle (``del model`` frees everything at once); ``copy.deepcopy`` of the model gives the copy no state
+(a fresh one is built on its first use), and pickling drops it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch.nn as nn
+
+from .decoder_plan import DecoderPlan, causal_lm_of, plan_for
+from .graph_runner import GraphRunner
+from .projections import AdapterCasts
+from .static_cache import StaticKVCache
+
+__all__ = ["GenerationState", "generation_state", "decoder_plan", "model_signature", "release"]
+
+_STATE = "_notebookkit_generation"
+
+
+class GenerationState:
+    """The per-model generation state (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.plan: Union[DecoderPlan, str, None] = None
+        self.signature: Optional[tuple] = None
+        self.cache: Optional[StaticKVCache] = None
+        self.buffers: dict[int, Any] = {}  # batch size -> the decode loop's buffers (generate.DecodeBuffers)
+        self.runner = GraphRunner()
+        self.casts = AdapterCasts()  # adapters in the compute dtype, read by the captured steps
+        self.warned: set[str] = set()
+
+    def refresh(self, causal_lm: nn.Module) -> Union[DecoderPlan, str]:
+        """The current plan of ``causal_lm`` (or why it has none), rebuilt and with the graphs dropped
+        when :func:`model_signature` changed."""
+        signature = model_signature(causal_lm)
+        if signature != self.signature or self.plan is None:
+            self.plan = plan_for(causal_lm)
+            self.runner.clear()
+            self.casts.clear()
+            self.signature = signature
+        return self.plan
+
+    def drop_cache(self) -> None:
+        """Free the KV cache and everything captured against it (buffers, graphs)."""
+        self.runner.clear()
+        self.buffers.clear()
+        if self.cache is not None:
+            self.cache.release()
+        self.cache = None
+
+    def release(self) -> None:
+        """Free the cache, buffers, graphs and RoPE tables (rebuilt on the next ``generate``)."""
+        self.drop_cache()
+        self.casts.clear()
+        if isinstance(self.plan, DecoderPlan):
+            self.plan.rope.release()
+        self.plan, self.signature = None, None
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_no_state, ())
+
+
+def _no_state() -> None:
+    return None
+
+
+def generation_state(model: nn.Module) -> GenerationState:
+    """The :class:`GenerationState` of ``model`` (PEFT-wrapped or not), created on first use."""
+    causal_lm = causal_lm_of(model)
+    state = causal_lm.__dict__.get(_STATE)
+    if state is None:
+        state = GenerationState()
+        object.__setattr__(causal_lm, _STATE, state)
+    return state
+
+
+def decoder_plan(model: nn.Module) -> DecoderPlan:
+    """The :class:`~.decoder_plan.DecoderPlan` of ``model``; a readable ``ValueError`` when it has none."""
+    state = generation_state(model)
+    plan = state.plan if isinstance(state.plan, DecoderPlan) else state.refresh(causal_lm_of(model))
+    if not isinstance(plan, DecoderPlan):
+        raise ValueError(f"notebookkit's decode path cannot run this model: {plan}.")
+    return plan
+
+
+def release(model: nn.Module) -> int:
+    """Free the generation cache, buffers and CUDA graphs of ``model``; returns the KV-cache bytes freed.
+
+    The next ``model.generate`` allocates them again. Useful before training a large model in the
+    same notebook when you will not generate again soon (``for_training`` keeps them, for GRPO).
+    """
+    state = causal_lm_of(model).__dict__.get(_STATE)
+    if state is None:
+        return 0
+    freed = state.cache.nbytes if state.cache is not None else 0
+    state.release()
+    return freed
+
+
+_ADAPTER_FLAGS = ("merged", "disable_adapters")
+
+
+def model_signature(causal_lm: nn.Module) -> tuple:
+    """What the plan and the captured graphs depend on: every module's identity and adapter state
+    (merged, disabled, active adapters, scaling) and every parameter's storage, dtype and shape."""
+    modules = []
+    for module in causal_lm.modules():
+        entry: tuple = (id(module),)
+        if hasattr(module, "lora_A"):
+            flags = tuple(bool(getattr(module, name, False)) for name in _ADAPTER_FLAGS)
+            active = tuple(getattr(module, "active_adapters", None) or ())
+            scaling = tuple(sorted((getattr(module, "scaling", None) or {}).items()))
+            entry += (flags, active, scaling)
+        modules.append(entry)
+    params = tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for p in causal_lm.parameters())
+    return tuple(modules), params
