@@ -136,10 +136,24 @@ class FastVisionModel:
 
     @staticmethod
     def for_inference(model: nn.Module) -> nn.Module:
-        """Switch to generation: eval mode, KV cache on (wrapper and text configs). Returns the model."""
+        """Switch to generation: eval mode, KV cache on (wrapper and text configs), the fast ``model.generate``.
+
+        ``model.generate`` then runs the language decoder's decode path (as after
+        ``FastLanguageModel.for_inference``): a prompt with images goes through the model's own forward
+        once, every new token through the fast decode step (:mod:`notebookkit.models.vision_decode`);
+        where the family's image positions rule that out (Qwen2.5-VL's multimodal RoPE) an image
+        prompt runs Hugging Face's ``generate``. The banner's ``image prompts`` line says which.
+        Returns the model.
+        """
+        from .generation import is_bound
+        from .vision_decode import describe_image_prompts
+
         _require_model(model, "FastVisionModel.for_inference")
         FastLanguageModel.for_inference(model)
         _set_use_cache(model, True)
+        banner = get_banner(model)
+        if banner is not None:
+            describe_image_prompts(model, banner, is_bound(model))
         return model
 
     @staticmethod
