@@ -52,6 +52,7 @@ def _inputs(processor, rows, images: bool = True):
 
 
 def _hf_and_fast(model, inputs, new_tokens: int = 16):
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
     model.eval()  # Hugging Face's generate: not bound before for_inference
     assert not is_bound(model)
     with torch.no_grad():
@@ -86,8 +87,11 @@ def test_gemma3_prefill_without_the_images_differs(vlm_folder, caption_rows):
     model, processor = _model(vlm_folder("gemma3"))
     FastVisionModel.for_inference(model)
     rows = caption_rows(4, "eval")
-    one = model.generate(**_inputs(processor, rows), max_new_tokens=16, do_sample=False)
-    other = model.generate(**_inputs(processor, rows[1:] + rows[:1]), max_new_tokens=16, do_sample=False)
+    def answers(rows):
+        inputs = {k: v.to(model.device) for k, v in _inputs(processor, rows).items()}
+        return model.generate(**inputs, max_new_tokens=16, do_sample=False)
+
+    one, other = answers(rows), answers(rows[1:] + rows[:1])
     assert not torch.equal(one, other)
 
 

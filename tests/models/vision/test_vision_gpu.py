@@ -53,3 +53,32 @@ def test_bf16_parity_on_gpu(family, load_in_4bit, vlm_folder, caption_rows):
         ours_err = rel_err(got[1][name].float(), exact)
         assert ours_err <= 3 * floor + 1e-3, f"{name}: ours {ours_err:.2e} vs bf16 HF+PEFT {floor:.2e}"
     print(f"\n[vision gpu {family}] bf16 loss gap {worst:.2%}")
+
+
+def test_gemma3_image_prompts_on_cuda_graphs_equal_hugging_face(vlm_folder, caption_rows):
+    """Gemma 3 image prompts after for_inference on CUDA (fp32, random LoRA, left padding): the prefill by the
+    model's own forward, the decode steps replayed as CUDA graphs; greedy ids equal to Hugging Face's generate."""
+    from notebookkit import FastVisionModel
+    from notebookkit.models.generation import generation_state, is_bound
+
+    from .test_vision_decode import _inputs
+
+    torch.manual_seed(0)
+    model, processor = FastVisionModel.from_pretrained(vlm_folder("gemma3"), max_seq_length=256, dtype=torch.float32,
+                                                       load_in_4bit=False, show_banner=False)
+    model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False,
+                                           show_banner=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    inputs = {k: v.cuda() for k, v in _inputs(processor, caption_rows(4, "eval")).items()}
+    model.eval()
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    FastVisionModel.for_inference(model)
+    assert is_bound(model)
+    fast = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    runner = generation_state(model).runner
+    assert runner.captures >= 1 and runner.replays >= 1 and runner.failures == 0
+    assert torch.equal(fast, reference), (fast, reference)
