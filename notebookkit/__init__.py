@@ -2,7 +2,7 @@
 
 Import what you need; heavy modules load on first use::
 
-    from notebookkit import FastLanguageModel, is_bfloat16_supported
+    from notebookkit import FastLanguageModel, FastVisionModel, is_bfloat16_supported
     from notebookkit.chat_templates import get_chat_template, train_on_responses_only
 
 The names match those of the most used fine-tuning notebooks, so that such a notebook ports by
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "FastLanguageModel": "models",
+    "FastVisionModel": "models",
     "is_bfloat16_supported": "models.precision",
     "is_bf16_supported": "models.precision",
     "get_chat_template": "data",

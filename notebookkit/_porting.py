@@ -1,6 +1,6 @@
 """Names that the most used notebook API exports and notebookkit does not, each with what to do instead.
 
-Importing one (``from notebookkit import FastVisionModel``) raises :class:`NotProvidedError` with
+Importing one (``from notebookkit import FastSentenceTransformer``) raises :class:`NotProvidedError` with
 that text, so a ported notebook stops at the line to change and says why, rather than with a bare
 ``cannot import name``. Nothing here stands in for the missing name: where notebookkit has no
 equivalent, it says so. The README's "Porting a notebook" table lists every name of that API.
@@ -17,13 +17,15 @@ class NotProvidedError(ImportError):
 
 #: names imported as ``from <package> import NAME``
 TOP_LEVEL: dict[str, str] = {
-    "FastVisionModel": "vision fine-tuning is not in notebookkit yet: issue #23.",
     "FastModel": (
         "for a text model use FastLanguageModel (the same from_pretrained and for_inference; its get_peft_model "
-        "takes target_modules= instead of the finetune_*_layers switches); vision and audio models are not in "
-        "notebookkit yet: issue #23."
+        "takes target_modules= instead of the finetune_*_layers switches); for a Qwen2.5-VL or Gemma 3 vision "
+        "model use FastVisionModel (the same finetune_* switches); audio models are not part of notebookkit."
     ),
-    "UnslothVisionDataCollator": "vision fine-tuning is not in notebookkit yet: issue #23.",
+    "UnslothVisionDataCollator": (
+        "use notebookkit.data.VisionDataCollator(model, processor): messages + images rows, labels on the "
+        "assistant's answers only."
+    ),
     "PatchFastRL": (
         "there is nothing to patch: TRL's GRPOTrainer runs on the model FastLanguageModel returns, so delete this "
         "line. notebookkit's own fused GRPO loss: issue #22."

@@ -36,6 +36,11 @@ names:
   their head dimension.
 * ``sliding_window``: the config may set a sliding window on some layers; Hugging Face builds the
   per-layer masks and hands each attention the right one.
+* ``vision``: the vision-language model whose language decoder is this family (Qwen2.5-VL for
+  ``qwen2``, Gemma 3 4B+ for ``gemma3``), read by ``FastVisionModel``
+  (:mod:`notebookkit.models.fast_vision_model`), the vision collator
+  (:mod:`notebookkit.data.vision_collator`) and the tiny VLM builder
+  (:mod:`notebookkit.embedded.generate_vision_models`); see :class:`Vision`.
 
 This module imports nothing (no torch, no transformers), so every layer can read it.
 """
@@ -67,6 +72,81 @@ class TinyRecipe:
 
 
 @dataclass(frozen=True)
+class VisionRecipe:
+    """How the embedded default builds ``notebookkit/tiny-<vision name>`` (a tiny random VLM).
+
+    The language model is the family's tiny text model (shared body + :class:`TinyRecipe`); this
+    adds the vision tower (``vision_config``: arguments of the wrapper's vision config), the image
+    processor settings for the bundled 64x64 images (``image_processor``; ``video_processor`` for a
+    wrapper whose processor also takes videos), the processor's own arguments (``processor``), further wrapper config arguments (``config``) and rotary arguments of
+    the text config (``rope``, merged into its ``rope_parameters``). ``token_ids`` maps wrapper config
+    keys to the special token whose id they hold; ``tokenizer_attributes`` names special tokens the
+    processor reads off its tokenizer (``tokenizer.boi_token``). ``redraw`` lists parameters the
+    library initialises to zero that a trained checkpoint never has at zero (Gemma 3's projection
+    into the decoder: at zero no image would reach the language model); they are drawn from
+    ``N(0, redraw_std^2)``. ``text_width_keys``: vision config keys that hold the decoder's hidden size
+    (the builder's, so they are set by it). ``pretrained``: the decoder gets the short pre-training of
+    ``tiny-llama`` on the bundled corpus plus sentences in the caption grammar (text only; the vision
+    tower keeps its random weights), so a CPU fine-tune in a notebook has to learn to read images,
+    not a language.
+    """
+
+    vision_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    image_processor: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    video_processor: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    processor: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    rope: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    token_ids: Mapping[str, str] = field(default_factory=dict, hash=False)
+    tokenizer_attributes: Mapping[str, str] = field(default_factory=dict, hash=False)
+    redraw: tuple[str, ...] = ()
+    redraw_std: float = 0.05
+    text_width_keys: tuple[str, ...] = ()
+    pretrained: bool = False
+
+
+@dataclass(frozen=True)
+class Vision:
+    """A vision-language wrapper (``*ForConditionalGeneration``) whose language model is a family's.
+
+    Facts ``FastVisionModel`` needs and cannot guess from module names:
+
+    * ``model_type`` / ``config_class`` / ``model_class``: the wrapper as transformers names it;
+      ``text_model_type``: the ``model_type`` of its text config;
+    * ``vision_tower`` / ``projector`` / ``language_model``: attribute paths, from the wrapper, of the
+      image encoder, of the module mapping its features into the decoder's embedding space, and of the
+      text backbone (whose decoder layers run the fused path);
+    * ``rope``: ``"mrope"`` when the decoder's rotary embedding is multimodal (Qwen2.5-VL: positions
+      along time, height and width, each rotating its own section of the frequencies; the rotary
+      module composes them into one ``[B, T, head_dim]`` table, which the RoPE kernel applies as it
+      applies any per-token table), ``"rotate_half"`` otherwise;
+    * ``image_tokens``: the special tokens a tokenizer of this wrapper has (the tiny builder adds
+      them to the shared vocabulary); ``image_token``: the one repeated once per image feature.
+    """
+
+    name: str  # notebookkit/tiny-<name>, test ids
+    model_type: str
+    config_class: str
+    model_class: str
+    text_model_type: str
+    processor_class: str
+    image_processor_class: str
+    vision_tower: str
+    projector: str
+    language_model: str
+    image_tokens: tuple[str, ...]
+    image_token: str
+    tiny: VisionRecipe
+    rope: str = "rotate_half"
+    hub_example: str = ""  # a hub checkpoint of the wrapper, for messages
+
+    @property
+    def tiny_name(self) -> str:
+        """The reserved name of the tiny VLM of this wrapper."""
+        return f"notebookkit/tiny-{self.name}"
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything notebookkit knows about one model family (see the module docstring)."""
 
@@ -90,6 +170,9 @@ class Family:
     # multimodal wrappers whose text model is this family: the memory model reads their shapes,
     # the patcher leaves them on stock code (never half-patched)
     multimodal_model_types: tuple[str, ...] = ()
+    # the vision-language wrapper FastVisionModel fine-tunes with this family's decoder (one of the
+    # multimodal_model_types), or None
+    vision: Optional[Vision] = None
 
     @property
     def tiny_name(self) -> str:
@@ -98,6 +181,53 @@ class Family:
 
 
 _GEMMA_TANH = {"hidden_activation": "gelu_pytorch_tanh"}
+
+# Tiny vision towers see the bundled 64x64 images as 8x8 patches of 8x8 pixels (64 patches) and
+# hand 16 image features to the decoder: Qwen2.5-VL merges 2x2 patches, Gemma 3 average-pools 2x2.
+_QWEN25_VL = Vision(
+    "qwen2.5-vl", "qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text",
+    processor_class="Qwen2_5_VLProcessor", image_processor_class="Qwen2VLImageProcessorPil",
+    vision_tower="model.visual", projector="model.visual.merger", language_model="model.language_model",
+    image_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    image_token="<|image_pad|>", rope="mrope", hub_example="Qwen/Qwen2.5-VL-7B-Instruct",
+    tiny=VisionRecipe(
+        vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 8,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 32,
+                       "fullatt_block_indexes": [1], "in_channels": 3},
+        image_processor={"patch_size": 8, "merge_size": 2, "temporal_patch_size": 2,
+                         "min_pixels": 64 * 64, "max_pixels": 64 * 64},
+        video_processor={"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 8, "merge_size": 2,
+                         "temporal_patch_size": 2, "size": {"shortest_edge": 64 * 64, "longest_edge": 64 * 64}},
+        # time / height / width sections of the 16 rotary frequencies of a 32-wide head
+        rope={"mrope_section": [4, 6, 6]},
+        token_ids={"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                   "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"},
+        tokenizer_attributes={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+        text_width_keys=("out_hidden_size",),
+    ),
+)
+_GEMMA3_VISION = Vision(
+    "gemma3-vision", "gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration", "gemma3_text",
+    processor_class="Gemma3Processor", image_processor_class="Gemma3ImageProcessorPil",
+    vision_tower="model.vision_tower", projector="model.multi_modal_projector",
+    language_model="model.language_model",
+    image_tokens=("<start_of_image>", "<end_of_image>", "<image_soft_token>"), image_token="<image_soft_token>",
+    hub_example="google/gemma-3-4b-it",
+    tiny=VisionRecipe(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 64, "patch_size": 8,
+                       "vision_use_head": False},
+        image_processor={"size": {"height": 64, "width": 64}, "do_pan_and_scan": False},
+        processor={"image_seq_length": 16},
+        config={"mm_tokens_per_image": 16},
+        token_ids={"boi_token_index": "<start_of_image>", "eoi_token_index": "<end_of_image>",
+                   "image_token_index": "<image_soft_token>"},
+        tokenizer_attributes={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"},
+        redraw=("model.multi_modal_projector.mm_input_projection_weight",),
+        pretrained=True,  # the vision notebook's CPU default
+    ),
+)
 _ALTERNATING = {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -116,6 +246,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     ),
     Family(
         "qwen2", ("qwen2",), "Qwen2Config", chat_template="qwen-2.5", tokens="qwen2", sliding_window=True,
+        multimodal_model_types=("qwen2_5_vl",), vision=_QWEN25_VL,
         tiny=TinyRecipe(config={"rms_norm_eps": 1e-6, "use_sliding_window": False}),
     ),
     Family(
@@ -144,6 +275,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         activation="geglu_tanh", gemma_norm=True, qk_norm=True, sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
         query_pre_attn_scalar=True, sliding_window=True, multimodal_model_types=("gemma3",),
+        vision=_GEMMA3_VISION,
         tiny=TinyRecipe(local_rope_theta=10000.0, config={
             "rms_norm_eps": 1e-6, **_GEMMA_TANH, **_ALTERNATING,
             "attn_logit_softcapping": None, "final_logit_softcapping": None,
@@ -153,6 +285,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 
 _BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.model_types}
 _BY_WRAPPER_TYPE: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.multimodal_model_types}
+# a wrapper's text config names its own model_type (qwen2_5_vl_text): the memory model reads it too
+_BY_WRAPPER_TYPE.update({f.vision.text_model_type: f for f in FAMILIES.values()
+                         if f.vision is not None and f.vision.text_model_type not in _BY_MODEL_TYPE})
+_BY_VISION_TYPE: dict[str, Family] = {f.vision.model_type: f for f in FAMILIES.values() if f.vision is not None}
 
 
 def family(name: str) -> Family:
@@ -173,6 +309,32 @@ def for_model_type(model_type: Any, multimodal: bool = False) -> Optional[Family
     if found is None and multimodal:
         found = _BY_WRAPPER_TYPE.get(model_type)
     return found
+
+
+def vision_families() -> dict[str, Family]:
+    """The families with a vision-language wrapper, by the wrapper's ``model_type``."""
+    return dict(_BY_VISION_TYPE)
+
+
+def for_vision_model_type(model_type: Any) -> Optional[Family]:
+    """The family whose vision-language wrapper has Hugging Face ``model_type`` (``"qwen2_5_vl"``), or ``None``."""
+    return _BY_VISION_TYPE.get(model_type)
+
+
+def vision_support_error(model_type: Any, what: str = "This model") -> ValueError:
+    """The readable error for a model without vision support: which wrappers are supported, and how to load them."""
+    listing = "\n".join(
+        f"  - {t} ({f.vision.model_class}; e.g. {f.vision.hub_example!r}, tiny {f.vision.tiny_name!r}; "
+        f"language model: the {f.name} family)" for t, f in sorted(_BY_VISION_TYPE.items())
+    )
+    text_hint = ""
+    if model_type in _BY_MODEL_TYPE:
+        text_hint = (f"\n{model_type!r} is a text-only model of the {_BY_MODEL_TYPE[model_type].name} family: "
+                     "fine-tune it with FastLanguageModel and text data instead.")
+    return ValueError(
+        f"{what} has model_type {model_type!r}, which has no vision support in notebookkit. "
+        f"The supported vision-language models are:\n{listing}{text_hint}"
+    )
 
 
 def supported_model_types() -> list[str]:

@@ -1,5 +1,5 @@
 """What a user calls on their own data: chat templates, ShareGPT conversion, response-only labels,
-length profile, masking check, padding-free packing; and ``load_bundled`` for the bundled datasets.
+length profile, masking check, padding-free packing, vision collation; and ``load_bundled`` for the bundled datasets.
 
 Everything is imported on first use, so ``import notebookkit.data`` stays light::
 
@@ -36,6 +36,8 @@ _LAZY = {
     "PaddingFreeCollator": "packing",
     "pack_examples": "packing",
     "packing_stats": "packing",
+    "VisionDataCollator": "vision_collator",
+    "VisionRowError": "vision_collator",
     "load_bundled": "bundled",
     "dataset_path": "bundled",
 }

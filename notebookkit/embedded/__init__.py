@@ -9,18 +9,19 @@ Used by tests, demos and notebooks, never by the layers above for real work::
 
 ``python -m notebookkit.embedded`` builds everything once and prints a table. The modules:
 
-==========================  =====================================================================
-:mod:`.tiny`                reserved names (``notebookkit/tiny-<family>``), corpus, tokenizer and
-                            model folders, built on first use
-:mod:`.bundled`             the bundled datasets (JSONL read with ``datasets``)
-:mod:`.cache`               versioned cache folders built once under a file lock
-:mod:`.cli`                 the command
-:mod:`.corpus`              the small world the corpus and datasets talk about, and its text
-:mod:`.generate_tokenizer`  byte-level BPE training and the per-family tokenizer folders
-:mod:`.generate_models`     the tiny config of each family (from :mod:`notebookkit.families`)
-:mod:`.generate_pretrain`   the short pre-training of ``tiny-llama``
-:mod:`.generate_datasets`   the rows of each bundled dataset
-==========================  =====================================================================
+==============================  =================================================================
+:mod:`.tiny`                    reserved names (``notebookkit/tiny-<family>``), corpus, tokenizer and
+                                model folders, built on first use
+:mod:`.bundled`                 the bundled datasets (JSONL read with ``datasets``)
+:mod:`.cache`                   versioned cache folders built once under a file lock
+:mod:`.cli`                     the command
+:mod:`.corpus`                  the small world the corpus and datasets talk about, and its text
+:mod:`.generate_tokenizer`      byte-level BPE training and the per-family tokenizer folders
+:mod:`.generate_models`         the tiny config of each family (from :mod:`notebookkit.families`)
+:mod:`.generate_vision_models`  the tiny vision-language models (``Family.vision``)
+:mod:`.generate_pretrain`       the short pre-training of ``tiny-llama``
+:mod:`.generate_datasets`       the rows of each bundled dataset
+==============================  =================================================================
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from notebookkit._lazy import lazy_exports
 
 _LAZY = {
     "TINY_MODELS": "tiny",
+    "TINY_VISION_MODELS": "tiny",
     "ensure_tiny_model": "tiny",
     "resolve_model_name": "tiny",
     "is_tiny_model_name": "tiny",

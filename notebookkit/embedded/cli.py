@@ -12,7 +12,7 @@ from typing import Any
 
 from .bundled import ensure_bundled_datasets, list_bundled
 from .cache import cache_root, read_stamp
-from .tiny import TINY_MODELS, ensure_corpus, ensure_tiny_model, ensure_tokenizer, tiny_model_folder, tiny_model_info
+from .tiny import TINY_MODELS, TINY_VISION_MODELS, ensure_corpus, ensure_tiny_model, ensure_tokenizer, tiny_model_folder, tiny_model_info
 
 
 def _fmt_params(n: int) -> str:
@@ -25,13 +25,14 @@ def _fmt_size(n: int) -> str:
 
 def build_all(cache_dir: str | os.PathLike | None = None, datasets: bool = True,
               verbose: bool = True) -> dict[str, Any]:
-    """Build (or find cached) every tiny model and, if ``datasets``, the bundled datasets.
+    """Build (or find cached) every tiny model (text and vision-language) and, if ``datasets``, the
+    bundled datasets.
 
     Returns ``{"models": [...info dicts...], "datasets": [...listing rows...], "seconds": float}``.
     """
     start = time.perf_counter()
     models = []
-    for name in TINY_MODELS:
+    for name in [*TINY_MODELS, *TINY_VISION_MODELS]:
         t0 = time.perf_counter()
         cached = read_stamp(tiny_model_folder(name, cache_dir)) is not None
         ensure_tiny_model(name, cache_dir, verbose=verbose)
@@ -49,14 +50,16 @@ def build_all(cache_dir: str | os.PathLike | None = None, datasets: bool = True,
 
 def format_report(report: dict[str, Any], cache_dir: str | os.PathLike | None = None) -> str:
     """The table that ``python -m notebookkit.embedded`` prints."""
-    lines = [f"{'name':<26} {'family':<8} {'params':>8} {'size':>10} {'build s':>8}  status"]
+    lines = [f"{'name':<30} {'family':<8} {'params':>8} {'size':>10} {'build s':>8}  status"]
     for m in report["models"]:
         status = "cached" if m.get("cached") else "built"
         pre = m.get("pretrain")
         if pre:
             status += (f"; pre-trained {pre['steps']} steps, held-out loss "
                        f"{pre['heldout_loss_before']:.2f} -> {pre['heldout_loss_after']:.2f}")
-        lines.append(f"{m['name']:<26} {m['family']:<8} {_fmt_params(m['params']):>8} "
+        if m.get("vision"):
+            status += f"; vision-language ({m['model_type']})"
+        lines.append(f"{m['name']:<30} {m['family']:<8} {_fmt_params(m['params']):>8} "
                      f"{_fmt_size(m['size_bytes']):>10} {m['build_seconds']:>8.1f}  {status}")
     parts = report.get("parts") or {}
     if parts:

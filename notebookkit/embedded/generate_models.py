@@ -138,6 +138,25 @@ def count_parameters(model) -> int:
     return total
 
 
+def pretrain_on_corpus(model, base_tokenizer, pretrain_config, train_docs: list[str] | None,
+                       heldout_docs: list[str] | None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The short pre-training of ``model`` on the corpus (:mod:`.generate_pretrain`); returns its record."""
+    from .generate_pretrain import pretrain, token_stream, windows
+
+    if train_docs is None or heldout_docs is None:
+        raise ValueError("pre-training needs train_docs and heldout_docs")
+    bos, eot = "<|begin_of_text|>", "<|end_of_text|>"
+    train = windows(token_stream(base_tokenizer, train_docs, bos, eot), pretrain_config.seq_len)
+    held = windows(token_stream(base_tokenizer, heldout_docs, bos, eot), pretrain_config.seq_len)
+    result = pretrain(model, train, held, pretrain_config, log=log)
+    return {
+        "steps": pretrain_config.steps, "tokens_seen": result.tokens_seen,
+        "first_loss": round(result.losses[0], 4), "last_loss": round(result.losses[-1], 4),
+        "heldout_loss_before": round(result.heldout_loss_before, 4),
+        "heldout_loss_after": round(result.heldout_loss_after, 4), "seconds": round(result.seconds, 2),
+    }
+
+
 def build_model_folder(family: str, folder: Path, base_tokenizer, seed: int, pretrain_config=None,
                        heldout_docs: list[str] | None = None, train_docs: list[str] | None = None,
                        log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -153,20 +172,7 @@ def build_model_folder(family: str, folder: Path, base_tokenizer, seed: int, pre
     info: dict[str, Any] = {"family": family, "params": count_parameters(model), "seed": seed,
                             "pretrained": pretrain_config is not None}
     if pretrain_config is not None:
-        from .generate_pretrain import pretrain, token_stream, windows
-
-        if train_docs is None or heldout_docs is None:
-            raise ValueError("pre-training needs train_docs and heldout_docs")
-        bos, eot = "<|begin_of_text|>", "<|end_of_text|>"
-        train = windows(token_stream(base_tokenizer, train_docs, bos, eot), pretrain_config.seq_len)
-        held = windows(token_stream(base_tokenizer, heldout_docs, bos, eot), pretrain_config.seq_len)
-        result = pretrain(model, train, held, pretrain_config, log=log)
-        info["pretrain"] = {
-            "steps": pretrain_config.steps, "tokens_seen": result.tokens_seen,
-            "first_loss": round(result.losses[0], 4), "last_loss": round(result.losses[-1], 4),
-            "heldout_loss_before": round(result.heldout_loss_before, 4),
-            "heldout_loss_after": round(result.heldout_loss_after, 4), "seconds": round(result.seconds, 2),
-        }
+        info["pretrain"] = pretrain_on_corpus(model, base_tokenizer, pretrain_config, train_docs, heldout_docs, log)
     save_model_folder(model, family, ids, folder)
     write_tokenizer_folder(base_tokenizer, family, folder)
     (folder / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -19,7 +19,10 @@ What gets built (all deterministic; nothing is downloaded):
    :mod:`.generate_models`): ``config.json``, ``model.safetensors``, ``generation_config.json``,
    ``tokenizer.json``, ``tokenizer_config.json`` with the family's chat template; ``tiny-llama`` is
    pre-trained for a few hundred steps on the corpus (:mod:`.generate_pretrain`), the others keep
-   their seeded random weights.
+   their seeded random weights;
+4. one tiny vision-language model per family with a vision row (``Family.vision``: ``tiny-qwen2.5-vl``,
+   ``tiny-gemma3-vision``, built by :mod:`.generate_vision_models`): the family's tiny decoder,
+   a small vision tower, the tokenizer with the image tokens, and the processor.
 
 Each is a folder of the cache (:mod:`.cache`) whose version hashes the generator sources, the
 family record, the recipe constants below and the versions of torch/transformers/tokenizers/
@@ -43,6 +46,8 @@ from .generate_models import build_model_folder
 TINY_MODELS: dict[str, str] = {f.tiny_name: f.name for f in FAMILIES.values()}
 #: Families that get the short pre-training on the corpus.
 PRETRAINED_FAMILIES: frozenset[str] = frozenset(f.name for f in FAMILIES.values() if f.tiny.pretrained)
+#: Reserved names of the tiny vision-language models and the family each one's decoder is.
+TINY_VISION_MODELS: dict[str, str] = {f.vision.tiny_name: f.name for f in FAMILIES.values() if f.vision is not None}
 
 MODEL_SEED = 1234
 CORPUS_SEED, CORPUS_DOCS = 0, 8000
@@ -55,6 +60,10 @@ BUILD_THREADS = 2
 _MODEL_SOURCES = ("../families.py", "generate_tokenizer.py", "generate_models.py", "generate_pretrain.py",
                   "corpus/world.py", "corpus/generate.py")
 _MODEL_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
+# The vision models also depend on their own builder (hashed for them only, so editing it leaves the
+# text models' version alone) and on pillow (the image processors).
+_VISION_SOURCES = _MODEL_SOURCES + ("generate_vision_models.py",)
+_VISION_PACKAGES = _MODEL_PACKAGES + ("pillow",)
 
 
 class UnknownTinyModelError(ValueError):
@@ -65,11 +74,12 @@ class UnknownTinyModelError(ValueError):
 
 def _canonical_name(name: str) -> str | None:
     lowered = name.strip().lower()
-    return lowered if lowered in TINY_MODELS else None
+    return lowered if lowered in TINY_MODELS or lowered in TINY_VISION_MODELS else None
 
 
 def _unknown_name_error(name: str) -> UnknownTinyModelError:
-    valid = "\n".join(f"  - {n}  ({fam})" for n, fam in TINY_MODELS.items())
+    valid = "\n".join([f"  - {n}  ({fam})" for n, fam in TINY_MODELS.items()]
+                      + [f"  - {n}  (vision-language, {fam} decoder; FastVisionModel)" for n, fam in TINY_VISION_MODELS.items()])
     return UnknownTinyModelError(
         f"{name!r} is not one of the bundled tiny models. The valid names are:\n{valid}\n"
         "For a Hugging Face Hub model pass its hub id (for example 'Qwen/Qwen2.5-0.5B-Instruct'); "
@@ -114,6 +124,16 @@ def _recipe() -> str:
 def model_version() -> str:
     """Hash naming the current build of corpus, tokenizer and models (sources + library versions)."""
     return source_version(_MODEL_SOURCES, _MODEL_PACKAGES, _recipe())
+
+
+def vision_model_version() -> str:
+    """Hash naming the current build of the tiny vision-language models."""
+    return source_version(_VISION_SOURCES, _VISION_PACKAGES, _recipe())
+
+
+def is_tiny_vision_model_name(name: str | os.PathLike) -> bool:
+    """Whether ``name`` is one of the reserved :data:`TINY_VISION_MODELS` names (case-insensitive)."""
+    return os.fspath(name).strip().lower() in TINY_VISION_MODELS
 
 
 @contextmanager
@@ -197,20 +217,24 @@ def tiny_model_folder(name: str, cache_dir: str | os.PathLike | None = None) -> 
     canonical = _canonical_name(os.fspath(name))
     if canonical is None:
         raise _unknown_name_error(os.fspath(name))
-    return cache_root(cache_dir) / f"{_short(canonical)}-{model_version()}"
+    version = vision_model_version() if canonical in TINY_VISION_MODELS else model_version()
+    return cache_root(cache_dir) / f"{_short(canonical)}-{version}"
 
 
 def ensure_tiny_model(name: str, cache_dir: str | os.PathLike | None = None, verbose: bool = False) -> Path:
     """Local folder of the reserved tiny model ``name``, building it on first use.
 
-    ``name`` is one of :data:`TINY_MODELS` (for example ``"notebookkit/tiny-llama"``). The first
-    call builds the corpus, tokenizer and model (about 30 s for the pre-trained ``tiny-llama``,
-    a second for the others); later calls return the cached folder at once.
+    ``name`` is one of :data:`TINY_MODELS` (for example ``"notebookkit/tiny-llama"``) or of
+    :data:`TINY_VISION_MODELS`. The first call builds the corpus, tokenizer and model (about 30 s
+    for the pre-trained ``tiny-llama``, a second for the others); later calls return the cached
+    folder at once.
     """
     final = tiny_model_folder(name, cache_dir)
     if read_stamp(final) is not None:
         return final
     canonical = _canonical_name(os.fspath(name))
+    if canonical in TINY_VISION_MODELS:
+        return _ensure_tiny_vision_model(canonical, final, cache_dir, verbose)
     family = TINY_MODELS[canonical]
 
     def build(tmp: Path, _final: Path) -> dict[str, Any]:
@@ -227,6 +251,32 @@ def ensure_tiny_model(name: str, cache_dir: str | os.PathLike | None = None, ver
 
     slow = " (pre-training on the bundled corpus, about 30 s)" if family in PRETRAINED_FAMILIES else ""
     return cached_build(_short(canonical), model_version(), build, cache_dir,
+                        announce=f"notebookkit: building {canonical} once{slow} -> {final}")
+
+
+def _ensure_tiny_vision_model(canonical: str, final: Path, cache_dir, verbose: bool) -> Path:
+    """Build (once) the tiny vision-language model ``canonical`` into ``final``."""
+    from notebookkit.families import family as family_record
+
+    family = TINY_VISION_MODELS[canonical]
+    pretrained = family_record(family).vision.tiny.pretrained
+
+    def build(tmp: Path, _final: Path) -> dict[str, Any]:
+        from .generate_vision_models import build_vision_model_folder
+
+        with _quiet_build():
+            base = load_base_tokenizer(cache_dir)
+            if not pretrained:
+                return build_vision_model_folder(family, tmp, base, MODEL_SEED)
+            from .generate_pretrain import PretrainConfig
+
+            return build_vision_model_folder(family, tmp, base, MODEL_SEED, PretrainConfig(),
+                                             heldout_docs=load_corpus("heldout", cache_dir),
+                                             train_docs=load_corpus("train", cache_dir),
+                                             log=print if verbose else None)
+
+    slow = " (its decoder pre-trained on the bundled corpus, about 30 s)" if pretrained else ""
+    return cached_build(_short(canonical), vision_model_version(), build, cache_dir,
                         announce=f"notebookkit: building {canonical} once{slow} -> {final}")
 
 

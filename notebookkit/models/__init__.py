@@ -1,12 +1,14 @@
 """notebookkit.models: load Hugging Face causal LMs and run them on the fused kernels.
 
 ``FastLanguageModel.from_pretrained`` / ``get_peft_model`` / ``for_inference`` / ``for_training``
-are the notebook API; ``patch_model`` / ``unpatch_model`` patch or restore any loaded model in place.
+are the notebook API (``FastVisionModel``, the same for vision-language models); ``patch_model`` / ``unpatch_model`` patch or restore any loaded model in place.
 """
 
 from __future__ import annotations
 
 from .fast_language_model import DEFAULT_TARGET_MODULES, FastLanguageModel
+from .fast_vision_model import FastVisionModel
 from .patcher import patch_model, patch_summary, unpatch_model
 
-__all__ = ["FastLanguageModel", "DEFAULT_TARGET_MODULES", "patch_model", "unpatch_model", "patch_summary"]
+__all__ = ["FastLanguageModel", "FastVisionModel", "DEFAULT_TARGET_MODULES", "patch_model", "unpatch_model",
+           "patch_summary"]

@@ -47,10 +47,12 @@ def probability(value: Any, name: str, where: str, hint: str) -> float:
     return value
 
 
-def require_model(obj: Any, where: str) -> None:
+def require_model(obj: Any, where: str, api: str = "FastLanguageModel", second: str = "tokenizer") -> None:
     """Refuse what is not a model: the ``(model, tokenizer)`` pair, a tokenizer, anything else.
 
-    The pair is the usual slip: ``model = FastLanguageModel.from_pretrained(...)`` keeps both values.
+    The pair is the usual slip: ``model = FastLanguageModel.from_pretrained(...)`` keeps both values
+    (``api`` names the class the user called, ``second`` its second value: ``"processor"`` for
+    ``FastVisionModel``).
     """
     import torch.nn as nn
 
@@ -59,16 +61,16 @@ def require_model(obj: Any, where: str) -> None:
     if isinstance(obj, tuple) and obj and isinstance(obj[0], nn.Module):
         raise TypeError(
             f"{where}: the model argument is a tuple ({', '.join(type(x).__name__ for x in obj)}), not a model. "
-            "FastLanguageModel.from_pretrained returns two values: write "
-            "`model, tokenizer = FastLanguageModel.from_pretrained(...)` and pass `model`."
+            f"{api}.from_pretrained returns two values: write "
+            f"`model, {second} = {api}.from_pretrained(...)` and pass `model`."
         )
     if hasattr(obj, "apply_chat_template") or hasattr(obj, "convert_tokens_to_ids"):
         raise TypeError(
             f"{where}: got a tokenizer ({type(obj).__name__}) where the model is expected. Pass the model, "
-            "e.g. `model = FastLanguageModel.get_peft_model(model, r=16)`."
+            f"e.g. `model = {api}.get_peft_model(model, r=16)`."
         )
     raise TypeError(
-        f"{where}: expected the model returned by FastLanguageModel.from_pretrained (a torch nn.Module), "
+        f"{where}: expected the model returned by {api}.from_pretrained (a torch nn.Module), "
         f"got {type(obj).__name__}."
     )
 

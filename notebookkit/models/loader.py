@@ -222,14 +222,7 @@ def from_pretrained(
     device_map, torch_dtype = _placement(device_map, dtype, banner)
     quant = _weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
 
-    load_kwargs: dict[str, Any] = dict(dtype=torch_dtype, token=token, trust_remote_code=trust_remote_code)
-    if device_map is not None:
-        load_kwargs["device_map"] = device_map
-    if quant is not None:
-        load_kwargs["quantization_config"] = quant
-    if attn_implementation is not None:
-        load_kwargs["attn_implementation"] = attn_implementation
-    load_kwargs.update(kwargs)
+    load_kwargs = weights_kwargs(torch_dtype, token, trust_remote_code, device_map, quant, attn_implementation, kwargs)
     model = _load_weights(path, kind, model_name, load_kwargs)
 
     tokenizer = AutoTokenizer.from_pretrained(path, token=token, trust_remote_code=trust_remote_code)
@@ -239,6 +232,20 @@ def from_pretrained(
     if show_banner:
         banner.show()
     return model, tokenizer
+
+
+def weights_kwargs(torch_dtype: torch.dtype, token: Optional[str], trust_remote_code: bool, device_map: Any,
+                   quant: Any, attn_implementation: Optional[str], extra: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of the model class's ``from_pretrained`` (the caller's ``extra`` ones last)."""
+    load_kwargs: dict[str, Any] = dict(dtype=torch_dtype, token=token, trust_remote_code=trust_remote_code)
+    if device_map is not None:
+        load_kwargs["device_map"] = device_map
+    if quant is not None:
+        load_kwargs["quantization_config"] = quant
+    if attn_implementation is not None:
+        load_kwargs["attn_implementation"] = attn_implementation
+    load_kwargs.update(extra)
+    return load_kwargs
 
 
 def _load_banner(kwargs: dict[str, Any]) -> Banner:
@@ -298,14 +305,17 @@ def _weights_format(config: Any, load_in_4bit: bool, load_in_8bit: bool, full_fi
     return quant
 
 
-def _load_weights(path: str, kind: str, model_name: Union[str, os.PathLike], load_kwargs: dict[str, Any]):
-    """``AutoModelForCausalLM.from_pretrained``; one readable error when a hub name cannot be fetched."""
+def _load_weights(path: str, kind: str, model_name: Union[str, os.PathLike], load_kwargs: dict[str, Any],
+                  model_class: Any = None, api: Any = None, where: str = "from_pretrained"):
+    """``model_class.from_pretrained`` (default ``AutoModelForCausalLM``); one readable error when a hub
+    name cannot be fetched or a keyword is misspelt (the known ones read off ``api``'s signature)."""
     from transformers import AutoModelForCausalLM
 
+    model_class = model_class or AutoModelForCausalLM
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*")
-            return AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+            return model_class.from_pretrained(path, **load_kwargs)
     except OSError as exc:
         if kind == "hub":
             raise explain_unreachable(os.fspath(model_name), exc) from None
@@ -314,9 +324,9 @@ def _load_weights(path: str, kind: str, model_name: Union[str, os.PathLike], loa
         keyword = arguments.unknown_keyword(exc, load_kwargs)
         if keyword is None:
             raise
-        known = [*inspect.signature(from_pretrained).parameters, *_UNSUPPORTED_KWARGS, "load_in_16bit"]
+        known = [*inspect.signature(api or from_pretrained).parameters, *_UNSUPPORTED_KWARGS, "load_in_16bit"]
         raise arguments.unknown_keyword_error(
-            "from_pretrained", keyword, (k for k in known if k != "kwargs"), "transformers' from_pretrained"
+            where, keyword, (k for k in known if k != "kwargs"), "transformers' from_pretrained"
         ) from None
 
 

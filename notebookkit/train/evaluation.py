@@ -16,12 +16,11 @@ Nothing here trains; models are switched to eval mode and back.
 
 from __future__ import annotations
 
-import contextlib
 import html
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 __all__ = [
     "QAItem",
@@ -79,34 +78,11 @@ def normalize_answer(text: str) -> str:
     return text.rstrip(" .!?;:,")
 
 
-@contextlib.contextmanager
-def _eval_mode(model: Any) -> Iterator[None]:
-    """Evaluation mode for the block; a model from FastLanguageModel also gets the fast decode path
-    (``for_inference``), and goes back to exactly what it was after (``for_training`` when it was
-    training, Hugging Face's ``generate`` when it had not been switched)."""
-    import torch
+def _eval_mode(model: Any):
+    """Evaluation mode and the fast decode path for the block, restored after (:mod:`notebookkit.models.generation_mode`)."""
+    from notebookkit.models.generation_mode import generation_mode
 
-    from notebookkit.models import FastLanguageModel
-    from notebookkit.models.banner import get_banner
-    from notebookkit.models.generation import is_bound, unbind_generate
-
-    was_training = model.training
-    fast = get_banner(model) is not None
-    was_bound = fast and is_bound(model)
-    if fast:
-        FastLanguageModel.for_inference(model)
-    else:
-        model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        if fast and was_training:
-            FastLanguageModel.for_training(model)
-        else:
-            if fast and not was_bound:
-                unbind_generate(model)
-            model.train(was_training)
+    return generation_mode(model)
 
 
 def _device(model: Any) -> Any:

@@ -1,6 +1,7 @@
 """What the cached forward reads from a loaded model, once: its modules and its family's facts.
 
-A :class:`DecoderPlan` holds, for a causal LM of a family in :mod:`notebookkit.families`:
+A :class:`DecoderPlan` holds, for a causal LM of a family in :mod:`notebookkit.families` (or the
+language model of a vision-language wrapper of the family record: the decode steps are its):
 
 * the token embedding module and whether the hidden states still need ``* sqrt(hidden_size)``
   after it (Gemma family: transformers 5 scales inside the embedding module, ``embed_scale``;
@@ -29,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from notebookkit.families import Family
+from notebookkit.families import Family, for_vision_model_type
 
 from .. import architectures
 from ..decoder_layers import decoder_layers
@@ -191,10 +192,13 @@ def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
     causal_lm = causal_lm_of(model)
     config = architectures.text_config(causal_lm.config)
     family = architectures.lookup(causal_lm.config)
+    backbone = getattr(causal_lm, "model", None)
+    if family is None:  # a vision-language wrapper: the decode steps are its language model's
+        family = for_vision_model_type(getattr(causal_lm.config, "model_type", None))
+        backbone = getattr(backbone, "language_model", None)
     if family is None:
         return (f"model_type {getattr(causal_lm.config, 'model_type', '?')!r} is not in notebookkit's family table "
                 f"({', '.join(architectures.supported_model_types())})")
-    backbone = getattr(causal_lm, "model", None)
     layers = decoder_layers(causal_lm)
     if backbone is None or not layers:
         return f"{type(causal_lm).__name__} has no decoder layers where notebookkit looks for them"

@@ -41,6 +41,7 @@ import torch.nn as nn
 from ..banner import get_banner
 from ..compat import prepare_generation_config
 from ..patching import WeakBoundMethod
+from ..vision_decode import multimodal_prefill
 from .cached_forward import cached_forward
 from .decoder_plan import DecoderPlan, causal_lm_of
 from .graph_runner import graphs_enabled
@@ -159,12 +160,13 @@ def generate(
                "assistant_model": assistant_model, "negative_prompt_ids": negative_prompt_ids,
                "negative_prompt_attention_mask": negative_prompt_attention_mask}
     state = generation_state(self)
-    request = _request(self, state, inputs, generation_config, hf_only, kwargs)
+    split = multimodal_prefill(self, kwargs)  # a vision-language model's image prompt: its own forward first
+    request = split if isinstance(split, str) else _request(self, state, inputs, generation_config, hf_only, split[1])
     if isinstance(request, str):
         _warn_once(self, state, request)
         return type(self).generate(self, inputs, generation_config, streamer=streamer, **hf_only, **kwargs)
     with torch.no_grad():
-        return _decode(self, state, request, streamer)
+        return _decode(self, state, request, streamer, split[0])
 
 
 def _warn_once(model: nn.Module, state: GenerationState, reason: str) -> None:
@@ -438,7 +440,8 @@ def _advance(buffers: DecodeBuffers, logits: torch.Tensor, settings: Any, eos: t
     buffers.slot += 1
 
 
-def _decode(model: nn.Module, state: GenerationState, request: _Request, streamer: Any) -> torch.Tensor:
+def _decode(model: nn.Module, state: GenerationState, request: _Request, streamer: Any,
+            prefill: Optional[Callable] = None) -> torch.Tensor:
     plan = request.plan
     input_ids = request.input_ids
     batch, prompt = input_ids.shape
@@ -460,7 +463,7 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    logits = cached_forward(model, input_ids, cache, 0, buffers.pad)
+    logits = (prefill or cached_forward)(model, input_ids, cache, 0, buffers.pad)
     _advance(buffers, logits, settings, eos, pad, ban_eos)
     del logits
     if streamer is not None:

@@ -1,0 +1,428 @@
+"""One LoRA training step of a vision-language model with a batch of images: time and peak memory,
+notebookkit vs transformers + PEFT vs Unsloth's FastVisionModel, each system in its own process.
+
+    python benchmarks/vision_step.py --out benchmarks/results                  # Qwen2.5-VL-7B shape, NF4
+    python benchmarks/vision_step.py --shape gemma-3-4b --out benchmarks/results
+    python benchmarks/vision_step.py --tiny --out /tmp/vision                  # CPU check of the script
+
+The model is random-weight, of the real model's shapes (config numbers from the public
+``config.json``: text decoder and vision tower), saved once as a bf16 checkpoint with the tiny
+VLM's tokenizer (its image tokens as the config's ids) and a processor for ``--image-size`` square
+images, so nothing is downloaded. Every system loads that folder in 4-bit (NF4, double
+quantisation; ``--quant none`` for 16-bit), puts LoRA r=16 (alpha 16, dropout 0) on the attention
+and MLP projections of the vision tower and of the decoder (the same layers for every system: the
+``finetune_*`` switches all on), and trains on the same batch: ``--batch`` rows of one image and a
+caption (``notebookkit.data.VisionDataCollator``: labels on the caption only). Timed: ``--steps``
+steps (forward with labels, backward, AdamW step) after ``--warmup`` steps; peak allocated CUDA
+memory over the whole run (load included). ``--tiny`` runs the tiny VLM on the CPU in fp32 (no
+4-bit: bitsandbytes' CPU decode is wrong on AVX-512 CPUs), peak = the process's max RSS.
+
+Systems (``--systems``, comma-separated):
+
+* ``notebookkit``          FastVisionModel, ``use_gradient_checkpointing="auto"`` (the planner fits free VRAM);
+* ``notebookkit-offload``  the same with ``"offload"`` (layer inputs in pinned host memory, Unsloth's mode);
+* ``hf``                   the wrapper class + ``prepare_model_for_kbit_training`` (gradient checkpointing) + PEFT;
+* ``unsloth``              Unsloth's FastVisionModel with ``use_gradient_checkpointing="unsloth"``.
+
+The parent writes ``<out>/<date>-<device>-vision-<shape>-<systems>.json`` and ``.md`` and prints the
+table (one file per set of systems, so rows split over several runs do not overwrite each other). A
+system whose package is missing is reported as "not installed", a failed one with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unsloth":
+    import unsloth  # noqa: F401  (Unsloth must be imported before transformers)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from train_step import versions  # noqa: E402  (this folder: the package versions a row ran with)
+
+# Text decoder and vision tower numbers of the public configs (random weights of these shapes).
+SHAPES: dict[str, dict] = {
+    "qwen2.5-vl-7b": dict(
+        family="qwen2",
+        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=3584,
+                    fullatt_block_indexes=[7, 15, 23, 31], in_channels=3, hidden_act="silu"),
+        image_processor=dict(patch_size=14, merge_size=2, temporal_patch_size=2),
+    ),
+    "gemma-3-4b": dict(
+        family="gemma3",
+        text=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                  sliding_window=1024, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                  hidden_activation="gelu_pytorch_tanh",
+                  layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4,
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        vision=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                    num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False),
+        config=dict(mm_tokens_per_image=256),
+        processor=dict(image_seq_length=256),
+        image_size=896,
+    ),
+}
+SYSTEMS = ["notebookkit", "notebookkit-offload", "hf", "unsloth"]
+NEEDS = {"unsloth": "unsloth"}
+R, ALPHA, SEED = 16, 16, 3407
+
+
+# ------------------------------------------------------------------------------------ checkpoint
+
+def checkpoint_dir(shape: str, image_size: int) -> str:
+    root = os.environ.get("NOTEBOOKKIT_BENCH_CKPT", os.path.expanduser("~/.cache/notebookkit/bench"))
+    return os.path.join(root, f"{shape}-{image_size}px")
+
+
+def build_checkpoint(shape: str, image_size: int) -> str:
+    """A random-weight bf16 checkpoint of ``shape`` (once), with the tiny VLM's tokenizer and a processor
+    for ``image_size`` x ``image_size`` images."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    from notebookkit.embedded.tiny import ensure_tiny_model
+    from notebookkit.families import family
+
+    spec = SHAPES[shape]
+    vision = family(spec["family"]).vision
+    folder = checkpoint_dir(shape, image_size)
+    if os.path.exists(os.path.join(folder, "done")):
+        return folder
+    tiny = str(ensure_tiny_model(vision.tiny_name))
+    tiny_config = tf.AutoConfig.from_pretrained(tiny)
+    ids = {key: getattr(tiny_config, key) for key in vision.tiny.token_ids}
+    text = dict(spec["text"], bos_token_id=tiny_config.get_text_config().bos_token_id,
+                eos_token_id=tiny_config.get_text_config().eos_token_id,
+                pad_token_id=tiny_config.get_text_config().pad_token_id)
+    config = getattr(tf, vision.config_class)(text_config=text, vision_config=dict(spec["vision"]), **ids,
+                                              **spec.get("config", {}),
+                                              tie_word_embeddings=text.get("tie_word_embeddings", True))
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = getattr(tf, vision.model_class)._from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # Gemma 3's projection starts at zero in transformers: no image would reach the decoder
+        for name in vision.tiny.redraw:
+            dict(model.named_parameters())[name].normal_(0.0, 0.02)
+    model.save_pretrained(folder)
+    del model
+    for f in os.listdir(tiny):
+        if f.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(os.path.join(tiny, f), os.path.join(folder, f))
+    processor = json.load(open(os.path.join(tiny, "processor_config.json")))
+    image = dict(processor["image_processor"], **spec.get("image_processor", {}))
+    if "min_pixels" in vision.tiny.image_processor or "longest_edge" in image.get("size", {}):
+        image["size"] = {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size}
+    else:
+        image["size"] = {"height": image_size, "width": image_size}
+    processor["image_processor"] = image
+    processor.update(spec.get("processor", {}))
+    if "video_processor" in processor:
+        processor["video_processor"] = dict(processor["video_processor"], **spec.get("image_processor", {}),
+                                            size=image["size"])
+    json.dump(processor, open(os.path.join(folder, "processor_config.json"), "w"), indent=2)
+    open(os.path.join(folder, "done"), "w").close()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return folder
+
+
+def tiny_folder(shape_family: str = "qwen2") -> str:
+    from notebookkit.embedded.tiny import ensure_tiny_model
+    from notebookkit.families import family
+
+    return str(ensure_tiny_model(family(shape_family).vision.tiny_name))
+
+
+# ----------------------------------------------------------------------------------------- rows
+
+def caption_rows(batch: int, image_size: int) -> list[dict]:
+    """``batch`` rows of the bundled caption layout: one drawn image (resized to ``image_size``), a caption."""
+    from notebookkit.embedded.bundled import load_bundled
+
+    ds = load_bundled("captions")
+    rows = []
+    for i in range(batch):
+        row = ds[i]
+        image = row["image"].convert("RGB")
+        if image.size != (image_size, image_size):
+            image = image.resize((image_size, image_size))
+        rows.append({"messages": row["messages"], "images": [image]})
+    return rows
+
+
+def load_system(system: str, folder: str, quant: str, seq: int, batch: int, device: str):
+    """(model, processor) of ``system`` with LoRA on every attention / MLP projection of both towers."""
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if system.startswith("notebookkit"):
+        from notebookkit import FastVisionModel
+
+        mode = "offload" if system.endswith("offload") else ("auto" if device == "cuda" else False)
+        model, processor = FastVisionModel.from_pretrained(folder, max_seq_length=seq, dtype=dtype,
+                                                           load_in_4bit=quant == "nf4")
+        model = FastVisionModel.get_peft_model(model, r=R, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
+                                               use_gradient_checkpointing=mode, random_state=SEED,
+                                               planning_batch_size=batch)
+        return model, processor
+    if system == "unsloth":
+        from unsloth import FastVisionModel as UnslothVision
+
+        model, processor = UnslothVision.from_pretrained(folder, load_in_4bit=quant == "nf4", dtype=dtype,
+                                                         max_seq_length=seq, use_gradient_checkpointing="unsloth")
+        model = UnslothVision.get_peft_model(model, finetune_vision_layers=True, finetune_language_layers=True,
+                                             finetune_attention_modules=True, finetune_mlp_modules=True, r=R,
+                                             lora_alpha=ALPHA, lora_dropout=0, bias="none", random_state=SEED,
+                                             use_gradient_checkpointing="unsloth")
+        UnslothVision.for_training(model)
+        return model, processor
+    return load_hf(folder, quant, dtype, device)
+
+
+def load_hf(folder: str, quant: str, dtype, device: str):
+    """The wrapper class + (4-bit) ``prepare_model_for_kbit_training`` + PEFT, as most notebooks run it."""
+    import torch
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    from notebookkit.families import for_vision_model_type
+    from notebookkit.models.banner import Banner
+    from notebookkit.models.vision_processor import load_processor
+    from notebookkit.models.vision_targets import select_targets
+
+    vision = for_vision_model_type(tf.AutoConfig.from_pretrained(folder).model_type).vision
+    kwargs = dict(dtype=dtype, attn_implementation="sdpa")
+    if device == "cuda":
+        kwargs["device_map"] = {"": 0}
+    if quant == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    model = getattr(tf, vision.model_class).from_pretrained(folder, **kwargs)
+    if quant == "nf4":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif device == "cuda":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    names = select_targets(model, vision).names
+    torch.manual_seed(SEED)
+    model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
+                                             target_modules=names, task_type="CAUSAL_LM"))
+    return model, load_processor(folder, vision, Banner())
+
+
+def run_system(args) -> dict:
+    """Load one system, time its steps; the result row."""
+    import resource
+
+    import torch
+
+    from notebookkit.data import VisionDataCollator
+
+    device = "cpu" if args.tiny else "cuda"
+    folder = tiny_folder() if args.tiny else build_checkpoint(args.shape, args.image_size)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    model, processor = load_system(args.system, folder, args.quant, args.seq, args.batch, device)
+    load_s = time.time() - t0
+    model.train()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    collator = VisionDataCollator(base, processor, max_seq_length=args.seq)
+    batch = collator(caption_rows(args.batch, args.image_size))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-4, **({"fused": True} if device == "cuda" else {}))
+
+    def step() -> float:
+        out = model(**batch)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    losses = [step() for _ in range(args.warmup)]
+    times = []
+    for _ in range(args.steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(step())
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    losses = [round(float(x), 5) for x in losses]
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        reserved = torch.cuda.max_memory_reserved() / 2**30
+        name = torch.cuda.get_device_name(0)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+        reserved, name = None, "CPU"
+    tokens = int(batch["attention_mask"].sum())
+    vision = collator_vision(base)
+    image_tokens = int((batch["input_ids"] == processor.tokenizer.convert_tokens_to_ids(vision.image_token)).sum())
+    banner = getattr(base, "notebookkit_banner", None)
+    return dict(
+        system=args.system, shape="tiny" if args.tiny else args.shape, quant=args.quant, batch=args.batch,
+        image_size=args.image_size, tokens=tokens, image_tokens=image_tokens, seq=int(batch["input_ids"].shape[1]),
+        s_step=round(sorted(times)[len(times) // 2], 4), step_s=[round(t, 4) for t in times],
+        peak_gib=round(peak, 3), reserved_gib=None if reserved is None else round(reserved, 3),
+        trainable=sum(p.numel() for p in params), load_s=round(load_s, 1), losses=losses,
+        fused=None if banner is None else {k: on for k, (on, _) in banner.features.items()},
+        device=name, versions=versions(args.system),
+    )
+
+
+def collator_vision(model):
+    """The vision row of a loaded wrapper (for its image token)."""
+    from notebookkit.families import for_vision_model_type
+
+    return for_vision_model_type(model.config.model_type).vision
+
+
+# --------------------------------------------------------------------------------------- parent
+
+def child_command(system: str, args) -> list[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--system", system, "--shape", args.shape, "--quant", args.quant,
+           "--batch", str(args.batch), "--image-size", str(args.image_size), "--seq", str(args.seq),
+           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    return cmd + (["--tiny"] if args.tiny else [])
+
+
+def run_all(args) -> list[dict]:
+    rows = []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    for system in args.systems.split(","):
+        need = NEEDS.get(system)
+        if need and importlib.util.find_spec(need) is None:
+            rows.append({"system": system, "status": f"not installed ({need})"})
+            continue
+        start = time.time()
+        proc = subprocess.run(child_command(system, args), capture_output=True, text=True, env=env,
+                              timeout=args.timeout)
+        results = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode == 0 and results:
+            row = json.loads(results[-1])
+            row["status"] = "ok"
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            row = {"system": system, "status": f"failed (exit {proc.returncode}): " + " | ".join(tail)}
+        row["wall_s"] = round(time.time() - start, 1)
+        rows.append(row)
+        print(f"{system}: {row['status']}" + (f", {row['s_step']} s/step, peak {row['peak_gib']} GiB"
+                                               if row["status"] == "ok" else ""), flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], args) -> str:
+    ok = [r for r in rows if r.get("status") == "ok"]
+    first = ok[0] if ok else {}
+    hf = next((r for r in ok if r["system"] == "hf"), None)
+    lines = [
+        f"# Vision-language LoRA step: {first.get('shape', args.shape)} ({args.quant}), "
+        f"{args.batch} images of {args.image_size}x{args.image_size}",
+        "",
+        f"Device {first.get('device', '?')}; {first.get('seq', '?')} tokens per row "
+        f"({first.get('image_tokens', '?')} image tokens in the batch); LoRA r={R} on every attention and MLP "
+        f"projection of the vision tower and the decoder; {args.warmup} warm-up + {args.steps} timed steps "
+        "(median shown). Peak: allocated CUDA memory over the run (CPU: max RSS).",
+        "",
+        "| system | s / step | x hf | peak GiB | trainable | first loss | status |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['system']} | | | | | | {r['status']} |")
+            continue
+        speed = f"{hf['s_step'] / r['s_step']:.2f}" if hf else ""
+        lines.append(f"| {r['system']} | {r['s_step']:.3f} | {speed} | {r['peak_gib']:.2f} | {r['trainable']:,} | "
+                     f"{r['losses'][0]:.4f} | ok |")
+    return "\n".join(lines) + "\n"
+
+
+def combine_runs(prefix: str, args) -> str | None:
+    """Merge the rows of every run of this day, device and shape (``<prefix>-<systems>.json``; a later run's
+    row of a system replaces an earlier one) into ``<prefix>-all.json`` / ``.md``; its table, or ``None``
+    when there is only one run."""
+    import glob
+
+    files = sorted((f for f in glob.glob(prefix + "-*.json") if not f.endswith("-all.json")), key=os.path.getmtime)
+    if len(files) < 2:
+        return None
+    merged: dict[str, dict] = {}
+    for f in files:
+        for row in json.load(open(f))["rows"]:
+            if row.get("status") == "ok" or row["system"] not in merged:
+                merged[row["system"]] = row
+    rows = [merged[s] for s in SYSTEMS if s in merged]
+    table = markdown(rows, args)
+    json.dump({"config": vars(args), "runs": files, "rows": rows}, open(prefix + "-all.json", "w"), indent=2)
+    open(prefix + "-all.md", "w").write(table)
+    print(f"combined {len(files)} runs into {prefix}-all.json and .md")
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", default=None, choices=SYSTEMS, help="(child) run one system in this process")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--shape", default="qwen2.5-vl-7b", choices=sorted(SHAPES))
+    ap.add_argument("--quant", default="nf4", choices=["nf4", "none"], help="none: 16-bit weights (fp32 on CPU)")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--image-size", type=int, default=None, help="square image side (default 448; Gemma 3: 896)")
+    ap.add_argument("--seq", type=int, default=2048, help="max_seq_length given to the systems")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="the tiny Qwen2.5-VL on the CPU, fp32 (checks the script)")
+    ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--out", default=None, help="folder for the JSON and markdown results")
+    args = ap.parse_args()
+    if args.tiny:
+        args.quant, args.image_size = "none", args.image_size or 64
+    args.image_size = args.image_size or SHAPES[args.shape].get("image_size", 448)
+    if args.prepare:
+        print("prepared", build_checkpoint(args.shape, args.image_size))
+        return
+    if args.system is not None:
+        print("RESULT " + json.dumps(run_system(args)), flush=True)
+        return
+    rows = run_all(args)
+    table = markdown(rows, args)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        device = next((r["device"] for r in rows if r.get("status") == "ok"), "none").replace(" ", "-")
+        systems = "+".join(r["system"] for r in rows)
+        stem = os.path.join(args.out, f"{dt.date.today().isoformat()}-{device}-vision-"
+                                      f"{'tiny' if args.tiny else args.shape}-{systems}")
+        json.dump({"config": vars(args), "rows": rows}, open(stem + ".json", "w"), indent=2)
+        open(stem + ".md", "w").write(table)
+        print(f"wrote {stem}.json and .md")
+        combined = combine_runs(stem.rsplit("-", 1)[0], args)
+        if combined is not None:
+            table = combined
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

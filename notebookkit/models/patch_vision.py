@@ -1,0 +1,172 @@
+"""Patch a loaded vision-language wrapper onto the fused kernels (and back, with ``unpatch_model``).
+
+The wrapper's row in :mod:`notebookkit.families` (``Family.vision``) says where its parts live.
+What runs fused:
+
+* the **language decoder** (``vision.language_model``), exactly as a text model of its family on
+  the FastLanguageModel path: every RMSNorm on ``kernels.rms_norm``, every gated MLP on the fused
+  activation / ``lora_mlp``, every self-attention on fused LoRA QKV/O + the RoPE kernel + SDPA.
+  Qwen2.5-VL's multimodal rotary embedding ("mrope") needs nothing of its own: the model's rotary
+  module turns the ``[3, B, T]`` time / height / width positions into one per-token
+  ``[B, T, head_dim]`` cos/sin table (each section of the frequencies rotated by its own axis),
+  and the RoPE kernel applies any per-token table. That is checked on the loaded model (a
+  transformers whose rotary module returned the three tables separately would keep the attention
+  on stock code, and the banner would say so);
+* the **LM head** in training with labels: the fused linear cross-entropy (:mod:`.vision_head`);
+* the **vision tower** where the same kernels apply: its RMSNorms (Qwen2.5-VL's blocks and merger,
+  Gemma 3's projector norm) and its gated SiLU MLPs (Qwen2.5-VL; they have biases, so the
+  projections run their own modules around the fused activation). Its attention (Qwen2.5-VL's
+  windowed attention over variable-length images, SigLIP's bidirectional attention), LayerNorms and
+  plain GELU MLPs stay stock.
+
+Everything is an instance rebinding (:mod:`.patching`), so ``unpatch_model`` restores it all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from notebookkit.families import Family, for_vision_model_type
+
+from . import architectures
+from .banner import Banner
+from .decoder_layers import decoder_layers
+from .lora_fast_path import describe_lora
+from .patch_linear4bit import describe_linear4bit, guard_lora_merges, patch_linear4bit
+from .patch_mlp import mlp_ready, patch_mlp
+from .patch_norms import patch_norms
+from .patcher import _patch_attentions, _patch_mlps, _stays_stock
+from .vision_head import patch_vision_head, vision_head_ready
+
+
+def submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
+    """``model.<path>`` for a dotted attribute path, or ``None`` when a part is missing."""
+    obj: Any = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def wrapper_of(model: nn.Module) -> nn.Module:
+    """The Hugging Face wrapper inside a PEFT model (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def vision_family(model: nn.Module) -> Optional[Family]:
+    """The family record of a loaded vision-language wrapper, or ``None``."""
+    return for_vision_model_type(getattr(wrapper_of(model).config, "model_type", None))
+
+
+def rope_table_problem(language: nn.Module) -> Optional[str]:
+    """Why the decoder's rotary tables cannot go to the RoPE kernel as they are, or ``None`` when they can.
+
+    The kernel takes one ``[B, T, head_dim]`` table per token. The rotary module is run on two
+    3-axis positions and must give exactly that.
+    """
+    rotary = getattr(language, "rotary_emb", None)
+    if rotary is None:
+        return "the decoder has no rotary_emb"
+    buffer = next(iter(rotary.buffers()), None)
+    device = buffer.device if buffer is not None else torch.device("cpu")
+    x = torch.zeros(1, 2, 1, device=device)
+    positions = torch.arange(2, device=device).view(1, 1, 2).expand(3, 1, 2)
+    try:
+        with torch.no_grad():
+            cos, _ = rotary(x, positions)
+    except Exception as exc:  # noqa: BLE001 - a module that refuses the probe stays stock
+        return f"its rotary module refused 3-axis positions ({type(exc).__name__}: {exc})"
+    if cos.dim() != 3 or tuple(cos.shape[:2]) != (1, 2):
+        return (f"its rotary module returns tables of shape {tuple(cos.shape)}, not one [batch, tokens, head_dim] "
+                "table per token (the sections are composed inside attention in this transformers version)")
+    return None
+
+
+def patch_vision_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
+    """Patch a Qwen2.5-VL / Gemma 3 wrapper (PEFT-wrapped or not) in place; returns the banner."""
+    banner = banner if banner is not None else Banner()
+    describe_linear4bit(model, banner, patch_linear4bit(model))  # correctness first: NF4 decode on CPU
+    if hasattr(model, "peft_config"):
+        guard_lora_merges(model)
+    wrapper = wrapper_of(model)
+    family = vision_family(wrapper)
+    if family is None:
+        from notebookkit.families import vision_support_error
+
+        raise vision_support_error(getattr(wrapper.config, "model_type", None), type(wrapper).__name__)
+    if _stays_stock(wrapper, family, banner):
+        return banner
+    vision = family.vision
+    language = submodule(wrapper, vision.language_model)
+    if language is None:
+        banner.feature("fast path", False, f"{type(wrapper).__name__} has no {vision.language_model}: stock code")
+        return banner
+    text_config = wrapper.config.get_text_config()
+    layers = decoder_layers(wrapper)
+
+    n_norms = patch_norms(language, gemma=family.gemma_norm)
+    style = "gemma (1 + w)" if family.gemma_norm else "llama"
+    banner.feature("RMSNorm", n_norms > 0, f"{n_norms} decoder norms on kernels.rms_norm ({style})" if n_norms
+                   else "no RMSNorm modules found in the decoder")
+    mlps = _patch_mlps(layers, text_config, family, banner)
+    problem = rope_table_problem(language) if vision.rope == "mrope" else None
+    if problem is None:
+        attns = _patch_attentions(wrapper, layers, text_config, family, banner)
+        if attns and vision.rope == "mrope":
+            on, why = banner.features["attention"]
+            banner.feature("attention", on, why + "; multimodal RoPE (t/h/w sections, composed per token by the "
+                           "model's rotary module) on the same kernel")
+    else:
+        attns = 0
+        banner.feature("attention", False, f"stock: multimodal RoPE not on the kernel: {problem}")
+    _patch_tower(wrapper, family, banner)
+    reason = vision_head_ready(wrapper)
+    softcap = architectures.final_softcap(text_config, family)
+    if reason is None:
+        patch_vision_head(wrapper, softcap)
+        banner.feature("fused CE loss", True, "model(..., labels=...) in training: fused linear cross-entropy, no "
+                       "full logits" + (f" (final soft-cap {softcap:g})" if softcap else ""))
+    else:
+        banner.feature("fused CE loss", False, reason)
+    if layers and (mlps != len(layers) or attns != len(layers)):
+        banner.note("some decoder layers stay on stock Hugging Face code; outputs are still exact, only slower")
+    if hasattr(model, "peft_config"):
+        describe_lora(model, banner)
+    return banner
+
+
+def _patch_tower(wrapper: nn.Module, family: Family, banner: Banner) -> None:
+    """RMSNorms and gated SiLU MLPs of the vision tower and projector; the banner's ``vision tower`` line."""
+    vision = family.vision
+    parts = [m for m in (submodule(wrapper, vision.vision_tower), submodule(wrapper, vision.projector)) if m is not None]
+    seen: set[int] = set()
+    n_norms = n_mlps = 0
+    for part in parts:
+        if id(part) in seen:
+            continue
+        inner = {id(m) for m in part.modules()}
+        if seen & inner:  # the projector inside the tower (Qwen2.5-VL's merger): already walked
+            continue
+        seen |= inner
+        n_norms += patch_norms(part, gemma=family.gemma_norm)
+        for module in part.modules():
+            if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                activation = architectures.activation_of(getattr(module, "act_fn", None))
+                if activation is not None and mlp_ready(activation) is None:
+                    patch_mlp(module, activation)
+                    n_mlps += 1
+    fused = [f"{n_norms} RMSNorms on kernels.rms_norm"] if n_norms else []
+    if n_mlps:
+        fused.append(f"{n_mlps} gated MLPs on the fused activation (biased projections: their own modules)")
+    banner.feature(
+        "vision tower", bool(fused),
+        (", ".join(fused) if fused else "nothing fused") + "; its attention, LayerNorms and plain MLPs run stock "
+        "Hugging Face code",
+    )
+
+
+__all__ = ["patch_vision_model", "rope_table_problem", "submodule", "vision_family", "wrapper_of"]

@@ -1,0 +1,124 @@
+"""Image prompts on the fast decode path: Hugging Face's forward for the prompt, notebookkit's step for each new token.
+
+``FastVisionModel.for_inference`` binds the same ``model.generate`` as ``FastLanguageModel``
+(:mod:`notebookkit.models.generation`): a static KV cache, the decode step on the fused kernels (a
+CUDA graph per batch size and cache-length bucket on a GPU), LoRA adapters unmerged. After the
+prompt, a vision-language model generates text like its language model, so the decode steps are
+the language decoder's alone. Only the prompt differs: its image tokens are the vision tower's
+features, not embeddings of ids, and Gemma 3 lets the tokens of one image attend to each other in
+both directions. So for a prompt with images :func:`multimodal_prefill` runs the model's own
+forward once (vision tower, projector, Hugging Face's masks and positions)::
+
+    logits, past = model(input_ids, attention_mask, position_ids = column - left padding, pixel_values, ...)
+    cache[layer][:, :, P - n .. P - 1] = past[layer]      n = P, or the last window - 1 of a sliding layer
+
+and the decode loop continues from its last logits. Keys leave Hugging Face's cache after q/k norm
+and RoPE, as the decode step writes them. A sliding-window layer keeps only its last
+``window - 1`` keys; they go to the last slots, and the decode step's window mask hides the older,
+empty slots.
+
+Where this does not apply the model runs Hugging Face's ``generate`` and says why
+(:func:`image_prompt_support`): Qwen2.5-VL places image tokens on a (t, h, w) grid of multimodal
+RoPE positions, so the text after an image continues at a per-row offset (``rope_deltas``) from its
+column, while the decode step computes a token's position as its column minus the row's left
+padding. Text-only prompts to either family run the fast path from the first token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from notebookkit.families import for_vision_model_type
+
+__all__ = ["IMAGE_INPUTS", "describe_image_prompts", "image_prompt_support", "multimodal_prefill"]
+
+# What a processor adds to input_ids / attention_mask for images (and the per-token type ids).
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+                "mm_token_type_ids")
+_TYPE_IDS = ("token_type_ids", "mm_token_type_ids")  # all zeros for a text-only prompt
+
+# Families whose image prompts need positions the decode step does not compute, and why.
+_NO_FAST_IMAGE_PROMPTS = {
+    "qwen2": ("Qwen2.5-VL's multimodal RoPE continues the text after an image at a per-row position offset "
+              "(rope_deltas, from the image grid) that notebookkit's decode step does not add"),
+}
+
+Prefill = Callable[[nn.Module, torch.Tensor, Any, int, torch.Tensor], torch.Tensor]
+
+
+def image_prompt_support(model: nn.Module) -> Optional[str]:
+    """``None`` when image prompts to ``model`` (a vision-language wrapper) run the fast decode steps,
+    else the reason they run Hugging Face's ``generate``."""
+    family = for_vision_model_type(getattr(model.config, "model_type", None))
+    if family is None:
+        return None
+    return _NO_FAST_IMAGE_PROMPTS.get(family.name)
+
+
+def multimodal_prefill(model: nn.Module, kwargs: dict) -> Union[str, tuple[Optional[Prefill], dict]]:
+    """Split a ``generate`` call on ``model`` into the prefill to run and the keywords left for the decode path.
+
+    Returns ``(None, kwargs)`` for a text model or a text-only prompt (the type-id keywords of a
+    processor dropped when they mark no image token), ``(prefill, kwargs without the image inputs)``
+    for an image prompt the decode steps can continue, or the reason it cannot.
+    """
+    if for_vision_model_type(getattr(model.config, "model_type", None)) is None:
+        return None, kwargs
+    images = {k: kwargs[k] for k in IMAGE_INPUTS if kwargs.get(k) is not None}
+    rest = {k: v for k, v in kwargs.items() if k not in IMAGE_INPUTS}
+    has_images = any(k not in _TYPE_IDS for k in images) or any(bool(images[k].any()) for k in _TYPE_IDS if k in images)
+    if not has_images:
+        return None, rest
+    reason = image_prompt_support(model)
+    if reason is not None:
+        return f"the prompt has images and {reason}"
+    if kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds was passed with images"
+    return _hf_prefill(images), rest
+
+
+def _hf_prefill(images: dict) -> Prefill:
+    """The prefill that runs the model's own forward on the prompt and its images (see the module docstring)."""
+
+    def prefill(model: nn.Module, input_ids: torch.Tensor, cache: Any, start_slot: int,
+                pad_lengths: torch.Tensor) -> torch.Tensor:
+        batch, prompt = input_ids.shape
+        columns = torch.arange(prompt, device=input_ids.device)[None, :]
+        attention_mask = (columns >= pad_lengths[:, None]).long()
+        position_ids = (columns - pad_lengths[:, None]).clamp_min(0)  # as generate's cumsum(mask) - 1
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                    logits_to_keep=1, **images)
+        past = out["cache"] if "cache" in out else out.get("past_key_values")  # transformers 5.2x / earlier
+        for index, (keys, values) in enumerate(_layer_states(past)):
+            kept = keys.shape[2]
+            cache.write(index, keys.to(cache.dtype), values.to(cache.dtype), start_slot + prompt - kept)
+        return out.logits[:, -1]
+
+    return prefill
+
+
+def _layer_states(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(keys, values)`` ``[B, kv_heads, n, head_dim]`` per decoder layer of a Hugging Face cache."""
+    if past is None:
+        raise ValueError("the model's forward returned no KV cache (use_cache=True was passed)")
+    if hasattr(past, "layers"):  # transformers >= 4.56: one cache layer object per decoder layer
+        return [(layer.keys, layer.values) for layer in past.layers]
+    return list(zip(past.key_cache, past.value_cache))
+
+
+def describe_image_prompts(model: nn.Module, banner: Any, bound: bool) -> None:
+    """The banner's ``image prompts`` line after ``for_inference``: which path generates from a prompt with images."""
+    if not bound:
+        banner.feature("image prompts", False, "Hugging Face's generate (the fast generation line says why)")
+        return
+    wrapper = model.get_base_model() if hasattr(model, "get_base_model") else model
+    reason = image_prompt_support(wrapper)
+    if reason is not None:
+        banner.feature("image prompts", False, f"Hugging Face's generate: {reason}; text-only prompts run the fast path")
+        return
+    banner.feature("image prompts", True, "the prompt by the model's own forward (vision tower, image features, "
+                                          "its masks and positions) into the static KV cache, then every new token "
+                                          "on the fast decode step")

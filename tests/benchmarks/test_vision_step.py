@@ -1,0 +1,60 @@
+"""CPU smoke test of benchmarks/vision_step.py: the parent runs each system in its own process on the tiny
+Qwen2.5-VL (fp32), writes JSON + markdown, and reports a missing package as "not installed".
+
+The systems train on the same batch from the same weights and LoRA seed, so their first-step losses
+agree (to the fused path's rounding, ~1e-7 relative): a row that trained on other inputs or other
+adapters would differ."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+
+
+def test_vision_step_tiny_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    systems = "notebookkit,hf,unsloth"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "vision_step.py"), "--tiny", "--systems", systems,
+         "--batch", "2", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [result] = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
+    rows = {r["system"]: r for r in json.load(open(tmp_path / result))["rows"]}
+    assert rows["notebookkit"]["status"] == rows["hf"]["status"] == "ok", rows
+    ours, hf = rows["notebookkit"], rows["hf"]
+    assert ours["image_tokens"] == hf["image_tokens"] == 2 * 16 and ours["trainable"] == hf["trainable"] > 0
+    assert abs(ours["losses"][0] - hf["losses"][0]) <= 1e-4 * hf["losses"][0]
+    assert ours["fused"]["fused CE loss"] and ours["fused"]["attention"] and hf["fused"] is None
+    assert all(r["s_step"] > 0 and r["peak_gib"] > 0 for r in (ours, hf))
+    if "not installed" in rows["unsloth"]["status"]:
+        assert rows["unsloth"]["status"] == "not installed (unsloth)"
+    table = open(tmp_path / result.replace(".json", ".md")).read()
+    assert "| notebookkit |" in table and "| hf |" in table and "| unsloth |" in table
+
+
+def test_runs_split_over_calls_are_combined(tmp_path):
+    import time
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import vision_step
+
+    prefix = str(tmp_path / "2026-12-01-GPU-vision-qwen2.5-vl-7b")
+    row = dict(shape="qwen2.5-vl-7b", device="GPU", seq=300, image_tokens=1024, trainable=1, losses=[1.0], peak_gib=9.0)
+    runs = [[dict(row, system="notebookkit", status="ok", s_step=1.0), dict(row, system="hf", status="ok", s_step=2.0)],
+            [dict(system="unsloth", status="failed (exit 1): boom"), dict(row, system="hf", status="ok", s_step=4.0)]]
+    for i, rows in enumerate(runs):
+        json.dump({"rows": rows}, open(f"{prefix}-run{i}.json", "w"))
+        time.sleep(0.01)
+    args = types.SimpleNamespace(shape="qwen2.5-vl-7b", quant="nf4", batch=4, image_size=448, warmup=2, steps=3)
+    table = vision_step.combine_runs(prefix, args)
+    merged = {r["system"]: r for r in json.load(open(prefix + "-all.json"))["rows"]}
+    assert merged["hf"]["s_step"] == 4.0 and merged["unsloth"]["status"].startswith("failed")
+    assert "| notebookkit | 1.000 | 4.00 |" in table and "boom" in table
+    assert vision_step.combine_runs(str(tmp_path / "other"), args) is None
