@@ -15,7 +15,9 @@ Rows (the issue's configurations):
 * ``dpo``: Llama-3.1-8B shape, NF4 base, 2 preference pairs of 1024 tokens (prompt 256 + answer 767 + EOS):
   the step time and its peak memory.
 
-Systems: ``notebookkit`` (FastLanguageModel + FastGRPOTrainer / FastDPOTrainer), ``trl`` (transformers
+Systems: ``notebookkit`` (FastLanguageModel + FastGRPOTrainer / FastDPOTrainer, the planner's
+``use_gradient_checkpointing="auto"``, which on a large card keeps every activation), ``notebookkit-offload``
+(the same with ``"offload"``: layer inputs in pinned host memory, as Unsloth's mode), ``trl`` (transformers
 + PEFT + TRL's own trainers, as TRL's docs run them: ``prepare_model_for_kbit_training`` for NF4,
 TRL's default gradient checkpointing) and ``unsloth`` (its FastLanguageModel with ``fast_inference=False``
 and the TRL trainers it patches on import; Unsloth needs TRL 1.15: pass ``--unsloth-site`` for the
@@ -45,7 +47,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-SYSTEMS = ("notebookkit", "trl", "unsloth")
+SYSTEMS = ("notebookkit", "notebookkit-offload", "trl", "unsloth")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: task -> the issue's configuration on the GPU, and a CPU-sized one for --tiny
 TASKS = {
@@ -122,13 +124,17 @@ def load_model(system: str, folder: str, quant: str, seq: int, gradient_checkpoi
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     cuda = torch.cuda.is_available()
-    if system == "notebookkit":
+    if system.startswith("notebookkit"):
         from notebookkit import FastLanguageModel
+
+        # "auto": the planner fills the free VRAM (on an H200: keeps every activation); "offload": layer inputs
+        # in pinned host memory, recomputed in the backward (Unsloth's "unsloth" mode)
+        mode = "offload" if system == "notebookkit-offload" else "auto"
 
         model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=seq, load_in_4bit=(quant == "nf4"),
                                                      dtype=torch.bfloat16 if cuda else torch.float32, show_banner=False)
         model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
-                                                 use_gradient_checkpointing="auto" if cuda else False,
+                                                 use_gradient_checkpointing=mode if cuda else False,
                                                  random_state=3407, show_banner=False)
         return model, tokenizer
     if system == "unsloth":
@@ -161,7 +167,7 @@ def load_model(system: str, folder: str, quant: str, seq: int, gradient_checkpoi
 
 def trainer_classes(system: str, task: str):
     """(config class, trainer class) the system's users train with."""
-    if system == "notebookkit":
+    if system.startswith("notebookkit"):
         from trl import DPOConfig, GRPOConfig
 
         from notebookkit.train import FastDPOTrainer, FastGRPOTrainer
@@ -284,7 +290,7 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
                   optim="adamw_torch", seed=0, dataloader_num_workers=0, disable_tqdm=True,
                   gradient_checkpointing=gradient_checkpointing and system == "trl")
     clock = StepClock(timed_step=2)
-    fused = watch_fused_path(model, []) if system == "notebookkit" else None
+    fused = watch_fused_path(model, []) if system.startswith("notebookkit") else None
     if task_name == "grpo":
         batch = task["prompts"] * task["generations"]
         args = config_class(**common, per_device_train_batch_size=batch, num_generations=task["generations"],
