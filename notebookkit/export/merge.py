@@ -115,13 +115,29 @@ def _check_supported_lora(module: nn.Module, name: str) -> None:
 
 @contextlib.contextmanager
 def _ieee_fp32_matmul():
-    """fp32 matrix products at full fp32 precision (TF32 off) inside the block; the caller's setting after."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    """fp32 matrix products at full fp32 precision inside the block (TF32 / bf16 reduced precision off, on CUDA
+    and on oneDNN CPUs), the caller's settings back afterwards. torch >= 2.9 keeps these per backend
+    (``torch.backends.<backend>.matmul.fp32_precision``, what ``tf32=True`` training sets through transformers);
+    reading them through the older ``torch.get_float32_matmul_precision`` would raise after that, so the block
+    uses the per-backend settings where they exist."""
+    backends = [getattr(getattr(torch.backends, name, None), "matmul", None) for name in ("cuda", "mkldnn")]
+    backends = [b for b in backends if b is not None and hasattr(b, "fp32_precision")]
+    if not backends:  # torch < 2.9
+        before_legacy = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before_legacy)
+        return
+    before = [b.fp32_precision for b in backends]
+    for backend in backends:
+        backend.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        for backend, precision in zip(backends, before):
+            backend.fp32_precision = precision
 
 
 def _merged_linear_maker(module: nn.Module, out_dtype: torch.dtype) -> Callable[[torch.device], torch.Tensor]:

@@ -55,23 +55,32 @@ def test_merged_weights_equal_float64_merge_rounded_once(llama_nf4, tmp_path):
     assert not torch.equal(written, w64.to(torch.bfloat16)), "the LoRA update is missing from the merged weight"
 
 
-def test_merge_products_are_ieee_fp32_under_a_tf32_setting(llama_nf4, tmp_path):
-    """With TF32 on (tf32=True training, set_float32_matmul_precision("high")) the merge's B @ A still runs at
-    full fp32 precision, and the user's setting is back afterwards."""
+@pytest.mark.parametrize("setting", ["global", "legacy"])
+def test_merge_products_are_ieee_fp32_under_a_tf32_setting(llama_nf4, tmp_path, setting):
+    """With TF32 on (``tf32=True`` training sets ``torch.backends.fp32_precision = "tf32"`` through transformers;
+    older notebooks call ``set_float32_matmul_precision("high")``) the merge's B @ A still runs at full fp32
+    precision, the merge does not raise on the mixed settings, and the user's setting is back afterwards."""
     from notebookkit.export import merge
 
     model, tokenizer = llama_nf4
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
+    matmuls = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = (torch.backends.fp32_precision, *(m.fp32_precision for m in matmuls))
     try:
+        if setting == "global":
+            torch.backends.fp32_precision = "tf32"
+        else:
+            torch.set_float32_matmul_precision("high")
+        user = [m.fp32_precision for m in matmuls]
+        assert user == ["tf32", "tf32"]
         with merge._ieee_fp32_matmul():
-            assert torch.get_float32_matmul_precision() == "highest"
-            assert not torch.backends.cuda.matmul.allow_tf32
-        assert torch.get_float32_matmul_precision() == "high"
+            assert [m.fp32_precision for m in matmuls] == ["ieee", "ieee"]
+        assert [m.fp32_precision for m in matmuls] == user
         model.save_pretrained_merged(tmp_path / "merged", tokenizer, dtype=torch.bfloat16, verbose=False)
-        assert torch.get_float32_matmul_precision() == "high"
+        assert [m.fp32_precision for m in matmuls] == user
     finally:
-        torch.set_float32_matmul_precision(before)
+        torch.backends.fp32_precision = saved[0]
+        for m, p in zip(matmuls, saved[1:]):
+            m.fp32_precision = p
 
 
 def test_shards_follow_max_shard_size_and_index(llama_nf4, tmp_path):
