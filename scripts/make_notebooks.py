@@ -1308,18 +1308,6 @@ print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {M
       f"4-bit: {LOAD_IN_4BIT} | steps: {MAX_STEPS} | learning rate: {LEARNING_RATE}")
 '''
 
-VISION_PANELS = '''\
-from notebookkit.widgets import ConfigPanels
-
-panels = ConfigPanels(
-    model=dict(model_name=MODEL_NAME, load_in_4bit=LOAD_IN_4BIT, max_seq_length=MAX_SEQ_LENGTH, dtype=DTYPE),
-    lora=dict(r=LORA_R, lora_alpha=LORA_R, random_state=SEED),
-    training=dict(max_steps=MAX_STEPS, per_device_train_batch_size=BATCH_SIZE,
-                  gradient_accumulation_steps=GRAD_ACCUM, learning_rate=LEARNING_RATE,
-                  warmup_steps=WARMUP_STEPS, seed=SEED),
-)
-panels
-'''
 
 VISION_LOAD = '''\
 cfg = panels.value  # the panels' current values
@@ -1468,7 +1456,7 @@ CPU, Qwen2.5-VL 7B in 4-bit on a GPU. CI overrides this cell (it is tagged `para
         code(VISION_PARAMETERS, tags=["parameters"]),
         code(VISION_RESOLVE),
         md(PANELS_MD),
-        code(VISION_PANELS),
+        code(PANELS),
         md('''\
 ## 2. Load the model and its processor
 
