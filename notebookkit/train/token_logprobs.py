@@ -8,7 +8,8 @@ and an optional sampling temperature::
 
 Position ``t`` scores the next token, so a sequence of ``T`` tokens gives ``T - 1`` log-probs (the
 last ``logits_to_keep`` of them when asked, e.g. GRPO's completion tokens). Positions whose label is
-``-100`` (padding where ``attention_mask`` is 0, or a prompt masked in ``labels``) give 0.
+``-100`` (padding where ``attention_mask`` is 0, or a prompt masked in ``labels``, as TRL's DPO does) give 0
+and never reach the LM head: only the scored rows of ``h`` go into the chunks.
 
 The reference policy of DPO / GRPO is the same weights with the LoRA adapters switched off
 (``reference=True``: PEFT's ``disable_adapter()`` context and ``torch.no_grad()``), so no second copy
@@ -59,6 +60,11 @@ def _reference_context(model: nn.Module):
     stack.enter_context(torch.no_grad())
     stack.enter_context(model.disable_adapter())
     return stack
+
+
+def _into_rows(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``[B, K]`` zeros with ``values`` (one per ``True`` of ``scored``, in row-major order) at the scored places."""
+    return values.new_zeros(scored.shape).masked_scatter(scored, values)
 
 
 def token_logprobs(
@@ -120,10 +126,19 @@ def token_logprobs(
         weight = lm_head.weight
         hidden = outputs[0][:, -keep - 1:-1].to(weight.device)
         targets = labels[:, -keep:].to(weight.device)
-        scores = linear_logprobs(
-            hidden, weight, targets, lm_head.bias, softcap=softcap, temperature=temperature,
-            chunk_size=chunk_size, return_entropy=return_entropy,
-        )
+        scored = targets != IGNORE_INDEX
+        n_scored = int(scored.sum())
+        if 0 < n_scored < scored.numel():  # prompt / padding positions: no LM-head work for them at all
+            picked = linear_logprobs(
+                hidden[scored], weight, targets[scored], lm_head.bias, softcap=softcap, temperature=temperature,
+                chunk_size=chunk_size, return_entropy=return_entropy,
+            )
+            scores = tuple(_into_rows(v, scored) for v in picked) if return_entropy else _into_rows(picked, scored)
+        else:
+            scores = linear_logprobs(
+                hidden, weight, targets, lm_head.bias, softcap=softcap, temperature=temperature,
+                chunk_size=chunk_size, return_entropy=return_entropy,
+            )
         if not return_logit_stats:
             return scores
         stats = logit_statistics(hidden.detach(), weight.detach(), targets, lm_head.bias, softcap=softcap,

@@ -77,6 +77,36 @@ def test_logits_to_keep_scores_the_completion_only(lora_model):
     assert rel_err(tail, full[:, -6:]) < 1e-5
 
 
+def test_masked_positions_skip_the_lm_head_with_the_same_results(lora_model, monkeypatch):
+    """A prompt masked in labels (TRL's DPO) and padding never reach the LM head; log-probs and LoRA gradients
+    equal scoring every row and zeroing the masked ones."""
+    import notebookkit.train.token_logprobs as module
+
+    _, model = lora_model
+    ids, mask = _batch(model.config.vocab_size, seed=5)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :7] = -100  # the prompt
+    rows = []
+    real = module.linear_logprobs
+
+    def counting(hidden, *args, **kwargs):
+        rows.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(module, "linear_logprobs", counting)
+    ours = token_logprobs(model, ids, mask, labels=labels, chunk_size=5)
+    assert rows == [int((labels[:, 1:] != -100).sum())]
+    every = token_logprobs(model, ids, mask, chunk_size=5)  # padding only: every row but the padded ones
+    expected = every.masked_fill(labels[:, 1:] == -100, 0.0)
+    assert rel_err(ours, expected) < 1e-6 and (ours[labels[:, 1:] == -100] == 0).all()
+    weights = torch.randn(ours.shape, generator=torch.Generator().manual_seed(6))
+    for g, r in zip(_lora_grads(model, ours, weights), _lora_grads(model, expected, weights)):
+        assert r.abs().sum() > 0 and rel_err(g, r) < 1e-5
+    _, entropy = token_logprobs(model, ids, mask, labels=labels, chunk_size=5, return_entropy=True)
+    _, every_entropy = token_logprobs(model, ids, mask, chunk_size=5, return_entropy=True)
+    assert rel_err(entropy, every_entropy.masked_fill(labels[:, 1:] == -100, 0.0)) < 1e-6
+
+
 def test_softcap_is_read_from_the_family_table(lora_model):
     family, model = lora_model
     backbone, lm_head, cap = causal_lm_parts(model)
