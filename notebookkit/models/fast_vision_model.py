@@ -140,9 +140,9 @@ class FastVisionModel:
 
         ``model.generate`` then runs the language decoder's decode path (as after
         ``FastLanguageModel.for_inference``): a prompt with images goes through the model's own forward
-        once, every new token through the fast decode step (:mod:`notebookkit.models.vision_decode`);
-        where the family's image positions rule that out (Qwen2.5-VL's multimodal RoPE) an image
-        prompt runs Hugging Face's ``generate``. The banner's ``image prompts`` line says which.
+        once, every new token through the fast decode step (:mod:`notebookkit.models.vision_decode`;
+        Qwen2.5-VL's at the per-row multimodal RoPE offsets its forward leaves). The banner's
+        ``image prompts`` line says which path runs.
         Returns the model.
         """
         from .generation import is_bound

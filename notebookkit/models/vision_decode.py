@@ -12,16 +12,19 @@ forward once (vision tower, projector, Hugging Face's masks and positions)::
     logits, past = model(input_ids, attention_mask, position_ids = column - left padding, pixel_values, ...)
     cache[layer][:, :, P - n .. P - 1] = past[layer]      n = P, or the last window - 1 of a sliding layer
 
-and the decode loop continues from its last logits. Keys leave Hugging Face's cache after q/k norm
+and the decode loop continues from its last logits. Qwen2.5-VL places the image tokens on a (t, h, w)
+grid of multimodal RoPE positions, which the model computes itself from the image grid (no
+``position_ids`` are passed), so the text after an image continues at a per-row offset from its
+column, ``rope_deltas`` (Hugging Face's name): a new token in slot ``s`` of row ``b`` sits at position
+``s - pad[b] + rope_deltas[b]`` in all three axes, which for text is plain RoPE at that position. The
+prefill returns the offsets and every decode step adds them. Keys leave Hugging Face's cache after q/k norm
 and RoPE, as the decode step writes them. A sliding-window layer keeps only its last
 ``window - 1`` keys; they go to the last slots, and the decode step's window mask hides the older,
 empty slots.
 
-Where this does not apply the model runs Hugging Face's ``generate`` and says why
-(:func:`image_prompt_support`): Qwen2.5-VL places image tokens on a (t, h, w) grid of multimodal
-RoPE positions, so the text after an image continues at a per-row offset (``rope_deltas``) from its
-column, while the decode step computes a token's position as its column minus the row's left
-padding. Text-only prompts to either family run the fast path from the first token.
+Where this does not apply (a family listed in ``_NO_FAST_IMAGE_PROMPTS``, ``inputs_embeds`` with images)
+the model runs Hugging Face's ``generate`` and says why (:func:`image_prompt_support`). Text-only
+prompts run the fast path from the first token.
 """
 
 from __future__ import annotations
@@ -40,13 +43,13 @@ IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image
                 "mm_token_type_ids")
 _TYPE_IDS = ("token_type_ids", "mm_token_type_ids")  # all zeros for a text-only prompt
 
-# Families whose image prompts need positions the decode step does not compute, and why.
-_NO_FAST_IMAGE_PROMPTS = {
-    "qwen2": ("Qwen2.5-VL's multimodal RoPE continues the text after an image at a per-row position offset "
-              "(rope_deltas, from the image grid) that notebookkit's decode step does not add"),
-}
+# Families whose image prompts need positions the decode step does not compute, and why (none today).
+_NO_FAST_IMAGE_PROMPTS: dict[str, str] = {}
+# Families whose model computes its prompt positions from the image grid and leaves per-row offsets.
+_GRID_POSITIONS = frozenset({"qwen2"})
 
-Prefill = Callable[[nn.Module, torch.Tensor, Any, int, torch.Tensor], torch.Tensor]
+# (model, input_ids, cache, start_slot, pad_lengths) -> (last logits [B, V], RoPE offsets [B] or None)
+Prefill = Callable[[nn.Module, torch.Tensor, Any, int, torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 def image_prompt_support(model: nn.Module) -> Optional[str]:
@@ -77,27 +80,44 @@ def multimodal_prefill(model: nn.Module, kwargs: dict) -> Union[str, tuple[Optio
         return f"the prompt has images and {reason}"
     if kwargs.get("inputs_embeds") is not None:
         return "inputs_embeds was passed with images"
-    return _hf_prefill(images), rest
+    family = for_vision_model_type(getattr(model.config, "model_type", None))
+    return _hf_prefill(images, grid_positions=family.name in _GRID_POSITIONS), rest
 
 
-def _hf_prefill(images: dict) -> Prefill:
-    """The prefill that runs the model's own forward on the prompt and its images (see the module docstring)."""
+def _hf_prefill(images: dict, grid_positions: bool = False) -> Prefill:
+    """The prefill that runs the model's own forward on the prompt and its images (see the module docstring).
+
+    ``grid_positions``: the model computes the prompt's positions from the image grid (Qwen2.5-VL) and the
+    prefill returns its ``rope_deltas``; otherwise the positions are the columns minus the left padding."""
 
     def prefill(model: nn.Module, input_ids: torch.Tensor, cache: Any, start_slot: int,
-                pad_lengths: torch.Tensor) -> torch.Tensor:
+                pad_lengths: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         batch, prompt = input_ids.shape
         columns = torch.arange(prompt, device=input_ids.device)[None, :]
         attention_mask = (columns >= pad_lengths[:, None]).long()
-        position_ids = (columns - pad_lengths[:, None]).clamp_min(0)  # as generate's cumsum(mask) - 1
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                    logits_to_keep=1, **images)
+        positions = {} if grid_positions else {"position_ids": (columns - pad_lengths[:, None]).clamp_min(0)}
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1,
+                    **positions, **images)
         past = out["cache"] if "cache" in out else out.get("past_key_values")  # transformers 5.2x / earlier
         for index, (keys, values) in enumerate(_layer_states(past)):
             kept = keys.shape[2]
             cache.write(index, keys.to(cache.dtype), values.to(cache.dtype), start_slot + prompt - kept)
-        return out.logits[:, -1]
+        offsets = _rope_deltas(model, out, batch) if grid_positions else None
+        return out.logits[:, -1], offsets
 
     return prefill
+
+
+def _rope_deltas(model: nn.Module, out: Any, batch: int) -> torch.Tensor:
+    """``[B]`` position offsets of the text after the prompt, as the model's forward computed them."""
+    deltas = out.get("rope_deltas") if hasattr(out, "get") else None
+    if deltas is None:  # kept on the inner model (Hugging Face reads it back in its own decode steps)
+        deltas = next((m.rope_deltas for m in model.modules() if getattr(m, "rope_deltas", None) is not None), None)
+    if deltas is None:
+        raise ValueError("the model's forward on an image prompt left no rope_deltas: its processor must give "
+                         "mm_token_type_ids and image_grid_thw for the multimodal RoPE positions")
+    deltas = deltas.reshape(-1).to(torch.long)
+    return deltas.expand(batch) if deltas.numel() == 1 else deltas
 
 
 def _layer_states(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -121,4 +141,5 @@ def describe_image_prompts(model: nn.Module, banner: Any, bound: bool) -> None:
         return
     banner.feature("image prompts", True, "the prompt by the model's own forward (vision tower, image features, "
                                           "its masks and positions) into the static KV cache, then every new token "
-                                          "on the fast decode step")
+                                          "on the fast decode step (Qwen2.5-VL: at the model's multimodal RoPE "
+                                          "offsets)")

@@ -55,6 +55,7 @@ def cached_forward(
     start_slot: Union[int, torch.Tensor],
     pad_lengths: torch.Tensor,
     kv_length: Optional[int] = None,
+    position_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Logits ``[B, V]`` of the last position of ``input_ids`` ``[B, T]``, written into ``cache`` on the way.
 
@@ -68,6 +69,9 @@ def cached_forward(
         pad_lengths: ``[B]`` left padding of each row (slots before it are hidden from every query).
         kv_length: how many cache slots the attention reads (``>`` the last slot written); default
             the slots written so far for an int ``start_slot``, the whole cache for a tensor one.
+        position_offsets: ``[B]`` added to each row's RoPE positions (``slot - pad + offset``): Qwen2.5-VL's
+            ``rope_deltas`` after an image prompt, whose (t, h, w) grid positions advance slower than the
+            slots; ``None`` adds nothing.
     """
     plan = decoder_plan(model)
     casts = generation_state(model).casts
@@ -89,7 +93,10 @@ def cached_forward(
             f"{cache.capacity} slots."
         )
     plan.rope.ensure(cache.capacity, plan.hidden_dtype(), device)
-    positions = (query_slots[None, :] - pad_lengths.reshape(-1, 1)).clamp_min(0)  # [B, T]
+    positions = query_slots[None, :] - pad_lengths.reshape(-1, 1)  # [B, T]
+    if position_offsets is not None:
+        positions = positions + position_offsets.reshape(-1, 1)
+    positions = positions.clamp_min(0)
     masks = {window: slot_mask(query_slots, kv_length, pad_lengths, window) for window in plan.windows}
     ropes = {key: plan.rope.lookup(key, positions) for key in {lp.rope_key for lp in plan.layers}}
 

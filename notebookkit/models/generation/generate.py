@@ -385,6 +385,7 @@ class DecodeBuffers:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)  # the step's input token
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the step's slot
         self.pad = torch.zeros(batch, dtype=torch.long, device=device)  # left padding per row
+        self.offset = torch.zeros(batch, dtype=torch.long, device=device)  # RoPE position offset per row
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         self.ids = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # prompt + new tokens, by slot
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # for the repetition penalty
@@ -463,7 +464,13 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    logits = (prefill or cached_forward)(model, input_ids, cache, 0, buffers.pad)
+    if prefill is None:
+        logits, offsets = cached_forward(model, input_ids, cache, 0, buffers.pad), None
+    else:  # a vision-language prompt: the model's own forward, and the RoPE offsets it leaves (or None)
+        logits, offsets = prefill(model, input_ids, cache, 0, buffers.pad)
+    if offsets is not None:
+        buffers.offset.copy_(offsets)
+    step_offsets = buffers.offset if offsets is not None else None
     _advance(buffers, logits, settings, eos, pad, ban_eos)
     del logits
     if streamer is not None:
@@ -471,7 +478,8 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
 
     def step(kv_length: int) -> Callable[[], None]:
         def run() -> None:
-            step_logits = cached_forward(model, buffers.tokens[:, None], cache, buffers.slot, buffers.pad, kv_length)
+            step_logits = cached_forward(model, buffers.tokens[:, None], cache, buffers.slot, buffers.pad, kv_length,
+                                         position_offsets=step_offsets)
             _advance(buffers, step_logits, settings, eos, pad, ban_eos)
         return run
 
@@ -482,7 +490,7 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
             break
         slot = prompt + i - 1
         kv_length = bucket_for(slot + 1, cache.capacity)
-        key = (batch, kv_length, settings, request.eos_ids, request.pad_id, ban_eos)
+        key = (batch, kv_length, settings, request.eos_ids, request.pad_id, ban_eos, step_offsets is not None)
         state.runner.run(key, step(kv_length), cache.device, buffers.advanced())
         generated += 1
         if streamer is not None:

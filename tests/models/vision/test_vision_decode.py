@@ -3,12 +3,14 @@
 Gemma 3: the prompt runs the model's own forward, the new tokens the fast decode step; the greedy
 tokens must equal Hugging Face's ``generate`` on the same model (random LoRA, fp32, a left-padded
 batch of different prompt lengths and images, plus a sliding window shorter than the prompt).
-Qwen2.5-VL: an image prompt runs Hugging Face's ``generate`` with the multimodal-RoPE reason (warning
-and banner); a text-only prompt runs the fast path and equals Hugging Face's tokens too.
+Qwen2.5-VL: the same, with the prompt's positions from the model's image grid and every decode step at
+the per-row offset (``rope_deltas``) the prefill leaves. Text-only prompts run the fast path and equal
+Hugging Face's tokens too.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -95,14 +97,32 @@ def test_gemma3_prefill_without_the_images_differs(vlm_folder, caption_rows):
     assert not torch.equal(one, other)
 
 
-def test_qwen_image_prompt_runs_hugging_face_generate_and_says_why(vlm_folder, caption_rows):
+def test_qwen_image_prompts_equal_hugging_face_at_the_rope_offsets(vlm_folder, caption_rows, monkeypatch):
+    """Qwen2.5-VL image prompts on the fast decode steps equal HF's generate; without the offsets they differ."""
+    decode_loop = importlib.import_module("notebookkit.models.generation.generate")  # the module, not the function
+
     model, processor = _model(vlm_folder("qwen2"))
-    reference, fast, fallbacks = _hf_and_fast(model, _inputs(processor, caption_rows(3, "eval")))
+    inputs = _inputs(processor, caption_rows(3, "eval"))
+    assert inputs["attention_mask"].min() == 0
+    reference, fast, fallbacks = _hf_and_fast(model, inputs)
+    assert not fallbacks, fallbacks
+    assert generation_state(model).cache is not None
+    deltas = generation_state(model).buffers[3].offset
+    assert (deltas != 0).any(), "the image grid must move the positions for the test to mean much"
+    new = reference[:, inputs["input_ids"].shape[1]:]
+    assert len({tuple(r.tolist()) for r in new}) > 1
     assert torch.equal(fast, reference)
-    assert len(fallbacks) == 1 and "multimodal RoPE" in fallbacks[0] and "rope_deltas" in fallbacks[0]
-    banner = model.notebookkit_banner
-    assert not banner.is_on("image prompts") and "multimodal RoPE" in banner.line("image prompts")
-    assert "text-only prompts run the fast path" in banner.line("image prompts")
+    assert model.notebookkit_banner.is_on("image prompts")
+
+    real = decode_loop.cached_forward  # negative control: the decode steps without the offsets
+
+    def no_offsets(*args, position_offsets=None, **kwargs):
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_loop, "cached_forward", no_offsets)
+    generation_state(model).drop_cache()  # no graph captured with the offsets is replayed
+    device_inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    assert not torch.equal(model.generate(**device_inputs, max_new_tokens=16, do_sample=False), reference)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
@@ -125,7 +145,7 @@ def test_caption_replies_use_the_fast_path_and_restore_the_mode(vlm_folder, capt
         FastVisionModel.for_inference(model)
     prefills = []
     real = vision_decode._hf_prefill
-    monkeypatch.setattr(vision_decode, "_hf_prefill", lambda images: prefills.append(images) or real(images))
+    monkeypatch.setattr(vision_decode, "_hf_prefill", lambda images, **kw: prefills.append(images) or real(images, **kw))
     rows = caption_rows(3, "eval")
     replies = generate_vision_replies(model, processor, rows, max_new_tokens=8)
     assert len(replies) == 3 and len(prefills) == 1  # one batch, its image prompt on the fast decode steps

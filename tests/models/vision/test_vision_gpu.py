@@ -55,16 +55,18 @@ def test_bf16_parity_on_gpu(family, load_in_4bit, vlm_folder, caption_rows):
     print(f"\n[vision gpu {family}] bf16 loss gap {worst:.2%}")
 
 
-def test_gemma3_image_prompts_on_cuda_graphs_equal_hugging_face(vlm_folder, caption_rows):
-    """Gemma 3 image prompts after for_inference on CUDA (fp32, random LoRA, left padding): the prefill by the
-    model's own forward, the decode steps replayed as CUDA graphs; greedy ids equal to Hugging Face's generate."""
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_image_prompts_on_cuda_graphs_equal_hugging_face(vlm_folder, caption_rows, family):
+    """Image prompts after for_inference on CUDA (fp32, random LoRA, left padding): the prefill by the model's
+    own forward, the decode steps replayed as CUDA graphs (Qwen2.5-VL: at its rope_deltas offsets); greedy ids
+    equal to Hugging Face's generate."""
     from notebookkit import FastVisionModel
     from notebookkit.models.generation import generation_state, is_bound
 
     from .test_vision_decode import _inputs
 
     torch.manual_seed(0)
-    model, processor = FastVisionModel.from_pretrained(vlm_folder("gemma3"), max_seq_length=256, dtype=torch.float32,
+    model, processor = FastVisionModel.from_pretrained(vlm_folder(family), max_seq_length=256, dtype=torch.float32,
                                                        load_in_4bit=False, show_banner=False)
     model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False,
                                            show_banner=False)
