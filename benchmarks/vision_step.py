@@ -49,35 +49,11 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from train_step import versions  # noqa: E402  (this folder: the package versions a row ran with)
 
-# Text decoder and vision tower numbers of the public configs (random weights of these shapes).
-SHAPES: dict[str, dict] = {
-    "qwen2.5-vl-7b": dict(
-        family="qwen2",
-        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
-                    spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=3584,
-                    fullatt_block_indexes=[7, 15, 23, 31], in_channels=3, hidden_act="silu"),
-        image_processor=dict(patch_size=14, merge_size=2, temporal_patch_size=2),
-    ),
-    "gemma-3-4b": dict(
-        family="gemma3",
-        text=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
-                  sliding_window=1024, rms_norm_eps=1e-6, max_position_embeddings=131072,
-                  hidden_activation="gelu_pytorch_tanh",
-                  layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4,
-                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-        vision=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                    num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False),
-        config=dict(mm_tokens_per_image=256),
-        processor=dict(image_seq_length=256),
-        image_size=896,
-    ),
-}
+from notebookkit.memory.vision_shapes import VLM_CONFIGS  # noqa: E402
+
+# Text decoder and vision tower numbers of the public configs (random weights of these shapes): the
+# memory model's curated VLMs, one source for both.
+SHAPES: dict[str, dict] = VLM_CONFIGS
 SYSTEMS = ["notebookkit", "notebookkit-offload", "hf", "unsloth"]
 NEEDS = {"unsloth": "unsloth"}
 R, ALPHA, SEED = 16, 16, 3407
