@@ -368,6 +368,10 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
     if any(fp8_forward(m) for m in getattr(model, "modules", lambda: [])()):
         out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
+    from .vision_shapes import is_vlm, vision_kwargs_from_model
+
+    if is_vlm(model):
+        out.update(vision_kwargs_from_model(model))
     return out
 
 

@@ -239,7 +239,10 @@ def plan_activations(
         from .estimate import estimate_kwargs_from_model
 
         estimate_kwargs = {**estimate_kwargs_from_model(model_config), **estimate_kwargs}
-    shape = model_shape(model_config)
+    from .vision_shapes import is_vlm, text_shape, vlm_shape
+
+    shape: Any = vlm_shape(model_config) if is_vlm(model_config) else model_shape(model_config)
+    text = text_shape(shape)  # the decoder layers are what the plan is for
     budget, with_context, source, card_obj = _resolve_budget(budget_bytes, max_memory, card)
     if allow_offload is None:
         allow_offload = card_obj is not None or "no GPU" not in source
@@ -254,8 +257,8 @@ def plan_activations(
     def used(est: MemoryEstimate) -> int:
         return est.total if with_context else est.peak_allocated
 
-    L = shape.num_layers
-    t_f, c_rec, c_off = _layer_costs(shape, estimate_kwargs, card_obj)
+    L = text.num_layers
+    t_f, c_rec, c_off = _layer_costs(text, estimate_kwargs, card_obj)
     step = 3 * L * t_f
 
     def est_for(k: int, m: int) -> MemoryEstimate:

@@ -343,3 +343,20 @@ def is_vlm(model_config: Any) -> bool:
 def text_shape(shape: Any) -> ModelShape:
     """The decoder's :class:`ModelShape` of a :class:`VLMShape`; a ``ModelShape`` as it is."""
     return shape.text if isinstance(shape, VLMShape) else shape
+
+
+def vision_kwargs_from_model(model: Any) -> dict[str, Any]:
+    """What a loaded VLM (PEFT-wrapped or not) tells the estimate: ``finetune_vision_layers`` (whether a
+    LoRA weight lies outside the language model and LM head) and ``image_size`` (its processor's, read
+    from the folder it was loaded from, when that folder says)."""
+    out: dict[str, Any] = {}
+    names = [n for n, _ in getattr(model, "named_parameters", lambda: [])() if "lora_" in n]
+    if getattr(model, "peft_config", None):
+        out["finetune_vision_layers"] = any("language_model" not in n and "lm_head" not in n for n in names)
+    cfg = getattr(model, "config", None)
+    folder = Path(str(getattr(cfg, "_name_or_path", "") or ""))
+    if str(folder) and (folder / "config.json").is_file():
+        size = _folder_image_size(folder)
+        if size is not None:
+            out["image_size"] = size
+    return out

@@ -20,6 +20,7 @@ from notebookkit.memory.cards import GPUCard
 from notebookkit.memory.context import longest_sequence
 from notebookkit.memory.estimate import MemoryEstimate, estimate_training_memory
 from notebookkit.memory.planner import ActivationPlan, DoesNotFitError, plan_activations
+from notebookkit.memory.vision_shapes import text_shape
 
 from ._base import Panel, header, styled
 from .cards import card_for, card_options
@@ -140,7 +141,7 @@ def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None)
     if mode == "auto" and card is not None:
         settings = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items() if k != "seq_len"))
         try:
-            longest = _longest_seq(shape, card, shape.max_position_embeddings or 131072, settings)
+            longest = _longest_seq(shape, card, text_shape(shape).max_position_embeddings or 131072, settings)
         except (ValueError, TypeError):  # a shape the planner cannot bisect: leave the line out
             longest = None
     return EstimateResult(est, plan, budget, label, used <= budget, "", what, longest)

@@ -134,3 +134,47 @@ def test_text_estimates_are_unchanged_by_the_vision_keywords():
     a = estimate_training_memory("meta-llama/Llama-3.2-1B-Instruct", seq_len=1024)
     b = estimate_training_memory("meta-llama/Llama-3.2-1B-Instruct", seq_len=1024, images_per_row=3, image_size=896)
     assert a.as_dict() == b.as_dict() and "vision" not in a.inputs
+
+
+def test_the_model_panel_estimates_a_vlm():
+    from notebookkit.widgets.catalog import model_names, resolve_shape
+    from notebookkit.widgets.model_panel import ModelChoice, compute_estimate
+
+    assert "Qwen/Qwen2.5-VL-7B-Instruct" in model_names("Vision-language")
+    assert resolve_shape("Qwen/Qwen2.5-VL-7B-Instruct") is KNOWN_VLMS["Qwen/Qwen2.5-VL-7B-Instruct"]
+    res = compute_estimate(ModelChoice("Qwen/Qwen2.5-VL-7B-Instruct", True, 2048, None, "t4"))
+    assert res.estimate is not None and res.estimate.inputs["vision"]
+    assert res.estimate.details["base weights: vision tower linears (NF4)"] > 0
+    # the vision notebook's CPU default (its panel's estimate)
+    tiny = compute_estimate(ModelChoice(TINY[0], False, 512, None, "auto"))
+    assert tiny.estimate is not None and tiny.estimate.inputs["image_tokens_per_row"] == 16
+    assert compute_estimate(ModelChoice("google/gemma-3-4b-it", True, 2048, None, "t4")).estimate.inputs.get(
+        "vision") is None  # the catalog's Gemma 3 4B entry is its text decoder
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_the_planner_of_a_loaded_vlm_uses_the_vlm_estimate(name):
+    from notebookkit.memory import plan_activations
+    from notebookkit.memory.estimate import estimate_for_model
+
+    model, _ = _load(name, False)
+    est = estimate_for_model(model, batch_size=2, seq_len=128)
+    assert est.inputs["vision"] and est.inputs["finetune_vision_layers"] and est.inputs["image_size"] == 64
+    assert est.inputs["vision_lora_params"] == vision_lora_param_count(vlm_shape(name), R)
+    plan = plan_activations(model, card="t4", batch_size=2, seq_len=128)
+    assert plan.estimate.inputs["vision"] and len(plan.modes) == 2
+    frozen, _ = _load(name, False, vision_layers=False)
+    assert estimate_for_model(frozen, batch_size=2, seq_len=128).inputs["finetune_vision_layers"] is False
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_load_in_4bit_quantises_the_linears_the_shape_counts(name):
+    """The loader's NF4 layers in the tower hold exactly the shape's linear weights (counted, never decoded)."""
+    from notebookkit import FastVisionModel
+
+    model, _ = FastVisionModel.from_pretrained(name, dtype=torch.float32, load_in_4bit=True, show_banner=False)
+    quantised = [m for n, m in model.named_modules() if type(m).__name__ == "Linear4bit" and "language_model" not in n]
+    elements = sum(m.weight.quant_state.shape.numel() for m in quantised)
+    assert elements == vlm_shape(name).vision.linear_params
+    packed = sum(m.weight.numel() * m.weight.element_size() for m in quantised)
+    assert packed == elements // 2  # half a byte per weight; absmax on top, as the decoder's
