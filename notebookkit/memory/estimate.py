@@ -113,6 +113,10 @@ step, on one model): the KV cache, the captured decode step's buffers and its gr
 allocated through the training step; a prefill never overlaps the training step's transients, so
 only what it needs beyond them is added (:mod:`notebookkit.memory.generation`).
 
+Vision-language models (a Qwen2.5-VL / Gemma 3 config, model, folder or ``VLMShape``): the decoder's
+parts above for ``seq_len`` tokens per row, image tokens included, plus the vision tower's weights,
+adapters and saved activations (:mod:`notebookkit.memory.vision_estimate`).
+
 Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
 the larger of the end-of-forward peak (inside the loss) and the backward peak, plus the CUDA context. What
 ``torch.cuda.max_memory_reserved`` shows is higher by the caching allocator's fragmentation (a few
