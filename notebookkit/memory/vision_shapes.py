@@ -337,7 +337,13 @@ def is_vlm(model_config: Any) -> bool:
     if isinstance(model_config, Mapping):
         return is_vlm_config(model_config)
     cfg = getattr(model_config, "config", model_config)
-    return is_vlm_config(cfg) and str(_get(cfg, "model_type", "")) in ("qwen2_5_vl", "gemma3")
+    if not (is_vlm_config(cfg) and str(_get(cfg, "model_type", "")) in ("qwen2_5_vl", "gemma3")):
+        return False
+    if hasattr(model_config, "named_modules"):  # a loaded model: only one that holds its vision tower
+        base = model_config.get_base_model() if hasattr(model_config, "get_base_model") else model_config
+        inner = getattr(base, "model", base)
+        return any(hasattr(m, attr) for m in (base, inner) for attr in ("visual", "vision_tower"))
+    return True
 
 
 def text_shape(shape: Any) -> ModelShape:

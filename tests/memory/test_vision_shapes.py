@@ -95,3 +95,13 @@ def test_vlm_or_text():
 def test_unsupported_config_says_which_are_known():
     with pytest.raises(ValueError, match="Qwen2.5-VL.*Gemma 3"):
         vlm_shape({"model_type": "llava", "vision_config": {}, "hidden_size": 8})
+
+
+def test_a_loaded_text_model_is_not_a_vlm():
+    import torch.nn as nn
+
+    class TextOnly(nn.Module):  # a model whose config names a VLM but which holds no vision tower
+        config = {"model_type": "gemma3", "vision_config": {"hidden_size": 8}}
+
+    assert not is_vlm(TextOnly())
+    assert is_vlm(dict(TextOnly.config))
