@@ -178,3 +178,19 @@ def test_load_in_4bit_quantises_the_linears_the_shape_counts(name):
     assert elements == vlm_shape(name).vision.linear_params
     packed = sum(m.weight.numel() * m.weight.element_size() for m in quantised)
     assert packed == elements // 2  # half a byte per weight; absmax on top, as the decoder's
+
+
+def test_the_planner_charges_the_vision_recompute():
+    """One checkpointed decoder layer checkpoints every vision block: the plan pays the tower's recompute."""
+    from notebookkit.memory import plan_activations
+    from notebookkit.memory.planner import _vision_recompute_seconds
+
+    qwen = KNOWN_VLMS["Qwen/Qwen2.5-VL-7B-Instruct"]
+    kw = dict(load_in_4bit=True, seq_len=1024, batch_size=2)
+    plan = plan_activations(qwen, max_memory="t4", **kw)
+    assert plan.counts()["keep"] < len(plan)  # the tower's kept activations do not fit a T4 with all layers kept
+    assert plan.estimate.details["activations: vision block inputs (checkpointed)"] > 0
+    vision = _vision_recompute_seconds(qwen, kw, plan.card)
+    assert 0 < vision <= plan.extra_seconds
+    frozen = plan_activations(qwen, max_memory="t4", finetune_vision_layers=False, **kw)
+    assert frozen.counts()["keep"] == len(frozen) and _vision_recompute_seconds(qwen, dict(kw, finetune_vision_layers=False), None) == 0
