@@ -754,7 +754,7 @@ def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan
     for key, value in saved.items():
         acts.details[key] = value
         acts.bytes += value
-    return dict(vision=True, images_per_row=images_per_row, image_size=size, image_tokens_per_row=tokens,
+    return dict(vision=True, model_params=vlm.num_params, images_per_row=images_per_row, image_size=size, image_tokens_per_row=tokens,
                 finetune_vision_layers=bool(vision_lora), vision_lora_params=p_vision)
 
 

@@ -197,7 +197,8 @@ def estimate_html(res: EstimateResult) -> str:
     if res.longest_seq:
         extra += (f"<div class='nbk-vram-longest' style='color:#555'>longest max_seq_length that trains on this card "
                   f"with these settings: {res.longest_seq:,} tokens</div>")
-    lora_params = est.inputs.get("lora_params", 0)
+    lora_params = est.inputs.get("lora_params", 0) + est.inputs.get("vision_lora_params", 0)
+    params = est.inputs.get("model_params") or (est.shape.num_params if est.shape else 0)  # a VLM: both towers
     return (
         "<div class='nbk-vram' style='min-width:340px;max-width:560px'>"
         f"<div class='nbk-vram-headline'><b>Estimated peak {res.what}: {_size(total)}</b> of "
@@ -209,7 +210,7 @@ def estimate_html(res: EstimateResult) -> str:
         f"<table style='font-size:0.9em'>{rows}"
         f"<tr><td><b>total</b></td><td style='text-align:right;padding-left:12px'><b>{_size(total)}</b></td></tr></table>"
         f"<div style='color:#555'>{est.shape.name if est.shape else ''}: "
-        f"{_count(est.shape.num_params if est.shape else 0)} params, LoRA {_count(lora_params)} trainable; "
+        f"{_count(params)} params, LoRA {_count(lora_params)} trainable; "
         f"{plan_text}</div>{extra}</div>"
     )
 

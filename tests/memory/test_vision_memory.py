@@ -148,6 +148,12 @@ def test_the_model_panel_estimates_a_vlm():
     # the vision notebook's CPU default (its panel's estimate)
     tiny = compute_estimate(ModelChoice(TINY[0], False, 512, None, "auto"))
     assert tiny.estimate is not None and tiny.estimate.inputs["image_tokens_per_row"] == 16
+    from notebookkit.widgets.model_panel import _count, estimate_html
+
+    shape = vlm_shape(TINY[0])  # the footnote counts both towers
+    lora = tiny.estimate.inputs["lora_params"] + vision_lora_param_count(shape, 16)
+    assert f"{_count(shape.num_params)} params, LoRA {_count(lora)} trainable" in estimate_html(tiny)
+    assert _count(shape.num_params) != _count(shape.text.num_params)
     assert compute_estimate(ModelChoice("google/gemma-3-4b-it", True, 2048, None, "t4")).estimate.inputs.get(
         "vision") is None  # the catalog's Gemma 3 4B entry is its text decoder
 
