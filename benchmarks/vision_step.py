@@ -14,7 +14,9 @@ and MLP projections of the vision tower and of the decoder (the same layers for 
 ``finetune_*`` switches all on), and trains on the same batch: ``--batch`` rows of one image and a
 caption (``notebookkit.data.VisionDataCollator``: labels on the caption only). Timed: ``--steps``
 steps (forward with labels, backward, AdamW step) after ``--warmup`` steps; peak allocated CUDA
-memory over the whole run (load included). ``--tiny`` runs the tiny VLM on the CPU in fp32 (no
+memory over the whole run (load included), beside the memory model's predicted allocated peak of the step
+(``notebookkit.memory.estimate_for_model``: the model as set up, its batch's rows and length, one image
+per row) for the notebookkit rows. ``--tiny`` runs the tiny VLM on the CPU in fp32 (no
 4-bit: bitsandbytes' CPU decode is wrong on AVX-512 CPUs), peak = the process's max RSS.
 
 Systems (``--systems``, comma-separated):
@@ -49,35 +51,11 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from train_step import versions  # noqa: E402  (this folder: the package versions a row ran with)
 
-# Text decoder and vision tower numbers of the public configs (random weights of these shapes).
-SHAPES: dict[str, dict] = {
-    "qwen2.5-vl-7b": dict(
-        family="qwen2",
-        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
-                    spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=3584,
-                    fullatt_block_indexes=[7, 15, 23, 31], in_channels=3, hidden_act="silu"),
-        image_processor=dict(patch_size=14, merge_size=2, temporal_patch_size=2),
-    ),
-    "gemma-3-4b": dict(
-        family="gemma3",
-        text=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
-                  sliding_window=1024, rms_norm_eps=1e-6, max_position_embeddings=131072,
-                  hidden_activation="gelu_pytorch_tanh",
-                  layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4,
-                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-        vision=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                    num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False),
-        config=dict(mm_tokens_per_image=256),
-        processor=dict(image_seq_length=256),
-        image_size=896,
-    ),
-}
+from notebookkit.memory.vision_shapes import VLM_CONFIGS  # noqa: E402
+
+# Text decoder and vision tower numbers of the public configs (random weights of these shapes): the
+# memory model's curated VLMs, one source for both.
+SHAPES: dict[str, dict] = VLM_CONFIGS
 SYSTEMS = ["notebookkit", "notebookkit-offload", "hf", "unsloth"]
 NEEDS = {"unsloth": "unsloth"}
 R, ALPHA, SEED = 16, 16, 3407
@@ -282,15 +260,33 @@ def run_system(args) -> dict:
     vision = collator_vision(base)
     image_tokens = int((batch["input_ids"] == processor.tokenizer.convert_tokens_to_ids(vision.image_token)).sum())
     banner = getattr(base, "notebookkit_banner", None)
+    rows, seq = batch["input_ids"].shape
+    predicted = predicted_peak(model, int(rows), int(seq), args.image_size) if args.system.startswith("notebookkit") \
+        else None
     return dict(
         system=args.system, shape="tiny" if args.tiny else args.shape, quant=args.quant, batch=args.batch,
         image_size=args.image_size, tokens=tokens, image_tokens=image_tokens, seq=int(batch["input_ids"].shape[1]),
         s_step=round(sorted(times)[len(times) // 2], 4), step_s=[round(t, 4) for t in times],
-        peak_gib=round(peak, 3), reserved_gib=None if reserved is None else round(reserved, 3),
+        peak_gib=round(peak, 3), reserved_gib=None if reserved is None else round(reserved, 3), predicted_gib=predicted,
         trainable=sum(p.numel() for p in params), load_s=round(load_s, 1), losses=losses,
         fused=None if banner is None else {k: on for k, (on, _) in banner.features.items()},
         device=name, versions=versions(args.system),
     )
+
+
+def predicted_peak(model, rows: int, seq: int, image_size: int) -> float | None:
+    """The memory model's predicted allocated peak (GiB) of this step, as the model is set up (its
+    activation plan, 4-bit, LoRA on both towers), for ``rows`` rows of ``seq`` tokens with one image of
+    ``image_size`` pixels each; ``None`` (and why, on stderr) when it cannot say."""
+    try:
+        from notebookkit.memory import estimate_for_model
+
+        estimate = estimate_for_model(model, batch_size=rows, seq_len=seq, images_per_row=1, image_size=image_size,
+                                      optimizer="adamw")
+        return round(estimate.peak_allocated / 2**30, 3)
+    except Exception as exc:  # noqa: BLE001 - the prediction is informative, never fatal to a benchmark row
+        print(f"(no memory prediction: {exc})", file=sys.stderr)
+        return None
 
 
 def collator_vision(model):
@@ -345,17 +341,19 @@ def markdown(rows: list[dict], args) -> str:
         f"Device {first.get('device', '?')}; {first.get('seq', '?')} tokens per row "
         f"({first.get('image_tokens', '?')} image tokens in the batch); LoRA r={R} on every attention and MLP "
         f"projection of the vision tower and the decoder; {args.warmup} warm-up + {args.steps} timed steps "
-        "(median shown). Peak: allocated CUDA memory over the run (CPU: max RSS).",
+        "(median shown). Peak: allocated CUDA memory over the run (CPU: max RSS); predicted: notebookkit's memory "
+        "model for the step as set up (allocated peak, CUDA context left out).",
         "",
-        "| system | s / step | x hf | peak GiB | trainable | first loss | status |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| system | s / step | x hf | peak GiB | predicted GiB | trainable | first loss | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['system']} | | | | | | {r['status']} |")
+            lines.append(f"| {r['system']} | | | | | | | {r['status']} |")
             continue
         speed = f"{hf['s_step'] / r['s_step']:.2f}" if hf else ""
-        lines.append(f"| {r['system']} | {r['s_step']:.3f} | {speed} | {r['peak_gib']:.2f} | {r['trainable']:,} | "
+        predicted = "" if r.get("predicted_gib") is None else f"{r['predicted_gib']:.2f}"
+        lines.append(f"| {r['system']} | {r['s_step']:.3f} | {speed} | {r['peak_gib']:.2f} | {predicted} | {r['trainable']:,} | "
                      f"{r['losses'][0]:.4f} | ok |")
     return "\n".join(lines) + "\n"
 

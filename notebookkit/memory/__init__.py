@@ -24,6 +24,7 @@ from .generation import GenerationMemory, generation_bytes, generation_memory, k
 from .meters import gpu_memory, host_memory, reset_gpu_peak
 from .planner import ActivationPlan, DoesNotFitError, plan_activations
 from .shapes import KNOWN_MODELS, ModelShape, model_shape, shape_from_config
+from .vision_shapes import KNOWN_VLMS, VisionTowerShape, VLMShape, vlm_shape
 
 
 
@@ -43,4 +44,5 @@ __all__ = [
     "GenerationMemory", "generation_bytes", "generation_memory", "kv_cache_bytes",
     "ActivationPlan", "DoesNotFitError", "plan_activations", "LongestSequence", "longest_sequence",
     "KNOWN_MODELS", "ModelShape", "model_shape", "shape_from_config",
+    "KNOWN_VLMS", "VisionTowerShape", "VLMShape", "vlm_shape",
 ]

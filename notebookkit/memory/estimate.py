@@ -113,6 +113,10 @@ step, on one model): the KV cache, the captured decode step's buffers and its gr
 allocated through the training step; a prefill never overlaps the training step's transients, so
 only what it needs beyond them is added (:mod:`notebookkit.memory.generation`).
 
+Vision-language models (a Qwen2.5-VL / Gemma 3 config, model, folder or ``VLMShape``): the decoder's
+parts above for ``seq_len`` tokens per row, image tokens included, plus the vision tower's weights,
+adapters and saved activations (:mod:`notebookkit.memory.vision_estimate`).
+
 Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
 the larger of the end-of-forward peak (inside the loss) and the backward peak, plus the CUDA context. What
 ``torch.cuda.max_memory_reserved`` shows is higher by the caching allocator's fragmentation (a few
@@ -368,6 +372,10 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
     if any(fp8_forward(m) for m in getattr(model, "modules", lambda: [])()):
         out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
+    from .vision_shapes import is_vlm, vision_kwargs_from_model
+
+    if is_vlm(model):
+        out.update(vision_kwargs_from_model(model))
     return out
 
 
@@ -548,6 +556,9 @@ def estimate_training_memory(
     method: str = "sft",
     completion_len: int | None = None,
     cuda_context_bytes: int = 400 * 2**20,
+    images_per_row: int = 1,
+    image_size: Any = None,
+    finetune_vision_layers: bool = True,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
 
@@ -581,13 +592,21 @@ def estimate_training_memory(
             loss over ``completion_len`` positions per row; generation held alongside). Module notes.
         completion_len: GRPO's completion tokens per row (``max_completion_length``); default ``seq_len``.
         cuda_context_bytes: memory the CUDA context and libraries take outside PyTorch's allocator.
+        images_per_row, image_size, finetune_vision_layers: for a vision-language model (a Qwen2.5-VL /
+            Gemma 3 config, model, folder, ``VLMShape`` or curated VLM name): images per row, their
+            side in pixels (or ``(h, w)``; default: the processor's, 448 for Qwen2.5-VL) and whether
+            the tower has adapters. ``seq_len`` counts the image tokens. The tower's weights, adapters
+            and saved activations join the parts (:mod:`notebookkit.memory.vision_estimate`).
 
     Returns:
         :class:`MemoryEstimate` with ``base_weights``, ``adapters``, ``activations``, ``logits_loss``,
         ``temporaries`` and ``total`` in bytes; ``print()`` it for a table. The formulas are in the
         docstring of :mod:`notebookkit.memory.estimate`.
     """
-    shape = model_shape(model_config)
+    from .vision_shapes import is_vlm, vlm_shape
+
+    vlm = vlm_shape(model_config) if is_vlm(model_config) else None
+    shape = vlm.text if vlm is not None else model_shape(model_config)
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"notebookkit.memory: batch_size and seq_len must be >= 1 (got {batch_size}, {seq_len}).")
     if method not in METHODS:
@@ -606,6 +625,12 @@ def estimate_training_memory(
     adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
     acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
                         target_modules=targets, lora_dropout=lora_dropout, attention=attention)
+    vision_inputs: dict[str, Any] = {}
+    if vlm is not None:
+        vision_inputs = _add_vision(vlm, base, adapters, acts, plan, rows=rows, seq_len=seq_len, s=s,
+                                    load_in_4bit=load_in_4bit, double_quant=double_quant, lora_r=lora_r, opt=opt,
+                                    adapter_dtype=adapter_dtype, images_per_row=images_per_row,
+                                    image_size=image_size, vision_lora=finetune_vision_layers)
     loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=method != "sft")
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
                                        load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
@@ -630,6 +655,7 @@ def estimate_training_memory(
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
         generation=getattr(generation, "inputs", generation), method=method, rows=rows, scored_len=scored,
+        **vision_inputs,
     )
     return MemoryEstimate(
         base_weights=int(base.bytes), adapters=int(adapters.bytes), activations=int(acts.bytes),
@@ -686,6 +712,50 @@ def _base_weights(shape: ModelShape, s: int, load_in_4bit: bool, double_quant: b
         lin_bytes = p_lin * s
         lin_key = "base weights: decoder projections"
     return _Part(lin_bytes + small_bytes, {lin_key: lin_bytes, "base weights: embeddings, LM head, norms": small_bytes})
+
+
+def _nf4_bytes_per_weight(double_quant: bool) -> float:
+    """Bytes per NF4 weight: half a byte plus its absmax (module docstring)."""
+    return 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
+
+
+def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan: tuple[str, ...], *, rows: int,
+                seq_len: int, s: int, load_in_4bit: bool, double_quant: bool, lora_r: int, opt: str,
+                adapter_dtype: str, images_per_row: int, image_size: Any, vision_lora: bool) -> dict[str, Any]:
+    """Add the vision tower's weights, adapters and saved activations to the parts (in place);
+    the inputs to record (:mod:`.vision_estimate`)."""
+    from . import vision_estimate as ve
+
+    size = ve.default_image_size(vlm, image_size)
+    images = ve.vision_images(rows, images_per_row)
+    tokens = ve.check_image_tokens(vlm, seq_len, images_per_row, size) if images_per_row else 0
+    for key, value in ve.vision_weight_bytes(vlm, s, _nf4_bytes_per_weight(double_quant) if load_in_4bit else None).items():
+        base.details[key] = value
+        base.bytes += value
+    p_vision = ve.vision_lora_param_count(vlm, lora_r) if vision_lora else 0
+    if p_vision:
+        a_bytes = _dtype_bytes(adapter_dtype)
+        if opt == "adafactor":  # factored second moment: rows + columns per matrix, ~ (r + in + out + r) each
+            v = vlm.vision
+            mats = [*[(i, o) for i, o in v.block_linear_shapes().values()] * v.num_layers,
+                    *v.projector_linear_shapes().values()]
+            opt_b = sum(4 * ((lora_r + i) + (o + lora_r)) for i, o in mats)
+        else:
+            opt_b = p_vision * _OPT_STATE_BYTES[opt]
+        per = 2 * a_bytes + (4 if a_bytes < 4 else 0) + (s if a_bytes != s else 0)
+        value = int(p_vision * per + opt_b)
+        adapters.details["adapters + optimizer: vision tower LoRA (weights, grads, optimizer)"] = value
+        adapters.bytes += value
+    checkpointed = any(m != "keep" for m in plan)
+    saved = ve.vision_activation_bytes(vlm, images=images, image_size=size, s=s, lora_r=lora_r,
+                                       vision_lora=vision_lora, checkpointed=checkpointed)
+    if images:
+        saved.update(ve.decoder_mask_bytes(vlm, rows=rows, seq_len=seq_len, s=s, any_kept="keep" in plan))
+    for key, value in saved.items():
+        acts.details[key] = value
+        acts.bytes += value
+    return dict(vision=True, model_params=vlm.num_params, images_per_row=images_per_row, image_size=size, image_tokens_per_row=tokens,
+                finetune_vision_layers=bool(vision_lora), vision_lora_params=p_vision)
 
 
 def _adapters_and_optimizer(

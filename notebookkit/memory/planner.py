@@ -20,7 +20,9 @@ extra time per layer: ``0 < recompute < offload``. With ``t_f`` the forward time
 post-MLP norm (Gemma 2/3) reads the MLP output (``t_down = 0`` there).
 
 All layers of a model have the same shape, so a plan is fixed by how many layers keep (k) and
-recompute (m); the rest offload. For every k (from L down) the largest m that fits is found; the
+recompute (m); the rest offload. For a vision-language model, any checkpointed decoder layer also
+checkpoints the vision blocks (Hugging Face's flag reaches them), which adds the tower's forward
+once: ``patches * 2 * P_vision_linear / rate``. For every k (from L down) the largest m that fits is found; the
 plan with the least extra time wins, ties going to more kept layers. Offloaded layers are the
 first ones (their copies back have the most backward work to hide behind), kept layers the last.
 
@@ -197,6 +199,21 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
     return t_f, recompute, offload
 
 
+def _vision_recompute_seconds(shape: Any, kw: dict[str, Any], card: GPUCard | None) -> float:
+    """Extra seconds when the plan checkpoints anything: Hugging Face's checkpointing then reaches the
+    vision blocks too (with adapters there), and their forward runs again in backward:
+    ``patches * 2 * P_vision_linear / rate``. 0 for a text model or a frozen tower."""
+    from .vision_shapes import VLMShape
+
+    if not isinstance(shape, VLMShape) or not kw.get("finetune_vision_layers", True):
+        return 0.0
+    rows = kw.get("batch_size", 1) * (2 if kw.get("method") in ("dpo", "orpo") else 1)
+    size = kw.get("image_size") if kw.get("image_size") is not None else (shape.default_image_size or 448)
+    patches = rows * kw.get("images_per_row", 1) * shape.image_grid(size)[0]
+    rate = (card.tflops if card else 1.0) * 1e12 * (0.8 if kw.get("load_in_4bit") else 1.0)
+    return patches * 2 * shape.vision.linear_params / rate
+
+
 def _modes(L: int, keep: int, recompute: int) -> tuple[str, ...]:
     off = L - keep - recompute
     return ("offload",) * off + ("recompute",) * recompute + ("keep",) * keep
@@ -239,7 +256,10 @@ def plan_activations(
         from .estimate import estimate_kwargs_from_model
 
         estimate_kwargs = {**estimate_kwargs_from_model(model_config), **estimate_kwargs}
-    shape = model_shape(model_config)
+    from .vision_shapes import is_vlm, text_shape, vlm_shape
+
+    shape: Any = vlm_shape(model_config) if is_vlm(model_config) else model_shape(model_config)
+    text = text_shape(shape)  # the decoder layers are what the plan is for
     budget, with_context, source, card_obj = _resolve_budget(budget_bytes, max_memory, card)
     if allow_offload is None:
         allow_offload = card_obj is not None or "no GPU" not in source
@@ -254,9 +274,10 @@ def plan_activations(
     def used(est: MemoryEstimate) -> int:
         return est.total if with_context else est.peak_allocated
 
-    L = shape.num_layers
-    t_f, c_rec, c_off = _layer_costs(shape, estimate_kwargs, card_obj)
-    step = 3 * L * t_f
+    L = text.num_layers
+    t_f, c_rec, c_off = _layer_costs(text, estimate_kwargs, card_obj)
+    c_vision = _vision_recompute_seconds(shape, estimate_kwargs, card_obj)
+    step = 3 * L * t_f + 3 * c_vision
 
     def est_for(k: int, m: int) -> MemoryEstimate:
         return estimate_training_memory(shape, activation_plan=_modes(L, k, m), **estimate_kwargs)
@@ -272,7 +293,7 @@ def plan_activations(
             if est.host_offload > host_memory_bytes:
                 host_blocked = host_blocked or est
                 break
-            cost = m * c_rec + (L - k - m) * c_off
+            cost = m * c_rec + (L - k - m) * c_off + (c_vision if k < L else 0.0)
             if best is None or cost < best[0] - 1e-12:
                 best = (cost, k, m, est)
             break

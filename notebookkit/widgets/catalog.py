@@ -18,6 +18,7 @@ from pathlib import Path
 
 from notebookkit.families import FAMILIES
 from notebookkit.memory.shapes import KNOWN_MODELS, ModelShape, model_shape
+from notebookkit.memory.vision_shapes import VLMShape, is_vlm, vlm_shape
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ _CURATED = {
         ("google/gemma-3-4b-it", "Gemma 3 4B it (text)"),
     ],
     "Mistral": [("mistralai/Mistral-7B-Instruct-v0.3", "Mistral 7B Instruct v0.3")],
+    "Vision-language": [
+        *[(f.vision.tiny_name, f"{f.vision.tiny_name} (tiny VLM, random weights)")
+          for f in FAMILIES.values() if f.vision is not None],
+        ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen2.5-VL 7B Instruct"),
+    ],
 }
 
 CATALOG: dict[str, list[CatalogEntry]] = {
@@ -94,8 +100,9 @@ def _tiny_shape_from_generator(name: str) -> ModelShape | None:
 
 
 @functools.lru_cache(maxsize=64)
-def resolve_shape(name: str) -> ModelShape:
-    """The :class:`ModelShape` of a curated, tiny, local or hub model name.
+def resolve_shape(name: str) -> ModelShape | VLMShape:
+    """The :class:`ModelShape` of a curated, tiny, local or hub model name; a :class:`VLMShape` for a
+    vision-language one (a curated VLM, a tiny VLM once built, a local VLM folder).
 
     Never downloads weights; hub names outside the catalog need their config in the local
     Hugging Face cache (or the network).
@@ -103,6 +110,8 @@ def resolve_shape(name: str) -> ModelShape:
     name = name.strip()
     if name in KNOWN_MODELS:
         return KNOWN_MODELS[name]
+    if is_vlm(name):
+        return vlm_shape(name)
     if name.startswith("notebookkit/tiny-"):
         try:
             from notebookkit.embedded.tiny import resolve_model_name

@@ -20,6 +20,7 @@ from notebookkit.memory.cards import GPUCard
 from notebookkit.memory.context import longest_sequence
 from notebookkit.memory.estimate import MemoryEstimate, estimate_training_memory
 from notebookkit.memory.planner import ActivationPlan, DoesNotFitError, plan_activations
+from notebookkit.memory.vision_shapes import text_shape
 
 from ._base import Panel, header, styled
 from .cards import card_for, card_options
@@ -140,7 +141,7 @@ def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None)
     if mode == "auto" and card is not None:
         settings = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items() if k != "seq_len"))
         try:
-            longest = _longest_seq(shape, card, shape.max_position_embeddings or 131072, settings)
+            longest = _longest_seq(shape, card, text_shape(shape).max_position_embeddings or 131072, settings)
         except (ValueError, TypeError):  # a shape the planner cannot bisect: leave the line out
             longest = None
     return EstimateResult(est, plan, budget, label, used <= budget, "", what, longest)
@@ -196,7 +197,8 @@ def estimate_html(res: EstimateResult) -> str:
     if res.longest_seq:
         extra += (f"<div class='nbk-vram-longest' style='color:#555'>longest max_seq_length that trains on this card "
                   f"with these settings: {res.longest_seq:,} tokens</div>")
-    lora_params = est.inputs.get("lora_params", 0)
+    lora_params = est.inputs.get("lora_params", 0) + est.inputs.get("vision_lora_params", 0)
+    params = est.inputs.get("model_params") or (est.shape.num_params if est.shape else 0)  # a VLM: both towers
     return (
         "<div class='nbk-vram' style='min-width:340px;max-width:560px'>"
         f"<div class='nbk-vram-headline'><b>Estimated peak {res.what}: {_size(total)}</b> of "
@@ -208,7 +210,7 @@ def estimate_html(res: EstimateResult) -> str:
         f"<table style='font-size:0.9em'>{rows}"
         f"<tr><td><b>total</b></td><td style='text-align:right;padding-left:12px'><b>{_size(total)}</b></td></tr></table>"
         f"<div style='color:#555'>{est.shape.name if est.shape else ''}: "
-        f"{_count(est.shape.num_params if est.shape else 0)} params, LoRA {_count(lora_params)} trainable; "
+        f"{_count(params)} params, LoRA {_count(lora_params)} trainable; "
         f"{plan_text}</div>{extra}</div>"
     )
 

@@ -32,10 +32,13 @@ def test_vision_step_tiny_on_cpu(tmp_path):
     assert abs(ours["losses"][0] - hf["losses"][0]) <= 1e-4 * hf["losses"][0]
     assert ours["fused"]["fused CE loss"] and ours["fused"]["attention"] and hf["fused"] is None
     assert all(r["s_step"] > 0 and r["peak_gib"] > 0 for r in (ours, hf))
+    # the memory model's prediction beside the measurement, for notebookkit's rows only
+    assert 0 < ours["predicted_gib"] < ours["peak_gib"] and hf["predicted_gib"] is None
     if "not installed" in rows["unsloth"]["status"]:
         assert rows["unsloth"]["status"] == "not installed (unsloth)"
     table = open(tmp_path / result.replace(".json", ".md")).read()
     assert "| notebookkit |" in table and "| hf |" in table and "| unsloth |" in table
+    assert "predicted GiB" in table and f"| {ours['predicted_gib']:.2f} |" in table
 
 
 def test_runs_split_over_calls_are_combined(tmp_path):

@@ -70,8 +70,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(base.model.layers)
 
 
-def saved_bytes_by_layer(model: torch.nn.Module, **inputs: Any) -> dict[Any, Counter]:
+def saved_bytes_by_layer(model: torch.nn.Module, layers: Any = None, **inputs: Any) -> dict[Any, Counter]:
     """``{layer index or "other": Counter(dtype name -> bytes)}`` saved for backward by one forward.
+
+    ``layers``: the modules to charge by index (default: the decoder layers).
 
     Runs the backward afterwards (the LoRA MLP refuses to leave a graph un-run twice, and it frees
     everything).
@@ -79,7 +81,7 @@ def saved_bytes_by_layer(model: torch.nn.Module, **inputs: Any) -> dict[Any, Cou
     known = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     where: list[Any] = ["other"]
     hooks = []
-    for i, layer in enumerate(decoder_layers(model)):
+    for i, layer in enumerate(decoder_layers(model) if layers is None else layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "other")))
     out: dict[Any, Counter] = defaultdict(Counter)
