@@ -102,17 +102,16 @@ def _hf_prefill(images: dict, grid_positions: bool = False) -> Prefill:
         for index, (keys, values) in enumerate(_layer_states(past)):
             kept = keys.shape[2]
             cache.write(index, keys.to(cache.dtype), values.to(cache.dtype), start_slot + prompt - kept)
-        offsets = _rope_deltas(model, out, batch) if grid_positions else None
+        offsets = _rope_deltas(model, batch) if grid_positions else None
         return out.logits[:, -1], offsets
 
     return prefill
 
 
-def _rope_deltas(model: nn.Module, out: Any, batch: int) -> torch.Tensor:
+def _rope_deltas(model: nn.Module, batch: int) -> torch.Tensor:
     """``[B]`` position offsets of the text after the prompt, as the model's forward computed them."""
-    deltas = out.get("rope_deltas") if hasattr(out, "get") else None
-    if deltas is None:  # kept on the inner model (Hugging Face reads it back in its own decode steps)
-        deltas = next((m.rope_deltas for m in model.modules() if getattr(m, "rope_deltas", None) is not None), None)
+    # kept on the inner model, where Hugging Face reads it back in its own decode steps
+    deltas = next((m.rope_deltas for m in model.modules() if getattr(m, "rope_deltas", None) is not None), None)
     if deltas is None:
         raise ValueError("the model's forward on an image prompt left no rope_deltas: its processor must give "
                          "mm_token_type_ids and image_grid_thw for the multimodal RoPE positions")
