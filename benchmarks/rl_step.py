@@ -17,7 +17,9 @@ Rows (the issue's configurations):
 
 Systems: ``notebookkit`` (FastLanguageModel + FastGRPOTrainer / FastDPOTrainer, the planner's
 ``use_gradient_checkpointing="auto"``, which on a large card keeps every activation), ``notebookkit-offload``
-(the same with ``"offload"``: layer inputs in pinned host memory, as Unsloth's mode), ``trl`` (transformers
+(the same with ``"offload"``: layer inputs in pinned host memory, as Unsloth's mode), ``notebookkit-lean``
+(``"offload"`` and ``offload_embedding=True``: the input embedding table in host memory too, where it is
+not tied to the LM head), ``unsloth-lean`` (Unsloth with its ``offload_embedding=True``), ``trl`` (transformers
 + PEFT + TRL's own trainers, as TRL's docs run them: ``prepare_model_for_kbit_training`` for NF4,
 TRL's default gradient checkpointing) and ``unsloth`` (its FastLanguageModel with ``fast_inference=False``
 and the TRL trainers it patches on import; Unsloth needs TRL 1.15: pass ``--unsloth-site`` for the
@@ -47,7 +49,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-SYSTEMS = ("notebookkit", "notebookkit-offload", "trl", "unsloth")
+SYSTEMS = ("notebookkit", "notebookkit-offload", "notebookkit-lean", "trl", "unsloth", "unsloth-lean")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: task -> the issue's configuration on the GPU, and a CPU-sized one for --tiny
 TASKS = {
@@ -58,7 +60,7 @@ TINY = {
     "grpo": dict(shape="llama-tiny", quant="bf16", prompts=2, generations=4, prompt_len=8, new_tokens=16),
     "dpo": dict(shape="llama-tiny", quant="bf16", pairs=2, prompt_len=8, answer_len=24),
 }
-NEEDS = {"unsloth": "unsloth"}
+NEEDS = {"unsloth": "unsloth", "unsloth-lean": "unsloth"}
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -129,19 +131,21 @@ def load_model(system: str, folder: str, quant: str, seq: int, gradient_checkpoi
 
         # "auto": the planner fills the free VRAM (on an H200: keeps every activation); "offload": layer inputs
         # in pinned host memory, recomputed in the backward (Unsloth's "unsloth" mode)
-        mode = "offload" if system == "notebookkit-offload" else "auto"
+        mode = "auto" if system == "notebookkit" else "offload"
 
         model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=seq, load_in_4bit=(quant == "nf4"),
-                                                     dtype=torch.bfloat16 if cuda else torch.float32, show_banner=False)
+                                                     dtype=torch.bfloat16 if cuda else torch.float32, show_banner=False,
+                                                     offload_embedding=system == "notebookkit-lean")
         model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
                                                  use_gradient_checkpointing=mode if cuda else False,
                                                  random_state=3407, show_banner=False)
         return model, tokenizer
-    if system == "unsloth":
+    if system.startswith("unsloth"):
         from unsloth import FastLanguageModel
 
+        lean = dict(offload_embedding=True) if system == "unsloth-lean" else {}
         model, _ = FastLanguageModel.from_pretrained(model_name=folder, max_seq_length=seq, dtype=torch.bfloat16,
-                                                     load_in_4bit=(quant == "nf4"), fast_inference=False)
+                                                     load_in_4bit=(quant == "nf4"), fast_inference=False, **lean)
         model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
                                                  target_modules=TARGETS, use_gradient_checkpointing="unsloth",
                                                  random_state=3407)
@@ -344,7 +348,7 @@ def run_row(system: str, task_name: str, tiny: bool, out_dir: str, timeout: int,
     row = dict(task=task_name, system=system, **task)
     env = dict(os.environ)
     path = [ROOT, HERE]
-    if system == "unsloth":
+    if system.startswith("unsloth"):
         if unsloth_site:
             path.insert(0, os.path.abspath(unsloth_site))
         elif importlib.util.find_spec("unsloth") is None:
@@ -425,7 +429,7 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.child:
-        if args.system == "unsloth":
+        if args.system.startswith("unsloth"):
             import unsloth  # noqa: F401  (before transformers and TRL: it patches them on import)
         task = (TINY if args.tiny else TASKS)[args.task]
         print("RESULT " + json.dumps(run_child(args.system, args.task, task, args.out)), flush=True)

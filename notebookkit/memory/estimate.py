@@ -105,13 +105,21 @@ Preference and RL steps (``method=``)
     ``"grpo"``: ``batch_size`` counts completions per micro-batch, ``seq_len`` is prompt +
     completion; only the last ``completion_len`` positions of a row reach the LM head
     (``logits_to_keep``), so the loss buffers are for ``batch_size * completion_len`` rows (default:
-    ``seq_len``, the most). Generation is held alongside (below); without ``generation=`` it is
-    ``batch_size`` rows of ``seq_len`` slots with a ``seq_len - completion_len`` prompt.
+    ``seq_len``, the most). Generation comes with it (below); without ``generation=`` it is
+    ``batch_size`` rows of ``seq_len`` slots with a ``seq_len - completion_len`` prompt, its cache
+    kept through training when the plan keeps every layer and freed otherwise (FastGRPOTrainer's
+    default, :func:`~notebookkit.memory.generation.keeps_cache_between_steps`).
 
-Generation held alongside training (``generation=``, GRPO: a generation and a training step every
-step, on one model): the KV cache, the captured decode step's buffers and its graph pool stay
-allocated through the training step; a prefill never overlaps the training step's transients, so
-only what it needs beyond them is added (:mod:`notebookkit.memory.generation`).
+Generation alongside training (``generation=``, GRPO: a generation and a training step every step,
+on one model): with ``keep_cache`` (the default) the KV cache, the captured decode step's buffers and
+its graph pool stay allocated through the training step, and a prefill never overlaps the training
+step's transients, so only what it needs beyond them is added; with ``keep_cache=False`` they are
+freed after each generate call and only the generate call's peak beyond the training step's
+transients counts (:mod:`notebookkit.memory.generation`).
+
+Input embedding in host memory (``offload_embedding=True``, untied embeddings only): its ``V * H * s``
+bytes leave the base weights and appear under pinned host memory
+(:mod:`notebookkit.models.offload_embedding`).
 
 Vision-language models (a Qwen2.5-VL / Gemma 3 config, model, folder or ``VLMShape``): the decoder's
 parts above for ``seq_len`` tokens per row, image tokens included, plus the vision tower's weights,
@@ -129,8 +137,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .generation import generation_term
-from .model_setup import fp8_forward, fused_lm_head, recorded_activation_plan
+from .generation import generation_term, keeps_cache_between_steps, layer_working_set
+from .model_setup import fp8_forward, fused_lm_head, host_embedding, recorded_activation_plan
 from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 
 GiB = 1024**3
@@ -247,7 +255,8 @@ class MemoryEstimate:
     ``total`` is what must fit on the card (CUDA context included);
     ``peak_allocated`` is the same without the context, comparable to
     ``torch.cuda.max_memory_allocated()``. ``details`` breaks each part down further;
-    ``host_offload`` is pinned host memory used by offloaded layers.
+    ``host_offload`` is pinned host memory used by offloaded layers (and by the input embedding
+    under ``offload_embedding``).
     """
 
     base_weights: int
@@ -338,8 +347,8 @@ class MemoryEstimate:
 
 def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     """What a loaded (PEFT) model tells about itself: ``load_in_4bit``, ``dtype``, ``lora_r``,
-    ``target_modules``, ``lora_dropout`` from its configs, ``fused_loss`` and ``fp8_forward`` from
-    what notebookkit set up on it (:mod:`.model_setup`). Missing facts are left out (the defaults apply)."""
+    ``target_modules``, ``lora_dropout`` from its configs, ``fused_loss``, ``fp8_forward`` and
+    ``offload_embedding`` from what notebookkit set up on it (:mod:`.model_setup`). Missing facts are left out (the defaults apply)."""
     out: dict[str, Any] = {}
     cfg = getattr(model, "config", None)
     q = getattr(cfg, "quantization_config", None)
@@ -354,6 +363,11 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         dtype = embeddings().weight.dtype if embeddings is not None else None
     except Exception:  # noqa: BLE001 - a model without embeddings: fall back to the config
         dtype = None
+    try:
+        if embeddings is not None and host_embedding(embeddings()):
+            out["offload_embedding"] = True  # from_pretrained(offload_embedding=True) moved its table to the host
+    except Exception:  # noqa: BLE001 - as above
+        pass
     dtype = dtype or getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if dtype is not None and str(dtype).replace("torch.", "") in _DTYPE_BYTES:
         out["dtype"] = str(dtype).replace("torch.", "")
@@ -559,6 +573,7 @@ def estimate_training_memory(
     images_per_row: int = 1,
     image_size: Any = None,
     finetune_vision_layers: bool = True,
+    offload_embedding: bool = False,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
 
@@ -583,10 +598,12 @@ def estimate_training_memory(
             attention, Gemma 2, else SDPA), ``"sdpa"``/``"flash"`` (no T^2 storage) or ``"eager"``.
         fp8_forward: the base GEMMs of the forward run in FP8 (``get_peft_model(fp8_base_matmul=True)``):
             their one-byte copies of input and weight join the temporaries.
-        generation: generation held alongside training (GRPO): ``dict(batch_size=..., max_len=...,
-            prompt_len=...)`` (rows generated at once, prompt + new tokens, prompt length) or a
-            :class:`~notebookkit.memory.generation.GenerationMemory`; adds its KV cache, CUDA graph
-            buffers and decode step, and what its prefill needs beyond the training step's transients.
+        generation: generation alongside training (GRPO): ``dict(batch_size=..., max_len=...,
+            prompt_len=..., keep_cache=True)`` (rows generated at once, prompt + new tokens, prompt
+            length, whether the cache stays allocated through training) or a
+            :class:`~notebookkit.memory.generation.GenerationMemory` (kept); adds its KV cache, CUDA
+            graph buffers and decode step, and what its prefill needs beyond the training step's
+            transients (freed cache: only the generate call's peak beyond those transients).
         method: ``"sft"``, ``"dpo"`` / ``"orpo"`` (``batch_size`` counts pairs: ``2 * batch_size``
             rows; DPO adds its reference pass) or ``"grpo"`` (``batch_size`` counts completions; the
             loss over ``completion_len`` positions per row; generation held alongside). Module notes.
@@ -597,6 +614,8 @@ def estimate_training_memory(
             side in pixels (or ``(h, w)``; default: the processor's, 448 for Qwen2.5-VL) and whether
             the tower has adapters. ``seq_len`` counts the image tokens. The tower's weights, adapters
             and saved activations join the parts (:mod:`notebookkit.memory.vision_estimate`).
+        offload_embedding: the input embedding table in pinned host memory
+            (``from_pretrained(offload_embedding=True)``); nothing moves when it is tied to the LM head.
 
     Returns:
         :class:`MemoryEstimate` with ``base_weights``, ``adapters``, ``activations``, ``logits_loss``,
@@ -619,9 +638,11 @@ def estimate_training_memory(
     rows = 2 * batch_size if method in ("dpo", "orpo") else batch_size
     scored = _scored_len(method, seq_len, completion_len)
     if method == "grpo" and generation is None:
-        generation = dict(batch_size=batch_size, max_len=seq_len, prompt_len=max(1, seq_len - scored))
+        generation = dict(batch_size=batch_size, max_len=seq_len, prompt_len=max(1, seq_len - scored),
+                          keep_cache=keeps_cache_between_steps(plan))
 
     base = _base_weights(shape, s, load_in_4bit, double_quant)
+    host_embedding_bytes = _move_embedding_to_host(base, shape, s) if offload_embedding else 0
     adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
     acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
                         target_modules=targets, lora_dropout=lora_dropout, attention=attention)
@@ -654,13 +675,15 @@ def estimate_training_memory(
         target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
+        offload_embedding=bool(host_embedding_bytes),
         generation=getattr(generation, "inputs", generation), method=method, rows=rows, scored_len=scored,
         **vision_inputs,
     )
     return MemoryEstimate(
         base_weights=int(base.bytes), adapters=int(adapters.bytes), activations=int(acts.bytes),
         logits_loss=int(loss.bytes), temporaries=int(temporaries.bytes), total=int(total),
-        cuda_context=int(cuda_context_bytes), host_offload=int(acts.host_offload), generation=int(gen_bytes),
+        cuda_context=int(cuda_context_bytes), host_offload=int(acts.host_offload + host_embedding_bytes),
+        generation=int(gen_bytes),
         per_layer_activations=acts.per_layer, plan=plan, details={k: int(v) for k, v in details.items()},
         inputs=inputs, notes=notes, shape=shape,
     )
@@ -712,6 +735,18 @@ def _base_weights(shape: ModelShape, s: int, load_in_4bit: bool, double_quant: b
         lin_bytes = p_lin * s
         lin_key = "base weights: decoder projections"
     return _Part(lin_bytes + small_bytes, {lin_key: lin_bytes, "base weights: embeddings, LM head, norms": small_bytes})
+
+
+def _move_embedding_to_host(base: _Part, shape: ModelShape, s: int) -> int:
+    """Take an untied input embedding's ``V * H * s`` bytes out of ``base`` (in place); the bytes moved
+    to host memory (0 when it is tied to the LM head, which needs it on the GPU)."""
+    if shape.tie_word_embeddings:
+        return 0
+    moved = shape.embedding_params * s
+    key = "base weights: embeddings, LM head, norms"
+    base.details[key] -= moved
+    base.bytes -= moved
+    return moved
 
 
 def _nf4_bytes_per_weight(double_quant: bool) -> float:
@@ -844,9 +879,7 @@ def _scored_len(method: str, seq_len: int, completion_len: int | None) -> int:
 def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, load_in_4bit: bool, attention: str) -> _Part:
     """DPO's reference forward (no gradient) on top of the saved policy activations: one decoder layer's
     no-grad working set for ``rows * seq_len`` tokens."""
-    from .generation import _layer_working_set
-
-    return _Part(_layer_working_set(shape, rows, seq_len, seq_len, s, load_in_4bit, attention))
+    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, load_in_4bit, attention))
 
 
 def _temporaries(

@@ -39,10 +39,16 @@ One decoder layer's working set for ``N`` tokens attending over ``M`` slots, wit
 ``generation = kv_cache + graph_buffers + decode_step + prefill``: the cache, the buffers and the
 graph's pool stay allocated between calls, so a later call's prefill comes on top of them.
 
-While training (GRPO alternates generation and training steps), the cache, the buffers and the
-graph's pool stay allocated; prefill and the training step's activations never live at the same
-time. :func:`generation_term` is what the training estimate adds:
-``held + max(0, prefill - training transients)`` with ``held = kv_cache + graph_buffers + decode_step``.
+While training (GRPO alternates generation and training steps) the cache, the buffers and the
+graph's pool either stay allocated (``keep_cache``: the next step's generation reuses them) or are
+freed when the generate call returns (the next one allocates and captures them again);
+:func:`keeps_cache_between_steps` is the rule FastGRPOTrainer follows by default. Prefill and the
+training step's activations never live at the same time. :func:`generation_term` is what the training
+estimate adds, with ``held = kv_cache + graph_buffers + decode_step``:
+
+* cache kept: ``held + max(0, prefill - training transients)``;
+* cache freed: ``max(0, held + prefill - training transients)`` (the generate call's peak and the
+  training step's are apart in time; only the larger counts).
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ from .shapes import ModelShape, resolve_attention
 
 __all__ = [
     "GenerationMemory", "generation_memory", "generation_bytes", "kv_cache_bytes", "graph_buffer_bytes",
-    "generation_term", "SAMPLING_BYTES_PER_LOGIT", "GRAPH_INTS_PER_ROW",
+    "generation_term", "keeps_cache_between_steps", "layer_working_set", "SAMPLING_BYTES_PER_LOGIT",
+    "GRAPH_INTS_PER_ROW",
 ]
 
 # Peak temporaries of filter_logits + choose_next per logit, every filter on: top-p holds the
@@ -108,7 +115,7 @@ def graph_buffer_bytes(shape: ModelShape, batch_size: int, max_len: int, dtype_b
     return batch_size * per_row
 
 
-def _layer_working_set(
+def layer_working_set(
     shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, load_in_4bit: bool, attention: str
 ) -> int:
     """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots."""
@@ -157,8 +164,8 @@ def generation_memory(
         )
     s, V = dtype_bytes, shape.vocab_size
     sampling = batch_size * V * (s + SAMPLING_BYTES_PER_LOGIT)
-    decode = max(_layer_working_set(shape, batch_size, 1, max_len, s, load_in_4bit, attention), sampling)
-    prefill = _layer_working_set(shape, batch_size, T, max_len, s, load_in_4bit, attention) + batch_size * V * s
+    decode = max(layer_working_set(shape, batch_size, 1, max_len, s, load_in_4bit, attention), sampling)
+    prefill = layer_working_set(shape, batch_size, T, max_len, s, load_in_4bit, attention) + batch_size * V * s
     return GenerationMemory(
         kv_cache=kv_cache_bytes(shape, batch_size, max_len, s),
         graph_buffers=graph_buffer_bytes(shape, batch_size, max_len, s),
@@ -174,28 +181,45 @@ def generation_bytes(shape: ModelShape, batch_size: int, max_len: int, dtype_byt
     return generation_memory(shape, batch_size, max_len, dtype_bytes, **kwargs).total
 
 
+def keeps_cache_between_steps(activation_plan: Any) -> bool:
+    """Whether GRPO keeps the generation cache through its training steps by default: only when the
+    activation plan keeps every layer's activations (memory to spare, so the step saves re-allocating
+    the cache and re-capturing its CUDA graph); under recompute or offload, memory is what the plan
+    saves, so the cache is freed after each generate call."""
+    modes = [activation_plan] if isinstance(activation_plan, str) else list(activation_plan)
+    return bool(modes) and all(m == "keep" for m in modes)
+
+
 def generation_term(
     generation: GenerationMemory | Mapping[str, Any], shape: ModelShape, dtype_bytes: int, load_in_4bit: bool,
     attention: str, training_transients: int,
 ) -> tuple[int, dict[str, int]]:
-    """Bytes a training step's estimate adds for generation held alongside it, and their breakdown.
+    """Bytes a training step's estimate adds for generation alongside it, and their breakdown.
 
-    ``generation``: a :class:`GenerationMemory`, or the keywords of :func:`generation_memory`
-    (``batch_size``, ``max_len``, ``prompt_len``), which then takes the dtype, NF4 setting and
-    attention of the training estimate. ``training_transients``: the step's activations, loss
-    buffers and temporaries, which a prefill never overlaps.
+    ``generation``: a :class:`GenerationMemory` (its cache kept through training), or the keywords
+    of :func:`generation_memory` (``batch_size``, ``max_len``, ``prompt_len``), which then takes the
+    dtype, NF4 setting and attention of the training estimate, plus ``keep_cache`` (default True: the
+    cache, buffers and graph pool stay allocated through the training step; False: freed after each
+    generate call). ``training_transients``: the step's activations, loss buffers and temporaries,
+    which a generate call never overlaps.
     """
+    keep = True
     if not isinstance(generation, GenerationMemory):
         kwargs = dict(generation)
-        unknown = sorted(set(kwargs) - {"batch_size", "max_len", "prompt_len", "attention"})
+        unknown = sorted(set(kwargs) - {"batch_size", "max_len", "prompt_len", "attention", "keep_cache"})
         if unknown or "max_len" not in kwargs:
             raise ValueError(
-                f"notebookkit.memory: generation= takes batch_size, max_len (prompt + new tokens) and prompt_len "
-                f"(got {sorted(kwargs)}), e.g. generation=dict(batch_size=8, max_len=1024, prompt_len=512)."
+                f"notebookkit.memory: generation= takes batch_size, max_len (prompt + new tokens), prompt_len and "
+                f"keep_cache (got {sorted(kwargs)}), e.g. generation=dict(batch_size=8, max_len=1024, prompt_len=512)."
             )
+        keep = bool(kwargs.pop("keep_cache", True))
         kwargs.setdefault("attention", attention)
         generation = generation_memory(shape, kwargs.pop("batch_size", 1), kwargs.pop("max_len"), dtype_bytes,
                                        load_in_4bit=load_in_4bit, **kwargs)
+    if not keep:
+        beyond = max(0, generation.total - training_transients)
+        key = "generation: generate call beyond the training step's transients (cache freed before training)"
+        return beyond, ({key: beyond} if beyond else {})
     extra_prefill = max(0, generation.prefill - training_transients)
     details = {k: v for k, v in generation.details().items() if k != "generation: prefill"}
     if extra_prefill:

@@ -1,6 +1,6 @@
 """What a loaded model runs, as far as the memory model needs to know: the marks models/ leaves on it.
 
-Three facts about a model set up by :mod:`notebookkit.models` change its memory use and cannot be
+Four facts about a model set up by :mod:`notebookkit.models` change its memory use and cannot be
 read off its config or its PEFT config:
 
 * the activation plan it applies (per-layer keep / recompute / offload, or ``"none"``), recorded on
@@ -9,7 +9,9 @@ read off its config or its PEFT config:
   reads the flag on every call, so it lives on the linear: it holds for a plain, a 4-bit and a
   LoRA-wrapped projection alike, and after ``merge_and_unload``);
 * whether the causal-LM forward is notebookkit's fused linear cross-entropy (no ``[N, V]`` logits),
-  recorded by ``patch_lm_head`` and cleared by ``unpatch_model``.
+  recorded by ``patch_lm_head`` and cleared by ``unpatch_model``;
+* whether the input embedding's table lives in pinned host memory (``offload_embedding=True``),
+  flagged on the embedding module by ``offload_input_embedding``.
 
 Why the marks are defined here: memory/ sits below models/ (data flows down), so memory must not
 import models. Instead the layer that reads the marks owns them, and models/ writes them through
@@ -26,6 +28,7 @@ from typing import Any, Optional, Sequence, Union
 _ACTIVATION_PLAN = "_notebookkit_checkpointing"
 _FP8_FORWARD = "_notebookkit_fp8_forward"
 _FUSED_LM_HEAD = "_notebookkit_fused_lm_head"
+_HOST_EMBEDDING = "_notebookkit_host_embedding"
 
 
 def _marks(module: Any) -> dict:
@@ -68,3 +71,17 @@ def record_fused_lm_head(causal_lm: Any, fused: bool) -> None:
 def fused_lm_head(causal_lm: Any) -> bool:
     """Whether ``causal_lm`` runs notebookkit's fused LM head (:func:`record_fused_lm_head`)."""
     return bool(_marks(causal_lm).get(_FUSED_LM_HEAD, False))
+
+
+def record_host_embedding(embedding: Any, on_host: bool) -> None:
+    """Record whether the table of this input embedding module lives in host memory."""
+    _set_flag(embedding, _HOST_EMBEDDING, on_host)
+
+
+def host_embedding(embedding: Any) -> bool:
+    """Whether this (frozen) input embedding's table is in host memory (:func:`record_host_embedding`).
+
+    A trainable module is never counted: PEFT's ``modules_to_save`` copies the flag along with the
+    module, but the copy it trains lives in GPU memory."""
+    weight = getattr(embedding, "weight", None)
+    return bool(_marks(embedding).get(_HOST_EMBEDDING, False)) and not getattr(weight, "requires_grad", False)

@@ -28,6 +28,7 @@ import torch
 from . import arguments
 from .banner import Banner, device_line, versions_line
 from .offline import explain_unreachable
+from .offload_embedding import offload_embedding_value, offload_input_embedding
 from .precision import is_bfloat16_supported
 
 _UNSUPPORTED_KWARGS = {
@@ -42,7 +43,6 @@ _UNSUPPORTED_KWARGS = {
     "resize_model_vocab": "vocabulary resizing is not done at load time",
     "float8_kv_cache": "not supported",
     "disable_log_stats": "only used by vLLM fast inference",
-    "offload_embedding": "the input embedding stays on the model's device (the memory planner counts it)",
     "unsloth_force_compile": "notebookkit does not torch.compile the model; the fused kernels run as they are",
 }
 
@@ -163,6 +163,7 @@ def from_pretrained(
     trust_remote_code: bool = False,
     attn_implementation: Optional[str] = None,
     fast_path: bool = True,
+    offload_embedding: bool = False,
     show_banner: bool = True,
     **kwargs: Any,
 ):
@@ -185,6 +186,9 @@ def from_pretrained(
         trust_remote_code: allow custom modelling code from the Hub (runs on stock code).
         attn_implementation: Hugging Face attention backend for anything left unpatched.
         fast_path: set ``False`` to load on stock Hugging Face code (for comparisons).
+        offload_embedding: keep the input embedding table in pinned host memory, read by the GPU in
+            place (saves ``vocab x hidden`` 16-bit values of GPU memory: 1 GiB for Llama-3.1-8B; not for
+            models whose LM head is tied to it). :mod:`notebookkit.models.offload_embedding`.
 
     Returns:
         ``(model, tokenizer)``; ``model.notebookkit_banner`` holds the load report.
@@ -205,6 +209,7 @@ def from_pretrained(
         load_in_4bit = load_in_8bit = False
     if os.environ.get("NOTEBOOKKIT_FAST_PATH", "1") in ("0", "false", "False"):
         fast_path = False
+    offload_embedding = offload_embedding_value(offload_embedding)
 
     path, kind = resolve(model_name)
 
@@ -215,7 +220,7 @@ def from_pretrained(
             max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
             full_finetuning=full_finetuning, token=token, device_map=device_map,
             trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
-            fast_path=fast_path, show_banner=show_banner, **kwargs,
+            fast_path=fast_path, offload_embedding=offload_embedding, show_banner=show_banner, **kwargs,
         )
 
     config = _load_config(path, kind, model_name, token=token, trust_remote_code=trust_remote_code)
@@ -229,6 +234,8 @@ def from_pretrained(
     _fix_tokenizer(tokenizer, model, banner, max_seq_length)
 
     finish_model(model, banner, max_seq_length=max_seq_length, full_finetuning=full_finetuning, fast_path=fast_path)
+    if offload_embedding:
+        offload_input_embedding(model, banner)
     if show_banner:
         banner.show()
     return model, tokenizer

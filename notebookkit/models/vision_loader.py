@@ -24,6 +24,7 @@ from notebookkit.families import for_vision_model_type, vision_support_error
 
 from . import arguments, loader
 from .banner import Banner
+from .offload_embedding import offload_embedding_value, offload_input_embedding
 
 
 def resolve_vision(model_name: Union[str, os.PathLike]) -> tuple[str, str]:
@@ -48,6 +49,7 @@ def from_pretrained(
     trust_remote_code: bool = False,
     attn_implementation: Optional[str] = None,
     fast_path: bool = True,
+    offload_embedding: bool = False,
     show_banner: bool = True,
     **kwargs: Any,
 ):
@@ -68,6 +70,8 @@ def from_pretrained(
         trust_remote_code: allow custom modelling code from the Hub.
         attn_implementation: Hugging Face attention backend for the parts left stock.
         fast_path: ``False`` loads on stock Hugging Face code (for comparisons).
+        offload_embedding: keep the language model's input embedding table in pinned host memory, read
+            by the GPU in place (1 GiB less GPU memory for Qwen2.5-VL-7B; not for tied embeddings).
 
     Returns:
         ``(model, processor)``: the processor renders chat messages with images
@@ -92,9 +96,11 @@ def from_pretrained(
         fast_path = False
     path, kind = resolve_vision(model_name)
     adapter_cfg = loader._read_adapter_config(path) if kind != "hub" else None
+    offload_embedding = offload_embedding_value(offload_embedding)
     common = dict(max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
                   full_finetuning=full_finetuning, token=token, device_map=device_map,
-                  trust_remote_code=trust_remote_code, attn_implementation=attn_implementation, fast_path=fast_path)
+                  trust_remote_code=trust_remote_code, attn_implementation=attn_implementation, fast_path=fast_path,
+                  offload_embedding=offload_embedding)
     if adapter_cfg is not None:
         return _load_adapter_folder(path, adapter_cfg, show_banner=show_banner, **common, **kwargs)
 
@@ -117,6 +123,8 @@ def from_pretrained(
     processor = load_processor(path, family.vision, banner, token=token, trust_remote_code=trust_remote_code)
     loader._fix_tokenizer(processor.tokenizer, model, banner, max_seq_length)
     finish_vision_model(model, banner, max_seq_length, full_finetuning, fast_path)
+    if offload_embedding:
+        offload_input_embedding(model, banner)
     if show_banner:
         banner.show()
     return model, processor

@@ -23,6 +23,11 @@ is ``pi_theta`` detached, so ``rho = 1`` and the gradient is ``-A_i * grad log p
 * completions come from the unwrapped model's ``generate`` (TRL's path without vLLM), switched into
   ``FastLanguageModel.for_inference`` for the call and back with ``for_training``, so notebookkit's
   decode path generates them;
+* the generation cache (KV cache, decode buffers, CUDA graphs) is freed after each generation when
+  the model's activation plan recomputes or offloads any layer (memory is short: the training step
+  gets the cache's room, and the next generation allocates and captures it again) and kept when it
+  keeps every layer (``keep_generation_cache=`` overrides; the memory model follows the same rule,
+  :func:`~notebookkit.memory.generation.keeps_cache_between_steps`);
 * time per optimizer step goes into the logs: ``time/generation`` (``model.generate``),
   ``time/scoring`` (decoding, reward functions, the old / reference log-probs) and ``time/training``
   (the loss's forward and backward), in seconds;
@@ -127,6 +132,9 @@ def _fast_grpo_trainer_class() -> type:
     import torch
 
     from ..models.fast_language_model import FastLanguageModel
+    from ..memory.estimate import activation_plan_of
+    from ..memory.generation import keeps_cache_between_steps
+    from ..models.generation.state import drop_cache
     from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .reference import describe_reference, refuse_second_model, use_base_as_reference
     from .rewards import checked_reward
@@ -146,9 +154,14 @@ def _fast_grpo_trainer_class() -> type:
 
         Args:
             show_banner: print one line saying how completions are generated and what the reference is.
+            keep_generation_cache: keep the KV cache and the captured decode step between generations
+                (faster: nothing is allocated or captured again) or free them after each one (the
+                training step gets their memory). Default ``None``: keep them only when the model's
+                activation plan keeps every layer.
         """
 
-        def __init__(self, *args: Any, show_banner: bool = True, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, show_banner: bool = True, keep_generation_cache: Optional[bool] = None,
+                     **kwargs: Any) -> None:
             arguments = bind_trainer_arguments(GRPOTrainer, args, kwargs)
             funcs = _as_list(arguments.get("reward_funcs"))
             for key in ("train_dataset", "eval_dataset"):
@@ -165,11 +178,14 @@ def _fast_grpo_trainer_class() -> type:
             keep_fp32_adapters_under_fp16(self)  # TRL casts a quantised model's adapters to bf16 even for fp16
             use_base_as_reference(self.model)
             self._clock = dict.fromkeys(TIME_KEYS, 0.0)
+            self.keep_generation_cache = (keeps_cache_between_steps(activation_plan_of(self.model))
+                                          if keep_generation_cache is None else bool(keep_generation_cache))
             if show_banner:
                 reference = describe_reference(self) if self.beta else "none (beta = 0: no KL term)"
+                cache = "kept between steps" if self.keep_generation_cache else "freed after each generation"
                 print_banner(self, f"GRPO ({self.loss_type}, {self.num_generations} generations per prompt); "
-                                   f"completions from model.generate under FastLanguageModel.for_inference; "
-                                   f"reference: {reference}")
+                                   f"completions from model.generate under FastLanguageModel.for_inference "
+                                   f"(KV cache {cache}); reference: {reference}")
 
         # ---- generation on the decode path, timed ------------------------------------------------
         def _generate_single_turn(self, *args: Any, **kwargs: Any):
@@ -183,6 +199,8 @@ def _fast_grpo_trainer_class() -> type:
             finally:
                 if training:
                     FastLanguageModel.for_training(model)
+                if not self.keep_generation_cache:
+                    drop_cache(model)
             if training:
                 self._clock["time/generation"] += time.perf_counter() - start
             return result

@@ -41,13 +41,14 @@ def _config(tmp_path, **kw):
     return GRPOConfig(**base)
 
 
-def _trainer(tmp_path, reward_funcs, rows=ROWS, model=None, **config):
+def _trainer(tmp_path, reward_funcs, rows=ROWS, model=None, keep_generation_cache=None, **config):
     if model is None:
         model, tok = _model()
     else:
         model, tok = model
     return FastGRPOTrainer(model=model, reward_funcs=reward_funcs, args=_config(tmp_path, **config),
-                           train_dataset=Dataset.from_list(rows), processing_class=tok, show_banner=False)
+                           train_dataset=Dataset.from_list(rows), processing_class=tok, show_banner=False,
+                           keep_generation_cache=keep_generation_cache)
 
 
 def test_a_data_set_without_prompts_is_refused(tmp_path):
@@ -148,3 +149,43 @@ def test_a_model_without_adapters_and_a_kl_term_is_refused(tmp_path):
     with pytest.raises(ValueError, match="TRL would load a second full copy") as info:
         _trainer(tmp_path, [format_reward], model=_model(adapters=False), beta=0.1)
     assert "GRPOConfig(beta=0.0)" in str(info.value)
+
+
+def _cache_of(model):
+    from notebookkit.models.generation.state import generation_state
+
+    return generation_state(model).cache
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_generation_cache_is_kept_or_freed_between_steps(tmp_path, monkeypatch, keep):
+    model, tok = _model()
+    caches = []
+    generate = model.generate
+
+    def watched_generate(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        caches.append(_cache_of(model))
+        return out
+
+    monkeypatch.setattr(model, "generate", watched_generate)
+    trainer = _trainer(tmp_path, [format_reward], model=(model, tok), keep_generation_cache=keep)
+    trainer.train()
+    assert len(caches) == 2 and all(c is not None for c in caches)  # the fast decode path made a cache each time
+    if keep:
+        assert _cache_of(model) is caches[0] is caches[1]  # one cache, reused by the second step
+    else:
+        assert _cache_of(model) is None and caches[0] is not caches[1]  # freed after each generation
+
+
+def test_the_cache_rule_follows_the_activation_plan(tmp_path):
+    from notebookkit.memory.generation import keeps_cache_between_steps
+    from notebookkit.models.checkpointing import apply_checkpointing
+
+    assert keeps_cache_between_steps(["keep", "keep"]) and keeps_cache_between_steps("keep")
+    assert not keeps_cache_between_steps(["keep", "offload"]) and not keeps_cache_between_steps("recompute")
+    model, tok = _model()  # CPU: "auto" keeps every activation
+    assert _trainer(tmp_path, [format_reward], model=(model, tok)).keep_generation_cache is True
+    model, tok = _model()
+    apply_checkpointing(model, True)  # recompute every layer: memory is short, the cache goes after generating
+    assert _trainer(tmp_path, [format_reward], model=(model, tok)).keep_generation_cache is False

@@ -3,7 +3,8 @@ and adapter casts.
 
 One :class:`GenerationState` per causal LM, in the instance's ``__dict__`` (never on a class). It
 survives ``for_training`` / ``for_inference`` switches, so a GRPO loop that alternates them every
-step reuses the cache and the captured graphs; :func:`release` frees them.
+step reuses the cache and the captured graphs; :func:`release` frees them all, :func:`drop_cache` the
+cache and what was captured against it.
 
 The captured graphs read the weights, the adapters and the cache in place. They stay valid while
 the model's structure and parameter storage stay the same (an optimizer step updates parameters in
@@ -27,7 +28,7 @@ from .graph_runner import GraphRunner
 from .projections import AdapterCasts
 from .static_cache import StaticKVCache
 
-__all__ = ["GenerationState", "generation_state", "decoder_plan", "model_signature", "release"]
+__all__ = ["GenerationState", "generation_state", "decoder_plan", "model_signature", "release", "drop_cache"]
 
 _STATE = "_notebookkit_generation"
 
@@ -112,6 +113,18 @@ def release(model: nn.Module) -> int:
         return 0
     freed = state.cache.nbytes if state.cache is not None else 0
     state.release()
+    return freed
+
+
+def drop_cache(model: nn.Module) -> int:
+    """Free the KV cache, the decode buffers and the CUDA graphs of ``model`` (the plan, the adapter casts
+    and the RoPE tables stay); returns the KV-cache bytes freed. The next ``generate`` allocates and
+    captures them again. FastGRPOTrainer calls it after each generation when memory is short."""
+    state = causal_lm_of(model).__dict__.get(_STATE)
+    if state is None:
+        return 0
+    freed = state.cache.nbytes if state.cache is not None else 0
+    state.drop_cache()
     return freed
 
 
