@@ -319,6 +319,7 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
     if fused is not None:  # notebookkit's loss on the fused path: no LM-head forward, no TRL fallback
         row["fused_path"] = dict(lm_head_forwards_in_training=fused["lm_head_forwards_in_training"],
                                  fallbacks=sorted(trainer.__dict__.get("_notebookkit_fallbacks", ())))
+        row["predicted_gib"] = predicted_peak_gib(model, trainer, task_name, task)
     if task_name == "grpo":
         timed = [s for i, s in calls if i >= len(calls) // 2]  # the second step's generation (one call per step)
         generate_s = sum(timed) if calls else None
@@ -330,6 +331,23 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
         if logged:  # notebookkit's own split of the step
             row["logged_times"] = {k: round(logged[-1][k], 3) for k in ("time/generation", "time/scoring", "time/training")}
     return row
+
+
+def predicted_peak_gib(model, trainer, task_name: str, task: dict) -> float:
+    """The memory model's peak for this row (``estimate_for_model``: what the model panel and the planner
+    compute), read off the trained model and the trainer's settings; compare with ``peak_gib``."""
+    from notebookkit.memory.estimate import estimate_for_model
+
+    if task_name == "grpo":
+        rows, new = task["prompts"] * task["generations"], task["new_tokens"]
+        seq = task["prompt_len"] + new
+        extra = dict(method="grpo", completion_len=new,
+                     generation=dict(batch_size=rows, max_len=seq, prompt_len=task["prompt_len"],
+                                     keep_cache=trainer.keep_generation_cache))
+    else:
+        rows, seq, extra = task["pairs"], task["prompt_len"] + task["answer_len"], dict(method="dpo")  # max_length
+    estimate = estimate_for_model(model, batch_size=rows, seq_len=seq, cuda_context_bytes=0, **extra)
+    return round(estimate.peak_allocated / 2**30, 3)
 
 
 def _trl_version() -> dict:
@@ -390,23 +408,25 @@ def markdown(rows: list[dict]) -> str:
         if task == "grpo":
             lines += [f"## GRPO: {t['shape']} {t['quant']}, {t['prompts']} prompts x {t['generations']} generations of "
                       f"{t['new_tokens']} tokens", "",
-                      "| system | step s | generation s | rest s | peak GiB | x unsloth speed | status |",
-                      "|---|---|---|---|---|---|---|"]
+                      "| system | step s | generation s | rest s | peak GiB | predicted GiB | x unsloth speed | status |",
+                      "|---|---|---|---|---|---|---|---|"]
         else:
             lines += [f"## DPO: {t['shape']} {t['quant']}, {t['pairs']} pairs x {t['prompt_len'] + t['answer_len']} tokens",
-                      "", "| system | step s | peak GiB | peak / trl | x unsloth speed | status |", "|---|---|---|---|---|---|"]
+                      "", "| system | step s | peak GiB | predicted GiB | peak / trl | x unsloth speed | status |",
+                      "|---|---|---|---|---|---|---|"]
         by = {r["system"]: r for r in task_rows if r.get("status") == "ok"}
         for r in task_rows:
             ok_row = r.get("status") == "ok"
             speed = (f"{by['unsloth']['step_s'] / r['step_s']:.2f}" if ok_row and "unsloth" in by else "–")
             if task == "grpo":
                 lines.append(f"| {r['system']} | {_cell(r.get('step_s'))} | {_cell(r.get('generate_s'))} | "
-                             f"{_cell(r.get('rest_s'))} | {_cell(r.get('peak_gib'))} | {speed} | {r['status']} |")
+                             f"{_cell(r.get('rest_s'))} | {_cell(r.get('peak_gib'))} | {_cell(r.get('predicted_gib'))} | "
+                             f"{speed} | {r['status']} |")
             else:
                 ratio = (f"{r['peak_gib'] / by['trl']['peak_gib']:.2f}" if ok_row and "trl" in by and r.get("peak_gib")
                          else "–")
-                lines.append(f"| {r['system']} | {_cell(r.get('step_s'))} | {_cell(r.get('peak_gib'))} | {ratio} | "
-                             f"{speed} | {r['status']} |")
+                lines.append(f"| {r['system']} | {_cell(r.get('step_s'))} | {_cell(r.get('peak_gib'))} | "
+                             f"{_cell(r.get('predicted_gib'))} | {ratio} | {speed} | {r['status']} |")
         lines.append("")
     lines.append("Targets (issue 22): GRPO at least 2x Unsloth's step speed at no more than its peak; DPO at most half "
                  "the plain TRL peak and at least 1.3x Unsloth's speed.")

@@ -23,8 +23,11 @@ Systems (``--systems``, comma-separated):
 
 * ``notebookkit``          FastVisionModel, ``use_gradient_checkpointing="auto"`` (the planner fits free VRAM);
 * ``notebookkit-offload``  the same with ``"offload"`` (layer inputs in pinned host memory, Unsloth's mode);
+* ``notebookkit-lean``     ``"offload"`` and ``offload_embedding=True`` (the language model's input embedding
+  table in host memory too);
 * ``hf``                   the wrapper class + ``prepare_model_for_kbit_training`` (gradient checkpointing) + PEFT;
-* ``unsloth``              Unsloth's FastVisionModel with ``use_gradient_checkpointing="unsloth"``.
+* ``unsloth``              Unsloth's FastVisionModel with ``use_gradient_checkpointing="unsloth"``;
+* ``unsloth-lean``         the same with its ``offload_embedding=True``.
 
 The parent writes ``<out>/<date>-<device>-vision-<shape>-<systems>.json`` and ``.md`` and prints the
 table (one file per set of systems, so rows split over several runs do not overwrite each other). A
@@ -42,7 +45,7 @@ import subprocess
 import sys
 import time
 
-if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unsloth":
+if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1].startswith("unsloth"):
     import unsloth  # noqa: F401  (Unsloth must be imported before transformers)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,8 +59,8 @@ from notebookkit.memory.vision_shapes import VLM_CONFIGS  # noqa: E402
 # Text decoder and vision tower numbers of the public configs (random weights of these shapes): the
 # memory model's curated VLMs, one source for both.
 SHAPES: dict[str, dict] = VLM_CONFIGS
-SYSTEMS = ["notebookkit", "notebookkit-offload", "hf", "unsloth"]
-NEEDS = {"unsloth": "unsloth"}
+SYSTEMS = ["notebookkit", "notebookkit-offload", "notebookkit-lean", "hf", "unsloth", "unsloth-lean"]
+NEEDS = {"unsloth": "unsloth", "unsloth-lean": "unsloth"}
 R, ALPHA, SEED = 16, 16, 3407
 
 
@@ -154,18 +157,22 @@ def load_system(system: str, folder: str, quant: str, seq: int, batch: int, devi
     if system.startswith("notebookkit"):
         from notebookkit import FastVisionModel
 
-        mode = "offload" if system.endswith("offload") else ("auto" if device == "cuda" else False)
+        mode = "auto" if system == "notebookkit" else "offload"
+        mode = mode if device == "cuda" else False
         model, processor = FastVisionModel.from_pretrained(folder, max_seq_length=seq, dtype=dtype,
-                                                           load_in_4bit=quant == "nf4")
+                                                           load_in_4bit=quant == "nf4",
+                                                           offload_embedding=system == "notebookkit-lean")
         model = FastVisionModel.get_peft_model(model, r=R, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
                                                use_gradient_checkpointing=mode, random_state=SEED,
                                                planning_batch_size=batch)
         return model, processor
-    if system == "unsloth":
+    if system.startswith("unsloth"):
         from unsloth import FastVisionModel as UnslothVision
 
+        lean = dict(offload_embedding=True) if system == "unsloth-lean" else {}
         model, processor = UnslothVision.from_pretrained(folder, load_in_4bit=quant == "nf4", dtype=dtype,
-                                                         max_seq_length=seq, use_gradient_checkpointing="unsloth")
+                                                         max_seq_length=seq, use_gradient_checkpointing="unsloth",
+                                                         **lean)
         model = UnslothVision.get_peft_model(model, finetune_vision_layers=True, finetune_language_layers=True,
                                              finetune_attention_modules=True, finetune_mlp_modules=True, r=R,
                                              lora_alpha=ALPHA, lora_dropout=0, bias="none", random_state=SEED,

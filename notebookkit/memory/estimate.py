@@ -118,8 +118,8 @@ freed after each generate call and only the generate call's peak beyond the trai
 transients counts (:mod:`notebookkit.memory.generation`).
 
 Input embedding in host memory (``offload_embedding=True``, untied embeddings only): its ``V * H * s``
-bytes leave the base weights and appear under pinned host memory
-(:mod:`notebookkit.models.offload_embedding`).
+bytes leave the base weights; pinned host memory gains that size rounded up to a power of two (how
+PyTorch's pinned allocator sizes its blocks; :mod:`notebookkit.models.offload_embedding`).
 
 Vision-language models (a Qwen2.5-VL / Gemma 3 config, model, folder or ``VLMShape``): the decoder's
 parts above for ``seq_len`` tokens per row, image tokens included, plus the vision tower's weights,
@@ -738,15 +738,15 @@ def _base_weights(shape: ModelShape, s: int, load_in_4bit: bool, double_quant: b
 
 
 def _move_embedding_to_host(base: _Part, shape: ModelShape, s: int) -> int:
-    """Take an untied input embedding's ``V * H * s`` bytes out of ``base`` (in place); the bytes moved
-    to host memory (0 when it is tied to the LM head, which needs it on the GPU)."""
+    """Take an untied input embedding's ``V * H * s`` bytes out of ``base`` (in place); the pinned host
+    bytes it then takes (0 when it is tied to the LM head, which needs it on the GPU)."""
     if shape.tie_word_embeddings:
         return 0
     moved = shape.embedding_params * s
     key = "base weights: embeddings, LM head, norms"
     base.details[key] -= moved
     base.bytes -= moved
-    return moved
+    return 1 << (moved - 1).bit_length()  # pinned blocks are rounded up to a power of two
 
 
 def _nf4_bytes_per_weight(double_quant: bool) -> float:

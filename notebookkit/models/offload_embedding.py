@@ -19,6 +19,10 @@ Not applied, and the banner says why:
   ``device_map``;
 * this CUDA setup cannot map host memory into the GPU's address space.
 
+Host memory: PyTorch's pinned-memory allocator rounds each block up to a power of two, so the table
+takes up to twice its size there (1 GiB for Llama-3.1-8B's 0.98 GiB, 2 GiB for Qwen2.5-7B's 1.02 GiB);
+the memory model counts the rounded size.
+
 Training the embedding later (PEFT ``modules_to_save=["embed_tokens"]``) is unaffected: PEFT trains a
 copy, which lives in GPU memory, and the frozen original stays in host memory.
 """

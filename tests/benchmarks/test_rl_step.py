@@ -38,6 +38,7 @@ def test_tiny_run_writes_rows_and_table(tmp_path):
     for row in rows:  # notebookkit's rows ran the fused loss: no LM-head forward in training, no fallback
         if row["system"] == "notebookkit":
             assert row["fused_path"] == {"lm_head_forwards_in_training": 0, "fallbacks": []}, row
+            assert row["predicted_gib"] > 0  # the memory model's peak for the same step, beside the measured one
         elif row["status"] == "ok":
             assert "fused_path" not in row
     table = next(tmp_path.glob("*-rl-step-tiny.md")).read_text()
@@ -54,6 +55,6 @@ def test_table_ratios():
         dict(base, task="dpo", system="unsloth", pairs=2, prompt_len=256, answer_len=767, step_s=1.5, peak_gib=8.0),
     ]
     table = rl_step.markdown(rows)
-    assert "| notebookkit | 2.00 | 1.50 | 0.50 | 10.00 | 2.50 | ok |" in table
-    assert "| notebookkit | 1.00 | 6.00 | 0.40 | 1.50 | ok |" in table
-    assert "| trl | 2.00 | 15.00 | 1.00 | 0.75 | ok |" in table
+    assert "| notebookkit | 2.00 | 1.50 | 0.50 | 10.00 | – | 2.50 | ok |" in table
+    assert "| notebookkit | 1.00 | 6.00 | – | 0.40 | 1.50 | ok |" in table
+    assert "| trl | 2.00 | 15.00 | – | 1.00 | 0.75 | ok |" in table
