@@ -573,6 +573,7 @@ def estimate_training_memory(
     images_per_row: int = 1,
     image_size: Any = None,
     finetune_vision_layers: bool = True,
+    vision_lora_params: int | None = None,
     offload_embedding: bool = False,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
@@ -614,6 +615,8 @@ def estimate_training_memory(
             side in pixels (or ``(h, w)``; default: the processor's, 448 for Qwen2.5-VL) and whether
             the tower has adapters. ``seq_len`` counts the image tokens. The tower's weights, adapters
             and saved activations join the parts (:mod:`notebookkit.memory.vision_estimate`).
+        vision_lora_params: the tower's LoRA parameters when only some of its linears are adapted
+            (read off a loaded model); default: every attention and MLP linear of the tower and projector.
         offload_embedding: the input embedding table in pinned host memory
             (``from_pretrained(offload_embedding=True)``); nothing moves when it is tied to the LM head.
 
@@ -651,7 +654,8 @@ def estimate_training_memory(
         vision_inputs = _add_vision(vlm, base, adapters, acts, plan, rows=rows, seq_len=seq_len, s=s,
                                     load_in_4bit=load_in_4bit, double_quant=double_quant, lora_r=lora_r, opt=opt,
                                     adapter_dtype=adapter_dtype, images_per_row=images_per_row,
-                                    image_size=image_size, vision_lora=finetune_vision_layers)
+                                    image_size=image_size, vision_lora=finetune_vision_layers,
+                                    vision_lora_params=vision_lora_params)
     loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=method != "sft")
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
                                        load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
@@ -756,7 +760,8 @@ def _nf4_bytes_per_weight(double_quant: bool) -> float:
 
 def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan: tuple[str, ...], *, rows: int,
                 seq_len: int, s: int, load_in_4bit: bool, double_quant: bool, lora_r: int, opt: str,
-                adapter_dtype: str, images_per_row: int, image_size: Any, vision_lora: bool) -> dict[str, Any]:
+                adapter_dtype: str, images_per_row: int, image_size: Any, vision_lora: bool,
+                vision_lora_params: int | None = None) -> dict[str, Any]:
     """Add the vision tower's weights, adapters and saved activations to the parts (in place);
     the inputs to record (:mod:`.vision_estimate`)."""
     from . import vision_estimate as ve
@@ -767,14 +772,15 @@ def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan
     for key, value in ve.vision_weight_bytes(vlm, s, _nf4_bytes_per_weight(double_quant) if load_in_4bit else None).items():
         base.details[key] = value
         base.bytes += value
-    p_vision = ve.vision_lora_param_count(vlm, lora_r) if vision_lora else 0
+    every_linear = ve.vision_lora_param_count(vlm, lora_r)
+    p_vision = (every_linear if vision_lora_params is None else int(vision_lora_params)) if vision_lora else 0
     if p_vision:
         a_bytes = _dtype_bytes(adapter_dtype)
         if opt == "adafactor":  # factored second moment: rows + columns per matrix, ~ (r + in + out + r) each
             v = vlm.vision
             mats = [*[(i, o) for i, o in v.block_linear_shapes().values()] * v.num_layers,
                     *v.projector_linear_shapes().values()]
-            opt_b = sum(4 * ((lora_r + i) + (o + lora_r)) for i, o in mats)
+            opt_b = sum(4 * ((lora_r + i) + (o + lora_r)) for i, o in mats) * p_vision / every_linear
         else:
             opt_b = p_vision * _OPT_STATE_BYTES[opt]
         per = 2 * a_bytes + (4 if a_bytes < 4 else 0) + (s if a_bytes != s else 0)

@@ -351,14 +351,32 @@ def text_shape(shape: Any) -> ModelShape:
     return shape.text if isinstance(shape, VLMShape) else shape
 
 
+_PROJECTION_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _projection_of(parameter_name: str) -> str | None:
+    """``"q_proj"`` for ``"...layers.0.self_attn.q_proj.lora_A.default.weight"`` (None: not a decoder projection)."""
+    parts = parameter_name.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("lora_") and i > 0:
+            return parts[i - 1] if parts[i - 1] in _PROJECTION_ORDER else None
+    return None
+
+
 def vision_kwargs_from_model(model: Any) -> dict[str, Any]:
     """What a loaded VLM (PEFT-wrapped or not) tells the estimate: ``finetune_vision_layers`` (whether a
-    LoRA weight lies outside the language model and LM head) and ``image_size`` (its processor's, read
+    LoRA weight lies outside the language model and LM head), ``vision_lora_params`` (how many),
+    ``target_modules`` (the decoder projections with adapters) and ``image_size`` (its processor's, read
     from the folder it was loaded from, when that folder says)."""
     out: dict[str, Any] = {}
-    names = [n for n, _ in getattr(model, "named_parameters", lambda: [])() if "lora_" in n]
+    lora = [(n, p) for n, p in getattr(model, "named_parameters", lambda: [])() if "lora_" in n]
     if getattr(model, "peft_config", None):
-        out["finetune_vision_layers"] = any("language_model" not in n and "lm_head" not in n for n in names)
+        vision = [p for n, p in lora if "language_model" not in n and "lm_head" not in n]
+        out["finetune_vision_layers"] = bool(vision)
+        out["vision_lora_params"] = sum(p.numel() for p in vision)  # as adapted: the finetune_* switches decide
+        # the decoder's adapted projections (the PEFT config's names cover both towers)
+        out["target_modules"] = sorted({_projection_of(n) for n, _ in lora if "language_model" in n} - {None},
+                                       key=lambda t: _PROJECTION_ORDER.index(t))
     cfg = getattr(model, "config", None)
     folder = Path(str(getattr(cfg, "_name_or_path", "") or ""))
     if str(folder) and (folder / "config.json").is_file():

@@ -113,6 +113,36 @@ def test_vision_lora_parameters_match_peft(name):
     assert vision == vision_lora_param_count(vlm_shape(name), R)
 
 
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("switches", [dict(finetune_attention_modules=False), dict(finetune_mlp_modules=False),
+                                      dict(finetune_language_layers=False)], ids=["mlp-only", "attention-only",
+                                                                                   "vision-only"])
+def test_partial_adapters_are_counted_as_adapted(name, switches):
+    """The finetune_* switches adapt part of a tower: the estimate read off the model counts those
+    adapters, not every linear (the PEFT config's names cover both towers)."""
+    from notebookkit import FastVisionModel
+    from notebookkit.memory.estimate import estimate_for_model, estimate_kwargs_from_model
+
+    model, _ = FastVisionModel.from_pretrained(name, dtype=torch.float32, load_in_4bit=False, show_banner=False)
+    model = FastVisionModel.get_peft_model(model, r=R, lora_alpha=R, use_gradient_checkpointing=False,
+                                           show_banner=False, **switches)
+    lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    vision = sum(p.numel() for n, p in lora if "language_model" not in n)
+    decoder = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in lora if "language_model" in n}
+    kwargs = estimate_kwargs_from_model(model)
+    assert kwargs["vision_lora_params"] == vision
+    if "finetune_language_layers" not in switches:  # half the tower's linears adapted, not all of them
+        assert vision < vision_lora_param_count(vlm_shape(name), R)
+    assert set(kwargs["target_modules"]) == decoder
+    est = estimate_for_model(model, batch_size=1, seq_len=128)
+    full = estimate_training_memory(name, dtype="float32", lora_r=R, batch_size=1, seq_len=128,
+                                    activation_plan="keep", vision_lora_params=vision,
+                                    target_modules=sorted(decoder))
+    assert est.inputs["vision_lora_params"] == vision and est.adapters == full.adapters
+    adapted = sum(p.numel() for _, p in lora)
+    assert est.inputs["lora_params"] + vision == adapted  # every adapter counted once, none invented
+
+
 def test_weights_of_the_vision_tower_in_4bit():
     """NF4 on the tower's linears (vision_loader quantises them, as transformers does), 16-bit elsewhere."""
     qwen = KNOWN_VLMS["Qwen/Qwen2.5-VL-7B-Instruct"]
