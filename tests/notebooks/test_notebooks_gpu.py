@@ -1,4 +1,6 @@
-"""GPU run of chat_sft.ipynb on a real-size, random-weight model (run on the GPU machine: `pytest -m gpu`).
+"""GPU runs of the notebooks (on the GPU machine: `pytest -m gpu`): chat_sft.ipynb on a real-size, random-weight
+model, in bf16 and as a T4 runs it (fp16, 15 GiB cap); the DPO, GRPO and vision notebooks on their tiny defaults
+as a T4 runs them.
 
 The model has the shapes of Llama-3.2-1B (or Llama-3.1-8B with NOTEBOOKKIT_GPU_SHAPE=8b) and random
 weights, with the tiny default's tokenizer, so nothing is downloaded. The notebook runs with 4-bit
@@ -45,6 +47,48 @@ def _random_llama(folder: Path, shape: str) -> Path:
     return folder
 
 
+def _t4_env(tmp_path: Path) -> dict:
+    """The kernel's environment for a T4 emulation: a ``sitecustomize`` that caps this process's VRAM at
+    15 GiB (``set_per_process_memory_fraction``) before anything else runs."""
+    startup = tmp_path / "startup"
+    startup.mkdir(exist_ok=True)
+    (startup / "sitecustomize.py").write_text(
+        "import torch\n"
+        "total = torch.cuda.get_device_properties(0).total_memory\n"
+        "torch.cuda.set_per_process_memory_fraction(min(1.0, 15 * 2**30 / total))\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(startup), os.environ.get("PYTHONPATH", "")])}
+
+
+#: the DPO, GRPO and vision notebooks on their tiny defaults as a T4 runs them: 4-bit, fp16, the 15 GiB cap,
+#: the tiny models' step counts and learning rates (the notebooks' GPU defaults are for real models)
+T4_TINY_RUNS = {
+    "dpo": ("notebooks/dpo/dpo.ipynb", dict(
+        MODEL_NAME="notebookkit/tiny-llama", MAX_SEQ_LENGTH=256, MAX_STEPS=60, LEARNING_RATE=5e-4)),
+    "grpo": ("notebooks/grpo/grpo.ipynb", dict(
+        MODEL_NAME="notebookkit/tiny-llama", MAX_SEQ_LENGTH=256, PRIME_STEPS=40, PRIME_LEARNING_RATE=5e-3,
+        GRPO_STEPS=50, MAX_COMPLETION_LENGTH=24, LEARNING_RATE=1e-3, FORMAT_ROWS=True)),
+    "vision": ("notebooks/vision/vision_sft.ipynb", dict(
+        MODEL_NAME="notebookkit/tiny-qwen2.5-vl", MAX_SEQ_LENGTH=256, MAX_STEPS=450, LEARNING_RATE=5e-3)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(T4_TINY_RUNS))
+def test_rl_and_vision_notebooks_t4_emulation_fp16(tmp_path, monkeypatch, kind):
+    """Each notebook's own learning-signal cell passes under fp16 (GradScaler) with 4-bit weights and the
+    15 GiB cap, on the fast path (generation for GRPO and the captions on the decode path)."""
+    from notebookkit.train.headless import run_notebook
+
+    notebook, params = T4_TINY_RUNS[kind]
+    monkeypatch.chdir(ROOT)
+    out = ROOT / "runs" / f"gpu-{kind}-fp16"
+    params = dict(params, LOAD_IN_4BIT=True, DTYPE="float16", OUTPUT_DIR=str(out))
+    result = run_notebook(notebook, params, out / Path(notebook).name, cell_timeout=1200, env=_t4_env(tmp_path))
+    print(result.log_line())
+    assert result.ok, result.error
+
+
 @pytest.mark.gpu
 def test_chat_sft_on_gpu_real_size_random_weights(tmp_path, monkeypatch):
     from notebookkit.train.headless import run_notebook
@@ -73,20 +117,13 @@ def test_chat_sft_t4_emulation_fp16_under_15_gib(tmp_path, monkeypatch):
     from notebookkit.train.headless import run_notebook
 
     folder = _random_llama(tmp_path / "random-llama-1b", "1b")
-    startup = tmp_path / "startup"
-    startup.mkdir()
-    (startup / "sitecustomize.py").write_text(
-        "import torch\n"
-        "total = torch.cuda.get_device_properties(0).total_memory\n"
-        "torch.cuda.set_per_process_memory_fraction(min(1.0, 15 * 2**30 / total))\n"
-    )
+    env = _t4_env(tmp_path)
     monkeypatch.chdir(ROOT)
     out = ROOT / "runs" / "gpu-chat-sft-fp16"
     params = dict(
         MODEL_NAME=str(folder), CHAT_TEMPLATE="llama-3", LOAD_IN_4BIT=True, DTYPE="float16", MAX_STEPS=40,
         CALIBRATION_STEPS=0, LEARNING_RATE=1e-3, MIN_LOSS_DROP=0.1, OUTPUT_DIR=str(out),
     )
-    env = {"PYTHONPATH": os.pathsep.join([str(startup), os.environ.get("PYTHONPATH", "")])}
     result = run_notebook("notebooks/sft/chat_sft.ipynb", params, out / "chat_sft.ipynb", cell_timeout=1800, env=env)
     print(result.log_line())
     assert result.ok, result.error
