@@ -2,7 +2,8 @@
 batch (tiny default, CPU, fp32): the loss value, every LoRA gradient and every metric TRL logs agree (1e-5
 relative); the batches are padded (pairs and completions of different lengths, masked prompt positions); the
 LM head's module forward is never called on the fused path (no ``[B, T, V]`` logits); a setting the fused path
-does not implement runs TRL's computation with one warning naming it."""
+does not implement runs TRL's computation with one warning naming it. On the GPU (``pytest -m gpu``) the same
+DPO and GRPO comparisons in bf16 and fp16, with 16-bit tolerances."""
 
 from __future__ import annotations
 
@@ -85,8 +86,16 @@ def _no_lm_head_forward(model):
 
 # ---------------------------------------------------------------------------------- DPO
 
-def _dpo_trainer(tmp_path, **config):
-    model, tok = tiny_model()
+def _device_config(dtype) -> dict:
+    """Trainer flags for a CPU run (``dtype`` None: fp32) or a CUDA run in ``dtype``."""
+    if dtype is None:
+        return {}
+    return dict(use_cpu=False, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+
+
+def _dpo_trainer(tmp_path, dtype=None, **config):
+    model, tok = tiny_model(dtype=dtype)
+    config = {**_device_config(dtype), **config}
     rows = [dict(PAIRS[0], chosen=PAIRS[0]["chosen"] + " It is ripe and sweet."), *PAIRS[1:]]
     trainer = FastDPOTrainer(model=model, args=_dpo_config(tmp_path, per_device_train_batch_size=4, **config),
                              train_dataset=Dataset.from_list(rows), processing_class=tok, show_banner=False)
@@ -198,14 +207,14 @@ def _length_reward(completions, **kwargs):
     return [float(len(str(c))) for c in completions]
 
 
-def _grpo_trainer(tmp_path, **config):
+def _grpo_trainer(tmp_path, dtype=None, **config):
     from trl import GRPOConfig
 
-    model, tok = tiny_model()
+    model, tok = tiny_model(dtype=dtype)
     base = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
                 max_completion_length=7, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
                 use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    base.update(config)
+    base.update(_device_config(dtype), **config)
     trainer = FastGRPOTrainer(model=model, reward_funcs=[_length_reward], args=GRPOConfig(**base),
                               train_dataset=Dataset.from_list(GRPO_ROWS), processing_class=tok, show_banner=False)
     _move_adapters(model)
@@ -222,7 +231,7 @@ def _grpo_trainer(tmp_path, **config):
             trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1))
     # an older policy: ratios away from 1, so both clip sides act
-    inputs["old_per_token_logps"] = logps.detach() + 0.4 * torch.randn(logps.shape, generator=g)
+    inputs["old_per_token_logps"] = logps.detach() + 0.4 * torch.randn(logps.shape, generator=g).to(logps)
     return trainer, inputs
 
 
@@ -286,3 +295,56 @@ def test_grpo_unsupported_loss_type_falls_back_with_one_warning(tmp_path):
     trainer, inputs = _grpo_trainer(tmp_path, loss_type="bnpo")
     _falls_back_once(trainer, inputs, lambda: GRPOTrainer.compute_loss(_trl_scoring(trainer), trainer.model, inputs),
                      "GRPOConfig(loss_type='bnpo')")
+
+
+# ---------------------------------------------------------------------------------- on the GPU
+
+def _assert_close_in_16_bit(ours, theirs):
+    """16-bit: the loss within 2% of TRL's, every LoRA gradient pointing the same way (cosine > 0.99) and of
+    the same size (within 5%), every metric finite. TRL's path rounds its [B, T, V] logits to 16 bits, the
+    fused path accumulates each chunk in fp32, so both carry 16-bit noise of their own."""
+    loss, grads, metrics = ours
+    trl_loss, trl_grads, _ = theirs
+    assert torch.isfinite(loss) and abs(loss.item() - trl_loss.item()) <= 2e-2 * max(abs(trl_loss.item()), 1e-3)
+    assert grads.keys() == trl_grads.keys() and grads
+    for name, grad in grads.items():
+        a, b = grad.float().flatten(), trl_grads[name].float().flatten()
+        assert torch.isfinite(a).all(), name
+        cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+        assert cosine > 0.99 and abs(a.norm().item() / b.norm().item() - 1) < 0.05, (name, cosine)
+    assert all(not math.isnan(v) for values in metrics.values() for v in values)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_dpo_fused_loss_matches_trl(tmp_path, dtype):
+    from trl import DPOTrainer
+
+    trainer, batch = _dpo_trainer(tmp_path, dtype=dtype)
+    assert next(trainer.model.parameters()).device.type == "cuda"
+    calls, hook = _no_lm_head_forward(trainer.model)
+    try:
+        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, batch))
+    finally:
+        hook.remove()
+    assert calls == []  # the Triton log-prob kernel, never [B, T, V] logits
+    _assert_close_in_16_bit(ours, _loss_grads_metrics(trainer, lambda: DPOTrainer.compute_loss(trainer, trainer.model,
+                                                                                                 batch)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_grpo_fused_loss_matches_trl(tmp_path, dtype):
+    from trl import GRPOTrainer
+
+    trainer, inputs = _grpo_trainer(tmp_path, dtype=dtype, loss_type="dapo", beta=0.04)
+    assert inputs["completion_ids"].device.type == "cuda"  # generated on the decode path, on the GPU
+    calls, hook = _no_lm_head_forward(trainer.model)
+    try:
+        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
+    finally:
+        hook.remove()
+    assert calls == []
+    _trl_scoring(trainer)
+    _assert_close_in_16_bit(ours, _loss_grads_metrics(trainer, lambda: GRPOTrainer.compute_loss(trainer, trainer.model,
+                                                                                                  inputs)))
