@@ -84,6 +84,18 @@ def _no_lm_head_forward(model):
     return calls, head.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
 
 
+def _fused_without_lm_head(trainer, batch):
+    """:func:`_loss_grads_metrics` of the trainer's own (fused) ``compute_loss``, asserting that it never
+    called the LM head's module forward."""
+    calls, hook = _no_lm_head_forward(trainer.model)
+    try:
+        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, batch))
+    finally:
+        hook.remove()
+    assert calls == [], calls
+    return ours
+
+
 # ---------------------------------------------------------------------------------- DPO
 
 def _device_config(dtype) -> dict:
@@ -112,12 +124,7 @@ def test_dpo_fused_loss_grads_and_metrics_equal_trl(tmp_path, loss_type):
     assert trainer._fused_unsupported(batch) is None
     padded = batch["attention_mask"] == 0
     assert padded.any() and (batch["completion_mask"] == 0).any()  # padding and masked prompts are in the batch
-    calls, hook = _no_lm_head_forward(trainer.model)
-    try:
-        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, batch))
-    finally:
-        hook.remove()
-    assert calls == []  # the LM head's forward never ran: no [2P, T, V] logits
+    ours = _fused_without_lm_head(trainer, batch)  # the LM head's forward never ran: no [2P, T, V] logits
     theirs = _loss_grads_metrics(trainer, lambda: DPOTrainer.compute_loss(trainer, trainer.model, batch))
     _assert_equal_paths(ours, theirs)
     assert abs(ours[2]["rewards/margins"][0]) > 1e-4  # policy != reference: the comparison is not of zeros
@@ -255,12 +262,7 @@ def test_grpo_fused_loss_grads_and_metrics_equal_trl(tmp_path, loss_type, beta, 
     assert (inputs["advantages"] > 0).any() and (inputs["advantages"] < 0).any()
     assert ("ref_per_token_logps" in inputs) == (beta > 0)
     assert trainer._loss_unsupported(inputs) is None
-    calls, hook = _no_lm_head_forward(trainer.model)
-    try:
-        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
-    finally:
-        hook.remove()
-    assert calls == []
+    ours = _fused_without_lm_head(trainer, inputs)
     _trl_scoring(trainer)
     theirs = _loss_grads_metrics(trainer, lambda: GRPOTrainer.compute_loss(trainer, trainer.model, inputs))
     _assert_equal_paths(ours, theirs)
@@ -322,12 +324,7 @@ def test_gpu_dpo_fused_loss_matches_trl(tmp_path, dtype):
 
     trainer, batch = _dpo_trainer(tmp_path, dtype=dtype)
     assert next(trainer.model.parameters()).device.type == "cuda"
-    calls, hook = _no_lm_head_forward(trainer.model)
-    try:
-        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, batch))
-    finally:
-        hook.remove()
-    assert calls == []  # the Triton log-prob kernel, never [B, T, V] logits
+    ours = _fused_without_lm_head(trainer, batch)  # the Triton log-prob kernel, never [B, T, V] logits
     _assert_close_in_16_bit(ours, _loss_grads_metrics(trainer, lambda: DPOTrainer.compute_loss(trainer, trainer.model,
                                                                                                  batch)))
 
@@ -339,12 +336,7 @@ def test_gpu_grpo_fused_loss_matches_trl(tmp_path, dtype):
 
     trainer, inputs = _grpo_trainer(tmp_path, dtype=dtype, loss_type="dapo", beta=0.04)
     assert inputs["completion_ids"].device.type == "cuda"  # generated on the decode path, on the GPU
-    calls, hook = _no_lm_head_forward(trainer.model)
-    try:
-        ours = _loss_grads_metrics(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
-    finally:
-        hook.remove()
-    assert calls == []
+    ours = _fused_without_lm_head(trainer, inputs)
     _trl_scoring(trainer)
     _assert_close_in_16_bit(ours, _loss_grads_metrics(trainer, lambda: GRPOTrainer.compute_loss(trainer, trainer.model,
                                                                                                   inputs)))

@@ -108,23 +108,23 @@ def release(model: nn.Module) -> int:
     The next ``model.generate`` allocates them again. Useful before training a large model in the
     same notebook when you will not generate again soon (``for_training`` keeps them, for GRPO).
     """
-    state = causal_lm_of(model).__dict__.get(_STATE)
-    if state is None:
-        return 0
-    freed = state.cache.nbytes if state.cache is not None else 0
-    state.release()
-    return freed
+    return _free(model, GenerationState.release)
 
 
 def drop_cache(model: nn.Module) -> int:
     """Free the KV cache, the decode buffers and the CUDA graphs of ``model`` (the plan, the adapter casts
     and the RoPE tables stay); returns the KV-cache bytes freed. The next ``generate`` allocates and
     captures them again. FastGRPOTrainer calls it after each generation when memory is short."""
+    return _free(model, GenerationState.drop_cache)
+
+
+def _free(model: nn.Module, how) -> int:
+    """Apply ``how`` (a :class:`GenerationState` method) to ``model``'s state; the KV-cache bytes it held."""
     state = causal_lm_of(model).__dict__.get(_STATE)
     if state is None:
         return 0
     freed = state.cache.nbytes if state.cache is not None else 0
-    state.drop_cache()
+    how(state)
     return freed
 
 
