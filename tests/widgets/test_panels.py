@@ -22,6 +22,10 @@ def test_model_panel_overrides_and_value():
     p.load_in_4bit.value = False
     p.max_seq_length.value = 1024
     assert p.value.load_in_4bit is False and p.value.max_seq_length == 1024
+    before = p.last_result.estimate.total
+    p.offload_embedding.value = True  # Qwen3-4B ties its embedding to the LM head: nothing moves
+    assert p.value.from_pretrained_kwargs()["offload_embedding"] is True
+    assert p.last_result.estimate.total == before
     assert "nbk-vram-estimate" in p.estimate._dom_classes
     assert "Estimated peak VRAM" in p.estimate_text and "T4" in p.estimate_text
     with pytest.raises(TypeError, match="unknown settings"):
@@ -166,3 +170,14 @@ def test_training_panel_keeps_a_zero_learning_rate_until_the_slider_moves():
     assert "a control run, nothing trains" in p.summary.value
     p.learning_rate.value = 1e-4
     assert p.value.learning_rate == pytest.approx(1e-4) and "control run" not in p.summary.value
+
+
+def test_offload_embedding_moves_an_untied_table_off_the_card():
+    p = ModelPanel(model_name="meta-llama/Llama-3.1-8B-Instruct", load_in_4bit=True, max_seq_length=2048, card="t4")
+    on_card = p.last_result.estimate
+    p.offload_embedding.value = True
+    moved = p.last_result.estimate
+    assert on_card.base_weights - moved.base_weights == 128256 * 4096 * 2 and moved.inputs["offload_embedding"]
+    assert "pinned host memory" in p.estimate_text
+    # the "auto" plan spends the freed room: no fewer layers keep their activations than before
+    assert moved.plan.count("keep") >= on_card.plan.count("keep") and moved.total <= p.last_result.budget_bytes
