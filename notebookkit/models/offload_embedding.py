@@ -2,7 +2,7 @@
 
 A frozen input embedding is only gathered from: ``h = E[ids]`` reads ``N`` rows of ``H`` values per
 forward (``N * H * s`` bytes: 16 MiB for 2,048 tokens of Llama-3.1-8B), while its table is ``V * H * s``
-(1 GiB there; 1.1 GiB for Qwen2.5-7B). So the table moves to page-locked host memory and the weight
+(0.98 GiB there; 1.02 GiB for Qwen2.5-7B). So the table moves to page-locked host memory and the weight
 becomes a CUDA view of it (:func:`~notebookkit.memory.host_mapped.host_mapped_cuda_tensor`): the same
 ``nn.Embedding``, the same parameter object and state-dict key, still ``device="cuda"`` for every
 caller (the training forward, the decode path's CUDA graphs, ``model.device``, export), while the GPU

@@ -71,7 +71,7 @@ def from_pretrained(
         attn_implementation: Hugging Face attention backend for the parts left stock.
         fast_path: ``False`` loads on stock Hugging Face code (for comparisons).
         offload_embedding: keep the language model's input embedding table in pinned host memory, read
-            by the GPU in place (1 GiB less GPU memory for Qwen2.5-VL-7B; not for tied embeddings).
+            by the GPU in place (1.02 GiB less GPU memory for Qwen2.5-VL-7B; not for tied embeddings).
 
     Returns:
         ``(model, processor)``: the processor renders chat messages with images
