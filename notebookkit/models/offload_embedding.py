@@ -15,8 +15,8 @@ Not applied, and the banner says why:
 * no CUDA device (the model already lives in host memory);
 * the embedding is tied to the LM head (Llama 3.2 1B/3B, Gemma): the LM head streams the whole
   table every step, which over the bus would be slow, and the memory is needed on the GPU anyway;
-* the embedding is trainable (``full_finetuning``), or the model is spread over devices by a
-  ``device_map``;
+* the embedding is trainable (``full_finetuning``), the model is spread over devices by a
+  ``device_map``, or the process is one of a distributed launch (not validated on several GPUs yet);
 * this CUDA setup cannot map host memory into the GPU's address space.
 
 Host memory: PyTorch's pinned-memory allocator rounds each block up to a power of two, so the table
@@ -29,6 +29,7 @@ copy, which lives in GPU memory, and the frozen original stays in host memory.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -101,6 +102,10 @@ def _why_not(model: nn.Module) -> Optional[str]:
     devices = set(getattr(model, "hf_device_map", {}).values() or ())
     if len(devices) > 1:
         return "device_map spreads the model over several devices: the embedding stays where it was placed"
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        return (f"a distributed launch (WORLD_SIZE={world}): data parallelism with a host-side table is not "
+                "validated yet, so the embedding stays on each GPU")
     if weight.device.type != "cuda":
         return f"the model is on {weight.device.type}, not a CUDA GPU: nothing to save"
     return None

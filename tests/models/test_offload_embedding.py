@@ -1,7 +1,7 @@
 """``from_pretrained(offload_embedding=True)``: the input embedding table in pinned host memory.
 
 CPU: the keyword's values, the banner's reason when it does not apply (no GPU, a tied or a trainable
-embedding), the mapping helper's refusals, and the memory model (the table leaves the base weights and
+embedding, a distributed launch), the mapping helper's refusals, and the memory model (the table leaves the base weights and
 joins the host memory; the estimate reads the mark off a model). GPU (``pytest -m gpu``): the table
 really leaves ``torch.cuda.memory_allocated``, the weight stays a CUDA tensor, and logits, LoRA gradients
 and greedy tokens of the fast decode path (CUDA graphs) are bit-identical to the model before the move,
@@ -56,6 +56,14 @@ def test_a_tied_or_trainable_embedding_stays_and_says_so():
     banner = Banner()
     assert offload_input_embedding(model, banner) == 0
     assert "trainable (full_finetuning)" in banner.line("offload_embedding")
+
+
+def test_a_distributed_launch_keeps_the_table_on_each_gpu(monkeypatch):
+    model, _ = _load()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    banner = Banner()
+    assert offload_input_embedding(model, banner) == 0
+    assert "distributed launch (WORLD_SIZE=2)" in banner.line("offload_embedding")
 
 
 def test_the_mapping_helper_refuses_what_it_cannot_map():
