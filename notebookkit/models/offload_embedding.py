@@ -71,8 +71,8 @@ def offload_input_embedding(model: nn.Module, banner: Optional[Banner] = None) -
         host.copy_(weight.detach())
         try:
             view = host_mapped_cuda_tensor(host, weight.device)
-        except (RuntimeError, ValueError) as exc:
-            reason = f"this CUDA setup cannot read host memory from the GPU ({exc})"
+        except Exception as exc:  # noqa: BLE001 - any refusal leaves the table where it was, said in the banner
+            reason = f"this CUDA setup cannot read host memory from the GPU ({type(exc).__name__}: {exc})"
         else:
             freed = weight.numel() * weight.element_size()
             weight.data = view
