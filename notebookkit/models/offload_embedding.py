@@ -77,6 +77,7 @@ def offload_input_embedding(model: nn.Module, banner: Optional[Banner] = None) -
             freed = weight.numel() * weight.element_size()
             weight.data = view
             record_host_embedding(embed, True)
+            torch.cuda.empty_cache()  # hand the table's old block back to the driver (nvidia-smi shows it free)
     if banner is not None:
         if freed:
             banner.feature(FEATURE, True, f"input embedding ({_gib(freed)}) in pinned host memory, "
