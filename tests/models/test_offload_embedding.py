@@ -3,9 +3,9 @@
 CPU: the keyword's values, the banner's reason when it does not apply (no GPU, a tied or a trainable
 embedding, a distributed launch), the mapping helper's refusals, and the memory model (the table leaves the base weights and
 joins the host memory; the estimate reads the mark off a model). GPU (``pytest -m gpu``): the table
-really leaves ``torch.cuda.memory_allocated``, the weight stays a CUDA tensor, and logits, LoRA gradients
-and greedy tokens of the fast decode path (CUDA graphs) are bit-identical to the model before the move,
-in bf16 and fp16.
+really leaves ``torch.cuda.memory_allocated``, the weight stays a CUDA tensor, and the loss, logits and
+greedy tokens of the fast decode path (CUDA graphs) are bit-identical to the model before the move (LoRA
+gradients within the backward's own run-to-run noise), in bf16 and fp16.
 """
 
 from __future__ import annotations
@@ -150,8 +150,12 @@ def test_gpu_the_table_leaves_gpu_memory_and_nothing_else_changes(dtype):
 
     release(model)  # a fresh plan and fresh graphs read the moved table
     after = logits_and_grads()
-    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
-    assert before[2].keys() == after[2].keys() and all(torch.equal(before[2][k], after[2][k]) for k in before[2])
+    again = logits_and_grads()  # the same step twice: the run-to-run noise of the backward's reductions
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])  # the forward reads equal rows
+    assert before[2].keys() == after[2].keys()
+    for name, grad in before[2].items():
+        noise = (again[2][name] - after[2][name]).abs().max()
+        assert (after[2][name] - grad).abs().max() <= 2 * noise + 1e-6, name
     assert torch.equal(tokens, greedy())
 
 
