@@ -6,6 +6,8 @@ and training is logged per step; with beta > 0 the reference is the same weights
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -158,8 +160,11 @@ def _cache_of(model):
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_the_generation_cache_is_kept_or_freed_between_steps(tmp_path, monkeypatch, keep):
-    model, tok = _model()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_generation_cache_is_kept_or_freed_between_steps(tmp_path, monkeypatch, keep, device):
+    """On CUDA the decode step is a captured graph: freed with the cache, captured again for the next step."""
+    cuda = device == "cuda"
+    model, tok = _model(dtype=torch.bfloat16 if cuda else None)
     caches = []
     generate = model.generate
 
@@ -169,9 +174,11 @@ def test_the_generation_cache_is_kept_or_freed_between_steps(tmp_path, monkeypat
         return out
 
     monkeypatch.setattr(model, "generate", watched_generate)
-    trainer = _trainer(tmp_path, [format_reward], model=(model, tok), keep_generation_cache=keep)
+    flags = dict(use_cpu=False, bf16=True) if cuda else {}
+    trainer = _trainer(tmp_path, [format_reward], model=(model, tok), keep_generation_cache=keep, **flags)
     trainer.train()
     assert len(caches) == 2 and all(c is not None for c in caches)  # the fast decode path made a cache each time
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
     if keep:
         assert _cache_of(model) is caches[0] is caches[1]  # one cache, reused by the second step
     else:
