@@ -50,7 +50,8 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # Variants of our system: (train_step --system, extra arguments). "notebookkit" is the default a user
 # gets ("auto": the planner fits free VRAM, so on a 139 GiB card it keeps every activation);
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
-# runs; "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
+# runs; "notebookkit-lean" adds offload_embedding=True (the input embedding table in host memory, untied
+# models); "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
 # "notebookkit-fp8-<N>GiB" does the same with the FP8 forward.
 VARIANTS = {
     "notebookkit": ("notebookkit", []),
@@ -58,6 +59,8 @@ VARIANTS = {
     "notebookkit-recompute": ("notebookkit", ["--checkpointing", "true"]),
     "notebookkit-fp8": ("notebookkit", ["--fp8"]),
     "notebookkit-fp8-offload": ("notebookkit", ["--fp8", "--checkpointing", "offload"]),
+    "notebookkit-lean": ("notebookkit", ["--checkpointing", "offload", "--offload-embedding"]),
+    "notebookkit-fp8-lean": ("notebookkit", ["--fp8", "--checkpointing", "offload", "--offload-embedding"]),
 }
 
 

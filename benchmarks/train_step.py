@@ -162,11 +162,12 @@ def load_unsloth(folder: str, quant: str, seq: int):
 
 
 def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str, max_memory: str | None = None,
-                     fp8: bool = False):
+                     fp8: bool = False, offload_embedding: bool = False):
     from notebookkit import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
-        folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=(quant == "nf4")
+        folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=(quant == "nf4"),
+        offload_embedding=offload_embedding,
     )
     gc_mode: object = {"true": True, "false": False}.get(checkpointing, checkpointing)
     return FastLanguageModel.get_peft_model(
@@ -249,6 +250,8 @@ def main() -> None:
     ap.add_argument("--max-memory", default=None, help='notebookkit: VRAM cap for the "auto" plan, e.g. 10GiB')
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="enforce a VRAM cap (max-context search)")
     ap.add_argument("--fp8", action="store_true", help="notebookkit: FP8 forward for the frozen base GEMMs")
+    ap.add_argument("--offload-embedding", action="store_true",
+                    help="notebookkit: the input embedding table in pinned host memory (untied models)")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
     args = ap.parse_args()
@@ -266,7 +269,8 @@ def main() -> None:
     if args.system == "unsloth":
         model = load_unsloth(folder, args.quant, args.seq)
     elif args.system == "notebookkit":
-        model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, args.max_memory, args.fp8)
+        model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, args.max_memory, args.fp8,
+                                 args.offload_embedding)
     else:
         model = load_peers(args.system, folder, args.quant)
     load_s = time.time() - t0
