@@ -74,14 +74,21 @@ def fused_lm_head(causal_lm: Any) -> bool:
 
 
 def record_host_embedding(embedding: Any, on_host: bool) -> None:
-    """Record whether the table of this input embedding module lives in host memory."""
-    _set_flag(embedding, _HOST_EMBEDDING, on_host)
+    """Record whether the table of this input embedding module lives in host memory (the mark keeps the
+    table's address, so a copy of the module, whose table is fresh GPU memory, does not inherit it)."""
+    if on_host:
+        object.__setattr__(embedding, _HOST_EMBEDDING, embedding.weight.data_ptr())
+    else:
+        _marks(embedding).pop(_HOST_EMBEDDING, None)
 
 
 def host_embedding(embedding: Any) -> bool:
     """Whether this (frozen) input embedding's table is in host memory (:func:`record_host_embedding`).
 
-    A trainable module is never counted: PEFT's ``modules_to_save`` copies the flag along with the
-    module, but the copy it trains lives in GPU memory."""
+    A copy of the module (``copy.deepcopy``, PEFT's ``modules_to_save``) carries the mark but not the
+    table: its address differs, so it is not counted; nor is a trainable table."""
     weight = getattr(embedding, "weight", None)
-    return bool(_marks(embedding).get(_HOST_EMBEDDING, False)) and not getattr(weight, "requires_grad", False)
+    address = _marks(embedding).get(_HOST_EMBEDDING)
+    if weight is None or address is None or getattr(weight, "requires_grad", False):
+        return False
+    return weight.data_ptr() == address

@@ -10,6 +10,8 @@ gradients within the backward's own run-to-run noise), in bf16 and fp16.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -93,6 +95,8 @@ def test_the_estimate_reads_the_mark_off_a_model():
     assert "offload_embedding" not in estimate_kwargs_from_model(model)
     record_host_embedding(model.get_input_embeddings(), True)  # what offload_input_embedding leaves on a GPU
     assert estimate_kwargs_from_model(model)["offload_embedding"] is True
+    copied = copy.deepcopy(model.get_input_embeddings())  # the mark travels, the table is new memory
+    assert not host_embedding(copied)
     model.get_input_embeddings().weight.requires_grad_(True)  # a trained table is on the GPU (PEFT's copy)
     assert "offload_embedding" not in estimate_kwargs_from_model(model)
 
