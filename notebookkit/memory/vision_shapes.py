@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .shapes import ModelShape, _get, shape_from_config
+from .shapes import PROJECTIONS, ModelShape, _get, shape_from_config
 
 #: Public config numbers (text decoder and vision tower) of the curated VLMs, by a short name. The
 #: vision benchmark (``benchmarks/vision_step.py``) builds its random-weight checkpoints from these.
@@ -351,15 +351,12 @@ def text_shape(shape: Any) -> ModelShape:
     return shape.text if isinstance(shape, VLMShape) else shape
 
 
-_PROJECTION_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def _projection_of(parameter_name: str) -> str | None:
     """``"q_proj"`` for ``"...layers.0.self_attn.q_proj.lora_A.default.weight"`` (None: not a decoder projection)."""
     parts = parameter_name.split(".")
     for i, part in enumerate(parts):
         if part.startswith("lora_") and i > 0:
-            return parts[i - 1] if parts[i - 1] in _PROJECTION_ORDER else None
+            return parts[i - 1] if parts[i - 1] in PROJECTIONS else None
     return None
 
 
@@ -376,7 +373,7 @@ def vision_kwargs_from_model(model: Any) -> dict[str, Any]:
         out["vision_lora_params"] = sum(p.numel() for p in vision)  # as adapted: the finetune_* switches decide
         # the decoder's adapted projections (the PEFT config's names cover both towers)
         out["target_modules"] = sorted({_projection_of(n) for n, _ in lora if "language_model" in n} - {None},
-                                       key=lambda t: _PROJECTION_ORDER.index(t))
+                                       key=PROJECTIONS.index)
     cfg = getattr(model, "config", None)
     folder = Path(str(getattr(cfg, "_name_or_path", "") or ""))
     if str(folder) and (folder / "config.json").is_file():
