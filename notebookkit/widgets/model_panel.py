@@ -198,7 +198,8 @@ def estimate_html(res: EstimateResult) -> str:
     if res.message:
         extra = f"<div style='color:#a15c00;max-width:520px;margin-top:4px'>{html.escape(res.message)}</div>"
     if est.host_offload:
-        extra += f"<div style='color:#555'>pinned host memory (offloaded layer inputs, a host-side embedding): {_size(est.host_offload)}</div>"
+        extra += (f"<div style='color:#555'>pinned host memory (offloaded layer inputs, a host-side embedding): "
+                  f"{_size(est.host_offload)}</div>")
     if res.longest_seq:
         extra += (f"<div class='nbk-vram-longest' style='color:#555'>longest max_seq_length that trains on this card "
                   f"with these settings: {res.longest_seq:,} tokens</div>")
