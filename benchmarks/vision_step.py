@@ -321,8 +321,14 @@ def run_all(args) -> list[dict]:
             rows.append({"system": system, "status": f"not installed ({need})"})
             continue
         start = time.time()
-        proc = subprocess.run(child_command(system, args), capture_output=True, text=True, env=env,
-                              timeout=args.timeout)
+        try:
+            proc = subprocess.run(child_command(system, args), capture_output=True, text=True, env=env,
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired:  # a row that runs too long is reported, the others still are
+            rows.append({"system": system, "status": f"timed out after {args.timeout} s",
+                         "wall_s": round(time.time() - start, 1)})
+            print(f"{system}: timed out", flush=True)
+            continue
         results = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode == 0 and results:
             row = json.loads(results[-1])
