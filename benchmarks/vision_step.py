@@ -149,7 +149,7 @@ def caption_rows(batch: int, image_size: int) -> list[dict]:
     return rows
 
 
-def load_system(system: str, folder: str, quant: str, seq: int, batch: int, device: str):
+def load_system(system: str, folder: str, quant: str, seq: int, batch: int, device: str, max_memory=None):
     """(model, processor) of ``system`` with LoRA on every attention / MLP projection of both towers."""
     import torch
 
@@ -157,14 +157,14 @@ def load_system(system: str, folder: str, quant: str, seq: int, batch: int, devi
     if system.startswith("notebookkit"):
         from notebookkit import FastVisionModel
 
-        mode = "auto" if system == "notebookkit" else "offload"
+        mode = "auto" if system == "notebookkit" or max_memory else "offload"  # a cap: the planner's plan under it
         mode = mode if device == "cuda" else False
         model, processor = FastVisionModel.from_pretrained(folder, max_seq_length=seq, dtype=dtype,
                                                            load_in_4bit=quant == "nf4",
                                                            offload_embedding=system == "notebookkit-lean")
         model = FastVisionModel.get_peft_model(model, r=R, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
                                                use_gradient_checkpointing=mode, random_state=SEED,
-                                               planning_batch_size=batch)
+                                               planning_batch_size=batch, max_memory=max_memory)
         return model, processor
     if system.startswith("unsloth"):
         from unsloth import FastVisionModel as UnslothVision
@@ -228,7 +228,7 @@ def run_system(args) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    model, processor = load_system(args.system, folder, args.quant, args.seq, args.batch, device)
+    model, processor = load_system(args.system, folder, args.quant, args.seq, args.batch, device, args.max_memory)
     load_s = time.time() - t0
     model.train()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -308,7 +308,8 @@ def collator_vision(model):
 def child_command(system: str, args) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--system", system, "--shape", args.shape, "--quant", args.quant,
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--seq", str(args.seq),
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--warmup", str(args.warmup), "--steps", str(args.steps)] + \
+        (["--max-memory", args.max_memory] if args.max_memory else [])
     return cmd + (["--tiny"] if args.tiny else [])
 
 
@@ -407,6 +408,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny Qwen2.5-VL on the CPU, fp32 (checks the script)")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--max-memory", default=None,
+                    help='notebookkit rows: the "auto" plan under this VRAM cap (e.g. 7GiB) instead of their mode')
     ap.add_argument("--out", default=None, help="folder for the JSON and markdown results")
     args = ap.parse_args()
     if args.tiny:
