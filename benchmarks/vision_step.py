@@ -29,7 +29,7 @@ Systems (``--systems``, comma-separated):
 * ``unsloth``              Unsloth's FastVisionModel with ``use_gradient_checkpointing="unsloth"``;
 * ``unsloth-lean``         the same with its ``offload_embedding=True``.
 
-The parent writes ``<out>/<date>-<device>-vision-<shape>-<systems>.json`` and ``.md`` and prints the
+The parent writes ``<out>/<date>-<device>-vision-<shape>-<system>_<system>....json`` and ``.md`` and prints the
 table (one file per set of systems, so rows split over several runs do not overwrite each other). A
 system whose package is missing is reported as "not installed", a failed one with its error.
 """
@@ -426,13 +426,14 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         device = next((r["device"] for r in rows if r.get("status") == "ok"), "none").replace(" ", "-")
-        systems = "+".join(r["system"] for r in rows)
-        stem = os.path.join(args.out, f"{dt.date.today().isoformat()}-{device}-vision-"
-                                      f"{'tiny' if args.tiny else args.shape}-{systems}")
+        # systems joined by "_" (their names hold "-"; the device tool refuses "+" in a file name)
+        prefix = os.path.join(args.out, f"{dt.date.today().isoformat()}-{device}-vision-"
+                                        f"{'tiny' if args.tiny else args.shape}")
+        stem = prefix + "-" + "_".join(r["system"] for r in rows)
         json.dump({"config": vars(args), "rows": rows}, open(stem + ".json", "w"), indent=2)
         open(stem + ".md", "w").write(table)
         print(f"wrote {stem}.json and .md")
-        combined = combine_runs(stem.rsplit("-", 1)[0], args)
+        combined = combine_runs(prefix, args)
         if combined is not None:
             table = combined
     print(table)
