@@ -360,14 +360,12 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     dtype = None
     embeddings = getattr(model, "get_input_embeddings", None)
     try:  # the dtype the model really computes in: its (16-bit, never quantised) embedding table
-        dtype = embeddings().weight.dtype if embeddings is not None else None
+        table = embeddings() if embeddings is not None else None
+        dtype = table.weight.dtype if table is not None else None
+        if table is not None and host_embedding(table):
+            out["offload_embedding"] = True  # from_pretrained(offload_embedding=True) moved its table to the host
     except Exception:  # noqa: BLE001 - a model without embeddings: fall back to the config
         dtype = None
-    try:
-        if embeddings is not None and host_embedding(embeddings()):
-            out["offload_embedding"] = True  # from_pretrained(offload_embedding=True) moved its table to the host
-    except Exception:  # noqa: BLE001 - as above
-        pass
     dtype = dtype or getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if dtype is not None and str(dtype).replace("torch.", "") in _DTYPE_BYTES:
         out["dtype"] = str(dtype).replace("torch.", "")

@@ -20,7 +20,6 @@ __all__ = ["host_mapped_cuda_tensor", "is_host_mapped"]
 
 #: integer stand-ins for element sizes the array-interface protocol has no float type for (bf16)
 _SAME_SIZE_INT = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
-_INT_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _PinnedPages:
@@ -54,7 +53,7 @@ def host_mapped_cuda_tensor(host: torch.Tensor, device: torch.device) -> torch.T
         raise ValueError(f"host_mapped_cuda_tensor: {host.dtype} has no same-size integer to map it through.")
     with torch.cuda.device(device):
         raw = torch.as_tensor(_PinnedPages(host), device=device)
-    view = raw.view(host.dtype) if host.dtype != _INT_DTYPE[host.element_size()] else raw
+    view = raw.view(host.dtype)  # same element size: a reinterpretation, no copy
     if view.data_ptr() != host.data_ptr():
         raise RuntimeError("host_mapped_cuda_tensor: PyTorch copied the host memory instead of mapping it.")
     return view
