@@ -166,6 +166,17 @@ def _rope_sources(backbone: nn.Module, config: Any, n_layers: int) -> tuple[list
     return ["default"] * n_layers, {"default": rotary}
 
 
+def _on_three_axes(rotary: Callable) -> Callable:
+    """A multimodal rotary module called with one position per token on all three axes (time, height,
+    width): what every token generated after the prompt has, each at its ``rope_deltas`` offset. Some
+    transformers versions expand ``[B, T]`` positions to the axes themselves, others require ``[3, B, T]``."""
+
+    def source(x: torch.Tensor, positions: torch.Tensor):
+        return rotary(x, positions.expand(3, *positions.shape))
+
+    return source
+
+
 def _rope_problem(backbone: nn.Module) -> Optional[str]:
     modules = [m for m in (getattr(backbone, "rotary_emb", None), getattr(backbone, "rotary_emb_local", None)) if m]
     if not modules:
@@ -193,9 +204,11 @@ def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
     config = architectures.text_config(causal_lm.config)
     family = architectures.lookup(causal_lm.config)
     backbone = getattr(causal_lm, "model", None)
+    mrope = False
     if family is None:  # a vision-language wrapper: the decode steps are its language model's
         family = for_vision_model_type(getattr(causal_lm.config, "model_type", None))
         backbone = getattr(backbone, "language_model", None)
+        mrope = family is not None and family.vision.rope == "mrope"
     if family is None:
         return (f"model_type {getattr(causal_lm.config, 'model_type', '?')!r} is not in notebookkit's family table "
                 f"({', '.join(architectures.supported_model_types())})")
@@ -210,6 +223,8 @@ def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
     if lm_head is None or embed is None or not hasattr(embed, "weight"):
         return "the model has no input embedding or LM head module"
     keys, sources = _rope_sources(backbone, config, len(layers))
+    if mrope:
+        sources = {key: _on_three_axes(source) for key, source in sources.items()}
     softcap = architectures.attn_softcap(causal_lm.config, family)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     plans = []

@@ -125,6 +125,24 @@ def test_qwen_image_prompts_equal_hugging_face_at_the_rope_offsets(vlm_folder, c
     assert not torch.equal(model.generate(**device_inputs, max_new_tokens=16, do_sample=False), reference)
 
 
+def test_qwen_decode_tables_pass_positions_on_three_axes(vlm_folder, caption_rows, monkeypatch):
+    """transformers 5.17's multimodal rotary module takes only ``[3, B, T]`` positions (later versions also
+    ``[B, T]``): the decode steps' tables are built with one position per token on all three axes."""
+    model, processor = _model(vlm_folder("qwen2"))
+    rotary = model.get_base_model().model.language_model.rotary_emb
+    stock = type(rotary).forward
+
+    def three_axes_only(self, x, position_ids):
+        if position_ids.dim() != 3:
+            raise IndexError("too many indices for tensor of dimension 2")
+        return stock(self, x, position_ids)
+
+    monkeypatch.setattr(type(rotary), "forward", three_axes_only)
+    reference, fast, fallbacks = _hf_and_fast(model, _inputs(processor, caption_rows(2, "eval")))
+    assert not fallbacks, fallbacks
+    assert torch.equal(fast, reference)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_text_only_prompts_run_the_fast_path(vlm_folder, caption_rows, family):
     model, processor = _model(vlm_folder(family))
