@@ -256,6 +256,13 @@ def run_system(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     losses = [round(float(x), 5) for x in losses]
+    if args.profile and device == "cuda":
+        try:
+            profile_step(step, base, batch, args)
+        except Exception:  # noqa: BLE001 - a breakdown that fails must not lose the row
+            import traceback
+
+            traceback.print_exc()
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**30
         reserved = torch.cuda.max_memory_reserved() / 2**30
@@ -279,6 +286,119 @@ def run_system(args) -> dict:
         fused=None if banner is None else {k: on for k, (on, _) in banner.features.items()},
         device=name, versions=versions(args.system),
     )
+
+
+def profile_step(step, base, batch, args) -> None:
+    """One more step, broken down: CUDA-event times of the vision tower's forward, the decoder's forward
+    and the rest of the step (head + loss + backward + optimizer), and the torch profiler's op table
+    (sorted by CUDA time, then by CPU time), written to ``<profile>/vision-profile-<system>.txt``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    vision = collator_vision(base)
+    from notebookkit.models.patch_vision import submodule
+
+    marks: dict[str, list] = {}
+    host: dict[str, list] = {}
+
+    def hooks(name: str, module):
+        def pre(*_):
+            if torch.is_grad_enabled() and name not in marks:
+                marks[name] = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+                marks[name][0].record()
+                host[name] = [time.perf_counter()]
+
+        def post(*_):
+            if name in marks and len(marks[name]) == 2:
+                marks[name][1].record()
+                marks[name].append(True)
+                host[name].append(time.perf_counter())
+        return module.register_forward_pre_hook(pre), module.register_forward_hook(post)
+
+    handles = []
+    for name, path in (("vision tower forward", vision.vision_tower), ("decoder forward", vision.language_model)):
+        module = submodule(base, path)
+        if module is not None:
+            handles += hooks(name, module)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    wall = time.perf_counter()
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
+    for h in handles:
+        h.remove()
+    tower = submodule(base, vision.vision_tower)
+    kinds: dict[str, int] = {}
+    for m in tower.modules() if tower is not None else ():
+        if isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__:
+            kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    checkpointed = sum(bool(getattr(m, "gradient_checkpointing", False)) for m in tower.modules()) if tower else 0
+    lines = [f"vision tower: attention {getattr(tower.config, '_attn_implementation', '?') if tower else '?'}, "
+             f"linear modules {kinds}, modules with gradient_checkpointing on: {checkpointed}"]
+    lines += [f"system {args.system}: step wall {wall * 1e3:.1f} ms, CUDA events {start.elapsed_time(end):.1f} ms"]
+    for name, events in marks.items():
+        lines.append(f"  {name}: {events[0].elapsed_time(events[1]):.1f} ms on the GPU, "
+                     f"{(host[name][1] - host[name][0]) * 1e3:.1f} ms on the host")
+    lines += memory_breakdown(base, batch, vision)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in averages)
+    lines.append(f"  profiled step: self device time of all ops {kernel_us / 1e3:.1f} ms")
+    lines.append(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60))
+    lines.append(averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, f"vision-profile-{args.system}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[:5]), file=sys.stderr)
+
+
+def memory_breakdown(model, batch, vision) -> list[str]:
+    """Where one step's memory goes: the bytes autograd saves in the vision tower's forward and in the
+    rest of the forward (unique storages, as seen by ``saved_tensors_hooks``), allocated memory at the end
+    of the forward, and the peaks of the forward and of the backward."""
+    import torch
+
+    from notebookkit.models.patch_vision import submodule
+
+    seen: set[int] = set()
+    saved = {"vision tower": 0, "rest of the forward": 0}
+    where = ["rest of the forward"]
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                saved[where[0]] += storage.nbytes()
+        return t
+
+    tower = submodule(model, vision.vision_tower)
+    handles = [tower.register_forward_pre_hook(lambda *_: where.__setitem__(0, "vision tower")),
+               tower.register_forward_hook(lambda *_: where.__setitem__(0, "rest of the forward"))]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**batch)
+    torch.cuda.synchronize()
+    after_forward = torch.cuda.memory_allocated()
+    forward_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out.loss.backward()
+    torch.cuda.synchronize()
+    backward_peak = torch.cuda.max_memory_allocated()
+    for h in handles:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    gib = 2 ** 30
+    return [f"  memory: allocated before the step {before / gib:.2f} GiB, after the forward {after_forward / gib:.2f}, "
+            f"forward peak {forward_peak / gib:.2f}, backward peak {backward_peak / gib:.2f}",
+            "  saved for backward: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in saved.items())]
 
 
 def predicted_peak(model, rows: int, seq: int, image_size: int) -> float | None:
@@ -309,7 +429,8 @@ def child_command(system: str, args) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--system", system, "--shape", args.shape, "--quant", args.quant,
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--seq", str(args.seq),
            "--warmup", str(args.warmup), "--steps", str(args.steps)] + \
-        (["--max-memory", args.max_memory] if args.max_memory else [])
+        (["--max-memory", args.max_memory] if args.max_memory else []) + \
+        (["--profile", args.profile] if args.profile else [])
     return cmd + (["--tiny"] if args.tiny else [])
 
 
@@ -411,6 +532,8 @@ def main() -> None:
     ap.add_argument("--max-memory", default=None,
                     help='notebookkit rows: the "auto" plan under this VRAM cap (e.g. 7GiB) instead of their mode')
     ap.add_argument("--out", default=None, help="folder for the JSON and markdown results")
+    ap.add_argument("--profile", default=None,
+                    help="folder: after the timed steps, one step broken down by region and by op per system")
     args = ap.parse_args()
     if args.tiny:
         args.quant, args.image_size = "none", args.image_size or 64
