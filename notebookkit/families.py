@@ -121,7 +121,11 @@ class Vision:
       module composes them into one ``[B, T, head_dim]`` table, which the RoPE kernel applies as it
       applies any per-token table), ``"rotate_half"`` otherwise;
     * ``image_tokens``: the special tokens a tokenizer of this wrapper has (the tiny builder adds
-      them to the shared vocabulary); ``image_token``: the one repeated once per image feature.
+      them to the shared vocabulary); ``image_token``: the one repeated once per image feature;
+    * ``tower_attention``: ``"segments"`` when the tower attends within segments of one patch
+      sequence given by ``cu_seqlens`` (Qwen2.5-VL's windows and images), which
+      :mod:`notebookkit.models.patch_vision_attention` runs as one SDPA call per segment length;
+      ``"stock"`` otherwise (SigLIP's per-image attention is one batched call already).
     """
 
     name: str  # notebookkit/tiny-<name>, test ids
@@ -138,6 +142,7 @@ class Vision:
     image_token: str
     tiny: VisionRecipe
     rope: str = "rotate_half"
+    tower_attention: str = "stock"
     hub_example: str = ""  # a hub checkpoint of the wrapper, for messages
 
     @property
@@ -189,7 +194,7 @@ _QWEN25_VL = Vision(
     processor_class="Qwen2_5_VLProcessor", image_processor_class="Qwen2VLImageProcessorPil",
     vision_tower="model.visual", projector="model.visual.merger", language_model="model.language_model",
     image_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-    image_token="<|image_pad|>", rope="mrope", hub_example="Qwen/Qwen2.5-VL-7B-Instruct",
+    image_token="<|image_pad|>", rope="mrope", tower_attention="segments", hub_example="Qwen/Qwen2.5-VL-7B-Instruct",
     tiny=VisionRecipe(
         vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 8,
                        "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 32,

@@ -786,7 +786,7 @@ def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan
         adapters.details["adapters + optimizer: vision tower LoRA (weights, grads, optimizer)"] = value
         adapters.bytes += value
     checkpointed = any(m != "keep" for m in plan)
-    saved = ve.vision_activation_bytes(vlm, images=images, image_size=size, s=s, lora_r=lora_r,
+    saved = ve.vision_activation_bytes(vlm, images=images, image_size=size, s=s,
                                        vision_lora=vision_lora, checkpointed=checkpointed)
     if images:
         saved.update(ve.decoder_mask_bytes(vlm, rows=rows, seq_len=seq_len, s=s, any_kept="keep" in plan))

@@ -77,7 +77,9 @@ class VisionTowerShape:
 
     ``kind`` is ``"qwen2_5_vl"`` or ``"siglip"``; ``merge`` the spatial merge (Qwen2.5-VL, 1 for
     SigLIP); ``image_size`` SigLIP's fixed input side (``None`` for Qwen2.5-VL, which takes any
-    size); ``tokens_per_image`` SigLIP's pooled token count (Gemma 3's ``mm_tokens_per_image``).
+    size); ``tokens_per_image`` SigLIP's pooled token count (Gemma 3's ``mm_tokens_per_image``);
+    ``window_size`` (pixels) and ``full_attention_blocks``: Qwen2.5-VL's attention windows, and how many
+    blocks attend over whole images instead.
     """
 
     kind: str
@@ -92,6 +94,8 @@ class VisionTowerShape:
     in_channels: int = 3
     image_size: int | None = None
     tokens_per_image: int | None = None
+    window_size: int = 0
+    full_attention_blocks: int = 0
 
     def block_linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` of the linear layers of one block."""
@@ -146,14 +150,32 @@ class VisionTowerShape:
         if self.kind == "siglip":
             patches = (self.image_size // self.patch_size) ** 2
             return patches, int(self.tokens_per_image or patches)
+        gh, gw = self._patch_sides(image_size)
+        return gh * gw, gh * gw // self.merge**2
+
+    def _patch_sides(self, image_size: int | tuple[int, int] | None) -> tuple[int, int]:
+        """Qwen2.5-VL: patches along the height and the width of one image."""
         if image_size is None:
             raise ValueError("notebookkit.memory: a Qwen2.5-VL tower takes images of any size; pass image_size= "
                              "(pixels per side, or (height, width)), e.g. 448.")
         h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
         factor = self.patch_size * self.merge
-        gh = max(factor, round(h / factor) * factor) // self.patch_size
-        gw = max(factor, round(w / factor) * factor) // self.patch_size
-        return gh * gw, gh * gw // self.merge**2
+        return (max(factor, round(h / factor) * factor) // self.patch_size,
+                max(factor, round(w / factor) * factor) // self.patch_size)
+
+    def window_lengths(self, image_size: int | tuple[int, int] | None) -> list[int]:
+        """Qwen2.5-VL: patches per attention window of one image, in the tower's order.
+
+        The tower tiles the grid of merged patches with ``w x w`` windows, ``w = window_size / (patch * merge)``,
+        row by row; the last row and column of windows are cut short where the grid is not a multiple of ``w``.
+        """
+        gh, gw = self._patch_sides(image_size)
+        side = max(1, self.window_size // (self.patch_size * self.merge))
+
+        def cuts(n: int) -> list[int]:
+            return [side] * (n // side) + ([n % side] if n % side else [])
+
+        return [rows * cols * self.merge**2 for rows in cuts(gh // self.merge) for cols in cuts(gw // self.merge)]
 
 
 @dataclass(frozen=True)
@@ -222,6 +244,8 @@ def vlm_shape_from_config(cfg: Any, name: str | None = None, image_size: int | N
             merge=int(_get(vision, "spatial_merge_size", 2)),
             temporal_patch_size=int(_get(vision, "temporal_patch_size", 2)),
             in_channels=int(_get(vision, "in_channels", 3)),
+            window_size=int(_get(vision, "window_size", 112)),
+            full_attention_blocks=len(_get(vision, "fullatt_block_indexes", []) or []),
         )
     else:
         side = int(_get(vision, "image_size", 224))

@@ -15,9 +15,10 @@ What runs fused:
 * the **LM head** in training with labels: the fused linear cross-entropy (:mod:`.vision_head`);
 * the **vision tower** where the same kernels apply: its RMSNorms (Qwen2.5-VL's blocks and merger,
   Gemma 3's projector norm) and its gated SiLU MLPs (Qwen2.5-VL; they have biases, so the
-  projections run their own modules around the fused activation). Its attention (Qwen2.5-VL's
-  windowed attention over variable-length images, SigLIP's bidirectional attention), LayerNorms and
-  plain GELU MLPs stay stock.
+  projections run their own modules around the fused activation); Qwen2.5-VL's attention within
+  windows and images on the RoPE kernel and one SDPA call per segment length
+  (:mod:`.patch_vision_attention`, instead of a Python loop over the windows). SigLIP's attention
+  (already one batched call), LayerNorms and plain GELU MLPs stay stock.
 
 Everything is an instance rebinding (:mod:`.patching`), so ``unpatch_model`` restores it all.
 """
@@ -38,6 +39,7 @@ from .lora_fast_path import describe_lora
 from .patch_linear4bit import describe_linear4bit, guard_lora_merges, patch_linear4bit
 from .patch_mlp import mlp_ready, patch_mlp
 from .patch_norms import patch_norms
+from .patch_vision_attention import patch_segment_attentions
 from .patcher import _patch_attentions, _patch_mlps, _stays_stock
 from .vision_head import patch_vision_head, vision_head_ready
 
@@ -140,11 +142,12 @@ def patch_vision_model(model: nn.Module, banner: Optional[Banner] = None) -> Ban
 
 
 def _patch_tower(wrapper: nn.Module, family: Family, banner: Banner) -> None:
-    """RMSNorms and gated SiLU MLPs of the vision tower and projector; the banner's ``vision tower`` line."""
+    """RMSNorms, gated SiLU MLPs and segment attentions of the vision tower and projector; the banner's
+    ``vision tower`` line."""
     vision = family.vision
     parts = [m for m in (submodule(wrapper, vision.vision_tower), submodule(wrapper, vision.projector)) if m is not None]
     seen: set[int] = set()
-    n_norms = n_mlps = 0
+    n_norms = n_mlps = n_attentions = 0
     for part in parts:
         if id(part) in seen:
             continue
@@ -159,13 +162,18 @@ def _patch_tower(wrapper: nn.Module, family: Family, banner: Banner) -> None:
                 if activation is not None and mlp_ready(activation) is None:
                     patch_mlp(module, activation)
                     n_mlps += 1
+        if vision.tower_attention == "segments":
+            n_attentions += patch_segment_attentions(part)
     fused = [f"{n_norms} RMSNorms on kernels.rms_norm"] if n_norms else []
     if n_mlps:
         fused.append(f"{n_mlps} gated MLPs on the fused activation (biased projections: their own modules)")
+    if n_attentions:
+        fused.append(f"{n_attentions} window/image attentions on the RoPE kernel and one SDPA call per segment "
+                     "length")
+    stock = "LayerNorms and plain MLPs" if n_attentions else "attention, LayerNorms and plain MLPs"
     banner.feature(
         "vision tower", bool(fused),
-        (", ".join(fused) if fused else "nothing fused") + "; its attention, LayerNorms and plain MLPs run stock "
-        "Hugging Face code",
+        (", ".join(fused) if fused else "nothing fused") + f"; its {stock} run stock Hugging Face code",
     )
 
 

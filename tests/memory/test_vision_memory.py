@@ -94,6 +94,40 @@ def test_saved_activations_match_the_estimate(name, checkpointing):
     assert est.inputs["image_tokens_per_row"] == 16
 
 
+def _uneven_batch(processor, shape):
+    """One row with an 80x48-pixel image, built by hand (the tiny processor resizes to 64x64): a 10x6
+    patch grid, whose 4x4-patch windows leave shorter ones at the last row and column."""
+    tok = processor.tokenizer
+    patches, image_tokens = shape.vision.image_grid((80, 48))
+    ids = (tok("a photo of", add_special_tokens=False)["input_ids"] + tok.convert_tokens_to_ids(
+        ["<|vision_start|>"] + ["<|image_pad|>"] * image_tokens + ["<|vision_end|>"])
+        + tok("a red circle", add_special_tokens=False)["input_ids"])
+    ids = torch.tensor([ids])
+    v = shape.vision
+    torch.manual_seed(0)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone(),
+                pixel_values=torch.randn(patches, v.in_channels * v.temporal_patch_size * v.patch_size**2),
+                image_grid_thw=torch.tensor([[1, 10, 6]]))
+
+
+def test_uneven_windows_are_gathered_and_the_estimate_follows():
+    name = TINY[0]
+    shape = vlm_shape(name)
+    lengths = shape.vision.window_lengths((80, 48))
+    assert lengths == [16, 8, 16, 8, 8, 4]  # not in decreasing order: the window blocks gather
+    model, processor = _load(name, False)
+    batch = _uneven_batch(processor, shape)
+    vision_bytes, _ = _measure(model, batch)
+    est = estimate_training_memory(name, dtype="float32", lora_r=R, batch_size=1, seq_len=batch["input_ids"].shape[1],
+                                   image_size=(80, 48), activation_plan="keep", cuda_context_bytes=0)
+    predicted = sum(v for k, v in est.details.items() if k.startswith("activations: vision"))
+    assert abs(predicted - vision_bytes) <= VISION_TOLERANCE * vision_bytes, (predicted, vision_bytes)
+    even = estimate_training_memory(name, dtype="float32", lora_r=R, batch_size=1, seq_len=batch["input_ids"].shape[1],
+                                    image_size=(80, 64), activation_plan="keep", cuda_context_bytes=0)
+    assert shape.vision.window_lengths((80, 64)) == [16, 16, 16, 16, 8, 8]  # in order: no gather
+    assert even.details["activations: vision blocks (all saved)"] > est.details["activations: vision blocks (all saved)"]
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_frozen_tower_saves_nothing(name):
     model, processor = _load(name, False, vision_layers=False)

@@ -14,9 +14,11 @@ from notebookkit.models.vision_targets import kind_of, select_targets, tower_of
 from .conftest import VISION
 
 FAMILIES = list(VISION)
-# fused modules per tiny VLM: decoder norms / MLPs / attentions, plus the vision tower's norms and MLPs
+# fused modules per tiny VLM: decoder norms / MLPs / attentions, plus the vision tower's norms, MLPs and
+# (Qwen2.5-VL) window attentions
 EXPECTED = {
-    "qwen2": {"rms_norm": 2 * 2 + 1 + 2 * 2 + 1, "mlp": 2 + 2, "attention": 2, "causal_lm": 1},
+    "qwen2": {"rms_norm": 2 * 2 + 1 + 2 * 2 + 1, "mlp": 2 + 2, "attention": 2, "vision_attention": 2,
+              "causal_lm": 1},
     "gemma3": {"rms_norm": 2 * 6 + 1 + 1, "mlp": 2, "attention": 2, "causal_lm": 1},
 }
 
@@ -45,7 +47,10 @@ def test_patched_parts_and_banner(family, vlm_folder):
         assert banner.is_on(line), str(banner)
     if VISION[family].rope == "mrope":
         assert "multimodal RoPE" in banner.line("attention")
-    assert "attention, LayerNorms and plain MLPs run stock" in banner.line("vision tower")
+    if VISION[family].tower_attention == "segments":
+        assert "2 window/image attentions on the RoPE kernel" in banner.line("vision tower")
+    else:
+        assert "attention, LayerNorms and plain MLPs run stock" in banner.line("vision tower")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

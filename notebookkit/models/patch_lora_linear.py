@@ -1,0 +1,61 @@
+"""Adapted linears outside the fused blocks (the vision towers' PEFT LoRA layers) -> the LoRA projection kernels.
+
+For a frozen base weight ``W`` (16-bit or NF4), a frozen bias ``b`` and one active adapter::
+
+    y = x W^T + s (x A^T) B^T + b           kernels.lora_projection.shared_input_lora, then + b
+
+Stock PEFT computes the low-rank term in the adapters' dtype. With fp32 adapters under a 16-bit
+model (PEFT's default) it casts ``x`` to fp32 in every adapted linear, keeps that copy for the
+backward of ``A`` and runs fp32 GEMMs. The kernels cast the adapters to the compute dtype once per
+step instead, keep only ``x`` itself (which the base GEMM keeps anyway) and dequantise an NF4 base
+weight on the fly. The gradients of ``A`` and ``B`` come back in the adapters' dtype.
+
+The decoder's linears are inside fused blocks already (``lora_qkv``, ``lora_o``, ``lora_mlp``);
+this is for the ones that are not: Qwen2.5-VL's and SigLIP's attention and MLP linears (they have
+biases) and Qwen2.5-VL's merger. A layer the kernels cannot take (LoRA dropout, DoRA, several
+active adapters, a trainable bias) keeps running PEFT's forward, decided on every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .kernel_ops import kernel
+from .lora_fast_path import projection_view, views
+from .patching import rebind
+
+__all__ = ["lora_linear_ready", "patch_lora_linears"]
+
+
+def lora_linear_ready(module: nn.Module) -> str | None:
+    """Why ``module`` is not a PEFT LoRA linear the kernels can take now, or ``None``."""
+    if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
+        return "not a PEFT LoRA layer"
+    _, reason = projection_view(module)
+    return reason
+
+
+def _forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The patched forward (module docstring); PEFT's own when the kernels cannot take the layer now."""
+    parts, _ = views(self) if not args and not kwargs else (None, None)
+    shared_input_lora = kernel("lora_projection", "shared_input_lora")
+    if parts is None or shared_input_lora is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    view = parts[0]
+    (y,) = shared_input_lora(x, (view.projection,))
+    return y if view.bias is None else y + view.bias
+
+
+def patch_lora_linears(*parts: nn.Module) -> int:
+    """Rebind every PEFT LoRA linear in ``parts`` that the kernels take; returns how many."""
+    count, seen = 0, set()
+    for part in parts:
+        for module in part.modules():
+            if id(module) not in seen and lora_linear_ready(module) is None:
+                seen.add(id(module))
+                rebind(module, _forward, "lora_linear")
+                count += 1
+    return count

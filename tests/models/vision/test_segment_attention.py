@@ -1,0 +1,105 @@
+"""Attention within segments (Qwen2.5-VL's windows): the batched op against the per-segment loop of
+transformers, forward and backward, on odd shapes and mixed segment lengths; and the patched vision
+tower against the stock one on a grid whose edge windows are smaller than the others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from notebookkit.kernels.testing import rel_err
+from notebookkit.models.segment_attention import segment_attention, segment_plan
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def loop_reference(q, k, v, cu_seqlens, scale):
+    """transformers' loop: one SDPA call per segment, in fp64."""
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            q_s, k_s, v_s = (t[start:end].double().transpose(0, 1) for t in (q, k, v))  # [H, L, d]
+            outs.append(F.scaled_dot_product_attention(q_s, k_s, v_s, scale=scale).transpose(0, 1))
+    return torch.cat(outs)
+
+
+BOUNDS = {
+    "equal": [0, 7, 14, 21, 28],
+    "mixed": [0, 9, 13, 22, 22, 31, 35, 36],  # lengths 9, 4, 9, (empty), 9, 4, 1
+    "sorted runs": [0, 11, 22, 27],
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(BOUNDS))
+def test_matches_the_loop_forward_and_backward(case, device):
+    torch.manual_seed(len(case))
+    cu = torch.tensor(BOUNDS[case], dtype=torch.int32, device=device)
+    n, heads, d = BOUNDS[case][-1], 3, 10
+    qkv = torch.randn(n, 3, heads, d, device=device, dtype=torch.float32, requires_grad=True)
+    q, k, v = qkv.unbind(1)  # strided views, as the model's qkv output
+    got = segment_attention(q, k, v, cu, d ** -0.5)
+    want = loop_reference(q, k, v, cu, d ** -0.5)
+    assert got.shape == (n, heads, d)
+    assert rel_err(got, want) < 1e-6
+    grad = torch.randn_like(got)
+    (dqkv,) = torch.autograd.grad(got, qkv, grad)
+    qkv64 = qkv.detach().double().requires_grad_()
+    (dqkv_ref,) = torch.autograd.grad(loop_reference(*qkv64.unbind(1), cu, d ** -0.5), qkv64, grad.double())
+    assert rel_err(dqkv, dqkv_ref) < 1e-6
+
+
+def test_plan_is_read_once_per_tensor_and_groups_lengths():
+    cu = torch.tensor(BOUNDS["mixed"])
+    plan = segment_plan(cu)
+    assert segment_plan(cu) is plan  # cached: no second host read
+    assert plan.groups == ((9, 3), (4, 2), (1, 1))
+    assert sorted(plan.order.tolist()) == list(range(36))
+    assert torch.equal(plan.order[plan.inverse], torch.arange(36))
+    assert segment_plan(torch.tensor(BOUNDS["equal"])).order is None  # one length: a view, no gather
+    assert segment_plan(torch.tensor(BOUNDS["sorted runs"])).order is None
+
+
+def test_rows_that_the_boundaries_do_not_cover_are_refused():
+    q = torch.randn(10, 2, 4)
+    with pytest.raises(ValueError, match="covers 8 rows, but the queries have 10"):
+        segment_attention(q, q, q, torch.tensor([0, 4, 8]), 0.5)
+
+
+def _tower_run(tower, pixels, grid):
+    tower.zero_grad(set_to_none=True)
+    out = tower(pixels, grid_thw=grid)
+    out = getattr(out, "pooler_output", out)
+    out.float().pow(2).mean().backward()
+    grads = {n: p.grad.detach().clone() for n, p in tower.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patched_tower_matches_stock_with_uneven_windows(device, vlm_folder):
+    """A 10x6-patch image: the tiny tower's 4x4-patch windows leave 4x2, 2x4 and 2x2 edge windows."""
+    from notebookkit.models import FastVisionModel
+    from notebookkit.models.patch_vision import submodule
+    from notebookkit.models.patcher import unpatch_model
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model, _ = FastVisionModel.from_pretrained(vlm_folder("qwen2"), max_seq_length=128, dtype=dtype,
+                                               load_in_4bit=False, show_banner=False)
+    model.to(device)
+    tower = submodule(model, "model.visual").requires_grad_(True)  # loaded frozen
+    assert "window/image attentions" in model.notebookkit_banner.line("vision tower")
+    grid = torch.tensor([[1, 10, 6], [1, 4, 4]], device=device)
+    cfg = tower.config
+    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    torch.manual_seed(0)
+    pixels = torch.randn(int(grid.prod(-1).sum()), width, device=device, dtype=dtype)
+    fused, fused_grads = _tower_run(tower, pixels, grid)
+    unpatch_model(model)
+    stock, stock_grads = _tower_run(tower, pixels, grid)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(fused, stock) < tol
+    assert fused_grads.keys() == stock_grads.keys() and fused_grads
+    for name, g in stock_grads.items():
+        assert rel_err(fused_grads[name], g) < tol * 2, name
