@@ -33,8 +33,7 @@ from .fast_language_model import (
     _wrap_with_lora,
 )
 from .lora_fast_path import describe_lora
-from .patch_lora_linear import patch_lora_linears
-from .patch_vision import submodule, vision_family, wrapper_of
+from .patch_vision import patch_tower_adapters, vision_family, wrapper_of
 from .vision_targets import select_targets
 
 
@@ -121,7 +120,7 @@ class FastVisionModel:
         )
         _note_setup(model, banner, max_memory, mode)
         peft_model = _wrap_with_lora(model, lora_config, random_state, banner, fp8_base_matmul, max_seq_length)
-        _patch_tower_adapters(peft_model, family, banner)
+        patch_tower_adapters(peft_model, banner)
         apply_checkpointing(
             peft_model, use_gradient_checkpointing, banner, batch_size=planning_batch_size, max_memory=max_memory
         )
@@ -205,16 +204,5 @@ def _set_use_cache(model: nn.Module, on: bool) -> None:
             cfg.use_cache = on
 
 
-def _patch_tower_adapters(peft_model: nn.Module, family: Any, banner: Banner) -> None:
-    """The vision tower's and projector's adapted linears on the LoRA projection kernels; the banner says how many."""
-    wrapper = wrapper_of(peft_model)
-    parts = [m for m in (submodule(wrapper, family.vision.vision_tower), submodule(wrapper, family.vision.projector))
-             if m is not None]
-    count = patch_lora_linears(*parts)
-    if count:
-        banner.feature("vision LoRA", True, f"{count} adapted linears of the vision tower / projector on the LoRA "
-                       "projection kernels (adapters cast to the compute dtype once per step)")
-
 
 __all__ = ["FastVisionModel"]
-

@@ -15,7 +15,9 @@ What runs fused:
 * the **LM head** in training with labels: the fused linear cross-entropy (:mod:`.vision_head`);
 * the **vision tower** where the same kernels apply: its RMSNorms (Qwen2.5-VL's blocks and merger,
   Gemma 3's projector norm) and its gated SiLU MLPs (Qwen2.5-VL; they have biases, so the
-  projections run their own modules around the fused activation); Qwen2.5-VL's attention within
+  projections run their own modules around the fused activation; once ``get_peft_model`` adapts
+  them, every adapted tower linear runs the LoRA projection kernels, :mod:`.patch_lora_linear`);
+  Qwen2.5-VL's attention within
   windows and images on the RoPE kernel and one SDPA call per segment length
   (:mod:`.patch_vision_attention`, instead of a Python loop over the windows). SigLIP's attention
   (already one batched call), LayerNorms and plain GELU MLPs stay stock.
@@ -37,6 +39,7 @@ from .banner import Banner
 from .decoder_layers import decoder_layers
 from .lora_fast_path import describe_lora
 from .patch_linear4bit import describe_linear4bit, guard_lora_merges, patch_linear4bit
+from .patch_lora_linear import patch_lora_linears
 from .patch_mlp import mlp_ready, patch_mlp
 from .patch_norms import patch_norms
 from .patch_vision_attention import patch_segment_attentions
@@ -177,4 +180,20 @@ def _patch_tower(wrapper: nn.Module, family: Family, banner: Banner) -> None:
     )
 
 
-__all__ = ["patch_vision_model", "rope_table_problem", "submodule", "vision_family", "wrapper_of"]
+def patch_tower_adapters(peft_model: nn.Module, banner: Optional[Banner] = None) -> int:
+    """Put the adapted linears of the vision tower and projector of a PEFT-wrapped VLM on the LoRA projection
+    kernels (:mod:`.patch_lora_linear`); returns how many, and the banner's ``vision LoRA`` line says it."""
+    wrapper = wrapper_of(peft_model)
+    family = vision_family(wrapper)
+    if family is None:
+        return 0
+    parts = [m for m in (submodule(wrapper, family.vision.vision_tower), submodule(wrapper, family.vision.projector))
+             if m is not None]
+    count = patch_lora_linears(*parts)
+    if count and banner is not None:
+        banner.feature("vision LoRA", True, f"{count} adapted linears of the vision tower / projector on the LoRA "
+                       "projection kernels (adapters cast to the compute dtype once per step)")
+    return count
+
+
+__all__ = ["patch_tower_adapters", "patch_vision_model", "rope_table_problem", "submodule", "vision_family", "wrapper_of"]

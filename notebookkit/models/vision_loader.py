@@ -159,6 +159,7 @@ def _load_adapter_folder(path: str, adapter_cfg: dict, show_banner: bool = True,
     from .export_hook import attach_export_methods
     from .lora_fast_path import describe_lora
     from .patch_linear4bit import guard_lora_merges
+    from .patch_vision import patch_tower_adapters
 
     base_name = adapter_cfg.get("base_model_name_or_path")
     if not base_name:
@@ -171,6 +172,7 @@ def _load_adapter_folder(path: str, adapter_cfg: dict, show_banner: bool = True,
     banner: Banner = model.notebookkit_banner
     peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
     guard_lora_merges(peft_model)
+    patch_tower_adapters(peft_model, banner)
     object.__setattr__(peft_model, "notebookkit_banner", banner)
     attach_export_methods(peft_model)
     banner.header.append(f"adapter: {path} on base {base_name}")

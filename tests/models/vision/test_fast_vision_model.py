@@ -183,6 +183,9 @@ def test_generate_save_and_reload_the_adapter(vlm_folder, caption_rows, tmp_path
         after = again(**{k: v for k, v in batch.items() if k != "labels"}).logits
     assert (before - after).abs().max() <= 1e-5 * before.abs().max()
     assert again.notebookkit_banner.is_on("LoRA fast path")
+    # the reloaded tower's adapters run the LoRA projection kernels, as after get_peft_model
+    assert patch_summary(again)["lora_linear"] == patch_summary(model)["lora_linear"] > 0
+    assert again.notebookkit_banner.is_on("vision LoRA")
     FastVisionModel.for_training(again)
     assert again.training and not again.get_base_model().config.get_text_config().use_cache
 
