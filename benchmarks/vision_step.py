@@ -295,24 +295,22 @@ def profile_step(step, base, batch, args) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    vision = collator_vision(base)
     from notebookkit.models.patch_vision import submodule
 
-    marks: dict[str, list] = {}
-    host: dict[str, list] = {}
+    vision = collator_vision(base)
+    marks: dict[str, list] = {}  # name -> [start event, end event, host start, host end], first call only
 
     def hooks(name: str, module):
         def pre(*_):
-            if torch.is_grad_enabled() and name not in marks:
-                marks[name] = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            if name not in marks:
+                marks[name] = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+                               time.perf_counter(), None]
                 marks[name][0].record()
-                host[name] = [time.perf_counter()]
 
         def post(*_):
-            if name in marks and len(marks[name]) == 2:
+            if marks[name][3] is None:
                 marks[name][1].record()
-                marks[name].append(True)
-                host[name].append(time.perf_counter())
+                marks[name][3] = time.perf_counter()
         return module.register_forward_pre_hook(pre), module.register_forward_hook(post)
 
     handles = []
@@ -339,9 +337,9 @@ def profile_step(step, base, batch, args) -> None:
     lines = [f"vision tower: attention {getattr(tower.config, '_attn_implementation', '?') if tower else '?'}, "
              f"linear modules {kinds}, modules with gradient_checkpointing on: {checkpointed}"]
     lines += [f"system {args.system}: step wall {wall * 1e3:.1f} ms, CUDA events {start.elapsed_time(end):.1f} ms"]
-    for name, events in marks.items():
-        lines.append(f"  {name}: {events[0].elapsed_time(events[1]):.1f} ms on the GPU, "
-                     f"{(host[name][1] - host[name][0]) * 1e3:.1f} ms on the host")
+    for name, (begin, finish, host_begin, host_finish) in marks.items():
+        lines.append(f"  {name}: {begin.elapsed_time(finish):.1f} ms on the GPU, "
+                     f"{(host_finish - host_begin) * 1e3:.1f} ms on the host")
     lines += memory_breakdown(base, batch, vision)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
@@ -359,13 +357,14 @@ def profile_step(step, base, batch, args) -> None:
 
 def memory_breakdown(model, batch, vision) -> list[str]:
     """Where one step's memory goes: the bytes autograd saves in the vision tower's forward and in the
-    rest of the forward (unique storages, as seen by ``saved_tensors_hooks``), allocated memory at the end
-    of the forward, and the peaks of the forward and of the backward."""
+    rest of the forward (unique storages, as seen by ``saved_tensors_hooks``; parameters and buffers,
+    which the step holds anyway, left out), allocated memory at the end of the forward, and the peaks
+    of the forward and of the backward."""
     import torch
 
     from notebookkit.models.patch_vision import submodule
 
-    seen: set[int] = set()
+    seen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.is_cuda}
     saved = {"vision tower": 0, "rest of the forward": 0}
     where = ["rest of the forward"]
 

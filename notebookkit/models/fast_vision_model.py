@@ -204,5 +204,4 @@ def _set_use_cache(model: nn.Module, on: bool) -> None:
             cfg.use_cache = on
 
 
-
 __all__ = ["FastVisionModel"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .kernel_ops import kernel
+from .kernel_ops import kernel, why_missing
 from .lora_fast_path import projection_view, views
 from .patching import rebind
 
@@ -35,27 +35,31 @@ def lora_linear_ready(module: nn.Module) -> str | None:
     if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
         return "not a PEFT LoRA layer"
     _, reason = projection_view(module)
-    return reason
+    return reason or why_missing("lora_projection", "shared_input_lora")
 
 
-def _forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The patched forward (module docstring); PEFT's own when the kernels cannot take the layer now."""
-    parts, _ = views(self) if not args and not kwargs else (None, None)
-    shared_input_lora = kernel("lora_projection", "shared_input_lora")
-    if parts is None or shared_input_lora is None:
-        return type(self).forward(self, x, *args, **kwargs)
-    view = parts[0]
-    (y,) = shared_input_lora(x, (view.projection,))
-    return y if view.bias is None else y + view.bias
+def _make_forward(shared_input_lora):
+    """The patched forward (module docstring), with the kernel looked up once, at patch time."""
+
+    def lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        parts, _ = views(self) if not args and not kwargs else (None, None)
+        if parts is None:  # PEFT's own forward when the kernels cannot take the layer now
+            return type(self).forward(self, x, *args, **kwargs)
+        view = parts[0]
+        (y,) = shared_input_lora(x, (view.projection,))
+        return y if view.bias is None else y + view.bias
+
+    return lora_linear_forward
 
 
 def patch_lora_linears(*parts: nn.Module) -> int:
     """Rebind every PEFT LoRA linear in ``parts`` that the kernels take; returns how many."""
+    forward = _make_forward(kernel("lora_projection", "shared_input_lora"))
     count, seen = 0, set()
     for part in parts:
         for module in part.modules():
             if id(module) not in seen and lora_linear_ready(module) is None:
                 seen.add(id(module))
-                rebind(module, _forward, "lora_linear")
+                rebind(module, forward, "lora_linear")
                 count += 1
     return count

@@ -17,10 +17,9 @@ What runs fused:
   Gemma 3's projector norm) and its gated SiLU MLPs (Qwen2.5-VL; they have biases, so the
   projections run their own modules around the fused activation; once ``get_peft_model`` adapts
   them, every adapted tower linear runs the LoRA projection kernels, :mod:`.patch_lora_linear`);
-  Qwen2.5-VL's attention within
-  windows and images on the RoPE kernel and one SDPA call per segment length
-  (:mod:`.patch_vision_attention`, instead of a Python loop over the windows). SigLIP's attention
-  (already one batched call), LayerNorms and plain GELU MLPs stay stock.
+  Qwen2.5-VL's attention within windows and images on the RoPE kernel and one SDPA call per
+  segment length (:mod:`.patch_vision_attention`, instead of a Python loop over the windows).
+  SigLIP's attention (already one batched call), LayerNorms and plain GELU MLPs stay stock.
 
 Everything is an instance rebinding (:mod:`.patching`), so ``unpatch_model`` restores it all.
 """
@@ -144,11 +143,17 @@ def patch_vision_model(model: nn.Module, banner: Optional[Banner] = None) -> Ban
     return banner
 
 
+def _tower_parts(wrapper: nn.Module, family: Family) -> list[nn.Module]:
+    """The vision tower and the projector of a wrapper (those it has; Qwen2.5-VL's projector is inside its tower)."""
+    vision = family.vision
+    return [m for m in (submodule(wrapper, vision.vision_tower), submodule(wrapper, vision.projector)) if m is not None]
+
+
 def _patch_tower(wrapper: nn.Module, family: Family, banner: Banner) -> None:
     """RMSNorms, gated SiLU MLPs and segment attentions of the vision tower and projector; the banner's
     ``vision tower`` line."""
     vision = family.vision
-    parts = [m for m in (submodule(wrapper, vision.vision_tower), submodule(wrapper, vision.projector)) if m is not None]
+    parts = _tower_parts(wrapper, family)
     seen: set[int] = set()
     n_norms = n_mlps = n_attentions = 0
     for part in parts:
@@ -187,9 +192,7 @@ def patch_tower_adapters(peft_model: nn.Module, banner: Optional[Banner] = None)
     family = vision_family(wrapper)
     if family is None:
         return 0
-    parts = [m for m in (submodule(wrapper, family.vision.vision_tower), submodule(wrapper, family.vision.projector))
-             if m is not None]
-    count = patch_lora_linears(*parts)
+    count = patch_lora_linears(*_tower_parts(wrapper, family))
     if count and banner is not None:
         banner.feature("vision LoRA", True, f"{count} adapted linears of the vision tower / projector on the LoRA "
                        "projection kernels (adapters cast to the compute dtype once per step)")

@@ -38,32 +38,37 @@ def segment_attention_ready(module: nn.Module) -> Optional[str]:
     return why_missing("rope", "apply_rope")
 
 
-def _forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    rotary_pos_emb: Optional[torch.Tensor] = None,
-    position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    **_: Any,
-) -> torch.Tensor:
-    """The patched forward (module docstring); the arguments are the stock forward's."""
-    n_rows = hidden_states.shape[0]
-    q, k, v = self.qkv(hidden_states).view(n_rows, 3, self.num_heads, -1).unbind(1)  # [N, H, d] each
-    if position_embeddings is None:  # transformers versions that pass the rotation angles
-        angles = torch.cat((rotary_pos_emb, rotary_pos_emb), dim=-1)
-        position_embeddings = (angles.cos(), angles.sin())
-    cos, sin = position_embeddings
-    q, k = kernel("rope", "apply_rope")(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin)
-    scale = getattr(self, "scaling", q.shape[-1] ** -0.5)
-    out = segment_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v, cu_seqlens, scale)
-    return self.proj(out.reshape(n_rows, -1))
+def _make_forward(apply_rope):
+    """The patched forward (module docstring), with the RoPE kernel looked up once, at patch time."""
+
+    def vision_attention_forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        n_rows = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).view(n_rows, 3, self.num_heads, -1).unbind(1)  # [N, H, d] each
+        if position_embeddings is None:  # transformers versions that pass the rotation angles
+            angles = torch.cat((rotary_pos_emb, rotary_pos_emb), dim=-1)
+            position_embeddings = (angles.cos(), angles.sin())
+        cos, sin = position_embeddings
+        q, k = apply_rope(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin)
+        scale = getattr(self, "scaling", q.shape[-1] ** -0.5)
+        out = segment_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v, cu_seqlens, scale)
+        return self.proj(out.reshape(n_rows, -1))
+
+    return vision_attention_forward
 
 
 def patch_segment_attentions(tower: nn.Module) -> int:
     """Rebind every Qwen2.5-VL-style attention in ``tower``; returns how many."""
+    forward = _make_forward(kernel("rope", "apply_rope"))
     count = 0
     for module in tower.modules():
         if segment_attention_ready(module) is None:
-            rebind(module, _forward, "vision_attention")
+            rebind(module, forward, "vision_attention")
             count += 1
     return count
