@@ -48,6 +48,7 @@ from notebookkit.memory.model_setup import record_fused_lm_head
 
 from .forward_state import forward_pass
 from .kernel_ops import kernel
+from .master_weights import keep_trainable_fp32
 from .patch_attention import plain_causal_mask
 from .patching import WeakOwner, rebind
 
@@ -118,6 +119,9 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     ``max_seq_length``) is found through a weak reference (:func:`owner_of`), so the model has no
     reference cycle and ``copy.deepcopy`` maps it to the copy.
 
+    A training forward of an fp16 model first makes every trainable parameter an fp32 master weight
+    (:mod:`.master_weights`: one rule for every trainer, whenever it made a parameter trainable).
+
     Each call is one forward pass (:func:`~.forward_state.forward_pass`, held per thread): the fused
     layers build their LoRA views once and the checkpointing recompute reuses them, and when the
     caller passes no ``position_ids`` the attention layers take the ones Hugging Face makes as plain
@@ -134,6 +138,8 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     owner = owner_of(self)
     if owner is not None and isinstance(ref, torch.Tensor) and ref.dim() >= 2:
         _check_length(owner, ref.shape[1], self.training)
+    if self.training and torch.is_grad_enabled():
+        keep_trainable_fp32(self if owner is None else owner)  # fp16: trainable weights are fp32 masters
     # position_ids is the third positional parameter of the backbones' forward.
     caller_gave_positions = kwargs.get("position_ids") is not None or len(args) >= 3
     if not caller_gave_positions and plainly_causal(self, args, kwargs, ref):

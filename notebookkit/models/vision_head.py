@@ -31,6 +31,7 @@ from notebookkit.memory.model_setup import record_fused_lm_head
 
 from .forward_state import forward_pass
 from .kernel_ops import kernel
+from .master_weights import keep_trainable_fp32
 from .patch_lm_head import lm_head_ready, shifted_labels
 from .patching import rebind
 
@@ -65,6 +66,8 @@ def make_vision_lm_forward(model: nn.Module, final_softcap: Optional[float]):
         return_logits: bool = False,
         **kwargs: Any,
     ):
+        if self.training and torch.is_grad_enabled():
+            keep_trainable_fp32(self)  # fp16: trainable weights (tower adapters too) are fp32 masters
         lm_head = self.get_output_embeddings()
         fused = (
             self.training and not args and not return_logits and fused_ce is not None

@@ -383,6 +383,7 @@ def calibrate(
     from peft import LoraConfig, get_peft_model
 
     from ..models import FastLanguageModel
+    from ..models.master_weights import hold_fp32_masters
 
     sft_kwargs.setdefault("max_length", max_seq_length)
     per_step = sft_kwargs.get("per_device_train_batch_size", 2) * sft_kwargs.get("gradient_accumulation_steps", 4)
@@ -429,6 +430,7 @@ def calibrate(
             r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0, bias="none",
             task_type="CAUSAL_LM",
         ))
+        hold_fp32_masters(model)  # fp16 (a T4): the trainable weights are fp32 masters, as on notebookkit's side
         pe = _run("plain PEFT", model, with_template(tok, model), train_dataset, steps, seed, dict(sft_kwargs),
                   responses_only, meter)
     pe.peak_memory_gib = meter.peak_gib

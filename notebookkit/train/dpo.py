@@ -28,7 +28,7 @@ update ``pi_theta = pi_ref``, so all four are 0, and training should raise the m
   ``entropy``, ``mean_token_accuracy``, ``num_tokens``), which the dashboard reads. A setting it
   does not implement (another loss type, ``ld_alpha``, ``use_weighting``, an f-divergence, images,
   several processes) runs TRL's own computation, said once in a warning;
-* under ``fp16=True`` the adapters stay fp32 (:mod:`notebookkit.train.adapter_dtype`).
+* under ``fp16=True`` the adapters train as fp32 master weights (:mod:`notebookkit.models.master_weights`).
 """
 
 from __future__ import annotations
@@ -141,7 +141,6 @@ def check_preference_datasets(arguments: dict[str, Any], trainer: str, tokenised
 def _fast_dpo_trainer_class() -> type:
     from trl import DPOTrainer
 
-    from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .reference import describe_reference, reference_policy, refuse_second_model, use_base_as_reference
     from .token_logprobs import token_logprobs
     from .trainer_glue import (
@@ -170,7 +169,6 @@ def _fast_dpo_trainer_class() -> type:
                     trainer="FastDPOTrainer", reference_off="DPOConfig(precompute_ref_log_probs=True)",
                 )
             super().__init__(**arguments)
-            keep_fp32_adapters_under_fp16(self)  # TRL casts a quantised model's adapters to bf16 even for fp16
             use_base_as_reference(self.model)
             if show_banner:
                 print_banner(self, f"DPO ({', '.join(self.loss_types)}, beta={self.beta}); reference: "

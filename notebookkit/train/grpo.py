@@ -44,7 +44,7 @@ is ``pi_theta`` detached, so ``rho = 1`` and the gradient is ``-A_i * grad log p
   sequence-level importance sampling, the off-policy mask, entropy masks or bonuses, ``delta``, vLLM's
   correction, MoE router losses, images, several processes) run TRL's computation, said once in a
   warning;
-* under ``fp16=True`` the adapters stay fp32 (:mod:`notebookkit.train.adapter_dtype`).
+* under ``fp16=True`` the adapters train as fp32 master weights (:mod:`notebookkit.models.master_weights`).
 """
 
 from __future__ import annotations
@@ -137,7 +137,6 @@ def _fast_grpo_trainer_class() -> type:
     from ..memory.estimate import activation_plan_of
     from ..memory.generation import keeps_cache_between_steps
     from ..models.generation.state import drop_cache
-    from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .reference import describe_reference, refuse_second_model, use_base_as_reference
     from .rewards import checked_reward
     from .token_logprobs import token_logprobs
@@ -177,7 +176,6 @@ def _fast_grpo_trainer_class() -> type:
             if funcs:
                 arguments["reward_funcs"] = [checked_reward(f) if callable(f) else f for f in funcs]
             super().__init__(**arguments)
-            keep_fp32_adapters_under_fp16(self)  # TRL casts a quantised model's adapters to bf16 even for fp16
             use_base_as_reference(self.model)
             self._clock = dict.fromkeys(TIME_KEYS, 0.0)
             self.keep_generation_cache = (keeps_cache_between_steps(activation_plan_of(self.model))

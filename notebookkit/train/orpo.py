@@ -59,7 +59,6 @@ def _fast_orpo_trainer_class() -> type:
 
     import torch
 
-    from .adapter_dtype import keep_fp32_adapters_under_fp16
     from .dpo import check_preference_datasets
     from .token_logprobs import token_logprobs
     from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner, shared_fallback_reason
@@ -86,7 +85,6 @@ def _fast_orpo_trainer_class() -> type:
                 raise TypeError("FastORPOTrainer needs a train_dataset of prompt / chosen / rejected rows.")
             check_preference_datasets(arguments, "ORPOTrainer", tokenised=False)
             super().__init__(**arguments)
-            keep_fp32_adapters_under_fp16(self)  # TRL casts a quantised model's adapters to bf16 even for fp16
             if show_banner:
                 print_banner(self, f"ORPO (lambda = beta = {self.beta}); no reference model (ORPO needs none)")
 

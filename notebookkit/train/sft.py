@@ -312,8 +312,6 @@ def _fast_sft_trainer_class() -> type:
         return _TRAINER_CLASS
     from trl import SFTTrainer
 
-    from .adapter_dtype import keep_fp32_adapters_under_fp16
-
     class FastSFTTrainer(SFTTrainer):
         """TRL's ``SFTTrainer`` whose training loss runs notebookkit's fused linear cross-entropy.
 
@@ -337,7 +335,6 @@ def _fast_sft_trainer_class() -> type:
         def __init__(self, *args: Any, fused_loss: bool = True, show_banner: bool = True, **kwargs: Any) -> None:
             arguments = _checked_arguments(SFTTrainer, args, kwargs)
             super().__init__(**arguments)
-            keep_fp32_adapters_under_fp16(self)  # TRL casts a quantised model's adapters to bf16 even for fp16
             self.fused_loss_off = fused_loss_blocker(self) if fused_loss else "fused_loss=False was passed"
             _report_fused_loss(self, show_banner)
 

@@ -53,6 +53,10 @@ def train_token_rows(model: Any, token_ids: Sequence[int]) -> Iterator[None]:
     every row of a trainable matrix, gradient or not. On leaving, the matrices are frozen again; the
     trained rows keep their new values (they are part of the base weights from then on, so save the
     model, not only the adapter, to keep them).
+
+    In an fp16 model the rows train as fp32 master weights like every trainable parameter
+    (:mod:`notebookkit.models.master_weights` casts the matrices at the first training forward); on
+    leaving, the matrices go back to the dtype they had, so the rest of the notebook holds them in fp16.
     """
     import torch
 
@@ -60,7 +64,7 @@ def train_token_rows(model: Any, token_ids: Sequence[int]) -> Iterator[None]:
     head = model.get_output_embeddings()
     if head is not None and head.weight is not weights[0]:
         weights.append(head.weight)
-    hooks, was = [], [w.requires_grad for w in weights]
+    hooks, was, dtypes = [], [w.requires_grad for w in weights], [w.dtype for w in weights]
     for weight in weights:
         mask = torch.zeros(weight.shape[0], 1, dtype=weight.dtype, device=weight.device)
         mask[list(token_ids)] = 1
@@ -69,6 +73,8 @@ def train_token_rows(model: Any, token_ids: Sequence[int]) -> Iterator[None]:
     try:
         yield
     finally:
-        for weight, hook, before in zip(weights, hooks, was):
+        for weight, hook, before, dtype in zip(weights, hooks, was, dtypes):
             hook.remove()
             weight.requires_grad_(before)
+            if weight.dtype != dtype:
+                weight.data = weight.data.to(dtype)

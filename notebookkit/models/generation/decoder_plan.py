@@ -129,8 +129,10 @@ class DecoderPlan:
         return self.layers[0].head_dim
 
     def hidden_dtype(self) -> torch.dtype:
-        """dtype of the hidden states (and so of the KV cache): the embedding's."""
-        return self.embed.weight.dtype
+        """dtype of the hidden states (and so of the KV cache): the final norm's, the model's own 16-bit dtype
+        (an embedding table being trained under fp16 is an fp32 master weight that hands back fp16 rows:
+        :mod:`notebookkit.models.master_weights`)."""
+        return self.final_norm.weight.dtype
 
     def device(self) -> torch.device:
         return self.embed.weight.device
