@@ -36,6 +36,11 @@ names:
   their head dimension.
 * ``sliding_window``: the config may set a sliding window on some layers; Hugging Face builds the
   per-layer masks and hands each attention the right one.
+* ``fp16_overflow``: why the family's activations leave fp16's range (largest finite value 65504)
+  with real checkpoints, or ``None``. Gemma 2 and 3 checkpoints carry residual-stream values of
+  1e4-1e5; in fp16 they become inf. On a GPU without bf16 (a T4) ``dtype=None`` then picks fp32 and
+  ``dtype=float16`` is refused with this reason (:func:`notebookkit.models.precision.family_dtype`;
+  ``tests/models/test_gemma_fp16.py`` shows the overflow with weights scaled to those magnitudes).
 * ``vision``: the vision-language model whose language decoder is this family (Qwen2.5-VL for
   ``qwen2``, Gemma 3 4B+ for ``gemma3``), read by ``FastVisionModel``
   (:mod:`notebookkit.models.fast_vision_model`), the vision collator
@@ -172,6 +177,7 @@ class Family:
     query_pre_attn_scalar: bool = False
     sliding_window: bool = False
     rope_style: str = "rotate_half"
+    fp16_overflow: Optional[str] = None
     # multimodal wrappers whose text model is this family: the memory model reads their shapes,
     # the patcher leaves them on stock code (never half-patched)
     multimodal_model_types: tuple[str, ...] = ()
@@ -186,6 +192,8 @@ class Family:
 
 
 _GEMMA_TANH = {"hidden_activation": "gelu_pytorch_tanh"}
+_GEMMA_FP16 = ("Gemma 2 and Gemma 3 checkpoints carry residual-stream activations of 1e4-1e5, beyond float16's "
+               "largest value (65504): in float16 they become inf and the loss NaN")
 
 # Tiny vision towers see the bundled 64x64 images as 8x8 patches of 8x8 pixels (64 patches) and
 # hand 16 image features to the decoder: Qwen2.5-VL merges 2x2 patches, Gemma 3 average-pools 2x2.
@@ -269,7 +277,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "gemma2", ("gemma2",), "Gemma2Config", chat_template="gemma", tokens="gemma", activation="geglu_tanh",
         gemma_norm=True, sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
-        default_attn_softcap=50.0, query_pre_attn_scalar=True, sliding_window=True,
+        default_attn_softcap=50.0, query_pre_attn_scalar=True, sliding_window=True, fp16_overflow=_GEMMA_FP16,
         tiny=TinyRecipe(rope_theta=10000.0, config={
             "rms_norm_eps": 1e-6, **_GEMMA_TANH, **_ALTERNATING,
             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
@@ -280,7 +288,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         activation="geglu_tanh", gemma_norm=True, qk_norm=True, sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
         query_pre_attn_scalar=True, sliding_window=True, multimodal_model_types=("gemma3",),
-        vision=_GEMMA3_VISION,
+        vision=_GEMMA3_VISION, fp16_overflow=_GEMMA_FP16,
         tiny=TinyRecipe(local_rope_theta=10000.0, config={
             "rms_norm_eps": 1e-6, **_GEMMA_TANH, **_ALTERNATING,
             "attn_logit_softcapping": None, "final_logit_softcapping": None,

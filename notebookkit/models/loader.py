@@ -29,7 +29,7 @@ from . import arguments
 from .banner import Banner, device_line, versions_line
 from .offline import explain_unreachable
 from .offload_embedding import offload_embedding_value, offload_input_embedding
-from .precision import is_bfloat16_supported
+from .precision import family_dtype, is_bfloat16_supported
 
 _UNSUPPORTED_KWARGS = {
     "fast_inference": (
@@ -225,6 +225,7 @@ def from_pretrained(
 
     config = _load_config(path, kind, model_name, token=token, trust_remote_code=trust_remote_code)
     device_map, torch_dtype = _placement(device_map, dtype, banner)
+    torch_dtype = family_dtype(config, torch_dtype, dtype, banner)
     quant = _weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
 
     load_kwargs = weights_kwargs(torch_dtype, token, trust_remote_code, device_map, quant, attn_implementation, kwargs)

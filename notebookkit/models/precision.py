@@ -33,3 +33,28 @@ def is_bfloat16_supported(device: Optional[Union[int, torch.device]] = None) -> 
 
 #: Same function, under the shorter name some notebooks import.
 is_bf16_supported = is_bfloat16_supported
+
+
+def family_dtype(config: object, dtype: torch.dtype, requested: object, banner: Optional[object] = None) -> torch.dtype:
+    """The compute dtype for a model of ``config``'s family: ``dtype`` unless it is fp16 and the family's
+    activations overflow fp16 (its record's ``fp16_overflow``: Gemma 2 and 3).
+
+    Then ``requested=None`` (the automatic choice on a GPU without bf16, a T4) becomes fp32, with a
+    banner note; an explicit ``float16`` raises a ``ValueError`` that says why and what to use.
+    """
+    from notebookkit.families import for_model_type
+
+    model_type = getattr(config, "model_type", None)
+    row = for_model_type(model_type, multimodal=True)
+    if dtype != torch.float16 or row is None or row.fp16_overflow is None:
+        return dtype
+    if requested is None:
+        if banner is not None:
+            banner.note(f"{row.name} computes in float32 on this GPU (no bf16): {row.fp16_overflow}")
+        return torch.float32
+    raise ValueError(
+        f"dtype=float16 cannot train or run {model_type} ({row.name}): {row.fp16_overflow}. "
+        "On a GPU with bf16 (compute capability 8.0+: L4, A10, A100, RTX 30xx and newer) use dtype=None or "
+        "'bfloat16'; on a T4 use dtype=None or 'float32' (4-bit weights still apply: load_in_4bit=True "
+        "keeps the weights small, the arithmetic runs in fp32)."
+    )

@@ -25,6 +25,7 @@ from notebookkit.families import for_vision_model_type, vision_support_error
 from . import arguments, loader
 from .banner import Banner
 from .offload_embedding import offload_embedding_value, offload_input_embedding
+from .precision import family_dtype
 
 
 def resolve_vision(model_name: Union[str, os.PathLike]) -> tuple[str, str]:
@@ -110,6 +111,7 @@ def from_pretrained(
         raise vision_support_error(getattr(config, "model_type", None), f"{os.fspath(model_name)!r}")
     banner.header.append(f"vision-language model: {family.vision.model_class} ({family.name} decoder)")
     device_map, torch_dtype = loader._placement(device_map, dtype, banner)
+    torch_dtype = family_dtype(config, torch_dtype, dtype, banner)
     quant = loader._weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
     load_kwargs = loader.weights_kwargs(torch_dtype, token, trust_remote_code, device_map, quant, attn_implementation,
                                         kwargs)
