@@ -10,6 +10,9 @@ layer, and compared byte for byte with ``layer_activation_bytes``:
 * gemma2: sandwich norms and soft-capped attention (explicit softmax: K/V repeated to every head,
   the tanh output, the fp32 softmax and 16-bit probabilities, the boolean mask).
 
+LoRA dropout (which leaves the fused path) is checked per adapter on PEFT's own layer: what dropout adds to
+what an adapter saves when its input is saved anyway (as the fused path saves it).
+
 The last layer is compared (the first one also pays for tables shared by all layers, such as
 RoPE's cos/sin, and saves nothing for its first norm since the embeddings are frozen).
 """
@@ -21,7 +24,7 @@ import torch
 
 from notebookkit.memory import layer_activation_bytes, model_shape
 
-from .activation_probe import cuda_like, decoder_layers, saved_bytes_by_layer
+from .activation_probe import cuda_dropout, cuda_like, decoder_layers, saved_bytes_by_layer
 
 B, T = 2, 32
 
@@ -67,3 +70,51 @@ def test_recomputed_layers_keep_only_their_input():
     assert per_layer == B * T * shape.hidden_size * 2
     for i in range(len(decoder_layers(model))):
         assert sum(saved[i].values()) == per_layer, (i, dict(saved[i]))
+
+
+def _adapter_saved_bytes(in_features: int, out_features: int, dropout: float, dtype: torch.dtype) -> int:
+    """Bytes one PEFT LoRA linear saves for backward, its input and parameters not counted (the input is
+    saved by the layer anyway: the fused path keeps the normed input of q/k/v and gate/up)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=False)).to(dtype)
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, lora_dropout=dropout, target_modules=["0"]), model)
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    x = torch.randn(B * T, in_features, dtype=dtype, requires_grad=True)  # a layer's input needs its gradient
+    known = {t.untyped_storage().data_ptr() for t in (x, *model.parameters())}
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in known:
+            known.add(ptr)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with cuda_dropout(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.train()(x).sum().backward()
+    return total
+
+
+@pytest.mark.parametrize("targets, dtype", [(None, torch.bfloat16), (["q_proj", "o_proj", "down_proj"], torch.float32)],
+                         ids=["all-bf16", "q-o-down-fp32"])
+def test_lora_dropout_adds_what_peft_saves_for_it(targets, dtype):
+    """``layer_activation_bytes`` with ``lora_dropout > 0`` exceeds the one without by what dropout makes PEFT's
+    adapters save (the dropped input and dropout's mask), summed over the targeted projections of a decoder
+    layer: measured per projection, from each one's input width."""
+    cfg = dict(model_type="llama", hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=8, intermediate_size=80, vocab_size=64)
+    H, dq, dk, I = 48, 32, 16, 80
+    projections = {"q_proj": (H, dq), "k_proj": (H, dk), "v_proj": (H, dk), "o_proj": (dq, H),
+                   "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+    measured = sum(_adapter_saved_bytes(i, o, 0.1, dtype) - _adapter_saved_bytes(i, o, 0.0, dtype)
+                   for name, (i, o) in projections.items() if targets is None or name in targets)
+    shape = model_shape(cfg)
+    kw = dict(batch_size=B, seq_len=T, dtype_bytes=torch.finfo(dtype).bits // 8, target_modules=targets)
+    predicted = (layer_activation_bytes(shape, "keep", lora_dropout=0.1, **kw)
+                 - layer_activation_bytes(shape, "keep", lora_dropout=0.0, **kw))
+    assert measured > 0
+    assert predicted == measured, f"the estimate adds {predicted} bytes for dropout, PEFT's adapters save {measured}"
