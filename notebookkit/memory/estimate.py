@@ -45,7 +45,12 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
                per layer ``B * heads * T^2 * (2*s + 4)`` bytes (the tanh output, the fp32 softmax and
                the 16-bit probabilities) plus the boolean mask ``B * T^2`` (``T^2`` when the forward is
                plainly causal and Hugging Face builds no mask; the estimate keeps the larger).
-               LoRA dropout > 0 adds the dropped input (``s`` bytes) and its mask (1 byte) per target.
+               LoRA dropout > 0 takes every group with a target (q/k/v, o, gate/up/down) off the fused
+               kernels onto PEFT's code, where each adapter saves dropout's boolean mask (1 byte) and
+               its input dropped in the adapters' dtype (``a`` bytes, 4 for PEFT's fp32) per input
+               element, and ``x A^T`` (``r * a`` per token); what only the fused kernels kept is
+               then not saved: the normed input of q/k/v and of the MLP (``H`` each) and, with the
+               explicit softmax, the attention output (``dq``).
     recompute: the layer input only, ``N * H * s``.
     offload:   nothing on the GPU (the input lives in pinned host memory, ``N * H * s`` there),
                except the last decoder layer, whose input stays on the GPU when it is offloaded.
@@ -468,11 +473,13 @@ def layer_activation_bytes(
     target_modules: Iterable[str] | None = None,
     lora_dropout: float = 0.0,
     attention: str = "auto",
+    adapter_dtype_bytes: int = 4,
 ) -> int:
     """Bytes one decoder layer keeps on the GPU for backward in ``mode`` (see module docstring).
 
     ``lora_r`` does not change what the fused kernels save (``x A^T`` is recomputed in backward);
-    it is accepted so that callers can pass the same keywords as to the estimate.
+    with ``lora_dropout > 0`` PEFT's adapters save ``x A^T``, and their inputs in the adapters' dtype
+    (``adapter_dtype_bytes``: 4 for PEFT's fp32 adapters).
     """
     N = batch_size * seq_len
     s = dtype_bytes
@@ -500,9 +507,14 @@ def layer_activation_bytes(
     else:
         fp32 += shape.num_heads  # log-sum-exp per query head
     total += N * (elems * s + fp32 * 4)
-    if lora_dropout and lora_dropout > 0:
+    if lora_dropout and lora_dropout > 0:  # the targeted groups run PEFT's code (module docstring)
         dims = shape.projection_shapes()
-        total += N * sum(dims[t][0] for t in targets) * (s + 1)
+        a = adapter_dtype_bytes
+        total += N * sum(dims[t][0] * (a + 1) + lora_r * a for t in targets)
+        normed_inputs = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"))
+        total -= N * H * s * sum(any(t in targets for t in group) for group in normed_inputs)
+        if eager and "o_proj" in targets:  # an explicit softmax saves no output: only lora_o kept it
+            total -= N * dq * s
     return total
 
 
@@ -592,7 +604,7 @@ def estimate_training_memory(
         loss_chunk_size: rows per logits chunk of the fused loss (default: see module docstring).
         double_quant: NF4 with quantised absmax (bitsandbytes ``bnb_4bit_use_double_quant``).
         adapter_dtype: dtype of the LoRA weights (PEFT keeps them in float32 by default).
-        lora_dropout: > 0 makes each adapter save its dropped input.
+        lora_dropout: > 0 runs the adapters on PEFT's code, which saves their dropped inputs (module docstring).
         attention: ``"auto"`` (what the fused model runs: an explicit softmax for soft-capped
             attention, Gemma 2, else SDPA), ``"sdpa"``/``"flash"`` (no T^2 storage) or ``"eager"``.
         fp8_forward: the base GEMMs of the forward run in FP8 (``get_peft_model(fp8_base_matmul=True)``):
@@ -646,7 +658,8 @@ def estimate_training_memory(
     host_embedding_bytes = _move_embedding_to_host(base, shape, s) if offload_embedding else 0
     adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
     acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
-                        target_modules=targets, lora_dropout=lora_dropout, attention=attention)
+                        target_modules=targets, lora_dropout=lora_dropout, attention=attention,
+                        adapter_dtype_bytes=_dtype_bytes(adapter_dtype))
     vision_inputs: dict[str, Any] = {}
     if vlm is not None:
         vision_inputs = _add_vision(vlm, base, adapters, acts, plan, rows=rows, seq_len=seq_len, s=s,

@@ -16,7 +16,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.par
 
 
 def test_vision_step_tiny_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # the repository first, keeping the PYTHONPATH that may provide the packages (the GPU recipe's .site)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     systems = "notebookkit,hf,unsloth"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "vision_step.py"), "--tiny", "--systems", systems,

@@ -110,6 +110,56 @@ def test_tensors_and_metadata(family, tmp_path):
     assert f"FROM ./{f32.name}" in modelfile and f'PARAMETER stop "{eot}"' in modelfile
 
 
+def _hf_row_order(stored: np.ndarray, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (``convert_hf_to_gguf.py``'s ``permute``): within each head of
+    ``head_dim`` rows, stored row ``2i`` is Hugging Face's row ``i`` and row ``2i+1`` its row ``i + head_dim/2``."""
+    rows = np.arange(stored.shape[0])
+    head, j = np.divmod(rows, head_dim)
+    i, second_half = np.divmod(j, 2)
+    hf = np.empty_like(stored)
+    hf[head * head_dim + second_half * (head_dim // 2) + i] = stored
+    return hf
+
+
+def _decoded_in_hf_layout(path, config, hf_names) -> dict:
+    """The file's tensors under ``hf_names``, decoded by this test alone: llama.cpp names from the ``gguf``
+    package's table, q/k rows of the ``llama`` architecture put back by :func:`_hf_row_order`, Gemma's norms
+    (stored as ``1 + w``) less 1."""
+    tensors, value = _read(path)
+    arch_name = value("general.architecture")
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    decoded = {}
+    for name in hf_names:
+        values = _dense(tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))])
+        if arch_name == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            values = _hf_row_order(values, config.head_dim)
+        if arch_name.startswith("gemma") and name.endswith("norm.weight"):
+            values = values - 1.0
+        decoded[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
+    return decoded
+
+
+def test_q_and_k_rows_decode_to_the_merged_hf_weights(tmp_path):
+    """Every layer's q/k/v/o in an f32 file, with q and k put back in Hugging Face's row order by the lines
+    above (heads of ``config.head_dim`` rows, so a wrong head count in the writer shows), equal ``W + s B A``
+    computed here from the adapter's own tensors (GQA: 4 query heads, 2 KV heads)."""
+    model, tokenizer = lora_model("llama", load_in_4bit=False)
+    (result,) = model.save_pretrained_gguf(tmp_path, tokenizer, "f32", verbose=False)
+    tensors, _ = _read(result.path)
+    config = model.get_base_model().config
+    assert config.num_key_value_heads < config.num_attention_heads
+    for i, layer in enumerate(model.get_base_model().model.layers):
+        for name, short, permuted in (("q_proj", "q", True), ("k_proj", "k", True), ("v_proj", "v", False),
+                                      ("o_proj", "output", False)):
+            proj = getattr(layer.self_attn, name)
+            a, b = proj.lora_A["default"].weight.float(), proj.lora_B["default"].weight.float()
+            merged = (proj.base_layer.weight.float() + proj.scaling["default"] * (b @ a)).detach().numpy()
+            stored = _dense(tensors[f"blk.{i}.attn_{short}.weight"])
+            decoded = _hf_row_order(stored, config.head_dim) if permuted else stored
+            np.testing.assert_allclose(decoded, merged, rtol=1e-5, atol=1e-6, err_msg=f"layer {i} {name}")
+
+
 def test_unknown_method_lists_valid_ones():
     with pytest.raises(ExportError) as err:
         normalize_quantization_methods(["q8_0", "q3_k_xl"])
@@ -124,7 +174,8 @@ def test_unknown_method_lists_valid_ones():
 def test_file_holds_the_rounded_reference(family, method, tmp_path):
     """The reference the llama.cpp checks use (merged weights rounded by gguf.quants, in Hugging Face's
     layout) is exactly what the file stores, once its tensors are decoded and mapped back
-    (un-permuted, Gemma's +1 removed): the writer adds no rounding of its own and loses no tensor."""
+    (un-permuted, Gemma's +1 removed), by the writer's own table and by this test's: the writer adds no
+    rounding of its own, loses no tensor and puts every row where llama.cpp reads it."""
     from notebookkit.export.gguf_rounding import _from_file, rounded_reference_model
 
     model, tokenizer = lora_model(family, load_in_4bit=family == "llama")
@@ -137,3 +188,7 @@ def test_file_holds_the_rounded_reference(family, method, tmp_path):
     assert set(from_file) == {t.name for t in plan_merged_tensors(model, torch.float32)}  # every tensor, once
     for name, values in from_file.items():
         assert torch.equal(values, reference[name]), name
+    # the same, decoded without the writer's table (its head counts, its name mapping)
+    config = model.get_base_model().config
+    for name, values in _decoded_in_hf_layout(result.path, config, from_file).items():
+        assert torch.equal(values.reshape(reference[name].shape), reference[name]), name

@@ -7,6 +7,7 @@
 * :class:`LiveBytes` is a ``TorchDispatchMode`` that counts the bytes of every storage created
   while it is active and still alive (a finalizer on each storage), and their peak: the CPU
   stand-in for ``torch.cuda.max_memory_allocated`` over a step.
+* :func:`cuda_dropout` makes a CPU dropout save what CUDA's saves (a boolean mask).
 * :func:`cuda_like` makes a CPU run take the paths a CUDA run takes: the Triton kernels (under
   ``TRITON_INTERPRET=1``), grouped-query SDPA without repeating K/V (``enable_gqa``, which the
   patched attention uses on CUDA only), and, when measuring live memory, prompt release of the
@@ -63,6 +64,22 @@ def cuda_like(release_launch_args: bool = False) -> Iterator[None]:
     finally:
         patch_attention.attend = attend
         interpreter.GridExecutor.__call__ = launch
+
+
+@contextlib.contextmanager
+def cuda_dropout() -> Iterator[None]:
+    """Dropout as on CUDA: ATen's fused ``native_dropout``, which saves a boolean mask for backward (on a CPU
+    tensor ``F.dropout`` multiplies by a mask in the input's dtype instead)."""
+    dropout = F.dropout
+
+    def native(input, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(input, p, training)[0] if training and 0.0 < p < 1.0 else input
+
+    F.dropout = native
+    try:
+        yield
+    finally:
+        F.dropout = dropout
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

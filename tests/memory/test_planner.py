@@ -67,6 +67,35 @@ def test_prefers_keep_over_recompute_over_offload():
         previous = plan
 
 
+@pytest.mark.parametrize("model_type, targets", [("llama", None), ("gemma2", ["q_proj", "v_proj"])])
+def test_a_recomputed_layer_costs_its_forward_less_the_skipped_down_projection(model_type, targets):
+    """The extra seconds of a keep/recompute plan are ``m`` times the docstring's per-layer cost, written
+    out here from the shapes: ``t_f = N (2 P_layer + 2 P_lora + 2 T dq) / rate`` less the down projection
+    ``N 2 H I / rate``, which only a post-MLP norm (Gemma 2) makes the recompute run again."""
+    H, I, heads, kv, d, L, r, B, T = 64, 256, 4, 2, 16, 6, 16, 2, 64
+    cfg = dict(model_type=model_type, hidden_size=H, num_hidden_layers=L, num_attention_heads=heads,
+               num_key_value_heads=kv, head_dim=d, intermediate_size=I, vocab_size=128)
+    kw = dict(batch_size=B, seq_len=T, dtype="float16", cuda_context_bytes=0, lora_r=r, target_modules=targets)
+    card = parse_card("t4")
+    keep = estimate_training_memory(cfg, activation_plan="keep", **kw).total
+    recompute = estimate_training_memory(cfg, activation_plan="recompute", **kw).total
+    plan = plan_activations(cfg, budget_bytes=int((keep + recompute) / 2 / USABLE), card=card, allow_offload=False,
+                            host_memory_bytes=GiB, **kw)
+    m = plan.counts()["recompute"]
+    assert 0 < m < L and plan.counts()["offload"] == 0
+
+    N, dq, dk = B * T, heads * d, kv * d
+    p_layer = H * dq + 2 * H * dk + dq * H + 3 * H * I  # q, k, v, o; gate, up, down
+    lora_in_out = {"q_proj": H + dq, "k_proj": H + dk, "v_proj": H + dk, "o_proj": dq + H,
+                   "gate_proj": H + I, "up_proj": H + I, "down_proj": I + H}
+    p_lora = r * sum(n for name, n in lora_in_out.items() if targets is None or name in targets)
+    rate = card.tflops * 1e12
+    t_f = N * (2 * p_layer + 2 * p_lora + 2 * T * dq) / rate
+    t_down = 0.0 if model_type == "gemma2" else N * 2 * H * I / rate
+    assert plan.extra_seconds == pytest.approx(m * (t_f - t_down), rel=1e-9, abs=0)
+    assert plan.step_overhead == pytest.approx(m * (t_f - t_down) / (3 * L * t_f), rel=1e-9, abs=0)
+
+
 @pytest.mark.parametrize("budget_kib", [1200, 1400, 1600, 1800, 2200, 3000])
 def test_plan_is_the_cheapest_that_fits_brute_force(budget_kib):
     """On a 6-layer toy model, compare with every (keep, recompute, offload) split."""

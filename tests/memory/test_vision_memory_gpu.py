@@ -20,10 +20,12 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.par
 
 @pytest.mark.parametrize("shape", ["qwen2.5-vl-7b", "gemma-3-4b"])
 def test_predicted_peak_of_the_vision_benchmark_rows(shape, tmp_path):
+    # the repository first, keeping the PYTHONPATH that may provide the packages (the GPU recipe's .site)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "vision_step.py"), "--shape", shape,
          "--systems", "notebookkit,notebookkit-offload", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=3600,
+        capture_output=True, text=True, env=env, timeout=3600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [result] = [p for p in os.listdir(tmp_path) if p.endswith(".json") and not p.endswith("-all.json")]

@@ -1,8 +1,9 @@
 """``from_pretrained(offload_embedding=True)``: the input embedding table in pinned host memory.
 
 CPU: the keyword's values, the banner's reason when it does not apply (no GPU, a tied or a trainable
-embedding, a distributed launch), the mapping helper's refusals, and the memory model (the table leaves the base weights and
-joins the host memory; the estimate reads the mark off a model). GPU (``pytest -m gpu``): the table
+embedding, a distributed launch, a device_map over several devices), the mapping helper's refusals, and
+the memory model (the table leaves the base weights and joins the host memory; the estimate reads the
+mark off a model). GPU (``pytest -m gpu``): the table
 really leaves ``torch.cuda.memory_allocated``, the weight stays a CUDA tensor, and the loss, logits and
 greedy tokens of the fast decode path (CUDA graphs) are bit-identical to the model before the move (LoRA
 gradients within the backward's own run-to-run noise), in bf16 and fp16.
@@ -66,6 +67,20 @@ def test_a_distributed_launch_keeps_the_table_on_each_gpu(monkeypatch):
     banner = Banner()
     assert offload_input_embedding(model, banner) == 0
     assert "distributed launch (WORLD_SIZE=2)" in banner.line("offload_embedding")
+
+
+def test_a_model_spread_by_device_map_keeps_its_table():
+    """A ``device_map`` that places modules on several devices is refused, and says so (checked before the
+    device, so the CPU run sees this reason); a map with every module on one device is not a reason."""
+    model, _ = _load()
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "model.norm": 1, "lm_head": 1}
+    banner = Banner()
+    assert offload_input_embedding(model, banner) == 0
+    assert "device_map spreads the model over several devices" in banner.line("offload_embedding")
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 0, "model.norm": 0, "lm_head": 0}
+    banner = Banner()
+    assert offload_input_embedding(model, banner) == 0
+    assert "not a CUDA GPU" in banner.line("offload_embedding")
 
 
 def test_the_mapping_helper_refuses_what_it_cannot_map():

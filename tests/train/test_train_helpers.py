@@ -70,6 +70,28 @@ def test_exact_match_and_generate_reply(tiny):
     assert isinstance(QAItem([], "x").question, str)
 
 
+def test_exact_match_counts_whole_answers_only(monkeypatch):
+    """A reply matches when it equals the reference up to case, surrounding whitespace, runs of spaces and
+    trailing punctuation; a reply that contains the reference, or is a part of it, does not."""
+    from notebookkit.train import evaluation
+
+    cases = {  # question: (the model's reply, the reference, a match?)
+        "q1": ("Paris", "Paris", True),
+        "q2": ("  PARIS!  ", "paris", True),
+        "q3": ("new   York.", "New York", True),
+        "q4": ("Paris is the capital", "Paris", False),
+        "q5": ("The capital is Paris.", "Paris", False),
+        "q6": ("Par", "Paris", False),
+        "q7": ("", "Paris", False),
+        "q8": ("Lyon", "Paris", False),
+    }
+    monkeypatch.setattr(evaluation, "generate_reply", lambda model, tok, messages, **kw: cases[messages[-1]["content"]][0])
+    items = [evaluation.QAItem([{"role": "user", "content": q}], ref) for q, (_, ref, _) in cases.items()]
+    result = evaluation.exact_match(None, None, items)
+    assert [r["match"] for r in result.rows] == [m for _, _, m in cases.values()], str(result)
+    assert result.score == 3 / 8
+
+
 def test_split_heldout_is_deterministic():
     from datasets import Dataset
 

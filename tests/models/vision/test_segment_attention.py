@@ -1,6 +1,7 @@
 """Attention within segments (Qwen2.5-VL's windows): the batched op against the per-segment loop of
 transformers, forward and backward, on odd shapes and mixed segment lengths; and the patched vision
-tower against the stock one on a grid whose edge windows are smaller than the others."""
+tower against the stock one on a grid whose edge windows are smaller than the others; and the patched attention
+called as older transformers call it (rotation angles, not cos/sin tables) against the stock math of those versions."""
 
 from __future__ import annotations
 
@@ -108,3 +109,55 @@ def test_patched_tower_matches_stock_with_uneven_windows(device, vlm_folder):
     assert fused_grads.keys() == stock_grads.keys() and fused_grads
     for name, g in stock_grads.items():
         assert rel_err(fused_grads[name], g) < tol * 2, name
+
+
+def _angles_reference(attn, x, cu_seqlens, theta):
+    """The vision attention of transformers versions that pass rotation angles, written out in fp64: q and k
+    rotated by ``theta`` ([N, d/2], the same angle for row ``i`` and row ``i + d/2`` of a head:
+    ``x cos + rotate_half(x) sin``), softmax attention within each segment, then ``proj``."""
+    n = x.shape[0]
+    q, k, v = F.linear(x.double(), attn.qkv.weight.double(), attn.qkv.bias.double()).view(n, 3, attn.num_heads, -1).unbind(1)
+    angles = theta.double().repeat(1, 2)[:, None, :]  # [N, 1, d]
+
+    def rotate(t):
+        half = t.shape[-1] // 2
+        return t * angles.cos() + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * angles.sin()
+
+    q, k = rotate(q), rotate(k)
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], k[start:end]) * q.shape[-1] ** -0.5
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[start:end])
+    return F.linear(out.reshape(n, -1), attn.proj.weight.double(), attn.proj.bias.double())
+
+
+def test_patched_attention_takes_the_angles_older_transformers_pass():
+    """transformers releases that predate the ``(cos, sin)`` tables call the vision attention with the angles as
+    ``rotary_pos_emb`` (the third positional argument, or a keyword beside ``position_embeddings=None``). The
+    patched forward rotates by them as the stock math did; the reference is first checked against the installed
+    stock module fed the tables those versions built (``cat(theta, theta).cos()``, ``.sin()``)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention, Qwen2_5_VLVisionConfig
+
+    from notebookkit.models.patch_vision_attention import patch_segment_attentions
+
+    config = Qwen2_5_VLVisionConfig(hidden_size=48, num_heads=3)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attn = Qwen2_5_VLVisionAttention(config).eval()
+    cu_seqlens = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    x = torch.randn(13, 48)
+    theta = torch.rand(13, 8) * 6.0  # head_dim / 2 angles per row
+    want = _angles_reference(attn, x, cu_seqlens, theta)
+    emb = torch.cat((theta, theta), dim=-1)
+    with torch.no_grad():
+        stock = attn(x, cu_seqlens=cu_seqlens, position_embeddings=(emb.cos(), emb.sin()))
+    assert rel_err(stock, want) < 1e-5
+    assert patch_segment_attentions(attn) == 1
+    with torch.no_grad():
+        calls = {
+            "positional": attn(x, cu_seqlens, theta),
+            "keywords": attn(x, cu_seqlens=cu_seqlens, rotary_pos_emb=theta, position_embeddings=None),
+        }
+    for call, out in calls.items():
+        assert rel_err(out, want) < 1e-5, call
