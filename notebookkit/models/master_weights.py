@@ -62,10 +62,11 @@ def _fp16_out(module: nn.Module, args: tuple, output: Any) -> Any:
     return output.half() if isinstance(output, torch.Tensor) and output.is_floating_point() else output
 
 
-def _fp32_in(module: nn.Module, args: tuple) -> tuple:
-    """Forward pre-hook: floating inputs to fp32, the dtype of the module's master weight (outside autocast a
-    16-bit input and an fp32 weight cannot meet in one product)."""
-    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+def _weight_dtype_in(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook: floating inputs to the dtype of the module's weight (outside autocast a 16-bit input
+    and an fp32 master weight cannot meet in one product; once the weight is 16-bit again, nothing changes)."""
+    dtype = module.weight.dtype
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 _HOOKS = "_notebookkit_fp32_master_hooks"
@@ -81,8 +82,8 @@ def _island(module: nn.Module) -> None:
     if _HOOKS in module.__dict__:
         return
     handles = [module.register_forward_hook(_fp16_out)]
-    if not isinstance(module, nn.Embedding):
-        handles.append(module.register_forward_pre_hook(_fp32_in))
+    if not isinstance(module, nn.Embedding) and isinstance(getattr(module, "weight", None), torch.Tensor):
+        handles.append(module.register_forward_pre_hook(_weight_dtype_in))
     object.__setattr__(module, _HOOKS, handles)
 
 

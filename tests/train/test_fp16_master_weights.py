@@ -94,6 +94,8 @@ def test_generation_between_steps_inside_the_token_rows_block():
         FastLanguageModel.for_training(model)
         _scaled_step(model, batch)
     assert out.shape == (1, 7)
+    FastLanguageModel.for_inference(model)  # the table is fp16 again, its hooks stay: they must follow it
+    assert model.generate(input_ids=batch["input_ids"][:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
 
 
 def test_adapters_cast_to_16_bit_after_preparation_train_as_fp32():
