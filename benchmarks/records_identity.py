@@ -13,11 +13,17 @@ Writes one JSON file of everything the records decide that a CPU can compute:
 * with ``--tiny-cache DIR``: the SHA-256 of every file of a built embedded-default cache (folder
   version suffixes and build stamps left out, since they hash the generator sources).
 
-Run it at the old and the new commit and compare the two files::
+Run it at the old and the new commit (each tree first on ``PYTHONPATH``, each with a tiny cache of
+its own, the same hash seed: PEFT writes ``target_modules`` in set order) and compare the two files::
 
-    python benchmarks/records_identity.py --exports --out /tmp/before.json
-    python benchmarks/records_identity.py --exports --out /tmp/after.json
+    PYTHONHASHSEED=0 PYTHONPATH=$OLD NOTEBOOKKIT_CACHE=/tmp/cache-old python benchmarks/records_identity.py \
+        --exports --out /tmp/before.json
+    PYTHONHASHSEED=0 PYTHONPATH=$NEW NOTEBOOKKIT_CACHE=/tmp/cache-new python benchmarks/records_identity.py \
+        --exports --out /tmp/after.json
     cmp /tmp/before.json /tmp/after.json
+
+``--tiny-cache DIR`` hashes a built cache (``python -m notebookkit.embedded --cache-dir DIR``); a tiny
+model's ``notebookkit_tiny.json`` records its pre-training's wall time, which differs from run to run.
 """
 
 from __future__ import annotations
