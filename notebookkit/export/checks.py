@@ -14,8 +14,10 @@ from notebookkit.export_forms import REFUSED_SAVE_METHOD, forms_written_by
 __all__ = ["ExportError", "require_notebookkit_model", "check_output_folder", "check_save_method", "SAVE_METHODS",
            "parse_size", "format_bytes"]
 
-#: the ``save_method`` values of ``save_pretrained_merged`` (the forms of :mod:`notebookkit.export_forms` it writes)
-SAVE_METHODS = forms_written_by("save_pretrained_merged")
+#: the ``save_method`` values of ``save_pretrained_merged`` (the forms of :mod:`notebookkit.export_forms` it
+#: writes), its default first
+DEFAULT_SAVE_METHOD = "merged_16bit"
+SAVE_METHODS = (DEFAULT_SAVE_METHOD, *(f for f in forms_written_by("save_pretrained_merged") if f != DEFAULT_SAVE_METHOD))
 
 
 class ExportError(ValueError):
