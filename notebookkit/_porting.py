@@ -28,11 +28,12 @@ TOP_LEVEL: dict[str, str] = {
     ),
     "PatchFastRL": (
         "there is nothing to patch: TRL's GRPOTrainer runs on the model FastLanguageModel returns, so delete this "
-        "line. notebookkit's own fused GRPO loss: issue #22."
+        "line. For notebookkit's fused GRPO loss (per-token log-probs from the chunked LM head) use "
+        "notebookkit.train.FastGRPOTrainer."
     ),
     "PatchDPOTrainer": (
         "there is nothing to patch: TRL's DPOTrainer runs on the model FastLanguageModel returns, so delete this "
-        "line. notebookkit's own fused DPO loss: issue #22."
+        "line. For notebookkit's fused DPO / ORPO losses use notebookkit.train.FastDPOTrainer / FastORPOTrainer."
     ),
     "UnslothTrainer": (
         "use TRL's SFTTrainer (or notebookkit.train.FastSFTTrainer); a separate learning rate for the embeddings "

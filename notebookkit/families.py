@@ -10,6 +10,10 @@ depends on a family reads the row:
 * the embedded default (:mod:`notebookkit.embedded`): the config class and settings of
   ``notebookkit/tiny-<name>`` and its tokenizer's special tokens;
 * the chat templates (:mod:`notebookkit.data.chat_templates`): the format a family's name picks;
+* the GGUF export (:mod:`notebookkit.export.gguf_arch`): llama.cpp's architecture and the
+  conversions its tensors and metadata need (:class:`GGUFLayout`);
+* the memory model's vision shapes (:mod:`notebookkit.memory.vision_shapes`): which wrappers it
+  knows and which tower formulas they take (:class:`Vision`);
 * the widget catalogue (:mod:`notebookkit.widgets.catalog`) and the test helpers.
 
 ``tests/test_families.py`` fails when a row lacks any of these consumers.
@@ -41,6 +45,10 @@ names:
   1e4-1e5; in fp16 they become inf. On a GPU without bf16 (a T4) ``dtype=None`` then picks fp32 and
   ``dtype=float16`` is refused with this reason (:func:`notebookkit.models.precision.family_dtype`;
   ``tests/models/test_gemma_fp16.py`` shows the overflow with weights scaled to those magnitudes).
+* ``tied_embeddings``: the LM head shares the embedding table when a config does not say
+  (``tie_word_embeddings``'s default in the family's config class; Gemma).
+* ``gguf``: how llama.cpp lays the family out (:class:`GGUFLayout`), or ``None`` when GGUF export
+  does not support it.
 * ``vision``: the vision-language model whose language decoder is this family (Qwen2.5-VL for
   ``qwen2``, Gemma 3 4B+ for ``gemma3``), read by ``FastVisionModel``
   (:mod:`notebookkit.models.fast_vision_model`), the vision collator
@@ -111,6 +119,26 @@ class VisionRecipe:
 
 
 @dataclass(frozen=True)
+class GGUFLayout:
+    """How llama.cpp lays out a family in GGUF (:mod:`notebookkit.export.gguf_arch` has the formulas).
+
+    * ``arch``: llama.cpp's architecture name (a ``gguf.MODEL_ARCH_NAMES`` value);
+    * ``permute_qk``: llama.cpp's ``llama`` architecture rotates adjacent pairs, Hugging Face rotates
+      halves: the rows of ``q_proj`` / ``k_proj`` are reordered per head;
+    * ``attn_softcap``: llama.cpp reads the attention logit soft-cap of this architecture (Gemma 2;
+      the final-logit soft-cap is written for every family whose config has one);
+    * ``sliding_pattern``: llama.cpp reads the per-layer sliding-window pattern (Gemma 2/3).
+
+    Gemma's ``(1 + w)`` norms are stored as ``1 + w``: that follows ``Family.gemma_norm``.
+    """
+
+    arch: str
+    permute_qk: bool = False
+    attn_softcap: bool = False
+    sliding_pattern: bool = False
+
+
+@dataclass(frozen=True)
 class Vision:
     """A vision-language wrapper (``*ForConditionalGeneration``) whose language model is a family's.
 
@@ -130,7 +158,10 @@ class Vision:
     * ``tower_attention``: ``"segments"`` when the tower attends within segments of one patch
       sequence given by ``cu_seqlens`` (Qwen2.5-VL's windows and images), which
       :mod:`notebookkit.models.patch_vision_attention` runs as one SDPA call per segment length;
-      ``"stock"`` otherwise (SigLIP's per-image attention is one batched call already).
+      ``"stock"`` otherwise (SigLIP's per-image attention is one batched call already);
+    * ``tower``: the memory model's formulas for the tower and projector
+      (:class:`notebookkit.memory.vision_shapes.VisionTowerShape`: ``"qwen2_5_vl"`` or ``"siglip"``);
+      ``text_qkv_bias``: the decoder's q/k/v projections have biases; ``label``: the wrapper in messages.
     """
 
     name: str  # notebookkit/tiny-<name>, test ids
@@ -146,6 +177,9 @@ class Vision:
     image_tokens: tuple[str, ...]
     image_token: str
     tiny: VisionRecipe
+    tower: str
+    label: str
+    text_qkv_bias: bool = False
     rope: str = "rotate_half"
     tower_attention: str = "stock"
     hub_example: str = ""  # a hub checkpoint of the wrapper, for messages
@@ -178,6 +212,8 @@ class Family:
     sliding_window: bool = False
     rope_style: str = "rotate_half"
     fp16_overflow: Optional[str] = None
+    tied_embeddings: bool = False
+    gguf: Optional[GGUFLayout] = None
     # multimodal wrappers whose text model is this family: the memory model reads their shapes,
     # the patcher leaves them on stock code (never half-patched)
     multimodal_model_types: tuple[str, ...] = ()
@@ -203,6 +239,7 @@ _QWEN25_VL = Vision(
     vision_tower="model.visual", projector="model.visual.merger", language_model="model.language_model",
     image_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     image_token="<|image_pad|>", rope="mrope", tower_attention="segments", hub_example="Qwen/Qwen2.5-VL-7B-Instruct",
+    tower="qwen2_5_vl", label="Qwen2.5-VL", text_qkv_bias=True,
     tiny=VisionRecipe(
         vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 8,
                        "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 32,
@@ -225,7 +262,7 @@ _GEMMA3_VISION = Vision(
     vision_tower="model.vision_tower", projector="model.multi_modal_projector",
     language_model="model.language_model",
     image_tokens=("<start_of_image>", "<end_of_image>", "<image_soft_token>"), image_token="<image_soft_token>",
-    hub_example="google/gemma-3-4b-it",
+    hub_example="google/gemma-3-4b-it", tower="siglip", label="Gemma 3",
     tiny=VisionRecipe(
         vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
                        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 64, "patch_size": 8,
@@ -246,6 +283,7 @@ _ALTERNATING = {"sliding_window": 512, "layer_types": ["sliding_attention", "ful
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(
         "llama", ("llama",), "LlamaConfig", chat_template="llama-3", tokens="llama",
+        gguf=GGUFLayout("llama", permute_qk=True),
         tiny=TinyRecipe(
             layers=4, pretrained=True, rope_theta=500000.0,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -255,21 +293,23 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     ),
     Family(
         "mistral", ("mistral",), "MistralConfig", chat_template="mistral", tokens="mistral", sliding_window=True,
+        gguf=GGUFLayout("llama", permute_qk=True),
         tiny=TinyRecipe(tie_word_embeddings=False, config={"rms_norm_eps": 1e-5, "sliding_window": 1024}),
     ),
     Family(
         "qwen2", ("qwen2",), "Qwen2Config", chat_template="qwen-2.5", tokens="qwen2", sliding_window=True,
+        gguf=GGUFLayout("qwen2"),
         multimodal_model_types=("qwen2_5_vl",), vision=_QWEN25_VL,
         tiny=TinyRecipe(config={"rms_norm_eps": 1e-6, "use_sliding_window": False}),
     ),
     Family(
         "qwen3", ("qwen3",), "Qwen3Config", chat_template="qwen-3", tokens="qwen3", qk_norm=True,
-        sliding_window=True,
+        sliding_window=True, gguf=GGUFLayout("qwen3"),
         tiny=TinyRecipe(config={"rms_norm_eps": 1e-6, "use_sliding_window": False, "attention_bias": False}),
     ),
     Family(
         "gemma", ("gemma",), "GemmaConfig", chat_template="gemma", tokens="gemma", activation="geglu_tanh",
-        gemma_norm=True, scaled_embedding=True,
+        gemma_norm=True, scaled_embedding=True, tied_embeddings=True, gguf=GGUFLayout("gemma"),
         tiny=TinyRecipe(rope_theta=10000.0,
                         config={"rms_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", **_GEMMA_TANH}),
     ),
@@ -277,7 +317,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "gemma2", ("gemma2",), "Gemma2Config", chat_template="gemma", tokens="gemma", activation="geglu_tanh",
         gemma_norm=True, sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
-        default_attn_softcap=50.0, query_pre_attn_scalar=True, sliding_window=True, fp16_overflow=_GEMMA_FP16,
+        default_attn_softcap=50.0, query_pre_attn_scalar=True, sliding_window=True, tied_embeddings=True,
+        fp16_overflow=_GEMMA_FP16,
+        gguf=GGUFLayout("gemma2", attn_softcap=True, sliding_pattern=True),
         tiny=TinyRecipe(rope_theta=10000.0, config={
             "rms_norm_eps": 1e-6, **_GEMMA_TANH, **_ALTERNATING,
             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
@@ -288,7 +330,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         activation="geglu_tanh", gemma_norm=True, qk_norm=True, sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
         query_pre_attn_scalar=True, sliding_window=True, multimodal_model_types=("gemma3",),
-        vision=_GEMMA3_VISION, fp16_overflow=_GEMMA_FP16,
+        vision=_GEMMA3_VISION, tied_embeddings=True, gguf=GGUFLayout("gemma3", sliding_pattern=True),
+        fp16_overflow=_GEMMA_FP16,
         tiny=TinyRecipe(local_rope_theta=10000.0, config={
             "rms_norm_eps": 1e-6, **_GEMMA_TANH, **_ALTERNATING,
             "attn_logit_softcapping": None, "final_logit_softcapping": None,

@@ -4,7 +4,8 @@ facts are true of the Hugging Face model it names.
 A family added to the table without one of its consumers fails here: the patcher (the fused
 path covers every layer), the memory model's shapes (q/k norms, sandwich norms, soft-cap), the
 tiny builder (config class, tokenizer set-up, reserved name), the chat templates (the family's
-name picks its format), the widget catalogue and the test helpers.
+name picks its format), the GGUF export (llama.cpp's architecture and conversions), the memory
+model's vision shapes (the wrapper's tower), the widget catalogue and the test helpers.
 """
 
 from __future__ import annotations
@@ -85,6 +86,72 @@ def test_memory_shape_follows_the_record(name):
         bare = model_shape(dict(numbers, model_type=model_type))
         assert (bare.qk_norm, bare.sandwich_norms) == (row.qk_norm, row.sandwich_norm)
         assert bare.attn_softcap == (row.default_attn_softcap is not None)
+        assert bare.tie_word_embeddings == row.tied_embeddings
+    import transformers
+
+    assert getattr(transformers, row.config_class)().tie_word_embeddings == row.tied_embeddings
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gguf_layout_follows_the_record(name):
+    """The GGUF writer's row is the record's, llama.cpp knows the architecture, and every tensor the
+    writer takes from the family's model has a llama.cpp name there."""
+    import gguf
+    import torch
+
+    from notebookkit.export.gguf_arch import gguf_family
+    from notebookkit.export.merge import plan_merged_tensors
+
+    row = FAMILIES[name]
+    assert row.gguf is not None, f"{name}: no GGUF layout (GGUF export would refuse the family)"
+    layout = gguf_family(helpers.family_config(name))
+    assert (layout.arch, layout.permute_qk, layout.softcaps, layout.sliding_pattern) == (
+        row.gguf.arch, row.gguf.permute_qk, row.gguf.attn_softcap, row.gguf.sliding_pattern)
+    assert layout.norm_shift == (1.0 if row.gemma_norm else 0.0)
+    arch = next(a for a, arch_name in gguf.MODEL_ARCH_NAMES.items() if arch_name == row.gguf.arch)
+    model = helpers.random_model(name, tie_word_embeddings=row.tiny.tie_word_embeddings)  # as the tiny model is
+    names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    tensors = [t.name for t in plan_merged_tensors(model, torch.float32)]
+    missing = [n for n in tensors if names.get_name(n, try_suffixes=(".weight", ".bias")) is None]
+    assert not missing, f"{name}: llama.cpp's {row.gguf.arch} layout has no place for {missing}"
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if FAMILIES[n].vision is not None])
+def test_vision_shape_follows_the_record(name):
+    """The memory model knows the family's vision-language wrapper, and the record's tower formulas and
+    text q/k/v bias count the parameters of a model built from the tiny config; its messages name it."""
+    import torch
+    import transformers
+
+    from notebookkit.embedded import generate_vision_models
+    from notebookkit.memory.vision_shapes import is_vlm, vlm_shape
+
+    vision = FAMILIES[name].vision
+    base = _Vocab()
+    ids = generate_tokenizer.special_token_ids(base, name)
+    image_ids = {t: i for i, t in enumerate(vision.image_tokens, start=len(generate_tokenizer.SPECIAL_TOKENS))}
+    config = generate_vision_models.vision_model_config(name, len(generate_tokenizer.SPECIAL_TOKENS) + 256 + 8, ids,
+                                                        image_ids)
+    assert config.model_type == vision.model_type and is_vlm(config)
+    shape = vlm_shape(config)
+    assert shape.vision.kind == vision.tower and shape.text_qkv_bias == vision.text_qkv_bias
+    torch.manual_seed(0)
+    model = getattr(transformers, vision.model_class)(config)
+    in_text = [n for n, _ in model.named_parameters() if "language_model" in n or n.startswith("lm_head")]
+    counts = {n: p.numel() for n, p in model.named_parameters()}
+    assert sum(counts.values()) - sum(counts[n] for n in in_text) == shape.vision.num_params
+    assert sum(counts[n] for n in in_text) == shape.text_params
+    assert vision.label and vision.label in str(_unsupported_vision_message())
+
+
+def _unsupported_vision_message() -> str:
+    from notebookkit.memory.vision_shapes import vlm_shape_from_config
+
+    try:
+        vlm_shape_from_config({"model_type": "llava", "vision_config": {}})
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError("an unknown vision-language model_type was accepted")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -9,7 +9,15 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["ExportError", "require_notebookkit_model", "check_output_folder", "parse_size", "format_bytes"]
+from notebookkit.export_forms import REFUSED_SAVE_METHOD, forms_written_by
+
+__all__ = ["ExportError", "require_notebookkit_model", "check_output_folder", "check_save_method", "SAVE_METHODS",
+           "parse_size", "format_bytes"]
+
+#: the ``save_method`` values of ``save_pretrained_merged`` (the forms of :mod:`notebookkit.export_forms` it
+#: writes), its default first
+DEFAULT_SAVE_METHOD = "merged_16bit"
+SAVE_METHODS = (DEFAULT_SAVE_METHOD, *(f for f in forms_written_by("save_pretrained_merged") if f != DEFAULT_SAVE_METHOD))
 
 
 class ExportError(ValueError):
@@ -84,3 +92,16 @@ def check_output_folder(path: os.PathLike, need_bytes: int, what: str = "the exp
             f"and {format_bytes(free)} is free. Free some space, or pass a folder on a larger disk."
         )
     return target
+
+
+def check_save_method(save_method: str) -> None:
+    """Raise a readable error unless ``save_method`` is a form this function writes."""
+    if save_method == REFUSED_SAVE_METHOD:
+        raise ExportError(
+            "save_method='merged_4bit' re-quantises the merged weights to 4-bit, which rounds part of the LoRA "
+            "update away. Use save_method='merged_16bit' (lossless; load it with load_in_4bit=True for 4-bit "
+            "memory), or save_method='merged_4bit_forced' if you need a 4-bit folder (it warns how much the "
+            "rounding changed the weights)."
+        )
+    if save_method not in SAVE_METHODS:
+        raise ExportError(f"save_method={save_method!r} is not one of {', '.join(repr(m) for m in SAVE_METHODS)}.")

@@ -1,4 +1,5 @@
-"""How each supported family is laid out in GGUF for llama.cpp: one table row per ``model_type``.
+"""How each supported family is laid out in GGUF for llama.cpp: one row per ``model_type``, read from
+the family record (``Family.gguf``, :class:`notebookkit.families.GGUFLayout`).
 
 Facts of the format (from the ``gguf`` package's name tables and llama.cpp's model loader):
 
@@ -31,6 +32,8 @@ from typing import Any, Optional
 
 import torch
 
+from notebookkit.families import FAMILIES
+
 from .checks import ExportError
 
 __all__ = ["GGUFFamily", "GGUF_FAMILIES", "gguf_family", "permute_for_llama_rope", "unpermute_for_llama_rope", "llama3_rope_factors"]
@@ -48,13 +51,9 @@ class GGUFFamily:
 
 
 GGUF_FAMILIES: dict[str, GGUFFamily] = {
-    "llama": GGUFFamily("llama", permute_qk=True),
-    "mistral": GGUFFamily("llama", permute_qk=True),
-    "qwen2": GGUFFamily("qwen2"),
-    "qwen3": GGUFFamily("qwen3"),
-    "gemma": GGUFFamily("gemma", norm_shift=1.0),
-    "gemma2": GGUFFamily("gemma2", norm_shift=1.0, softcaps=True, sliding_pattern=True),
-    "gemma3_text": GGUFFamily("gemma3", norm_shift=1.0, sliding_pattern=True),
+    model_type: GGUFFamily(f.gguf.arch, permute_qk=f.gguf.permute_qk, norm_shift=1.0 if f.gemma_norm else 0.0,
+                           softcaps=f.gguf.attn_softcap, sliding_pattern=f.gguf.sliding_pattern)
+    for f in FAMILIES.values() if f.gguf is not None for model_type in f.model_types
 }
 
 

@@ -26,17 +26,21 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from notebookkit.export_forms import GGUF_TYPES, gguf_aliases
+
 from .checks import ExportError, check_output_folder, format_bytes, require_notebookkit_model
 from .gguf_arch import GGUFFamily, gguf_family, llama3_rope_factors, permute_for_llama_rope, rope_parameters
 from .gguf_vocab import tokenizer_metadata
 from .merge import PlannedTensor, base_model_of, plan_merged_tensors
-from .merged import ExportResult, MergeDevice, model_dtype
+from .merged import model_dtype
+from .merged_folder import ExportResult, MergeDevice
 
 __all__ = ["save_pretrained_gguf", "GGUF_METHODS", "KQUANT_METHODS", "normalize_quantization_methods", "gguf_file_name"]
 
-GGUF_METHODS = ("f32", "f16", "bf16", "q8_0", "q4_0")
-KQUANT_METHODS = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # llama_ftype values of llama.cpp
-ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m", "fp16": "f16", "bf": "bf16", "fp32": "f32"}
+#: the types notebookkit encodes itself, and those llama.cpp's quantiser makes (with its ``llama_ftype``)
+GGUF_METHODS = tuple(t.name for t in GGUF_TYPES.values() if not t.needs_llama_cpp)
+KQUANT_METHODS = {t.name: t.llama_ftype for t in GGUF_TYPES.values() if t.needs_llama_cpp}
+ALIASES = gguf_aliases()
 
 
 def normalize_quantization_methods(methods: Union[str, Sequence[str]]) -> list[str]:
@@ -63,15 +67,13 @@ def gguf_file_name(folder: Path, method: str) -> Path:
 def _ggml_type(method: str):
     import gguf
 
-    t = gguf.GGMLQuantizationType
-    return {"f32": t.F32, "f16": t.F16, "bf16": t.BF16, "q8_0": t.Q8_0, "q4_0": t.Q4_0}[method]
+    return gguf.GGMLQuantizationType[GGUF_TYPES[method].ggml_type]
 
 
 def _file_type(method: str) -> int:
     import gguf
 
-    f = gguf.LlamaFileType
-    return int({"f32": f.ALL_F32, "f16": f.MOSTLY_F16, "bf16": f.MOSTLY_BF16, "q8_0": f.MOSTLY_Q8_0, "q4_0": f.MOSTLY_Q4_0}[method])
+    return int(gguf.LlamaFileType[GGUF_TYPES[method].file_type])
 
 
 @dataclass
@@ -274,8 +276,7 @@ def _write_gguf_files(model, tokenizer, family, methods: list[str], paths: list[
 
 def _estimated_bytes(model: nn.Module, methods: list[str]) -> int:
     n = sum(int(np.prod(t.shape)) for t in plan_merged_tensors(model, torch.float32))
-    per_param = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_k_m": 0.6, "q5_k_m": 0.7, "q6_k": 0.82}
-    need = sum(n * per_param[m] for m in methods)
+    need = sum(n * GGUF_TYPES[m].bytes_per_param for m in methods)
     if any(m in KQUANT_METHODS for m in methods):
         need += n * 2  # the 16-bit GGUF llama.cpp's quantiser reads
     return int(need) + 32 * 2**20

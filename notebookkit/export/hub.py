@@ -2,11 +2,14 @@
 ``huggingface_hub``'s upload API (``create_repo`` + ``upload_folder``).
 
 Uploading needs a network and a token, so both are checked before any export work: offline
-(``HF_HUB_OFFLINE=1``), unreachable or not logged in, the call fails at once with one message.
+(``HF_HUB_OFFLINE=1``), unreachable or not logged in, the call fails at once with one message. The
+form (``save_method`` / ``quantization_method``, rows of :mod:`notebookkit.export_forms`) is checked
+before that.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -15,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch.nn as nn
 
-from .checks import ExportError
+from .checks import ExportError, check_save_method
 
 __all__ = ["push_to_hub_merged", "push_to_hub_gguf", "require_hub"]
 
@@ -54,9 +57,11 @@ def require_hub(repo_id: str, token: Optional[str]):
     return api
 
 
-def _export_and_upload(api: Any, repo_id: str, private: Optional[bool], commit_message: str,
+def _export_and_upload(repo_id: str, token: Optional[str], private: Optional[bool], commit_message: str,
                        temporary_location: Optional[Union[str, os.PathLike]], export: Callable[[Path], Any]) -> str:
-    """``export(folder)`` into a temporary folder, upload that folder to ``repo_id``, delete it."""
+    """Check the hub (:func:`require_hub`), ``export(folder)`` into a temporary folder, upload that folder
+    to ``repo_id``, delete it."""
+    api = require_hub(repo_id, token)
     work = Path(tempfile.mkdtemp(prefix="notebookkit-push-", dir=temporary_location))
     try:
         folder = work / str(repo_id).split("/")[-1]
@@ -82,11 +87,9 @@ def push_to_hub_merged(
     """``save_pretrained_merged`` into a temporary folder, then upload it to ``repo_id``; returns the commit URL."""
     from .merged import save_pretrained_merged
 
-    api = require_hub(repo_id, token)
-    return _export_and_upload(
-        api, repo_id, private, commit_message, temporary_location,
-        lambda folder: save_pretrained_merged(model, folder, tokenizer, save_method=save_method, **kwargs),
-    )
+    check_save_method(save_method)  # a bad form fails before the network check
+    export = functools.partial(save_pretrained_merged, model, tokenizer=tokenizer, save_method=save_method, **kwargs)
+    return _export_and_upload(repo_id, token, private, commit_message, temporary_location, export)
 
 
 def push_to_hub_gguf(
@@ -104,8 +107,6 @@ def push_to_hub_gguf(
     from .gguf_file import normalize_quantization_methods, save_pretrained_gguf
 
     normalize_quantization_methods(quantization_method)  # a bad method fails before the network check
-    api = require_hub(repo_id, token)
-    return _export_and_upload(
-        api, repo_id, private, commit_message, temporary_location,
-        lambda folder: save_pretrained_gguf(model, folder, tokenizer, quantization_method=quantization_method, **kwargs),
-    )
+    export = functools.partial(save_pretrained_gguf, model, tokenizer=tokenizer, quantization_method=quantization_method,
+                               **kwargs)
+    return _export_and_upload(repo_id, token, private, commit_message, temporary_location, export)

@@ -12,6 +12,8 @@ import ctypes
 from pathlib import Path
 from typing import Sequence
 
+from notebookkit.export_forms import GGUF_TYPES
+
 from .checks import ExportError
 
 __all__ = ["require_llama_cpp", "quantize_with_llama_cpp", "LLAMA_CPP_HINT"]
@@ -47,11 +49,9 @@ def require_llama_cpp(methods: Sequence[str] = (), purpose: str = ""):
 
 def quantize_with_llama_cpp(source: Path, target: Path, method: str) -> None:
     """``llama_model_quantize(source -> target)`` with llama.cpp's file type for ``method``."""
-    from .gguf_file import KQUANT_METHODS
-
     llama_cpp = require_llama_cpp([method])
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = KQUANT_METHODS[method]
+    params.ftype = GGUF_TYPES[method].llama_ftype
     status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
     if status != 0 or not Path(target).is_file():
         raise ExportError(f"llama.cpp's quantiser failed for {method} (status {status}) on {source}.")

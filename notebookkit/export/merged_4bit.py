@@ -36,6 +36,7 @@ from notebookkit.memory.export import nf4_merge_working_bytes
 
 from .checks import format_bytes
 from .merge import PlannedTensor, _active_adapters, base_model_of, plan_merged_tensors
+from .merged_folder import write_merged_folder
 from .nf4_quantize import NF4Weight, nf4_tensor_shapes, quantize_nf4
 
 __all__ = ["save_merged_4bit_forced", "quantization_config", "NF4Rounding", "lora_update_norms", "plan_4bit_tensors"]
@@ -168,8 +169,6 @@ def plan_4bit_tensors(model: nn.Module, compute_dtype: torch.dtype, rounding: NF
 def save_merged_4bit_forced(model: nn.Module, base: nn.Module, save_directory: Any, tokenizer: Any, compute_dtype: torch.dtype,
                             maximum_memory_usage: float, max_shard_size: Any, verbose: bool):
     """Write the NF4 folder (module docstring); returns an ``ExportResult`` whose ``measurements`` hold the rounding."""
-    from .merged import write_merged_folder
-
     rounding = NF4Rounding(lora_update_norms(model))
     plan = plan_4bit_tensors(model, compute_dtype, rounding)
     extra = {"quantization_config": quantization_config(compute_dtype, _skip_modules(base))}

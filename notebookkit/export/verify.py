@@ -41,9 +41,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from notebookkit.export_forms import GGUF_TYPES
+
 __all__ = [
     "FIXED_QUESTIONS", "MERGED_TOLERANCE", "prompt_ids", "adapter_logits", "greedy_hf",
     "MergedCheck", "check_merged_folder", "reload_merged_folder", "is_4bit_folder", "GGUFCheck", "GGUF_TOLERANCE", "ROUNDING_FACTOR", "Divergence", "check_gguf_file", "greedy_llama_cpp",
+    "CHECKS",
 ]
 
 FIXED_QUESTIONS: tuple[str, ...] = (
@@ -274,8 +277,8 @@ def greedy_llama_cpp(llm: Any, ids: list[int], n_tokens: int = 16) -> tuple[list
 #: largest logit, that each GGUF format is held to: the format's weight rounding plus llama.cpp's own
 #: activation rounding (its CPU products round activations to f16 / bf16 / q8 blocks). An f32 file has
 #: no weight rounding, but llama.cpp evaluates GELU (Gemma) through an f16 table: 2 ulps of f16.
-GGUF_TOLERANCE = {"f32": 2.0**-10, "f16": 2.0**-8, "bf16": 2.0**-5, "q8_0": 2.0**-4,
-                  "q4_0": 2.0**-1, "q6_k": 2.0**-4, "q5_k_m": 2.0**-3, "q4_k_m": 2.0**-2}
+#: The numbers are the ``tolerance`` of each type's row in :data:`notebookkit.export_forms.GGUF_TYPES`.
+GGUF_TOLERANCE = {t.name: t.tolerance for t in GGUF_TYPES.values()}
 
 #: How much larger llama.cpp's logit difference may be than the format's weight rounding alone
 #: explains (:mod:`notebookkit.export.gguf_rounding`, measured in Hugging Face's fp32 arithmetic):
@@ -426,3 +429,7 @@ def check_gguf_file(model: nn.Module, path: os.PathLike, tokenizer: Any, n_token
     finally:
         if hasattr(llm, "close"):
             llm.close()
+
+
+#: The reload check of each export form, by the ``check`` of its row in :mod:`notebookkit.export_forms`.
+CHECKS = {"merged_folder": check_merged_folder, "gguf_file": check_gguf_file}

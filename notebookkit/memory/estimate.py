@@ -96,7 +96,8 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
     so :attr:`MemoryEstimate.peak_allocated` leaves it out.
 
-Preference and RL steps (``method=``)
+Preference and RL steps (``method=``, a row of :mod:`notebookkit.training_methods`: rows per example,
+log-prob loss, reference pass, completion-only loss, generation alongside)
     ``"dpo"`` / ``"orpo"``: ``batch_size`` counts preference pairs; chosen and rejected go through the
     model as one batch of ``2 * batch_size`` rows of ``seq_len`` tokens, so activations, loss buffers
     and working sets are those of ``2 * batch_size`` rows. The loss is the chunked per-token log-prob
@@ -142,6 +143,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from notebookkit.training_methods import TRAINING_METHODS
+
 from .generation import generation_term, keeps_cache_between_steps, layer_working_set
 from .model_setup import fp8_forward, fused_lm_head, host_embedding, recorded_activation_plan
 from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
@@ -149,7 +152,7 @@ from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 GiB = 1024**3
 
 MODES = ("keep", "recompute", "offload")
-METHODS = ("sft", "dpo", "orpo", "grpo")
+METHODS = tuple(TRAINING_METHODS)
 
 _OPT_STATE_BYTES = {
     "adamw": 8.0, "adamw_torch": 8.0, "adamw_torch_fused": 8.0, "adamw_hf": 8.0, "adam": 8.0,
@@ -648,9 +651,10 @@ def estimate_training_memory(
     plan = normalize_plan(activation_plan, shape.num_layers)
     opt = _optimizer_name(optimizer)
     attention = resolve_attention(shape, attention)
-    rows = 2 * batch_size if method in ("dpo", "orpo") else batch_size
-    scored = _scored_len(method, seq_len, completion_len)
-    if method == "grpo" and generation is None:
+    record = TRAINING_METHODS[method]
+    rows = record.rows_per_example * batch_size
+    scored = _scored_len(record.completion_loss, seq_len, completion_len)
+    if record.generates and generation is None:
         generation = dict(batch_size=batch_size, max_len=seq_len, prompt_len=max(1, seq_len - scored),
                           keep_cache=keeps_cache_between_steps(plan))
 
@@ -667,10 +671,10 @@ def estimate_training_memory(
                                     adapter_dtype=adapter_dtype, images_per_row=images_per_row,
                                     image_size=image_size, vision_lora=finetune_vision_layers,
                                     vision_lora_params=vision_lora_params)
-    loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=method != "sft")
+    loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=record.logprob_loss)
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
                                        load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
-    reference = _reference_pass(shape, rows, seq_len, s, load_in_4bit, attention) if method == "dpo" else _Part(0)
+    reference = _reference_pass(shape, rows, seq_len, s, load_in_4bit, attention) if record.reference_pass else _Part(0)
     temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes, reference.bytes)
     gen_bytes, gen_details = 0, {}
     if generation is not None:
@@ -883,9 +887,10 @@ def _logits_and_loss(shape: ModelShape, tokens: int, s: int, fused_loss: bool, l
     return _Part(logits_loss, {"logits / loss: materialised [N, V] logits (16-bit + fp32)": logits_loss}, notes)
 
 
-def _scored_len(method: str, seq_len: int, completion_len: int | None) -> int:
-    """Positions per row that reach the LM head: all but GRPO's prompt (``logits_to_keep``)."""
-    if completion_len is None or method != "grpo":
+def _scored_len(completion_loss: bool, seq_len: int, completion_len: int | None) -> int:
+    """Positions per row that reach the LM head: all but the prompt of a completion-only loss (GRPO's
+    ``logits_to_keep``)."""
+    if completion_len is None or not completion_loss:
         return seq_len
     if not 1 <= completion_len <= seq_len:
         raise ValueError(f"notebookkit.memory: completion_len must be between 1 and seq_len={seq_len} (prompt + "

@@ -18,6 +18,9 @@ model shape.
 and scales (``n/2 + n/16`` bytes), and the quantiser's temporaries for one chunk of
 ``NF4_CHUNK_ELEMENTS`` values (about 40 bytes each: fp32 and int64 copies, the fp64 error sums):
 :func:`nf4_merge_working_bytes`.
+
+Which of these a form holds is the ``memory`` of its row in :mod:`notebookkit.export_forms`
+(``"merge"``, ``"merge_nf4"``, or ``"adapter"``: nothing merged): :func:`layer_working_bytes`.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from notebookkit.export_forms import export_form
+
 from .shapes import PROJECTIONS, ModelShape
 
-__all__ = ["merge_working_bytes", "nf4_merge_working_bytes", "NF4_CHUNK_ELEMENTS", "ExportMemory", "export_memory"]
+__all__ = ["merge_working_bytes", "nf4_merge_working_bytes", "layer_working_bytes", "NF4_CHUNK_ELEMENTS", "ExportMemory",
+           "export_memory"]
 
 NF4_CHUNK_ELEMENTS = 2**21  # values the NF4 quantiser processes at a time
 _NF4_BYTES_PER_CHUNK_ELEMENT = 40
@@ -43,6 +49,18 @@ def nf4_merge_working_bytes(out_features: int, in_features: int, rank: int) -> i
     n = out_features * in_features
     packed = (n + 1) // 2 + -(-n // 64) * 5 + 256 * 4
     return 4 * n + rank * (out_features + in_features) * 4 + packed + _NF4_BYTES_PER_CHUNK_ELEMENT * min(n, NF4_CHUNK_ELEMENTS)
+
+
+def layer_working_bytes(form: str, out_features: int, in_features: int, rank: int, out_bytes: int = 2) -> int:
+    """Device bytes to export one linear layer in ``form`` (``"merged_16bit"``, ``"gguf"``, ...)."""
+    kind = export_form(form).memory
+    if kind == "adapter":
+        return 0
+    if kind == "merge_nf4":
+        return nf4_merge_working_bytes(out_features, in_features, rank)
+    if kind == "merge":
+        return merge_working_bytes(out_features, in_features, rank, out_bytes)
+    raise ValueError(f"notebookkit.memory: export form {form!r} has memory={kind!r}, which this model does not count.")
 
 
 @dataclass(frozen=True)
@@ -62,11 +80,15 @@ def _projection_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
     }
 
 
-def export_memory(shape: ModelShape, r: int = 16, out_bytes: int = 2, target_modules: Optional[Iterable[str]] = None) -> ExportMemory:
-    """The export's working set for ``shape`` with LoRA rank ``r`` on ``target_modules`` (default all seven)."""
+def export_memory(shape: ModelShape, r: int = 16, out_bytes: int = 2, target_modules: Optional[Iterable[str]] = None,
+                  form: str = "merged_16bit") -> ExportMemory:
+    """The export's working set for ``shape`` with LoRA rank ``r`` on ``target_modules`` (default all seven).
+
+    ``form`` picks the per-layer working set (:func:`layer_working_bytes`); the host peak and the size
+    on disk are those of ``out_bytes``-byte tensors."""
     targets = set(target_modules) if target_modules is not None else set(PROJECTIONS)
     dims = _projection_dims(shape)
-    device_peak = max(merge_working_bytes(o, i, r if name in targets else 0, out_bytes) for name, (o, i) in dims.items())
+    device_peak = max(layer_working_bytes(form, o, i, r if name in targets else 0, out_bytes) for name, (o, i) in dims.items())
     embed = shape.vocab_size * shape.hidden_size
     largest = max(embed, *(o * i for o, i in dims.values()))
     layer = sum(o * i for o, i in dims.values())

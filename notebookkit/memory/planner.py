@@ -41,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from notebookkit.training_methods import TRAINING_METHODS
+
 from .cards import GPUCard, detect_card, parse_card, parse_memory
 from .estimate import MODES, MemoryEstimate, _dtype_bytes, _fmt, estimate_training_memory, lora_param_count
 from .shapes import KNOWN_MODELS, ModelShape, model_shape
@@ -207,7 +209,8 @@ def _vision_recompute_seconds(shape: Any, kw: dict[str, Any], card: GPUCard | No
 
     if not isinstance(shape, VLMShape) or not kw.get("finetune_vision_layers", True):
         return 0.0
-    rows = kw.get("batch_size", 1) * (2 if kw.get("method") in ("dpo", "orpo") else 1)
+    method = TRAINING_METHODS.get(kw.get("method", "sft"))  # an unknown one: the estimate says so
+    rows = kw.get("batch_size", 1) * (method.rows_per_example if method is not None else 1)
     size = kw.get("image_size") if kw.get("image_size") is not None else (shape.default_image_size or 448)
     patches = rows * kw.get("images_per_row", 1) * shape.image_grid(size)[0]
     rate = (card.tflops if card else 1.0) * 1e12 * (0.8 if kw.get("load_in_4bit") else 1.0)

@@ -195,9 +195,10 @@ def shape_from_config(cfg: Any, name: str | None = None) -> ModelShape:
     hd = _get(cfg, "head_dim") or H // nh
     model_type = str(_get(cfg, "model_type", "llama") or "llama")
     tied = _get(cfg, "tie_word_embeddings")
-    if tied is None:
-        tied = tied_outer if tied_outer is not None else model_type.startswith("gemma")
     family = for_model_type(model_type, multimodal=True)
+    if tied is None:  # the config class's default: the family's, or Gemma's for another Gemma variant
+        default = family.tied_embeddings if family is not None else model_type.startswith("gemma")
+        tied = tied_outer if tied_outer is not None else default
     softcap_attr = (family.attn_softcap_attr if family is not None else None) or "attn_logit_softcapping"
     _missing = object()
     softcap = _get(cfg, softcap_attr, _missing)

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from notebookkit.families import for_vision_model_type, vision_families
+
 from .shapes import PROJECTIONS, ModelShape, _get, shape_from_config
 
 #: Public config numbers (text decoder and vision tower) of the curated VLMs, by a short name. The
@@ -225,40 +227,55 @@ def vlm_shape_from_config(cfg: Any, name: str | None = None, image_size: int | N
     """Read a :class:`VLMShape` from a Qwen2.5-VL or Gemma 3 config (object or dict)."""
     model_type = str(_get(cfg, "model_type", "") or "")
     vision = _get(cfg, "vision_config")
-    if vision is None or model_type not in ("qwen2_5_vl", "gemma3"):
+    family = for_vision_model_type(model_type)
+    if vision is None or family is None:
+        known = " and ".join(f"{f.vision.label} ({t!r})" for t, f in vision_families().items())
         raise ValueError(
             f"notebookkit.memory: model_type {model_type!r} is not a supported vision-language model; the memory "
-            "model knows Qwen2.5-VL ('qwen2_5_vl') and Gemma 3 ('gemma3', with a vision_config)."
+            f"model knows {known}, each with a vision_config."
         )
     text = shape_from_config(cfg, name=name)
-    H = text.hidden_size
-    if model_type == "qwen2_5_vl":
-        out = int(_get(vision, "out_hidden_size", H) or H)
-        if out != H:
-            raise ValueError(f"notebookkit.memory: the vision merger's out_hidden_size ({out}) differs from the "
-                             f"decoder's hidden_size ({H}); this config cannot run.")
-        tower = VisionTowerShape(
-            kind="qwen2_5_vl", hidden_size=int(_get(vision, "hidden_size")), num_layers=int(_get(vision, "depth")),
-            intermediate_size=int(_get(vision, "intermediate_size")), num_heads=int(_get(vision, "num_heads")),
-            patch_size=int(_get(vision, "patch_size", 14)), text_hidden_size=H,
-            merge=int(_get(vision, "spatial_merge_size", 2)),
-            temporal_patch_size=int(_get(vision, "temporal_patch_size", 2)),
-            in_channels=int(_get(vision, "in_channels", 3)),
-            window_size=int(_get(vision, "window_size", 112)),
-            full_attention_blocks=len(_get(vision, "fullatt_block_indexes", []) or []),
-        )
-    else:
-        side = int(_get(vision, "image_size", 224))
-        tower = VisionTowerShape(
-            kind="siglip", hidden_size=int(_get(vision, "hidden_size")), num_layers=int(_get(vision, "num_hidden_layers")),
-            intermediate_size=int(_get(vision, "intermediate_size")),
-            num_heads=int(_get(vision, "num_attention_heads")), patch_size=int(_get(vision, "patch_size", 14)),
-            text_hidden_size=H, in_channels=int(_get(vision, "num_channels", 3)), image_size=side,
-            tokens_per_image=int(_get(cfg, "mm_tokens_per_image", 256)),
-        )
-        image_size = image_size or side
-    return VLMShape(name=text.name, model_type=model_type, text=text, vision=tower, default_image_size=image_size,
-                    text_qkv_bias=model_type == "qwen2_5_vl")
+    read_tower = _TOWERS.get(family.vision.tower)
+    if read_tower is None:
+        raise ValueError(f"notebookkit.memory: the family record names vision tower {family.vision.tower!r} for "
+                         f"{model_type!r}, which the memory model has no formulas for ({', '.join(map(repr, _TOWERS))}).")
+    tower, side = read_tower(cfg, vision, text.hidden_size)
+    return VLMShape(name=text.name, model_type=model_type, text=text, vision=tower, default_image_size=image_size or side,
+                    text_qkv_bias=family.vision.text_qkv_bias)
+
+
+def _qwen2_5_vl_tower(cfg: Any, vision: Any, H: int) -> tuple[VisionTowerShape, int | None]:
+    """Qwen2.5-VL's tower from its ``vision_config`` (it takes any image size: no default side)."""
+    out = int(_get(vision, "out_hidden_size", H) or H)
+    if out != H:
+        raise ValueError(f"notebookkit.memory: the vision merger's out_hidden_size ({out}) differs from the "
+                         f"decoder's hidden_size ({H}); this config cannot run.")
+    return VisionTowerShape(
+        kind="qwen2_5_vl", hidden_size=int(_get(vision, "hidden_size")), num_layers=int(_get(vision, "depth")),
+        intermediate_size=int(_get(vision, "intermediate_size")), num_heads=int(_get(vision, "num_heads")),
+        patch_size=int(_get(vision, "patch_size", 14)), text_hidden_size=H,
+        merge=int(_get(vision, "spatial_merge_size", 2)),
+        temporal_patch_size=int(_get(vision, "temporal_patch_size", 2)),
+        in_channels=int(_get(vision, "in_channels", 3)),
+        window_size=int(_get(vision, "window_size", 112)),
+        full_attention_blocks=len(_get(vision, "fullatt_block_indexes", []) or []),
+    ), None
+
+
+def _siglip_tower(cfg: Any, vision: Any, H: int) -> tuple[VisionTowerShape, int | None]:
+    """A SigLIP tower (Gemma 3) from its ``vision_config``; every image is resized to its side."""
+    side = int(_get(vision, "image_size", 224))
+    return VisionTowerShape(
+        kind="siglip", hidden_size=int(_get(vision, "hidden_size")), num_layers=int(_get(vision, "num_hidden_layers")),
+        intermediate_size=int(_get(vision, "intermediate_size")),
+        num_heads=int(_get(vision, "num_attention_heads")), patch_size=int(_get(vision, "patch_size", 14)),
+        text_hidden_size=H, in_channels=int(_get(vision, "num_channels", 3)), image_size=side,
+        tokens_per_image=int(_get(cfg, "mm_tokens_per_image", 256)),
+    ), side
+
+
+#: the tower formulas, by ``Vision.tower`` of the family record
+_TOWERS = {"qwen2_5_vl": _qwen2_5_vl_tower, "siglip": _siglip_tower}
 
 
 def _config_dict(short: str) -> dict:
@@ -361,7 +378,7 @@ def is_vlm(model_config: Any) -> bool:
     if isinstance(model_config, Mapping):
         return is_vlm_config(model_config)
     cfg = getattr(model_config, "config", model_config)
-    if not (is_vlm_config(cfg) and str(_get(cfg, "model_type", "")) in ("qwen2_5_vl", "gemma3")):
+    if not (is_vlm_config(cfg) and for_vision_model_type(str(_get(cfg, "model_type", ""))) is not None):
         return False
     if hasattr(model_config, "named_modules"):  # a loaded model: only one that holds its vision tower
         base = model_config.get_base_model() if hasattr(model_config, "get_base_model") else model_config

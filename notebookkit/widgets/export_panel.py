@@ -12,12 +12,17 @@ from dataclasses import dataclass, field
 
 import ipywidgets as W
 
+from notebookkit import export_forms
+
 from ._base import Panel, header, styled
 
 __all__ = ["ExportChoice", "ExportPanel", "EXPORT_FORMS", "GGUF_CHOICES"]
 
-EXPORT_FORMS = ("lora", "merged_16bit", "gguf")
-GGUF_CHOICES = ("f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
+#: the forms the panel offers (rows of :mod:`notebookkit.export_forms` with a label), and the GGUF types
+EXPORT_FORMS = tuple(f.name for f in export_forms.EXPORT_FORMS.values() if f.label)
+GGUF_CHOICES = tuple(t.name for t in export_forms.GGUF_TYPES.values() if t.in_panel)
+_LABELS = [(export_forms.EXPORT_FORMS[name].label, name) for name in EXPORT_FORMS]
+_NEEDS_LLAMA_CPP = ", ".join(t for t in GGUF_CHOICES if export_forms.GGUF_TYPES[t].needs_llama_cpp)
 
 
 @dataclass
@@ -42,14 +47,14 @@ class ExportPanel(Panel):
     def __init__(self, **overrides) -> None:
         super().__init__()
         start = ExportChoice(**overrides)
-        self.forms = styled(W.SelectMultiple(options=list(EXPORT_FORMS), value=tuple(start.forms), description="forms", rows=3), "nbk-export-forms")
+        self.forms = styled(W.SelectMultiple(options=_LABELS, value=tuple(start.forms), description="forms", rows=3), "nbk-export-forms")
         self.gguf = styled(W.SelectMultiple(options=list(GGUF_CHOICES), value=tuple(start.gguf_methods), description="GGUF", rows=4), "nbk-export-gguf")
         self.budget = styled(W.FloatSlider(value=start.maximum_memory_usage, min=0.1, max=1.0, step=0.05, description="GPU budget",
                                            readout_format=".2f"), "nbk-export-budget")
         self.folder = styled(W.Text(value=start.output_dir, description="folder"), "nbk-export-folder")
         self.verify = styled(W.Checkbox(value=start.verify, description="reload and verify each export"), "nbk-export-verify")
         self._controls = [self.forms, self.gguf, self.budget, self.folder, self.verify]
-        note = W.HTML("<span style='color:#666'>K-quants (q4_k_m, q5_k_m, q6_k) need llama-cpp-python; "
+        note = W.HTML(f"<span style='color:#666'>K-quants ({_NEEDS_LLAMA_CPP}) need llama-cpp-python; "
                       "the GPU budget is the fraction of the card the merge may fill.</span>")
         self.widget = styled(W.VBox([header("Export", "what to write and how to check it"), W.HBox([self.forms, self.gguf]),
                                      self.budget, self.folder, self.verify, note]), "nbk-export-panel")

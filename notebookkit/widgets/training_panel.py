@@ -7,6 +7,9 @@ returns ``TrainingArguments`` / TRL ``SFTConfig`` field names (``SFTConfig(outpu
 ``trainer_kwargs()`` then fit ``DPOConfig`` / ``ORPOConfig`` (``beta`` in, ``packing`` out).
 ``TrainingPanel(method="grpo")`` shows beta as the KL weight, for ``GRPOConfig``; its batch size counts
 completions (prompts per step x generations per prompt).
+
+What each method shows (packing or beta, the switch between methods that share a panel, the batch
+unit and the note) is its row of :mod:`notebookkit.training_methods`.
 """
 
 from __future__ import annotations
@@ -16,13 +19,27 @@ from typing import Any
 
 import ipywidgets as W
 
+from notebookkit.training_methods import TRAINING_METHODS, panel_methods
+
 from ._base import Panel, header, styled
 
 SCHEDULERS = ["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"]
 OPTIMIZERS = ["adamw_8bit", "paged_adamw_8bit", "adamw_torch", "adamw_torch_fused", "adafactor", "sgd"]
 #: method -> label of the preference switch (DPO: beta scales the implicit reward; ORPO: beta weighs
 #: the odds-ratio term against the SFT loss)
-PREFERENCE_METHODS = {"dpo": "DPO", "orpo": "ORPO"}
+PREFERENCE_METHODS = {name: m.label for name, m in panel_methods("preference").items()}
+
+
+def _method_choices() -> str:
+    """``'sft', 'dpo' / 'orpo' for preference pairs, or 'grpo'``: the methods, by panel."""
+    panels = list(dict.fromkeys(m.panel for m in TRAINING_METHODS.values()))
+    parts = []
+    for panel in panels:
+        methods = panel_methods(panel)
+        text = " / ".join(map(repr, methods))
+        first = next(iter(methods.values()))
+        parts.append(text + (f" for {first.batch_unit}" if first.rows_per_example > 1 else ""))
+    return ", ".join(parts[:-1]) + ", or " + parts[-1]
 
 
 def _default_optim() -> str:
@@ -60,9 +77,8 @@ class TrainingChoice:
     def __post_init__(self) -> None:
         if not self.optim:
             self.optim = _default_optim()
-        if self.method not in ("sft", "grpo", *PREFERENCE_METHODS):
-            raise ValueError(f"method={self.method!r}: use 'sft', {' / '.join(map(repr, PREFERENCE_METHODS))} for "
-                             "preference pairs, or 'grpo'")
+        if self.method not in TRAINING_METHODS:
+            raise ValueError(f"method={self.method!r}: use {_method_choices()}")
 
     @property
     def effective_batch_size(self) -> int:
@@ -72,10 +88,10 @@ class TrainingChoice:
         """Keyword arguments for ``SFTConfig`` (packing included), or for ``DPOConfig`` / ``ORPOConfig`` /
         ``GRPOConfig`` (beta included, no packing) when ``method`` is ``"dpo"`` / ``"orpo"`` / ``"grpo"``."""
         d = asdict(self)
-        d.pop("method")
-        if self.method == "sft":
+        method = TRAINING_METHODS[d.pop("method")]
+        if not method.beta_label:
             d.pop("beta")
-        else:
+        if not method.packing:
             d.pop("packing")
         if self.max_steps and self.max_steps > 0:
             d["num_train_epochs"] = 1.0  # ignored by the Trainer when max_steps > 0
@@ -135,25 +151,23 @@ class TrainingPanel(Panel):
                            "nbk-seed")
         self.packing = styled(W.Checkbox(value=bool(v.packing), description="packing (padding-free batches)",
                                          indent=False), "nbk-packing")
-        preference = v.method in PREFERENCE_METHODS
-        self._kind = "preference" if preference else v.method  # fixed per panel: which rows it shows
+        record = TRAINING_METHODS[v.method]
+        switch = panel_methods(record.panel)  # fixed per panel: which methods it switches between
         self.method = styled(
-            W.ToggleButtons(options=[(label, key) for key, label in PREFERENCE_METHODS.items()],
-                            value=v.method if preference else "dpo", description="method",
+            W.ToggleButtons(options=[(m.label, key) for key, m in switch.items()], value=v.method, description="method",
                             style={"description_width": "150px", "button_width": "90px"}), "nbk-method")
         self.beta = styled(W.BoundedFloatText(value=float(v.beta), min=0.0, max=100.0, step=0.01,
-                                              description="KL beta" if v.method == "grpo" else "beta", style=st,
+                                              description=record.beta_label or "beta", style=st,
                                               layout=W.Layout(width="260px")), "nbk-beta")
         self.summary = styled(W.HTML(""), "nbk-training-summary")
         self._controls = [self.learning_rate, self.stop_by, self.max_steps, self.epochs, self.batch_size,
                           self.grad_accum, self.warmup, self.scheduler, self.optim, self.seed, self.packing,
                           self.method, self.beta]
-        # rows that depend on the kind of run: above the schedule, and below the seed
-        top, bottom = {"preference": ([self.method], [self.beta]), "grpo": ([], [self.beta])}.get(
-            self._kind, ([], [self.packing]))
-        subtitle = {"preference": "preference optimisation", "grpo": "reinforcement learning (GRPO)"}
+        # rows that depend on the method: the switch above the schedule, packing or beta below the seed
+        top = [self.method] if len(switch) > 1 else []
+        bottom = ([self.packing] if record.packing else []) + ([self.beta] if record.beta_label else [])
         self.widget = styled(
-            W.VBox([header("Training", subtitle.get(self._kind, "optimizer steps and schedule")), *top,
+            W.VBox([header("Training", record.panel_title), *top,
                     self.learning_rate, self.stop_by, self.max_steps, self.epochs,
                     W.HBox([self.batch_size, self.grad_accum]), self.warmup, self.scheduler, self.optim, self.seed,
                     *bottom, self.summary]),
@@ -172,13 +186,10 @@ class TrainingPanel(Panel):
         self.max_steps.layout.display = None if steps else "none"
         self.epochs.layout.display = "none" if steps else None
         v = self.value
-        unit = {"preference": "preference pairs", "grpo": "completions"}.get(self._kind, "sequences")
-        note = {"dpo": "DPO: beta scales the implicit reward; the reference is the model with adapters off",
-                "orpo": "ORPO: SFT loss on the chosen answer + beta x odds-ratio term; no reference",
-                "grpo": "GRPO: the batch is prompts x generations; beta > 0 adds a KL term to the reference"}.get(
-                    v.method, "")
+        method = TRAINING_METHODS[v.method]
+        note = method.note
         self.summary.value = (
-            f"<div style='color:#555'>effective batch: {v.effective_batch_size} {unit} per optimizer step"
+            f"<div style='color:#555'>effective batch: {v.effective_batch_size} {method.batch_unit} per optimizer step"
             + (f"<br>{note}" if note else "")
             + ("<br>learning rate 0: a control run, nothing trains (move the slider to train)"
                if self._zero_learning_rate else "") + "</div>"
@@ -196,8 +207,8 @@ class TrainingPanel(Panel):
             warmup_steps=int(self.warmup.value),
             lr_scheduler_type=str(self.scheduler.value),
             seed=int(self.seed.value),
-            packing=bool(self.packing.value) and self._kind == "sft",
+            packing=bool(self.packing.value) and TRAINING_METHODS[str(self.method.value)].packing,
             optim=str(self.optim.value),
-            method={"preference": str(self.method.value)}.get(self._kind, self._kind),
+            method=str(self.method.value),
             beta=float(self.beta.value),
         )

@@ -19,14 +19,17 @@ import os
 
 import pytest
 
+from notebookkit import families
+from notebookkit.export_forms import GGUF_TYPES
 from notebookkit.export.verify import GGUF_TOLERANCE, check_gguf_file
 from tests.export.conftest import lora_model
 
 if os.environ.get("NOTEBOOKKIT_REQUIRE_LLAMA_CPP") != "1":
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make setup installs it)")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
-METHODS = ["f32", "f16", "bf16", "q8_0", "q4_0"]
+FAMILIES = [name for name, row in families.FAMILIES.items() if row.gguf is not None]  # every family GGUF writes
+METHODS = [t.name for t in GGUF_TYPES.values() if not t.needs_llama_cpp]  # written by notebookkit
+K_QUANTS = [t.name for t in GGUF_TYPES.values() if t.needs_llama_cpp]  # by llama.cpp's quantiser
 N_TOKENS = 8
 
 
@@ -57,7 +60,7 @@ def test_family_in_llama_cpp(family, tmp_path):
 
 def test_k_quants_in_llama_cpp(llama_nf4, tmp_path):
     model, tokenizer = llama_nf4
-    results = model.save_pretrained_gguf(tmp_path, tokenizer, ["f32", "q4_k_m", "q5_k_m", "q6_k"], verbose=False)
+    results = model.save_pretrained_gguf(tmp_path, tokenizer, ["f32", *K_QUANTS], verbose=False)
     assert [r.path.name for r in results] == [f"{tmp_path.name}.{m}.gguf" for m in ("F32", "Q4_K_M", "Q5_K_M", "Q6_K")]
     assert not list(tmp_path.glob("*.partial.gguf")) and not list(tmp_path.glob(".*partial*"))
     checks = _checks(model, tokenizer, results, "llama")
