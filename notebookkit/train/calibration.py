@@ -405,12 +405,12 @@ def calibrate(
     _free()
     with _PeakMeter() as meter:
         model, tok = FastLanguageModel.from_pretrained(
-            model_name, max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit
-        )
+            model_name, max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit, show_banner=False,
+        )  # the notebook showed this model's banner when it loaded it; the calibration adds no copy
         torch.manual_seed(seed)
         model = FastLanguageModel.get_peft_model(
             model, r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
-            bias="none", use_gradient_checkpointing=use_gradient_checkpointing, random_state=seed,
+            bias="none", use_gradient_checkpointing=use_gradient_checkpointing, random_state=seed, show_banner=False,
         )
         checkpointing = _uses_checkpointing(model, use_gradient_checkpointing)
         nk = _run("notebookkit", model, with_template(tok, model), train_dataset, steps, seed, dict(sft_kwargs),

@@ -82,6 +82,25 @@ class TrainingMonitor(TrainerCallback):
         self.tokens_per_s: float | None = None
         self.skipped_steps = 0  # fp16: optimizer steps the loss scaler skipped for inf/NaN gradients
 
+    def attach(self, trainer: Any) -> "TrainingMonitor":
+        """Add this callback to ``trainer`` in place of its progress display, and return it.
+
+        The Trainer shows a text progress bar in a terminal and, in a notebook, a "Step | Training Loss"
+        table (``NotebookProgressCallback``, one row per logging step); this callback shows the same
+        numbers, so both are removed. ``trainer.add_callback(monitor)`` alone keeps them.
+        """
+        from transformers import ProgressCallback
+
+        try:
+            from transformers.utils.notebook import NotebookProgressCallback
+        except ImportError:  # pragma: no cover - transformers without its notebook helpers
+            NotebookProgressCallback = ProgressCallback
+        for kind in (ProgressCallback, NotebookProgressCallback):
+            while trainer.callback_handler.pop_callback(kind) is not None:
+                pass
+        trainer.add_callback(self)
+        return self
+
     @property
     def elapsed(self) -> float:
         return time.perf_counter() - self._t0

@@ -181,3 +181,13 @@ def test_offload_embedding_moves_an_untied_table_off_the_card():
     assert "pinned host memory" in p.estimate_text
     # the "auto" plan spends the freed room: no fewer layers keep their activations than before
     assert moved.plan.count("keep") >= on_card.plan.count("keep") and moved.total <= p.last_result.budget_bytes
+
+
+def test_dtype_dropdown_shows_a_choice_on_every_machine():
+    """dtype=None ("auto", the default on a CPU) used to leave the Dropdown blank: its value None meant no selection."""
+    from notebookkit.widgets.model_panel import ModelPanel
+
+    auto = ModelPanel(model_name="notebookkit/tiny-llama", max_seq_length=512)
+    assert auto.dtype.label == "auto" and auto.value.dtype is None
+    half = ModelPanel(model_name="notebookkit/tiny-llama", max_seq_length=512, dtype="float16")
+    assert half.dtype.label == "float16" and half.value.dtype == "float16"
