@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     start, error = time.perf_counter(), None
     try:
         pm.execute_notebook(str(notebook), str(run_dir / notebook.name), parameters=params, cwd=str(ROOT),
-                            execution_timeout=1800, progress_bar=False)
+                            execution_timeout=1800, progress_bar=False,
+                            coalesce_streams=True)  # a streamed reply is stored as one output, not one per token
     except PapermillExecutionError as err:
         error = f"cell {err.exec_count}: {err.ename}: {err.evalue}\n" + "\n".join(err.traceback)
     print(f"notebook {notebook}: {'FAILED' if error else 'PASSED'} in {time.perf_counter() - start:.1f} s")

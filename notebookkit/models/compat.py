@@ -91,3 +91,27 @@ def trl_add_train_tokens(trainer: Any, tokens: int) -> None:
 def prepare_generation_config(model: Any, generation_config: Any, kwargs: dict) -> tuple[Any, dict]:
     """``(generation config, model kwargs)`` of ``model.generate(generation_config=..., **kwargs)``."""
     return model._prepare_generation_config(generation_config, **kwargs)
+
+
+# ---- bitsandbytes: the notice about its CPU 4-bit matmul kernel ---------------------------------
+# Checked on bitsandbytes 0.50.2: importing it (PEFT does, whenever it is installed) on a CPU with
+# AVX512-BF16 fetches ``gemm_4bit_forward`` from the Hub's ``kernels`` package and, when that is missing
+# or offline, logs "Failed to load CPU gemm_4bit_forward ..." on the logger of
+# ``bitsandbytes.backends.cpu.ops``. notebookkit never runs that kernel (it decodes NF4 itself on every
+# path), so this one message says nothing to a notebookkit user; every other record of that logger passes.
+BNB_CPU_OPS_LOGGER = "bitsandbytes.backends.cpu.ops"
+BNB_CPU_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward"
+
+
+class _DropBnbCpuKernelNotice:
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith(BNB_CPU_KERNEL_NOTICE)
+
+
+def quiet_bitsandbytes_cpu_kernel_notice() -> None:
+    """Drop bitsandbytes' notice about its CPU 4-bit kernel (must run before bitsandbytes is imported)."""
+    import logging
+
+    logger = logging.getLogger(BNB_CPU_OPS_LOGGER)
+    if not any(isinstance(f, _DropBnbCpuKernelNotice) for f in logger.filters):
+        logger.addFilter(_DropBnbCpuKernelNotice())

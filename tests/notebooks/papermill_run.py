@@ -64,7 +64,8 @@ def run_with_papermill(notebook: str, output: Path, parameters: dict[str, Any], 
     with environment(env):
         try:
             pm.execute_notebook(str(ROOT / notebook), str(output), parameters=parameters, cwd=str(ROOT),
-                                execution_timeout=timeout, progress_bar=False, kernel_name="python3")
+                                execution_timeout=timeout, progress_bar=False, kernel_name="python3",
+                                coalesce_streams=True)  # a streamed reply is stored as one output, not one per token
         except PapermillExecutionError as err:
             error = str(err)
     return Run(notebook, output, error is None, time.perf_counter() - start, error)
