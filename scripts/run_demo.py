@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     except PapermillExecutionError as err:
         error = f"cell {err.exec_count}: {err.ename}: {err.evalue}\n" + "\n".join(err.traceback)
     print(f"notebook {notebook}: {'FAILED' if error else 'PASSED'} in {time.perf_counter() - start:.1f} s")
+    # Sign it as this user's own output (`jupyter trust`): JupyterLab renders the widgets (panels, dashboard) of a
+    # trusted notebook only, and shows an untrusted one's as text (VBox(children=(...), state saved or not.
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
+    NotebookNotary().sign(nbformat.read(str(run_dir / notebook.name), as_version=4))
     latest = Path("runs") / "latest"
     try:
         if latest.is_symlink() or latest.exists():

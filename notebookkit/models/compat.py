@@ -115,3 +115,39 @@ def quiet_bitsandbytes_cpu_kernel_notice() -> None:
     logger = logging.getLogger(BNB_CPU_OPS_LOGGER)
     if not any(isinstance(f, _DropBnbCpuKernelNotice) for f in logger.filters):
         logger.addFilter(_DropBnbCpuKernelNotice())
+
+
+# ---- transformers / TRL / PEFT: the deprecated ``is_gradient_checkpointing`` --------------------
+# Checked on transformers 5.24.0 (deprecated there in favour of ``is_activation_checkpointing``; 4.56 and
+# 5.17 have only the old name), TRL 1.16.0 (``unwrap_model_for_generation`` and
+# ``disable_gradient_checkpointing`` read the old name: GRPO's generation, DPO's reference pass) and PEFT
+# 0.21.2 (``PeftModel.__init__`` reads it). The FutureWarning is addressed to those libraries' authors; a
+# notebook user can do nothing about it. notebookkit reads the flag through :func:`is_checkpointing` and
+# silences this one message only around the calls into those libraries.
+CHECKPOINTING_FLAG_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
+
+
+def is_checkpointing(model: Any) -> bool:
+    """Hugging Face's gradient-checkpointing flag of ``model``, under its new name where it has one."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False
+
+
+def quiet_checkpointing_flag_deprecation():
+    """Context manager: ignore the FutureWarning another library's read of ``is_gradient_checkpointing`` raises."""
+    import warnings
+
+    manager = warnings.catch_warnings()
+
+    class _Quiet:
+        def __enter__(self):
+            manager.__enter__()
+            warnings.filterwarnings("ignore", message=CHECKPOINTING_FLAG_DEPRECATION, category=FutureWarning)
+            return self
+
+        def __exit__(self, *exc):
+            return manager.__exit__(*exc)
+
+    return _Quiet()

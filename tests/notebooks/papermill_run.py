@@ -2,7 +2,7 @@
 
 papermill writes the overrides into an ``injected-parameters`` cell after the cell tagged ``parameters``,
 runs every cell in a fresh kernel and writes the executed notebook (widget state included) whether the run
-passed or not. The kernel is a child of this process and inherits its environment, so ``env`` is set in
+passed or not; the executed copy is then signed as this user's own output, so JupyterLab renders its widgets. The kernel is a child of this process and inherits its environment, so ``env`` is set in
 ``os.environ`` for the duration of the call (the T4 emulation's ``sitecustomize`` on ``PYTHONPATH``).
 """
 
@@ -52,6 +52,17 @@ def environment(env: dict[str, str] | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def trust(path: Path) -> None:
+    """Sign an executed notebook as this user's own output (what `jupyter trust` does). JupyterLab renders the
+    widgets of a trusted notebook only: an untrusted one shows each widget's text fallback
+    (``VBox(children=(...``) even though papermill saved the widget state."""
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
+    nb = nbformat.read(str(path), as_version=4)
+    NotebookNotary().sign(nb)
+
+
 def run_with_papermill(notebook: str, output: Path, parameters: dict[str, Any], *, timeout: int = 1800,
                        env: dict[str, str] | None = None) -> Run:
     import papermill as pm
@@ -68,4 +79,5 @@ def run_with_papermill(notebook: str, output: Path, parameters: dict[str, Any], 
                                 coalesce_streams=True)  # a streamed reply is stored as one output, not one per token
         except PapermillExecutionError as err:
             error = str(err)
+    trust(output)
     return Run(notebook, output, error is None, time.perf_counter() - start, error)
