@@ -53,10 +53,21 @@ tiny: setup
 demo: setup
 	$(PY) scripts/run_demo.py
 
+# Chromium for tests/browser, and the widget manager nbconvert's HTML loads (html-manager's embed-amd.js and
+# require.js, from npm into .cache/widget-js: the browser test renders executed notebooks without a CDN).
+WIDGET_JS := .cache/widget-js
+HTML_MANAGER ?= @jupyter-widgets/html-manager@1.0.15
+REQUIREJS ?= requirejs@2.3.8
 browser-deps: setup
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  ( (apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y chromium >/dev/null) || \
 	    echo "notebookkit: could not install chromium; the browser test will say so" )
+	@test -f $(WIDGET_JS)/embed-amd.js -a -f $(WIDGET_JS)/require.js || { \
+	  mkdir -p $(WIDGET_JS)/npm && cd $(WIDGET_JS)/npm && \
+	  npm pack -q $(HTML_MANAGER) $(REQUIREJS) >/dev/null && \
+	  for f in *.tgz; do tar xzf $$f && mv package $${f%.tgz}; done && \
+	  cp jupyter-widgets-html-manager-*/dist/embed-amd.js requirejs-*/require.js .. && cd .. && rm -rf npm; } || \
+	  echo "notebookkit: could not fetch the widget manager's JavaScript (npm); the browser test will say so"
 
 # The notebooks run under nbmake, two at a time (pytest-xdist; each writes its own outputs/ folder beside
 # itself), after the rest of the suite; each ends in the cell that fails when nothing was learned.
