@@ -24,6 +24,8 @@ _lines: list[str] = []
 
 def pytest_runtest_logreport(report):  # noqa: ANN001
     path = report.nodeid.split("::")[0]
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under -n, the controller reports (once per notebook)
+        return
     if not path.endswith(".ipynb") or report.when != "call" and not (report.when == "setup" and report.failed):
         return
     line = f"notebook {path}: {report.outcome.upper()} in {report.duration:.1f} s"
