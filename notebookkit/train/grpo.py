@@ -213,7 +213,8 @@ def _fast_grpo_trainer_class() -> type:
         def _generate_and_score_completions(self, inputs: Any) -> Any:
             training = self.model.training
             start, generation = time.perf_counter(), self._clock["time/generation"]
-            result = super()._generate_and_score_completions(inputs)
+            with quiet_checkpointing_flag_deprecation():  # TRL's scoring reads transformers' deprecated flag
+                result = super()._generate_and_score_completions(inputs)
             _synchronize(self)
             if training:
                 spent = time.perf_counter() - start
