@@ -81,6 +81,11 @@ class TrainingChoice:
             d["num_train_epochs"] = 1.0  # ignored by the Trainer when max_steps > 0
         else:
             d["max_steps"] = -1
+        from notebookkit.models.compat import trainer_checkpointing_off
+
+        # get_peft_model planned checkpointing already; TRL's configs would switch the Trainer's own on (and, on
+        # transformers 5.24, warn that its old name is deprecated)
+        d.update(trainer_checkpointing_off())
         return d
 
 
