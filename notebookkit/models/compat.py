@@ -156,12 +156,13 @@ def quiet_checkpointing_flag_deprecation():
 # ---- transformers / TRL: the Trainer's checkpointing switch -----------------------------------
 # Checked on transformers 4.56.2 / 5.17.0 (``TrainingArguments.gradient_checkpointing``) and 5.24.0
 # (``activation_checkpointing``; the old name is a deprecated alias that warns whenever it is not None). TRL 1.16's
-# configs default ``gradient_checkpointing=True``, so a ``GRPOConfig`` / ``DPOConfig`` built without naming the new
-# field warns on 5.24. notebookkit plans checkpointing itself in ``get_peft_model``, so the Trainer's switch is off.
-def trainer_checkpointing_off() -> dict[str, bool]:
-    """``{"activation_checkpointing": False}`` (or ``gradient_checkpointing`` where that is the field's name): the
-    Trainer's own checkpointing switch, off, under the name this transformers reads."""
+# configs default ``gradient_checkpointing=True``, so a ``GRPOConfig`` / ``DPOConfig`` / ``SFTConfig`` built without
+# naming the new field warns on 5.24. The value stays TRL's default (on): when the Trainer turns checkpointing on,
+# notebookkit re-applies the plan ``get_peft_model`` chose (``checkpointing._guard_trainer_override``).
+def trainer_checkpointing_flag() -> dict[str, bool]:
+    """``{"activation_checkpointing": True}`` (``gradient_checkpointing`` where that is the field's name): TRL's
+    default for the Trainer's checkpointing switch, under the name this transformers reads without a warning."""
     from transformers import TrainingArguments
 
     fields = TrainingArguments.__dataclass_fields__
-    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": False}
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": True}

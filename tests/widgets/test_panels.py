@@ -143,8 +143,8 @@ def test_training_panel_preference_method():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         DPOConfig(output_dir="unused", use_cpu=True, **kw)  # every key is a DPOConfig field
-    # TRL's configs default the Trainer's checkpointing on under its deprecated name; the panel turns it off
-    # under the name this transformers reads, so a notebook's config cell shows no FutureWarning
+    # TRL's configs default the Trainer's checkpointing on under its deprecated name; the panel passes the same
+    # value under the name this transformers reads, so a notebook's config cell shows no FutureWarning
     assert not [w for w in caught if "gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
     p.method.value = "orpo"
     p.beta.value = 0.5
