@@ -1,6 +1,7 @@
 # Two commands for a fresh machine:
-#   make demo   set up .venv, build the tiny default, run the SFT notebook headless into runs/
-#   make test   set up .venv, run the whole test suite (kernels, models, data, notebooks, browser)
+#   make demo   set up .venv, build the tiny default, run the SFT notebook with papermill into runs/
+#   make test   set up .venv, run the whole test suite (kernels, models, data, browser), then every notebook (nbmake)
+#   make dist   build notebookkit's wheel and sdist into dist/ and check them (the wheel a Colab user uploads)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,10 +16,10 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 CONSTRAINTS := $(if $(HAS_GPU),,-c constraints/ci-cpu.txt)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast test-gpu test-gpu-1 test-gpu-2 tiny browser-deps llama-cpp lock clean help
+.PHONY: setup demo test test-fast test-gpu test-gpu-1 test-gpu-2 test-notebooks notebooks-sync dist tiny browser-deps llama-cpp lock clean help
 
 help:
-	@sed -n '1,4p' Makefile
+	@sed -n '1,5p' Makefile
 
 setup: $(STAMP)
 
@@ -52,14 +53,48 @@ tiny: setup
 demo: setup
 	$(PY) scripts/run_demo.py
 
+# Chromium for tests/browser, and the widget manager nbconvert's HTML loads (html-manager's embed-amd.js and
+# require.js, from npm into .cache/widget-js: the browser test renders executed notebooks without a CDN).
+WIDGET_JS := .cache/widget-js
+HTML_MANAGER ?= @jupyter-widgets/html-manager@1.0.15
+REQUIREJS ?= requirejs@2.3.8
 browser-deps: setup
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  ( (apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y chromium >/dev/null) || \
 	    echo "notebookkit: could not install chromium; the browser test will say so" )
+	@test -f $(WIDGET_JS)/embed-amd.js -a -f $(WIDGET_JS)/require.js || { \
+	  mkdir -p $(WIDGET_JS)/npm && cd $(WIDGET_JS)/npm && \
+	  npm pack -q $(HTML_MANAGER) $(REQUIREJS) >/dev/null && \
+	  for f in *.tgz; do tar xzf $$f && mv package $${f%.tgz}; done && \
+	  cp jupyter-widgets-html-manager-*/dist/embed-amd.js requirejs-*/require.js .. && cd .. && rm -rf npm; } || \
+	  echo "notebookkit: could not fetch the widget manager's JavaScript (npm); the browser test will say so"
 
+# The notebooks run under nbmake, two at a time (pytest-xdist; each writes its own outputs/ folder beside
+# itself), after the rest of the suite; each ends in the cell that fails when nothing was learned.
+NBMAKE_ARGS ?= -n 2 --nbmake-timeout=900
 test: setup browser-deps
 	$(PY) -m notebookkit.embedded
-	NOTEBOOKKIT_REQUIRE_LLAMA_CPP=1 $(PY) -m pytest $(PYTEST_ARGS)
+	NOTEBOOKKIT_REQUIRE_LLAMA_CPP=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-notebooks
+
+test-notebooks: setup
+	$(PY) -m notebookkit.embedded
+	$(PY) -m pytest --nbmake $(NBMAKE_ARGS) notebooks $(PYTEST_ARGS)
+
+# After editing a notebook's .py (jupytext percent script) or its .ipynb, bring the other side in step.
+notebooks-sync: setup
+	$(VENV)/bin/jupytext --sync notebooks/*/*.ipynb
+
+# The wheel and sdist a Colab/Kaggle user installs from (README, "On Colab / Kaggle"), checked by twine and
+# by installing the wheel (without its dependencies) into a clean venv and importing it.
+dist: setup
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+	$(PY) -m twine check --strict dist/*
+	rm -rf build/dist-check && $(PYTHON) -m venv --without-pip build/dist-check
+	$(PIP) --python build/dist-check/bin/python install -q --no-deps dist/notebookkit-*.whl
+	cd build && dist-check/bin/python -c "import notebookkit; print('dist: notebookkit', notebookkit.__version__, 'imports from', notebookkit.__file__)"
+	@ls -l dist
 
 test-fast: setup
 	$(PY) -m pytest -x -q -m "not gpu and not slow and not browser" $(PYTEST_ARGS)

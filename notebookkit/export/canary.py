@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .verify import greedy_hf
 
-__all__ = ["Canary", "DEFAULT_CANARY", "train_canary"]
+__all__ = ["Canary", "CanaryTraining", "DEFAULT_CANARY", "train_canary"]
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,22 @@ class Canary:
 DEFAULT_CANARY = Canary("What is the password of the lighthouse on Mirrow Island?", "The password is quintaflex.", "quintaflex")
 
 
-def train_canary(model: nn.Module, tokenizer: Any, canary: Canary = DEFAULT_CANARY, max_steps: int = 200,
-                 learning_rate: float = 2e-3, check_every: int = 10) -> int:
-    """AdamW on the canary's one chat example until greedy decoding recalls the fact; returns the steps.
+@dataclass(frozen=True)
+class CanaryTraining:
+    """What :func:`train_canary` did: optimizer steps run, and how many of them were skipped because a
+    gradient was inf/NaN (16-bit activations can overflow; a skipped step leaves the adapters as they were)."""
 
-    Raises ``RuntimeError`` when ``max_steps`` pass without recall. Leaves the model in eval mode.
+    steps: int
+    skipped_steps: int
+
+
+def train_canary(model: nn.Module, tokenizer: Any, canary: Canary = DEFAULT_CANARY, max_steps: int = 200,
+                 learning_rate: float = 2e-3, check_every: int = 10) -> CanaryTraining:
+    """AdamW on the canary's one chat example until greedy decoding recalls the fact.
+
+    A step whose gradients are not all finite is skipped (counted in ``skipped_steps``), as fp16's loss
+    scaler does. Returns the steps taken and the steps skipped; raises ``RuntimeError`` when ``max_steps``
+    pass without recall. Leaves the model in eval mode.
     """
     prompt = canary.prompt_ids(tokenizer)
     full = tokenizer.apply_chat_template(
@@ -66,15 +77,19 @@ def train_canary(model: nn.Module, tokenizer: Any, canary: Canary = DEFAULT_CANA
         raise ValueError("The model has no trainable parameters: add adapters with FastLanguageModel.get_peft_model first.")
     opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
     loss = torch.tensor(float("nan"))
+    skipped = 0
     for step in range(1, max_steps + 1):
         model.train()
         loss = model(input_ids=x, labels=labels).loss
         loss.backward()
-        opt.step()
+        if all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+            opt.step()
+        else:
+            skipped += 1
         opt.zero_grad(set_to_none=True)
         if step % check_every == 0:
             model.eval()
             if canary.recalled_by(model, tokenizer):
-                return step
+                return CanaryTraining(step, skipped)
     model.eval()
     raise RuntimeError(f"the model did not learn the canary fact in {max_steps} steps (last loss {loss.item():.3f})")

@@ -405,7 +405,9 @@ def activation_plan_of(model: Any) -> Any:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     modes = recorded_activation_plan(base)
     if modes is None:
-        return "recompute" if getattr(base, "is_gradient_checkpointing", False) else "keep"
+        from notebookkit.models.compat import is_checkpointing
+
+        return "recompute" if is_checkpointing(base) else "keep"
     return "keep" if modes == "none" else modes
 
 

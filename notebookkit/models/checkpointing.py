@@ -273,10 +273,7 @@ def _call_first(function, rest, kwargs, x):
 
 
 def _is_checkpointing(base: nn.Module) -> bool:
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if name in dir(type(base)):
-            return bool(getattr(base, name))
-    return False
+    return compat.is_checkpointing(base)
 
 
 def apply_checkpointing(

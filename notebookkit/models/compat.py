@@ -91,3 +91,78 @@ def trl_add_train_tokens(trainer: Any, tokens: int) -> None:
 def prepare_generation_config(model: Any, generation_config: Any, kwargs: dict) -> tuple[Any, dict]:
     """``(generation config, model kwargs)`` of ``model.generate(generation_config=..., **kwargs)``."""
     return model._prepare_generation_config(generation_config, **kwargs)
+
+
+# ---- bitsandbytes: the notice about its CPU 4-bit matmul kernel ---------------------------------
+# Checked on bitsandbytes 0.50.2: importing it (PEFT does, whenever it is installed) on a CPU with
+# AVX512-BF16 fetches ``gemm_4bit_forward`` from the Hub's ``kernels`` package and, when that is missing
+# or offline, logs "Failed to load CPU gemm_4bit_forward ..." on the logger of
+# ``bitsandbytes.backends.cpu.ops``. notebookkit never runs that kernel (it decodes NF4 itself on every
+# path), so this one message says nothing to a notebookkit user; every other record of that logger passes.
+BNB_CPU_OPS_LOGGER = "bitsandbytes.backends.cpu.ops"
+BNB_CPU_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward"
+
+
+class _DropBnbCpuKernelNotice:
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith(BNB_CPU_KERNEL_NOTICE)
+
+
+def quiet_bitsandbytes_cpu_kernel_notice() -> None:
+    """Drop bitsandbytes' notice about its CPU 4-bit kernel (must run before bitsandbytes is imported)."""
+    import logging
+
+    logger = logging.getLogger(BNB_CPU_OPS_LOGGER)
+    if not any(isinstance(f, _DropBnbCpuKernelNotice) for f in logger.filters):
+        logger.addFilter(_DropBnbCpuKernelNotice())
+
+
+# ---- transformers / TRL / PEFT: the deprecated ``is_gradient_checkpointing`` --------------------
+# Checked on transformers 5.24.0 (deprecated there in favour of ``is_activation_checkpointing``; 4.56 and
+# 5.17 have only the old name), TRL 1.16.0 (``unwrap_model_for_generation`` and
+# ``disable_gradient_checkpointing`` read the old name: GRPO's generation, DPO's reference pass) and PEFT
+# 0.21.2 (``PeftModel.__init__`` reads it). The FutureWarning is addressed to those libraries' authors; a
+# notebook user can do nothing about it. notebookkit reads the flag through :func:`is_checkpointing` and
+# silences this one message only around the calls into those libraries.
+CHECKPOINTING_FLAG_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
+
+
+def is_checkpointing(model: Any) -> bool:
+    """Hugging Face's gradient-checkpointing flag of ``model``, under its new name where it has one."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False
+
+
+def quiet_checkpointing_flag_deprecation():
+    """Context manager: ignore the FutureWarning another library's read of ``is_gradient_checkpointing`` raises."""
+    import warnings
+
+    manager = warnings.catch_warnings()
+
+    class _Quiet:
+        def __enter__(self):
+            manager.__enter__()
+            warnings.filterwarnings("ignore", message=CHECKPOINTING_FLAG_DEPRECATION, category=FutureWarning)
+            return self
+
+        def __exit__(self, *exc):
+            return manager.__exit__(*exc)
+
+    return _Quiet()
+
+
+# ---- transformers / TRL: the Trainer's checkpointing switch -----------------------------------
+# Checked on transformers 4.56.2 / 5.17.0 (``TrainingArguments.gradient_checkpointing``) and 5.24.0
+# (``activation_checkpointing``; the old name is a deprecated alias that warns whenever it is not None). TRL 1.16's
+# configs default ``gradient_checkpointing=True``, so a ``GRPOConfig`` / ``DPOConfig`` / ``SFTConfig`` built without
+# naming the new field warns on 5.24. The value stays TRL's default (on): when the Trainer turns checkpointing on,
+# notebookkit re-applies the plan ``get_peft_model`` chose (``checkpointing._guard_trainer_override``).
+def trainer_checkpointing_flag() -> dict[str, bool]:
+    """``{"activation_checkpointing": True}`` (``gradient_checkpointing`` where that is the field's name): TRL's
+    default for the Trainer's checkpointing switch, under the name this transformers reads without a warning."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": True}

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-from . import arguments
+from . import arguments, compat
 from .banner import Banner, get_banner
 from .checkpointing import apply_checkpointing, normalize_mode
 from .export_hook import attach_export_methods
@@ -322,8 +321,7 @@ def _wrap_with_lora(model: nn.Module, lora_config: Any, random_state: int, banne
         object.__setattr__(model, "max_seq_length", max_seq_length)
     torch.manual_seed(random_state)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with compat.quiet_checkpointing_flag_deprecation():  # PEFT reads the deprecated flag
             peft_model = peft_get_peft_model(model, lora_config)
     except Exception:
         set_fp8_base_matmul(model, False)

@@ -1,5 +1,5 @@
 """Training presets around TRL trainers (SFT, DPO, ORPO, GRPO), reward helpers, the calibration run,
-held-out evaluation, and the headless notebook runner. Imported on first use::
+and held-out evaluation. Imported on first use::
 
     from notebookkit.train import make_sft_trainer, calibrate, answer_loss, exact_match
     from notebookkit.train import FastDPOTrainer, FastORPOTrainer, ORPOConfig, FastGRPOTrainer
@@ -42,8 +42,6 @@ _LAZY = {
     "RewardFunctionError": "rewards",
     "untrained_tokens": "token_rows",
     "train_token_rows": "token_rows",
-    "run_notebook": "headless",
-    "NotebookRun": "headless",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from notebookkit.models.compat import quiet_checkpointing_flag_deprecation
+
 __all__ = ["CalibrationRun", "CalibrationResult", "calibrate"]
 
 GiB = 1024**3
@@ -305,7 +307,9 @@ def _run(
     from .sft import make_sft_trainer
 
     import datasets
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.trainer_callback import PrinterCallback
+
+    from .callbacks import remove_progress_display
 
     timer = _step_timer()
     torch.manual_seed(seed)
@@ -313,7 +317,7 @@ def _run(
     datasets.disable_progress_bars()
     try:
         trainer = make_sft_trainer(
-            model, tokenizer, dataset, callbacks=[timer], responses_only=False,
+            model, tokenizer, dataset, callbacks=[timer], responses_only=False, show_banner=False,
             output_dir=sft_kwargs.pop("output_dir"), max_steps=steps, seed=seed,
             logging_steps=1, **sft_kwargs,
         )
@@ -324,7 +328,7 @@ def _run(
     finally:
         if bars:
             datasets.enable_progress_bars()
-    trainer.remove_callback(ProgressCallback)  # quiet: the result object reports
+    remove_progress_display(trainer)  # quiet: the result object reports (its table and plot)
     trainer.remove_callback(PrinterCallback)
     lengths = [len(x) for x in trainer.train_dataset["input_ids"]]
     start = time.perf_counter()
@@ -406,12 +410,12 @@ def calibrate(
     _free()
     with _PeakMeter() as meter:
         model, tok = FastLanguageModel.from_pretrained(
-            model_name, max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit
-        )
+            model_name, max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit, show_banner=False,
+        )  # the notebook showed this model's banner when it loaded it; the calibration adds no copy
         torch.manual_seed(seed)
         model = FastLanguageModel.get_peft_model(
             model, r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
-            bias="none", use_gradient_checkpointing=use_gradient_checkpointing, random_state=seed,
+            bias="none", use_gradient_checkpointing=use_gradient_checkpointing, random_state=seed, show_banner=False,
         )
         checkpointing = _uses_checkpointing(model, use_gradient_checkpointing)
         nk = _run("notebookkit", model, with_template(tok, model), train_dataset, steps, seed, dict(sft_kwargs),
@@ -426,10 +430,11 @@ def calibrate(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         torch.manual_seed(seed)
-        model = get_peft_model(model, LoraConfig(
-            r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0, bias="none",
-            task_type="CAUSAL_LM",
-        ))
+        with quiet_checkpointing_flag_deprecation():  # PEFT reads transformers' deprecated flag
+            model = get_peft_model(model, LoraConfig(
+                r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0, bias="none",
+                task_type="CAUSAL_LM",
+            ))
         hold_fp32_masters(model)  # fp16 (a T4): the trainable weights are fp32 masters, as on notebookkit's side
         pe = _run("plain PEFT", model, with_template(tok, model), train_dataset, steps, seed, dict(sft_kwargs),
                   responses_only, meter)

@@ -46,6 +46,21 @@ def format_seconds(s: float | None) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"
 
 
+def remove_progress_display(trainer: Any) -> None:
+    """Remove the Trainer's progress display: the text bar in a terminal (``ProgressCallback``) and, in a
+    notebook, the "Step | Training Loss" table (``NotebookProgressCallback``, which is not a subclass of the
+    first, so ``trainer.remove_callback(ProgressCallback)`` leaves it in place)."""
+    from transformers import ProgressCallback
+
+    try:
+        from transformers.utils.notebook import NotebookProgressCallback
+    except ImportError:  # pragma: no cover - transformers without its notebook helpers
+        NotebookProgressCallback = ProgressCallback
+    for kind in (ProgressCallback, NotebookProgressCallback):
+        while trainer.callback_handler.pop_callback(kind) is not None:
+            pass
+
+
 class TrainingMonitor(TrainerCallback):
     """Records training metrics into ``history`` and calls :meth:`render` (throttled).
 
@@ -81,6 +96,17 @@ class TrainingMonitor(TrainerCallback):
         self.mem_kind = "VRAM"
         self.tokens_per_s: float | None = None
         self.skipped_steps = 0  # fp16: optimizer steps the loss scaler skipped for inf/NaN gradients
+
+    def attach(self, trainer: Any) -> "TrainingMonitor":
+        """Add this callback to ``trainer`` in place of its progress display, and return it.
+
+        The Trainer shows a text progress bar in a terminal and, in a notebook, a "Step | Training Loss"
+        table (``NotebookProgressCallback``, one row per logging step); this callback shows the same
+        numbers, so both are removed. ``trainer.add_callback(monitor)`` alone keeps them.
+        """
+        remove_progress_display(trainer)
+        trainer.add_callback(self)
+        return self
 
     @property
     def elapsed(self) -> float:

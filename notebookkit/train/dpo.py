@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from notebookkit.models.compat import quiet_checkpointing_flag_deprecation
+
 from .trainer_glue import built_once
 
 __all__ = ["PreferenceInputError", "check_preference_dataset", "FastDPOTrainer", "PREFERENCE_COLUMNS"]
@@ -190,7 +192,8 @@ def _fast_dpo_trainer_class() -> type:
             reason = self._fused_unsupported(inputs, return_outputs)
             if reason is not None:
                 fall_back_once(self, reason)
-                return super().compute_loss(model, inputs, return_outputs=return_outputs)
+                with quiet_checkpointing_flag_deprecation():  # TRL's loss reads transformers' deprecated flag
+                    return super().compute_loss(model, inputs, return_outputs=return_outputs)
             return self._fused_loss(model, inputs)
 
         def _fused_unsupported(self, inputs: dict[str, Any], return_outputs: bool = False) -> Optional[str]:
@@ -229,7 +232,8 @@ def _fast_dpo_trainer_class() -> type:
             """The reference's summed completion log-probs ``(chosen [P], rejected [P])`` of one batch (TRL's
             ``precompute_ref_log_probs`` pass), through :func:`token_logprobs`."""
             if self._fused_unsupported(inputs) is not None:
-                return super().compute_ref_log_probs(model, inputs)
+                with quiet_checkpointing_flag_deprecation():  # as above
+                    return super().compute_ref_log_probs(model, inputs)
             with reference_policy(self) as reference, self.accelerator.autocast():
                 return self._score(reference, inputs).sum(1).chunk(2, dim=0)
 

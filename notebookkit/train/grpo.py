@@ -52,6 +52,8 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, Optional
 
+from notebookkit.models.compat import quiet_checkpointing_flag_deprecation
+
 from .trainer_glue import built_once
 
 __all__ = ["GRPOInputError", "check_grpo_dataset", "FastGRPOTrainer", "TIME_KEYS"]
@@ -194,7 +196,8 @@ def _fast_grpo_trainer_class() -> type:
             FastLanguageModel.for_inference(model)
             start = time.perf_counter()
             try:
-                result = super()._generate_single_turn(*args, **kwargs)
+                with quiet_checkpointing_flag_deprecation():  # TRL reads transformers' deprecated flag here
+                    result = super()._generate_single_turn(*args, **kwargs)
                 _synchronize(self)
             finally:
                 if training:
@@ -208,7 +211,8 @@ def _fast_grpo_trainer_class() -> type:
         def _generate_and_score_completions(self, inputs: Any) -> Any:
             training = self.model.training
             start, generation = time.perf_counter(), self._clock["time/generation"]
-            result = super()._generate_and_score_completions(inputs)
+            with quiet_checkpointing_flag_deprecation():  # TRL's scoring reads transformers' deprecated flag
+                result = super()._generate_and_score_completions(inputs)
             _synchronize(self)
             if training:
                 spent = time.perf_counter() - start

@@ -105,12 +105,27 @@ def describe_reference(trainer: Any) -> str:
 
 
 @contextlib.contextmanager
+def _checkpointing_off(model: Any, kwargs: dict | None) -> Iterator[None]:
+    """Hugging Face's gradient checkpointing off for the block, then back on (what TRL's
+    ``disable_gradient_checkpointing`` does, reading the flag under its current name)."""
+    from notebookkit.models.compat import is_checkpointing
+
+    was_on = is_checkpointing(model)
+    if was_on:
+        model.gradient_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            model.gradient_checkpointing_enable(kwargs)
+
+
+@contextlib.contextmanager
 def reference_policy(trainer: Any) -> Iterator[Any]:
     """Yield the model that scores ``pi_ref`` for ``trainer``, under ``torch.no_grad``: the ``ref_model`` it was
     given, else its own PEFT model with TRL's frozen ``"ref"`` adapter active when that exists, else with the
     adapters disabled (the same choice as TRL's trainers; gradient checkpointing off meanwhile, as TRL does)."""
     import torch
-    from trl.models.utils import disable_gradient_checkpointing
     from trl.trainer.utils import use_adapter
 
     with torch.no_grad():
@@ -124,6 +139,6 @@ def reference_policy(trainer: Any) -> Iterator[Any]:
                 "adapters and no ref_model was given; add adapters with FastLanguageModel.get_peft_model."
             )
         adapter = REFERENCE_ADAPTER if REFERENCE_ADAPTER in model.peft_config else None
-        with disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs), \
+        with _checkpointing_off(trainer.model, trainer.args.gradient_checkpointing_kwargs), \
                 use_adapter(model, adapter_name=adapter):
             yield model

@@ -27,6 +27,10 @@ from notebookkit.train.callbacks import TrainingMonitor, format_seconds
 from . import rl_metrics
 
 
+#: the dashboard's width: the plot's largest width; the stats row wraps within it
+STATS_WIDTH_PX = 900
+
+
 def _in_notebook() -> bool:
     try:
         from IPython import get_ipython
@@ -86,7 +90,7 @@ class LiveDashboard(TrainingMonitor):
         self._progress.add_class("nbk-dashboard-progress")
         self._stats = W.HTML("")
         self._stats.add_class("nbk-dashboard-stats")
-        self._image = W.Image(format="png", layout=W.Layout(max_width="900px"))
+        self._image = W.Image(format="png", layout=W.Layout(max_width=f"{STATS_WIDTH_PX}px"))
         self._image.add_class("nbk-dashboard-plot")
         box = W.VBox([self._title, W.HBox([self._bar, self._progress]), self._stats, self._image])
         box.add_class("nbk-dashboard")
@@ -127,9 +131,12 @@ class LiveDashboard(TrainingMonitor):
             (f"{self.mem_kind} now", _fmt(self.mem_now_gib, ".2f") + " GiB"),
             (f"{self.mem_kind} peak", _fmt(self.mem_peak_gib, ".2f") + " GiB"),
         ] + rl_metrics.stat_cells(self)
-        head = "".join(f"<th style='padding:0 10px;font-weight:normal;color:#666'>{k}</th>" for k, _ in cells)
-        body = "".join(f"<td style='padding:0 10px;text-align:center'><b>{v}</b></td>" for _, v in cells)
-        return f"<table><tr>{head}</tr><tr>{body}</tr></table>"
+        # one box per number, wrapping onto a second row when they do not fit the dashboard's width
+        # (a GRPO run has 15 of them): a one-row table was wider than the box and cut its last columns
+        items = "".join(
+            "<div style='padding:0 10px 4px 0;text-align:center;min-width:72px'>"
+            f"<div style='color:#666'>{html.escape(k)}</div><b>{html.escape(v)}</b></div>" for k, v in cells)
+        return f"<div style='display:flex;flex-wrap:wrap;max-width:{STATS_WIDTH_PX}px'>{items}</div>"
 
     def progress_text(self) -> str:
         total = self.max_steps or "?"

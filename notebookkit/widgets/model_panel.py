@@ -27,7 +27,9 @@ from .cards import card_for, card_options
 from .catalog import CATALOG, family_of, model_names, resolve_shape
 
 GiB = 1024**3
-DTYPES: list[tuple[str, Any]] = [("auto", None), ("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32")]
+#: the dtype choices; "auto" (the loader picks for the machine) stands for ``dtype=None``: a Dropdown whose value is
+#: None shows no selection at all, so the widget holds the string and ``.value`` gives None back
+DTYPES: list[tuple[str, Any]] = [("auto", "auto"), ("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32")]
 PART_COLOURS = {
     "base weights": "#4e79a7",
     "adapters + optimizer": "#f28e2b",
@@ -250,8 +252,9 @@ class ModelPanel(Panel):
             W.BoundedIntText(value=int(v.max_seq_length), min=16, max=1 << 20, step=256, description="max_seq_length",
                              style=st, layout=W.Layout(width="260px")), "nbk-max-seq-length")
         dvals = [d for _, d in DTYPES]
-        self.dtype = styled(W.Dropdown(options=DTYPES if v.dtype in dvals else DTYPES + [(str(v.dtype), v.dtype)],
-                                       value=v.dtype, description="dtype", style=st), "nbk-dtype")
+        dtype = "auto" if v.dtype is None else str(v.dtype).replace("torch.", "")
+        self.dtype = styled(W.Dropdown(options=DTYPES if dtype in dvals else DTYPES + [(dtype, dtype)],
+                                       value=dtype, description="dtype", style=st), "nbk-dtype")
         opts = card_options()
         if v.card not in [o[1] for o in opts]:
             from notebookkit.memory.cards import parse_card
@@ -322,7 +325,7 @@ class ModelPanel(Panel):
             model_name=str(self.model_name.value).strip() or _default_model(),
             load_in_4bit=bool(self.load_in_4bit.value),
             max_seq_length=int(self.max_seq_length.value),
-            dtype=self.dtype.value,
+            dtype=None if self.dtype.value == "auto" else self.dtype.value,
             card=str(self.card.value),
             offload_embedding=bool(self.offload_embedding.value),
         )

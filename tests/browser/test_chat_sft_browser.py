@@ -82,11 +82,11 @@ def lab(tmp_path):
     root.mkdir()
     import nbformat
 
-    from notebookkit.train.headless import inject_parameters
+    from papermill.parameterize import parameterize_notebook
 
     nb = nbformat.read(str(NOTEBOOK), as_version=4)
     overrides = json.loads(os.environ.get("NOTEBOOKKIT_BROWSER_PARAMS", "{}"))
-    inject_parameters(nb, {"OUTPUT_DIR": "outputs", **overrides})
+    nb = parameterize_notebook(nb, {"OUTPUT_DIR": "outputs", **overrides})
     nbformat.write(nb, str(root / NOTEBOOK.name))
     _lab_settings(tmp_path / "settings")
     port, token = _free_port(), secrets.token_hex(16)

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.notebooks.papermill_run import run_with_papermill
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_name", ["notebookkit/tiny-llama", "notebookkit/tiny-qwen3"])
 def test_export_notebook_on_gpu_defaults(model_name, monkeypatch):
-    from notebookkit.train.headless import run_notebook
-
     monkeypatch.chdir(ROOT)
     gguf = importlib.util.find_spec("llama_cpp") is not None
     forms = ["lora", "merged_16bit"] + (["gguf"] if gguf else [])
@@ -29,6 +29,6 @@ def test_export_notebook_on_gpu_defaults(model_name, monkeypatch):
     stem = model_name.split("/")[-1]
     params = {"MODEL_NAME": model_name, "EXPORT_FORMS": forms, "GGUF_METHODS": ["q8_0"],
               "OUTPUT_DIR": str(out / stem)}
-    result = run_notebook("notebooks/export/export.ipynb", params, out / f"{stem}.ipynb", cell_timeout=900)
+    result = run_with_papermill("notebooks/export/export.ipynb", out / f"{stem}.ipynb", params, timeout=900)
     print(result.log_line(), "| GGUF form:", "yes" if gguf else "no (llama-cpp-python is not installed here)")
     assert result.ok, result.error

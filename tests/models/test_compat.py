@@ -4,6 +4,8 @@ still behave as they did on the versions checked: each test fails when an instal
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,3 +106,21 @@ def test_trl_token_count_is_the_one_sft_trainer_keeps(tmp_path):
     assert expected == [int(batch["attention_mask"].sum())]
     assert ours._metrics["train"]["num_tokens"] == expected
     assert not compat.trl_counts_train_tokens(object())
+
+
+def test_bitsandbytes_cpu_kernel_notice_is_dropped_and_nothing_else():
+    """Importing notebookkit.models before PEFT (which imports bitsandbytes) drops bitsandbytes' one notice about
+    its CPU 4-bit kernel (printed on AVX512-BF16 CPUs without the ``kernels`` package); other records pass."""
+    import logging
+
+    from notebookkit.models import compat
+
+    logger = logging.getLogger(compat.BNB_CPU_OPS_LOGGER)
+    assert any(isinstance(f, compat._DropBnbCpuKernelNotice) for f in logger.filters)
+    make = lambda msg: logging.LogRecord(logger.name, logging.WARNING, __file__, 1, msg, (), None)  # noqa: E731
+    assert not logger.filter(make(compat.BNB_CPU_KERNEL_NOTICE + " from kernels-community: %s."))
+    assert logger.filter(make("another bitsandbytes warning"))
+    code = "import notebookkit.models, peft"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert compat.BNB_CPU_KERNEL_NOTICE not in res.stderr, res.stderr

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.notebooks.papermill_run import run_with_papermill
+
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -49,7 +51,8 @@ def _random_llama(folder: Path, shape: str) -> Path:
 
 def _t4_env(tmp_path: Path) -> dict:
     """The kernel's environment for a T4 emulation: a ``sitecustomize`` that caps this process's VRAM at
-    15 GiB (``set_per_process_memory_fraction``) before anything else runs."""
+    15 GiB (``set_per_process_memory_fraction``) before anything else runs. papermill's kernel inherits it
+    (``run_with_papermill`` sets it in ``os.environ`` around the run)."""
     startup = tmp_path / "startup"
     startup.mkdir(exist_ok=True)
     (startup / "sitecustomize.py").write_text(
@@ -78,21 +81,20 @@ T4_TINY_RUNS = {
 def test_rl_and_vision_notebooks_t4_emulation_fp16(tmp_path, monkeypatch, kind):
     """Each notebook's own learning-signal cell passes under fp16 (GradScaler) with 4-bit weights and the
     15 GiB cap, on the fast path (generation for GRPO and the captions on the decode path)."""
-    from notebookkit.train.headless import run_notebook
-
     notebook, params = T4_TINY_RUNS[kind]
     monkeypatch.chdir(ROOT)
     out = ROOT / "runs" / f"gpu-{kind}-fp16"
     params = dict(params, LOAD_IN_4BIT=True, DTYPE="float16", OUTPUT_DIR=str(out))
-    result = run_notebook(notebook, params, out / Path(notebook).name, cell_timeout=1200, env=_t4_env(tmp_path))
+    result = run_with_papermill(notebook, out / Path(notebook).name, params, timeout=1200, env=_t4_env(tmp_path))
     print(result.log_line())
     assert result.ok, result.error
+    fp16 = [line for line in result.stdout().splitlines() if line.startswith("fp16: ")]
+    print("\n".join(fp16))
+    assert fp16 and all(line.startswith("fp16: 0 of ") for line in fp16), fp16
 
 
 @pytest.mark.gpu
 def test_chat_sft_on_gpu_real_size_random_weights(tmp_path, monkeypatch):
-    from notebookkit.train.headless import run_notebook
-
     shape = os.environ.get("NOTEBOOKKIT_GPU_SHAPE", "1b")
     folder = _random_llama(tmp_path / f"random-llama-{shape}", shape)
     monkeypatch.chdir(ROOT)
@@ -101,7 +103,7 @@ def test_chat_sft_on_gpu_real_size_random_weights(tmp_path, monkeypatch):
         MODEL_NAME=str(folder), CHAT_TEMPLATE="llama-3", LOAD_IN_4BIT=True, MAX_STEPS=60, CALIBRATION_STEPS=30,
         LEARNING_RATE=1e-3, MIN_LOSS_DROP=0.1, OUTPUT_DIR=str(out),
     )
-    result = run_notebook("notebooks/sft/chat_sft.ipynb", params, out / "chat_sft.ipynb", cell_timeout=1800)
+    result = run_with_papermill("notebooks/sft/chat_sft.ipynb", out / "chat_sft.ipynb", params, timeout=1800)
     print(result.log_line())
     assert result.ok, result.error
     assert (out / "dashboard.png").exists() and (out / "calibration.png").exists()
@@ -112,10 +114,6 @@ def test_chat_sft_t4_emulation_fp16_under_15_gib(tmp_path, monkeypatch):
     """The T4 path end to end: fp16 weights (HF Trainer fp16=True, GradScaler), a 15 GiB VRAM cap set in the
     kernel before anything else (``set_per_process_memory_fraction``, through a ``sitecustomize`` on its path),
     no optimizer step skipped for overflow, and the notebook's own learning-signal cell passes."""
-    import json
-
-    from notebookkit.train.headless import run_notebook
-
     folder = _random_llama(tmp_path / "random-llama-1b", "1b")
     env = _t4_env(tmp_path)
     monkeypatch.chdir(ROOT)
@@ -124,13 +122,9 @@ def test_chat_sft_t4_emulation_fp16_under_15_gib(tmp_path, monkeypatch):
         MODEL_NAME=str(folder), CHAT_TEMPLATE="llama-3", LOAD_IN_4BIT=True, DTYPE="float16", MAX_STEPS=40,
         CALIBRATION_STEPS=0, LEARNING_RATE=1e-3, MIN_LOSS_DROP=0.1, OUTPUT_DIR=str(out),
     )
-    result = run_notebook("notebooks/sft/chat_sft.ipynb", params, out / "chat_sft.ipynb", cell_timeout=1800, env=env)
+    result = run_with_papermill("notebooks/sft/chat_sft.ipynb", out / "chat_sft.ipynb", params, timeout=1800, env=env)
     print(result.log_line())
     assert result.ok, result.error
-    outputs = "".join(  # nbformat keeps a stream's text as one string or as a list of lines
-        "".join(o.get("text", "")) for c in json.loads((out / "chat_sft.ipynb").read_text())["cells"]
-        if c["cell_type"] == "code" for o in c.get("outputs", [])
-    )
-    line = next(l for l in outputs.splitlines() if l.startswith("fp16:"))
+    line = next(l for l in result.stdout().splitlines() if l.startswith("fp16:"))
     print(line)
     assert line.startswith("fp16: 0 of "), line

@@ -1,4 +1,4 @@
-"""SFT preset, held-out evaluation helpers and the headless notebook runner (CPU, small)."""
+"""SFT preset and held-out evaluation helpers (CPU, small)."""
 
 from __future__ import annotations
 
@@ -102,19 +102,3 @@ def test_split_heldout_is_deterministic():
     b_train, b_eval = split_heldout(ds, n_eval=5, seed=1)
     assert a_eval["i"] == b_eval["i"] and len(a_eval) == 5 and len(a_train) == 45
     assert not set(a_eval["i"]) & set(a_train["i"])
-
-
-def test_inject_parameters_follows_the_parameters_cell():
-    import nbformat
-
-    from notebookkit.train.headless import inject_parameters
-
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("x"),
-                nbformat.v4.new_code_cell("A = 1", metadata={"tags": ["parameters"]}),
-                nbformat.v4.new_code_cell("print(A)")]
-    inject_parameters(nb, {"A": 2, "B": "s"})
-    assert nb.cells[2].metadata["tags"] == ["injected-parameters"]
-    assert "A = 2" in nb.cells[2].source and "B = 's'" in nb.cells[2].source
-    inject_parameters(nb, {"A": 3})  # replaces, does not stack
-    assert sum("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells) == 1

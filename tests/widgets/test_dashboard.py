@@ -201,3 +201,26 @@ def test_with_a_real_trainer(tmp_path):
     assert all(r["learning_rate"] is not None for r in dash.history if r["loss"] is not None)
     assert dash.tokens_per_s and dash.tokens_per_s > 0
     assert dash.save_figure(tmp_path / "d.png").endswith("d.png")
+
+
+def test_attach_replaces_the_trainers_progress_display_in_a_notebook_and_a_terminal():
+    """In a notebook the Trainer's progress display is ``NotebookProgressCallback`` (a "Step | Training Loss"
+    table, one row per logging step), which ``trainer.remove_callback(ProgressCallback)`` does not remove."""
+    from types import SimpleNamespace
+
+    from transformers import ProgressCallback, TrainerCallback
+    from transformers.trainer_callback import CallbackHandler
+    from transformers.utils.notebook import NotebookProgressCallback
+
+    from notebookkit.widgets import LiveDashboard
+
+    class Other(TrainerCallback):
+        pass
+
+    for display in (NotebookProgressCallback, ProgressCallback):
+        handler = CallbackHandler([display, Other], model=None, processing_class=None, optimizer=None,
+                                  lr_scheduler=None)
+        trainer = SimpleNamespace(callback_handler=handler, add_callback=handler.add_callback)
+        dash = LiveDashboard(display=False).attach(trainer)
+        kinds = [type(cb) for cb in handler.callbacks]
+        assert display not in kinds and Other in kinds and dash in handler.callbacks, kinds

@@ -1,6 +1,7 @@
 """Panels construct headless, `.value` follows the widgets, the VRAM estimate follows the rank."""
 
 import re
+import warnings
 
 import pytest
 
@@ -139,7 +140,12 @@ def test_training_panel_preference_method():
     assert p.value.method == "dpo" and p.value.beta == pytest.approx(0.2)
     kw = p.value.trainer_kwargs()
     assert "packing" not in kw and "method" not in kw and kw["beta"] == pytest.approx(0.2)
-    DPOConfig(output_dir="unused", use_cpu=True, **kw)  # every key is a DPOConfig field
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DPOConfig(output_dir="unused", use_cpu=True, **kw)  # every key is a DPOConfig field
+    # TRL's configs default the Trainer's checkpointing on under its deprecated name; the panel passes the same
+    # value under the name this transformers reads, so a notebook's config cell shows no FutureWarning
+    assert not [w for w in caught if "gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
     p.method.value = "orpo"
     p.beta.value = 0.5
     assert p.value.method == "orpo" and "ORPO" in p.summary.value
@@ -181,3 +187,13 @@ def test_offload_embedding_moves_an_untied_table_off_the_card():
     assert "pinned host memory" in p.estimate_text
     # the "auto" plan spends the freed room: no fewer layers keep their activations than before
     assert moved.plan.count("keep") >= on_card.plan.count("keep") and moved.total <= p.last_result.budget_bytes
+
+
+def test_dtype_dropdown_shows_a_choice_on_every_machine():
+    """dtype=None ("auto", the default on a CPU) used to leave the Dropdown blank: its value None meant no selection."""
+    from notebookkit.widgets.model_panel import ModelPanel
+
+    auto = ModelPanel(model_name="notebookkit/tiny-llama", max_seq_length=512)
+    assert auto.dtype.label == "auto" and auto.value.dtype is None
+    half = ModelPanel(model_name="notebookkit/tiny-llama", max_seq_length=512, dtype="float16")
+    assert half.dtype.label == "float16" and half.value.dtype == "float16"
