@@ -81,10 +81,10 @@ def lab(tmp_path):
     root = tmp_path / "lab"
     root.mkdir()
     import nbformat
-
+    from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
-    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    nb = load_notebook_node(str(NOTEBOOK))  # papermill's reader: every cell gets the tags list it looks for
     overrides = json.loads(os.environ.get("NOTEBOOKKIT_BROWSER_PARAMS", "{}"))
     nb = parameterize_notebook(nb, {"OUTPUT_DIR": "outputs", **overrides})
     nbformat.write(nb, str(root / NOTEBOOK.name))
