@@ -8,7 +8,8 @@ On the GPU machine (an H200 standing in for a T4)::
 What makes it a T4 run:
 
 * the notebook's kernel starts with a ``sitecustomize`` that caps its VRAM at 15 GiB
-  (``torch.cuda.set_per_process_memory_fraction``) and makes the card report compute capability 7.5, so
+  (``torch.cuda.set_per_process_memory_fraction``) and makes the card report compute capability 7.5 to
+  everything but Triton (which must compile for the card it runs on), so
   ``is_bfloat16_supported()`` is ``False``: ``dtype=None`` picks fp16 and the trainers run fp16 under a
   loss scaler, exactly the T4's path (no bf16, no FP8);
 * the model is a real-size checkpoint of the notebook's GPU default (``GPU_MODEL``: Qwen3-0.6B for the text
@@ -55,7 +56,9 @@ import torch
 
 _total = torch.cuda.get_device_properties(0).total_memory
 torch.cuda.set_per_process_memory_fraction(min(1.0, {cap} * 2**30 / _total))
-torch.cuda.get_device_capability = lambda device=None: (7, 5)   # a T4: no bf16, no FP8
+import triton
+triton.runtime.driver.active.get_current_target()  # Triton keeps the real capability: it compiles for this card
+torch.cuda.get_device_capability = lambda device=None: (7, 5)   # everything else sees a T4: no bf16, no FP8
 torch.cuda.is_bf16_supported = lambda including_emulation=True: False
 _out = {out!r}
 
@@ -127,24 +130,25 @@ def checkpoint(kind: str, root: Path) -> Path:
 
 
 class RssSampler:
-    """Peak RSS (and anonymous RSS) of the processes whose command line names ``pattern``, every 0.2 s."""
+    """Peak RSS (and anonymous RSS) of this process's descendants (papermill's kernel), every 0.2 s: several
+    harnesses can run side by side and each counts only its own kernel."""
 
-    def __init__(self, pattern: str) -> None:
-        self.pattern, self.peak_rss, self.peak_anon = pattern, 0, 0
+    def __init__(self) -> None:
+        self.peak_rss, self.peak_anon = 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         import psutil
 
+        me = psutil.Process()
         while not self._stop.wait(0.2):
             rss = anon = 0
-            for proc in psutil.process_iter(["cmdline"]):
+            for proc in me.children(recursive=True):
                 try:
-                    if self.pattern in " ".join(proc.info["cmdline"] or ()):
-                        mem = proc.memory_info()
-                        rss += mem.rss
-                        anon += mem.rss - getattr(mem, "shared", 0)
+                    mem = proc.memory_info()
+                    rss += mem.rss
+                    anon += mem.rss - getattr(mem, "shared", 0)
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
             self.peak_rss, self.peak_anon = max(self.peak_rss, rss), max(self.peak_anon, anon)
@@ -179,7 +183,7 @@ def run_one(name: str, folder: Path, extra: dict, out: Path) -> dict:
     error = None
     start = time.perf_counter()
     try:
-        with RssSampler("ipykernel_launcher") as rss:  # the notebook's kernel (one at a time)
+        with RssSampler() as rss:  # the notebook's kernel
             try:
                 papermill.execute_notebook(str(notebook_path(name)), str(executed), parameters=params, kernel_name="python3",
                                            cwd=str(ROOT), progress_bar=False, request_save_on_cell_execute=False,

@@ -15,7 +15,7 @@ import statistics
 import time
 
 
-def run(variant: str, steps: int, lr: float, batch: int) -> dict:
+def run(variant: str, steps: int, lr: float, batch: int, accum: int = 1, seed: int = 3407) -> dict:
     import torch
     from transformers import TrainerCallback
 
@@ -27,13 +27,13 @@ def run(variant: str, steps: int, lr: float, batch: int) -> dict:
     from notebookkit.train.sft import FastSFTTrainer
 
     dtype, bits = variant.split("-")
-    torch.manual_seed(3407)
+    torch.manual_seed(seed)
     model, processor = FastVisionModel.from_pretrained("notebookkit/tiny-qwen2.5-vl", max_seq_length=256,
                                                        dtype={"fp16": "float16", "bf16": "bfloat16"}[dtype],
                                                        load_in_4bit=bits == "4bit", show_banner=False)
     model = FastVisionModel.get_peft_model(model, finetune_vision_layers=True, finetune_language_layers=True,
                                            finetune_attention_modules=True, finetune_mlp_modules=True, r=16,
-                                           lora_alpha=16, random_state=3407, show_banner=False)
+                                           lora_alpha=16, random_state=seed, show_banner=False)
     train_ds, heldout = load_bundled("captions"), load_bundled("captions", split="eval")
     rows = [heldout[i] for i in range(len(heldout))]
     reference = [{"colour": c, "shape": s} for c, s in zip(train_ds["colour"], train_ds["shape"])]
@@ -54,7 +54,7 @@ def run(variant: str, steps: int, lr: float, batch: int) -> dict:
                 record["grad_norm"].append(float(logs.get("grad_norm", float("nan"))))
 
     args = sft_config("/tmp/vision-probe", model=model, max_length=None, max_steps=steps, learning_rate=lr,
-                      per_device_train_batch_size=batch, warmup_steps=10, logging_steps=10, seed=3407,
+                      per_device_train_batch_size=batch, gradient_accumulation_steps=accum, warmup_steps=10, logging_steps=10, seed=seed,
                       remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True}, report_to=[])
     trainer = FastSFTTrainer(model=model, args=args, train_dataset=train_ds,
                              data_collator=VisionDataCollator(model, processor), processing_class=processor,
@@ -65,7 +65,7 @@ def run(variant: str, steps: int, lr: float, batch: int) -> dict:
     after = score_captions(generate_vision_replies(model, processor, rows, max_new_tokens=20), rows, reference)
     trainable = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
     losses = record["loss"]
-    return dict(variant=variant, fp16=args.fp16, bf16=args.bf16, optim=args.optim, trainable=trainable,
+    return dict(variant=variant, accum=accum, seed=seed, fp16=args.fp16, bf16=args.bf16, optim=args.optim, trainable=trainable,
                 accuracy_before=before.accuracy, accuracy_after=after.accuracy, gain=after.accuracy - before.accuracy,
                 loss_first=statistics.mean(losses[:3]), loss_last=statistics.mean(losses[-3:]), skipped=record["skipped"],
                 final_scale=record["scale"][-1] if record["scale"] else None, grad_norms=record["grad_norm"][:6],
@@ -78,10 +78,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=450)
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=3407)
+    parser.add_argument("--accum", type=int, default=1, help="gradient accumulation (the notebook: 1)")
     args = parser.parse_args()
     rows = []
     for variant in args.variants.split(","):
-        row = run(variant, args.steps, args.lr, args.batch)
+        row = run(variant, args.steps, args.lr, args.batch, args.accum, args.seed)
         print(json.dumps(row), flush=True)
         rows.append(row)
     print("| variant | optim | accuracy before -> after | loss first -> last | skipped | final scale | s |")

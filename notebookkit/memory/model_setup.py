@@ -4,7 +4,8 @@ Four facts about a model set up by :mod:`notebookkit.models` change its memory u
 read off its config or its PEFT config:
 
 * the activation plan it applies (per-layer keep / recompute / offload, or ``"none"``), recorded on
-  the causal LM by ``apply_checkpointing``;
+  the causal LM by ``apply_checkpointing``; for an ``"auto"`` plan also the batch it was sized for
+  (rows x tokens, and the memory cap), so a larger training batch re-plans before it runs;
 * the FP8 forward, flagged on each frozen base linear by ``set_fp8_base_matmul`` (the fused path
   reads the flag on every call, so it lives on the linear: it holds for a plain, a 4-bit and a
   LoRA-wrapped projection alike, and after ``merge_and_unload``);
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 _ACTIVATION_PLAN = "_notebookkit_checkpointing"
+_AUTO_PLAN_SIZE = "_notebookkit_auto_plan_size"
 _FP8_FORWARD = "_notebookkit_fp8_forward"
 _FUSED_LM_HEAD = "_notebookkit_fused_lm_head"
 _HOST_EMBEDDING = "_notebookkit_host_embedding"
@@ -45,6 +47,20 @@ def _set_flag(module: Any, name: str, on: bool) -> None:
 def record_activation_plan(causal_lm: Any, modes: Optional[Sequence[str]]) -> None:
     """Record the per-layer modes ``causal_lm`` now runs (``None``: no checkpointing at all)."""
     object.__setattr__(causal_lm, _ACTIVATION_PLAN, "none" if modes is None else list(modes))
+
+
+def record_auto_plan_size(causal_lm: Any, tokens: Optional[int], max_memory: Any = None) -> None:
+    """Record that the plan is ``"auto"``, sized for ``tokens`` per micro-batch under ``max_memory``
+    (``tokens=None``: the plan was chosen by hand, nothing to re-plan)."""
+    if tokens is None:
+        _marks(causal_lm).pop(_AUTO_PLAN_SIZE, None)
+    else:
+        object.__setattr__(causal_lm, _AUTO_PLAN_SIZE, (int(tokens), max_memory))
+
+
+def auto_plan_size(causal_lm: Any) -> Optional[tuple[int, Any]]:
+    """``(tokens, max_memory)`` an ``"auto"`` plan was sized for, or ``None`` for a plan chosen by hand."""
+    return _marks(causal_lm).get(_AUTO_PLAN_SIZE)
 
 
 def recorded_activation_plan(causal_lm: Any) -> Union[list[str], str, None]:

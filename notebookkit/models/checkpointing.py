@@ -36,7 +36,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from notebookkit.memory.model_setup import record_activation_plan, recorded_activation_plan
+from notebookkit.memory.model_setup import (
+    auto_plan_size,
+    record_activation_plan,
+    record_auto_plan_size,
+    recorded_activation_plan,
+)
 
 from . import compat, forward_state
 from .architectures import lookup
@@ -91,6 +96,9 @@ def _model_device(model: nn.Module) -> torch.device:
         return p.device
     return torch.device("cpu")
 
+
+#: the sequence length the planner assumes when the model has no ``max_seq_length`` (estimate's default)
+DEFAULT_PLAN_SEQ_LEN = 2048
 
 _side_streams: dict[int, Any] = {}
 
@@ -299,10 +307,13 @@ def apply_checkpointing(
     else:
         mode = normalize_mode(value)
         if mode == "auto":
-            planned, why = auto_plan(base, seq_len or getattr(base, "max_seq_length", None), batch_size, max_memory)
+            seq_len = seq_len or getattr(base, "max_seq_length", None)
+            planned, why = auto_plan(base, seq_len, batch_size, max_memory)
             modes = planned if isinstance(planned, list) else [{"none": "keep"}.get(planned, planned)] * len(layers)
+            record_auto_plan_size(base, (seq_len or DEFAULT_PLAN_SEQ_LEN) * (batch_size or 1), max_memory)
         else:
             modes = [{"none": "keep"}.get(mode, mode)] * len(layers)
+            record_auto_plan_size(base, None)
     if len(modes) != len(layers):
         raise ValueError(f"activation plan has {len(modes)} entries but the model has {len(layers)} decoder layers.")
     bad = set(modes) - {"keep", "recompute", "offload"}
@@ -373,4 +384,29 @@ def _guard_trainer_override(base: nn.Module) -> None:
 
 def _reapply_checkpointing(base: nn.Module, *args: Any, **kwargs: Any) -> None:
     """``gradient_checkpointing_enable`` of a model notebookkit configured: re-apply its own mode."""
+    size = auto_plan_size(base)
     apply_checkpointing(base, recorded_activation_plan(base) or "none")
+    if size is not None:  # still the "auto" plan: a larger batch re-plans (fit_plan_to_batch)
+        record_auto_plan_size(base, *size)
+
+
+def fit_plan_to_batch(causal_lm: nn.Module, rows: int, seq_len: int) -> None:
+    """Re-plan an ``"auto"`` activation plan when a training batch has more tokens than it was sized for.
+
+    ``get_peft_model`` plans for ``planning_batch_size`` rows (default 1) of ``max_seq_length`` tokens; a
+    trainer then runs its own batch (GRPO: prompts x generations rows of prompt + completion). The first
+    training forward of a larger batch plans again for ``rows x seq_len`` under the same cap, before any
+    layer runs, and says so when the per-layer modes change. Grow-only: smaller batches keep the plan. A
+    plan chosen by hand (``True``, ``"offload"``, a per-layer list) is never changed.
+    """
+    size = auto_plan_size(causal_lm)
+    if size is None or rows * seq_len <= size[0]:
+        return
+    before = recorded_activation_plan(causal_lm)
+    apply_checkpointing(causal_lm, "auto", seq_len=seq_len, batch_size=rows, max_memory=size[1])
+    after = recorded_activation_plan(causal_lm)
+    if after != before:
+        counts = ", ".join(f"{after.count(k)} {k}" for k in ("keep", "recompute", "offload") if after.count(k)) \
+            if isinstance(after, list) else "no checkpointing"
+        print(f"notebookkit: activation plan re-made for training batches of {rows} x {seq_len} tokens "
+              f"(it was sized for {size[0]} tokens): {counts}")

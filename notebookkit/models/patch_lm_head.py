@@ -48,6 +48,7 @@ from notebookkit.memory.model_setup import record_fused_lm_head
 
 from .forward_state import forward_pass
 from .kernel_ops import kernel
+from .checkpointing import fit_plan_to_batch
 from .master_weights import keep_trainable_fp32
 from .patch_attention import plain_causal_mask
 from .patching import WeakOwner, rebind
@@ -140,6 +141,8 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
         _check_length(owner, ref.shape[1], self.training)
     if self.training and torch.is_grad_enabled():
         keep_trainable_fp32(self if owner is None else owner)  # fp16: trainable weights are fp32 masters
+        if owner is not None and isinstance(ref, torch.Tensor) and ref.dim() >= 2:
+            fit_plan_to_batch(owner, ref.shape[0], ref.shape[1])  # an "auto" plan sized for a smaller batch
     # position_ids is the third positional parameter of the backbones' forward.
     caller_gave_positions = kwargs.get("position_ids") is not None or len(args) >= 3
     if not caller_gave_positions and plainly_causal(self, args, kwargs, ref):

@@ -31,6 +31,7 @@ from notebookkit.memory.model_setup import record_fused_lm_head
 
 from .forward_state import forward_pass
 from .kernel_ops import kernel
+from .checkpointing import fit_plan_to_batch
 from .master_weights import keep_trainable_fp32
 from .patch_lm_head import lm_head_ready, shifted_labels
 from .patching import rebind
@@ -68,6 +69,9 @@ def make_vision_lm_forward(model: nn.Module, final_softcap: Optional[float]):
     ):
         if self.training and torch.is_grad_enabled():
             keep_trainable_fp32(self)  # fp16: trainable weights (tower adapters too) are fp32 masters
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2:  # before the tower: its plan is part of it
+                fit_plan_to_batch(self, ids.shape[0], ids.shape[1])
         lm_head = self.get_output_embeddings()
         fused = (
             self.training and not args and not return_logits and fused_ce is not None

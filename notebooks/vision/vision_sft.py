@@ -278,7 +278,9 @@ fig.tight_layout(); fig.savefig(f"{OUTPUT_DIR}/loss_curve.png", dpi=100)
 # The adapter holds only the LoRA matrices; `FastVisionModel.from_pretrained("<adapter folder>")`
 # loads base + adapter again. `save_pretrained_merged` (notebookkit.export) writes the model with the
 # adapter merged into 16-bit weights, which plain `transformers` loads; it is reloaded here and
-# compared with the adapter model. (GGUF export is for text models only.)
+# compared with the adapter model. (GGUF export is for text models only.) A model loaded in 4-bit is
+# reloaded in 4-bit too: a 16-bit 7B (15 GB) does not fit a T4 beside the adapter model, so there the
+# difference also holds the re-quantisation of the merged weights.
 
 # %%
 import pathlib
@@ -292,7 +294,7 @@ if EXPORT_MERGED:
     print(model.save_pretrained_merged(merged_dir, processor.tokenizer, save_method="merged_16bit"))
     processor.save_pretrained(merged_dir)
     merged, _ = FastVisionModel.from_pretrained(merged_dir, max_seq_length=cfg.model.max_seq_length,
-                                                load_in_4bit=False, dtype=cfg.model.dtype, show_banner=False)
+                                                load_in_4bit=cfg.model.load_in_4bit, dtype=cfg.model.dtype, show_banner=False)
     sample = {k: v.to(merged.device) for k, v in collator(heldout_rows[:2]).items() if k != "labels"}
     FastVisionModel.for_inference(model); FastVisionModel.for_inference(merged)
     with torch.no_grad():

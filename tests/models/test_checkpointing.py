@@ -186,3 +186,43 @@ def test_without_a_pool_the_plain_pinned_copy_still_waits_before_it_is_freed(fak
     copy_.fetch()
     assert fake_cuda.host_waits == [copy_.ready]
 
+
+
+def test_auto_plan_is_remade_for_a_larger_training_batch(monkeypatch, capsys):
+    """``get_peft_model`` sizes an "auto" plan for one row; the first training forward of a larger batch
+    (GRPO's prompts x generations) re-plans before any layer runs, the Trainer's own
+    ``gradient_checkpointing_enable`` keeps that ability, smaller batches keep the plan, and a plan
+    chosen by hand is never changed. (On CPU "auto" never checkpoints, so the planner is stood in for:
+    "keep" up to 64 tokens, "recompute" above.)"""
+    planned = []
+
+    def fake_auto_plan(model, seq_len=None, batch_size=None, max_memory=None):
+        tokens = (seq_len or 2048) * (batch_size or 1)
+        planned.append(tokens)
+        return ["keep" if tokens <= 64 else "recompute"] * 2, f"auto (fake) for {tokens}"
+
+    monkeypatch.setattr(ckpt, "auto_plan", fake_auto_plan)
+    base = random_model("llama")
+    patch_model(base)
+    model = _lora(base)
+    model.train()
+    apply_checkpointing(model, "auto", seq_len=16, batch_size=1)
+    assert ckpt.recorded_activation_plan(base) == "none"
+    base.gradient_checkpointing_enable()  # what the Trainer does at the start of train()
+    model(input_ids=torch.randint(0, 256, (2, 16)), labels=torch.randint(0, 256, (2, 16)))  # 32 tokens: as planned
+    assert ckpt.recorded_activation_plan(base) == "none"
+    x = torch.randint(0, 256, (4, 24))
+    model(input_ids=x, labels=x).loss.backward()
+    assert ckpt.recorded_activation_plan(base) == ["recompute", "recompute"]
+    assert [layer.gradient_checkpointing for layer in base.model.layers] == [True, True]
+    assert "re-made for training batches of 4 x 24 tokens" in capsys.readouterr().out
+    with torch.no_grad():  # generation and evaluation do not re-plan
+        base.eval()
+        base(input_ids=torch.randint(0, 256, (8, 32)))
+        base.train()
+    assert planned[-1] == 96
+    model(input_ids=x[:, :8], labels=x[:, :8])  # smaller: kept
+    assert planned[-1] == 96
+    apply_checkpointing(model, True)  # by hand: a larger batch changes nothing
+    model(input_ids=torch.randint(0, 256, (8, 32)), labels=torch.randint(0, 256, (8, 32)))
+    assert planned[-1] == 96 and ckpt.recorded_activation_plan(base) == ["recompute", "recompute"]

@@ -160,6 +160,8 @@ def generate(
                "assistant_model": assistant_model, "negative_prompt_ids": negative_prompt_ids,
                "negative_prompt_attention_mask": negative_prompt_attention_mask}
     state = generation_state(self)
+    with torch.no_grad():
+        state.casts.refresh(every=True)  # an 8-bit optimizer step since the last call left no version mark
     split = multimodal_prefill(self, kwargs)  # a vision-language model's image prompt: its own forward first
     request = split if isinstance(split, str) else _request(self, state, inputs, generation_config, hf_only, split[1])
     if isinstance(request, str):

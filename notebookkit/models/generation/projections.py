@@ -13,7 +13,10 @@ bases) are read through :class:`AdapterCasts`: one cast per adapter kept between
 ``generate`` calls, so a captured step reads the casts and casts nothing itself (two launches per
 adapter per token saved: about a fifth of a decode step's kernels). An adapter changed in place
 (an optimizer step: GRPO trains between generations) is re-cast into the same buffer by
-:meth:`AdapterCasts.refresh` before the next forward, so the graphs read its new values.
+:meth:`AdapterCasts.refresh` before the next forward, so the graphs read its new values. Version
+counters do not see every update: bitsandbytes' 8-bit optimizers (the notebooks' ``adamw_8bit``) write
+the parameters in their own kernels and leave the counter as it was, so each ``generate`` call
+re-casts every kept adapter once (``refresh(every=True)``: one small copy per adapter per call).
 ``A_cat`` of a group is built inside the step (one concatenation per group).
 
 A projection that the fused path cannot take (DoRA, several adapters, 8-bit, ...) runs its own module.
@@ -59,12 +62,13 @@ class AdapterCasts:
             self._kept[(id(adapter), dtype)] = entry
         return entry[2]
 
-    def refresh(self) -> int:
-        """Re-cast the adapters changed in place since they were cast; returns how many."""
+    def refresh(self, every: bool = False) -> int:
+        """Re-cast the adapters changed in place since they were cast (``every``: all of them, for updates
+        that did not move the version counter); returns how many."""
         changed = 0
         for entry in self._kept.values():
             adapter, version, cast = entry
-            if adapter._version != version:
+            if every or adapter._version != version:
                 cast.copy_(adapter.detach())
                 entry[1] = adapter._version
                 changed += 1

@@ -324,6 +324,33 @@ def test_fp32_adapters_of_a_16_bit_model_are_cast_once_and_recast_after_an_updat
     assert not torch.equal(after, before)
 
 
+def test_casts_follow_an_optimizer_that_writes_through_its_own_kernels():
+    """bitsandbytes' 8-bit AdamW (the notebooks' optimizer on a GPU) updates the parameters in its own kernels,
+    which do not move their version counters. GRPO on a T4 trains fp32 adapters under fp16 weights and
+    generates between steps: the next generate must read the updated adapters, not the casts of the first
+    call (it sampled from the policy of the first step for the whole run)."""
+    import bitsandbytes as bnb
+
+    fast = fast_copy(lora_model("llama")).to(torch.bfloat16)
+    adapters = []
+    for name, p in fast.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            adapters.append(p)
+    ids, mask = left_padded_prompts()
+    before = fast.generate(input_ids=ids, attention_mask=mask, **_greedy())
+    optimizer = bnb.optim.AdamW8bit(adapters, lr=0.5, min_8bit_size=1)
+    for p in adapters:
+        p.grad = torch.randn_like(p)
+    versions = [p._version for p in adapters]
+    optimizer.step()
+    assert [p._version for p in adapters] == versions  # the counters did not move: only a re-cast sees it
+    after = fast.generate(input_ids=ids, attention_mask=mask, **_greedy())
+    fresh = copy.deepcopy(fast)
+    assert torch.equal(after, fresh.generate(input_ids=ids, attention_mask=mask, **_greedy()))
+    assert not torch.equal(after, before)
+
+
 def test_sampling_runs_on_the_fast_path_and_follows_the_seed(pair):
     _, fast = pair
     ids, mask = left_padded_prompts()
