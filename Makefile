@@ -72,9 +72,11 @@ browser-deps: setup
 # The notebooks run under nbmake, two at a time (pytest-xdist; each writes its own outputs/ folder beside
 # itself), after the rest of the suite; each ends in the cell that fails when nothing was learned.
 NBMAKE_ARGS ?= -n 2 --nbmake-timeout=900
+# both cores of a CI machine (pytest-xdist); TEST_WORKERS= runs the tests one at a time
+TEST_WORKERS ?= -n 2
 test: setup browser-deps
 	$(PY) -m notebookkit.embedded
-	NOTEBOOKKIT_REQUIRE_LLAMA_CPP=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+	NOTEBOOKKIT_REQUIRE_LLAMA_CPP=1 $(PY) -m pytest $(TEST_WORKERS) tests $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-notebooks
 
 test-notebooks: setup

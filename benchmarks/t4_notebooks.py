@@ -88,7 +88,8 @@ def notebook_path(name: str) -> Path:
 
 
 def build_text_checkpoint(folder: Path, name: str = "Qwen/Qwen3-0.6B") -> Path:
-    """A random-weight bf16 checkpoint with the shape of ``name`` (memory/shapes.py) and the tiny tokenizer."""
+    """A random-weight bf16 checkpoint with the shape of ``name`` (memory/shapes.py) and the tiny tokenizer of its
+    family, built once (nothing can be downloaded). Also the GPU notebook tests' real-size models."""
     import torch
     import transformers as tf
 
@@ -106,12 +107,11 @@ def build_text_checkpoint(folder: Path, name: str = "Qwen/Qwen3-0.6B") -> Path:
         head_dim=s.head_dim, tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=s.max_position_embeddings,
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder)
     del model
-    torch.cuda.empty_cache()
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
             shutil.copy(f, folder / f.name)

@@ -20,6 +20,7 @@ _LAZY = {
     "save_pretrained_gguf": "gguf_file",
     "GGUF_METHODS": "gguf_file",
     "KQUANT_METHODS": "gguf_file",
+    "install_llama_cpp": "kquants",
     "push_to_hub_merged": "hub",
     "push_to_hub_gguf": "hub",
     "ExportError": "checks",

@@ -9,6 +9,10 @@ which reads the 16-bit GGUF notebookkit wrote and writes the K-quant file.
 from __future__ import annotations
 
 import ctypes
+import importlib
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -16,7 +20,7 @@ from notebookkit.export_forms import GGUF_TYPES
 
 from .checks import ExportError
 
-__all__ = ["require_llama_cpp", "quantize_with_llama_cpp", "LLAMA_CPP_HINT"]
+__all__ = ["require_llama_cpp", "install_llama_cpp", "quantize_with_llama_cpp", "LLAMA_CPP_HINT"]
 
 LLAMA_CPP_HINT = (
     "Install it with `pip install llama-cpp-python` (it compiles llama.cpp: about 6 minutes on 2 cores; "
@@ -45,6 +49,24 @@ def require_llama_cpp(methods: Sequence[str] = (), purpose: str = ""):
             f"is not installed ({exc}). {LLAMA_CPP_HINT}"
         ) from None
     return llama_cpp
+
+
+def install_llama_cpp(spec: str = "llama-cpp-python") -> bool:
+    """``pip install llama-cpp-python`` into this kernel's environment when it is missing (Colab and Kaggle do not
+    have it); returns whether it installed. pip compiles llama.cpp: several minutes on a free Colab, once per
+    session. Raises :class:`ExportError` with pip's last lines and what to do instead when it cannot install."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return False
+    print(f"installing {spec} (pip compiles llama.cpp: several minutes) ...", flush=True)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], capture_output=True, text=True)
+    importlib.invalidate_caches()
+    if pip.returncode or importlib.util.find_spec("llama_cpp") is None:
+        raise ExportError(
+            f"{spec} could not be installed:\n{pip.stderr.strip()[-1500:]}\n\nWhat to do: install it yourself "
+            "(prebuilt CPU wheels: `pip install llama-cpp-python --extra-index-url "
+            "https://abetlen.github.io/llama-cpp-python/whl/cpu`), or export GGUF without the llama.cpp check "
+            "(verify=False; the panel's 'reload and verify' box) in q8_0, q4_0 or f16, which notebookkit writes itself.")
+    return True
 
 
 def quantize_with_llama_cpp(source: Path, target: Path, method: str) -> None:

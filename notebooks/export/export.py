@@ -64,21 +64,15 @@ SEED = 3407
 
 # %% [markdown]
 # **llama.cpp for GGUF.** Each GGUF file is checked by loading it in llama.cpp, and the K-quants are made by
-# its quantiser: both come with `llama-cpp-python`. Colab and Kaggle do not have it, so the next cell installs
-# it when a GGUF form is chosen (pip compiles llama.cpp: several minutes on a free Colab, once per session);
-# when it cannot, it stops and says what to do.
+# its quantiser: both come with `llama-cpp-python`, which Colab and Kaggle do not have. The next cell installs it
+# when a GGUF form is chosen (pip compiles llama.cpp: several minutes, once per session); when it cannot, it stops
+# and says what to do.
 
 # %%
-if "gguf" in EXPORT_FORMS and importlib.util.find_spec("llama_cpp") is None:
-    print("installing llama-cpp-python (it compiles llama.cpp: several minutes) ...")
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python"], capture_output=True, text=True)
-    importlib.invalidate_caches()
-    if pip.returncode or importlib.util.find_spec("llama_cpp") is None:
-        raise RuntimeError(
-            f"llama-cpp-python could not be installed:\n{pip.stderr.strip()[-1500:]}\n\nWhat to do: install it yourself "
-            "(`pip install llama-cpp-python`; prebuilt CPU wheels: add `--extra-index-url "
-            "https://abetlen.github.io/llama-cpp-python/whl/cpu`), or leave \"gguf\" out of EXPORT_FORMS, or untick "
-            "\"reload and verify\" in the export panel (q8_0 / q4_0 / f16 are written without llama.cpp).")
+from notebookkit.export import install_llama_cpp
+
+if "gguf" in EXPORT_FORMS:
+    install_llama_cpp()
 
 # %%
 import torch

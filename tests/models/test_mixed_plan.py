@@ -36,6 +36,7 @@ def _tiny_llama(plan, fp8: bool, monkeypatch):
                                                  show_banner=False)
     monkeypatch.setattr(checkpointing, "auto_plan", lambda *a, **k: (list(plan), "auto: plan given by the test"))
     model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=8, use_gradient_checkpointing="auto",
+                                             planning_batch_size=B,  # the batch it trains: no re-plan
                                              fp8_base_matmul=fp8, show_banner=False)
     monkeypatch.undo()
     return model.train(), model_shape(path)

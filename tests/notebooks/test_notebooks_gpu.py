@@ -11,7 +11,7 @@ loading, the 30-step calibration and 60 training steps; the executed notebook an
 from __future__ import annotations
 
 import os
-import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,34 +19,16 @@ import pytest
 from tests.notebooks.papermill_run import run_with_papermill
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAPES = {
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, tie_word_embeddings=False),
-}
+#: NOTEBOOKKIT_GPU_SHAPE -> the model whose shape (notebookkit.memory.shapes) the random-weight checkpoint takes
+SHAPES = {"1b": "meta-llama/Llama-3.2-1B", "8b": "meta-llama/Llama-3.1-8B"}
 
 
 def _random_llama(folder: Path, shape: str) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight checkpoint of that shape with the tiny Llama's tokenizer (benchmarks/t4_notebooks.py)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from t4_notebooks import build_text_checkpoint
 
-    from notebookkit.embedded.tiny import resolve_model_name
-
-    tiny = Path(resolve_model_name("notebookkit/tiny-llama"))
-    cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                      **SHAPES[shape])
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    del model
-    torch.cuda.empty_cache()
-    for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-            shutil.copy(f, folder / f.name)
-    return folder
+    return build_text_checkpoint(folder, SHAPES[shape])
 
 
 def _t4_env(tmp_path: Path) -> dict:
@@ -75,7 +57,8 @@ T4_TINY_RUNS = {
     # seed as much in bf16 as in fp16 (held-out accuracy 49/27/44% bf16 and 13/33/48% fp16 over seeds 3407/1/2,
     # benchmarks/vision_fp16_probe.py); at 32 both reach 57.5% (seed 3407)
     "vision": ("notebooks/vision/vision_sft.ipynb", dict(
-        MODEL_NAME="notebookkit/tiny-qwen2.5-vl", MAX_SEQ_LENGTH=256, MAX_STEPS=450, LEARNING_RATE=5e-3, GRAD_ACCUM=4)),
+        MODEL_NAME="notebookkit/tiny-qwen2.5-vl", MAX_SEQ_LENGTH=256, MAX_STEPS=450, LEARNING_RATE=5e-3, BATCH_SIZE=8,
+        GRAD_ACCUM=4)),
 }
 
 
