@@ -155,8 +155,8 @@ def test_markdown_report():
     assert "torch 2.11" in text and "abc1234" in text and "`python x`" in text
 
 
-def test_a_missing_system_and_a_failed_child_are_rows(monkeypatch):
-    args = generate.build_parser().parse_args(["--batches", "1,8"])
+def test_a_missing_system_and_a_failed_child_are_rows(monkeypatch, tmp_path):
+    args = generate.build_parser().parse_args(["--batches", "1,8", "--out", str(tmp_path)])  # its failures.log there
     monkeypatch.setattr(generate, "available", lambda system: system != "unsloth")
     assert [r["status"] for r in generate.run_rows("8b-nf4", "unsloth", args)] == ["not installed"] * 2
     first = "RESULT " + json.dumps(dict(config="8b-nf4", system="hf", batch=1, status="ok", tok_s=9.0))
@@ -164,6 +164,7 @@ def test_a_missing_system_and_a_failed_child_are_rows(monkeypatch):
     monkeypatch.setattr(generate.subprocess, "run", lambda *a, **k: fake)
     rows = generate.run_rows("8b-nf4", "hf", args)
     assert [(r["batch"], r["status"]) for r in rows] == [(1, "ok"), (8, "out of memory")]
+    assert "8b-nf4 / hf: out of memory" in (tmp_path / "failures.log").read_text()
 
 
 def test_kernel_sweep_configs_and_report():
