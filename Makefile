@@ -74,14 +74,18 @@ browser-deps: setup
 NBMAKE_ARGS ?= -n 2 --nbmake-timeout=900
 # both cores of a CI machine (pytest-xdist); TEST_WORKERS= runs the tests one at a time
 TEST_WORKERS ?= -n 2
+# one OpenMP thread per worker or notebook kernel: two of them with two threads each on two cores spin in
+# OpenMP's barriers (the GRPO notebook's training cell, 79 s alone, ran past nbmake's 900 s; all six notebooks
+# take about 4 minutes with one thread each)
+WORKER_THREADS ?= OMP_NUM_THREADS=1
 test: setup browser-deps
 	$(PY) -m notebookkit.embedded
-	NOTEBOOKKIT_REQUIRE_LLAMA_CPP=1 $(PY) -m pytest $(TEST_WORKERS) tests $(PYTEST_ARGS)
+	$(WORKER_THREADS) NOTEBOOKKIT_REQUIRE_LLAMA_CPP=1 $(PY) -m pytest $(TEST_WORKERS) tests $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-notebooks
 
 test-notebooks: setup
 	$(PY) -m notebookkit.embedded
-	$(PY) -m pytest --nbmake $(NBMAKE_ARGS) notebooks $(PYTEST_ARGS)
+	$(WORKER_THREADS) $(PY) -m pytest --nbmake $(NBMAKE_ARGS) notebooks $(PYTEST_ARGS)
 
 # After editing a notebook's .py (jupytext percent script) or its .ipynb, bring the other side in step.
 notebooks-sync: setup

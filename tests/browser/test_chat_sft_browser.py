@@ -8,7 +8,8 @@ user sees:
 3. the training cell leaves a dashboard with a loss plot (an image), and every cell ran without error
    (the notebook's last cell asserts the learning signal).
 
-Screenshots go to tests/browser/screenshots/. A missing Chromium or Playwright fails the test with
+Screenshots go to runs/screenshots/chat_sft/ (``NOTEBOOKKIT_SCREENSHOTS=tests/browser/screenshots`` refreshes the
+committed ones; a test run leaves the repository as it was). A missing Chromium or Playwright fails the test with
 the command that installs it (``make browser-deps``), it is never skipped silently.
 """
 
@@ -30,7 +31,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "sft" / "chat_sft.ipynb"
-SHOTS = Path(__file__).resolve().parent / "screenshots"
+#: where the screenshots go: runs/ (ignored) unless NOTEBOOKKIT_SCREENSHOTS names the committed folder
+SHOTS_ROOT = Path(os.environ.get("NOTEBOOKKIT_SCREENSHOTS", Path(__file__).resolve().parents[2] / "runs" / "screenshots"))
+SHOTS = SHOTS_ROOT if "NOTEBOOKKIT_SCREENSHOTS" in os.environ else SHOTS_ROOT / "chat_sft"
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -144,7 +147,7 @@ def test_chat_sft_in_jupyterlab(lab, tmp_path):
     except ImportError:
         pytest.fail("Playwright is not installed: `.venv/bin/pip install playwright` (it is in the dev extra).")
     SHOTS.mkdir(parents=True, exist_ok=True)
-    for old in SHOTS.glob("*.png"):
+    for old in SHOTS.glob("0*.png"):  # this test's own numbered shots of an earlier run
         old.unlink()
 
     with sync_playwright() as pw:

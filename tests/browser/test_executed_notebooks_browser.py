@@ -12,7 +12,8 @@ For each notebook of ``EXECUTED`` (``NOTEBOOKKIT_BROWSER_NOTEBOOKS=all`` runs al
 3. renders it with nbconvert (``--to html``, the html-manager and require.js served from a local copy, since
    the page may not reach a CDN) and makes the same checks and screenshots in the HTML.
 
-Screenshots: tests/browser/screenshots/<notebook>-{lab,html}-{panels,dashboard}.png. Set
+Screenshots: runs/screenshots/executed/<notebook>-{lab,html}-{panels,dashboard}.png
+(``NOTEBOOKKIT_SCREENSHOTS=tests/browser/screenshots`` refreshes the committed ones). Set
 ``NOTEBOOKKIT_EXECUTED_DIR`` to a folder of already executed notebooks (``<stem>.ipynb``) to skip step 1.
 """
 
@@ -25,10 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.test_chat_sft_browser import CHROMIUM_ARGS, _chromium
+from tests.browser.test_chat_sft_browser import CHROMIUM_ARGS, SHOTS_ROOT, _chromium
 
 ROOT = Path(__file__).resolve().parents[2]
-SHOTS = Path(__file__).resolve().parent / "screenshots"
+SHOTS = SHOTS_ROOT if "NOTEBOOKKIT_SCREENSHOTS" in os.environ else SHOTS_ROOT / "executed"
 WIDGET_JS = Path(os.environ.get("NOTEBOOKKIT_WIDGET_JS", ROOT / ".cache" / "widget-js"))
 
 #: notebook -> papermill parameters: short runs (the widgets are what is checked here; whether each notebook
