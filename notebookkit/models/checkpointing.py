@@ -354,13 +354,18 @@ def apply_checkpointing(
     if getattr(base.config, "use_cache", False):
         base.config.use_cache = False
     if banner is not None:
-        counts = ", ".join(f"{modes.count(k)} {k}" for k in ("keep", "recompute", "offload") if modes.count(k))
+        counts = plan_counts(modes)
         text = {
             "recompute": "recompute: layer inputs kept, activations recomputed in backward",
             "offload": "offload: layer inputs in pinned host memory via a side CUDA stream",
         }[mode]
         banner.feature("checkpointing", True, f"{text} [{counts}]" + (f" ({why})" if why else ""))
     return mode
+
+
+def plan_counts(modes: list[str]) -> str:
+    """``"27 keep, 1 recompute"``: how many layers run each mode."""
+    return ", ".join(f"{modes.count(k)} {k}" for k in ("keep", "recompute", "offload") if modes.count(k))
 
 
 def _guard_trainer_override(base: nn.Module) -> None:
@@ -406,7 +411,6 @@ def fit_plan_to_batch(causal_lm: nn.Module, rows: int, seq_len: int) -> None:
     apply_checkpointing(causal_lm, "auto", seq_len=seq_len, batch_size=rows, max_memory=size[1])
     after = recorded_activation_plan(causal_lm)
     if after != before:
-        counts = ", ".join(f"{after.count(k)} {k}" for k in ("keep", "recompute", "offload") if after.count(k)) \
-            if isinstance(after, list) else "no checkpointing"
+        counts = plan_counts(after) if isinstance(after, list) else "no checkpointing"
         print(f"notebookkit: activation plan re-made for training batches of {rows} x {seq_len} tokens "
               f"(it was sized for {size[0]} tokens): {counts}")

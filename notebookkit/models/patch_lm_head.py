@@ -46,9 +46,9 @@ import torch.nn.functional as F
 
 from notebookkit.memory.model_setup import record_fused_lm_head
 
+from .checkpointing import fit_plan_to_batch
 from .forward_state import forward_pass
 from .kernel_ops import kernel
-from .checkpointing import fit_plan_to_batch
 from .master_weights import keep_trainable_fp32
 from .patch_attention import plain_causal_mask
 from .patching import WeakOwner, rebind

@@ -29,9 +29,9 @@ import torch.nn as nn
 
 from notebookkit.memory.model_setup import record_fused_lm_head
 
+from .checkpointing import fit_plan_to_batch
 from .forward_state import forward_pass
 from .kernel_ops import kernel
-from .checkpointing import fit_plan_to_batch
 from .master_weights import keep_trainable_fp32
 from .patch_lm_head import lm_head_ready, shifted_labels
 from .patching import rebind
