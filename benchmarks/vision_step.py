@@ -149,11 +149,12 @@ def caption_rows(batch: int, image_size: int) -> list[dict]:
     return rows
 
 
-def load_system(system: str, folder: str, quant: str, seq: int, batch: int, device: str, max_memory=None):
+def load_system(system: str, folder: str, quant: str, seq: int, batch: int, device: str, max_memory=None,
+                dtype_name: str = "bfloat16"):
     """(model, processor) of ``system`` with LoRA on every attention / MLP projection of both towers."""
     import torch
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = getattr(torch, dtype_name) if device == "cuda" else torch.float32
     if system.startswith("notebookkit"):
         from notebookkit import FastVisionModel
 
@@ -228,7 +229,8 @@ def run_system(args) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    model, processor = load_system(args.system, folder, args.quant, args.seq, args.batch, device, args.max_memory)
+    model, processor = load_system(args.system, folder, args.quant, args.seq, args.batch, device, args.max_memory,
+                                   args.dtype)
     load_s = time.time() - t0
     model.train()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -237,11 +239,14 @@ def run_system(args) -> dict:
     batch = {k: v.to(device) for k, v in batch.items()}
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-4, **({"fused": True} if device == "cuda" else {}))
+    # fp16 (a T4's precision): the loss scaler the Trainer uses under fp16=True; bf16 / fp32 need none
+    scaler = torch.amp.GradScaler("cuda", enabled=device == "cuda" and args.dtype == "float16")
 
     def step() -> float:
         out = model(**batch)
-        out.loss.backward()
-        optimizer.step()
+        scaler.scale(out.loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         return out.loss.detach()
 
@@ -275,10 +280,12 @@ def run_system(args) -> dict:
     image_tokens = int((batch["input_ids"] == processor.tokenizer.convert_tokens_to_ids(vision.image_token)).sum())
     banner = getattr(base, "notebookkit_banner", None)
     rows, seq = batch["input_ids"].shape
-    predicted = predicted_peak(model, int(rows), int(seq), args.image_size) if args.system.startswith("notebookkit") \
-        else None
+    padded = bool((batch["attention_mask"] == 0).any())
+    predicted = predicted_peak(model, int(rows), int(seq), args.image_size, args.profile, padded) \
+        if args.system.startswith("notebookkit") else None
     return dict(
-        system=args.system, shape="tiny" if args.tiny else args.shape, quant=args.quant, batch=args.batch,
+        system=args.system, shape="tiny" if args.tiny else args.shape, quant=args.quant, dtype=args.dtype,
+        batch=args.batch,
         image_size=args.image_size, tokens=tokens, image_tokens=image_tokens, seq=int(batch["input_ids"].shape[1]),
         s_step=round(sorted(times)[len(times) // 2], 4), step_s=[round(t, 4) for t in times],
         peak_gib=round(peak, 3), reserved_gib=None if reserved is None else round(reserved, 3), predicted_gib=predicted,
@@ -400,15 +407,24 @@ def memory_breakdown(model, batch, vision) -> list[str]:
             "  saved for backward: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in saved.items())]
 
 
-def predicted_peak(model, rows: int, seq: int, image_size: int) -> float | None:
+def predicted_peak(model, rows: int, seq: int, image_size: int, profile: str | None = None,
+                   padded: bool = False) -> float | None:
     """The memory model's predicted allocated peak (GiB) of this step, as the model is set up (its
     activation plan, 4-bit, LoRA on both towers), for ``rows`` rows of ``seq`` tokens with one image of
-    ``image_size`` pixels each; ``None`` (and why, on stderr) when it cannot say."""
+    ``image_size`` pixels each (``padded``: rows padded to the longest); ``None`` (and why, on stderr) when it
+    cannot say. With ``profile``, the
+    estimate's parts go to ``<profile>/vision-estimate.txt`` beside the measured breakdown."""
     try:
         from notebookkit.memory import estimate_for_model
+        from notebookkit.models.checkpointing import kv_repeated
 
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         estimate = estimate_for_model(model, batch_size=rows, seq_len=seq, images_per_row=1, image_size=image_size,
-                                      optimizer="adamw")
+                                      optimizer="adamw", padded=padded, kv_repeated=kv_repeated(base, padded))
+        if profile:
+            os.makedirs(profile, exist_ok=True)
+            with open(os.path.join(profile, "vision-estimate.txt"), "a") as f:
+                f.write(f"{rows} rows x {seq} tokens\n{estimate}\n\n")
         return round(estimate.peak_allocated / 2**30, 3)
     except Exception as exc:  # noqa: BLE001 - the prediction is informative, never fatal to a benchmark row
         print(f"(no memory prediction: {exc})", file=sys.stderr)
@@ -427,7 +443,7 @@ def collator_vision(model):
 def child_command(system: str, args) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--system", system, "--shape", args.shape, "--quant", args.quant,
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--seq", str(args.seq),
-           "--warmup", str(args.warmup), "--steps", str(args.steps)] + \
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--dtype", args.dtype] + \
         (["--max-memory", args.max_memory] if args.max_memory else []) + \
         (["--profile", args.profile] if args.profile else [])
     return cmd + (["--tiny"] if args.tiny else [])
@@ -521,6 +537,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen2.5-vl-7b", choices=sorted(SHAPES))
     ap.add_argument("--quant", default="nf4", choices=["nf4", "none"], help="none: 16-bit weights (fp32 on CPU)")
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="compute dtype on the GPU; float16 (a T4's) trains under a loss scaler")
     ap.add_argument("--image-size", type=int, default=None, help="square image side (default 448; Gemma 3: 896)")
     ap.add_argument("--seq", type=int, default=2048, help="max_seq_length given to the systems")
     ap.add_argument("--warmup", type=int, default=2)

@@ -37,7 +37,9 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
                input of the MLP norm) + ``H`` (normed input of gate/up) + ``2*I`` (e, g of the gated
                MLP; the product is recomputed in backward); the LoRA kernels save no ``x A^T``
                (recomputed in backward) [+ ``dq + dk`` pre-norm q, k on Qwen3/Gemma 3] [+ ``2*H``
-               inputs of the post-norms on Gemma 2/3]; plus fp32 per token: the norms' ``1/rms``
+               inputs of the post-norms on Gemma 2/3] [+ ``2*(dq - dk)`` with ``kv_repeated``: K and V
+               repeated to every query head before SDPA, :mod:`.grouped_kv`] [+ ``B * T^2`` per layer for a
+               padded batch: SDPA's additive copy of the padding mask]; plus fp32 per token: the norms' ``1/rms``
                (2 or 4 values, and one per head for q/k norms) and the attention log-sum-exp (one
                per query head).
                Soft-capped attention (Gemma 2) runs an explicit softmax instead of SDPA: K and V
@@ -479,12 +481,16 @@ def layer_activation_bytes(
     lora_dropout: float = 0.0,
     attention: str = "auto",
     adapter_dtype_bytes: int = 4,
+    kv_repeated: bool = False,
+    padded: bool = False,
 ) -> int:
     """Bytes one decoder layer keeps on the GPU for backward in ``mode`` (see module docstring).
 
     ``lora_r`` does not change what the fused kernels save (``x A^T`` is recomputed in backward);
     with ``lora_dropout > 0`` PEFT's adapters save ``x A^T``, and their inputs in the adapters' dtype
-    (``adapter_dtype_bytes``: 4 for PEFT's fp32 adapters).
+    (``adapter_dtype_bytes``: 4 for PEFT's fp32 adapters). ``kv_repeated``: SDPA is handed K/V repeated
+    to every query head and saves them (:mod:`notebookkit.memory.grouped_kv`: a padded batch on CUDA, a T4).
+    ``padded``: the batch has a padding mask, which SDPA keeps as an additive ``[B, 1, T, T]`` mask.
     """
     N = batch_size * seq_len
     s = dtype_bytes
@@ -506,11 +512,14 @@ def layer_activation_bytes(
         elems += 2 * H
         fp32 += 2
     total = 0
-    if eager:
+    if eager or kv_repeated:
         elems += 2 * (dq - dk)  # K, V repeated to every query head
+    if eager:
         total += batch_size * shape.num_heads * seq_len * seq_len * (2 * s + 4) + batch_size * seq_len * seq_len
     else:
         fp32 += shape.num_heads  # log-sum-exp per query head
+        if padded:  # SDPA turns the boolean padding mask into an additive one in the compute dtype, and keeps it
+            total += batch_size * seq_len * seq_len * s
     total += N * (elems * s + fp32 * 4)
     if lora_dropout and lora_dropout > 0:  # the targeted groups run PEFT's code (module docstring)
         dims = shape.projection_shapes()
@@ -590,6 +599,8 @@ def estimate_training_memory(
     finetune_vision_layers: bool = True,
     vision_lora_params: int | None = None,
     offload_embedding: bool = False,
+    kv_repeated: bool = False,
+    padded: bool = False,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
 
@@ -634,6 +645,12 @@ def estimate_training_memory(
             (read off a loaded model); default: every attention and MLP linear of the tower and projector.
         offload_embedding: the input embedding table in pinned host memory
             (``from_pretrained(offload_embedding=True)``); nothing moves when it is tied to the LM head.
+        kv_repeated: the attention hands SDPA K/V repeated to every query head, which SDPA saves
+            (``2*dq`` instead of ``2*dk`` per token in a kept layer): on CUDA when the batch is padded, and
+            on a GPU without SDPA's flash kernel for grouped K/V (a T4) or in fp32. The rule, shared with
+            the attention: :func:`notebookkit.memory.grouped_kv.sdpa_repeats_kv`.
+        padded: the rows are padded to the longest one (a collator's batch; not packed): the attention gets
+            a padding mask, and SDPA keeps an additive copy of it per kept layer (``B * T^2`` elements).
 
     Returns:
         :class:`MemoryEstimate` with ``base_weights``, ``adapters``, ``activations``, ``logits_loss``,
@@ -665,7 +682,7 @@ def estimate_training_memory(
     adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
     acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
                         target_modules=targets, lora_dropout=lora_dropout, attention=attention,
-                        adapter_dtype_bytes=_dtype_bytes(adapter_dtype))
+                        adapter_dtype_bytes=_dtype_bytes(adapter_dtype), kv_repeated=kv_repeated, padded=padded)
     vision_inputs: dict[str, Any] = {}
     if vlm is not None:
         vision_inputs = _add_vision(vlm, base, adapters, acts, plan, rows=rows, seq_len=seq_len, s=s,
@@ -696,7 +713,7 @@ def estimate_training_memory(
         target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
-        offload_embedding=bool(host_embedding_bytes),
+        offload_embedding=bool(host_embedding_bytes), kv_repeated=bool(kv_repeated), padded=bool(padded),
         generation=getattr(generation, "inputs", generation), method=method, rows=rows, scored_len=scored,
         **vision_inputs,
     )

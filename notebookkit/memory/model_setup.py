@@ -5,7 +5,7 @@ read off its config or its PEFT config:
 
 * the activation plan it applies (per-layer keep / recompute / offload, or ``"none"``), recorded on
   the causal LM by ``apply_checkpointing``; for an ``"auto"`` plan also the batch it was sized for
-  (rows x tokens, and the memory cap), so a larger training batch re-plans before it runs;
+  (tokens, the memory cap, padding, images), so a larger training batch re-plans before it runs;
 * the FP8 forward, flagged on each frozen base linear by ``set_fp8_base_matmul`` (the fused path
   reads the flag on every call, so it lives on the linear: it holds for a plain, a 4-bit and a
   LoRA-wrapped projection alike, and after ``merge_and_unload``);
@@ -24,7 +24,7 @@ model runs. Plain attribute reads: no torch import, nothing heavy.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 _ACTIVATION_PLAN = "_notebookkit_checkpointing"
 _AUTO_PLAN_SIZE = "_notebookkit_auto_plan_size"
@@ -49,17 +49,29 @@ def record_activation_plan(causal_lm: Any, modes: Optional[Sequence[str]]) -> No
     object.__setattr__(causal_lm, _ACTIVATION_PLAN, "none" if modes is None else list(modes))
 
 
-def record_auto_plan_size(causal_lm: Any, tokens: Optional[int], max_memory: Any = None) -> None:
-    """Record that the plan is ``"auto"``, sized for ``tokens`` per micro-batch under ``max_memory``
-    (``tokens=None``: the plan was chosen by hand, nothing to re-plan)."""
+class PlannedBatch(NamedTuple):
+    """The micro-batch an ``"auto"`` plan was sized for: ``tokens`` (rows x length), the memory cap,
+    whether its rows were taken as padded (a padding mask: K/V repeated for SDPA on CUDA,
+    :mod:`.grouped_kv`) and, for a vision-language model, its images."""
+
+    tokens: int
+    max_memory: Any = None
+    padded: bool = False
+    images: int = 0
+
+
+def record_auto_plan_size(causal_lm: Any, tokens: Optional[int], max_memory: Any = None, padded: bool = False,
+                          images: int = 0) -> None:
+    """Record that the plan is ``"auto"``, sized for a :class:`PlannedBatch` (``tokens=None``: the plan
+    was chosen by hand, nothing to re-plan)."""
     if tokens is None:
         _marks(causal_lm).pop(_AUTO_PLAN_SIZE, None)
     else:
-        object.__setattr__(causal_lm, _AUTO_PLAN_SIZE, (int(tokens), max_memory))
+        object.__setattr__(causal_lm, _AUTO_PLAN_SIZE, PlannedBatch(int(tokens), max_memory, bool(padded), int(images)))
 
 
-def auto_plan_size(causal_lm: Any) -> Optional[tuple[int, Any]]:
-    """``(tokens, max_memory)`` an ``"auto"`` plan was sized for, or ``None`` for a plan chosen by hand."""
+def auto_plan_size(causal_lm: Any) -> Optional[PlannedBatch]:
+    """The :class:`PlannedBatch` an ``"auto"`` plan was sized for, or ``None`` for a plan chosen by hand."""
     return _marks(causal_lm).get(_AUTO_PLAN_SIZE)
 
 

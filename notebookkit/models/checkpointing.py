@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 from notebookkit.memory.model_setup import (
     auto_plan_size,
     record_activation_plan,
@@ -63,14 +64,16 @@ def normalize_mode(value: Mode) -> str:
 
 
 def auto_plan(
-    model: nn.Module, seq_len: Optional[int] = None, batch_size: Optional[int] = None, max_memory: Any = None
+    model: nn.Module, seq_len: Optional[int] = None, batch_size: Optional[int] = None, max_memory: Any = None,
+    padded: bool = False, images_per_row: Optional[int] = None,
 ) -> tuple[list[str] | str, str]:
     """(per-layer modes or a mode name, why) for ``"auto"``.
 
     On a GPU, ``notebookkit.memory.planner.plan_activations`` picks keep / recompute / offload per
     layer: the fastest plan predicted to fit in free VRAM, or in ``max_memory`` (``"16GB"``, a card
     name such as ``"t4"``, or bytes) when given, for ``batch_size`` rows (default 1) of ``seq_len``
-    tokens. Without a GPU it is no checkpointing.
+    tokens (``padded``: with a padding mask; ``images_per_row`` for a vision-language model). Without
+    a GPU it is no checkpointing.
     """
     device = _model_device(model)
     if device.type != "cuda":
@@ -80,15 +83,35 @@ def auto_plan(
     try:
         from notebookkit.memory.planner import plan_activations
 
-        kwargs = {"seq_len": int(seq_len)} if seq_len else {}
+        kwargs: dict[str, Any] = {"seq_len": int(seq_len)} if seq_len else {}
         if batch_size:
             kwargs["batch_size"] = int(batch_size)
+        if images_per_row is not None:
+            kwargs["images_per_row"] = int(images_per_row)
+        kwargs["kv_repeated"], kwargs["padded"] = kv_repeated(model, padded), padded
         plan = plan_activations(model, max_memory=max_memory, **kwargs)
         return list(plan.modes), f"auto: {plan.summary()}"
     except DoesNotFitError:
         raise
     except Exception as exc:  # noqa: BLE001 - fall back to the safe choice
         return "recompute", f"auto: memory planner failed ({type(exc).__name__}: {exc}); using recompute"
+
+
+def kv_repeated(model: nn.Module, padded: bool) -> bool:
+    """Whether this model's attention repeats grouped K/V for SDPA on its device for a batch with
+    (``padded``) or without a padding mask: the rule of :mod:`notebookkit.memory.grouped_kv`."""
+    device = _model_device(model)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if device.type != "cuda" or not heads:
+        return False
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype_bytes = embeddings.weight.element_size() if embeddings is not None else 2
+    return sdpa_repeats_kv(on_cuda=True, masked=padded, capability=torch.cuda.get_device_capability(device),
+                           dtype_bytes=dtype_bytes, head_dim=head_dim,
+                           grouped=(getattr(text, "num_key_value_heads", None) or heads) < heads)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -291,13 +314,17 @@ def apply_checkpointing(
     seq_len: Optional[int] = None,
     batch_size: Optional[int] = None,
     max_memory: Any = None,
+    padded: Optional[bool] = None,
+    images_per_row: Optional[int] = None,
 ) -> str:
     """Configure gradient checkpointing on ``model`` (PEFT-wrapped or not); returns the mode applied.
 
     ``value`` is ``False``/``True``/``"offload"``/``"unsloth"``/``"auto"``, or a per-layer list of
     ``"keep"``/``"recompute"``/``"offload"`` (as ``notebookkit.memory`` plans it). ``seq_len`` and
-    ``batch_size`` size the ``"auto"`` plan (default: the model's ``max_seq_length``, batch 1);
-    ``max_memory`` caps it (default: free VRAM). Calling it again re-plans in place.
+    ``batch_size`` size the ``"auto"`` plan (default: the model's ``max_seq_length``, batch 1), with
+    padded rows when ``padded`` (default: when the batch has more than one row: collators pad) and
+    ``images_per_row`` images (a vision-language model; default 1); ``max_memory`` caps it (default:
+    free VRAM). Calling it again re-plans in place.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = _decoder_layers(base)
@@ -308,9 +335,11 @@ def apply_checkpointing(
         mode = normalize_mode(value)
         if mode == "auto":
             seq_len = seq_len or getattr(base, "max_seq_length", None)
-            planned, why = auto_plan(base, seq_len, batch_size, max_memory)
+            padded = (batch_size or 1) > 1 if padded is None else padded
+            planned, why = auto_plan(base, seq_len, batch_size, max_memory, padded, images_per_row)
             modes = planned if isinstance(planned, list) else [{"none": "keep"}.get(planned, planned)] * len(layers)
-            record_auto_plan_size(base, (seq_len or DEFAULT_PLAN_SEQ_LEN) * (batch_size or 1), max_memory)
+            record_auto_plan_size(base, (seq_len or DEFAULT_PLAN_SEQ_LEN) * (batch_size or 1), max_memory, padded,
+                                  (batch_size or 1) * (1 if images_per_row is None else images_per_row))
         else:
             modes = [{"none": "keep"}.get(mode, mode)] * len(layers)
             record_auto_plan_size(base, None)
@@ -395,22 +424,36 @@ def _reapply_checkpointing(base: nn.Module, *args: Any, **kwargs: Any) -> None:
         record_auto_plan_size(base, *size)
 
 
-def fit_plan_to_batch(causal_lm: nn.Module, rows: int, seq_len: int) -> None:
-    """Re-plan an ``"auto"`` activation plan when a training batch has more tokens than it was sized for.
+def fit_plan_to_batch(causal_lm: nn.Module, rows: int, seq_len: int, attention_mask: Any = None,
+                      images: int = 0, explicit_mask: bool = False) -> None:
+    """Re-plan an ``"auto"`` activation plan when a training batch needs more than it was sized for.
 
-    ``get_peft_model`` plans for ``planning_batch_size`` rows (default 1) of ``max_seq_length`` tokens; a
-    trainer then runs its own batch (GRPO: prompts x generations rows of prompt + completion). The first
-    training forward of a larger batch plans again for ``rows x seq_len`` under the same cap, before any
-    layer runs, and says so when the per-layer modes change. Grow-only: smaller batches keep the plan. A
-    plan chosen by hand (``True``, ``"offload"``, a per-layer list) is never changed.
+    ``get_peft_model`` plans for ``planning_batch_size`` rows (default 1) of ``max_seq_length`` tokens (one
+    image per row for a vision-language model); a trainer then runs its own batch (GRPO: prompts x
+    generations rows of prompt + completion; a vision notebook: several images). The first training
+    forward of a batch with more tokens, more ``images``, or padding where the plan assumed none (a
+    padding mask makes SDPA save K/V repeated to every query head on CUDA, :mod:`notebookkit.memory.grouped_kv`)
+    plans again under the same cap, before any layer runs, and says so when the per-layer modes change.
+    Grow-only: the new plan covers the larger of the old and the new batch. A plan chosen by hand
+    (``True``, ``"offload"``, a per-layer list) is never changed. ``explicit_mask``: the decoder gets a
+    mask whatever ``attention_mask`` holds (Gemma 3's image tokens attend both ways).
     """
     size = auto_plan_size(causal_lm)
-    if size is None or rows * seq_len <= size[0]:
+    if size is None:
         return
+    # the padding check reads the mask on the host: only until a padded batch has been planned for
+    padded = size.padded or explicit_mask or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                                              and not bool(attention_mask.all()))
+    if rows * seq_len <= size.tokens and padded == size.padded and images <= size.images:
+        return
+    seq = max(seq_len, -(-size.tokens // rows))
+    per_row = -(-max(images, size.images) // rows)
     before = recorded_activation_plan(causal_lm)
-    apply_checkpointing(causal_lm, "auto", seq_len=seq_len, batch_size=rows, max_memory=size[1])
+    apply_checkpointing(causal_lm, "auto", seq_len=seq, batch_size=rows, max_memory=size.max_memory, padded=padded,
+                        images_per_row=per_row)
     after = recorded_activation_plan(causal_lm)
     if after != before:
         counts = plan_counts(after) if isinstance(after, list) else "no checkpointing"
-        print(f"notebookkit: activation plan re-made for training batches of {rows} x {seq_len} tokens "
-              f"(it was sized for {size[0]} tokens): {counts}")
+        what = f"{rows} x {seq} tokens" + (", padded" if padded else "") + (f", {images} images" if images else "")
+        print(f"notebookkit: activation plan re-made for training batches of {what} (it was sized for "
+              f"{size.tokens} tokens" + (f" and {size.images} images" if images else "") + f"): {counts}")

@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from notebookkit.memory.grouped_kv import sdpa_repeats_kv
+
 from . import forward_state
 from .kernel_ops import kernel
 from .lora_fast_path import views
@@ -141,6 +143,14 @@ def _sdpa_backend(q: torch.Tensor):
         return sdpa_kernel(list(_preferred_backends(name)))
 
 
+def repeats_kv(q: torch.Tensor, masked: bool) -> bool:
+    """Whether :func:`attend` repeats grouped K/V for SDPA for queries ``q [B,H,T,D]`` on their device."""
+    on_cuda = q.is_cuda
+    capability = torch.cuda.get_device_capability(q.device) if on_cuda else (0, 0)
+    return sdpa_repeats_kv(on_cuda=on_cuda, masked=masked, capability=capability, dtype_bytes=q.element_size(),
+                           head_dim=q.shape[-1])
+
+
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return x
@@ -168,8 +178,9 @@ def attend(
     if mask is not None:
         mask = mask | ~mask.any(dim=-1, keepdim=True)
     if softcap is None:
-        # enable_gqa skips materialising repeated K/V; with a mask, CUDA would fall back to the math kernel.
-        use_gqa = _HAS_GQA and n_rep > 1 and (mask is None or not q.is_cuda)
+        # enable_gqa skips materialising repeated K/V where SDPA's flash kernel takes it; elsewhere on
+        # CUDA (a mask, a T4, fp32) it would fall back to the math kernel (memory/grouped_kv.py).
+        use_gqa = _HAS_GQA and n_rep > 1 and not repeats_kv(q, masked=mask is not None)
         if not use_gqa:
             k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         extra: dict[str, Any] = {"enable_gqa": True} if use_gqa else {}

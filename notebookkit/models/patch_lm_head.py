@@ -142,7 +142,8 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     if self.training and torch.is_grad_enabled():
         keep_trainable_fp32(self if owner is None else owner)  # fp16: trainable weights are fp32 masters
         if owner is not None and isinstance(ref, torch.Tensor) and ref.dim() >= 2:
-            fit_plan_to_batch(owner, ref.shape[0], ref.shape[1])  # an "auto" plan sized for a smaller batch
+            # an "auto" plan sized for a smaller batch, or for one without padding
+            fit_plan_to_batch(owner, ref.shape[0], ref.shape[1], kwargs.get("attention_mask"))
     # position_ids is the third positional parameter of the backbones' forward.
     caller_gave_positions = kwargs.get("position_ids") is not None or len(args) >= 3
     if not caller_gave_positions and plainly_causal(self, args, kwargs, ref):

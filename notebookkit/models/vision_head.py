@@ -71,7 +71,9 @@ def make_vision_lm_forward(model: nn.Module, final_softcap: Optional[float]):
             keep_trainable_fp32(self)  # fp16: trainable weights (tower adapters too) are fp32 masters
             ids = kwargs.get("input_ids", args[0] if args else None)
             if isinstance(ids, torch.Tensor) and ids.dim() == 2:  # before the tower: its plan is part of it
-                fit_plan_to_batch(self, ids.shape[0], ids.shape[1])
+                # Gemma 3's image tokens attend both ways (token_type_ids): its decoder always gets a mask
+                fit_plan_to_batch(self, ids.shape[0], ids.shape[1], kwargs.get("attention_mask"), images_in(kwargs),
+                                  explicit_mask=isinstance(kwargs.get("token_type_ids"), torch.Tensor))
         lm_head = self.get_output_embeddings()
         fused = (
             self.training and not args and not return_logits and fused_ce is not None
@@ -105,6 +107,15 @@ def make_vision_lm_forward(model: nn.Module, final_softcap: Optional[float]):
     return vision_lm_forward
 
 
+def images_in(inputs: dict) -> int:
+    """Images in a processor's batch: one ``image_grid_thw`` row each (Qwen2.5-VL, whose ``pixel_values``
+    are flattened patches), else the first dimension of 4-D ``pixel_values`` (Gemma 3)."""
+    grid, pixels = inputs.get("image_grid_thw"), inputs.get("pixel_values")
+    if isinstance(grid, torch.Tensor):
+        return int(grid.shape[0])
+    return int(pixels.shape[0]) if isinstance(pixels, torch.Tensor) and pixels.dim() == 4 else 0
+
+
 def vision_head_ready(model: nn.Module) -> Optional[str]:
     """None when the head of ``model`` can be patched, else the reason (the causal-LM head's conditions)."""
     return lm_head_ready(model)
@@ -116,4 +127,4 @@ def patch_vision_head(model: nn.Module, final_softcap: Optional[float]) -> None:
     record_fused_lm_head(model, True)  # for the memory model: training computes no [N, V] logits
 
 
-__all__ = ["check_training_length", "make_vision_lm_forward", "patch_vision_head", "vision_head_ready"]
+__all__ = ["check_training_length", "images_in", "make_vision_lm_forward", "patch_vision_head", "vision_head_ready"]

@@ -9,8 +9,8 @@
   stand-in for ``torch.cuda.max_memory_allocated`` over a step.
 * :func:`cuda_dropout` makes a CPU dropout save what CUDA's saves (a boolean mask).
 * :func:`cuda_like` makes a CPU run take the paths a CUDA run takes: the Triton kernels (under
-  ``TRITON_INTERPRET=1``), grouped-query SDPA without repeating K/V (``enable_gqa``, which the
-  patched attention uses on CUDA only), and, when measuring live memory, prompt release of the
+  ``TRITON_INTERPRET=1``), grouped-query SDPA as CUDA runs it (K/V repeated to every query head with a
+  mask, in fp32 or below compute capability 8.0; grouped, ``enable_gqa``, elsewhere), and, when measuring live memory, prompt release of the
   Triton interpreter's launch arguments (its argument copier is a recursive closure, a reference
   cycle that keeps every launch's tensors alive until Python's cycle collector runs; nothing like
   that happens on a GPU).
@@ -31,21 +31,22 @@ from torch.utils._pytree import tree_flatten
 
 
 @contextlib.contextmanager
-def cuda_like(release_launch_args: bool = False) -> Iterator[None]:
-    """Triton kernels and CUDA's GQA attention for a CPU probe; ``release_launch_args`` also frees
-    each interpreter launch's arguments right away (slower: a cycle collection per launch)."""
+def cuda_like(release_launch_args: bool = False, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Triton kernels and CUDA's grouped-query attention (of a card of ``capability``: K/V repeated for
+    SDPA where CUDA's flash kernel cannot take them grouped, ``notebookkit.memory.grouped_kv``) for a
+    CPU probe; ``release_launch_args`` also frees each interpreter launch's arguments right away
+    (slower: a cycle collection per launch)."""
     import triton.runtime.interpreter as interpreter
 
     import notebookkit.models.patch_attention as patch_attention
     from notebookkit.kernels.runtime import use_triton
+    from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 
-    attend = patch_attention.attend
+    repeats_kv = patch_attention.repeats_kv
 
-    def attend_gqa(q, k, v, mask, scaling, softcap=None, dropout=0.0):
-        grouped = q.shape[1] != k.shape[1]
-        if softcap is None and mask is None and grouped and q.shape[2] == k.shape[2] and dropout == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-        return attend(q, k, v, mask, scaling, softcap, dropout)
+    def repeats_kv_on_cuda(q, masked):
+        return sdpa_repeats_kv(on_cuda=True, masked=masked, capability=capability, dtype_bytes=q.element_size(),
+                               head_dim=q.shape[-1])
 
     launch = interpreter.GridExecutor.__call__
 
@@ -55,14 +56,14 @@ def cuda_like(release_launch_args: bool = False) -> Iterator[None]:
         finally:
             gc.collect(1)  # the cycle is young: generations 0-1 are enough, and fast
 
-    patch_attention.attend = attend_gqa
+    patch_attention.repeats_kv = repeats_kv_on_cuda
     if release_launch_args:
         interpreter.GridExecutor.__call__ = launch_and_release
     try:
         with use_triton(True):
             yield
     finally:
-        patch_attention.attend = attend
+        patch_attention.repeats_kv = repeats_kv
         interpreter.GridExecutor.__call__ = launch
 
 

@@ -61,6 +61,28 @@ def test_kept_layer_saves_exactly_what_the_model_says(family):
     assert dict(saved["other"]) == {"bfloat16": B * T * shape.hidden_size * 2, "float32": B * T * 4}
 
 
+@pytest.mark.parametrize("capability, padded", [((9, 0), True), ((7, 5), False)], ids=["padded-h100", "t4"])
+def test_repeated_kv_of_a_padded_batch_or_a_t4_are_counted(capability, padded):
+    """SDPA's flash kernel is the only CUDA one that reads grouped K/V: with a padding mask, or on a T4
+    (7.5), the attention repeats K/V to every query head and SDPA saves those copies (2*dq, not 2*dk);
+    a padding mask is also kept, as an additive [B, 1, T, T] mask in the compute dtype."""
+    model, shape = _load("llama", False)
+    assert shape.kv_dim < shape.q_dim
+    ids = torch.randint(0, shape.vocab_size, (B, T))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, -5:] = 0  # right padding: a collator's batch
+    with cuda_like(capability=capability):
+        saved = saved_bytes_by_layer(model, input_ids=ids, attention_mask=mask, labels=ids)
+    last = len(decoder_layers(model)) - 1
+    kw = dict(batch_size=B, seq_len=T, dtype_bytes=2, lora_r=8)
+    predicted = layer_activation_bytes(shape, "keep", kv_repeated=True, padded=padded, **kw)
+    assert sum(saved[last].values()) == predicted, dict(saved[last])
+    # what the two facts add: the repeated K/V, and SDPA's additive copy of the padding mask
+    assert predicted - layer_activation_bytes(shape, "keep", **kw) \
+        == 2 * B * T * (shape.q_dim - shape.kv_dim) * 2 + padded * B * T * T * 2
+
+
 def test_recomputed_layers_keep_only_their_input():
     model, shape = _load("llama", True)
     ids = torch.randint(0, shape.vocab_size, (B, T))

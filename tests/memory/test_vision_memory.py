@@ -84,7 +84,11 @@ def test_saved_activations_match_the_estimate(name, checkpointing):
     assert abs(predicted - vision_bytes) <= VISION_TOLERANCE * vision_bytes, (predicted, vision_bytes)
     # the decoder's sequence holds the image tokens: its layers save what the text formula says for it
     mode = "recompute" if checkpointing else "keep"
-    text = layer_activation_bytes(shape.text, mode, batch_size=rows, seq_len=seq, dtype_bytes=4, lora_r=R)
+    # fp32 on CUDA (cuda_like): no flash kernel for grouped K/V, so SDPA saves them repeated to every head;
+    # rows of different lengths are padded, and SDPA keeps its additive copy of the padding mask
+    padded = bool((batch["attention_mask"] == 0).any())
+    text = layer_activation_bytes(shape.text, mode, batch_size=rows, seq_len=seq, dtype_bytes=4, lora_r=R,
+                                  kv_repeated=shape.text.kv_dim < shape.text.q_dim, padded=padded)
     if "gemma" in name and not checkpointing:
         # Gemma 3: the bidirectional mask (the estimate's two masks, one per attention type, each charged
         # to the first layer of its type) and that layer type's RoPE cos/sin (2*T*head_dim, left out)

@@ -190,13 +190,13 @@ def test_without_a_pool_the_plain_pinned_copy_still_waits_before_it_is_freed(fak
 
 def test_auto_plan_is_remade_for_a_larger_training_batch(monkeypatch, capsys):
     """``get_peft_model`` sizes an "auto" plan for one row; the first training forward of a larger batch
-    (GRPO's prompts x generations) re-plans before any layer runs, the Trainer's own
+    (GRPO's prompts x generations), of a padded one, or of one with more images re-plans before any layer runs, the Trainer's own
     ``gradient_checkpointing_enable`` keeps that ability, smaller batches keep the plan, and a plan
     chosen by hand is never changed. (On CPU "auto" never checkpoints, so the planner is stood in for:
     "keep" up to 64 tokens, "recompute" above.)"""
     planned = []
 
-    def fake_auto_plan(model, seq_len=None, batch_size=None, max_memory=None):
+    def fake_auto_plan(model, seq_len=None, batch_size=None, max_memory=None, padded=False, images_per_row=None):
         tokens = (seq_len or 2048) * (batch_size or 1)
         planned.append(tokens)
         return ["keep" if tokens <= 64 else "recompute"] * 2, f"auto (fake) for {tokens}"
@@ -223,6 +223,18 @@ def test_auto_plan_is_remade_for_a_larger_training_batch(monkeypatch, capsys):
     assert planned[-1] == 96
     model(input_ids=x[:, :8], labels=x[:, :8])  # smaller: kept
     assert planned[-1] == 96
+    assert not ckpt.auto_plan_size(base).padded
+    mask = torch.ones_like(x[:, :8])
+    model(input_ids=x[:, :8], attention_mask=mask, labels=x[:, :8])  # no padding: kept
+    assert len(planned) == 3
+    mask[0, -3:] = 0  # a padded batch of fewer tokens: planned again, for the larger token count and padding
+    model(input_ids=x[:, :8], attention_mask=mask, labels=x[:, :8])
+    assert len(planned) == 4 and planned[-1] == 96 and ckpt.auto_plan_size(base).padded
+    model(input_ids=x[:, :8], attention_mask=mask, labels=x[:, :8])  # padded again: kept
+    assert len(planned) == 4
+    # more images than planned for (a vision-language batch): planned again
+    ckpt.fit_plan_to_batch(base, 4, 8, images=ckpt.auto_plan_size(base).images + 1)
+    assert len(planned) == 5
     apply_checkpointing(model, True)  # by hand: a larger batch changes nothing
     model(input_ids=torch.randint(0, 256, (8, 32)), labels=torch.randint(0, 256, (8, 32)))
     assert planned[-1] == 96 and ckpt.recorded_activation_plan(base) == ["recompute", "recompute"]
