@@ -147,7 +147,7 @@ def local_device_map(device_map: Any = None, info: Optional[DistInfo] = None) ->
         raise ValueError(
             f"device_map={device_map!r} spreads one model over all visible GPUs, but this is a launch of "
             f"{info.world_size} processes (data parallel), where each process holds a whole copy of the model "
-            "on its own GPU. Either launch one process (`python scripts/train_sft.py ... --device_map balanced`) "
+            "on its own GPU. Either launch one process (`python notebooks/sft/chat_sft.py ... --device_map balanced`) "
             "for a model too large for one card, or drop device_map for data-parallel training."
         )
     if not torch.cuda.is_available():

@@ -91,19 +91,15 @@ MIN_MARGIN_RISE = 0.5      # ... and the reward margin by at least this
 MIN_NLL_DROP = 0.2         # ORPO: its NLL on the chosen answers must fall by at least this fraction
 
 # %%
-import os
-import torch
+from notebookkit.notebook_cells import apply_script_arguments, resolve_parameters
 
-ON_GPU = torch.cuda.is_available()
-MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
-LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
-MAX_SEQ_LENGTH = MAX_SEQ_LENGTH or (2048 if ON_GPU else 256)
-MAX_STEPS = MAX_STEPS or (60 if ON_GPU else CPU_STEPS)
-LEARNING_RATE = (5e-5 if ON_GPU else CPU_LEARNING_RATE) if LEARNING_RATE is None else LEARNING_RATE
-torch.manual_seed(SEED)
-os.makedirs(OUTPUT_DIR, exist_ok=True)
-print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | "
-      f"4-bit: {LOAD_IN_4BIT} | method: {METHOD} | steps: {MAX_STEPS} | learning rate: {LEARNING_RATE}")
+apply_script_arguments(globals())  # run as a script: --config FILE and --NAME VALUE flags (in Jupyter: nothing)
+ON_GPU = resolve_parameters(
+    globals(),
+    gpu=dict(MODEL_NAME=GPU_MODEL, LOAD_IN_4BIT=True, MAX_SEQ_LENGTH=2048, MAX_STEPS=60, LEARNING_RATE=5e-5),
+    cpu=dict(MODEL_NAME="notebookkit/tiny-llama", LOAD_IN_4BIT=False, MAX_SEQ_LENGTH=256, MAX_STEPS=CPU_STEPS,
+             LEARNING_RATE=CPU_LEARNING_RATE),
+)
 
 # %% [markdown]
 # ## 1. Choose the model, the adapter and the run
@@ -286,11 +282,10 @@ print("saved:", sorted(p.name for p in __import__("pathlib").Path(adapter_dir).i
 # margin are printed, not asserted.
 
 # %%
-import statistics
+from notebookkit.notebook_cells import first_and_last
 
-steps = [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
-def first_last(key):
-    return (statistics.mean(h[key] for h in steps[:FIRST_LAST]), statistics.mean(h[key] for h in steps[-FIRST_LAST:]))
+def first_last(key):  # mean of `key` over the first and the last FIRST_LAST training steps
+    return first_and_last(trainer, key, n=FIRST_LAST, rows_with=("loss", "rewards/margins"))
 
 acc_first, acc_last = first_last("rewards/accuracies")
 margin_first, margin_last = first_last("rewards/margins")

@@ -75,13 +75,14 @@ if "gguf" in EXPORT_FORMS:
     install_llama_cpp()
 
 # %%
-import torch
+from notebookkit.notebook_cells import apply_script_arguments, resolve_parameters
 
-ON_GPU = torch.cuda.is_available()
-MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
-LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
-torch.manual_seed(SEED)
-print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | 4-bit: {LOAD_IN_4BIT}")
+apply_script_arguments(globals())  # run as a script: --config FILE and --NAME VALUE flags (in Jupyter: nothing)
+ON_GPU = resolve_parameters(
+    globals(),
+    gpu=dict(MODEL_NAME=GPU_MODEL, LOAD_IN_4BIT=True),
+    cpu=dict(MODEL_NAME="notebookkit/tiny-llama", LOAD_IN_4BIT=False),
+)
 
 # %% [markdown]
 # ## 1. What to export
@@ -103,6 +104,7 @@ export_panel
 # answers with the fact. Before training the model does not know it.
 
 # %%
+import torch
 from notebookkit import FastLanguageModel
 from notebookkit.export import DEFAULT_CANARY as canary, train_canary
 

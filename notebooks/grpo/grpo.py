@@ -96,23 +96,17 @@ FIRST_LAST = 10            # the last cell compares the mean reward of the first
 MIN_REWARD_RISE = 0.25     # ... it must rise by at least this (rewards: format 0 / 0.5 / 1 plus correctness 0 / 1)
 
 # %%
-import os
-import torch
+from notebookkit.notebook_cells import apply_script_arguments, resolve_parameters
 
-ON_GPU = torch.cuda.is_available()
-MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
-LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
-MAX_SEQ_LENGTH = MAX_SEQ_LENGTH or (1024 if ON_GPU else 256)
-PRIME_STEPS = (30 if ON_GPU else CPU_PRIME_STEPS) if PRIME_STEPS is None else PRIME_STEPS
-PRIME_LEARNING_RATE = PRIME_LEARNING_RATE or (2e-4 if ON_GPU else 5e-3)
-GRPO_STEPS = GRPO_STEPS or (100 if ON_GPU else CPU_GRPO_STEPS)
-MAX_COMPLETION_LENGTH = MAX_COMPLETION_LENGTH or (256 if ON_GPU else 24)
-LEARNING_RATE = (5e-5 if ON_GPU else CPU_LEARNING_RATE) if LEARNING_RATE is None else LEARNING_RATE
-FORMAT_ROWS = (not ON_GPU) if FORMAT_ROWS is None else FORMAT_ROWS
-torch.manual_seed(SEED)
-os.makedirs(OUTPUT_DIR, exist_ok=True)
-print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | 4-bit: {LOAD_IN_4BIT} | "
-      f"priming steps: {PRIME_STEPS} | GRPO steps: {GRPO_STEPS} | learning rate: {LEARNING_RATE}")
+apply_script_arguments(globals())  # run as a script: --config FILE and --NAME VALUE flags (in Jupyter: nothing)
+ON_GPU = resolve_parameters(
+    globals(),
+    gpu=dict(MODEL_NAME=GPU_MODEL, LOAD_IN_4BIT=True, MAX_SEQ_LENGTH=1024, PRIME_STEPS=30, PRIME_LEARNING_RATE=2e-4,
+             GRPO_STEPS=100, MAX_COMPLETION_LENGTH=256, LEARNING_RATE=5e-5, FORMAT_ROWS=False),
+    cpu=dict(MODEL_NAME="notebookkit/tiny-llama", LOAD_IN_4BIT=False, MAX_SEQ_LENGTH=256, PRIME_STEPS=CPU_PRIME_STEPS,
+             PRIME_LEARNING_RATE=5e-3, GRPO_STEPS=CPU_GRPO_STEPS, MAX_COMPLETION_LENGTH=24,
+             LEARNING_RATE=CPU_LEARNING_RATE, FORMAT_ROWS=True),
+)
 
 # %% [markdown]
 # ## 1. Choose the model, the adapter and the run
@@ -318,14 +312,13 @@ print("saved:", sorted(p.name for p in __import__("pathlib").Path(adapter_dir).i
 # model, the reward only fluctuates, and this cell fails.
 
 # %%
-import statistics
+from notebookkit.notebook_cells import first_and_last
 
-rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h and "loss" in h]
-first, last = statistics.mean(rewards[:FIRST_LAST]), statistics.mean(rewards[-FIRST_LAST:])
+first, last = first_and_last(trainer, "reward", n=FIRST_LAST, rows_with=("loss",))
 print(f"mean reward, first {FIRST_LAST} steps {first:.3f} -> last {FIRST_LAST} steps {last:.3f} "
       f"(rise {last - first:+.3f}; required {MIN_REWARD_RISE})")
 for name in ("format_reward", "correctness_reward"):
-    values = [h[f"rewards/{name}/mean"] for h in trainer.state.log_history if f"rewards/{name}/mean" in h]
-    print(f"  {name}: {statistics.mean(values[:FIRST_LAST]):.3f} -> {statistics.mean(values[-FIRST_LAST:]):.3f}")
+    name_first, name_last = first_and_last(trainer, f"rewards/{name}/mean", n=FIRST_LAST)
+    print(f"  {name}: {name_first:.3f} -> {name_last:.3f}")
 assert last - first >= MIN_REWARD_RISE, f"the mean reward rose only {last - first:+.3f} (< {MIN_REWARD_RISE})"
 print("learning signal: OK")

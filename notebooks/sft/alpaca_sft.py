@@ -83,20 +83,16 @@ MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at 
 MIN_HELDOUT_DROP = 0.1     # ... and the held-back answer loss by at least this fraction
 
 # %%
-import torch
+from notebookkit.notebook_cells import apply_script_arguments, resolve_parameters
 
-ON_GPU = torch.cuda.is_available()
-MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
-LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
-MAX_SEQ_LENGTH = MAX_SEQ_LENGTH or (2048 if ON_GPU else 512)
-MAX_STEPS = MAX_STEPS or (60 if ON_GPU else CPU_STEPS)
-CALIBRATION_STEPS = (30 if ON_GPU else 4) if CALIBRATION_STEPS is None else CALIBRATION_STEPS
-LEARNING_RATE = LEARNING_RATE or (2e-4 if ON_GPU else CPU_LEARNING_RATE)
-torch.manual_seed(SEED)
-print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | "
-      f"4-bit: {LOAD_IN_4BIT} | steps: {MAX_STEPS} | calibration steps: {CALIBRATION_STEPS}")
-import os
-os.makedirs(OUTPUT_DIR, exist_ok=True)
+apply_script_arguments(globals())  # run as a script: --config FILE and --NAME VALUE flags (in Jupyter: nothing)
+ON_GPU = resolve_parameters(
+    globals(),
+    gpu=dict(MODEL_NAME=GPU_MODEL, LOAD_IN_4BIT=True, MAX_SEQ_LENGTH=2048, MAX_STEPS=60,
+             CALIBRATION_STEPS=30, LEARNING_RATE=2e-4),
+    cpu=dict(MODEL_NAME="notebookkit/tiny-llama", LOAD_IN_4BIT=False, MAX_SEQ_LENGTH=512, MAX_STEPS=CPU_STEPS,
+             CALIBRATION_STEPS=4, LEARNING_RATE=CPU_LEARNING_RATE),
+)
 
 # %% [markdown]
 # ## 1. Choose the model, the adapter and the training run
@@ -274,16 +270,9 @@ print(f"exact match:          {em_before.score:.0%} -> {em_after.score:.0%}")
 em_after
 
 # %%
-import matplotlib.pyplot as plt
+from notebookkit.notebook_cells import plot_loss_curve
 
-train_log = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-eval_log = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
-fig, ax = plt.subplots(figsize=(7, 3.2))
-ax.plot(*zip(*train_log), label="training loss")
-if eval_log:
-    ax.plot(*zip(*eval_log), "o-", label="held-back loss")
-ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("Loss curve"); ax.legend()
-fig.tight_layout(); fig.savefig(f"{OUTPUT_DIR}/loss_curve.png", dpi=100)
+fig = plot_loss_curve(trainer, f"{OUTPUT_DIR}/loss_curve.png")
 
 # %% [markdown]
 # ## 8. Follow a new instruction
@@ -326,10 +315,9 @@ print("saved:", sorted(p.name for p in __import__("pathlib").Path(adapter_dir).i
 # would hold whatever training did. On a real model, after a real run, it is worth reading.
 
 # %%
-import statistics
+from notebookkit.notebook_cells import first_and_last
 
-losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
+first, last = first_and_last(trainer, "loss", n=3)  # mean training loss of the first and of the last 3 steps
 drop = 1 - last / first
 print(f"training loss {first:.3f} -> {last:.3f} ({drop:.0%} lower; required: {MIN_LOSS_DROP:.0%})")
 print(f"held-back answer loss {loss_before:.3f} -> {loss_after:.3f}; "

@@ -58,7 +58,8 @@ print(f"notebookkit {notebookkit.__version__} from {os.path.dirname(notebookkit.
 
 # %% [markdown]
 # **Parameters.** `None` means "choose for this machine": the tiny model and a handful of steps on a
-# CPU, a real model on a GPU. CI and `make demo` override this cell (it is tagged `parameters`).
+# CPU, a real model on a GPU. CI and `make demo` override this cell (it is tagged `parameters`); so do a
+# `--config` file and `--NAME VALUE` flags when this notebook's `.py` form runs as a script (section 10).
 
 # %% tags=["parameters"]
 MODEL_NAME = None          # None: "notebookkit/tiny-llama" on CPU, GPU_MODEL on a GPU
@@ -67,10 +68,13 @@ CHAT_TEMPLATE = None       # None: guessed from the model name / tokenizer ("lla
 LOAD_IN_4BIT = None        # None: 4-bit on a GPU, 16/32-bit on CPU
 MAX_SEQ_LENGTH = None      # None: 2048 on a GPU, 512 on CPU (capped by the length profile below)
 DTYPE = None               # None: bfloat16 where the GPU has it natively, else float16 (a T4); "float16" forces it
+DEVICE_MAP = None          # None: this process's device; "balanced": the layers spread over all visible GPUs
 LORA_R = 16
+GRADIENT_CHECKPOINTING = "auto"  # False / True / "offload" / "auto" (the LoRA panel's choice)
 MAX_STEPS = None           # None: 60 on a GPU, CPU_STEPS on CPU
 CPU_STEPS = 24
 CALIBRATION_STEPS = None   # None: 30 on a GPU, 4 on CPU; 0 skips the calibration
+TRAIN_ROWS = None          # None: every training conversation; N: the first N only
 BATCH_SIZE = 4
 GRAD_ACCUM = 1
 LEARNING_RATE = None       # None: 2e-4 on a GPU, CPU_LEARNING_RATE on CPU
@@ -84,20 +88,18 @@ MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at 
 MIN_HELDOUT_DROP = 0.1     # ... and the held-back answer loss by at least this fraction
 
 # %%
-import torch
+from notebookkit.notebook_cells import apply_script_arguments, resolve_parameters
+from notebookkit.train.distributed import dist_info
 
-ON_GPU = torch.cuda.is_available()
-MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-llama")
-LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
-MAX_SEQ_LENGTH = MAX_SEQ_LENGTH or (2048 if ON_GPU else 512)
-MAX_STEPS = MAX_STEPS or (60 if ON_GPU else CPU_STEPS)
-CALIBRATION_STEPS = (30 if ON_GPU else 4) if CALIBRATION_STEPS is None else CALIBRATION_STEPS
-LEARNING_RATE = LEARNING_RATE or (2e-4 if ON_GPU else CPU_LEARNING_RATE)
-torch.manual_seed(SEED)
-print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | "
-      f"4-bit: {LOAD_IN_4BIT} | steps: {MAX_STEPS} | calibration steps: {CALIBRATION_STEPS}")
-import os
-os.makedirs(OUTPUT_DIR, exist_ok=True)
+apply_script_arguments(globals())  # run as a script: --config FILE and --NAME VALUE flags (in Jupyter: nothing)
+ON_GPU = resolve_parameters(
+    globals(),
+    gpu=dict(MODEL_NAME=GPU_MODEL, LOAD_IN_4BIT=True, MAX_SEQ_LENGTH=2048, MAX_STEPS=60,
+             CALIBRATION_STEPS=30, LEARNING_RATE=2e-4),
+    cpu=dict(MODEL_NAME="notebookkit/tiny-llama", LOAD_IN_4BIT=False, MAX_SEQ_LENGTH=512, MAX_STEPS=CPU_STEPS,
+             CALIBRATION_STEPS=4, LEARNING_RATE=CPU_LEARNING_RATE),
+)
+LAUNCH = dist_info()  # one process in Jupyter; under torchrun / accelerate launch, this process's rank
 
 # %% [markdown]
 # ## 1. Choose the model, the adapter and the training run
@@ -115,7 +117,7 @@ from notebookkit.widgets import ConfigPanels
 
 panels = ConfigPanels(
     model=dict(model_name=MODEL_NAME, load_in_4bit=LOAD_IN_4BIT, max_seq_length=MAX_SEQ_LENGTH, dtype=DTYPE),
-    lora=dict(r=LORA_R, lora_alpha=LORA_R, random_state=SEED),
+    lora=dict(r=LORA_R, lora_alpha=LORA_R, random_state=SEED, use_gradient_checkpointing=GRADIENT_CHECKPOINTING),
     training=dict(max_steps=MAX_STEPS, per_device_train_batch_size=BATCH_SIZE,
                   gradient_accumulation_steps=GRAD_ACCUM, learning_rate=LEARNING_RATE,
                   warmup_steps=WARMUP_STEPS, seed=SEED),
@@ -137,8 +139,11 @@ panels
 cfg = panels.value  # the panels' current values
 from notebookkit import FastLanguageModel
 from notebookkit.data import get_chat_template, guess_chat_template
+from notebookkit.train.distributed import local_device_map
 
-model, tokenizer = FastLanguageModel.from_pretrained(**cfg.model.from_pretrained_kwargs())
+# device_map: under a multi-process launch each process loads the model onto its own GPU
+model, tokenizer = FastLanguageModel.from_pretrained(**cfg.model.from_pretrained_kwargs(),
+                                                     device_map=local_device_map(DEVICE_MAP, LAUNCH))
 CHAT_TEMPLATE = CHAT_TEMPLATE or guess_chat_template(tokenizer, cfg.model.model_name)
 tokenizer = get_chat_template(tokenizer, CHAT_TEMPLATE, model=model)
 print(f"chat template: {CHAT_TEMPLATE}; generation stops at {tokenizer.eos_token!r}")
@@ -171,6 +176,8 @@ raw = load_bundled("chat_sharegpt")
 print(raw)
 print(raw[0]["conversations"][:2])
 train_ds = standardize_sharegpt(raw, output_column="messages")
+if TRAIN_ROWS:
+    train_ds = train_ds.select(range(min(TRAIN_ROWS, len(train_ds))))
 heldout_ds = standardize_sharegpt(load_bundled("chat_sharegpt", split="eval"), output_column="messages")
 heldout_ds = heldout_ds.select(range(min(N_EVAL, len(heldout_ds))))
 print(f"{len(train_ds)} conversations to train on, {len(heldout_ds)} held back")
@@ -203,6 +210,7 @@ print("training with max_length =", MAX_LENGTH)
 # %%
 from notebookkit.data import check_masking
 from notebookkit.train import make_sft_trainer
+from notebookkit.train.distributed import ddp_training_args
 
 steps = cfg.training.max_steps  # held-back loss is computed every `eval_every` steps (once at the end on CPU)
 eval_every = max(1, steps // 2 if ON_GPU else steps) if steps > 0 else None
@@ -210,6 +218,7 @@ trainer = make_sft_trainer(
     model, tokenizer, train_ds, heldout_ds, responses_only=True,
     **{**cfg.training.trainer_kwargs(), "output_dir": OUTPUT_DIR, "max_length": MAX_LENGTH,
        "eval_steps": eval_every},
+    **(ddp_training_args() if LAUNCH.is_distributed else {}),  # several processes: PyTorch DDP (section 10)
 )
 check_masking(trainer, n_examples=2)
 
@@ -235,12 +244,12 @@ em_before
 # loss from the same starting point, so **the two loss curves should lie on top of each other**; what
 # may differ is the **peak memory** and the **tokens per second**. On a GPU this tells you what the
 # fused path buys on *your* card; on a CPU both run PyTorch code and the comparison only checks
-# that the two paths agree. Set `CALIBRATION_STEPS = 0` to skip it.
+# that the two paths agree. Set `CALIBRATION_STEPS = 0` to skip it (a multi-process launch skips it).
 
 # %%
 from notebookkit.train import calibrate
 
-if CALIBRATION_STEPS:
+if CALIBRATION_STEPS and not LAUNCH.is_distributed:
     calibration = calibrate(
         cfg.model.model_name, train_ds, steps=CALIBRATION_STEPS, seed=SEED, max_seq_length=MAX_LENGTH,
         load_in_4bit=cfg.model.load_in_4bit, dtype=cfg.model.dtype, r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha,
@@ -254,7 +263,7 @@ if CALIBRATION_STEPS:
     calibration.plot().savefig(f"{OUTPUT_DIR}/calibration.png", dpi=100)
     print(calibration.summary())
 else:
-    print("calibration skipped (CALIBRATION_STEPS = 0)")
+    print("calibration skipped (CALIBRATION_STEPS = 0, or several processes)")
 
 # %% [markdown]
 # ## 6. Train, with the live dashboard
@@ -264,13 +273,14 @@ else:
 # (GPU, or this process's RAM on a CPU), tokens per second and the time left. When training ends it
 # leaves a static figure, so the saved notebook still shows it.
 
-# %%
+# %% tags=["train"]
 from notebookkit.widgets import LiveDashboard
 
 dashboard = LiveDashboard().attach(trainer)  # in place of the trainer's "Step | Training Loss" table
 train_result = trainer.train()
 dashboard.save_figure(f"{OUTPUT_DIR}/dashboard.png")
-print(f"trained {train_result.global_step} steps in {train_result.metrics['train_runtime']:.0f} s")
+print(f"trained {train_result.global_step} steps in {train_result.metrics['train_runtime']:.0f} s"
+      + (f" on {LAUNCH.world_size} processes" if LAUNCH.is_distributed else ""))
 if trainer.args.fp16:  # fp16 trains under a loss scaler, which skips a step whose gradients overflow
     print(f"fp16: {dashboard.skipped_steps} of {train_result.global_step} optimizer steps skipped for inf/NaN gradients")
 
@@ -288,16 +298,9 @@ print(f"exact match:          {em_before.score:.0%} -> {em_after.score:.0%}")
 em_after
 
 # %%
-import matplotlib.pyplot as plt
+from notebookkit.notebook_cells import plot_loss_curve
 
-train_log = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-eval_log = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
-fig, ax = plt.subplots(figsize=(7, 3.2))
-ax.plot(*zip(*train_log), label="training loss")
-if eval_log:
-    ax.plot(*zip(*eval_log), "o-", label="held-back loss")
-ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("Loss curve"); ax.legend()
-fig.tight_layout(); fig.savefig(f"{OUTPUT_DIR}/loss_curve.png", dpi=100)
+fig = plot_loss_curve(trainer, f"{OUTPUT_DIR}/loss_curve.png")
 
 # %% [markdown]
 # ## 8. Chat with the tuned model
@@ -323,66 +326,45 @@ print("reference:", heldout_items[0].reference)
 
 # %%
 adapter_dir = f"{OUTPUT_DIR}/lora_adapter"
-model.save_pretrained(adapter_dir)
-tokenizer.save_pretrained(adapter_dir)
-print("saved:", sorted(p.name for p in __import__("pathlib").Path(adapter_dir).iterdir()))
+if LAUNCH.is_main:  # several processes hold the same adapter: the first one writes it
+    model.save_pretrained(adapter_dir)
+    tokenizer.save_pretrained(adapter_dir)
+    print("saved:", sorted(p.name for p in __import__("pathlib").Path(adapter_dir).iterdir()))
 
 # %% [markdown]
 # ## 10. Scale out: the same run on several GPUs
 #
-# A notebook drives one process, so it trains on one GPU. When that is too slow, run the same
-# training as a script on several GPUs: `scripts/train_sft.py` does what this notebook does (load,
-# chat template, LoRA, response-only labels, train, save the adapter) and reads the settings you
-# chose above from a file. Each GPU gets its own process and a full copy of the model; PyTorch
-# `DistributedDataParallel` averages the gradients once per optimizer step.
+# A notebook drives one process, so it trains on one GPU. When that is too slow, run **this notebook as a
+# script** on several GPUs. Its `.py` form (`chat_sft.py`, beside it in the repository; for a copied
+# `.ipynb`, `jupytext --to py:percent chat_sft.ipynb` writes it) is a plain Python file that runs every cell
+# above from top to bottom. Each GPU gets its own process and a full copy of the model; PyTorch
+# `DistributedDataParallel` averages the gradients once per optimizer step (the trainer cell adds the DDP
+# settings under a launch, the load cell puts each process on its own GPU, the calibration is skipped and
+# only the first process saves the adapter).
 #
+# * The parameters come from a `--config` file (YAML or JSON, the parameters cell's names) and from
+#   `--NAME VALUE` flags, which win: `--max_steps 200`, `--batch_size 2`.
 # * **Global batch** = batch size × accumulation steps × GPUs. With 2 GPUs, halve the accumulation
 #   steps to train on the same number of sequences per step as here.
 # * The loss is normalised by the label tokens of the whole global batch, so 2 GPUs × 2 sequences
 #   train exactly like 1 GPU × 4 (checked in CI on 2 CPU processes).
 # * For a model that does not fit on one GPU, stay in one process and spread its layers:
-#   `FastLanguageModel.from_pretrained(..., device_map="balanced")` (or `--device_map balanced`).
-#   The layers then run one after another: more memory, not more speed.
+#   `DEVICE_MAP = "balanced"` (`--device_map balanced`). The layers then run one after another: more
+#   memory, not more speed.
 #
-# The cell below saves this notebook's settings and prints the commands to run in a terminal.
+# The cell below saves this run's parameters and prints the commands to run in a terminal.
 
 # %%
-import json, pathlib, shlex
+import shlex
+from notebookkit.notebook_cells import save_parameters
 
-script = pathlib.Path("scripts/train_sft.py")
-for parent in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents]:
-    if (parent / "scripts" / "train_sft.py").is_file():
-        script = parent / "scripts" / "train_sft.py"
-        break
-
-run_config = {
-    "model_name": cfg.model.model_name,
-    "load_in_4bit": cfg.model.load_in_4bit,
-    "max_seq_length": cfg.model.max_seq_length,
-    "max_length": MAX_LENGTH,
-    "chat_template": CHAT_TEMPLATE,
-    "r": cfg.lora.r,
-    "lora_alpha": cfg.lora.lora_alpha,
-    "use_gradient_checkpointing": cfg.lora.use_gradient_checkpointing,
-    "learning_rate": cfg.training.learning_rate,
-    "max_steps": cfg.training.max_steps,
-    "per_device_train_batch_size": cfg.training.per_device_train_batch_size,
-    "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
-    "warmup_steps": WARMUP_STEPS,
-    "n_eval": N_EVAL,
-    "seed": SEED,
-    "output_dir": f"{OUTPUT_DIR}/scale_out",
-}
-config_path = pathlib.Path(OUTPUT_DIR) / "run_config.json"
-config_path.write_text(json.dumps(run_config, indent=2))
-print(f"settings saved to {config_path}:\n{config_path.read_text()}")
-args = f"{shlex.quote(str(script))} --config {shlex.quote(str(config_path))}"
+config_path = save_parameters(globals(), f"{OUTPUT_DIR}/run.yaml", OUTPUT_DIR=f"{OUTPUT_DIR}/scale_out")
+print(f"parameters saved to {config_path}")
+args = f"chat_sft.py --config {shlex.quote(str(config_path))}"
 print("one GPU (or CPU):       python", args)
 print("2 GPUs, torchrun:       torchrun --nproc_per_node 2", args)
 print("2 GPUs, accelerate:     accelerate launch --multi_gpu --num_processes 2", args)
 print("too big for one GPU:    python", args, "--device_map balanced")
-if not script.is_file():
-    print("\n(scripts/train_sft.py is in the notebookkit repository: clone it, or download that one file.)")
 
 # %% [markdown]
 # ## Last: did it learn? (checked automatically)
@@ -398,10 +380,9 @@ if not script.is_file():
 # would hold whatever training did. On a real model, after a real run, it is worth reading.
 
 # %%
-import statistics
+from notebookkit.notebook_cells import first_and_last
 
-losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
+first, last = first_and_last(trainer, "loss", n=3)  # mean training loss of the first and of the last 3 steps
 drop = 1 - last / first
 print(f"training loss {first:.3f} -> {last:.3f} ({drop:.0%} lower; required: {MIN_LOSS_DROP:.0%})")
 print(f"held-back answer loss {loss_before:.3f} -> {loss_after:.3f}; "

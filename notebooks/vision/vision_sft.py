@@ -88,21 +88,16 @@ MIN_LOSS_DROP = 0.2        # the last cell asserts the training loss fell by at 
 MIN_ACCURACY_GAIN = 0.25   # ... and the held-out caption accuracy rose by at least this much
 
 # %%
-import os
-import torch
+from notebookkit.notebook_cells import apply_script_arguments, resolve_parameters
 
-ON_GPU = torch.cuda.is_available()
-MODEL_NAME = MODEL_NAME or (GPU_MODEL if ON_GPU else "notebookkit/tiny-qwen2.5-vl")
-LOAD_IN_4BIT = ON_GPU if LOAD_IN_4BIT is None else LOAD_IN_4BIT
-MAX_SEQ_LENGTH = MAX_SEQ_LENGTH or (2048 if ON_GPU else 256)
-MAX_STEPS = MAX_STEPS or (60 if ON_GPU else CPU_STEPS)
-BATCH_SIZE = BATCH_SIZE or (2 if ON_GPU else 8)
-GRAD_ACCUM = GRAD_ACCUM or (4 if ON_GPU else 1)
-LEARNING_RATE = LEARNING_RATE if LEARNING_RATE is not None else (2e-4 if ON_GPU else CPU_LEARNING_RATE)
-torch.manual_seed(SEED)
-os.makedirs(OUTPUT_DIR, exist_ok=True)
-print(f"device: {torch.cuda.get_device_name(0) if ON_GPU else 'CPU'} | model: {MODEL_NAME} | "
-      f"4-bit: {LOAD_IN_4BIT} | steps: {MAX_STEPS} | learning rate: {LEARNING_RATE}")
+apply_script_arguments(globals())  # run as a script: --config FILE and --NAME VALUE flags (in Jupyter: nothing)
+ON_GPU = resolve_parameters(
+    globals(),
+    gpu=dict(MODEL_NAME=GPU_MODEL, LOAD_IN_4BIT=True, MAX_SEQ_LENGTH=2048, MAX_STEPS=60, BATCH_SIZE=2, GRAD_ACCUM=4,
+             LEARNING_RATE=2e-4),
+    cpu=dict(MODEL_NAME="notebookkit/tiny-qwen2.5-vl", LOAD_IN_4BIT=False, MAX_SEQ_LENGTH=256, MAX_STEPS=CPU_STEPS,
+             BATCH_SIZE=8, GRAD_ACCUM=1, LEARNING_RATE=CPU_LEARNING_RATE),
+)
 
 # %% [markdown]
 # ## 1. Choose the model, the adapter and the training run
@@ -263,16 +258,9 @@ for ax, row, before, after in zip(axes, heldout_rows, captions_before, captions_
 fig.tight_layout(); fig.savefig(f"{OUTPUT_DIR}/captions.png", dpi=100)
 
 # %%
-import matplotlib.pyplot as plt
+from notebookkit.notebook_cells import plot_loss_curve
 
-train_log = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-eval_log = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
-fig, ax = plt.subplots(figsize=(7, 3.2))
-ax.plot(*zip(*train_log), label="training loss")
-if eval_log:
-    ax.plot(*zip(*eval_log), "o-", label="held-back loss")
-ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("Loss curve"); ax.legend()
-fig.tight_layout(); fig.savefig(f"{OUTPUT_DIR}/loss_curve.png", dpi=100)
+fig = plot_loss_curve(trainer, f"{OUTPUT_DIR}/loss_curve.png")
 
 # %% [markdown]
 # ## 8. Save the adapter, export the merged model
@@ -286,6 +274,7 @@ fig.tight_layout(); fig.savefig(f"{OUTPUT_DIR}/loss_curve.png", dpi=100)
 
 # %%
 import pathlib
+import torch
 
 adapter_dir = f"{OUTPUT_DIR}/lora_adapter"
 model.save_pretrained(adapter_dir)
@@ -316,10 +305,9 @@ if EXPORT_MERGED:
 # learns the caption format, and scores 0.
 
 # %%
-import statistics
+from notebookkit.notebook_cells import first_and_last
 
-losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
+first, last = first_and_last(trainer, "loss", n=3)  # mean training loss of the first and of the last 3 steps
 drop = 1 - last / first
 gain = score_after.accuracy - score_before.accuracy
 print(f"training loss {first:.3f} -> {last:.3f} ({drop:.0%} lower; required: {MIN_LOSS_DROP:.0%})")

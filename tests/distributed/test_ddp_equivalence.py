@@ -1,7 +1,8 @@
 """Data-parallel training equals one process on the same global batch.
 
-Two launches of ``ddp_worker.py`` (which trains with ``scripts/train_sft.py``'s trainer) on the tiny
-default model, fp32, 5 optimizer steps, the same 48 bundled conversations and seed:
+Two launches of ``ddp_worker.py`` (which runs the chat SFT notebook's own cells, ``notebooks/sft/chat_sft.py``,
+as a ``torchrun`` launch of that file does, and trains the trainer they build) on the tiny default model,
+fp32, 5 optimizer steps, the same 48 bundled conversations and seed:
 
 * one process, ``per_device_train_batch_size=4`` (the reference), plus ``device_map="balanced"``
   and a plain ``transformers.Trainer`` run;
@@ -62,16 +63,17 @@ NOISE_FACTOR = 4.0
 # Should two splits ever round identically, the floor would be zero: never ask for less than eight
 # fp32 ulps (2^-20 relative). Logged losses differ by whole ulps, so their floor is this one here.
 FLOOR_MIN = 2.0**-20
+# The notebook's parameters (its parameters cell's names); the notebook logs the loss every step and
+# keeps LoRA dropout at 0. One held-back conversation keeps its evaluation cells cheap; no calibration.
 COMMON = dict(
-    model_name="notebookkit/tiny-llama", max_steps=STEPS, dataset_rows=48, n_eval=0, max_length=256, learning_rate=2e-3, warmup_steps=0,
-    seed=3407, save_adapter=False, logging_steps=1, dtype="float32", load_in_4bit=False,
-    use_gradient_checkpointing=False, lora_dropout=0.0,
+    MODEL_NAME="notebookkit/tiny-llama", MAX_STEPS=STEPS, TRAIN_ROWS=48, N_EVAL=1, N_EXACT=0, MAX_SEQ_LENGTH=256,
+    LEARNING_RATE=2e-3, WARMUP_STEPS=0, SEED=3407, DTYPE="float32", LOAD_IN_4BIT=False,
+    GRADIENT_CHECKPOINTING=False, CALIBRATION_STEPS=0,
 )
 
 
 def _variant(name: str, out: Path, bs: int, ga: int = 1, **extra) -> dict:
-    settings = dict(COMMON, per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
-                    output_dir=str(out / f"run_{name}"))
+    settings = dict(COMMON, BATCH_SIZE=bs, GRAD_ACCUM=ga, OUTPUT_DIR=str(out / f"run_{name}"))
     settings.update(extra.pop("settings", {}))
     return dict(name=name, settings=settings, **extra)
 
@@ -119,7 +121,7 @@ FLOOR_RUNS = {
 }
 COMPARISONS = [("ddp_bs2", "ref"), ("ddp_ga2", "ref"), ("ddp_offload", "ref"), ("ddp_hf", "ref_hf"),
                ("ddp_nf4", "ref_nf4_ga2")]
-NF4 = {"load_in_4bit": True}
+NF4 = {"LOAD_IN_4BIT": True}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,7 @@ def runs(tmp_path_factory):
         _variant("ref", out, bs=4),
         _variant("ref_ga2", out, bs=2, ga=2),
         _variant("ref_ga4", out, bs=1, ga=4),
-        _variant("balanced", out, bs=4, settings={"device_map": "balanced"}),
+        _variant("balanced", out, bs=4, settings={"DEVICE_MAP": "balanced"}),
         _variant("ref_hf", out, bs=4, trainer="hf"),
         _variant("ref_nf4_ga2", out, bs=2, ga=2, settings=NF4),
         _variant("ref_nf4", out, bs=4, settings=NF4),
@@ -277,8 +279,8 @@ def test_device_map_balanced_trains_on_gpus(tmp_path):
     (the hook that moves activations between devices must survive notebookkit's patching); on one GPU
     everything lands on it. Either way 5 fp32 steps must match the single-device run within its
     noise floor (measured on the GPU, with its kernels)."""
-    one = _floor_runs(tmp_path, device_map=None) + [
-        _variant("balanced", tmp_path, bs=4, settings={"device_map": "balanced"}),
+    one = _floor_runs(tmp_path, DEVICE_MAP=None) + [
+        _variant("balanced", tmp_path, bs=4, settings={"DEVICE_MAP": "balanced"}),
     ]
     _launch(tmp_path, one, nproc=1)
     rec, ref = _load(tmp_path, "balanced"), _load(tmp_path, "ref")

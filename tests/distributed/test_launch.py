@@ -1,10 +1,9 @@
-"""``scripts/train_sft.py`` settings, the launch helpers of ``notebookkit.train.distributed``, the
-``accelerate launch`` path, and accelerate's placement hooks around notebookkit's patched forwards."""
+"""The launch helpers of ``notebookkit.train.distributed``, the chat SFT notebook's ``.py`` form under
+``accelerate launch``, and accelerate's placement hooks around notebookkit's patched forwards. (How that
+form reads its ``--config`` file and flags: ``tests/notebooks/test_notebook_cells.py``.)"""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import socket
 import subprocess
@@ -16,42 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("train_sft_script", REPO / "scripts" / "train_sft.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# ---- settings --------------------------------------------------------------------------------------
-
-
-def test_config_file_accepts_notebook_parameter_names_and_flags_win(script, tmp_path):
-    cfg_file = tmp_path / "run.json"
-    cfg_file.write_text(json.dumps({
-        "MODEL_NAME": "notebookkit/tiny-llama", "LORA_R": 8, "BATCH_SIZE": 3, "GRAD_ACCUM": 2,
-        "LEARNING_RATE": None, "CPU_LEARNING_RATE": 1e-3, "MAX_STEPS": None, "CPU_STEPS": 7,
-        "CALIBRATION_STEPS": 6, "N_EXACT": 6, "SEED": 11, "OUTPUT_DIR": "out/x", "lora_alpha": 32,
-    }))
-    cfg = script.parse_config(["--config", str(cfg_file), "--seed", "5", "--load-in-4bit", "false"])
-    assert (cfg["r"], cfg["per_device_train_batch_size"], cfg["gradient_accumulation_steps"]) == (8, 3, 2)
-    assert cfg["seed"] == 5 and cfg["load_in_4bit"] is False and cfg["lora_alpha"] == 32
-    resolved = script.resolve(cfg)
-    if not torch.cuda.is_available():
-        assert resolved["max_steps"] == 7 and resolved["learning_rate"] == 1e-3
-        assert resolved["max_seq_length"] == 512
-
-
-def test_config_rejects_unknown_settings_and_bad_values(script, tmp_path):
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"lerning_rate": 1e-4}))
-    with pytest.raises(SystemExit, match="unknown setting 'lerning_rate'"):
-        script.parse_config(["--config", str(bad)])
-    with pytest.raises(SystemExit, match="max_steps='ten' is not a valid int"):
-        script.parse_config(["--max_steps", "ten"])
+NOTEBOOK = REPO / "notebooks" / "sft" / "chat_sft.py"
 
 
 # ---- launch helpers --------------------------------------------------------------------------------
@@ -90,24 +54,28 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU launch test (gloo); GPUs are covered by the gpu tests")
-def test_accelerate_launch_two_cpu_processes(tmp_path):
-    """``accelerate launch --multi_gpu --num_processes 2`` on a machine without GPUs starts two gloo
-    processes (``--cpu`` alone would start one); the script trains and saves the adapter once."""
+def test_accelerate_launch_runs_the_notebook_on_two_cpu_processes(tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2 notebooks/sft/chat_sft.py`` on a machine without GPUs
+    starts two gloo processes (``--cpu`` alone would start one); the notebook's cells train under DDP, every
+    cell runs to the end on both ranks, and the adapter is saved once."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(key, None)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(_free_port()),
-           str(REPO / "scripts" / "train_sft.py"), "--max_steps", "2", "--dataset_rows", "32", "--n_eval", "4",
-           "--per_device_train_batch_size", "2", "--max_length", "256", "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    summary = json.loads((out / "train_summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_batch"] == 4 and summary["steps"] == 2
-    assert all(l == l for l in summary["losses"]) and summary["eval_loss"] is not None
+           str(NOTEBOOK), "--max_steps", "2", "--train_rows", "32", "--n_eval", "4", "--n_exact", "1",
+           "--batch_size", "2", "--max_seq_length", "256", "--calibration_steps", "0",
+           "--min_loss_drop", "-1", "--min_heldout_drop", "-1", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    assert log.count("trained 2 steps in") == 2 and log.count(" on 2 processes") == 2, log[-6000:]
+    assert log.count("learning signal: OK") == 2, log[-6000:]
+    assert log.count("saved: [") == 1, "the adapter must be written by the first process only"
     assert (out / "lora_adapter" / "adapter_config.json").is_file()
 
 
