@@ -9,6 +9,8 @@ import functools
 import inspect
 from typing import Any, Callable
 
+from notebookkit.marks import LOSS_FALLBACKS
+
 __all__ = ["built_once", "bind_trainer_arguments", "first_row", "print_banner", "fall_back_once", "unsupported_inputs",
            "shared_fallback_reason"]
 
@@ -70,7 +72,7 @@ def fall_back_once(trainer: Any, reason: str) -> None:
     notebookkit's fused path (``reason`` names the setting and what to change to get the fused path)."""
     import warnings
 
-    said = trainer.__dict__.setdefault("_notebookkit_fallbacks", set())
+    said = trainer.__dict__.setdefault(LOSS_FALLBACKS, set())
     if reason in said:
         return
     said.add(reason)
