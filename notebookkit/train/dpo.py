@@ -38,6 +38,7 @@ from typing import Any, Optional
 from trl import DPOTrainer
 
 from notebookkit.models.compat import quiet_checkpointing_flag_deprecation
+from notebookkit.training_methods import training_method
 
 from .preference_inputs import (
     PREFERENCE_COLUMNS, PreferenceInputError, check_preference_dataset, check_preference_datasets,
@@ -51,6 +52,9 @@ from .trainer_glue import (
 from .trl_compat import has_image_dataset, log_token_count, logged_metrics
 
 __all__ = ["PreferenceInputError", "check_preference_dataset", "FastDPOTrainer", "PREFERENCE_COLUMNS"]
+
+#: DPO's row of the training-method record
+DPO = training_method("dpo")
 
 #: the batch keys of TRL's DPO collator that the fused path reads
 _BATCH_KEYS = ("input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps")
@@ -81,12 +85,12 @@ class FastDPOTrainer(DPOTrainer):
         if not getattr(arguments.get("args"), "precompute_ref_log_probs", False):
             refuse_second_model(
                 arguments.get("model"), arguments.get("ref_model"), arguments.get("peft_config"),
-                trainer="FastDPOTrainer", reference_off="DPOConfig(precompute_ref_log_probs=True)",
+                trainer=DPO.trainer, reference_off="DPOConfig(precompute_ref_log_probs=True)",
             )
         super().__init__(**arguments)
         use_base_as_reference(self.model)
         if show_banner:
-            print_banner(self, f"DPO ({', '.join(self.loss_types)}, beta={self.beta}); reference: "
+            print_banner(self, f"{DPO.label} ({', '.join(self.loss_types)}, beta={self.beta}); reference: "
                                f"{describe_reference(self)}")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -56,6 +56,7 @@ import torch
 from trl import GRPOTrainer
 
 from notebookkit.models.compat import quiet_checkpointing_flag_deprecation
+from notebookkit.training_methods import training_method
 
 from ..memory.estimate import activation_plan_of
 from ..memory.generation import keeps_cache_between_steps
@@ -73,8 +74,10 @@ from .trl_compat import GRPOHookPoints, entropy_bonus_enabled, logged_metrics, m
 
 __all__ = ["GRPOInputError", "check_grpo_dataset", "FastGRPOTrainer", "TIME_KEYS"]
 
+#: GRPO's row of the training-method record
+GRPO = training_method("grpo")
 #: the timing metrics FastGRPOTrainer logs (seconds per optimizer step)
-TIME_KEYS = ("time/generation", "time/scoring", "time/training")
+TIME_KEYS = GRPO.step_times
 
 
 def _as_list(reward_funcs: Any) -> list:
@@ -124,7 +127,7 @@ class FastGRPOTrainer(GRPOHookPoints, GRPOTrainer):
                     check_grpo_dataset(data, funcs, name=key if split is None else f"{key}[{split!r}]")
         if getattr(arguments.get("args"), "beta", 0.0):
             refuse_second_model(arguments.get("model"), None, arguments.get("peft_config"),
-                                trainer="FastGRPOTrainer", reference_off="GRPOConfig(beta=0.0) (no KL term)")
+                                trainer=GRPO.trainer, reference_off="GRPOConfig(beta=0.0) (no KL term)")
         if funcs:
             arguments["reward_funcs"] = [checked_reward(f) if callable(f) else f for f in funcs]
         super().__init__(**arguments)
@@ -135,7 +138,7 @@ class FastGRPOTrainer(GRPOHookPoints, GRPOTrainer):
         if show_banner:
             reference = describe_reference(self) if self.beta else "none (beta = 0: no KL term)"
             cache = "kept between steps" if self.keep_generation_cache else "freed after each generation"
-            print_banner(self, f"GRPO ({self.loss_type}, {self.num_generations} generations per prompt); "
+            print_banner(self, f"{GRPO.label} ({self.loss_type}, {self.num_generations} generations per prompt); "
                                f"completions from model.generate under FastLanguageModel.for_inference "
                                f"(KV cache {cache}); reference: {reference}")
 

@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 import torch
 
+from notebookkit.training_methods import training_method
+
 from .preference_inputs import check_preference_datasets
 from .rl_losses import orpo_loss, sequence_logps
 from .token_logprobs import token_logprobs
@@ -58,6 +60,9 @@ def orpo_trainer_class() -> type:
     return _trl_orpo()[1]
 
 
+#: ORPO's row of the training-method record
+ORPO = training_method("orpo")
+
 #: TRL's ORPO config and trainer, from where the installed TRL keeps them
 ORPOConfig, ORPOTrainer = _trl_orpo()
 
@@ -85,7 +90,7 @@ class FastORPOTrainer(ORPOTrainer):
         check_preference_datasets(arguments, "ORPOTrainer", tokenised=False)
         super().__init__(**arguments)
         if show_banner:
-            print_banner(self, f"ORPO (lambda = beta = {self.beta}); no reference model (ORPO needs none)")
+            print_banner(self, f"{ORPO.label} (lambda = beta = {self.beta}); no reference model (ORPO needs none)")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return self._loss(model, inputs, return_outputs)
