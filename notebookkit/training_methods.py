@@ -9,8 +9,10 @@ tests; everything that depends on a method reads the row:
 * the activation planner (:mod:`notebookkit.memory.planner`): the rows a batch puts through the tower;
 * the training panel (:mod:`notebookkit.widgets.training_panel`): which fields it shows, the batch
   unit, the note and the switch between methods that share a panel;
-* the trainers (:mod:`notebookkit.train`, ``trainer``) and the metrics they log (``metrics``, TRL's
-  log keys, which the live dashboard reads).
+* the trainers (:mod:`notebookkit.train`: ``trainer``, exported lazily from ``notebookkit.train.<name>``;
+  their banners and timing keys) and the metrics they log (``metrics``, TRL's log keys);
+* the live dashboard (:mod:`notebookkit.widgets.rl_metrics`): which view draws a run's metrics, told
+  apart by the first of them, and the parts of a step it times.
 
 ``tests/test_training_methods.py`` fails when a row lacks any of these consumers.
 
@@ -44,7 +46,14 @@ class TrainingMethod:
     * ``batch_unit``: what a batch counts; ``packing``: the panel offers packing (SFT);
       ``beta_label``: the label of its ``beta`` field (``""``: none); ``note``: a line under the batch size.
 
-    ``trainer``: its trainer in :mod:`notebookkit.train`; ``metrics``: TRL's log keys it adds to the loss.
+    Trainer and dashboard:
+
+    * ``trainer``: its trainer class, defined in ``notebookkit.train.<name>`` and exported by
+      :mod:`notebookkit.train`;
+    * ``metrics``: TRL's log keys it adds to the loss; the first one marks a run of this method in the logs;
+    * ``dashboard``: the live dashboard's view of those metrics (``""``: none, the loss curve only);
+    * ``step_times``: log keys of the seconds one optimizer step spends in each part (generation, scoring,
+      training), which its trainer logs and the dashboard stacks.
     """
 
     name: str
@@ -62,9 +71,11 @@ class TrainingMethod:
     beta_label: str = ""
     note: str = ""
     metrics: tuple[str, ...] = ()
+    dashboard: str = ""
+    step_times: tuple[str, ...] = ()
 
 
-_PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+_PREFERENCE_METRICS = ("rewards/margins", "rewards/chosen", "rewards/rejected", "rewards/accuracies")
 
 TRAINING_METHODS: dict[str, TrainingMethod] = {m.name: m for m in (
     TrainingMethod("sft", "SFT", "FastSFTTrainer", panel="sft", panel_title="optimizer steps and schedule", packing=True),
@@ -72,19 +83,20 @@ TRAINING_METHODS: dict[str, TrainingMethod] = {m.name: m for m in (
         "dpo", "DPO", "FastDPOTrainer", rows_per_example=2, logprob_loss=True, reference_pass=True,
         panel="preference", panel_title="preference optimisation", batch_unit="preference pairs", beta_label="beta",
         note="DPO: beta scales the implicit reward; the reference is the model with adapters off",
-        metrics=_PREFERENCE_METRICS,
+        metrics=_PREFERENCE_METRICS, dashboard="preference",
     ),
     TrainingMethod(
         "orpo", "ORPO", "FastORPOTrainer", rows_per_example=2, logprob_loss=True,
         panel="preference", panel_title="preference optimisation", batch_unit="preference pairs", beta_label="beta",
         note="ORPO: SFT loss on the chosen answer + beta x odds-ratio term; no reference",
-        metrics=_PREFERENCE_METRICS,
+        metrics=_PREFERENCE_METRICS, dashboard="preference",
     ),
     TrainingMethod(
         "grpo", "GRPO", "FastGRPOTrainer", logprob_loss=True, completion_loss=True, generates=True,
         panel="grpo", panel_title="reinforcement learning (GRPO)", batch_unit="completions", beta_label="KL beta",
         note="GRPO: the batch is prompts x generations; beta > 0 adds a KL term to the reference",
-        metrics=("reward", "reward_std", "kl", "completions/mean_length"),
+        metrics=("reward", "reward_std", "kl", "completions/mean_length"), dashboard="grpo",
+        step_times=("time/generation", "time/scoring", "time/training"),
     ),
 )}
 
@@ -100,3 +112,8 @@ def training_method(name: str) -> TrainingMethod:
 def panel_methods(panel: str) -> dict[str, TrainingMethod]:
     """The methods chosen in one panel (``"preference"`` -> DPO and ORPO), in the table's order."""
     return {name: m for name, m in TRAINING_METHODS.items() if m.panel == panel}
+
+
+def dashboard_methods(view: str) -> dict[str, TrainingMethod]:
+    """The methods whose metrics the dashboard's ``view`` draws (``"preference"`` -> DPO and ORPO)."""
+    return {name: m for name, m in TRAINING_METHODS.items() if m.dashboard == view}

@@ -2,7 +2,8 @@
 
 A method added to the table without one of its consumers fails here: the memory model (rows per
 example, loss buffers, reference pass, completion-only loss, generation), the activation planner, the
-training panel (fields, switch, batch unit, note), the trainer and the dashboard's reading of its metrics.
+training panel (fields, switch, batch unit, note), the trainer (exported from ``notebookkit.train.<name>``,
+its timing keys) and the dashboard (the view that draws its metrics, the key that marks its run).
 """
 
 from __future__ import annotations
@@ -89,9 +90,31 @@ def test_trainer_exists(name):
 def test_dashboard_reads_the_metrics(name):
     from types import SimpleNamespace
 
-    from notebookkit.widgets.rl_metrics import run_kind
+    from notebookkit.widgets.rl_metrics import TIME_PARTS, panels, run_kind, stat_cells
 
     row = TRAINING_METHODS[name]
-    monitor = SimpleNamespace(history=[{"step": 1, "loss": 1.0, **{k: 0.5 for k in row.metrics}}])
-    expected = {"grpo": "grpo", "preference": "preference"}.get(row.panel)
-    assert run_kind(monitor) == expected
+    logged = {"step": 1, "loss": 1.0, **{k: 0.5 for k in row.metrics + row.step_times}}
+    monitor = SimpleNamespace(history=[logged], latest=logged.get, series=lambda key: ([1], [logged[key]]))
+    assert run_kind(monitor) == (row.dashboard or None)
+    assert bool(stat_cells(monitor)) == bool(panels(monitor)) == bool(row.dashboard)
+    assert [key for key, _, _ in TIME_PARTS if key in row.step_times] == list(row.step_times)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_trainer_reads_the_record(name):
+    """The trainer is exported from notebookkit.train.<name>; its timing keys are the record's."""
+    pytest.importorskip("trl")
+    import notebookkit.train as train
+
+    row = TRAINING_METHODS[name]
+    assert getattr(train, row.trainer).__module__ == f"notebookkit.train.{name}"
+    if row.step_times:
+        from importlib import import_module
+
+        assert import_module(f"notebookkit.train.{name}").TIME_KEYS == row.step_times
+
+
+def test_every_dashboard_view_is_drawn():
+    from notebookkit.widgets.rl_metrics import VIEWS
+
+    assert {m.dashboard for m in TRAINING_METHODS.values()} - {""} == set(VIEWS)

@@ -14,10 +14,10 @@ read off its config or its PEFT config:
 * whether the input embedding's table lives in pinned host memory (``offload_embedding=True``),
   flagged on the embedding module by ``offload_input_embedding``.
 
-Why the marks are defined here: memory/ sits below models/ (data flows down), so memory must not
-import models. Instead the layer that reads the marks owns them, and models/ writes them through
-these functions; neither side spells an attribute name, so renaming a mark cannot silently break
-the estimate. The marks stay on the modules they describe (not copied into a summary), so they
+Why the marks are read and written here: memory/ sits below models/ (data flows down), so memory must
+not import models. Instead the layer that reads the marks owns them (their names are listed with every
+other mark in :mod:`notebookkit.marks`), and models/ writes them through these functions; neither side
+spells an attribute name, so renaming a mark cannot silently break the estimate. The marks stay on the modules they describe (not copied into a summary), so they
 follow the model through ``copy.deepcopy``, PEFT wrapping and merging, and cannot drift from what the
 model runs. Plain attribute reads: no torch import, nothing heavy.
 """
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
-_ACTIVATION_PLAN = "_notebookkit_checkpointing"
-_AUTO_PLAN_SIZE = "_notebookkit_auto_plan_size"
-_FP8_FORWARD = "_notebookkit_fp8_forward"
-_FUSED_LM_HEAD = "_notebookkit_fused_lm_head"
-_HOST_EMBEDDING = "_notebookkit_host_embedding"
+from notebookkit.marks import ACTIVATION_PLAN as _ACTIVATION_PLAN
+from notebookkit.marks import AUTO_PLAN_SIZE as _AUTO_PLAN_SIZE
+from notebookkit.marks import FP8_FORWARD as _FP8_FORWARD
+from notebookkit.marks import FUSED_LM_HEAD as _FUSED_LM_HEAD
+from notebookkit.marks import HOST_EMBEDDING as _HOST_EMBEDDING
 
 
 def _marks(module: Any) -> dict:

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from notebookkit.marks import CHECKPOINTING_GUARD
 from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 from notebookkit.memory.model_setup import (
     auto_plan_size,
@@ -406,9 +407,9 @@ def _guard_trainer_override(base: nn.Module) -> None:
     "auto" keeps all of them: recomputing only costs time there). The instance methods below
     re-apply our mode instead; ``FastLanguageModel.for_training(model, True)`` changes it.
     """
-    if "_notebookkit_gc_guard" in base.__dict__:
+    if CHECKPOINTING_GUARD in base.__dict__:
         return
-    object.__setattr__(base, "_notebookkit_gc_guard", True)
+    object.__setattr__(base, CHECKPOINTING_GUARD, True)
     from .patching import WeakBoundMethod  # a closure over `base` kept in its own __dict__ would be a cycle
 
     for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):

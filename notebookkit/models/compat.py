@@ -1,4 +1,5 @@
-"""Every private name of another library that notebookkit reads or writes, in one place.
+"""Every private name of another library that notebookkit reads or writes, in one place (TRL's: its own
+module in the train layer, :mod:`notebookkit.train.trl_compat`, the one place for those).
 
 Where a public interface does the job, notebookkit uses it: a plainly causal forward skips Hugging
 Face's masks by passing an already prepared 4-D mask, which ``transformers.masking_utils`` returns
@@ -8,7 +9,7 @@ versions. Each entry says what it touches and on which versions that was read in
 source; ``tests/models/test_compat.py`` fails when an installed version stops behaving that way.
 
 Supported ranges (``pyproject.toml``): transformers ``>=4.56,<6``, accelerate ``>=1.0,<2``, TRL
-``>=0.24,<2``.
+``>=0.24,<2`` (the TRL-facing entries read the Trainer's public fields only).
 """
 
 from __future__ import annotations
@@ -57,26 +58,6 @@ def accelerate_wrapped(module: Any) -> bool:
     """True when accelerate's hooks wrap ``module.forward`` (``device_map`` placement, offload hooks):
     the forward it runs is then ``module.__dict__[ACCELERATE_FORWARD]``."""
     return "_hf_hook" in module.__dict__ and ACCELERATE_FORWARD in module.__dict__
-
-
-# ---- TRL: the SFT trainer's cumulative token count ---------------------------------------------
-# Checked on TRL 0.24.0, 1.15.0, 1.16.0: ``SFTTrainer.__init__`` sets ``self._metrics = {"train":
-# defaultdict(list), "eval": ...}`` and ``self._total_train_tokens = 0`` (1.x also ``self._tp_size``,
-# the tensor-parallel size, 1 without it); ``SFTTrainer.compute_loss`` adds each micro-batch's token
-# count (divided by ``_tp_size``) and logs ``_metrics["train"]["num_tokens"]``. notebookkit's fused
-# SFT loss replaces that ``compute_loss``, so it keeps the count the same way.
-
-
-def trl_counts_train_tokens(trainer: Any) -> bool:
-    """Whether ``trainer`` keeps TRL's cumulative ``num_tokens`` train metric."""
-    metrics = getattr(trainer, "_metrics", None)
-    return isinstance(metrics, dict) and "train" in metrics and hasattr(trainer, "_total_train_tokens")
-
-
-def trl_add_train_tokens(trainer: Any, tokens: int) -> None:
-    """Add ``tokens`` (the step's micro-batch, summed over processes) to TRL's ``num_tokens`` metric."""
-    trainer._total_train_tokens += tokens // getattr(trainer, "_tp_size", 1)
-    trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
 
 
 # ---- transformers: the generation config of one generate() call -------------------------------

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from notebookkit.marks import LORA_VIEWS, PATCH_TAG
 from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
 
 from . import forward_state
@@ -191,7 +192,7 @@ def fp8_base_matmul_count(model: nn.Module) -> int:
     return sum(1 for m in _base_linears(model) if fp8_forward(m))
 
 
-_VIEWS_KEPT = "_notebookkit_views"
+_VIEWS_KEPT = LORA_VIEWS
 
 
 class _KeptViews:
@@ -257,7 +258,7 @@ def lora_fast_path_status(model: nn.Module) -> tuple[int, int, list[str]]:
             reasons.append(f"{type(layer).__name__}: projections not found")
             continue
         _, reason = views(*mods, training=True)
-        if reason is None and getattr(mlp, "_notebookkit_patch", None) and getattr(attn, "_notebookkit_patch", None):
+        if reason is None and getattr(mlp, PATCH_TAG, None) and getattr(attn, PATCH_TAG, None):
             fast += 1
         elif reason is not None:
             reasons.append(reason)

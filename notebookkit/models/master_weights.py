@@ -37,6 +37,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from notebookkit.marks import FP32_MASTER_HOOKS
+
 __all__ = ["computes_in_fp16", "hold_fp32_masters", "keep_trainable_fp32"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -69,7 +71,7 @@ def _weight_dtype_in(module: nn.Module, args: tuple) -> tuple:
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
-_HOOKS = "_notebookkit_fp32_master_hooks"
+_HOOKS = FP32_MASTER_HOOKS
 
 
 def _island(module: nn.Module) -> None:

@@ -33,12 +33,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from notebookkit.marks import MERGE_GUARD, MERGE_ROOT
+
 from .kernel_ops import require
 from .patching import WeakBoundMethod, WeakOwner, rebind
 
 TAG = "nf4_cpu"
-_MERGE_GUARD = "_notebookkit_merge_guard"
-_MERGE_ROOT = "_notebookkit_merge_root"
+_MERGE_GUARD = MERGE_GUARD
+_MERGE_ROOT = MERGE_ROOT
 
 
 def is_linear4bit(module: nn.Module) -> bool:

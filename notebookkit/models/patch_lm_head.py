@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from notebookkit.marks import ALL_ATTENTION_PATCHED, LM_HEAD_OWNER, WARNED_LENGTH
 from notebookkit.memory.model_setup import record_fused_lm_head
 
 from .checkpointing import fit_plan_to_batch
@@ -95,8 +96,8 @@ def _check_length(model: nn.Module, seq_len: int, training: bool) -> None:
             f"SFTConfig(max_length={limit}) / DPOConfig(max_length={limit})) or reload the model with "
             f"max_seq_length={seq_len} or more."
         )
-    if not model.__dict__.get("_notebookkit_warned_length"):
-        object.__setattr__(model, "_notebookkit_warned_length", True)
+    if not model.__dict__.get(WARNED_LENGTH):
+        object.__setattr__(model, WARNED_LENGTH, True)
         warnings.warn(
             f"Input of {seq_len} tokens is longer than max_seq_length={limit}; results past that length "
             "depend on how the model extrapolates.",
@@ -106,7 +107,7 @@ def _check_length(model: nn.Module, seq_len: int, training: bool) -> None:
 
 def owner_of(backbone: nn.Module) -> Optional[nn.Module]:
     """The causal LM whose patched head owns ``backbone`` (``None`` when not patched or gone)."""
-    holder = backbone.__dict__.get("_notebookkit_owner")
+    holder = backbone.__dict__.get(LM_HEAD_OWNER)
     if isinstance(holder, WeakOwner):
         return holder()
     return holder if isinstance(holder, nn.Module) else None
@@ -150,9 +151,6 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
         kwargs["attention_mask"] = plain_causal_mask(ref.device)
     with forward_pass(default_positions=not caller_gave_positions):
         return type(self).forward(self, *args, **kwargs)
-
-
-ALL_ATTENTION_PATCHED = "_notebookkit_all_attention_patched"
 
 
 def plainly_causal(backbone: nn.Module, args: tuple, kwargs: dict, ref: Any) -> bool:
@@ -319,5 +317,5 @@ def patch_lm_head(model: nn.Module, final_softcap: Optional[float]) -> None:
     """Rebind the causal-LM forward of ``model`` (and its backbone's, for the length check)."""
     rebind(model, make_causal_lm_forward(model, final_softcap), "causal_lm")
     record_fused_lm_head(model, True)  # for the memory model: training computes no [N, V] logits
-    object.__setattr__(model.model, "_notebookkit_owner", WeakOwner(model))  # weak: no reference cycle
+    object.__setattr__(model.model, LM_HEAD_OWNER, WeakOwner(model))  # weak: no reference cycle
     rebind(model.model, backbone_forward, "backbone")

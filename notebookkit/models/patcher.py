@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from notebookkit.families import Family
+from notebookkit.marks import LM_HEAD_OWNER, PATCH_TAG
 
 from . import architectures
 from .banner import Banner
@@ -180,7 +181,7 @@ def unpatch_model(model: nn.Module, keep_nf4_decode: bool = True) -> int:
         if keep_nf4_decode and patch_tag(module) == NF4_CPU_TAG:
             continue
         count += restore(module)
-        module.__dict__.pop("_notebookkit_owner", None)
+        module.__dict__.pop(LM_HEAD_OWNER, None)
         module.__dict__.pop(ALL_ATTENTION_PATCHED, None)
         record_fused_lm_head(module, False)
     return count
@@ -190,6 +191,6 @@ def patch_summary(model: nn.Module) -> dict[str, int]:
     """How many modules of each kind are currently patched (``{"rms_norm": 9, "mlp": 2, ...}``)."""
     counts: dict[str, int] = {}
     for _, module in patched_modules(model):
-        tag = module.__dict__.get("_notebookkit_patch", "?")
+        tag = module.__dict__.get(PATCH_TAG, "?")
         counts[tag] = counts.get(tag, 0) + 1
     return counts

@@ -33,11 +33,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from notebookkit.marks import ORIGINAL_FORWARD, PATCHED_FORWARD, PATCH_TAG
+
 from .compat import ACCELERATE_FORWARD, accelerate_wrapped
 
-_ORIGINAL = "_notebookkit_original_forward"
-_PATCHED = "_notebookkit_patched_forward"
-_TAG = "_notebookkit_patch"
+_ORIGINAL = ORIGINAL_FORWARD
+_PATCHED = PATCHED_FORWARD
+_TAG = PATCH_TAG
 
 
 class _Absent:

@@ -9,11 +9,11 @@ and held-out evaluation. Imported on first use::
 from __future__ import annotations
 
 from notebookkit._lazy import lazy_exports
+from notebookkit.training_methods import TRAINING_METHODS
 
 _LAZY = {
     "sft_config": "sft",
     "make_sft_trainer": "sft",
-    "FastSFTTrainer": "sft",
     "precision_flags": "sft",
     "check_sft_dataset": "sft_inputs",
     "SFTInputError": "sft_inputs",
@@ -26,14 +26,11 @@ _LAZY = {
     "exact_match": "evaluation",
     "generate_reply": "evaluation",
     "normalize_answer": "evaluation",
-    "FastDPOTrainer": "dpo",
-    "check_preference_dataset": "dpo",
-    "PreferenceInputError": "dpo",
-    "FastORPOTrainer": "orpo",
+    "check_preference_dataset": "preference_inputs",
+    "PreferenceInputError": "preference_inputs",
     "ORPOConfig": "orpo",
-    "FastGRPOTrainer": "grpo",
-    "check_grpo_dataset": "grpo",
-    "GRPOInputError": "grpo",
+    "check_grpo_dataset": "grpo_inputs",
+    "GRPOInputError": "grpo_inputs",
     "format_reward": "rewards",
     "correctness_reward": "rewards",
     "checked_reward": "rewards",
@@ -42,6 +39,8 @@ _LAZY = {
     "RewardFunctionError": "rewards",
     "untrained_tokens": "token_rows",
     "train_token_rows": "token_rows",
+    # each method's trainer class, from notebookkit.train.<method name> (the training-method record)
+    **{method.trainer: method.name for method in TRAINING_METHODS.values()},
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

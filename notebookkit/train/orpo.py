@@ -27,7 +27,14 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
-from .trainer_glue import built_once
+import torch
+
+from notebookkit.training_methods import training_method
+
+from .preference_inputs import check_preference_datasets
+from .rl_losses import orpo_loss, sequence_logps
+from .token_logprobs import token_logprobs
+from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner, shared_fallback_reason
 
 __all__ = ["FastORPOTrainer", "orpo_config_class", "orpo_trainer_class"]
 
@@ -53,106 +60,91 @@ def orpo_trainer_class() -> type:
     return _trl_orpo()[1]
 
 
-@built_once(__name__, "FastORPOTrainer")
-def _fast_orpo_trainer_class() -> type:
-    ORPOTrainer = orpo_trainer_class()
+#: ORPO's row of the training-method record
+ORPO = training_method("orpo")
 
-    import torch
+#: TRL's ORPO config and trainer, from where the installed TRL keeps them
+ORPOConfig, ORPOTrainer = _trl_orpo()
 
-    from .dpo import check_preference_datasets
-    from .token_logprobs import token_logprobs
-    from .trainer_glue import bind_trainer_arguments, fall_back_once, print_banner, shared_fallback_reason
 
-    class FastORPOTrainer(ORPOTrainer):
-        """TRL's ``ORPOTrainer`` for a model from ``FastLanguageModel``: same arguments, same use.
+class FastORPOTrainer(ORPOTrainer):
+    """TRL's ``ORPOTrainer`` for a model from ``FastLanguageModel``: same arguments, same use.
 
-        ``FastORPOTrainer(model=model, args=ORPOConfig(...), train_dataset=pairs,
-        processing_class=tokenizer)``. The data sets are checked before TRL builds anything. Plus:
+    ``FastORPOTrainer(model=model, args=ORPOConfig(...), train_dataset=pairs,
+    processing_class=tokenizer)``. The data sets are checked before TRL builds anything. Plus:
 
-        Args:
-            show_banner: print one line saying what the trainer computes.
+    Args:
+        show_banner: print one line saying what the trainer computes.
+    """
+
+    def __init__(self, *args: Any, show_banner: bool = True, **kwargs: Any) -> None:
+        arguments = bind_trainer_arguments(ORPOTrainer, args, kwargs)
+        if arguments.get("args") is None:
+            raise TypeError(
+                "FastORPOTrainer needs args=ORPOConfig(...) (TRL's ORPOTrainer has no default config), e.g. "
+                "ORPOConfig(output_dir='outputs/orpo', beta=0.1, max_length=512); from "
+                "notebookkit.train import ORPOConfig finds the class in the installed TRL."
+            )
+        if arguments.get("train_dataset") is None:
+            raise TypeError("FastORPOTrainer needs a train_dataset of prompt / chosen / rejected rows.")
+        check_preference_datasets(arguments, "ORPOTrainer", tokenised=False)
+        super().__init__(**arguments)
+        if show_banner:
+            print_banner(self, f"{ORPO.label} (lambda = beta = {self.beta}); no reference model (ORPO needs none)")
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return self._loss(model, inputs, return_outputs)
+
+    def _loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False) -> Any:
+        """The ORPO loss of one micro-batch (and its metrics): TRL's ``compute_loss`` (its autocast,
+        its metric store) around :meth:`get_batch_loss_metrics`, which is notebookkit's fused path."""
+        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+    def _fused_unsupported(self, batch: dict[str, Any]) -> Optional[str]:
+        """Why this batch cannot take the fused path (a sentence naming the setting), or None."""
+        shared = shared_fallback_reason(self, "output_router_logits")
+        if shared is not None:
+            return shared
+        if self.is_encoder_decoder:
+            return "the model is an encoder-decoder"
+        extra = [k for k, v in batch.items() if k.endswith("pixel_values") and v is not None]
+        if extra:
+            return f"the batch carries images ({extra})"
+        return None
+
+    def get_batch_loss_metrics(self, model, batch, train_eval="train"):
+        """ORPO's loss and TRL's metrics for a batch (training and evaluation), without ``[2P, T, V]`` logits.
+
+        TRL's concatenated ``[chosen; rejected]`` batch is scored once by
+        :func:`~notebookkit.train.token_logprobs.token_logprobs` on every non-padding token: the chosen
+        rows' mean gives the NLL term (prompt and answer, as TRL), the answer tokens' per-sequence
+        mean log-probs give the odds ratio (:func:`~notebookkit.train.rl_losses.orpo_loss`). TRL's
+        ``logits/*`` (mean logit over the vocabulary and every position) come from the chunked
+        :mod:`~notebookkit.train.logit_statistics`.
         """
-
-        def __init__(self, *args: Any, show_banner: bool = True, **kwargs: Any) -> None:
-            arguments = bind_trainer_arguments(ORPOTrainer, args, kwargs)
-            if arguments.get("args") is None:
-                raise TypeError(
-                    "FastORPOTrainer needs args=ORPOConfig(...) (TRL's ORPOTrainer has no default config), e.g. "
-                    "ORPOConfig(output_dir='outputs/orpo', beta=0.1, max_length=512); from "
-                    "notebookkit.train import ORPOConfig finds the class in the installed TRL."
-                )
-            if arguments.get("train_dataset") is None:
-                raise TypeError("FastORPOTrainer needs a train_dataset of prompt / chosen / rejected rows.")
-            check_preference_datasets(arguments, "ORPOTrainer", tokenised=False)
-            super().__init__(**arguments)
-            if show_banner:
-                print_banner(self, f"ORPO (lambda = beta = {self.beta}); no reference model (ORPO needs none)")
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return self._loss(model, inputs, return_outputs)
-
-        def _loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False) -> Any:
-            """The ORPO loss of one micro-batch (and its metrics): TRL's ``compute_loss`` (its autocast,
-            its metric store) around :meth:`get_batch_loss_metrics`, which is notebookkit's fused path."""
-            return super().compute_loss(model, inputs, return_outputs=return_outputs)
-
-        def _fused_unsupported(self, batch: dict[str, Any]) -> Optional[str]:
-            """Why this batch cannot take the fused path (a sentence naming the setting), or None."""
-            shared = shared_fallback_reason(self, "output_router_logits")
-            if shared is not None:
-                return shared
-            if self.is_encoder_decoder:
-                return "the model is an encoder-decoder"
-            extra = [k for k, v in batch.items() if k.endswith("pixel_values") and v is not None]
-            if extra:
-                return f"the batch carries images ({extra})"
-            return None
-
-        def get_batch_loss_metrics(self, model, batch, train_eval="train"):
-            """ORPO's loss and TRL's metrics for a batch (training and evaluation), without ``[2P, T, V]`` logits.
-
-            TRL's concatenated ``[chosen; rejected]`` batch is scored once by
-            :func:`~notebookkit.train.token_logprobs.token_logprobs` on every non-padding token: the chosen
-            rows' mean gives the NLL term (prompt and answer, as TRL), the answer tokens' per-sequence
-            mean log-probs give the odds ratio (:func:`~notebookkit.train.rl_losses.orpo_loss`). TRL's
-            ``logits/*`` (mean logit over the vocabulary and every position) come from the chunked
-            :mod:`~notebookkit.train.logit_statistics`.
-            """
-            from .rl_losses import orpo_loss, sequence_logps
-
-            reason = self._fused_unsupported(batch)
-            if reason is not None:
-                fall_back_once(self, reason)
-                return super().get_batch_loss_metrics(model, batch, train_eval)
-            joined = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=self.padding_value,
-                                              device=self.accelerator.device)
-            input_ids, attention_mask = joined["concatenated_input_ids"], joined["concatenated_attention_mask"]
-            answer_labels = joined["concatenated_labels"]
-            n_chosen = batch["chosen_labels"].shape[0]
-            every_token = input_ids.masked_fill(attention_mask != 1, -100)
-            scored = answer_labels != -100
-            if not torch.equal(answer_labels[scored], every_token[scored]):
-                raise ValueError(
-                    "ORPO's answer labels differ from the input ids at the answer tokens; FastORPOTrainer reads them "
-                    "as TRL's tokenize_row writes them (the input ids with the prompt and padding set to -100)."
-                )
-            logps, mean_logits, _ = token_logprobs(model, input_ids, attention_mask, labels=every_token,
-                                                   return_logit_stats=True)
-            counted = every_token[:n_chosen, 1:] != -100
-            chosen_nll = -logps[:n_chosen].sum() / counted.sum()
-            average = sequence_logps(logps, scored[:, 1:], average=True)
-            loss, metrics = orpo_loss(average[:n_chosen], average[n_chosen:], chosen_nll, beta=self.beta)
-            metrics["logits/chosen"] = mean_logits[:n_chosen].mean()
-            metrics["logits/rejected"] = mean_logits[n_chosen:].mean()
-            prefix = "eval_" if train_eval == "eval" else ""
-            return loss, {f"{prefix}{key}": value.item() for key, value in metrics.items()}
-
-    return FastORPOTrainer
-
-
-def __getattr__(name: str) -> Any:
-    if name == "FastORPOTrainer":  # built on first use: importing TRL takes seconds
-        return _fast_orpo_trainer_class()
-    if name == "ORPOConfig":
-        return orpo_config_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        reason = self._fused_unsupported(batch)
+        if reason is not None:
+            fall_back_once(self, reason)
+            return super().get_batch_loss_metrics(model, batch, train_eval)
+        joined = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=self.padding_value,
+                                          device=self.accelerator.device)
+        input_ids, attention_mask = joined["concatenated_input_ids"], joined["concatenated_attention_mask"]
+        answer_labels = joined["concatenated_labels"]
+        n_chosen = batch["chosen_labels"].shape[0]
+        every_token = input_ids.masked_fill(attention_mask != 1, -100)
+        scored = answer_labels != -100
+        if not torch.equal(answer_labels[scored], every_token[scored]):
+            raise ValueError(
+                "ORPO's answer labels differ from the input ids at the answer tokens; FastORPOTrainer reads them "
+                "as TRL's tokenize_row writes them (the input ids with the prompt and padding set to -100)."
+            )
+        logps, mean_logits, _ = token_logprobs(model, input_ids, attention_mask, labels=every_token,
+                                               return_logit_stats=True)
+        counted = every_token[:n_chosen, 1:] != -100
+        chosen_nll = -logps[:n_chosen].sum() / counted.sum()
+        average = sequence_logps(logps, scored[:, 1:], average=True)
+        loss, metrics = orpo_loss(average[:n_chosen], average[n_chosen:], chosen_nll, beta=self.beta)
+        metrics["logits/chosen"] = mean_logits[:n_chosen].mean()
+        metrics["logits/rejected"] = mean_logits[n_chosen:].mean()
+        prefix = "eval_" if train_eval == "eval" else ""
+        return loss, {f"{prefix}{key}": value.item() for key, value in metrics.items()}

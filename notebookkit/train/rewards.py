@@ -48,6 +48,8 @@ import re
 from fractions import Fraction
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from notebookkit.marks import CHECKED_REWARD
+
 __all__ = [
     "RewardFunctionError",
     "completion_text",
@@ -211,7 +213,7 @@ def checked_reward(fn: Callable) -> Callable:
     columns, and what to change. Async functions and reward models (``nn.Module``) are returned
     unchanged; wrapping twice is a no-op.
     """
-    if getattr(fn, "__notebookkit_checked__", False) or _is_async(fn) or hasattr(fn, "parameters"):
+    if getattr(fn, CHECKED_REWARD, False) or _is_async(fn) or hasattr(fn, "parameters"):
         return fn
     name = _name(fn)
 
@@ -260,7 +262,7 @@ def checked_reward(fn: Callable) -> Callable:
                 )
         return result
 
-    checked.__notebookkit_checked__ = True
+    setattr(checked, CHECKED_REWARD, True)
     checked.__name__ = name
     return checked
 

@@ -197,7 +197,7 @@ def _count_train_tokens(trainer: Any, inputs: dict[str, Any]) -> None:
     """Keep TRL's cumulative ``num_tokens`` metric (the dashboard's tokens/s) on the fused path."""
     import torch
 
-    from ..models.compat import trl_add_train_tokens, trl_counts_train_tokens
+    from .trl_compat import trl_add_train_tokens, trl_counts_train_tokens
 
     if not trl_counts_train_tokens(trainer):
         return

@@ -1,32 +1,16 @@
-"""What the notebookkit subclasses of TRL's preference and RL trainers share: building each class once, on
-first use (it subclasses a TRL trainer, and importing TRL takes seconds); reading their arguments the way
-Python binds them (so the checks see every data set, given by position or by keyword); and printing
-their one-line banner."""
+"""What the notebookkit subclasses of TRL's preference and RL trainers share: reading their arguments the way
+Python binds them (so the checks see every data set, given by position or by keyword), printing their
+one-line banner, and saying once when a batch runs TRL's own loss."""
 
 from __future__ import annotations
 
-import functools
 import inspect
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["built_once", "bind_trainer_arguments", "first_row", "print_banner", "fall_back_once", "unsupported_inputs",
+from notebookkit.marks import LOSS_FALLBACKS
+
+__all__ = ["bind_trainer_arguments", "first_row", "print_banner", "fall_back_once", "unsupported_inputs",
            "shared_fallback_reason"]
-
-
-def built_once(module: str, name: str) -> Callable[[Callable[[], type]], Callable[[], type]]:
-    """Decorate the function that defines a trainer class: it runs once, and the class it returns is
-    named ``module.name`` (where users import it from), not after the function that built it."""
-
-    def decorate(build: Callable[[], type]) -> Callable[[], type]:
-        @functools.cache
-        def cached() -> type:
-            cls = build()
-            cls.__module__, cls.__qualname__ = module, name
-            return cls
-
-        return cached
-
-    return decorate
 
 
 def bind_trainer_arguments(trainer_class: type, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +54,7 @@ def fall_back_once(trainer: Any, reason: str) -> None:
     notebookkit's fused path (``reason`` names the setting and what to change to get the fused path)."""
     import warnings
 
-    said = trainer.__dict__.setdefault("_notebookkit_fallbacks", set())
+    said = trainer.__dict__.setdefault(LOSS_FALLBACKS, set())
     if reason in said:
         return
     said.add(reason)

@@ -10,6 +10,10 @@ this module picks out, per kind of run:
 * preference pairs (a ``rewards/margins`` key): the implicit rewards of the chosen and rejected answers,
   their margin and the fraction of pairs ranked right (``rewards/accuracies``).
 
+Which view draws a method's run, the key that tells the runs apart and the timed parts of a step are
+the training-method record's (:mod:`notebookkit.training_methods`: ``dashboard``, the first of
+``metrics``, ``step_times``); :data:`VIEWS` holds the drawing of each view.
+
 :func:`stat_cells` gives the latest numbers for the table, :func:`panels` the plots; both are empty for
 a plain SFT run, whose dashboard stays as it was.
 """
@@ -18,14 +22,21 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["run_kind", "reward_functions", "stat_cells", "panels", "TIME_PARTS"]
+from notebookkit.training_methods import TRAINING_METHODS, dashboard_methods
 
-#: (log key, label, colour) of the three parts of a GRPO step
-TIME_PARTS = (
-    ("time/generation", "generation", "#4e79a7"),
-    ("time/scoring", "scoring", "#f28e2b"),
-    ("time/training", "training", "#59a14f"),
-)
+__all__ = ["run_kind", "reward_functions", "stat_cells", "panels", "TIME_PARTS", "VIEWS"]
+
+#: the dashboard views drawn here (the record's ``dashboard`` values)
+GRPO_VIEW, PREFERENCE_VIEW = "grpo", "preference"
+
+
+def _step_times(view: str) -> tuple[str, ...]:
+    return next((m.step_times for m in dashboard_methods(view).values() if m.step_times), ())
+
+
+#: (log key, label, colour) of the parts of a GRPO step, from the record's ``step_times``
+TIME_PARTS = tuple((key, key.split("/", 1)[-1], colour)
+                   for key, colour in zip(_step_times(GRPO_VIEW), ("#4e79a7", "#f28e2b", "#59a14f")))
 
 
 def _keys(monitor: Any) -> set[str]:
@@ -33,12 +44,12 @@ def _keys(monitor: Any) -> set[str]:
 
 
 def run_kind(monitor: Any) -> str | None:
-    """``"grpo"``, ``"preference"`` or ``None`` (neither), from what has been logged so far."""
+    """``"grpo"``, ``"preference"`` or ``None`` (neither), from what has been logged so far: the view of the
+    method whose first metric (``reward``, ``rewards/margins``) is in the logs."""
     keys = _keys(monitor)
-    if "reward" in keys:
-        return "grpo"
-    if "rewards/margins" in keys:
-        return "preference"
+    for method in TRAINING_METHODS.values():
+        if method.dashboard and method.metrics[0] in keys:
+            return method.dashboard
     return None
 
 
@@ -60,16 +71,22 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def stat_cells(monitor: Any) -> list[tuple[str, str]]:
     """``(label, value)`` pairs of the latest RL numbers (empty for a run without them)."""
-    kind, latest = run_kind(monitor), monitor.latest
-    if kind == "preference":
-        return [
-            ("reward chosen", _fmt(latest("rewards/chosen"), ".3f")),
-            ("reward rejected", _fmt(latest("rewards/rejected"), ".3f")),
-            ("margin", _fmt(latest("rewards/margins"), ".3f")),
-            ("accuracy", _fmt(latest("rewards/accuracies"), ".0%")),
-        ]
-    if kind != "grpo":
-        return []
+    kind = run_kind(monitor)
+    return VIEWS[kind][0](monitor) if kind in VIEWS else []
+
+
+def _preference_cells(monitor: Any) -> list[tuple[str, str]]:
+    latest = monitor.latest
+    return [
+        ("reward chosen", _fmt(latest("rewards/chosen"), ".3f")),
+        ("reward rejected", _fmt(latest("rewards/rejected"), ".3f")),
+        ("margin", _fmt(latest("rewards/margins"), ".3f")),
+        ("accuracy", _fmt(latest("rewards/accuracies"), ".0%")),
+    ]
+
+
+def _grpo_cells(monitor: Any) -> list[tuple[str, str]]:
+    latest = monitor.latest
     std = latest("reward_std")
     cells = [("reward", _fmt(latest("reward"), ".3f") + ("" if std is None else f" ± {std:.3f}"))]
     cells += [(name, _fmt(latest(f"rewards/{name}/mean"), ".3f")) for name in reward_functions(monitor)]
@@ -156,8 +173,11 @@ def _preference_panels(monitor: Any) -> list[Callable[[Any], None]]:
 def panels(monitor: Any) -> list[Callable[[Any], None]]:
     """Functions that each draw one RL panel on a matplotlib ``Axes`` (empty for a run without RL metrics)."""
     kind = run_kind(monitor)
-    if kind == "grpo":
-        return _grpo_panels(monitor)
-    if kind == "preference":
-        return _preference_panels(monitor)
-    return []
+    return VIEWS[kind][1](monitor) if kind in VIEWS else []
+
+
+#: view -> (its stat cells, its panels); every ``dashboard`` value of the record has one
+VIEWS: dict[str, tuple[Callable[[Any], list], Callable[[Any], list]]] = {
+    GRPO_VIEW: (_grpo_cells, _grpo_panels),
+    PREFERENCE_VIEW: (_preference_cells, _preference_panels),
+}

@@ -78,36 +78,6 @@ def test_generation_config_of_a_call_is_the_models_overlaid_by_the_call():
     assert (config.max_new_tokens, config.top_k, config.eos_token_id) == (5, 3, [3, 4]) and config is not given
 
 
-def test_trl_token_count_is_the_one_sft_trainer_keeps(tmp_path):
-    """TRL's own ``compute_loss`` and :func:`compat.trl_add_train_tokens` log the same ``num_tokens``."""
-    pytest.importorskip("trl")
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
-
-    folder = tiny_folder("llama")
-    tok = AutoTokenizer.from_pretrained(folder)
-    data = Dataset.from_list([{"text": "a short line of text"}, {"text": "and one more, a little longer"}])
-
-    def trainer(out):
-        args = SFTConfig(output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_length=32,
-                         use_cpu=True, report_to="none", disable_tqdm=True)
-        return SFTTrainer(model=AutoModelForCausalLM.from_pretrained(folder), args=args, train_dataset=data,
-                          processing_class=tok)
-
-    trl_side, ours = trainer("trl"), trainer("ours")
-    assert compat.trl_counts_train_tokens(trl_side) and compat.trl_counts_train_tokens(ours)
-    batch = next(iter(trl_side.get_train_dataloader()))
-    trl_side.model.train()  # a training step's compute_loss
-    trl_side.compute_loss(trl_side.model, dict(batch))
-    compat.trl_add_train_tokens(ours, int(batch["attention_mask"].sum()))
-    compat.trl_add_train_tokens(ours, 0)
-    expected = trl_side._metrics["train"]["num_tokens"]
-    assert expected == [int(batch["attention_mask"].sum())]
-    assert ours._metrics["train"]["num_tokens"] == expected
-    assert not compat.trl_counts_train_tokens(object())
-
-
 def test_bitsandbytes_cpu_kernel_notice_is_dropped_and_nothing_else():
     """Importing notebookkit.models before PEFT (which imports bitsandbytes) drops bitsandbytes' one notice about
     its CPU 4-bit kernel (printed on AVX512-BF16 CPUs without the ``kernels`` package); other records pass."""

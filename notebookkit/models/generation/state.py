@@ -23,6 +23,8 @@ from typing import Any, Optional, Union
 
 import torch.nn as nn
 
+from notebookkit.marks import GENERATION_STATE
+
 from .decoder_plan import DecoderPlan, causal_lm_of, plan_for
 from .graph_runner import GraphRunner
 from .projections import AdapterCasts
@@ -30,7 +32,7 @@ from .static_cache import StaticKVCache
 
 __all__ = ["GenerationState", "generation_state", "decoder_plan", "model_signature", "release", "drop_cache"]
 
-_STATE = "_notebookkit_generation"
+_STATE = GENERATION_STATE
 
 
 class GenerationState:
