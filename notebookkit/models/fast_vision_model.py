@@ -145,9 +145,10 @@ class FastVisionModel:
         Returns the model.
         """
         from .generation import is_bound
-        from .vision_decode import describe_image_prompts
+        from .vision_decode import attach_image_prompts, describe_image_prompts
 
         _require_model(model, "FastVisionModel.for_inference")
+        attach_image_prompts(model)  # also for a wrapper that did not come from FastVisionModel.from_pretrained
         FastLanguageModel.for_inference(model)
         _set_use_cache(model, True)
         banner = get_banner(model)

@@ -149,6 +149,9 @@ def finish_vision_model(model, banner: Banner, max_seq_length: int, full_finetun
     else:
         banner.feature("fast path", False, "disabled by fast_path=False / NOTEBOOKKIT_FAST_PATH=0: stock Hugging Face code")
         describe_linear4bit(model, banner, patch_linear4bit(model))
+    from .vision_decode import attach_image_prompts
+
+    attach_image_prompts(model)
     from .export_hook import attach_export_methods
 
     attach_export_methods(model)
