@@ -34,7 +34,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 IGNORE_INDEX = -100
 
-__all__ = ["VisionDataCollator", "VisionRowError", "decode_image", "image_placeholders"]
+__all__ = ["VisionDataCollator", "VisionRowError", "decode_image", "image_placeholders", "row_images"]
 
 
 class VisionRowError(ValueError):
@@ -74,7 +74,8 @@ def decode_image(value: Any):
     return image.convert("RGB")
 
 
-def _row_images(row: dict) -> list:
+def row_images(row: dict) -> list:
+    """The images of a data set row, as a list: its ``images`` column, or its one ``image`` (``[]`` when none)."""
     images = row.get("images")
     if images is None and "image" in row:
         images = [row["image"]] if row["image"] is not None else []
@@ -183,7 +184,7 @@ class VisionDataCollator:
                 "with {'type': 'image'} items where the images go) and 'images' (the images, in that order)."
             )
         messages = row["messages"]
-        images = _row_images(row)
+        images = row_images(row)
         wanted = image_placeholders(messages)
         if wanted != len(images):
             more = "more image placeholders than images" if wanted > len(images) else "more images than image placeholders"

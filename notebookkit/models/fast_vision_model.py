@@ -24,15 +24,16 @@ import torch.nn as nn
 from . import arguments, vision_loader
 from .banner import Banner, get_banner
 from .checkpointing import apply_checkpointing
-from .fast_language_model import (
-    FastLanguageModel,
-    _already_adapted,
-    _check_lora_arguments,
-    _lora_config,
-    _note_setup,
-    _wrap_with_lora,
-)
+from .fast_language_model import FastLanguageModel
 from .lora_fast_path import describe_lora
+from .lora_setup import (
+    already_adapted,
+    check_lora_arguments,
+    describe_adapters,
+    lora_config,
+    note_setup,
+    wrap_with_lora,
+)
 from .patch_vision import patch_tower_adapters, vision_family, wrapper_of
 from .vision_targets import select_targets
 
@@ -94,7 +95,7 @@ class FastVisionModel:
         _require_model(model, "FastVisionModel.get_peft_model")
         banner = get_banner(model) or Banner()
         if hasattr(model, "peft_config"):
-            return _already_adapted(model, banner, fp8_base_matmul, show_banner)
+            return already_adapted(model, banner, fp8_base_matmul, show_banner)
         where = "FastVisionModel.get_peft_model"
         family = vision_family(model)
         if family is None:
@@ -102,7 +103,7 @@ class FastVisionModel:
 
             raise vision_support_error(getattr(wrapper_of(model).config, "model_type", None),
                                        f"{where}: this {type(wrapper_of(model)).__name__}")
-        r, mode, max_seq_length, planning_batch_size = _check_lora_arguments(
+        r, mode, max_seq_length, planning_batch_size = check_lora_arguments(
             where, r, lora_alpha, lora_dropout, bias, use_gradient_checkpointing, max_seq_length,
             planning_batch_size, max_memory,
         )
@@ -113,24 +114,21 @@ class FastVisionModel:
         else:
             targets = target_modules if isinstance(target_modules, str) else list(target_modules)
             described = f"target_modules={targets!r} (the finetune_* switches are not used)"
-        lora_config = _lora_config(
+        config = lora_config(
             r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias, target_modules=targets,
             use_rslora=use_rslora, modules_to_save=modules_to_save, init_lora_weights=init_lora_weights,
-            layers_to_transform=None, loftq_config=loftq_config, **kwargs,
+            layers_to_transform=None, loftq_config=loftq_config,
+            keywords_of=FastLanguageModel.get_peft_model,  # the known keywords its errors have always listed
+            **kwargs,
         )
-        _note_setup(model, banner, max_memory, mode)
-        peft_model = _wrap_with_lora(model, lora_config, random_state, banner, fp8_base_matmul, max_seq_length)
+        note_setup(model, banner, max_memory, mode)
+        peft_model = wrap_with_lora(model, config, random_state, banner, fp8_base_matmul, max_seq_length)
         patch_tower_adapters(peft_model, banner)
         apply_checkpointing(
             peft_model, use_gradient_checkpointing, banner, batch_size=planning_batch_size, max_memory=max_memory
         )
         describe_lora(peft_model, banner)
-        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in peft_model.parameters())
-        banner.header.append(
-            f"LoRA r={r}, alpha={lora_alpha}{' (rsLoRA)' if use_rslora else ''} on {described}: "
-            f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
-        )
+        describe_adapters(peft_model, banner, r, lora_alpha, use_rslora, described)
         if show_banner:
             banner.show()
         return FastVisionModel.for_training(peft_model)
@@ -147,9 +145,10 @@ class FastVisionModel:
         Returns the model.
         """
         from .generation import is_bound
-        from .vision_decode import describe_image_prompts
+        from .vision_decode import attach_image_prompts, describe_image_prompts
 
         _require_model(model, "FastVisionModel.for_inference")
+        attach_image_prompts(model)  # also for a wrapper that did not come from FastVisionModel.from_pretrained
         FastLanguageModel.for_inference(model)
         _set_use_cache(model, True)
         banner = get_banner(model)

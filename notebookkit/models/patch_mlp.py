@@ -23,7 +23,10 @@ from .lora_fast_path import views
 from .patching import rebind
 
 
-def _activation_kernel(activation: str):
+def activation_kernel(activation: str):
+    """The fused gate ``fn(e, g) = act(e) * g`` (``e`` the gate projection's output, ``g`` the up
+    projection's) for ``activation`` in ``"swiglu"`` (SiLU), ``"geglu"``, ``"geglu_tanh"`` (GELU, exact or
+    tanh), or ``None`` when its kernel is missing."""
     if activation == "swiglu":
         fn = kernel("swiglu", "swiglu")
         return None if fn is None else fn
@@ -36,7 +39,7 @@ def _activation_kernel(activation: str):
 
 def make_mlp_forward(activation: str):
     """The patched forward of a gated MLP with the given fused activation name."""
-    act = _activation_kernel(activation)
+    act = activation_kernel(activation)
     lora_mlp = kernel("lora_mlp", "lora_mlp")
 
     def mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +59,7 @@ def mlp_ready(activation: str | None) -> str | None:
     """None when the MLP can be patched for ``activation``, else the reason it cannot."""
     if activation is None:
         return "activation has no fused kernel"
-    if _activation_kernel(activation) is None:
+    if activation_kernel(activation) is None:
         module = "swiglu" if activation == "swiglu" else "geglu"
         return f"notebookkit.kernels.{module} is unavailable"
     return None

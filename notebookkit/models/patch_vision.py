@@ -42,7 +42,7 @@ from .patch_lora_linear import patch_lora_linears
 from .patch_mlp import mlp_ready, patch_mlp
 from .patch_norms import patch_norms
 from .patch_vision_attention import patch_segment_attentions
-from .patcher import _patch_attentions, _patch_mlps, _stays_stock
+from .patcher import patch_attentions, patch_mlps, stays_stock
 from .vision_head import patch_vision_head, vision_head_ready
 
 
@@ -102,7 +102,7 @@ def patch_vision_model(model: nn.Module, banner: Optional[Banner] = None) -> Ban
         from notebookkit.families import vision_support_error
 
         raise vision_support_error(getattr(wrapper.config, "model_type", None), type(wrapper).__name__)
-    if _stays_stock(wrapper, family, banner):
+    if stays_stock(wrapper, family, banner):
         return banner
     vision = family.vision
     language = submodule(wrapper, vision.language_model)
@@ -116,10 +116,10 @@ def patch_vision_model(model: nn.Module, banner: Optional[Banner] = None) -> Ban
     style = "gemma (1 + w)" if family.gemma_norm else "llama"
     banner.feature("RMSNorm", n_norms > 0, f"{n_norms} decoder norms on kernels.rms_norm ({style})" if n_norms
                    else "no RMSNorm modules found in the decoder")
-    mlps = _patch_mlps(layers, text_config, family, banner)
+    mlps = patch_mlps(layers, text_config, family, banner)
     problem = rope_table_problem(language) if vision.rope == "mrope" else None
     if problem is None:
-        attns = _patch_attentions(wrapper, layers, text_config, family, banner)
+        attns = patch_attentions(wrapper, layers, text_config, family, banner)
         if attns and vision.rope == "mrope":
             on, why = banner.features["attention"]
             banner.feature("attention", on, why + "; multimodal RoPE (t/h/w sections, composed per token by the "

@@ -7,6 +7,8 @@ the causal-LM head; and, for every model, the CPU forward of bitsandbytes 4-bit 
 (:mod:`.patch_linear4bit`). A family that is not in the table is left entirely on stock code (never
 half-patched), and the banner says so. ``unpatch_model(model)`` restores every original forward.
 Each feature is independent: if one kernel file is missing, only that feature stays stock.
+:func:`stays_stock`, :func:`patch_mlps` and :func:`patch_attentions` are the steps a vision-language
+wrapper's decoder shares (:mod:`.patch_vision`).
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
     causal_lm = _unwrap(model)
     config = causal_lm.config
     spec = architectures.lookup(config)
-    if _stays_stock(causal_lm, spec, banner):
+    if stays_stock(causal_lm, spec, banner):
         return banner
     layers = decoder_layers(causal_lm)
     _patch_norms(causal_lm, spec, banner)
-    mlp_done = _patch_mlps(layers, config, spec, banner)
-    attn_done = _patch_attentions(causal_lm, layers, config, spec, banner)
+    mlp_done = patch_mlps(layers, config, spec, banner)
+    attn_done = patch_attentions(causal_lm, layers, config, spec, banner)
     _patch_head(causal_lm, config, spec, banner)
     if len(layers) and (mlp_done != len(layers) or attn_done != len(layers)):
         banner.note("some layers stay on stock Hugging Face code; outputs are still exact, only slower")
@@ -65,7 +67,7 @@ def patch_model(model: nn.Module, banner: Optional[Banner] = None) -> Banner:
     return banner
 
 
-def _stays_stock(causal_lm: nn.Module, spec: Optional[Family], banner: Banner) -> bool:
+def stays_stock(causal_lm: nn.Module, spec: Optional[Family], banner: Banner) -> bool:
     """Whether the whole model stays on stock code (family not in the table, or CPU/disk offload); says why."""
     if spec is None:
         model_type = getattr(architectures.text_config(causal_lm.config), "model_type", "?")
@@ -98,7 +100,7 @@ def _patch_norms(causal_lm: nn.Module, spec: Family, banner: Banner) -> None:
         banner.feature("RMSNorm", False, why_missing("rms_norm", "rms_norm") or "no RMSNorm modules found")
 
 
-def _patch_mlps(layers: list[nn.Module], config: Any, spec: Family, banner: Banner) -> int:
+def patch_mlps(layers: list[nn.Module], config: Any, spec: Family, banner: Banner) -> int:
     """Every gated decoder MLP onto the fused activation; returns how many were patched."""
     mlp_done, mlp_reason = 0, None
     activation = None
@@ -121,7 +123,7 @@ def _patch_mlps(layers: list[nn.Module], config: Any, spec: Family, banner: Bann
     return mlp_done
 
 
-def _patch_attentions(causal_lm: nn.Module, layers: list[nn.Module], config: Any, spec: Family, banner: Banner) -> int:
+def patch_attentions(causal_lm: nn.Module, layers: list[nn.Module], config: Any, spec: Family, banner: Banner) -> int:
     """Every decoder self-attention onto fused QKV/O + RoPE; returns how many were patched.
 
     Marks the backbone when all of them are ours: a plainly causal forward may then skip Hugging

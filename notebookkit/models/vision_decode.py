@@ -12,7 +12,9 @@ forward once (vision tower, projector, Hugging Face's masks and positions)::
     logits, past = model(input_ids, attention_mask, position_ids = column - left padding, pixel_values, ...)
     cache[layer][:, :, P - n .. P - 1] = past[layer]      n = P, or the last window - 1 of a sliding layer
 
-and the decode loop continues from its last logits. Qwen2.5-VL places the image tokens on a (t, h, w)
+and the decode loop continues from its last logits. The generic decode loop knows nothing of images: the
+vision loader (and ``FastVisionModel.for_inference``) hand it :func:`multimodal_prefill` as the model's
+prompt preparation (:func:`attach_image_prompts`). Qwen2.5-VL places the image tokens on a (t, h, w)
 grid of multimodal RoPE positions, which the model computes itself from the image grid (no
 ``position_ids`` are passed), so the text after an image continues at a per-row offset from its
 column, ``rope_deltas`` (Hugging Face's name): a new token in slot ``s`` of row ``b`` sits at position
@@ -29,14 +31,17 @@ prompts run the fast path from the first token.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from notebookkit.families import for_vision_model_type
 
-__all__ = ["IMAGE_INPUTS", "describe_image_prompts", "image_prompt_support", "multimodal_prefill"]
+from .generation.generate import Prefill, set_prompt_preparation
+
+__all__ = ["IMAGE_INPUTS", "attach_image_prompts", "describe_image_prompts", "image_prompt_support",
+           "multimodal_prefill"]
 
 # What a processor adds to input_ids / attention_mask for images (and the per-token type ids).
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
@@ -48,9 +53,6 @@ _NO_FAST_IMAGE_PROMPTS: dict[str, str] = {}
 # Families whose model computes its prompt positions from the image grid and leaves per-row offsets.
 _GRID_POSITIONS = frozenset({"qwen2"})
 
-# (model, input_ids, cache, start_slot, pad_lengths) -> (last logits [B, V], RoPE offsets [B] or None)
-Prefill = Callable[[nn.Module, torch.Tensor, Any, int, torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
-
 
 def image_prompt_support(model: nn.Module) -> Optional[str]:
     """``None`` when image prompts to ``model`` (a vision-language wrapper) run the fast decode steps,
@@ -59,6 +61,11 @@ def image_prompt_support(model: nn.Module) -> Optional[str]:
     if family is None:
         return None
     return _NO_FAST_IMAGE_PROMPTS.get(family.name)
+
+
+def attach_image_prompts(model: nn.Module) -> None:
+    """Make the fast ``model.generate`` (bound by ``for_inference``) split image prompts with :func:`multimodal_prefill`."""
+    set_prompt_preparation(model, multimodal_prefill)
 
 
 def multimodal_prefill(model: nn.Module, kwargs: dict) -> Union[str, tuple[Optional[Prefill], dict]]:

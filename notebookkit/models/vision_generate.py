@@ -25,7 +25,7 @@ def prompt_messages(messages: Sequence[dict]) -> list[dict]:
 def generate_vision_replies(model: Any, processor: Any, rows: Sequence[dict], max_new_tokens: int = 24,
                             batch_size: int = 8) -> list[str]:
     """Greedy answers of ``model`` to the prompts of ``rows`` (``messages`` + ``images`` or ``image``)."""
-    from notebookkit.data.vision_collator import decode_image, _row_images
+    from notebookkit.data.vision_collator import decode_image, row_images
 
     from .fast_vision_model import FastVisionModel
     from .generation_mode import generation_mode
@@ -41,7 +41,7 @@ def generate_vision_replies(model: Any, processor: Any, rows: Sequence[dict], ma
                 chunk = rows[start:start + batch_size]
                 texts = [processor.apply_chat_template(prompt_messages(r["messages"]), tokenize=False,
                                                        add_generation_prompt=True) for r in chunk]
-                images = [[decode_image(v) for v in _row_images(r)] for r in chunk]
+                images = [[decode_image(v) for v in row_images(r)] for r in chunk]
                 kwargs: dict[str, Any] = dict(text=texts, return_tensors="pt", padding=True, add_special_tokens=False)
                 if any(images):
                     kwargs["images"] = images

@@ -9,7 +9,7 @@ import torch
 from notebookkit.memory.model_setup import fp8_forward
 from notebookkit.models import FastLanguageModel
 from notebookkit.models.banner import Banner
-from notebookkit.models.fast_language_model import note_unused_max_memory
+from notebookkit.models.lora_setup import note_unused_max_memory
 from notebookkit.models.loader import pick_dtype
 from notebookkit.models.precision import is_bf16_supported, is_bfloat16_supported
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..kernel_ops import require
-from ..patch_mlp import _activation_kernel
+from ..patch_mlp import activation_kernel
 from .cache_attention import cache_attention, slot_mask
 from .decoder_plan import DecoderPlan, LayerPlan
 from .projections import AdapterCasts, fused_views, project
@@ -145,7 +145,7 @@ def _attention(lp: LayerPlan, x: torch.Tensor, cache: StaticKVCache, start_slot:
 
 def _mlp(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts) -> torch.Tensor:
     mlp = lp.layer.mlp
-    act = _activation_kernel(lp.activation) if lp.activation is not None else None
+    act = activation_kernel(lp.activation) if lp.activation is not None else None
     if act is None or not fused_views((mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
         return mlp(x)
     x2d = x.reshape(-1, x.shape[-1])

@@ -21,6 +21,10 @@ capacity, so a step reads about as much cache as it needs, with a few graphs per
 host reads the device only every few steps (every step with a streamer, or on the CPU), to stop
 when all rows are done; the ids of extra steps are never returned.
 
+A model whose prompt is more than token ids (a vision-language model's images) carries its own prompt
+preparation (:func:`set_prompt_preparation`, set by its loader): it says whether the fast path can
+run the call and hands back the prefill that fills the cache; the loop itself knows nothing of images.
+
 Anything this path does not implement runs Hugging Face's own ``generate`` instead, with a
 one-time warning and a banner note that say why: beam search and other decoding modes, output
 dicts, scores, logits processors or stopping criteria passed in, assistant models, constraints and
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -41,7 +45,6 @@ import torch.nn as nn
 from ..banner import get_banner
 from ..compat import prepare_generation_config
 from ..patching import WeakBoundMethod
-from ..vision_decode import multimodal_prefill
 from .cached_forward import cached_forward
 from .decoder_plan import DecoderPlan, causal_lm_of
 from .graph_runner import graphs_enabled
@@ -50,12 +53,19 @@ from .state import GenerationState, generation_state
 from .static_cache import StaticKVCache
 
 __all__ = ["generate", "bind_generate", "unbind_generate", "is_bound", "describe_generation", "cache_capacity",
-           "bucket_for", "left_pad_lengths", "SamplingSettings"]
+           "bucket_for", "left_pad_lengths", "set_prompt_preparation", "SamplingSettings"]
 
 MIN_BUCKET = 16
 CACHE_ROUNDING = 256  # cache slots are allocated in multiples of this
 CHECK_EVERY_GPU = 8  # decode steps between host reads of "every row stopped" on a GPU
 _FAST_MODES = ("greedy_search", "sample")
+
+#: (model, input_ids, cache, start_slot, pad_lengths) -> (last logits [B, V], RoPE offsets [B] or None)
+Prefill = Callable[[nn.Module, torch.Tensor, Any, int, torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
+#: (model, generate's keywords) -> the reason the fast path cannot run them, or (prefill or None, keywords left)
+PreparePrompt = Callable[[nn.Module, dict], Union[str, tuple[Optional[Prefill], dict]]]
+#: the attribute of the causal LM that holds its :data:`PreparePrompt` (:func:`set_prompt_preparation`)
+PREPARE_PROMPT = "_notebookkit_prepare_prompt"
 
 # Settings that change the tokens and are not implemented here, with the values that leave them off.
 _OFF_VALUES: dict[str, tuple] = {
@@ -100,6 +110,23 @@ def is_bound(model: nn.Module) -> bool:
     """Whether ``model.generate`` is notebookkit's fast path."""
     bound = causal_lm_of(model).__dict__.get("generate")
     return isinstance(bound, WeakBoundMethod) and bound.__func__ is generate
+
+
+def set_prompt_preparation(model: nn.Module, prepare: PreparePrompt) -> None:
+    """Let ``prepare`` split every fast ``generate`` call of ``model`` before the decode loop runs.
+
+    ``prepare(model, keywords)`` returns the reason the fast path cannot run the call, or ``(prefill,
+    keywords left)`` where ``prefill`` (``None``: :func:`.cached_forward` over the prompt) fills the cache
+    and gives the last logits and per-row RoPE offsets. A model's loader sets it (a vision-language
+    wrapper: its image prompts run the model's own forward first, :mod:`notebookkit.models.vision_decode`);
+    without one, the keywords go to the decode path as they are.
+    """
+    object.__setattr__(causal_lm_of(model), PREPARE_PROMPT, prepare)
+
+
+def _prepare_prompt(model: nn.Module, kwargs: dict) -> Union[str, tuple[Optional[Prefill], dict]]:
+    prepare = model.__dict__.get(PREPARE_PROMPT)
+    return (None, kwargs) if prepare is None else prepare(model, kwargs)
 
 
 def describe_generation(model: nn.Module, banner: Any, bound: bool) -> None:
@@ -162,7 +189,7 @@ def generate(
     state = generation_state(self)
     with torch.no_grad():
         state.casts.refresh(every=True)  # an 8-bit optimizer step since the last call left no version mark
-    split = multimodal_prefill(self, kwargs)  # a vision-language model's image prompt: its own forward first
+    split = _prepare_prompt(self, kwargs)  # e.g. a vision-language model's image prompt: its own forward first
     request = split if isinstance(split, str) else _request(self, state, inputs, generation_config, hf_only, split[1])
     if isinstance(request, str):
         _warn_once(self, state, request)
@@ -444,7 +471,7 @@ def _advance(buffers: DecodeBuffers, logits: torch.Tensor, settings: Any, eos: t
 
 
 def _decode(model: nn.Module, state: GenerationState, request: _Request, streamer: Any,
-            prefill: Optional[Callable] = None) -> torch.Tensor:
+            prefill: Optional[Prefill] = None) -> torch.Tensor:
     plan = request.plan
     input_ids = request.input_ids
     batch, prompt = input_ids.shape
@@ -468,7 +495,7 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
 
     if prefill is None:
         logits, offsets = cached_forward(model, input_ids, cache, 0, buffers.pad), None
-    else:  # a vision-language prompt: the model's own forward, and the RoPE offsets it leaves (or None)
+    else:  # the model's own prefill (a vision-language prompt: its forward), and the RoPE offsets it leaves (or None)
         logits, offsets = prefill(model, input_ids, cache, 0, buffers.pad)
     if offsets is not None:
         buffers.offset.copy_(offsets)
