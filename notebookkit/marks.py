@@ -57,6 +57,8 @@ FP32_MASTER_HOOKS = "_notebookkit_fp32_master_hooks"
 # ---- generation (models/generation/state.py) --------------------------------------------------------
 #: causal LM: its decode state (static KV cache, captured decode step)
 GENERATION_STATE = "_notebookkit_generation"
+#: on a causal LM: how generate() prepares its prompt (set by the vision loader: image features)
+PREPARE_PROMPT = "_notebookkit_prepare_prompt"
 
 # ---- training (train/) ------------------------------------------------------------------------------
 #: trainer: the reasons already warned about for running TRL's own loss (train/trainer_glue.py)

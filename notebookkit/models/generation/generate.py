@@ -42,6 +42,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from notebookkit.marks import PREPARE_PROMPT
+
 from ..banner import get_banner
 from ..compat import prepare_generation_config
 from ..patching import WeakBoundMethod
@@ -64,8 +66,6 @@ _FAST_MODES = ("greedy_search", "sample")
 Prefill = Callable[[nn.Module, torch.Tensor, Any, int, torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
 #: (model, generate's keywords) -> the reason the fast path cannot run them, or (prefill or None, keywords left)
 PreparePrompt = Callable[[nn.Module, dict], Union[str, tuple[Optional[Prefill], dict]]]
-#: the attribute of the causal LM that holds its :data:`PreparePrompt` (:func:`set_prompt_preparation`)
-PREPARE_PROMPT = "_notebookkit_prepare_prompt"
 
 # Settings that change the tokens and are not implemented here, with the values that leave them off.
 _OFF_VALUES: dict[str, tuple] = {
