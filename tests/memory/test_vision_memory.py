@@ -8,10 +8,6 @@ tower (with its projector) or to a decoder layer, and compared with the estimate
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
