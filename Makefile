@@ -105,8 +105,9 @@ dist: setup
 test-fast: setup
 	$(PY) -m pytest -x -q -m "not gpu and not slow and not browser" $(PYTEST_ARGS)
 
-# The whole GPU suite (`pytest -m gpu`, the T4-emulation notebook cases included) in two halves of about
-# three minutes each on one H200, so each fits one 10-minute device call. On the GPU machine nothing is
+# The whole GPU suite (`pytest -m gpu`, the T4-emulation notebook cases included) in two halves, one
+# 10-minute device call each. On a freshly started H200 (Triton compiles every kernel) half 1 ran past 8
+# minutes (session 17: not finished in 500 s alone): give each half its own call and nothing beside it. On the GPU machine nothing is
 # installed: `bash ../shared/tools/gpu_site.sh .site --notebooks` here, carry .site, then there
 #   PYTHONPATH=$PWD/.site:$PWD make test-gpu-1   (and test-gpu-2; `make test-gpu` runs both)
 # Each half writes its log to runs/gpu-suite-<half>.log.
