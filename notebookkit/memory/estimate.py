@@ -148,7 +148,7 @@ from typing import Any, Iterable, Sequence
 from notebookkit.training_methods import TRAINING_METHODS
 
 from .generation import generation_term, keeps_cache_between_steps, layer_working_set
-from .model_setup import fp8_forward, fused_lm_head, host_embedding, recorded_activation_plan
+from .model_setup import fp8_forward, fused_lm_head, held_decode_cache, host_embedding, recorded_activation_plan
 from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 
 GiB = 1024**3
@@ -358,7 +358,8 @@ class MemoryEstimate:
 def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     """What a loaded (PEFT) model tells about itself: ``load_in_4bit``, ``dtype``, ``lora_r``,
     ``target_modules``, ``lora_dropout`` from its configs, ``fused_loss``, ``fp8_forward`` and
-    ``offload_embedding`` from what notebookkit set up on it (:mod:`.model_setup`). Missing facts are left out (the defaults apply)."""
+    ``offload_embedding`` from what notebookkit set up on it, and ``generation`` when ``generate`` holds a
+    KV cache on it (:mod:`.model_setup`). Missing facts are left out (the defaults apply)."""
     out: dict[str, Any] = {}
     cfg = getattr(model, "config", None)
     q = getattr(cfg, "quantization_config", None)
@@ -394,6 +395,10 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
     if any(fp8_forward(m) for m in getattr(model, "modules", lambda: [])()):
         out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
+    held = held_decode_cache(base)
+    if held is not None:  # generate's cache stays allocated through training: its share joins the estimate
+        rows, slots = held
+        out["generation"] = dict(batch_size=rows, max_len=slots, prompt_len=slots, keep_cache=True)
     from .vision_shapes import is_vlm, vision_kwargs_from_model
 
     if is_vlm(model):

@@ -12,7 +12,9 @@ read off its config or its PEFT config:
 * whether the causal-LM forward is notebookkit's fused linear cross-entropy (no ``[N, V]`` logits),
   recorded by ``patch_lm_head`` and cleared by ``unpatch_model``;
 * whether the input embedding's table lives in pinned host memory (``offload_embedding=True``),
-  flagged on the embedding module by ``offload_input_embedding``.
+  flagged on the embedding module by ``offload_input_embedding``;
+* the static KV cache notebookkit's ``generate`` keeps between calls (an evaluation before training, GRPO),
+  held by the decode state on the causal LM: it stays allocated while the model trains.
 
 Why the marks are read and written here: memory/ sits below models/ (data flows down), so memory must
 not import models. Instead the layer that reads the marks owns them (their names are listed with every
@@ -30,6 +32,7 @@ from notebookkit.marks import ACTIVATION_PLAN as _ACTIVATION_PLAN
 from notebookkit.marks import AUTO_PLAN_SIZE as _AUTO_PLAN_SIZE
 from notebookkit.marks import FP8_FORWARD as _FP8_FORWARD
 from notebookkit.marks import FUSED_LM_HEAD as _FUSED_LM_HEAD
+from notebookkit.marks import GENERATION_STATE as _GENERATION_STATE
 from notebookkit.marks import HOST_EMBEDDING as _HOST_EMBEDDING
 
 
@@ -73,6 +76,15 @@ def record_auto_plan_size(causal_lm: Any, tokens: Optional[int], max_memory: Any
 def auto_plan_size(causal_lm: Any) -> Optional[PlannedBatch]:
     """The :class:`PlannedBatch` an ``"auto"`` plan was sized for, or ``None`` for a plan chosen by hand."""
     return _marks(causal_lm).get(_AUTO_PLAN_SIZE)
+
+
+def held_decode_cache(causal_lm: Any) -> Optional[tuple[int, int]]:
+    """``(rows, slots)`` of the static KV cache that notebookkit's ``generate`` keeps on ``causal_lm`` between
+    calls (its decode state, which ``for_training`` keeps for GRPO), or ``None`` when none is held."""
+    cache = getattr(_marks(causal_lm).get(_GENERATION_STATE), "cache", None)
+    if cache is None:
+        return None
+    return int(cache.batch), int(cache.capacity)
 
 
 def recorded_activation_plan(causal_lm: Any) -> Union[list[str], str, None]:

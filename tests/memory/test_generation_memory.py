@@ -258,3 +258,26 @@ def test_sampling_temporaries_within_the_model(batch, vocab):
     captured = torch.cuda.max_memory_allocated() - before
     assert captured <= predicted + 2 * 2**20, (captured, predicted)  # 2 MiB: one allocator block
     del out, graph
+
+
+def test_a_decode_cache_kept_on_the_model_joins_its_training_estimate():
+    """An evaluation's ``generate`` before training leaves its static KV cache on the model (``for_training``
+    keeps it, for GRPO): the estimate of the loaded model, and so the plan, counts it until it is released."""
+    from notebookkit.memory import estimate_for_model, estimate_kwargs_from_model
+    from notebookkit.models.generation.state import generation_state, release
+    from notebookkit.models.generation.static_cache import StaticKVCache
+
+    model = random_model("llama")
+    shape = model_shape(model.config)
+    assert "generation" not in estimate_kwargs_from_model(model)
+    before = estimate_for_model(model, batch_size=2, seq_len=32)
+    generation_state(model).cache = StaticKVCache(n_layers=shape.num_layers, batch=3, kv_heads=shape.num_kv_heads,
+                                                  head_dim=shape.head_dim, capacity=256, dtype=torch.float32,
+                                                  device="cpu")
+    assert estimate_kwargs_from_model(model)["generation"] == dict(batch_size=3, max_len=256, prompt_len=256,
+                                                                   keep_cache=True)
+    held = estimate_for_model(model, batch_size=2, seq_len=32)
+    assert held.generation >= kv_cache_bytes(shape, 3, 256, 4) > 0
+    assert held.total - before.total == held.generation
+    release(model)
+    assert "generation" not in estimate_kwargs_from_model(model)
