@@ -10,14 +10,8 @@ from . import arguments, loader
 from .banner import Banner, get_banner
 from .checkpointing import apply_checkpointing
 from .lora_fast_path import describe_lora
-from .lora_setup import (
-    already_adapted,
-    check_lora_arguments,
-    describe_adapters,
-    lora_config,
-    note_setup,
-    wrap_with_lora,
-)
+from .lora_setup import (already_adapted, check_lora_arguments, describe_adapters, lora_config, note_setup,
+                         wrap_with_lora)
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -26,14 +26,8 @@ from .banner import Banner, get_banner
 from .checkpointing import apply_checkpointing
 from .fast_language_model import FastLanguageModel
 from .lora_fast_path import describe_lora
-from .lora_setup import (
-    already_adapted,
-    check_lora_arguments,
-    describe_adapters,
-    lora_config,
-    note_setup,
-    wrap_with_lora,
-)
+from .lora_setup import (already_adapted, check_lora_arguments, describe_adapters, lora_config, note_setup,
+                         wrap_with_lora)
 from .patch_vision import patch_tower_adapters, vision_family, wrapper_of
 from .vision_targets import select_targets
 
