@@ -48,13 +48,16 @@ import triton.language as tl
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = [
-    "TernaryWeight", "DEFAULT_GROUP_SIZE", "pack_ternary", "unpack_ternary", "quantize_ternary",
+    "TernaryWeight", "DEFAULT_GROUP_SIZE", "DEFAULT_REFIT_STEPS", "pack_ternary", "unpack_ternary", "quantize_ternary",
     "dequantize_ternary", "dequantize_ternary_reference", "ternary_from_bitnet", "AOT_SPECS",
 ]
 
-# Chosen from benchmarks/ternary_quant_error.py (results in benchmarks/results/ternary-quant-error.md):
-# per-group-64 with a least-squares refit has the lowest error at 2.25 bits a weight.
-DEFAULT_GROUP_SIZE = 64
+# Chosen from benchmarks/ternary_quant_error.py (benchmarks/results/2026-12-02-cpu-ternary-quant-error.md):
+# on Gaussian weights one scale a row (2.016 bits a weight) is within 0.006 of groups of 64 (2.25 bits),
+# and far better than one per tensor when rows differ in scale; the fit matters more (absmean 0.513,
+# refit 0.461, four alternating refits 0.436 relative error), so rows with four refits.
+DEFAULT_GROUP_SIZE = "row"
+DEFAULT_REFIT_STEPS = 4
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP16_MAX = 65504.0
 
@@ -166,17 +169,17 @@ def _group_view(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_ternary(
     weight: torch.Tensor,
     group_size: int | str = DEFAULT_GROUP_SIZE,
-    refit_steps: int = 1,
+    refit_steps: int = DEFAULT_REFIT_STEPS,
 ) -> TernaryWeight:
     """Ternarise a 16/32-bit weight ``[out, in]`` into a :class:`TernaryWeight`.
 
     Args:
         weight: the dense weight (``nn.Linear.weight``), any float dtype.
-        group_size: inputs per scale: an int ``G`` (64 default), ``"row"`` (one scale per output row) or
+        group_size: inputs per scale: an int ``G``, ``"row"`` (the default: one scale per output row) or
             ``"tensor"`` (one scale for the whole weight, as BitNet b1.58 trains; stored per row).
         refit_steps: 0: BitNet's absmean scale. 1: absmean codes with the least-squares scale
             ``<W, t> / <t, t>``. ``n > 1``: then ``n - 1`` more rounds of re-rounding the codes to the
-            nearest of {-s, 0, s} and refitting (each round never increases the error).
+            nearest of {-s, 0, s} and refitting (each round never increases the error); 4 by default.
 
     Returns:
         The packed codes and fp16 scales; :func:`dequantize_ternary` gives the dense approximation.
