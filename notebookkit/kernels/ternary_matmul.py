@@ -101,9 +101,10 @@ def _config(m: int) -> tuple[int, int, int, int]:
     return block_m, 64, 64, 4
 
 
-def _check(a: torch.Tensor, weight: TernaryWeight, width: int, what: str, where: str) -> None:
+def _check(a: torch.Tensor, weight: TernaryWeight, what: str, where: str) -> None:
     if not isinstance(weight, TernaryWeight):
         raise TypeError(f"{where} takes a TernaryWeight (see quantize_ternary), got {type(weight).__name__}.")
+    width = weight.in_features if what == "x" else weight.out_features
     if a.dtype not in _DTYPES:
         raise ValueError(f"{where}: {what} must be float16, bfloat16 or float32, got {a.dtype}.")
     if a.shape[-1] != width:
@@ -115,14 +116,14 @@ def _check(a: torch.Tensor, weight: TernaryWeight, width: int, what: str, where:
 
 def ternary_matmul_reference(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     """Plain-PyTorch ``x @ dequantize_ternary(W)^T`` (fp32 accumulation, one rounding to ``x.dtype``)."""
-    _check(x, weight, weight.in_features, "x", "ternary_matmul")
+    _check(x, weight, "x", "ternary_matmul")
     w = dequantize_ternary_reference(weight, x.dtype).float()
     return (x.float() @ w.t()).to(x.dtype)
 
 
 def ternary_input_grad_reference(dy: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     """Plain-PyTorch ``dy @ dequantize_ternary(W)`` (fp32 accumulation, one rounding to ``dy.dtype``)."""
-    _check(dy, weight, weight.out_features, "dy", "ternary_input_grad")
+    _check(dy, weight, "dy", "ternary_input_grad")
     w = dequantize_ternary_reference(weight, dy.dtype).float()
     return (dy.float() @ w).to(dy.dtype)
 
@@ -153,7 +154,7 @@ def ternary_matmul(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     CUDA tensors run the fused Triton GEMM (the dense weight is never written); CPU tensors run the
     reference unless Triton is forced (``runtime.use_triton(True)`` under ``TRITON_INTERPRET=1``).
     """
-    _check(x, weight, weight.in_features, "x", "ternary_matmul")
+    _check(x, weight, "x", "ternary_matmul")
     if not should_use_triton(x):
         return ternary_matmul_reference(x, weight)
     return _launch(_ternary_matmul_fwd_kernel, x, weight, weight.out_features, True)
@@ -162,7 +163,7 @@ def ternary_matmul(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
 def ternary_input_grad(dy: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     """``dx = dy @ dequantize_ternary(W, dy.dtype)`` for ``dy [..., out]``: ``[..., in]`` in ``dy.dtype``
     (the backward of :func:`ternary_matmul` through the frozen base)."""
-    _check(dy, weight, weight.out_features, "dy", "ternary_input_grad")
+    _check(dy, weight, "dy", "ternary_input_grad")
     if not should_use_triton(dy):
         return ternary_input_grad_reference(dy, weight)
     return _launch(_ternary_matmul_bwd_kernel, dy, weight, weight.in_features, False)
