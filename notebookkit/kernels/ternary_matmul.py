@@ -196,14 +196,14 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
     specs = []
     for kernel, a, out in ((_ternary_matmul_fwd_kernel, "x_ptr", "y_ptr"), (_ternary_matmul_bwd_kernel, "dy_ptr", "dx_ptr")):
         stride = "stride_xm" if a == "x_ptr" else "stride_dym"
-        for ty, m in (("fp16", 16), ("fp16", 128), ("bf16", 128)):
+        for ty, m in (("fp16", 16), ("fp16", 128), ("bf16", 128), ("fp32", 128)):
             signature = {
                 a: f"*{ty}", "packed_ptr": "*u8", "scales_ptr": "*fp16", out: f"*{ty}",
                 "M": "i32", "N": "i32", "K": "i32", stride: "i32", "row_bytes": "i32", "n_groups": "i32",
                 "group_size": "i32",
             }
             block_m, block_n, block_k, warps = _config(m)
-            constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "IEEE": False}
+            constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "IEEE": ty == "fp32"}
             options: dict[str, Any] = {"num_warps": warps}
             if ty == "bf16":
                 options["targets"] = [80, 86, 89, 90]  # sm_75 has no bf16 tensor-core dot
