@@ -1,0 +1,214 @@
+"""GEMMs through a frozen ternary base, dequantising in the tile: the forward ``y = x @ W^T`` and the
+input gradient ``dx = dy @ W``, never writing the dense ``W``.
+
+Math (``W [N, K]`` a :class:`~notebookkit.kernels.ternary.TernaryWeight`, ``x [M, K]``, ``dy [M, N]``):
+
+    w[n, k]  = c( s[n, k // G] * t[n, k] )                    exact in fp16 / fp32 (s is fp16)
+    y[m, n]  = c( sum_k fp32(x[m, k]) * w[n, k] )             fp32 accumulation, one rounding to c
+    dx[m, k] = c( sum_n fp32(dy[m, n]) * w[n, k] )
+
+``c`` is the dtype of ``x`` (``dy``). ``w`` is ``dequantize_ternary(W, out_dtype=c)``, so the results are
+``x @ dequantize_ternary(W)^T`` and ``dy @ dequantize_ternary(W)`` up to the order of the fp32 additions.
+There is no weight gradient: the base is frozen; LoRA's adapters take theirs from ``x`` and ``dy``.
+
+Tiling: forward programs own ``[BLOCK_M, BLOCK_N]`` of ``y`` and walk ``K``; backward programs own
+``[BLOCK_M, BLOCK_K]`` of ``dx`` and walk ``N``. Both build the ``[BLOCK_N, BLOCK_K]`` tile of ``w`` from
+``BLOCK_K / 4`` bytes a row (:func:`~notebookkit.kernels.ternary._ternary_tile`) in registers and feed
+``tl.dot`` (fp32 inputs as IEEE fp32, not TF32). ``tl.dot`` on bf16 is wrong under triton 3.9's
+interpreter, so CPU tests cover fp32 and fp16 only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import should_use_triton
+from .ternary import TernaryWeight, _ternary_tile, dequantize_ternary_reference
+
+__all__ = [
+    "ternary_matmul", "ternary_matmul_reference", "ternary_input_grad", "ternary_input_grad_reference",
+    "ternary_linear", "AOT_SPECS",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _ternary_matmul_fwd_kernel(
+    x_ptr,  # [M, K], row stride stride_xm
+    packed_ptr,  # *u8 [N, row_bytes]
+    scales_ptr,  # *fp16 [N, n_groups]
+    y_ptr,  # [M, N] contiguous, dtype of x
+    M, N, K, stride_xm, row_bytes, n_groups, group_size,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _ternary_tile(packed_ptr, scales_ptr, rn, rk, n_ok, k_ok, row_bytes, n_groups, group_size)
+        w = w.to(x.dtype)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _ternary_matmul_bwd_kernel(
+    dy_ptr,  # [M, N], row stride stride_dym
+    packed_ptr,  # *u8 [N, row_bytes]
+    scales_ptr,  # *fp16 [N, n_groups]
+    dx_ptr,  # [M, K] contiguous, dtype of dy
+    M, N, K, stride_dym, row_bytes, n_groups, group_size,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    k_ok = rk < K
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        dy = tl.load(dy_ptr + rm[:, None].to(tl.int64) * stride_dym + rn[None, :],
+                     mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        w = _ternary_tile(packed_ptr, scales_ptr, rn, rk, n_ok, k_ok, row_bytes, n_groups, group_size)
+        w = w.to(dy.dtype)
+        if IEEE:
+            acc = tl.dot(dy, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(dy, w, acc)
+    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
+    tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
+
+
+def _config(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps); small M (decode, short rows) takes 16-row tiles."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    return block_m, 64, 64, 4
+
+
+def _check(a: torch.Tensor, weight: TernaryWeight, what: str, where: str) -> None:
+    if not isinstance(weight, TernaryWeight):
+        raise TypeError(f"{where} takes a TernaryWeight (see quantize_ternary), got {type(weight).__name__}.")
+    width = weight.in_features if what == "x" else weight.out_features
+    if a.dtype not in _DTYPES:
+        raise ValueError(f"{where}: {what} must be float16, bfloat16 or float32, got {a.dtype}.")
+    if a.shape[-1] != width:
+        raise ValueError(f"{where}: {what} has last dimension {a.shape[-1]}, the ternary weight of shape "
+                         f"{weight.shape} needs {width}.")
+    if a.device != weight.device:
+        raise ValueError(f"{where}: {what} is on {a.device} but the ternary weight is on {weight.device}.")
+
+
+def ternary_matmul_reference(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
+    """Plain-PyTorch ``x @ dequantize_ternary(W)^T`` (fp32 accumulation, one rounding to ``x.dtype``)."""
+    _check(x, weight, "x", "ternary_matmul")
+    w = dequantize_ternary_reference(weight, x.dtype).float()
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def ternary_input_grad_reference(dy: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
+    """Plain-PyTorch ``dy @ dequantize_ternary(W)`` (fp32 accumulation, one rounding to ``dy.dtype``)."""
+    _check(dy, weight, "dy", "ternary_input_grad")
+    w = dequantize_ternary_reference(weight, dy.dtype).float()
+    return (dy.float() @ w).to(dy.dtype)
+
+
+def _launch(kernel, a: torch.Tensor, weight: TernaryWeight, out_width: int, forward: bool) -> torch.Tensor:
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, a.shape[-1])
+    if a2.stride(-1) != 1:
+        a2 = a2.contiguous()
+    m = a2.shape[0]
+    out = torch.empty((m, out_width), dtype=a.dtype, device=a.device)
+    if m == 0 or out_width == 0:
+        return out.reshape(*lead, out_width)
+    block_m, block_n, block_k, warps = _config(m)
+    n, k = weight.shape
+    grid = (triton.cdiv(m, block_m), triton.cdiv(out_width, block_n if forward else block_k))
+    kernel[grid](
+        a2, weight.packed.contiguous(), weight.scales.contiguous(), out,
+        m, n, k, a2.stride(0), weight.packed.shape[1], weight.scales.shape[1], weight.group_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, num_warps=warps,
+    )
+    return out.reshape(*lead, out_width)
+
+
+def ternary_matmul(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
+    """``y = x @ dequantize_ternary(W, x.dtype)^T`` for ``x [..., in]``: ``[..., out]`` in ``x.dtype``.
+
+    CUDA tensors run the fused Triton GEMM (the dense weight is never written); CPU tensors run the
+    reference unless Triton is forced (``runtime.use_triton(True)`` under ``TRITON_INTERPRET=1``).
+    """
+    _check(x, weight, "x", "ternary_matmul")
+    if not should_use_triton(x):
+        return ternary_matmul_reference(x, weight)
+    return _launch(_ternary_matmul_fwd_kernel, x, weight, weight.out_features, True)
+
+
+def ternary_input_grad(dy: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
+    """``dx = dy @ dequantize_ternary(W, dy.dtype)`` for ``dy [..., out]``: ``[..., in]`` in ``dy.dtype``
+    (the backward of :func:`ternary_matmul` through the frozen base)."""
+    _check(dy, weight, "dy", "ternary_input_grad")
+    if not should_use_triton(dy):
+        return ternary_input_grad_reference(dy, weight)
+    return _launch(_ternary_matmul_bwd_kernel, dy, weight, weight.in_features, False)
+
+
+class _TernaryLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:  # type: ignore[override]
+        ctx.weight = weight
+        return ternary_matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        dx = ternary_input_grad(dy.contiguous(), ctx.weight) if ctx.needs_input_grad[0] else None
+        return dx, None
+
+
+def ternary_linear(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
+    """``x @ W^T`` through a frozen ternary base, differentiable in ``x`` (forward :func:`ternary_matmul`,
+    backward :func:`ternary_input_grad`)."""
+    return _TernaryLinear.apply(x, weight)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile specs (tests/kernels/test_aot_compile.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
+    specs = []
+    for kernel, a, out in ((_ternary_matmul_fwd_kernel, "x_ptr", "y_ptr"), (_ternary_matmul_bwd_kernel, "dy_ptr", "dx_ptr")):
+        stride = "stride_xm" if a == "x_ptr" else "stride_dym"
+        for ty, m in (("fp16", 16), ("fp16", 128), ("bf16", 128), ("fp32", 128)):
+            signature = {
+                a: f"*{ty}", "packed_ptr": "*u8", "scales_ptr": "*fp16", out: f"*{ty}",
+                "M": "i32", "N": "i32", "K": "i32", stride: "i32", "row_bytes": "i32", "n_groups": "i32",
+                "group_size": "i32",
+            }
+            block_m, block_n, block_k, warps = _config(m)
+            constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "IEEE": ty == "fp32"}
+            options: dict[str, Any] = {"num_warps": warps}
+            if ty == "bf16":
+                options["targets"] = [80, 86, 89, 90]  # sm_75 has no bf16 tensor-core dot
+            specs.append((kernel, signature, constexprs, options))
+    return specs
+
+
+AOT_SPECS = _aot_specs()
