@@ -68,7 +68,7 @@ def test_quantiser_error_bounds_on_gaussian_weights():
 
 def test_quantiser_exact_on_representable_weights_and_zero_groups():
     """A weight that *is* 4 levels a group (fp16 scale and zero) comes back to fp16 rounding; an all-zero
-    group decodes to exact zeros."""
+    group decodes to exact zeros, a constant group to its value."""
     g = torch.Generator().manual_seed(1)
     n, k, gs = 8, 128, 32
     codes = torch.randint(0, 4, (n, k), generator=g)
@@ -79,10 +79,12 @@ def test_quantiser_exact_on_representable_weights_and_zero_groups():
     w = (codes.float().reshape(n, k // gs, gs) - zero[..., None]) * scale[..., None]
     w = w.reshape(n, k)
     w[2, :gs] = 0.0
+    w[3, gs:2 * gs] = -0.0123
     for method in ("minmax", "hqq", "lsq"):
         wh = dequantize_q2_reference(quantize_q2(w, gs, method=method), torch.float32)
         assert _rel(wh, w) < 2e-3, method
         assert torch.equal(wh[2, :gs], torch.zeros(gs)), method
+        assert torch.allclose(wh[3, gs:2 * gs], torch.full((gs,), -0.0123), rtol=1e-3, atol=0), method
 
 
 def test_quantiser_keeps_dtype_and_layout():
