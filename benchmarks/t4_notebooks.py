@@ -78,11 +78,6 @@ def _loop():
 
 threading.Thread(target=_loop, daemon=True).start()
 atexit.register(_write)
-
-_snapshot = {snapshot!r}
-if _snapshot:  # --oom-snapshot: what was allocated, by Python stack, when an allocation failed
-    torch.cuda.memory._record_memory_history(max_entries=300000, stacks="python")
-    torch._C._cuda_attach_out_of_memory_observer(lambda *_: torch.cuda.memory._dump_snapshot(_snapshot))
 """
 
 
@@ -173,7 +168,7 @@ def _outputs_text(nb: dict) -> str:
                    for o in c.get("outputs", []) if o.get("output_type") == "stream")
 
 
-def run_one(name: str, folder: Path, extra: dict, out: Path, oom_snapshot: bool = False) -> dict:
+def run_one(name: str, folder: Path, extra: dict, out: Path) -> dict:
     import papermill
 
     work = out / name
@@ -181,8 +176,7 @@ def run_one(name: str, folder: Path, extra: dict, out: Path, oom_snapshot: bool 
     startup = work / "startup"
     startup.mkdir(exist_ok=True)
     vram_file = work / "vram.json"
-    snapshot = str(work / "oom-snapshot.pickle") if oom_snapshot else ""
-    (startup / "sitecustomize.py").write_text(SITECUSTOMIZE.format(cap=CAP_GIB, out=str(vram_file), snapshot=snapshot))
+    (startup / "sitecustomize.py").write_text(SITECUSTOMIZE.format(cap=CAP_GIB, out=str(vram_file)))
     env_before = dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(startup), os.environ.get("PYTHONPATH", "")])
     params = dict(extra, MODEL_NAME=str(folder), OUTPUT_DIR=str(work / "outputs"))
@@ -205,38 +199,11 @@ def run_one(name: str, folder: Path, extra: dict, out: Path, oom_snapshot: bool 
     text = _outputs_text(json.loads(executed.read_text())) if executed.exists() else ""
     skipped = [line for line in text.splitlines() if line.startswith("fp16: ")]
     peak_rss, peak_anon = rss.peak_rss, rss.peak_anon
-    if snapshot and os.path.exists(snapshot):
-        (work / "oom-snapshot.txt").write_text(summarize_snapshot(snapshot))
     return dict(notebook=name, checkpoint=folder.name, ok=error is None, error=error, seconds=round(seconds, 1),
                 peak_vram_gib=round(vram.get("peak_allocated", 0) / GiB, 2),
                 reserved_vram_gib=round(vram.get("peak_reserved", 0) / GiB, 2),
                 peak_rss_gib=round(peak_rss / GiB, 2), peak_anon_gib=round(peak_anon / GiB, 2),
                 fp16_lines=skipped, signal=_signal(text))
-
-
-def summarize_snapshot(path: str, top: int = 40) -> str:
-    """The live CUDA blocks of a memory snapshot (``torch.cuda.memory._dump_snapshot``) summed by where they
-    were allocated: the innermost frames in notebookkit, the Hugging Face libraries, bitsandbytes or the
-    notebook's cells, largest first."""
-    import pickle
-
-    ours = ("notebookkit", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "ipykernel")
-    sums: dict[str, list[int]] = {}
-    for segment in pickle.load(open(path, "rb"))["segments"]:
-        for block in segment["blocks"]:
-            if block["state"] != "active_allocated":
-                continue
-            frames = [f for f in block.get("frames", []) if any(k in f["filename"] for k in ours)][:3]
-            key = " < ".join(f"{f['filename'].split('site-packages/')[-1].split('/work/main/')[-1]}:{f['line']}"
-                             f" {f['name']}" for f in frames) or "(no library frame)"
-            entry = sums.setdefault(key, [0, 0])
-            entry[0] += block["size"]
-            entry[1] += 1
-    total = sum(v[0] for v in sums.values())
-    lines = [f"live at the failed allocation: {total / GiB:.2f} GiB in {sum(v[1] for v in sums.values())} blocks"]
-    for key, (size, count) in sorted(sums.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{size / GiB:8.3f} GiB {count:6d}  {key}")
-    return "\n".join(lines) + "\n"
 
 
 def _signal(text: str) -> str:
@@ -266,8 +233,6 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="notebook parameters over the GPU defaults (Python literals), e.g. BATCH_SIZE=8")
-    parser.add_argument("--oom-snapshot", action="store_true",
-                        help="record CUDA allocations; on an out-of-memory error write <out>/<notebook>/oom-snapshot.txt")
     args = parser.parse_args()
     import torch
 
@@ -277,7 +242,7 @@ def main() -> None:
         kind, extra = NOTEBOOKS[name]
         folder = checkpoint(kind, root)
         overrides = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in args.set)}
-        row = run_one(name, folder, {**extra, **overrides}, out, args.oom_snapshot)
+        row = run_one(name, folder, {**extra, **overrides}, out)
         print(json.dumps(row), flush=True)
         rows.append(row)
     table = markdown(rows, torch.cuda.get_device_name(0))
