@@ -112,7 +112,7 @@ test-fast: setup
 #   PYTHONPATH=$PWD/.site:$PWD make test-gpu-1   (and test-gpu-2; `make test-gpu` runs both)
 # Each half writes its log to runs/gpu-suite-<half>.log.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
-GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -rfE
+GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -rfEs
 test-gpu: test-gpu-1 test-gpu-2
 
 test-gpu-1:

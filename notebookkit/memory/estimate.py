@@ -145,6 +145,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from notebookkit.base_formats import BASE_FORMATS
 from notebookkit.training_methods import TRAINING_METHODS
 
 from .generation import generation_term, keeps_cache_between_steps, layer_working_set
@@ -771,8 +772,7 @@ def _base_weights(shape: ModelShape, s: int, load_in_4bit: bool, double_quant: b
     p_small = shape.embedding_params + shape.lm_head_params + L * shape.norm_params_per_layer + H
     small_bytes = p_small * s
     if load_in_4bit:
-        per = 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
-        lin_bytes = int(p_lin * per)
+        lin_bytes = int(p_lin * _nf4_bytes_per_weight(double_quant))
         lin_key = "base weights: decoder projections (NF4)"
     else:
         lin_bytes = p_lin * s
@@ -793,8 +793,8 @@ def _move_embedding_to_host(base: _Part, shape: ModelShape, s: int) -> int:
 
 
 def _nf4_bytes_per_weight(double_quant: bool) -> float:
-    """Bytes per NF4 weight: half a byte plus its absmax (module docstring)."""
-    return 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
+    """Bytes per NF4 weight: half a byte plus its absmax (:mod:`notebookkit.base_formats`)."""
+    return BASE_FORMATS["nf4"].bytes_per_weight(0, double_quant=double_quant)
 
 
 def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan: tuple[str, ...], *, rows: int,

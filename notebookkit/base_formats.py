@@ -1,0 +1,91 @@
+"""The formats a frozen base weight can be held in: one record per format, read by every layer.
+
+A base format says how the decoder's projection weights sit in memory under the LoRA adapters:
+16-bit (the model's dtype), NF4 (bitsandbytes' 4-bit, QLoRA), notebookkit's own 2-bit groups, or
+ternary (BitNet b1.58: ``{-1, 0, +1}`` times a scale). Adding a format is one :class:`BaseFormat`
+row in :data:`BASE_FORMATS` plus its kernels and tests; everything that depends on a format reads
+the row:
+
+* the loader (``from_pretrained(..., <load_flag>=True)``) and the model panel's weight choice;
+* the memory model (:mod:`notebookkit.memory.estimate`): the bytes of a projection weight,
+  :meth:`BaseFormat.bytes_per_weight`;
+* the kernels (:mod:`notebookkit.kernels`: ``kernel_module`` holds the format's packing, its
+  dequantisation and the products through it);
+* export (``gguf_type``: the llama.cpp type ``save_pretrained_gguf`` suggests for a base that was
+  trained in this format).
+
+Bytes per weight, with ``K`` the input features of the projection (a weight is ``[N, K]``):
+
+* 16-bit: ``s`` (2 for fp16 / bf16);
+* NF4: half a byte of code plus the absmax of each 64 weights: fp32 (``4 / 64``), or with
+  double quantisation a uint8 absmax plus one fp32 per 256 absmax (``1 / 64 + 4 / (64 * 256)``);
+* 2-bit: a quarter byte of code plus an fp16 scale and an fp16 zero per 64 weights
+  (``0.25 + 4 / 64`` = 2.5 bits);
+* ternary: a quarter byte of code (four codes a byte) plus one fp16 scale per row
+  (``0.25 + 2 / K``; about 2 bits).
+
+This module imports nothing (no torch), so every layer can read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BaseFormat", "BASE_FORMATS", "base_format"]
+
+
+@dataclass(frozen=True)
+class BaseFormat:
+    """Everything notebookkit knows about one format of frozen base weights.
+
+    * ``name``: the key (``"16bit"``, ``"nf4"``, ``"2bit"``, ``"ternary"``); ``label``: what panels print;
+    * ``load_flag``: the ``from_pretrained`` keyword that asks for it (``""``: the default, 16-bit);
+    * ``kernel_module``: the ``notebookkit.kernels`` module of its packing and products (``""``: none);
+    * ``code_bytes``: bytes of code per weight;
+    * ``group_size``: weights that share one scale along a row (``0``: the whole row shares it);
+    * ``group_bytes``: bytes of scale (and zero) per group; ``nested_group_bytes``: the same with
+      double quantisation (NF4 only; ``None``: the format has no such option);
+    * ``gguf_type``: the llama.cpp quantisation suggested for a GGUF export of a model trained on it.
+    """
+
+    name: str
+    label: str
+    load_flag: str
+    kernel_module: str
+    code_bytes: float
+    group_size: int
+    group_bytes: float
+    nested_group_bytes: float | None
+    gguf_type: str
+
+    def bytes_per_weight(self, in_features: int, dtype_bytes: int = 2, double_quant: bool = True) -> float:
+        """Bytes one projection weight takes in this format (module docstring)."""
+        if self.name == "16bit":
+            return float(dtype_bytes)
+        group = self.group_size or in_features
+        scale = self.nested_group_bytes if (double_quant and self.nested_group_bytes is not None) else self.group_bytes
+        return self.code_bytes + scale / group
+
+
+BASE_FORMATS: dict[str, BaseFormat] = {
+    f.name: f
+    for f in (
+        BaseFormat("16bit", "16-bit", "", "", code_bytes=0.0, group_size=0, group_bytes=0.0,
+                   nested_group_bytes=None, gguf_type="q8_0"),
+        BaseFormat("nf4", "NF4 (4-bit)", "load_in_4bit", "nf4", code_bytes=0.5, group_size=64, group_bytes=4.0,
+                   nested_group_bytes=1.0 + 4.0 / 256, gguf_type="q4_k_m"),
+        BaseFormat("2bit", "2-bit (groups of 64)", "load_in_2bit", "q2", code_bytes=0.25, group_size=64,
+                   group_bytes=4.0, nested_group_bytes=None, gguf_type="q2_k"),
+        BaseFormat("ternary", "ternary (1.58-bit)", "load_in_ternary", "ternary", code_bytes=0.25, group_size=0,
+                   group_bytes=2.0, nested_group_bytes=None, gguf_type="tq2_0"),
+    )
+}
+
+
+def base_format(name: str) -> BaseFormat:
+    """The record of ``name``, or a message that lists the formats there are."""
+    try:
+        return BASE_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown base format {name!r}; notebookkit holds base weights as one of "
+                         f"{sorted(BASE_FORMATS)}.") from None
