@@ -25,6 +25,8 @@ FP8_FORWARD = "_notebookkit_fp8_forward"
 FUSED_LM_HEAD = "_notebookkit_fused_lm_head"
 #: input embedding: the address of its table in pinned host memory (``offload_embedding=True``)
 HOST_EMBEDDING = "_notebookkit_host_embedding"
+#: causal LM: the format its frozen decoder projections are held in (a :mod:`notebookkit.base_formats` name)
+BASE_FORMAT = "_notebookkit_base_format"
 
 # ---- instance patching (models/patching.py, models/patcher.py) ----------------------------------------
 #: patched module: ``(slot, original forward)``, what ``restore`` puts back

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from notebookkit.marks import ACTIVATION_PLAN as _ACTIVATION_PLAN
 from notebookkit.marks import AUTO_PLAN_SIZE as _AUTO_PLAN_SIZE
+from notebookkit.marks import BASE_FORMAT as _BASE_FORMAT
 from notebookkit.marks import FP8_FORWARD as _FP8_FORWARD
 from notebookkit.marks import FUSED_LM_HEAD as _FUSED_LM_HEAD
 from notebookkit.marks import GENERATION_STATE as _GENERATION_STATE
@@ -132,3 +133,13 @@ def host_embedding(embedding: Any) -> bool:
     if weight is None or address is None or getattr(weight, "requires_grad", False):
         return False
     return weight.data_ptr() == address
+
+
+def record_base_format(causal_lm: Any, name: str) -> None:
+    """The loader's note of the format of ``causal_lm``'s frozen projections (``notebookkit.base_formats``)."""
+    object.__setattr__(causal_lm, _BASE_FORMAT, name)
+
+
+def base_format_of(causal_lm: Any) -> Optional[str]:
+    """The base format the loader recorded on ``causal_lm`` (``None``: not recorded; its config tells)."""
+    return _marks(causal_lm).get(_BASE_FORMAT)
