@@ -107,7 +107,7 @@ test-fast: setup
 
 # The whole GPU suite (`pytest -m gpu`, the T4-emulation notebook cases included) in two halves, one
 # device call each. On a freshly started H200 (session 18, 8 + 6 workers): half 1 505 passed in 172 s,
-# half 2 21 passed in 224 s (the vision T4 notebook alone 188 s). Sessions 15-17 saw half 1 pass 500 s: a
+# half 2 21 passed in 224 s (the vision T4 notebook alone 188 s). Sessions 15-17 saw half 1 pass 500 s, most likely because a
 # test module had set TRITON_INTERPRET=1 at import, so every worker ran the kernels interpreted. On the GPU machine nothing is
 # installed: `bash ../shared/tools/gpu_site.sh .site --notebooks` here, carry .site, then there
 #   PYTHONPATH=$PWD/.site:$PWD make test-gpu-1   (and test-gpu-2; `make test-gpu` runs both)
