@@ -155,14 +155,14 @@ def caption_documents(n: int = CAPTION_SENTENCES, seed: int = CAPTION_SENTENCES_
     """
     import random
 
-    from .generate_datasets import BACKGROUNDS, CAPTION_COLOURS, CAPTION_SHAPES, _POSITIONS
+    from .generate_datasets import BACKGROUNDS, CAPTION_COLOURS, CAPTION_POSITIONS, CAPTION_SHAPES
 
     rng = random.Random(seed)
     sentences = []
     for _ in range(n):
         size, colour, shape = rng.choice(("small", "large")), rng.choice(list(CAPTION_COLOURS)), rng.choice(CAPTION_SHAPES)
         background = rng.choice([b for b in BACKGROUNDS if b != colour])
-        where = "" if size == "large" else " " + rng.choice(list(_POSITIONS))
+        where = "" if size == "large" else " " + rng.choice(list(CAPTION_POSITIONS))
         sentences.append(f"A {size} {colour} {shape} on a {background} background{where}.")
     return [" ".join(sentences[i:i + SENTENCES_PER_DOCUMENT]) for i in range(0, n, SENTENCES_PER_DOCUMENT)]
 
