@@ -241,6 +241,16 @@ def dequantize_nf4_reference(
 
 
 @triton.jit
+def program_rows(COUNT: tl.constexpr, INT64: tl.constexpr):
+    """The ``COUNT`` rows this program handles, ``pid * COUNT + [0, COUNT)``: int64 when ``INT64`` (row
+    offsets past 2**31), int32 otherwise."""
+    pid = tl.program_id(0)
+    if INT64:
+        return pid.to(tl.int64) * COUNT + tl.arange(0, COUNT).to(tl.int64)
+    return pid * COUNT + tl.arange(0, COUNT)
+
+
+@triton.jit
 def block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, block_ok,
                   BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
     """fp32 absmax of NF4 blocks ``blocks``: stored as is, or nested as
@@ -288,11 +298,7 @@ def _nf4_dequant_kernel(
     INT64: tl.constexpr,
     BF16_BITS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if INT64:
-        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    else:
-        rows = pid * ROWS + tl.arange(0, ROWS)
+    rows = program_rows(ROWS, INT64)
     row_ok = rows < n_blocks
     absmax = block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, rows, row_ok, BLOCKSIZE2, NESTED)
     vals = decode_nf4_blocks(packed_ptr, table_ptr, rows, row_ok, absmax, n_bytes, ROWS, BLOCKSIZE)

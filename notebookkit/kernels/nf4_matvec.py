@@ -54,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4 import dequantize_nf4, dequantize_nf4_reference, nf4_kernel_operands, read_nf4_state, unwrap_nf4_weight
+from .nf4 import (dequantize_nf4, dequantize_nf4_reference, nf4_kernel_operands, program_rows, read_nf4_state,
+                  unwrap_nf4_weight)
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = [
@@ -217,11 +218,7 @@ def _nf4_matvec_kernel(
     INT64: tl.constexpr,
 ):
     HALF: tl.constexpr = BLOCKSIZE // 2
-    pid = tl.program_id(0)
-    if INT64:
-        rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    else:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = program_rows(BLOCK_N, INT64)
     row_ok = rows < N
     first_block = rows * blocks_per_row  # [BLOCK_N] each row's first NF4 block
     step_block = tl.arange(0, STEP_BLOCKS)
