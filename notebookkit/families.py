@@ -10,6 +10,8 @@ depends on a family reads the row:
 * the embedded default (:mod:`notebookkit.embedded`): the config class and settings of
   ``notebookkit/tiny-<name>`` and its tokenizer's special tokens;
 * the chat templates (:mod:`notebookkit.data.chat_templates`): the format a family's name picks;
+  and the template its checkpoints ship (``tokenizer_template``, one copy in
+  :mod:`notebookkit.tokenizer_templates`), which the tiny tokenizers carry;
 * the GGUF export (:mod:`notebookkit.export.gguf_arch`): llama.cpp's architecture and the
   conversions its tensors and metadata need (:class:`GGUFLayout`);
 * the memory model's vision shapes (:mod:`notebookkit.memory.vision_shapes`): which wrappers it
@@ -55,13 +57,16 @@ names:
   (:mod:`notebookkit.data.vision_collator`) and the tiny VLM builder
   (:mod:`notebookkit.embedded.generate_vision_models`); see :class:`Vision`.
 
-This module imports nothing (no torch, no transformers), so every layer can read it.
+This module imports only the template texts of :mod:`notebookkit.tokenizer_templates` (no torch, no
+transformers), so every layer can read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
+
+from notebookkit import tokenizer_templates
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,7 @@ class Vision:
     tiny: VisionRecipe
     tower: str
     label: str
+    tokenizer_template: str  # the wrapper's chat template, with image parts (notebookkit.tokenizer_templates)
     text_qkv_bias: bool = False
     rope: str = "rotate_half"
     tower_attention: str = "stock"
@@ -199,6 +205,7 @@ class Family:
     config_class: str  # the transformers config class of that model_type
     chat_template: str  # the notebookkit.data.chat_templates format of the family
     tokens: str  # the tiny tokenizer's special-token set (notebookkit.embedded.generate_tokenizer)
+    tokenizer_template: str  # the chat template the family's checkpoints ship (notebookkit.tokenizer_templates)
     tiny: TinyRecipe
     activation: str = "swiglu"
     gemma_norm: bool = False
@@ -240,6 +247,7 @@ _QWEN25_VL = Vision(
     image_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     image_token="<|image_pad|>", rope="mrope", tower_attention="segments", hub_example="Qwen/Qwen2.5-VL-7B-Instruct",
     tower="qwen2_5_vl", label="Qwen2.5-VL", text_qkv_bias=True,
+    tokenizer_template=tokenizer_templates.QWEN2_5_VL,
     tiny=VisionRecipe(
         vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 8,
                        "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 32,
@@ -263,6 +271,7 @@ _GEMMA3_VISION = Vision(
     language_model="model.language_model",
     image_tokens=("<start_of_image>", "<end_of_image>", "<image_soft_token>"), image_token="<image_soft_token>",
     hub_example="google/gemma-3-4b-it", tower="siglip", label="Gemma 3",
+    tokenizer_template=tokenizer_templates.GEMMA3_VISION,
     tiny=VisionRecipe(
         vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
                        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 64, "patch_size": 8,
@@ -283,6 +292,7 @@ _ALTERNATING = {"sliding_window": 512, "layer_types": ["sliding_attention", "ful
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(
         "llama", ("llama",), "LlamaConfig", chat_template="llama-3", tokens="llama",
+        tokenizer_template=tokenizer_templates.LLAMA3,
         gguf=GGUFLayout("llama", permute_qk=True),
         tiny=TinyRecipe(
             layers=4, pretrained=True, rope_theta=500000.0,
@@ -292,29 +302,34 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         ),
     ),
     Family(
-        "mistral", ("mistral",), "MistralConfig", chat_template="mistral", tokens="mistral", sliding_window=True,
+        "mistral", ("mistral",), "MistralConfig", chat_template="mistral", tokens="mistral",
+        tokenizer_template=tokenizer_templates.MISTRAL, sliding_window=True,
         gguf=GGUFLayout("llama", permute_qk=True),
         tiny=TinyRecipe(tie_word_embeddings=False, config={"rms_norm_eps": 1e-5, "sliding_window": 1024}),
     ),
     Family(
-        "qwen2", ("qwen2",), "Qwen2Config", chat_template="qwen-2.5", tokens="qwen2", sliding_window=True,
+        "qwen2", ("qwen2",), "Qwen2Config", chat_template="qwen-2.5", tokens="qwen2",
+        tokenizer_template=tokenizer_templates.QWEN2, sliding_window=True,
         gguf=GGUFLayout("qwen2"),
         multimodal_model_types=("qwen2_5_vl",), vision=_QWEN25_VL,
         tiny=TinyRecipe(config={"rms_norm_eps": 1e-6, "use_sliding_window": False}),
     ),
     Family(
-        "qwen3", ("qwen3",), "Qwen3Config", chat_template="qwen-3", tokens="qwen3", qk_norm=True,
+        "qwen3", ("qwen3",), "Qwen3Config", chat_template="qwen-3", tokens="qwen3",
+        tokenizer_template=tokenizer_templates.QWEN3, qk_norm=True,
         sliding_window=True, gguf=GGUFLayout("qwen3"),
         tiny=TinyRecipe(config={"rms_norm_eps": 1e-6, "use_sliding_window": False, "attention_bias": False}),
     ),
     Family(
-        "gemma", ("gemma",), "GemmaConfig", chat_template="gemma", tokens="gemma", activation="geglu_tanh",
+        "gemma", ("gemma",), "GemmaConfig", chat_template="gemma", tokens="gemma",
+        tokenizer_template=tokenizer_templates.GEMMA, activation="geglu_tanh",
         gemma_norm=True, scaled_embedding=True, tied_embeddings=True, gguf=GGUFLayout("gemma"),
         tiny=TinyRecipe(rope_theta=10000.0,
                         config={"rms_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", **_GEMMA_TANH}),
     ),
     Family(
-        "gemma2", ("gemma2",), "Gemma2Config", chat_template="gemma", tokens="gemma", activation="geglu_tanh",
+        "gemma2", ("gemma2",), "Gemma2Config", chat_template="gemma", tokens="gemma",
+        tokenizer_template=tokenizer_templates.GEMMA, activation="geglu_tanh",
         gemma_norm=True, sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
         default_attn_softcap=50.0, query_pre_attn_scalar=True, sliding_window=True, tied_embeddings=True,
@@ -327,6 +342,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     ),
     Family(
         "gemma3", ("gemma3_text",), "Gemma3TextConfig", chat_template="gemma-3", tokens="gemma",
+        tokenizer_template=tokenizer_templates.GEMMA,
         activation="geglu_tanh", gemma_norm=True, qk_norm=True, sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
         query_pre_attn_scalar=True, sliding_window=True, multimodal_model_types=("gemma3",),

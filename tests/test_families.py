@@ -174,6 +174,26 @@ class _Spec:
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_tiny_tokenizer_carries_the_rows_template(name):
+    """The tiny tokenizer's template is the row's one copy, and it renders the token set's turn markers."""
+    import jinja2
+
+    row = FAMILIES[name]
+    tokens = generate_tokenizer.family_tokens(name)
+    assert generate_tokenizer.tokenizer_config(name, _Spec())["chat_template"] is row.tokenizer_template
+
+    def refuse(message: str):
+        raise ValueError(message)
+
+    template = jinja2.Environment().from_string(row.tokenizer_template)
+    text = template.render(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                           bos_token=tokens.bos or "", eos_token=tokens.eos, add_generation_prompt=False,
+                           raise_exception=refuse)
+    assert tokens.response_marker in text, "the template does not open the answer with the token set's marker"
+    assert any("yo" + stop in text for stop in (tokens.eos, *tokens.stop)), "the answer's turn never ends"
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_family_name_picks_its_chat_template(name):
     row = FAMILIES[name]
     assert row.chat_template in CHAT_TEMPLATES

@@ -97,6 +97,19 @@ def test_standardize_data_formats_means_what_the_notebooks_mean():
     assert standardize_data_formats(plain) is plain
 
 
+def test_standardize_data_formats_sends_vision_rows_to_the_collator():
+    from datasets import Dataset
+
+    from notebookkit.chat_templates import standardize_data_formats
+
+    class Processor:
+        image_processor = object()
+
+    with pytest.raises(NotImplementedError, match="VisionDataCollator") as info:
+        standardize_data_formats(Dataset.from_list([{"text": "a"}]), tokenizer=Processor())
+    assert "issue" not in str(info.value) and "yet" not in str(info.value)  # vision fine-tuning ships
+
+
 def test_get_chat_template_refuses_what_it_cannot_mean(tmp_path):
     from notebookkit.chat_templates import get_chat_template
     from notebookkit.embedded.tiny import resolve_model_name

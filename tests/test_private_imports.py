@@ -16,8 +16,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "notebookkit"
 
+_MEMORY_ELSEWHERE = ("memory/ is being reworked on another branch as this rule reaches it: the helper becomes public "
+                     "in its owner there")
 #: (importing module, "owner:name") -> why it may stay
-ALLOWED: dict[tuple[str, str], str] = {}
+ALLOWED: dict[tuple[str, str], str] = {
+    ("notebookkit.memory.planner", "notebookkit.memory.estimate:_dtype_bytes"): _MEMORY_ELSEWHERE,
+    ("notebookkit.memory.planner", "notebookkit.memory.estimate:_fmt"): _MEMORY_ELSEWHERE,
+    ("notebookkit.memory.vision_shapes", "notebookkit.memory.shapes:_get"): _MEMORY_ELSEWHERE,
+    ("notebookkit.memory.vision_shapes", "notebookkit.memory.shapes:_lookup_known"): _MEMORY_ELSEWHERE,
+}
 
 
 def _module_name(path: Path) -> str:
@@ -70,18 +77,12 @@ def private_uses(path: Path, modules: set[str]) -> list[tuple[str, str, int]]:
     return found
 
 
-#: the packages held to the rule so far: a use counts when the file using it or the module owning it is in one
-CHECKED = ("notebookkit.models",)
-
-
 def _violations() -> list[str]:
     modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = _module_name(path)
         for owner, name, line in private_uses(path, modules):
-            if not any(m == c or m.startswith(c + ".") for m in (module, owner) for c in CHECKED):
-                continue
             if (module, f"{owner}:{name}") not in ALLOWED:
                 out.append(f"{path.relative_to(ROOT)}:{line} uses {owner}.{name}")
     return out

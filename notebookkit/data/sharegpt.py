@@ -113,14 +113,16 @@ def standardize_data_formats(
     Args:
         dataset: a ``datasets.Dataset`` or ``IterableDataset``.
         tokenizer: a text tokenizer (it changes nothing). A vision processor, whose turns hold lists
-            of typed parts, is refused: vision models are not in notebookkit yet (issue #23).
+            of typed parts, is refused: vision rows go to :class:`~notebookkit.data.VisionDataCollator`
+            as they are.
         aliases_for_system, aliases_for_user, aliases_for_assistant: the role names of each role.
         batch_size, num_proc: for ``datasets.map``.
     """
     if tokenizer is not None and hasattr(tokenizer, "image_processor"):
         raise NotImplementedError(
-            "standardize_data_formats: a vision processor was passed; notebookkit has no vision fine-tuning yet "
-            "(issue #23). Pass a text tokenizer, or none."
+            "standardize_data_formats: a vision processor was passed; this helper rewrites text conversations only. "
+            "Vision rows ('messages' with image and text parts, plus 'images') need no rewriting: pass them to "
+            "notebookkit.data.VisionDataCollator(model, processor). Here pass a text tokenizer, or none."
         )
     from datasets import Dataset
 

@@ -291,7 +291,7 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
     "white": (255, 255, 255), "grey": (170, 170, 170), "black": (0, 0, 0),
 }
 CAPTION_SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "diamond", "hexagon")
-_POSITIONS: dict[str, tuple[int, int]] = {
+CAPTION_POSITIONS: dict[str, tuple[int, int]] = {
     "in the top left": (18, 18), "in the top right": (46, 18), "in the bottom left": (18, 46),
     "in the bottom right": (46, 46), "in the middle": (32, 32),
 }
@@ -325,7 +325,7 @@ def draw_shape(shape: str, colour: str, background: str, size: str, position: st
 
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[background])
     draw = ImageDraw.Draw(img)
-    cx, cy = _POSITIONS[position]
+    cx, cy = CAPTION_POSITIONS[position]
     r = 12 if size == "small" else 26
     fill = CAPTION_COLOURS[colour]
     if shape == "circle":
@@ -349,7 +349,7 @@ def caption_specs(split: str) -> list[dict[str, str]]:
         shape, colour = rng.choice(allowed)
         background = rng.choice([b for b in BACKGROUNDS if b != colour])
         size = rng.choice(("small", "large"))
-        position = rng.choice(list(_POSITIONS)) if size == "small" else "in the middle"
+        position = rng.choice(list(CAPTION_POSITIONS)) if size == "small" else "in the middle"
         where = "" if size == "large" else f" {position}"
         caption = f"A {size} {colour} {shape} on a {background} background{where}."
         specs.append({"shape": shape, "colour": colour, "background": background, "size": size,

@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from notebookkit.families import FAMILIES
+from notebookkit.families import FAMILIES, family as family_record
 
 VOCAB_SIZE = 2048
 MODEL_MAX_LENGTH = 2048
@@ -54,70 +54,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 #: Added tokens that stay visible in ``decode(skip_special_tokens=True)`` (as in Qwen3).
 NON_SPECIAL_ADDED: frozenset[str] = frozenset({"<think>", "</think>"})
 
-LLAMA3_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
-
-CHATML_QWEN2_TEMPLATE = (
-    "{%- if messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-CHATML_QWEN3_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
-
-GEMMA_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{%- set first_user_prefix = messages[0]['content'] | trim + '\\n\\n' %}"
-    "{%- set loop_messages = messages[1:] %}"
-    "{%- else %}{%- set first_user_prefix = '' %}{%- set loop_messages = messages %}{%- endif %}"
-    "{%- for message in loop_messages %}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif %}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{- '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
-)
-
-MISTRAL_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
-    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
-    "{{- bos_token }}"
-    "{%- for message in loop_messages %}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif %}"
-    "{%- if message['role'] == 'user' %}"
-    "{%- if loop.first and system_message is defined %}"
-    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}"
-    "{%- else %}{{- '[INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
-    "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}"
-    "{%- endfor %}"
-)
-
-
 @dataclass(frozen=True)
 class FamilyTokens:
-    """Which special tokens a family uses, and its chat template.
+    """Which special tokens a family uses (its chat template is on the family row).
 
     ``bos`` is ``None`` for families without a begin-of-sequence token (Qwen);
     ``add_bos`` says whether ``tokenizer(text)`` prepends it; ``stop`` lists every token that
@@ -132,7 +71,6 @@ class FamilyTokens:
     pad: str
     unk: str | None
     add_bos: bool
-    chat_template: str
     stop: tuple[str, ...]
     config_bos: str
     response_marker: str = field(default="")
@@ -143,18 +81,15 @@ class FamilyTokens:
 #: The special-token sets, by the name a family row gives in ``Family.tokens``.
 TOKEN_SETS: dict[str, FamilyTokens] = {
     "llama": FamilyTokens("<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", None, True,
-                          LLAMA3_TEMPLATE, ("<|end_of_text|>", "<|eot_id|>"), "<|begin_of_text|>",
+                          ("<|end_of_text|>", "<|eot_id|>"), "<|begin_of_text|>",
                           "<|start_header_id|>assistant<|end_header_id|>\n\n", config_eos_is_stop_list=True),
-    "mistral": FamilyTokens("<s>", "</s>", "<pad>", "<unk>", True, MISTRAL_TEMPLATE, ("</s>",), "<s>",
-                            " [/INST]"),
-    "qwen2": FamilyTokens(None, "<|im_end|>", "<|endoftext|>", None, False, CHATML_QWEN2_TEMPLATE,
-                          ("<|im_end|>", "<|endoftext|>"), "<|endoftext|>", "<|im_start|>assistant\n",
-                          qwen_split=True),
-    "qwen3": FamilyTokens(None, "<|im_end|>", "<|endoftext|>", None, False, CHATML_QWEN3_TEMPLATE,
-                          ("<|im_end|>", "<|endoftext|>"), "<|endoftext|>", "<|im_start|>assistant\n",
-                          qwen_split=True),
-    "gemma": FamilyTokens("<bos>", "<eos>", "<pad>", "<unk>", True, GEMMA_TEMPLATE,
-                          ("<eos>", "<end_of_turn>"), "<bos>", "<start_of_turn>model\n"),
+    "mistral": FamilyTokens("<s>", "</s>", "<pad>", "<unk>", True, ("</s>",), "<s>", " [/INST]"),
+    "qwen2": FamilyTokens(None, "<|im_end|>", "<|endoftext|>", None, False, ("<|im_end|>", "<|endoftext|>"),
+                          "<|endoftext|>", "<|im_start|>assistant\n", qwen_split=True),
+    "qwen3": FamilyTokens(None, "<|im_end|>", "<|endoftext|>", None, False, ("<|im_end|>", "<|endoftext|>"),
+                          "<|endoftext|>", "<|im_start|>assistant\n", qwen_split=True),
+    "gemma": FamilyTokens("<bos>", "<eos>", "<pad>", "<unk>", True, ("<eos>", "<end_of_turn>"), "<bos>",
+                          "<start_of_turn>model\n"),
 }
 #: The token set of each family of the record (Gemma 1-3 share one).
 FAMILY_TOKENS: dict[str, FamilyTokens] = {f.name: TOKEN_SETS[f.tokens] for f in FAMILIES.values()}
@@ -239,7 +174,7 @@ def tokenizer_config(family: str, base) -> dict:
         "add_eos_token": False,
         "added_tokens_decoder": added,
         "bos_token": fam.bos,
-        "chat_template": fam.chat_template,
+        "chat_template": family_record(family).tokenizer_template,
         "clean_up_tokenization_spaces": False,
         "eos_token": fam.eos,
         "model_input_names": ["input_ids", "attention_mask"],

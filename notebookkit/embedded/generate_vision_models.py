@@ -20,7 +20,7 @@ gemma3-vision  ``Gemma3ForConditionalGeneration``: a 2-layer SigLIP encoder of w
 
 The tokenizer is the family's tiny tokenizer (:mod:`.generate_tokenizer`) with the wrapper's image
 tokens appended after the shared 2048 ids, so the text models' ids are unchanged; the chat template
-renders ``content`` given as a string or as a list of ``{"type": "image"}`` / ``{"type": "text"}``
+(the vision row's ``tokenizer_template``, :mod:`notebookkit.tokenizer_templates`) renders ``content`` given as a string or as a list of ``{"type": "image"}`` / ``{"type": "text"}``
 items (the layout of TRL and of the most used vision notebooks). The processor (its image processor
 set for 64x64 inputs, the tokenizer and the template) is saved beside the weights, so
 ``AutoProcessor.from_pretrained(folder)`` loads it as it loads a hub checkpoint's.
@@ -37,50 +37,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from notebookkit.families import Vision, family as family_record
-
-#: Chat templates of the tiny VLMs (written for notebookkit; their markers follow the public formats).
-QWEN_VL_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if loop.first and message['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-GEMMA3_VISION_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{%- if messages[0]['content'] is string %}{%- set first_user_prefix = messages[0]['content'] | trim + '\\n\\n' %}"
-    "{%- else %}{%- set first_user_prefix = messages[0]['content'][0]['text'] | trim + '\\n\\n' %}{%- endif %}"
-    "{%- set loop_messages = messages[1:] %}"
-    "{%- else %}{%- set first_user_prefix = '' %}{%- set loop_messages = messages %}{%- endif %}"
-    "{%- for message in loop_messages %}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif %}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{- '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
-    "{%- if message['content'] is string %}{{- message['content'] | trim }}"
-    "{%- else %}{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' %}{{- '<start_of_image>' }}"
-    "{%- elif item['type'] == 'text' %}{{- item['text'] | trim }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<end_of_turn>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
-)
-
-#: The chat template of each tiny VLM, by the vision row's name.
-VISION_TEMPLATES: dict[str, str] = {"qwen2.5-vl": QWEN_VL_TEMPLATE, "gemma3-vision": GEMMA3_VISION_TEMPLATE}
-
 
 def vision_row(family: str) -> Vision:
     """The vision row of ``family`` (a readable error for a family without one)."""
@@ -113,7 +69,7 @@ def write_vision_tokenizer(base_tokenizer, family: str, folder: Path) -> dict[st
     for token, tid in ids.items():
         config["added_tokens_decoder"][str(tid)] = {"content": token, "lstrip": False, "normalized": False,
                                                     "rstrip": False, "single_word": False, "special": True}
-    config["chat_template"] = VISION_TEMPLATES[vision.name]
+    config["chat_template"] = vision.tokenizer_template
     if vision.tiny.tokenizer_attributes:
         config["extra_special_tokens"] = dict(vision.tiny.tokenizer_attributes)
     _write_json(folder / "tokenizer_config.json", config)
@@ -181,7 +137,7 @@ def write_processor(folder: Path, family: str) -> None:
     if recipe.video_processor:
         config["video_processor"] = dict(recipe.video_processor)
     _write_json(folder / "processor_config.json", config)
-    (folder / "chat_template.jinja").write_text(VISION_TEMPLATES[vision.name], encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(vision.tokenizer_template, encoding="utf-8")
 
 
 #: Sentences in the bundled caption grammar the pre-trained decoders read (text only), and their seed.
@@ -199,14 +155,14 @@ def caption_documents(n: int = CAPTION_SENTENCES, seed: int = CAPTION_SENTENCES_
     """
     import random
 
-    from .generate_datasets import BACKGROUNDS, CAPTION_COLOURS, CAPTION_SHAPES, _POSITIONS
+    from .generate_datasets import BACKGROUNDS, CAPTION_COLOURS, CAPTION_POSITIONS, CAPTION_SHAPES
 
     rng = random.Random(seed)
     sentences = []
     for _ in range(n):
         size, colour, shape = rng.choice(("small", "large")), rng.choice(list(CAPTION_COLOURS)), rng.choice(CAPTION_SHAPES)
         background = rng.choice([b for b in BACKGROUNDS if b != colour])
-        where = "" if size == "large" else " " + rng.choice(list(_POSITIONS))
+        where = "" if size == "large" else " " + rng.choice(list(CAPTION_POSITIONS))
         sentences.append(f"A {size} {colour} {shape} on a {background} background{where}.")
     return [" ".join(sentences[i:i + SENTENCES_PER_DOCUMENT]) for i in range(0, n, SENTENCES_PER_DOCUMENT)]
 
@@ -248,5 +204,5 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
 
 
-__all__ = ["VISION_TEMPLATES", "build_vision_model_folder", "build_random_vision_model", "vision_model_config",
+__all__ = ["build_vision_model_folder", "build_random_vision_model", "vision_model_config",
            "vision_row", "write_processor", "write_vision_tokenizer"]

@@ -57,8 +57,8 @@ BUILD_THREADS = 2
 # What the artifacts depend on: the generator modules, the family record they read, the recipe
 # constants above and the library versions. (This module's own code, the cache and the report, is
 # deliberately not hashed, so editing it does not force a rebuild.) Paths are relative to this package.
-_MODEL_SOURCES = ("../families.py", "generate_tokenizer.py", "generate_models.py", "generate_pretrain.py",
-                  "corpus/world.py", "corpus/generate.py")
+_MODEL_SOURCES = ("../families.py", "../tokenizer_templates.py", "generate_tokenizer.py", "generate_models.py",
+                  "generate_pretrain.py", "corpus/world.py", "corpus/generate.py")
 _MODEL_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 # The vision models also depend on their own builder (hashed for them only, so editing it leaves the
 # text models' version alone) and on pillow (the image processors).

@@ -77,7 +77,7 @@ def _file_type(method: str) -> int:
 
 
 @dataclass
-class _GGUFTensor:
+class GGUFTensor:
     """One tensor of the GGUF file: its llama.cpp name and how it is derived from the merged weights."""
 
     name: str
@@ -99,26 +99,28 @@ class _GGUFTensor:
         return values.contiguous().numpy()
 
 
-def _text_config(config: Any) -> Any:
+def decoder_config(config: Any) -> Any:
+    """The text decoder's config (a multimodal config's text part; the config itself otherwise)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _gguf_tensors(model: nn.Module, family: GGUFFamily) -> list[_GGUFTensor]:
+def gguf_tensors(model: nn.Module, family: GGUFFamily) -> list[GGUFTensor]:
+    """Every tensor the GGUF file holds for ``model``: llama.cpp's name and the conversion it needs."""
     import gguf
 
-    config = _text_config(base_model_of(model).config)
+    config = decoder_config(base_model_of(model).config)
     n_layers = int(config.num_hidden_layers)
     n_heads = int(config.num_attention_heads)
     n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == family.arch)
     names = gguf.get_tensor_name_map(arch, n_layers)
-    tensors: list[_GGUFTensor] = []
+    tensors: list[GGUFTensor] = []
     rope = rope_parameters(config)
     rope_type = rope.get("rope_type", "default")
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
     if rope_type == "llama3":
         factors = llama3_rope_factors(head_dim, rope)
-        tensors.append(_GGUFTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", tuple(factors.shape), None, factors))
+        tensors.append(GGUFTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", tuple(factors.shape), None, factors))
     for planned in plan_merged_tensors(model, torch.float32):
         gname = names.get_name(planned.name, try_suffixes=(".weight", ".bias"))
         if gname is None:
@@ -129,14 +131,14 @@ def _gguf_tensors(model: nn.Module, family: GGUFFamily) -> list[_GGUFTensor]:
         elif family.permute_qk and planned.name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = n_kv
         add = family.norm_shift if planned.name.endswith("norm.weight") else 0.0
-        tensors.append(_GGUFTensor(gname, planned.shape, planned, permute_heads=heads, add=add))
+        tensors.append(GGUFTensor(gname, planned.shape, planned, permute_heads=heads, add=add))
     return tensors
 
 
 def _add_model_metadata(writer: Any, model: nn.Module, family: GGUFFamily, method: str) -> None:
     import gguf
 
-    config = _text_config(base_model_of(model).config)
+    config = decoder_config(base_model_of(model).config)
     n_heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
     writer.add_name(str(getattr(config, "_name_or_path", "") or "notebookkit export").rstrip("/").split("/")[-1])
@@ -217,7 +219,7 @@ def tensor_type(shape: tuple[int, ...], method: str, from_weights: bool = True):
     return t.F16 if shape[-1] % block else qtype
 
 
-def _encoding(tensor: _GGUFTensor, method: str):
+def _encoding(tensor: GGUFTensor, method: str):
     """(ggml type, numpy dtype for add_tensor_info, byte count) of one tensor in one method's file."""
     import gguf
 
@@ -246,8 +248,8 @@ def _write_gguf_files(model, tokenizer, family, methods: list[str], paths: list[
     """One pass over the merged weights, writing one GGUF file per method."""
     import gguf
 
-    config = _text_config(base_model_of(model).config)
-    tensors = _gguf_tensors(model, family)
+    config = decoder_config(base_model_of(model).config)
+    tensors = gguf_tensors(model, family)
     vocab = tokenizer_metadata(tokenizer, int(config.vocab_size))
     writers, encodings = [], []
     for method, path in zip(methods, paths):
@@ -313,7 +315,7 @@ def save_pretrained_gguf(
     """
     base = require_notebookkit_model(model, "save_pretrained_gguf")
     methods = normalize_quantization_methods(quantization_method)
-    family = gguf_family(_text_config(base.config))
+    family = gguf_family(decoder_config(base.config))
     if tokenizer is None:
         raise ExportError("save_pretrained_gguf needs the tokenizer: model.save_pretrained_gguf(folder, tokenizer, ...).")
     kquants = [m for m in methods if m in KQUANT_METHODS]

@@ -47,11 +47,11 @@ def _from_file(model: nn.Module, path: os.PathLike, state: dict[str, torch.Tenso
     """Overwrite ``state`` with the file's decoded tensors, in Hugging Face names and layout."""
     import gguf
 
-    from .gguf_file import _gguf_tensors, _text_config
+    from .gguf_file import decoder_config, gguf_tensors
 
-    family = gguf_family(_text_config(base_model_of(model).config))
+    family = gguf_family(decoder_config(base_model_of(model).config))
     stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    for tensor in _gguf_tensors(model, family):
+    for tensor in gguf_tensors(model, family):
         if tensor.source is None:
             continue
         t = stored[tensor.name]

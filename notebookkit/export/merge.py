@@ -92,7 +92,8 @@ def _dense_fp32(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
     return weight.detach().to(device=device, dtype=torch.float32, copy=True)
 
 
-def _active_adapters(module: nn.Module) -> list[str]:
+def active_adapter_names(module: nn.Module) -> list[str]:
+    """The LoRA adapters of ``module`` that are active and not yet merged into its weight."""
     active = getattr(module, "active_adapters", None) or []
     if isinstance(active, str):
         active = [active]
@@ -102,14 +103,14 @@ def _active_adapters(module: nn.Module) -> list[str]:
 
 def _check_supported_lora(module: nn.Module, name: str) -> None:
     dora = getattr(module, "use_dora", {}) or {}
-    if any(dora.get(a, False) for a in _active_adapters(module)):
+    if any(dora.get(a, False) for a in active_adapter_names(module)):
         raise NotImplementedError(
             f"{name} uses DoRA (use_dora=True); notebookkit's merge writes plain LoRA (W + s*B@A). "
             "Train without DoRA, or merge with peft's merge_and_unload() on a 16-bit model."
         )
     if getattr(module, "fan_in_fan_out", False):
         raise NotImplementedError(f"{name} stores its weight transposed (fan_in_fan_out); only nn.Linear layers merge.")
-    if any(getattr(module, "lora_bias", {}).get(a, False) for a in _active_adapters(module)):
+    if any(getattr(module, "lora_bias", {}).get(a, False) for a in active_adapter_names(module)):
         raise NotImplementedError(f"{name} has a LoRA bias (lora_bias=True), which the merge does not write.")
 
 
@@ -142,7 +143,8 @@ def _ieee_fp32_matmul():
 
 def _merged_linear_maker(module: nn.Module, out_dtype: torch.dtype) -> Callable[[torch.device], torch.Tensor]:
     base = module.base_layer
-    adapters = [(module.lora_A[a].weight, module.lora_B[a].weight, float(module.scaling[a])) for a in _active_adapters(module)]
+    adapters = [(module.lora_A[a].weight, module.lora_B[a].weight, float(module.scaling[a]))
+                for a in active_adapter_names(module)]
 
     def make(device: torch.device) -> torch.Tensor:
         merged = _dense_fp32(base.weight, device)
@@ -191,7 +193,7 @@ def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTen
             skip_prefixes.append(mod_name)
             weight = module.base_layer.weight
             out_f, in_f = _weight_shape(weight)
-            rank = sum(module.lora_A[a].weight.shape[0] for a in _active_adapters(module))
+            rank = sum(module.lora_A[a].weight.shape[0] for a in active_adapter_names(module))
             seen.add(id(weight))
             add(prefix + "weight", weight, _merged_linear_maker(module, dtype), (out_f, in_f), dtype,
                 merge_working_bytes(out_f, in_f, rank, torch.empty((), dtype=dtype).element_size()), rank)

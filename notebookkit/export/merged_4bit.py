@@ -35,7 +35,7 @@ import torch.nn as nn
 from notebookkit.memory.export import nf4_merge_working_bytes
 
 from .checks import format_bytes
-from .merge import PlannedTensor, _active_adapters, base_model_of, plan_merged_tensors
+from .merge import PlannedTensor, active_adapter_names, base_model_of, plan_merged_tensors
 from .merged_folder import write_merged_folder
 from .nf4_quantize import NF4Weight, nf4_tensor_shapes, quantize_nf4
 
@@ -65,7 +65,7 @@ def lora_update_norms(model: nn.Module) -> dict[str, float]:
     for name, module in base_model_of(model).named_modules():
         if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
             continue
-        adapters = _active_adapters(module)
+        adapters = active_adapter_names(module)
         if not adapters:
             continue
         a = torch.cat([module.lora_A[k].weight.detach().double().cpu() for k in adapters], 0)

@@ -99,13 +99,13 @@ def _gguf_rows(model: nn.Module, tokenizer: Any, out: Path, form: ExportForm, gg
     for r in results:
         row = _row(f"{form.name} {r.form}", r)
         if verify:
-            from .verify import _llama, check_gguf_file, greedy_llama_cpp
+            from .verify import check_gguf_file, greedy_llama_cpp, load_llama_cpp
 
             check = check_gguf_file(model, r.path, tokenizer, n_tokens=8, method=r.form)
             row.update(max_logit_diff=f"{check.max_abs_diff:.2e}", greedy_equal=f"{check.greedy_equal}/{check.prompts}",
                        within_tolerance=check.within(r.form) and check.tokenizer_equal and check.explained())
             if canary is not None:
-                llm = _llama(r.path)
+                llm = load_llama_cpp(r.path)
                 try:
                     tokens, _ = greedy_llama_cpp(llm, canary.prompt_ids(tokenizer), canary.recall_tokens)
                 finally:

@@ -248,7 +248,7 @@ def _without_weight_repacking(llama_cpp: Any):
 GGML_TYPE_F32 = 0
 
 
-def _llama(path: os.PathLike, n_ctx: int = 512):
+def load_llama_cpp(path: os.PathLike, n_ctx: int = 512):
     """The file in llama.cpp on the CPU, for checks: an fp32 KV cache (llama.cpp's default f16 cache
     rounds keys and values; the check measures the file), no weight repacking, all logits kept, no
     layer offloaded (``n_gpu_layers=0``: a CUDA build of llama-cpp-python computes the same on the CPU)."""
@@ -397,7 +397,7 @@ def check_gguf_file(model: nn.Module, path: os.PathLike, tokenizer: Any, n_token
         from .gguf_rounding import rounded_reference_model
 
         reference = rounded_reference_model(model, method, path)
-    llm = _llama(path)
+    llm = load_llama_cpp(path)
     try:
         check = GGUFCheck(path, 0, 0, 0.0, float("nan"), method=method)
         for q, ids in zip(FIXED_QUESTIONS, prompt_ids(tokenizer)):

@@ -78,7 +78,7 @@ NItems = Union[int, float, torch.Tensor, None]
 
 FP16_GRAD_HEADROOM = 2.0**8  # float16 gradients are stored as c * D * dL/dx (module docstring)
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _tanh(a):
+def tanh_from_exp(a):
     # tanh from exp (tl.math.tanh is not in every triton 3.x release): exact limits at +-inf.
     t = tl.exp(-2.0 * tl.abs(a))
     r = (1.0 - t) / (1.0 + t)
@@ -137,7 +137,7 @@ def _cross_entropy_kernel(
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         z = x * logit_scale
         if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
+            z = softcap * tanh_from_exp(z / softcap)
         z = tl.where(mask, z, -float("inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: keep exp() finite
@@ -149,7 +149,7 @@ def _cross_entropy_kernel(
     x_y = tl.load(x_row + label, mask=in_range, other=0.0).to(tl.float32)
     z_y = x_y * logit_scale
     if HAS_SOFTCAP:
-        z_y = softcap * _tanh(z_y / softcap)
+        z_y = softcap * tanh_from_exp(z_y / softcap)
     loss = lse - z_y
     if HAS_Z_LOSS:
         loss += z_loss * lse * lse
@@ -169,7 +169,7 @@ def _cross_entropy_kernel(
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             z = x * logit_scale
             if HAS_SOFTCAP:
-                z = softcap * _tanh(z / softcap)
+                z = softcap * tanh_from_exp(z / softcap)
             p = tl.exp(z - lse)
             dz = coef * p - tl.where(offs == label, 1.0, 0.0)
             if HAS_SOFTCAP:
@@ -187,7 +187,7 @@ def _cross_entropy_kernel(
 _MAX_BLOCK_V = 8192
 
 
-def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Uninitialised output buffer (one place, so tests can poison every output with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -309,8 +309,8 @@ class CrossEntropyFunction(torch.autograd.Function):
             y = y.contiguous()
         grad = None
         if compute_grad:
-            grad = x if inplace_grad else _new_buffer(x.shape, x.dtype, x.device)
-        loss_rows = _new_buffer((x.shape[0],), torch.float32, x.device)
+            grad = x if inplace_grad else new_buffer(x.shape, x.dtype, x.device)
+        loss_rows = new_buffer((x.shape[0],), torch.float32, x.device)
         denom = denominator(y, ignore_index, n_items, x.device)
         # float16 stores c * D * G (fp16 headroom, module docstring); backward divides by c * D.
         fp16 = x.dtype == torch.float16
@@ -461,7 +461,7 @@ def cross_entropy(
     check_labels_and_softcap("logits", logits, labels, softcap)
     if not should_use_triton(logits):
         return cross_entropy_reference(logits, labels, ignore_index, softcap, logit_scale, z_loss, n_items)
-    if logits.dtype not in _SUPPORTED_DTYPES:
+    if logits.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"The Triton cross_entropy supports float32, float16 and bfloat16 logits, got {logits.dtype}. "
             f"Cast the logits (for example logits.float()) first."

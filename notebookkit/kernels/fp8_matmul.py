@@ -140,7 +140,7 @@ def scaled_mm_applies_to(x2d: torch.Tensor, out_features: int) -> bool:
 
 
 @triton.jit
-def _to_e4m3(v, FP8_TY: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
+def to_e4m3(v, FP8_TY: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
     """fp32 ``v`` (already clamped to +-448) -> float8_e4m3fn, round-to-nearest-even.
 
     On a GPU the hardware conversion rounds (RTNE, as PyTorch's cast). Under the interpreter the
@@ -160,7 +160,7 @@ def _to_e4m3(v, FP8_TY: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
 
 
 @triton.jit
-def _row_scale(amax, nan_count, FLOOR: tl.constexpr, INV_MAX: tl.constexpr):
+def row_scale(amax, nan_count, FLOOR: tl.constexpr, INV_MAX: tl.constexpr):
     """``max(amax, FLOOR) * fp32(1/448)``; NaN when the row holds a NaN (as torch.amax)."""
     scale = tl.maximum(amax, FLOOR) * INV_MAX
     return tl.where(nan_count > 0, float("nan"), scale)
@@ -178,10 +178,10 @@ def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr
         offs = tl.arange(0, BLOCK_K)
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), FLOOR, INV_MAX)
+        scale = row_scale(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), FLOOR, INV_MAX)
         tl.store(S + row, scale)
         v = tl.clamp(x * tl.math.div_rn(1.0, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_row + offs, _to_e4m3(v, Q.dtype.element_ty, EXPLICIT_ROUNDING), mask=mask)
+        tl.store(q_row + offs, to_e4m3(v, Q.dtype.element_ty, EXPLICIT_ROUNDING), mask=mask)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         nans = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -190,7 +190,7 @@ def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
             nans += (x != x).to(tl.int32)
-        scale = _row_scale(tl.max(amax, axis=0), tl.sum(nans, axis=0), FLOOR, INV_MAX)
+        scale = row_scale(tl.max(amax, axis=0), tl.sum(nans, axis=0), FLOOR, INV_MAX)
         tl.store(S + row, scale)
         inv_scale = tl.math.div_rn(1.0, scale)  # IEEE 1 / scale, once per row
         for k0 in range(0, K, BLOCK_K):
@@ -198,7 +198,7 @@ def _quantize_rowwise_kernel(X, Q, S, K, stride_x, stride_q, FLOOR: tl.constexpr
             mask = offs < K
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             v = tl.clamp(x * inv_scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_row + offs, _to_e4m3(v, Q.dtype.element_ty, EXPLICIT_ROUNDING), mask=mask)
+            tl.store(q_row + offs, to_e4m3(v, Q.dtype.element_ty, EXPLICIT_ROUNDING), mask=mask)
 
 
 # Rows up to this many elements are quantised in one pass (read once, kept in registers).

@@ -44,7 +44,7 @@ from notebookkit.kernels import cross_entropy as _ce
 from notebookkit.kernels.cross_entropy import (
     FP16_GRAD_HEADROOM,
     NItems,
-    _SUPPORTED_DTYPES,
+    SUPPORTED_DTYPES,
     check_labels_and_softcap,
     cross_entropy_reference,
     denominator,
@@ -175,8 +175,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         fp16 = dtype == torch.float16
         grad_denom = torch.full((), 1.0 / FP16_GRAD_HEADROOM, device=device) if fp16 else denom
         ctx.pending_denom = denom * FP16_GRAD_HEADROOM if fp16 else None
-        loss_rows = _ce._new_buffer((n_rows,), torch.float32, device)
-        grad_hidden = _ce._new_buffer((n_rows, n_hidden), dtype, device) if need_h else None
+        loss_rows = _ce.new_buffer((n_rows,), torch.float32, device)
+        grad_hidden = _ce.new_buffer((n_rows, n_hidden), dtype, device) if need_h else None
         grad_weight = None
         if need_w:
             # One chunk: the GEMM itself accumulates in fp32. Several (or fp16): an fp32 accumulator.
@@ -186,7 +186,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 grad_weight = torch.zeros((vocab, n_hidden), dtype=weight.dtype, device=device)
         grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_b else None
 
-        logits = _ce._new_buffer((min(chunk_size, n_rows), vocab), dtype, device)
+        logits = _ce.new_buffer((min(chunk_size, n_rows), vocab), dtype, device)
         w_t = weight.t()
         for start in range(0, n_rows, chunk_size):
             end = min(start + chunk_size, n_rows)
@@ -271,7 +271,7 @@ def lm_head_compute_dtype(op: str, hidden: torch.Tensor, weight: torch.Tensor, h
         dtype = torch.get_autocast_dtype(hidden.device.type)
     else:
         dtype = weight.dtype
-    if dtype not in _SUPPORTED_DTYPES:
+    if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{op} runs in float32, float16 or bfloat16, got {dtype}.{hint}")
     return dtype
 

@@ -83,7 +83,7 @@ def eg_row_stride(e: torch.Tensor, g: torch.Tensor) -> int | None:
 
 
 # Device-only helpers, compiled as part of the SwiGLU/GeGLU kernels that call them (tests/kernels/aot.py).
-AOT_HELPERS = ["eg_offsets"]
+AOT_HELPERS = ["eg_offsets", "load_gate_inputs"]
 
 
 @triton.jit
@@ -93,6 +93,17 @@ def eg_offsets(offs, n_cols, stride_eg, EG_STRIDED: tl.constexpr):
     if EG_STRIDED:
         return offs + (offs // n_cols) * (stride_eg - n_cols)
     return offs
+
+
+@triton.jit
+def load_gate_inputs(E, G, offs, n_elements, n_cols, stride_eg, EG_STRIDED: tl.constexpr):
+    """``(mask, eg, e, g)`` of the elements ``offs``: the in-range mask, their offsets in ``e``/``g``
+    (:func:`eg_offsets`) and both values in fp32 (0 out of range)."""
+    mask = offs < n_elements
+    eg = eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
+    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
+    return mask, eg, e, g
 
 
 def check_inplace_trio(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, op: str) -> None:

@@ -67,10 +67,7 @@ def _gelu_and_grad(e, APPROX_TANH: tl.constexpr):
 def _geglu_fwd_kernel(E, G, H, n_elements, n_cols, stride_eg, APPROX_TANH: tl.constexpr,
                       EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    eg = gated.eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
-    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
+    mask, eg, e, g = gated.load_gate_inputs(E, G, offs, n_elements, n_cols, stride_eg, EG_STRIDED)
     a, _ = _gelu_and_grad(e, APPROX_TANH)
     tl.store(H + offs, (a * g).to(H.dtype.element_ty), mask=mask)
 
@@ -81,11 +78,8 @@ def _geglu_bwd_kernel(
     APPROX_TANH: tl.constexpr, STORE_H: tl.constexpr, EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    eg = gated.eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
+    mask, eg, e, g = gated.load_gate_inputs(E, G, offs, n_elements, n_cols, stride_eg, EG_STRIDED)
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
-    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
     a, da = _gelu_and_grad(e, APPROX_TANH)
     if STORE_H:
         tl.store(H_OUT + offs, (a * g).to(H_OUT.dtype.element_ty), mask=mask)

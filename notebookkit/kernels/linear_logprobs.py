@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.cross_entropy import _tanh
+from notebookkit.kernels.cross_entropy import tanh_from_exp
 from notebookkit.kernels.fused_linear_cross_entropy import (
     backprop_lm_head_chunk,
     check_lm_head_inputs,
@@ -113,7 +113,7 @@ def _logprobs_forward_kernel(
         mask = offs < n_cols
         z = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) * scale
         if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
+            z = softcap * tanh_from_exp(z / softcap)
         z_in = tl.where(mask, z, -float("inf"))
         m_new = tl.maximum(m, tl.max(z_in, axis=0))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -128,7 +128,7 @@ def _logprobs_forward_kernel(
     in_range = (label >= 0) & (label < n_cols)
     z_y = tl.load(x_row + label, mask=in_range, other=0.0).to(tl.float32) * scale
     if HAS_SOFTCAP:
-        z_y = softcap * _tanh(z_y / softcap)
+        z_y = softcap * tanh_from_exp(z_y / softcap)
     tl.store(logp_ptr + row, z_y - lse)
     tl.store(lse_ptr + row, lse)
     if HAS_ENTROPY:
@@ -162,7 +162,7 @@ def _logprobs_backward_kernel(
     g = tl.load(grad_ptr + row)
     z = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) * scale
     if HAS_SOFTCAP:
-        z = softcap * _tanh(z / softcap)
+        z = softcap * tanh_from_exp(z / softcap)
     p = tl.exp(z - lse)
     dz = g * (tl.where(offs == label, 1.0, 0.0) - p)
     if HAS_SOFTCAP:

@@ -102,7 +102,8 @@ class _NF4State:
         return n
 
 
-def _read_state(packed: torch.Tensor, quant_state: Any) -> _NF4State:
+def read_nf4_state(packed: torch.Tensor, quant_state: Any) -> _NF4State:
+    """The decoded fields of a bitsandbytes NF4 ``QuantState`` for ``packed``; a readable error when they do not fit."""
     if quant_state is None:
         raise ValueError(
             "dequantize_nf4 needs the bitsandbytes QuantState of the weight: pass `weight.quant_state` "
@@ -174,7 +175,8 @@ def _read_state(packed: torch.Tensor, quant_state: Any) -> _NF4State:
     return st
 
 
-def _unwrap(weight: Any, quant_state: Any) -> tuple[torch.Tensor, Any]:
+def unwrap_nf4_weight(weight: Any, quant_state: Any) -> tuple[torch.Tensor, Any]:
+    """``(packed uint8 bytes, quant state)`` of an NF4 weight given as ``Params4bit`` or as bytes plus its state."""
     if quant_state is None:
         quant_state = getattr(weight, "quant_state", None)
     # Params4bit is a Parameter subclass; .data is the plain uint8 (or quant_storage) tensor.
@@ -215,8 +217,8 @@ def dequantize_nf4_reference(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch NF4 dequantisation (same arguments and bits as :func:`dequantize_nf4`)."""
-    packed, quant_state = _unwrap(weight, quant_state)
-    st = _read_state(packed, quant_state)
+    packed, quant_state = unwrap_nf4_weight(weight, quant_state)
+    st = read_nf4_state(packed, quant_state)
     out, out_dtype = _resolve_out(st, packed.device, out_dtype, out)
     n = st.numel
     flat = packed.reshape(-1)
@@ -239,7 +241,17 @@ def dequantize_nf4_reference(
 
 
 @triton.jit
-def _block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, block_ok,
+def program_rows(COUNT: tl.constexpr, INT64: tl.constexpr):
+    """The ``COUNT`` rows this program handles, ``pid * COUNT + [0, COUNT)``: int64 when ``INT64`` (row
+    offsets past 2**31), int32 otherwise."""
+    pid = tl.program_id(0)
+    if INT64:
+        return pid.to(tl.int64) * COUNT + tl.arange(0, COUNT).to(tl.int64)
+    return pid * COUNT + tl.arange(0, COUNT)
+
+
+@triton.jit
+def block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, block_ok,
                   BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
     """fp32 absmax of NF4 blocks ``blocks``: stored as is, or nested as
     ``code2[c[b]] * absmax2[b // BLOCKSIZE2] + offset`` (fp32 product, then the sum, as bitsandbytes)."""
@@ -254,7 +266,7 @@ def _block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, block_
 
 
 @triton.jit
-def _decode_nf4_blocks(packed_ptr, table_ptr, blocks, block_ok, absmax, n_bytes,
+def decode_nf4_blocks(packed_ptr, table_ptr, blocks, block_ok, absmax, n_bytes,
                        N_BLOCKS: tl.constexpr, BLOCKSIZE: tl.constexpr):
     """fp32 values ``[N_BLOCKS, BLOCKSIZE]`` of NF4 blocks: ``table[code] * absmax[block]``, two codes a
     byte, high nibble first. Bytes past ``n_bytes`` or of blocks not ``block_ok`` read as code 0."""
@@ -286,14 +298,10 @@ def _nf4_dequant_kernel(
     INT64: tl.constexpr,
     BF16_BITS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if INT64:
-        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    else:
-        rows = pid * ROWS + tl.arange(0, ROWS)
+    rows = program_rows(ROWS, INT64)
     row_ok = rows < n_blocks
-    absmax = _block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, rows, row_ok, BLOCKSIZE2, NESTED)
-    vals = _decode_nf4_blocks(packed_ptr, table_ptr, rows, row_ok, absmax, n_bytes, ROWS, BLOCKSIZE)
+    absmax = block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, rows, row_ok, BLOCKSIZE2, NESTED)
+    vals = decode_nf4_blocks(packed_ptr, table_ptr, rows, row_ok, absmax, n_bytes, ROWS, BLOCKSIZE)
 
     offs = rows[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     if BF16_BITS:
@@ -305,7 +313,7 @@ def _nf4_dequant_kernel(
         tl.store(out_ptr + offs, vals.to(out_ptr.dtype.element_ty), mask=offs < n)
 
 
-def _kernel_operands(packed: torch.Tensor, st: _NF4State) -> tuple[torch.Tensor, ...]:
+def nf4_kernel_operands(packed: torch.Tensor, st: _NF4State) -> tuple[torch.Tensor, ...]:
     """The pointer operands of an NF4 kernel: ``(packed bytes, absmax, NF4 table, code2, absmax2, offset)``,
     flat and contiguous. Without nested absmax the last three are unused by the kernel (any fp32
     tensor will do: the table)."""
@@ -348,15 +356,15 @@ def dequantize_nf4(
     CUDA tensors run the Triton kernel; CPU tensors run the PyTorch reference unless Triton is
     forced (``notebookkit.kernels.runtime.use_triton(True)`` with ``TRITON_INTERPRET=1``).
     """
-    packed, quant_state = _unwrap(weight, quant_state)
+    packed, quant_state = unwrap_nf4_weight(weight, quant_state)
     if not should_use_triton(packed):
         return dequantize_nf4_reference(packed, quant_state, out_dtype=out_dtype, out=out)
-    st = _read_state(packed, quant_state)
+    st = read_nf4_state(packed, quant_state)
     out, out_dtype = _resolve_out(st, packed.device, out_dtype, out)
     n = st.numel
     if n == 0:
         return out.view(st.shape)
-    packed, absmax, table, code2, absmax2, offset = _kernel_operands(packed, st)
+    packed, absmax, table, code2, absmax2, offset = nf4_kernel_operands(packed, st)
     n_blocks = absmax.numel()
     rows, num_warps = _launch_config(st.blocksize)
     # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest-even (the GPU

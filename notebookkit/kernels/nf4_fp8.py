@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from . import fp8_matmul
-from .fp8_matmul import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, _row_scale, _to_e4m3, check_fp8_out, quantize_rowwise_fp8
-from .nf4 import _block_absmax, _decode_nf4_blocks, _kernel_operands, _read_state, _unwrap, dequantize_nf4
+from .fp8_matmul import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, check_fp8_out, quantize_rowwise_fp8, row_scale, to_e4m3
+from .nf4 import block_absmax, decode_nf4_blocks, dequantize_nf4, nf4_kernel_operands, read_nf4_state, unwrap_nf4_weight
 from .runtime import should_use_triton
 
 __all__ = ["quantize_nf4_rowwise_fp8", "quantize_nf4_rowwise_fp8_reference", "AOT_SPECS"]
@@ -62,9 +62,9 @@ def _nf4_to_fp8_rowwise_kernel(
     local = tl.arange(0, ROW_BLOCKS)
     block_ok = local < blocks_per_row
     blocks = row * blocks_per_row + local
-    absmax = _block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, block_ok, BLOCKSIZE2, NESTED)
+    absmax = block_absmax(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, block_ok, BLOCKSIZE2, NESTED)
     absmax = tl.where(block_ok, absmax, 0.0)
-    w = _decode_nf4_blocks(packed_ptr, table_ptr, blocks, block_ok, absmax, n_bytes, ROW_BLOCKS, BLOCKSIZE)
+    w = decode_nf4_blocks(packed_ptr, table_ptr, blocks, block_ok, absmax, n_bytes, ROW_BLOCKS, BLOCKSIZE)
 
     # the dequantised weight in the compute dtype, as dequantize_nf4 writes it
     if COMPUTE == 2 and EXPLICIT_ROUNDING:  # bf16 RTNE on the bits (the interpreter truncates a cast)
@@ -75,12 +75,12 @@ def _nf4_to_fp8_rowwise_kernel(
     elif COMPUTE == 1:
         w = w.to(tl.float16).to(tl.float32)
 
-    scale = _row_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0),
+    scale = row_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0),
                        tl.sum(tl.sum((w != w).to(tl.int32), axis=1), axis=0), FLOOR, INV_MAX)
     tl.store(scale_ptr + row, scale)
     v = tl.clamp(w * tl.math.div_rn(1.0, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     offs = row * blocks_per_row * BLOCKSIZE + local[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
-    tl.store(q_ptr + offs, _to_e4m3(v, q_ptr.dtype.element_ty, EXPLICIT_ROUNDING), mask=block_ok[:, None])
+    tl.store(q_ptr + offs, to_e4m3(v, q_ptr.dtype.element_ty, EXPLICIT_ROUNDING), mask=block_ok[:, None])
 
 
 def quantize_nf4_rowwise_fp8_reference(
@@ -117,14 +117,14 @@ def quantize_nf4_rowwise_fp8(
         ``(Q_w float8_e4m3fn [O, K], s_w float32 [O, 1])``, equal bit for bit to
         :func:`quantize_nf4_rowwise_fp8_reference`; ``out`` itself when given.
     """
-    packed, quant_state = _unwrap(weight, quant_state)
-    st = _read_state(packed, quant_state)
+    packed, quant_state = unwrap_nf4_weight(weight, quant_state)
+    st = read_nf4_state(packed, quant_state)
     if out is not None and len(st.shape) == 2:
         check_fp8_out(out, int(st.shape[0]), int(st.shape[1]), packed.device, "quantize_nf4_rowwise_fp8")
     if not _fused_applies(packed, st, compute_dtype):
         return quantize_nf4_rowwise_fp8_reference(packed, quant_state, compute_dtype, out)
     O, K = st.shape
-    packed, absmax, table, code2, absmax2, offset = _kernel_operands(packed, st)
+    packed, absmax, table, code2, absmax2, offset = nf4_kernel_operands(packed, st)
     if out is None:
         q = torch.empty((O, K), dtype=FP8_DTYPE, device=packed.device)
         scale = torch.empty((O, 1), dtype=torch.float32, device=packed.device)

@@ -54,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4 import _kernel_operands, _read_state, _unwrap, dequantize_nf4, dequantize_nf4_reference
+from .nf4 import (dequantize_nf4, dequantize_nf4_reference, nf4_kernel_operands, program_rows, read_nf4_state,
+                  unwrap_nf4_weight)
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = [
@@ -93,7 +94,7 @@ def _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok,
                  BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, MASKED: tl.constexpr):
     """fp32 absmax of NF4 blocks ``blocks`` (``ok``: which exist, when ``MASKED``); nested as
     ``fp32(code2[c] * absmax2[b // BLOCKSIZE2]) + offset`` (no FMA: the kernel compiles without
-    contraction), as in bitsandbytes' decode. :func:`notebookkit.kernels.nf4._block_absmax` with
+    contraction), as in bitsandbytes' decode. :func:`notebookkit.kernels.nf4.block_absmax` with
     bounds checks that can be left out."""
     if NESTED:
         if MASKED:
@@ -217,11 +218,7 @@ def _nf4_matvec_kernel(
     INT64: tl.constexpr,
 ):
     HALF: tl.constexpr = BLOCKSIZE // 2
-    pid = tl.program_id(0)
-    if INT64:
-        rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    else:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = program_rows(BLOCK_N, INT64)
     row_ok = rows < N
     first_block = rows * blocks_per_row  # [BLOCK_N] each row's first NF4 block
     step_block = tl.arange(0, STEP_BLOCKS)
@@ -364,7 +361,7 @@ def _weight_parts(weight: Any, quant_state: Any) -> tuple[torch.Tensor, Any]:
         if len(weight) != 2:
             raise ValueError("Pass the 4-bit weight as a Params4bit or as a pair (packed bytes, quant_state).")
         weight, quant_state = weight
-    return _unwrap(weight, quant_state)
+    return unwrap_nf4_weight(weight, quant_state)
 
 
 def nf4_matvec_reference(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, *,
@@ -377,7 +374,7 @@ def nf4_matvec_reference(x: torch.Tensor, weight: Any, bias: torch.Tensor | None
 
 def _decode_then_multiply(x, weight, quant_state, bias, decode, where: str) -> torch.Tensor:
     packed, quant_state = _weight_parts(weight, quant_state)
-    st = _read_state(packed, quant_state)
+    st = read_nf4_state(packed, quant_state)
     n, k = _matrix_shape(st, where)
     _check_x(x, k, where)
     w = decode(packed, quant_state, out_dtype=x.dtype)
@@ -421,7 +418,7 @@ def nf4_matvec_supported(x: torch.Tensor, weight: Any, *, quant_state: Any = Non
     where it says False, :func:`nf4_matvec` still gives the right answer, by decoding the weight."""
     try:
         packed, quant_state = _weight_parts(weight, quant_state)
-        _read_state(packed, quant_state)  # raises for bytes and state that do not belong together
+        read_nf4_state(packed, quant_state)  # raises for bytes and state that do not belong together
         return _why_not(x, packed, quant_state) is None
     except Exception:  # a weight it cannot read: not supported (nf4_matvec says why)
         return False
@@ -469,7 +466,7 @@ def nf4_matvec(
     call of the same shapes has run (that call compiles the kernel).
     """
     packed, quant_state = _weight_parts(weight, quant_state)
-    st = _read_state(packed, quant_state)
+    st = read_nf4_state(packed, quant_state)
     n, k = _matrix_shape(st, "nf4_matvec")
     _check_x(x, k, "nf4_matvec")
     if bias is not None and (bias.numel() != n or bias.device != x.device):
@@ -494,7 +491,7 @@ def nf4_matvec(
             f"The fused multiply-add path takes one row of x, got {m}: use a MatvecConfig with use_dot=True."
         )
     words = _as_words(x2)
-    packed, absmax, table, code2, absmax2, offset = _kernel_operands(packed, st)
+    packed, absmax, table, code2, absmax2, offset = nf4_kernel_operands(packed, st)
     blocks_per_row = k // st.blocksize
     on_gpu = x.is_cuda
     _nf4_matvec_kernel[(triton.cdiv(n, config.block_n),)](

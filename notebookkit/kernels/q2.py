@@ -359,7 +359,7 @@ def dequantize_q2_reference(q: Q2Weight, out_dtype: torch.dtype | None = None,
 
 
 @triton.jit
-def _q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rows, row_ok, k0, K, GROUP: tl.constexpr,
+def q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rows, row_ok, k0, K, GROUP: tl.constexpr,
                     BLOCK_K: tl.constexpr):
     """fp32 ``[R, BLOCK_K]`` of rows ``rows`` (int64), columns ``k0 .. k0 + BLOCK_K`` of a Q2 weight
     with ``K`` columns; ``BLOCK_K`` divides ``GROUP`` (one group per row in the tile). Rows not
@@ -394,7 +394,7 @@ def _q2_dequant_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     row_ok = rows < N
-    vals = _q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rows, row_ok, k0, K, GROUP, BLOCK_K)
+    vals = q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rows, row_ok, k0, K, GROUP, BLOCK_K)
     offs = rows[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :]
     if BF16_BITS:
         bits = vals.to(tl.uint32, bitcast=True)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, _q2_decode_tile, check_q2, dequantize_q2_reference
+from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, check_q2, dequantize_q2_reference, q2_decode_tile
 from .runtime import should_use_triton
 
 __all__ = ["q2_matmul", "q2_matmul_reference", "q2_matmul_backward_input", "q2_matmul_backward_input_reference",
@@ -47,7 +47,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # --------------------------------------------------------------------------------------------------
 
 
-def _check(a: torch.Tensor, q: Q2Weight, features: int, what: str, name: str) -> None:
+def check_q2_operand(a: torch.Tensor, q: Q2Weight, features: int, what: str, name: str) -> None:
+    """Refuse an activation ``a`` (named ``name`` in the message of ``what``) that does not fit the Q2 weight."""
     check_q2(q)
     if a.dtype not in _DTYPES:
         raise ValueError(f"{what}: {name} must be float16, bfloat16 or float32, got {a.dtype}.")
@@ -60,14 +61,14 @@ def _check(a: torch.Tensor, q: Q2Weight, features: int, what: str, name: str) ->
 
 def q2_matmul_reference(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     """``x @ dequant(W)^T``: ``W`` dequantised to ``x``'s dtype, fp32 product, one rounding."""
-    _check(x, q, q.shape[1], "q2_matmul", "x")
+    check_q2_operand(x, q, q.shape[1], "q2_matmul", "x")
     w = dequantize_q2_reference(q, x.dtype).float()
     return (x.reshape(-1, q.shape[1]).float() @ w.t()).to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
 def q2_matmul_backward_input_reference(dy: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     """``dy @ dequant(W)``: ``W`` dequantised to ``dy``'s dtype, fp32 product, one rounding."""
-    _check(dy, q, q.shape[0], "q2_matmul_backward_input", "dy")
+    check_q2_operand(dy, q, q.shape[0], "q2_matmul_backward_input", "dy")
     w = dequantize_q2_reference(q, dy.dtype).float()
     return (dy.reshape(-1, q.shape[0]).float() @ w).to(dy.dtype).reshape(*dy.shape[:-1], q.shape[1])
 
@@ -102,7 +103,7 @@ def _q2_matmul_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         xt = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
-        w = _q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K).to(xt.dtype)
+        w = q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K).to(xt.dtype)
         if IEEE:
             acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -135,7 +136,7 @@ def _q2_matmul_bwd_input_kernel(
         rn = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         n_ok = rn < N
         dyt = tl.load(dy_ptr + rm[:, None] * stride_dym + rn[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        w = _q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K).to(dyt.dtype)
+        w = q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K).to(dyt.dtype)
         if IEEE:
             acc = tl.dot(dyt, w, acc, input_precision="ieee")
         else:
@@ -150,7 +151,8 @@ def _config(group_size: int) -> tuple[int, int, int, int, int]:
     return 64, 64, min(group_size, 64), 4, 3
 
 
-def _rows(a: torch.Tensor, features: int) -> torch.Tensor:
+def as_rows(a: torch.Tensor, features: int) -> torch.Tensor:
+    """``a`` as a ``[rows, features]`` view (a copy only when its last dimension is strided)."""
     a2 = a.reshape(-1, features)
     if a2.stride(-1) != 1:
         a2 = a2.contiguous()
@@ -163,8 +165,8 @@ def q2_matmul(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     if not should_use_triton(x):
         return q2_matmul_reference(x, q)
     n, k = q.shape
-    _check(x, q, k, "q2_matmul", "x")
-    x2 = _rows(x, k)
+    check_q2_operand(x, q, k, "q2_matmul", "x")
+    x2 = as_rows(x, k)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
@@ -182,8 +184,8 @@ def q2_matmul_backward_input(dy: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     if not should_use_triton(dy):
         return q2_matmul_backward_input_reference(dy, q)
     n, k = q.shape
-    _check(dy, q, n, "q2_matmul_backward_input", "dy")
-    dy2 = _rows(dy, n)
+    check_q2_operand(dy, q, n, "q2_matmul_backward_input", "dy")
+    dy2 = as_rows(dy, n)
     m = dy2.shape[0]
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
     if m:

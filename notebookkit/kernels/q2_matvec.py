@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, _q2_decode_tile
-from .q2_matmul import _check, _rows, q2_matmul, q2_matmul_reference
+from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, q2_decode_tile
+from .q2_matmul import as_rows, check_q2_operand, q2_matmul, q2_matmul_reference
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = ["MAX_ROWS", "q2_matvec", "q2_matvec_reference", "AOT_SPECS"]
@@ -64,7 +64,7 @@ def _q2_matvec_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         xv = tl.load(x_ptr + m * stride_xm + k0 + rk)
-        w = _q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K)
+        w = q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K)
         if BF16_BY_HAND:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest-even by hand
             bits = w.to(tl.uint32, bitcast=True)
             w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -87,8 +87,8 @@ def q2_matvec(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     if not should_use_triton(x):
         return q2_matvec_reference(x, q)
     n, k = q.shape
-    _check(x, q, k, "q2_matvec", "x")
-    x2 = _rows(x, k)
+    check_q2_operand(x, q, k, "q2_matvec", "x")
+    x2 = as_rows(x, k)
     m = x2.shape[0]
     if m > MAX_ROWS:
         return q2_matmul(x, q)

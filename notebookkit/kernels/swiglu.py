@@ -41,10 +41,7 @@ __all__ = ["swiglu", "swiglu_reference", "swiglu_backward_", "swiglu_forward", "
 @triton.jit
 def _swiglu_fwd_kernel(E, G, H, n_elements, n_cols, stride_eg, EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    eg = gated.eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
-    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
+    mask, eg, e, g = gated.load_gate_inputs(E, G, offs, n_elements, n_cols, stride_eg, EG_STRIDED)
     h = e * tl.sigmoid(e) * g
     tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
 
@@ -53,11 +50,8 @@ def _swiglu_fwd_kernel(E, G, H, n_elements, n_cols, stride_eg, EG_STRIDED: tl.co
 def _swiglu_bwd_kernel(DH, E, G, H_OUT, DE_OUT, DG_OUT, n_elements, n_cols, stride_eg,
                        STORE_H: tl.constexpr, EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    eg = gated.eg_offsets(offs, n_cols, stride_eg, EG_STRIDED)
+    mask, eg, e, g = gated.load_gate_inputs(E, G, offs, n_elements, n_cols, stride_eg, EG_STRIDED)
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
-    e = tl.load(E + eg, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + eg, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(e)
     a = e * s
     dg = dh * a

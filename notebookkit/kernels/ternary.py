@@ -248,7 +248,7 @@ def dequantize_ternary_reference(weight: TernaryWeight, out_dtype: torch.dtype =
 
 
 @triton.jit
-def _ternary_tile(packed_ptr, scales_ptr, rows, cols, row_ok, col_ok, row_bytes, n_groups, group_size):
+def ternary_tile(packed_ptr, scales_ptr, rows, cols, row_ok, col_ok, row_bytes, n_groups, group_size):
     """fp32 ``[len(rows), len(cols)]`` tile of ``W``: ``s[row, col // G] * (code - 1)``; masked entries 0.
     The four lanes of a byte load the same address (one cache line), then shift by ``2 * (col % 4)``."""
     ok = row_ok[:, None] & col_ok[None, :]
@@ -276,7 +276,7 @@ def _ternary_dequant_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok = rows < n_rows
     col_ok = cols < n_cols
-    vals = _ternary_tile(packed_ptr, scales_ptr, rows, cols, row_ok, col_ok, row_bytes, n_groups, group_size)
+    vals = ternary_tile(packed_ptr, scales_ptr, rows, cols, row_ok, col_ok, row_bytes, n_groups, group_size)
     offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if BF16_BITS:

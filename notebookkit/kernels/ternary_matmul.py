@@ -13,7 +13,7 @@ There is no weight gradient: the base is frozen; LoRA's adapters take theirs fro
 
 Tiling: forward programs own ``[BLOCK_M, BLOCK_N]`` of ``y`` and walk ``K``; backward programs own
 ``[BLOCK_M, BLOCK_K]`` of ``dx`` and walk ``N``. Both build the ``[BLOCK_N, BLOCK_K]`` tile of ``w`` from
-``BLOCK_K / 4`` bytes a row (:func:`~notebookkit.kernels.ternary._ternary_tile`) in registers and feed
+``BLOCK_K / 4`` bytes a row (:func:`~notebookkit.kernels.ternary.ternary_tile`) in registers and feed
 ``tl.dot`` (fp32 inputs as IEEE fp32, not TF32). ``tl.dot`` on bf16 is wrong under triton 3.9's
 interpreter, so CPU tests cover fp32 and fp16 only.
 """
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .runtime import should_use_triton
-from .ternary import TernaryWeight, _ternary_tile, dequantize_ternary_reference
+from .ternary import TernaryWeight, dequantize_ternary_reference, ternary_tile
 
 __all__ = [
     "ternary_matmul", "ternary_matmul_reference", "ternary_input_grad", "ternary_input_grad_reference",
@@ -56,7 +56,7 @@ def _ternary_matmul_fwd_kernel(
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _ternary_tile(packed_ptr, scales_ptr, rn, rk, n_ok, k_ok, row_bytes, n_groups, group_size)
+        w = ternary_tile(packed_ptr, scales_ptr, rn, rk, n_ok, k_ok, row_bytes, n_groups, group_size)
         w = w.to(x.dtype)
         if IEEE:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
@@ -85,7 +85,7 @@ def _ternary_matmul_bwd_kernel(
         n_ok = rn < N
         dy = tl.load(dy_ptr + rm[:, None].to(tl.int64) * stride_dym + rn[None, :],
                      mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        w = _ternary_tile(packed_ptr, scales_ptr, rn, rk, n_ok, k_ok, row_bytes, n_groups, group_size)
+        w = ternary_tile(packed_ptr, scales_ptr, rn, rk, n_ok, k_ok, row_bytes, n_groups, group_size)
         w = w.to(dy.dtype)
         if IEEE:
             acc = tl.dot(dy, w, acc, input_precision="ieee")

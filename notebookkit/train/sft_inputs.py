@@ -24,7 +24,7 @@ class SFTInputError(ValueError):
     """A data set or setting an SFT trainer cannot train on; the message says what to change."""
 
 
-def _type_error(name: str, dataset: Any, trainer: str = "SFTTrainer") -> Optional[TypeError]:
+def dataset_type_error(name: str, dataset: Any, trainer: str = "SFTTrainer") -> Optional[TypeError]:
     """A ``TypeError`` for a data set that is not a ``datasets.Dataset`` / ``IterableDataset`` (``trainer``
     names the trainer that reads it)."""
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -63,7 +63,8 @@ def _type_error(name: str, dataset: Any, trainer: str = "SFTTrainer") -> Optiona
     )
 
 
-def _first_row(name: str, dataset: Any) -> dict[str, Any]:
+def first_dataset_row(name: str, dataset: Any) -> dict[str, Any]:
+    """The first row of ``dataset`` (named ``name`` in messages); ``SFTInputError`` when it has none."""
     from datasets import Dataset
 
     if isinstance(dataset, Dataset) and len(dataset) > 0:
@@ -155,10 +156,10 @@ def check_sft_dataset(
         SFTInputError: no rows, or no layout SFTTrainer reads (the message lists the columns found,
             the layouts accepted and a line that maps them).
     """
-    error = _type_error(name, dataset)
+    error = dataset_type_error(name, dataset)
     if error is not None:
         raise error
-    row = _first_row(name, dataset)
+    row = first_dataset_row(name, dataset)
     columns = list(getattr(dataset, "column_names", None) or row)
     if "input_ids" in columns or formatting_func is not None:
         return

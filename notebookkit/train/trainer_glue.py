@@ -37,13 +37,13 @@ def first_row(dataset: Any, name: str, trainer: str, error: type[Exception]) -> 
     ``error`` for a data set without rows, each with the message of :mod:`notebookkit.train.sft_inputs`
     (naming ``trainer``).
     """
-    from .sft_inputs import _first_row, _type_error
+    from .sft_inputs import dataset_type_error, first_dataset_row
 
-    problem = _type_error(name, dataset, trainer)
+    problem = dataset_type_error(name, dataset, trainer)
     if problem is not None:
         raise problem
     try:
-        row = _first_row(name, dataset)
+        row = first_dataset_row(name, dataset)
     except ValueError as err:
         raise error(str(err)) from None
     return row, list(getattr(dataset, "column_names", None) or row)

@@ -19,7 +19,26 @@ def header(title: str, subtitle: str = "") -> W.HTML:
     return W.HTML(f"<div style='font-size:1.05em;font-weight:600;margin:4px 0'>{title}{sub}</div>")
 
 
-class Panel:
+class Shown:
+    """Something a notebook shows: a root ``self.widget`` and a ``.value``; displayed as the last
+    expression of a cell or with ``.display()``."""
+
+    widget: W.Widget
+
+    def display(self) -> None:
+        """Show the panel in the notebook."""
+        from IPython.display import display
+
+        display(self.widget)
+
+    def _ipython_display_(self) -> None:
+        self.display()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.value!r})"
+
+
+class Panel(Shown):
     """A group of widgets with a dataclass ``.value``.
 
     Subclasses build ``self.widget`` (the root box) and list the value widgets in
@@ -47,15 +66,3 @@ class Panel:
     @property
     def value(self):  # pragma: no cover - overridden
         raise NotImplementedError
-
-    def display(self) -> None:
-        """Show the panel in the notebook."""
-        from IPython.display import display
-
-        display(self.widget)
-
-    def _ipython_display_(self) -> None:
-        self.display()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.value!r})"

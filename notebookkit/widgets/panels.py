@@ -12,7 +12,7 @@ from typing import Any
 
 import ipywidgets as W
 
-from ._base import styled
+from ._base import Shown, styled
 from .lora_panel import LoRAChoice, LoRAPanel
 from .model_panel import ModelChoice, ModelPanel
 from .training_panel import TrainingChoice, TrainingPanel
@@ -44,7 +44,7 @@ def _panel(obj: Any, cls: type) -> Any:
     raise TypeError(f"expected a {cls.__name__}, a dict of its settings or None, got {type(obj).__name__}")
 
 
-class ConfigPanels:
+class ConfigPanels(Shown):
     """Model, LoRA and training panels, linked so the VRAM estimate follows every choice.
 
     Each argument is a panel, a dict of overrides for it, or None for the defaults.
@@ -66,14 +66,3 @@ class ConfigPanels:
     def estimate(self):
         """The current :class:`~notebookkit.widgets.model_panel.EstimateResult`."""
         return self.model.last_result
-
-    def display(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
-
-    def _ipython_display_(self) -> None:
-        self.display()
-
-    def __repr__(self) -> str:
-        return f"ConfigPanels({self.value!r})"

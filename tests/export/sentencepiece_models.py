@@ -102,7 +102,7 @@ def build_tokenizer(variant: str, texts: list[str]):
                                                        special_tokens=[(bos, vocab[bos])])
     template = spec["template"]
     if template is None:
-        from notebookkit.embedded.generate_tokenizer import GEMMA_TEMPLATE as template
+        from notebookkit.tokenizer_templates import GEMMA as template
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=spec["eos"], unk_token=spec["unk"],
                                    pad_token=spec["pad"] or spec["unk"])
     fast.chat_template = template

@@ -26,7 +26,7 @@ def test_canary_survives_every_export(family, load_in_4bit, tmp_path):
     _llama_cpp_or_skip()
     from transformers import AutoModelForCausalLM
 
-    from notebookkit.export.verify import _llama as load_gguf
+    from notebookkit.export.verify import load_llama_cpp as load_gguf
     from notebookkit.export.verify import check_merged_folder, greedy_llama_cpp
 
     torch.manual_seed(0)

@@ -78,7 +78,7 @@ def test_a_broken_file_is_not_explained_by_rounding(fault, llama_nf4, tmp_path, 
     if fault.startswith("no Q/K"):
         monkeypatch.setattr(gguf_file, "permute_for_llama_rope", lambda weight, heads: weight)
     else:
-        real = gguf_file._gguf_tensors
+        real = gguf_file.gguf_tensors
 
         def swapped(model, family):
             tensors = real(model, family)
@@ -87,7 +87,7 @@ def test_a_broken_file_is_not_explained_by_rounding(fault, llama_nf4, tmp_path, 
             a.source, b.source = b.source, a.source
             return tensors
 
-        monkeypatch.setattr(gguf_file, "_gguf_tensors", swapped)
+        monkeypatch.setattr(gguf_file, "gguf_tensors", swapped)
     (bad,) = model.save_pretrained_gguf(tmp_path / "bad", tokenizer, "q8_0", verbose=False)
     check = check_gguf_file(model, bad.path, tokenizer, n_tokens=N_TOKENS)
     print(f"{fault}: {check.summary(arithmetic)}")

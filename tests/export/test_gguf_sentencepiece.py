@@ -120,11 +120,11 @@ def _tokenizations(llm, tokenizer, variant) -> list[tuple[str, list[int], list[i
 def test_sentencepiece_in_llama_cpp(variant, folders, tmp_path):
     """llama.cpp's tokens equal Hugging Face's; greedy continuations equal for f32 and f16."""
     _llama_cpp_or_skip()
-    from notebookkit.export.verify import _llama, check_gguf_file
+    from notebookkit.export.verify import check_gguf_file, load_llama_cpp
 
     model, tokenizer = _adapted(folders[variant])
     results = model.save_pretrained_gguf(tmp_path, tokenizer, ["f32", "f16"], verbose=False)
-    llm = _llama(results[0].path)
+    llm = load_llama_cpp(results[0].path)
     try:
         for text, hf, cpp in _tokenizations(llm, tokenizer, variant):
             assert cpp == hf, f"{variant} {text!r}: llama.cpp {tokenizer.convert_ids_to_tokens(cpp)} != HF {tokenizer.convert_ids_to_tokens(hf)}"
@@ -147,13 +147,13 @@ def test_scores_are_what_makes_tokens_agree(folders, tmp_path, monkeypatch):
     Llama vocabulary: -1000), llama.cpp merges leftmost-first and its tokens differ from Hugging Face's."""
     _llama_cpp_or_skip()
     import notebookkit.export.gguf_sentencepiece as sp
-    from notebookkit.export.verify import _llama
+    from notebookkit.export.verify import load_llama_cpp
 
     real = sp.merge_scores
     monkeypatch.setattr(sp, "merge_scores", lambda vocab, merges: ({t: -1000.0 for t in real(vocab, merges)[0]}, 0))
     model, tokenizer = _adapted(folders["llama2"])
     (result,) = model.save_pretrained_gguf(tmp_path, tokenizer, "f16", verbose=False)
-    llm = _llama(result.path)
+    llm = load_llama_cpp(result.path)
     try:
         differ = [text for text, hf, cpp in _tokenizations(llm, tokenizer, "llama2") if hf != cpp]
     finally:

@@ -125,7 +125,7 @@ def test_outputs_poisoned_with_nan_are_overwritten(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_public_function_with_poisoned_allocations(device, monkeypatch):
-    monkeypatch.setattr(ce_mod, "_new_buffer", lambda shape, dtype, dev: poisoned(shape, dtype, dev))
+    monkeypatch.setattr(ce_mod, "new_buffer", lambda shape, dtype, dev: poisoned(shape, dtype, dev))
     logits, labels = _inputs(37, 1001, torch.float32, device, seed=3)
     leaf = logits.clone().requires_grad_()
     with use_triton(True):
