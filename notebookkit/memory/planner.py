@@ -245,6 +245,7 @@ def plan_activations(
     safety_margin: float | None = None,
     allow_offload: bool | None = None,
     margin_of: str = "budget",
+    explain: bool = True,
     **estimate_kwargs: Any,
 ) -> ActivationPlan:
     """Choose keep / recompute / offload per decoder layer: the fastest plan within the budget.
@@ -262,6 +263,8 @@ def plan_activations(
         allow_offload: default True on a GPU or a named card, False when planning for the CPU.
         margin_of: ``"budget"`` (the margin is a fraction of the whole budget) or ``"step"`` (of the budget
             less the frozen base weights, which are allocated once: module docstring).
+        explain: False raises :class:`DoesNotFitError` without working out what to change (searches that
+            probe many settings: :func:`~notebookkit.memory.largest_lora_rank`, :func:`~notebookkit.memory.longest_sequence`).
         **estimate_kwargs: ``load_in_4bit``, ``dtype``, ``lora_r``, ``target_modules``, ``optimizer``,
             ``batch_size``, ``seq_len``, ``fused_loss``, ... as for :func:`estimate_training_memory`.
 
@@ -287,11 +290,13 @@ def plan_activations(
     if margin_of not in ("budget", "step"):
         raise ValueError(f"notebookkit.memory: margin_of={margin_of!r}; use 'budget' or 'step'.")
     L = text.num_layers
-    if margin_of == "step":  # the base weights do not depend on the plan: one estimate tells them
-        base = estimate_training_memory(shape, activation_plan="offload", **estimate_kwargs).base_weights
-        usable = int(budget - safety_margin * max(0, budget - base))
-    else:
-        usable = int(budget * (1.0 - safety_margin))
+    margin = safety_margin
+
+    def usable_for(est: MemoryEstimate) -> int:
+        """What a step may fill: the budget less the margin (on the budget, or on what the step adds to the base)."""
+        if margin_of == "step":
+            return int(budget - margin * max(0, budget - est.base_weights))
+        return int(budget * (1.0 - margin))
     if host_memory_bytes is None:
         from .meters import host_memory
 
@@ -299,6 +304,9 @@ def plan_activations(
 
     def used(est: MemoryEstimate) -> int:
         return est.total if with_context else est.peak_allocated
+
+    def fits(est: MemoryEstimate) -> bool:
+        return used(est) <= usable_for(est)
 
     t_f, c_rec, c_off = _layer_costs(text, estimate_kwargs, card_obj)
     c_vision = _vision_recompute_seconds(shape, estimate_kwargs, card_obj)
@@ -313,11 +321,11 @@ def plan_activations(
         lowest_m = 0 if allow_offload else L - k
         # For a given k the memory grows with m, except that m = L - k (nothing offloaded) has no input in
         # flight: when neither end fits, no m does, and the scan of this k is skipped.
-        if lowest_m < L - k - 1 and used(est_for(k, lowest_m)) > usable and used(est_for(k, L - k)) > usable:
+        if lowest_m < L - k - 1 and not fits(est_for(k, lowest_m)) and not fits(est_for(k, L - k)):
             continue
         for m in range(L - k, lowest_m - 1, -1):
             est = est_for(k, m)
-            if used(est) > usable:
+            if not fits(est):
                 continue
             if est.host_offload > host_memory_bytes:
                 host_blocked = host_blocked or est
@@ -330,11 +338,9 @@ def plan_activations(
             break
     if best is None:
         worst = est_for(0, 0 if allow_offload else L)
-        raise DoesNotFitError(
-            _explain(shape, worst, usable, budget, source, with_context, estimate_kwargs, allow_offload,
-                     host_blocked, host_memory_bytes),
-            estimate=worst, budget_bytes=budget,
-        )
+        message = _explain(shape, worst, usable_for, budget, source, with_context, estimate_kwargs, allow_offload,
+                           host_blocked, host_memory_bytes) if explain else f"{shape.name} does not fit {_fmt(budget)}"
+        raise DoesNotFitError(message, estimate=worst, budget_bytes=budget)
     cost, k, m, est = best
     plan = ActivationPlan(
         modes=_modes(L, k, m), budget_bytes=budget, budget_source=source, estimate=est,
@@ -345,15 +351,15 @@ def plan_activations(
 
 
 def _explain(
-    shape: ModelShape, worst: MemoryEstimate, usable: int, budget: int, source: str, with_context: bool,
+    shape: ModelShape, worst: MemoryEstimate, usable_for: Any, budget: int, source: str, with_context: bool,
     kw: dict[str, Any], allow_offload: bool, host_blocked: MemoryEstimate | None, host_bytes: int,
 ) -> str:
     need = worst.total if with_context else worst.peak_allocated
     mode = "every layer offloaded" if allow_offload else "every layer recomputed"
     lines = [
         f"notebookkit: {shape.name} does not fit in {_fmt(budget)} ({source}) even with {mode}: "
-        f"the step needs about {_fmt(need)} (usable after a {_fmt(budget - usable)} margin for fragmentation: "
-        f"{_fmt(usable)}).",
+        f"the step needs about {_fmt(need)} (usable after a {_fmt(budget - usable_for(worst))} margin for "
+        f"fragmentation: {_fmt(usable_for(worst))}).",
         "  " + ", ".join(f"{k} {_fmt(v)}" for k, v in worst.parts().items()),
     ]
     if host_blocked is not None:
@@ -371,7 +377,7 @@ def _explain(
             e = estimate_training_memory(shape, activation_plan=plan, **args)
         except ValueError:
             return None
-        return e if (e.total if with_context else e.peak_allocated) <= usable else None
+        return e if (e.total if with_context else e.peak_allocated) <= usable_for(e) else None
 
     single: list[tuple[str, dict[str, Any]]] = []
     fmt = base_format_for(**{f: bool(kw.get(f)) for f in load_flags()})
@@ -411,7 +417,6 @@ def _explain(
     combo: dict[str, Any] = {}
     for _, change in single:
         combo.update(change)
-    combo = {k: v for k, v in combo.items() if v or kw.get(k)}  # name only the flags that change
     seq = kw.get("seq_len", 2048)
     lo, hi = 0, seq if not fixes else 0
     while hi - lo > 32:
@@ -421,7 +426,7 @@ def _explain(
         else:
             hi = mid
     if 64 <= lo < seq:
-        how = ", ".join(f"{k}={v!r}" for k, v in combo.items())
+        how = ", ".join(f"{k}={v!r}" for k, v in combo.items() if v or k not in off)  # format flags that turn on
         fixes.append(f"max_seq_length <= {lo // 32 * 32}" + (f" together with {how}" if how else ""))
     smaller = []
     seen: set[tuple] = set()
@@ -436,7 +441,7 @@ def _explain(
                 e = estimate_training_memory(other, activation_plan=plan, **smaller_base)
             except ValueError:
                 continue
-            if (e.total if with_context else e.peak_allocated) <= usable:
+            if (e.total if with_context else e.peak_allocated) <= usable_for(e):
                 smaller.append((other.num_params, name))
     if smaller:
         smaller.sort(reverse=True)

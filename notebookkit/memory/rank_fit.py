@@ -40,9 +40,10 @@ from typing import Any
 from notebookkit.base_formats import BaseFormat
 
 from .base_weights import base_format_for, load_flags
-from .estimate import _fmt, _targets
+from .estimate import MemoryEstimate, _fmt, _targets
 from .planner import ActivationPlan, DoesNotFitError, plan_activations
 from .shapes import model_shape
+from .vision_shapes import is_vlm, text_shape, vlm_shape
 
 __all__ = ["RankFit", "largest_lora_rank"]
 
@@ -53,7 +54,8 @@ class RankFit:
 
     ``rank``: the largest LoRA rank that fits (0: none does); ``plan``: the activation plan at that
     rank, its ``estimate`` the predicted peak; ``offload_embedding``: whether the input embedding must
-    live in host memory; ``reason``: when nothing fits, the planner's account of what to change.
+    live in host memory; ``reason``: when nothing fits, the planner's account of what to change, and
+    ``smallest``: the estimate of the leanest step it tried (rank 1, every layer offloaded).
     """
 
     rank: int
@@ -65,6 +67,7 @@ class RankFit:
     targets: int
     budget: str
     reason: str = ""
+    smallest: MemoryEstimate | None = None
 
     @property
     def fits(self) -> bool:
@@ -117,25 +120,23 @@ def largest_lora_rank(
                          f"(got {max_rank}, {seq_len}, {batch_size}).")
     plan_kwargs.pop("lora_r", None)
     fmt = base_format_for(**{f: bool(plan_kwargs.get(f)) for f in load_flags()})
-    shape = model_shape(model_config)
+    shape = text_shape(vlm_shape(model_config)) if is_vlm(model_config) else model_shape(model_config)
     options = [False, True] if offload_embedding is None else [bool(offload_embedding)]
     if shape.tie_word_embeddings:
         options = [False]  # a tied table is the LM head: it stays on the card
     targets = len(_targets(plan_kwargs.get("target_modules")))
 
-    def plan_at(rank: int, on_host: bool) -> ActivationPlan | DoesNotFitError:
+    def plan_at(rank: int, on_host: bool, explain: bool = False) -> ActivationPlan | DoesNotFitError:
         try:
             return plan_activations(model_config, max_memory, lora_r=rank, seq_len=seq_len, batch_size=batch_size,
-                                    offload_embedding=on_host, margin_of=margin_of, **plan_kwargs)
+                                    offload_embedding=on_host, margin_of=margin_of, explain=explain, **plan_kwargs)
         except DoesNotFitError as exc:
             return exc
 
     best: tuple[int, bool, ActivationPlan] | None = None
-    refusal: DoesNotFitError | None = None
     for on_host in options:
         found = plan_at(1, on_host)
         if isinstance(found, DoesNotFitError):
-            refusal = found
             continue
         good, plan, bad = 1, found, max_rank + 1  # good fits, bad does not
         top = plan_at(max_rank, on_host)
@@ -152,10 +153,11 @@ def largest_lora_rank(
         if best is None or good > best[0]:
             best = (good, on_host, plan)
     if best is None:
-        assert refusal is not None
+        refusal = plan_at(1, options[-1], explain=True)  # the leanest setting: the planner says what to change
+        assert isinstance(refusal, DoesNotFitError)
         budget = _fmt(refusal.budget_bytes) if refusal.budget_bytes else str(max_memory)
         return RankFit(0, None, options[-1], fmt, seq_len, batch_size, targets, budget,
-                       reason=f"Even LoRA rank r=1 does not fit. {refusal}")
+                       reason=f"Even LoRA rank r=1 does not fit. {refusal}", smallest=refusal.estimate)
     rank, on_host, plan = best
     return RankFit(rank, plan, on_host, fmt, seq_len, batch_size, targets,
                    f"{_fmt(plan.budget_bytes)} ({plan.budget_source})")
