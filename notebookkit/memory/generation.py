@@ -118,11 +118,18 @@ def graph_buffer_bytes(shape: ModelShape, batch_size: int, max_len: int, dtype_b
     return batch_size * per_row
 
 
+def _as_format(base: BaseFormat | bool) -> BaseFormat:
+    """A base format, or ``load_in_4bit`` given as a bool (NF4 or 16-bit)."""
+    return base_format_for(load_in_4bit=base) if isinstance(base, bool) else base
+
+
 def layer_working_set(
-    shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, base: BaseFormat, attention: str
+    shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, base: BaseFormat | bool, attention: str
 ) -> int:
     """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots
-    (``base``: the format of the frozen projections; NF4 adds its dense copy, :mod:`.base_weights`)."""
+    (``base``: the format of the frozen projections, or ``load_in_4bit`` as a bool; NF4 adds its dense copy,
+    :mod:`.base_weights`)."""
+    base = _as_format(base)
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
     attn = N * s * (2 * H + 2 * (dq + 2 * dk) + dq) + batch_size * queries * slots * s
@@ -199,7 +206,7 @@ def keeps_cache_between_steps(activation_plan: Any) -> bool:
 
 
 def generation_term(
-    generation: GenerationMemory | Mapping[str, Any], shape: ModelShape, dtype_bytes: int, base: BaseFormat,
+    generation: GenerationMemory | Mapping[str, Any], shape: ModelShape, dtype_bytes: int, base: BaseFormat | bool,
     attention: str, training_transients: int,
 ) -> tuple[int, dict[str, int]]:
     """Bytes a training step's estimate adds for generation alongside it, and their breakdown.
@@ -212,6 +219,7 @@ def generation_term(
     which a generate call never overlaps.
     """
     keep = True
+    base = _as_format(base)
     if not isinstance(generation, GenerationMemory):
         kwargs = dict(generation)
         unknown = sorted(set(kwargs) - {"batch_size", "max_len", "prompt_len", "attention", "keep_cache"})
