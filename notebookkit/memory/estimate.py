@@ -906,8 +906,9 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     """What the layers keep for backward by mode, the last offloaded layer's input on the GPU, and the
     offloaded inputs in flight."""
     X = layer_kw["batch_size"] * layer_kw["seq_len"] * shape.hidden_size * layer_kw["dtype_bytes"]
-    keep_layer = layer_activation_bytes(shape, "keep", **layer_kw)
-    per_layer = [layer_activation_bytes(shape, m, **layer_kw) for m in plan]
+    by_mode = {m: layer_activation_bytes(shape, m, **layer_kw) for m in {"keep", *plan}}  # same for every layer
+    keep_layer = by_mode["keep"]
+    per_layer = [by_mode[m] for m in plan]
     if plan and plan[-1] == "offload":
         per_layer[-1] = X  # the last layer's input is needed first in backward: it stays on the GPU
     counts = {m: plan.count(m) for m in MODES}

@@ -36,7 +36,7 @@ card is the whole card, so the CUDA context counts against it. A safety margin
 8B NF4 benchmark row, 35.4 GiB reserved for a 33.3 GiB allocated peak: 6.4% more). With
 ``margin_of="step"`` the margin is that fraction of what the step adds to the frozen base weights,
 ``margin * (budget - base_weights)``: the base is allocated once at load and never freed, so the
-fragmentation comes from the step's own allocations (on that 8B row, 2.1 GiB of excess for ~28 GiB
+fragmentation comes from the step's own allocations (on that 8B row, 2.1 GiB of excess for about 28 GiB
 beyond the base: 7.5%, inside the margin). It matters where the base fills most of the card (a 70B
 at 2-bit on 24 GiB: a margin of 1.9 GiB of the whole card, 0.17 GiB of the step); it is a prediction
 until a GPU run measures it. Offloading also needs pinned host memory, checked against available RAM.
@@ -50,8 +50,8 @@ from typing import Any
 from notebookkit.base_formats import BASE_FORMATS
 from notebookkit.training_methods import TRAINING_METHODS
 
-from .cards import GPUCard, detect_card, parse_card, parse_memory
 from .base_weights import base_format_for, load_flags
+from .cards import GPUCard, detect_card, parse_card, parse_memory
 from .estimate import MODES, MemoryEstimate, _dtype_bytes, _fmt, estimate_training_memory, lora_param_count
 from .shapes import KNOWN_MODELS, ModelShape, model_shape
 
@@ -290,13 +290,12 @@ def plan_activations(
     if margin_of not in ("budget", "step"):
         raise ValueError(f"notebookkit.memory: margin_of={margin_of!r}; use 'budget' or 'step'.")
     L = text.num_layers
-    margin = safety_margin
 
     def usable_for(est: MemoryEstimate) -> int:
         """What a step may fill: the budget less the margin (on the budget, or on what the step adds to the base)."""
         if margin_of == "step":
-            return int(budget - margin * max(0, budget - est.base_weights))
-        return int(budget * (1.0 - margin))
+            return int(budget - safety_margin * max(0, budget - est.base_weights))
+        return int(budget * (1.0 - safety_margin))
     if host_memory_bytes is None:
         from .meters import host_memory
 
