@@ -82,3 +82,15 @@ def test_a_loaded_model_tells_its_base_format_through_the_loaders_mark():
     record_base_format(model, "5bit")
     with pytest.raises(ValueError, match="does not know"):
         estimate_kwargs_from_model(model)
+
+
+def test_the_vision_tower_linears_follow_the_same_record():
+    from notebookkit.memory import KNOWN_VLMS
+
+    qwen = KNOWN_VLMS["Qwen/Qwen2.5-VL-7B-Instruct"]
+    v = qwen.vision
+    shapes = [*v.block_linear_shapes().values()] * v.num_layers + [*v.projector_linear_shapes().values()]
+    two = estimate_training_memory(qwen, load_in_2bit=True, seq_len=1024)
+    assert two.details["base weights: vision tower linears (2-bit)"] == int(sum(i * o for i, o in shapes) * 0.3125)
+    ternary = estimate_training_memory(qwen, load_in_ternary=True, seq_len=1024)
+    assert ternary.details["base weights: vision tower linears (ternary)"] == int(sum(i * o * (0.25 + 2 / i) for i, o in shapes))
