@@ -12,7 +12,18 @@ the row:
 * the kernels (:mod:`notebookkit.kernels`: ``kernel_module`` holds the format's packing, its
   dequantisation and the products through it);
 * export (``gguf_type``: the llama.cpp type ``save_pretrained_gguf`` suggests for a base that was
-  trained in this format).
+  trained in this format);
+* the memory model's working sets (``product``: how a GEMM reads the weight, below).
+
+How a product ``x W^T`` (and the input gradient ``dy W``) reads the weight, ``product``:
+
+* ``"dense"``: the weight is used as it is (16-bit);
+* ``"dequantise"``: a dense copy of the whole weight in the compute dtype is made for each product and
+  freed after it (NF4 on the fused LoRA path: ``max(in * out) * s`` bytes at a time);
+* ``"in_tile"``: dequantised tile by tile inside the GEMM, no dense copy (``kernels/q2_matmul.py``,
+  ``kernels/ternary_matmul.py``); but each product writes a fresh output, so the input gradient of a
+  projection that shares its input with another (q/k/v, gate/up) is a new ``[N, in]`` buffer added
+  to the first one's, where the dense paths accumulate in place (``addmm_``).
 
 Bytes per weight, with ``K`` the input features of the projection (a weight is ``[N, K]``):
 
@@ -45,7 +56,8 @@ class BaseFormat:
     * ``group_size``: weights that share one scale along a row (``0``: the whole row shares it);
     * ``group_bytes``: bytes of scale (and zero) per group; ``nested_group_bytes``: the same with
       double quantisation (NF4 only; ``None``: the format has no such option);
-    * ``gguf_type``: the llama.cpp quantisation suggested for a GGUF export of a model trained on it.
+    * ``gguf_type``: the llama.cpp quantisation suggested for a GGUF export of a model trained on it;
+    * ``product``: how a GEMM reads the weight, ``"dense"``, ``"dequantise"`` or ``"in_tile"`` (module docstring).
     """
 
     name: str
@@ -57,6 +69,12 @@ class BaseFormat:
     group_bytes: float
     nested_group_bytes: float | None
     gguf_type: str
+    product: str = "dense"
+
+    @property
+    def quantised(self) -> bool:
+        """Whether the weights are held in fewer bits than the compute dtype (every format but 16-bit)."""
+        return bool(self.load_flag)
 
     def bytes_per_weight(self, in_features: int, dtype_bytes: int = 2, double_quant: bool = True) -> float:
         """Bytes one projection weight takes in this format (module docstring)."""
@@ -73,11 +91,11 @@ BASE_FORMATS: dict[str, BaseFormat] = {
         BaseFormat("16bit", "16-bit", "", "", code_bytes=0.0, group_size=0, group_bytes=0.0,
                    nested_group_bytes=None, gguf_type="q8_0"),
         BaseFormat("nf4", "NF4 (4-bit)", "load_in_4bit", "nf4", code_bytes=0.5, group_size=64, group_bytes=4.0,
-                   nested_group_bytes=1.0 + 4.0 / 256, gguf_type="q4_k_m"),
+                   nested_group_bytes=1.0 + 4.0 / 256, gguf_type="q4_k_m", product="dequantise"),
         BaseFormat("2bit", "2-bit (groups of 64)", "load_in_2bit", "q2", code_bytes=0.25, group_size=64,
-                   group_bytes=4.0, nested_group_bytes=None, gguf_type="q2_k"),
+                   group_bytes=4.0, nested_group_bytes=None, gguf_type="q2_k", product="in_tile"),
         BaseFormat("ternary", "ternary (1.58-bit)", "load_in_ternary", "ternary", code_bytes=0.25, group_size=0,
-                   group_bytes=2.0, nested_group_bytes=None, gguf_type="tq2_0"),
+                   group_bytes=2.0, nested_group_bytes=None, gguf_type="tq2_0", product="in_tile"),
     )
 }
 

@@ -79,7 +79,8 @@ def longest_sequence(
 
     def plan_for(seq_len: int) -> ActivationPlan | None:
         try:
-            return plan_activations(model_config, max_memory, batch_size=batch_size, seq_len=seq_len, **plan_kwargs)
+            return plan_activations(model_config, max_memory, batch_size=batch_size, seq_len=seq_len, explain=False,
+                                    **plan_kwargs)
         except DoesNotFitError:
             return None
 

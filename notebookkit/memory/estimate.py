@@ -13,8 +13,14 @@ Base weights
     16-bit:  ``s * (P_lin + P_emb [+ P_head] + norms)``
     NF4:     ``P_lin * (1/2 + 1/64 + 4/(64*256))``: half a byte per weight, one uint8 absmax per
              block of 64 (double quantisation) and one fp32 second-level absmax per 256 blocks;
-             without double quantisation the absmax is fp32: ``1/2 + 4/64``. Embeddings, LM head
-             and norms stay 16-bit: ``2 * (P_emb [+ P_head] + norms)``.
+             without double quantisation the absmax is fp32: ``1/2 + 4/64``.
+    2-bit:   ``sum_proj L * in * out * (1/4 + 4/64)``: four codes a byte, an fp16 scale and zero per 64.
+    ternary: ``sum_proj L * in * out * (1/4 + 2/in)``: four codes a byte, one fp16 scale per row, so
+             the bytes depend on each projection's ``in``.
+             In every quantised format the embeddings, LM head and norms stay 16-bit:
+             ``2 * (P_emb [+ P_head] + norms)``. The bytes per weight are the record's
+             (:mod:`notebookkit.base_formats`, applied by :mod:`notebookkit.memory.base_weights`);
+             ``load_in_4bit`` / ``load_in_2bit`` / ``load_in_ternary`` choose the row, as in ``from_pretrained``.
 
 Adapters (params + grads + optimizer), over the targeted projections, ``P_lora = L * sum r*(in+out)``
     fp32 adapters: ``P_lora * (4 param + 4 grad + opt)``; 16-bit adapters add an fp32 master copy:
@@ -76,7 +82,9 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
     - the gradient arriving from above (``N*H*s``), the MLP's ``dY W_down`` (``N*I*s``, into which
       the in-place activation backward writes) and the gradient of its input (``N*H*s``);
     - with NF4, the dequantised 16-bit copy of the projection being multiplied (one at a time:
-      each is freed right after its GEMM), ``max(in*out) * s``;
+      each is freed right after its GEMM), ``max(in*out) * s``; with 2-bit or ternary (dequantised
+      inside the GEMM tile, no dense copy) the fresh ``[N, H]`` input gradient the kernel writes for
+      the second projection of q/k/v or gate/up before it is added to the first: ``N*H*s``;
     - for recompute/offload layers, the recomputed layer's keep activations (less its input,
       which is the stored one); kept layers after the last recomputed one are gone by then (the
       backward runs from the last layer down and frees what each layer saved), so a plan that
@@ -145,11 +153,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from notebookkit.base_formats import BASE_FORMATS
+from notebookkit.base_formats import BASE_FORMATS, BaseFormat
 from notebookkit.training_methods import TRAINING_METHODS
 
+from .base_weights import base_format_for, dense_copy_bytes, input_grad_buffer_bytes, projection_weight_bytes
 from .generation import generation_term, keeps_cache_between_steps, layer_working_set
-from .model_setup import fp8_forward, fused_lm_head, held_decode_cache, host_embedding, recorded_activation_plan
+from .model_setup import (base_format_of, fp8_forward, fused_lm_head, held_decode_cache, host_embedding,
+                          recorded_activation_plan)
 from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 
 GiB = 1024**3
@@ -259,6 +269,11 @@ def _fmt(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+def _weights_label(inputs: dict[str, Any]) -> str:
+    fmt = BASE_FORMATS.get(inputs.get("base_format", "nf4" if inputs.get("load_in_4bit") else "16bit"))
+    return fmt.label if fmt is not None and fmt.quantised else str(inputs.get("dtype"))
+
+
 @dataclass
 class MemoryEstimate:
     """Predicted peak memory of a training step, in bytes, by part.
@@ -328,7 +343,7 @@ class MemoryEstimate:
         name = self.shape.name if self.shape is not None else "model"
         i = self.inputs
         head = (
-            f"Memory estimate for {name}: {'NF4' if i.get('load_in_4bit') else i.get('dtype')} weights, "
+            f"Memory estimate for {name}: {_weights_label(i)} weights, "
             f"LoRA r={i.get('lora_r')} on {len(i.get('target_modules', []))} projections, "
             f"batch {i.get('batch_size')} x seq {i.get('seq_len')}, optimizer {i.get('optimizer')}"
         )
@@ -357,7 +372,9 @@ class MemoryEstimate:
 
 
 def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
-    """What a loaded (PEFT) model tells about itself: ``load_in_4bit``, ``dtype``, ``lora_r``,
+    """What a loaded (PEFT) model tells about itself: the base format (``load_in_4bit`` /
+    ``load_in_2bit`` / ``load_in_ternary``: the loader's record, :func:`.model_setup.base_format_of`, else
+    the quantization config), ``dtype``, ``lora_r``,
     ``target_modules``, ``lora_dropout`` from its configs, ``fused_loss``, ``fp8_forward`` and
     ``offload_embedding`` from what notebookkit set up on it, and ``generation`` when ``generate`` holds a
     KV cache on it (:mod:`.model_setup`). Missing facts are left out (the defaults apply)."""
@@ -382,6 +399,18 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     if dtype is not None and str(dtype).replace("torch.", "") in _DTYPE_BYTES:
         out["dtype"] = str(dtype).replace("torch.", "")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    recorded = base_format_of(base) or base_format_of(model)
+    if recorded is not None:  # the loader's note wins over a quantization config (2-bit and ternary have none)
+        fmt = BASE_FORMATS.get(recorded)
+        if fmt is None:
+            raise ValueError(f"notebookkit.memory: the model is marked with base format {recorded!r}, which the "
+                             f"memory model does not know ({sorted(BASE_FORMATS)}); update notebookkit.")
+        for flag in (f.load_flag for f in BASE_FORMATS.values() if f.load_flag):
+            out.pop(flag, None)
+        if fmt.load_flag:
+            out[fmt.load_flag] = True
+        if fmt.nested_group_bytes is None:
+            out.pop("double_quant", None)
     if hasattr(base, "__dict__") and not fused_lm_head(base) and hasattr(base, "lm_head"):
         out["fused_loss"] = False  # the causal-LM head is not patched: stock code materialises the logits
     peft = getattr(model, "peft_config", None)
@@ -547,6 +576,8 @@ def backward_working_set(
     load_in_4bit: bool = False,
     attention: str = "auto",
     fp8_forward: bool = False,
+    load_in_2bit: bool = False,
+    load_in_ternary: bool = False,
 ) -> dict[str, int]:
     """Transient bytes of one decoder layer's backward on top of the saved activations.
 
@@ -555,12 +586,15 @@ def backward_working_set(
     moment's baseline, with the layer's e and g already freed (it can be negative).
     ``fp8_forward`` is the FP8 copies of the input and weights of one FP8 product during a
     (recomputed) forward: the largest of :func:`fp8_products` (0 without the FP8 forward).
+    The base format (``load_in_*``) adds what its GEMMs need beyond their outputs (:mod:`.base_weights`):
+    NF4's dense copy of one projection, or 2-bit / ternary's fresh input gradient of a shared-input projection.
     """
+    fmt = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
     N = batch_size * seq_len
     s = dtype_bytes
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     dims = shape.projection_shapes()
-    dequant = max(i * o for i, o in dims.values()) * s if load_in_4bit else 0
+    dequant = dense_copy_bytes(shape, fmt, s) + input_grad_buffer_bytes(shape, fmt, N, s)
     mlp = N * H * s + N * I * s + N * H * s + dequant
     freed = N * (2 * I + 2 * H) * s + N * 8  # e, g, the MLP norm's input and output, 1/rms
     attn = N * H * s + N * dq * s  # gradient from above, gradient of the attention output
@@ -572,9 +606,10 @@ def backward_working_set(
     attn += dequant
     fp8 = 0
     if fp8_forward:
-        one_pass_nf4 = all(i % 64 == 0 and i <= 16384 for i, _ in dims.values())
+        # NF4 goes to FP8 in one kernel for whole 64-blocks of <= 16K; any other quantised base through a dense copy
+        one_pass = fmt.product == "dequantise" and all(i % 64 == 0 and i <= 16384 for i, _ in dims.values())
         fp8 = max(N * dims[names[0]][0] + sum(dims[n][0] * dims[n][1] for n in names) for names in fp8_products(shape))
-        fp8 += 0 if one_pass_nf4 else dequant
+        fp8 += 0 if one_pass or not fmt.quantised else max(i * o for i, o in dims.values()) * s
     return {"mlp": mlp, "attention": attn - freed, "fp8_forward": fp8}
 
 
@@ -607,6 +642,8 @@ def estimate_training_memory(
     offload_embedding: bool = False,
     kv_repeated: bool = False,
     padded: bool = False,
+    load_in_2bit: bool = False,
+    load_in_ternary: bool = False,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
 
@@ -614,6 +651,8 @@ def estimate_training_memory(
         model_config: a Hugging Face config or model, a config dict, a curated hub name
             (``"meta-llama/Llama-3.1-8B-Instruct"``), a local model folder, or a ``ModelShape``.
         load_in_4bit: NF4 base weights (QLoRA); otherwise the base weights are in ``dtype``.
+        load_in_2bit, load_in_ternary: 2-bit groups or ternary (BitNet b1.58) base weights, as
+            ``from_pretrained`` takes them; at most one of the three flags (the bytes: module docstring).
         dtype: compute dtype: ``"float16"`` (T4), ``"bfloat16"``, ``"float32"`` (CPU) or a torch dtype.
         lora_r: LoRA rank. ``target_modules``: projections with adapters (default: all seven).
         optimizer: ``"adamw"`` (any fp32 AdamW), ``"adamw_8bit"`` / ``"paged_adamw_8bit"``, ``"lion"``,
@@ -671,6 +710,7 @@ def estimate_training_memory(
         raise ValueError(f"notebookkit.memory: batch_size and seq_len must be >= 1 (got {batch_size}, {seq_len}).")
     if method not in METHODS:
         raise ValueError(f"notebookkit.memory: method={method!r}; use one of {list(METHODS)} (the trainer's kind).")
+    fmt = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
     s = _dtype_bytes(dtype)
     targets = _targets(target_modules)
     plan = normalize_plan(activation_plan, shape.num_layers)
@@ -683,7 +723,7 @@ def estimate_training_memory(
         generation = dict(batch_size=batch_size, max_len=seq_len, prompt_len=max(1, seq_len - scored),
                           keep_cache=keeps_cache_between_steps(plan))
 
-    base = _base_weights(shape, s, load_in_4bit, double_quant)
+    base = _base_weights(shape, s, fmt, double_quant)
     host_embedding_bytes = _move_embedding_to_host(base, shape, s) if offload_embedding else 0
     adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
     acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
@@ -692,19 +732,20 @@ def estimate_training_memory(
     vision_inputs: dict[str, Any] = {}
     if vlm is not None:
         vision_inputs = _add_vision(vlm, base, adapters, acts, plan, rows=rows, seq_len=seq_len, s=s,
-                                    load_in_4bit=load_in_4bit, double_quant=double_quant, lora_r=lora_r, opt=opt,
+                                    fmt=fmt, double_quant=double_quant, lora_r=lora_r, opt=opt,
                                     adapter_dtype=adapter_dtype, images_per_row=images_per_row,
                                     image_size=image_size, vision_lora=finetune_vision_layers,
                                     vision_lora_params=vision_lora_params)
     loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=record.logprob_loss)
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
-                                       load_in_4bit=load_in_4bit, attention=attention, fp8_forward=fp8_forward)
-    reference = _reference_pass(shape, rows, seq_len, s, load_in_4bit, attention) if record.reference_pass else _Part(0)
+                                       attention=attention, fp8_forward=fp8_forward,
+                                       **({fmt.load_flag: True} if fmt.load_flag else {}))
+    reference = _reference_pass(shape, rows, seq_len, s, fmt, attention) if record.reference_pass else _Part(0)
     temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes, reference.bytes)
     gen_bytes, gen_details = 0, {}
     if generation is not None:
         transients = acts.bytes + loss.bytes + temporaries.bytes - cuda_context_bytes
-        gen_bytes, gen_details = generation_term(generation, shape, s, load_in_4bit, attention, transients)
+        gen_bytes, gen_details = generation_term(generation, shape, s, fmt, attention, transients)
 
     notes = list(loss.notes)
     if lora_dropout and lora_dropout > 0:
@@ -715,7 +756,8 @@ def estimate_training_memory(
                **gen_details}
     total = base.bytes + adapters.bytes + acts.bytes + loss.bytes + temporaries.bytes + gen_bytes
     inputs = dict(
-        load_in_4bit=bool(load_in_4bit), dtype=str(dtype).replace("torch.", ""), lora_r=lora_r,
+        load_in_4bit=bool(load_in_4bit), load_in_2bit=bool(load_in_2bit), load_in_ternary=bool(load_in_ternary),
+        base_format=fmt.name, dtype=str(dtype).replace("torch.", ""), lora_r=lora_r,
         target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
@@ -765,18 +807,13 @@ def _optimizer_name(optimizer: str) -> str:
     return opt
 
 
-def _base_weights(shape: ModelShape, s: int, load_in_4bit: bool, double_quant: bool) -> _Part:
-    """Decoder projections (``s`` bytes each, or NF4 with its absmax), embeddings, LM head and norms."""
+def _base_weights(shape: ModelShape, s: int, fmt: BaseFormat, double_quant: bool) -> _Part:
+    """Decoder projections in the base format (the record's bytes per weight), embeddings, LM head and norms."""
     L, H = shape.num_layers, shape.hidden_size
-    p_lin = L * shape.linear_params_per_layer
     p_small = shape.embedding_params + shape.lm_head_params + L * shape.norm_params_per_layer + H
     small_bytes = p_small * s
-    if load_in_4bit:
-        lin_bytes = int(p_lin * _nf4_bytes_per_weight(double_quant))
-        lin_key = "base weights: decoder projections (NF4)"
-    else:
-        lin_bytes = p_lin * s
-        lin_key = "base weights: decoder projections"
+    lin_bytes = projection_weight_bytes(shape, fmt, s, double_quant)
+    lin_key = "base weights: decoder projections" + (f" ({fmt.label.split()[0]})" if fmt.quantised else "")
     return _Part(lin_bytes + small_bytes, {lin_key: lin_bytes, "base weights: embeddings, LM head, norms": small_bytes})
 
 
@@ -792,13 +829,8 @@ def _move_embedding_to_host(base: _Part, shape: ModelShape, s: int) -> int:
     return 1 << (moved - 1).bit_length()  # pinned blocks are rounded up to a power of two
 
 
-def _nf4_bytes_per_weight(double_quant: bool) -> float:
-    """Bytes per NF4 weight: half a byte plus its absmax (:mod:`notebookkit.base_formats`)."""
-    return BASE_FORMATS["nf4"].bytes_per_weight(0, double_quant=double_quant)
-
-
 def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan: tuple[str, ...], *, rows: int,
-                seq_len: int, s: int, load_in_4bit: bool, double_quant: bool, lora_r: int, opt: str,
+                seq_len: int, s: int, fmt: BaseFormat, double_quant: bool, lora_r: int, opt: str,
                 adapter_dtype: str, images_per_row: int, image_size: Any, vision_lora: bool,
                 vision_lora_params: int | None = None) -> dict[str, Any]:
     """Add the vision tower's weights, adapters and saved activations to the parts (in place);
@@ -808,7 +840,7 @@ def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan
     size = ve.default_image_size(vlm, image_size)
     images = ve.vision_images(rows, images_per_row)
     tokens = ve.check_image_tokens(vlm, seq_len, images_per_row, size) if images_per_row else 0
-    for key, value in ve.vision_weight_bytes(vlm, s, _nf4_bytes_per_weight(double_quant) if load_in_4bit else None).items():
+    for key, value in ve.vision_weight_bytes(vlm, s, fmt, double_quant).items():
         base.details[key] = value
         base.bytes += value
     every_linear = ve.vision_lora_param_count(vlm, lora_r)
@@ -874,8 +906,9 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     """What the layers keep for backward by mode, the last offloaded layer's input on the GPU, and the
     offloaded inputs in flight."""
     X = layer_kw["batch_size"] * layer_kw["seq_len"] * shape.hidden_size * layer_kw["dtype_bytes"]
-    keep_layer = layer_activation_bytes(shape, "keep", **layer_kw)
-    per_layer = [layer_activation_bytes(shape, m, **layer_kw) for m in plan]
+    by_mode = {m: layer_activation_bytes(shape, m, **layer_kw) for m in {"keep", *plan}}  # same for every layer
+    keep_layer = by_mode["keep"]
+    per_layer = [by_mode[m] for m in plan]
     if plan and plan[-1] == "offload":
         per_layer[-1] = X  # the last layer's input is needed first in backward: it stays on the GPU
     counts = {m: plan.count(m) for m in MODES}
@@ -922,10 +955,10 @@ def _scored_len(completion_loss: bool, seq_len: int, completion_len: int | None)
     return int(completion_len)
 
 
-def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, load_in_4bit: bool, attention: str) -> _Part:
+def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, fmt: BaseFormat, attention: str) -> _Part:
     """DPO's reference forward (no gradient) on top of the saved policy activations: one decoder layer's
     no-grad working set for ``rows * seq_len`` tokens."""
-    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, load_in_4bit, attention))
+    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, fmt, attention))
 
 
 def _temporaries(

@@ -34,7 +34,7 @@ One decoder layer's working set for ``N`` tokens attending over ``M`` slots, wit
     explicit scores ``B * nh * T' * M * (2s + 4)``;
     MLP: ``N * s * (2H + 3I)`` (residual, normed input, gate, up, their product);
     with NF4 weights the dequantised 16-bit copy of the largest projection, ``max(in*out) * s``,
-    in either. LoRA's ``x A^T`` (``N * r`` per projection) is left out.
+    in either (2-bit and ternary bases dequantise inside the GEMM and the decode matvec: nothing more). LoRA's ``x A^T`` (``N * r`` per projection) is left out.
 
 ``generation = kv_cache + graph_buffers + decode_step + prefill``: the cache, the buffers and the
 graph's pool stay allocated between calls, so a later call's prefill comes on top of them.
@@ -56,6 +56,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from notebookkit.base_formats import BaseFormat
+
+from .base_weights import base_format_for, dense_copy_bytes
 from .shapes import ModelShape, resolve_attention
 
 __all__ = [
@@ -115,10 +118,18 @@ def graph_buffer_bytes(shape: ModelShape, batch_size: int, max_len: int, dtype_b
     return batch_size * per_row
 
 
+def _as_format(base: BaseFormat | bool) -> BaseFormat:
+    """A base format, or ``load_in_4bit`` given as a bool (NF4 or 16-bit)."""
+    return base_format_for(load_in_4bit=base) if isinstance(base, bool) else base
+
+
 def layer_working_set(
-    shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, load_in_4bit: bool, attention: str
+    shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, base: BaseFormat | bool, attention: str
 ) -> int:
-    """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots."""
+    """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots
+    (``base``: the format of the frozen projections, or ``load_in_4bit`` as a bool; NF4 adds its dense copy,
+    :mod:`.base_weights`)."""
+    base = _as_format(base)
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
     attn = N * s * (2 * H + 2 * (dq + 2 * dk) + dq) + batch_size * queries * slots * s
@@ -127,8 +138,7 @@ def layer_working_set(
     if resolve_attention(shape, attention) == "eager":
         attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
     mlp = N * s * (2 * H + 3 * I)
-    dequant = max(i * o for i, o in shape.projection_shapes().values()) * s if load_in_4bit else 0
-    return max(attn, mlp) + dequant
+    return max(attn, mlp) + dense_copy_bytes(shape, base, s)
 
 
 def generation_memory(
@@ -140,6 +150,8 @@ def generation_memory(
     prompt_len: int | None = None,
     load_in_4bit: bool = False,
     attention: str = "auto",
+    load_in_2bit: bool = False,
+    load_in_ternary: bool = False,
 ) -> GenerationMemory:
     """What generating ``batch_size`` rows of up to ``max_len`` tokens (prompt + new) needs on the device.
 
@@ -149,7 +161,9 @@ def generation_memory(
         max_len: cache slots per row, the longest prompt plus ``max_new_tokens``.
         dtype_bytes: bytes of the compute dtype (2 for fp16/bf16, 4 for fp32).
         prompt_len: the (padded) prompt length of the prefill; default ``max_len`` (the most it can be).
-        load_in_4bit: NF4 base weights: one dequantised projection in the working sets.
+        load_in_4bit, load_in_2bit, load_in_ternary: the base format (``from_pretrained``'s flags): NF4
+            adds one dequantised projection to the working sets; 2-bit and ternary dequantise inside the
+            GEMM and the decode matvec, which write only their outputs (:mod:`.base_weights`).
         attention: as for :func:`~notebookkit.memory.estimate.estimate_training_memory`.
     """
     if batch_size < 1 or max_len < 1:
@@ -162,17 +176,18 @@ def generation_memory(
             f"notebookkit.memory: prompt_len must be between 1 and max_len={max_len} (got {prompt_len}); max_len "
             "counts the prompt and the new tokens."
         )
+    base = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
     s, V = dtype_bytes, shape.vocab_size
     sampling = batch_size * V * (s + SAMPLING_BYTES_PER_LOGIT)
-    decode = max(layer_working_set(shape, batch_size, 1, max_len, s, load_in_4bit, attention), sampling)
-    prefill = layer_working_set(shape, batch_size, T, max_len, s, load_in_4bit, attention) + batch_size * V * s
+    decode = max(layer_working_set(shape, batch_size, 1, max_len, s, base, attention), sampling)
+    prefill = layer_working_set(shape, batch_size, T, max_len, s, base, attention) + batch_size * V * s
     return GenerationMemory(
         kv_cache=kv_cache_bytes(shape, batch_size, max_len, s),
         graph_buffers=graph_buffer_bytes(shape, batch_size, max_len, s),
         decode_step=decode,
         prefill=prefill,
         inputs=dict(batch_size=batch_size, max_len=max_len, prompt_len=T, dtype_bytes=s,
-                    load_in_4bit=bool(load_in_4bit), attention=attention),
+                    load_in_4bit=bool(load_in_4bit), base_format=base.name, attention=attention),
     )
 
 
@@ -191,19 +206,20 @@ def keeps_cache_between_steps(activation_plan: Any) -> bool:
 
 
 def generation_term(
-    generation: GenerationMemory | Mapping[str, Any], shape: ModelShape, dtype_bytes: int, load_in_4bit: bool,
+    generation: GenerationMemory | Mapping[str, Any], shape: ModelShape, dtype_bytes: int, base: BaseFormat | bool,
     attention: str, training_transients: int,
 ) -> tuple[int, dict[str, int]]:
     """Bytes a training step's estimate adds for generation alongside it, and their breakdown.
 
     ``generation``: a :class:`GenerationMemory` (its cache kept through training), or the keywords
     of :func:`generation_memory` (``batch_size``, ``max_len``, ``prompt_len``), which then takes the
-    dtype, NF4 setting and attention of the training estimate, plus ``keep_cache`` (default True: the
+    dtype, base format (``base``) and attention of the training estimate, plus ``keep_cache`` (default True: the
     cache, buffers and graph pool stay allocated through the training step; False: freed after each
     generate call). ``training_transients``: the step's activations, loss buffers and temporaries,
     which a generate call never overlaps.
     """
     keep = True
+    base = _as_format(base)
     if not isinstance(generation, GenerationMemory):
         kwargs = dict(generation)
         unknown = sorted(set(kwargs) - {"batch_size", "max_len", "prompt_len", "attention", "keep_cache"})
@@ -214,8 +230,9 @@ def generation_term(
             )
         keep = bool(kwargs.pop("keep_cache", True))
         kwargs.setdefault("attention", attention)
+        flags = {base.load_flag: True} if base.load_flag else {}
         generation = generation_memory(shape, kwargs.pop("batch_size", 1), kwargs.pop("max_len"), dtype_bytes,
-                                       load_in_4bit=load_in_4bit, **kwargs)
+                                       **flags, **kwargs)
     if not keep:
         beyond = max(0, generation.total - training_transients)
         key = "generation: generate call beyond the training step's transients (cache freed before training)"

@@ -33,7 +33,13 @@ when ``torch.cuda.set_per_process_memory_fraction`` set one), or a user cap:
 card is the whole card, so the CUDA context counts against it. A safety margin
 (``DEFAULT_SAFETY_MARGIN``, 8%) is left for allocator fragmentation: the estimate predicts
 ``torch.cuda.max_memory_allocated``, and the caching allocator reserves more than that (on the
-8B NF4 benchmark row, 35.4 GiB reserved for a 33.3 GiB allocated peak: 6.4% more). Offloading also needs pinned host memory, checked against available RAM.
+8B NF4 benchmark row, 35.4 GiB reserved for a 33.3 GiB allocated peak: 6.4% more). With
+``margin_of="step"`` the margin is that fraction of what the step adds to the frozen base weights,
+``margin * (budget - base_weights)``: the base is allocated once at load and never freed, so the
+fragmentation comes from the step's own allocations (on that 8B row, 2.1 GiB of excess for about 28 GiB
+beyond the base: 7.5%, inside the margin). It matters where the base fills most of the card (a 70B
+at 2-bit on 24 GiB: a margin of 1.9 GiB of the whole card, 0.17 GiB of the step); it is a prediction
+until a GPU run measures it. Offloading also needs pinned host memory, checked against available RAM.
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from notebookkit.base_formats import BASE_FORMATS
 from notebookkit.training_methods import TRAINING_METHODS
 
+from .base_weights import base_format_for, load_flags
 from .cards import GPUCard, detect_card, parse_card, parse_memory
 from .estimate import MODES, MemoryEstimate, _dtype_bytes, _fmt, estimate_training_memory, lora_param_count
 from .shapes import KNOWN_MODELS, ModelShape, model_shape
@@ -190,8 +198,8 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
     lora_layer = lora_param_count(shape, r, kw.get("target_modules")) / shape.num_layers
     flops = N * (2 * shape.linear_params_per_layer + 2 * lora_layer + 2 * T * shape.q_dim)
     rate = (card.tflops if card else 1.0) * 1e12
-    if kw.get("load_in_4bit"):
-        rate *= 0.8  # dequantisation before each matmul
+    if _quantised(kw):
+        rate *= 0.8  # dequantisation before (NF4) or inside (2-bit, ternary) each matmul
     t_f = flops / rate
     bw = (card.pcie_gbps if card else 10.0) * 1e9
     copy = N * shape.hidden_size * s / bw
@@ -213,8 +221,13 @@ def _vision_recompute_seconds(shape: Any, kw: dict[str, Any], card: GPUCard | No
     rows = kw.get("batch_size", 1) * (method.rows_per_example if method is not None else 1)
     size = kw.get("image_size") if kw.get("image_size") is not None else (shape.default_image_size or 448)
     patches = rows * kw.get("images_per_row", 1) * shape.image_grid(size)[0]
-    rate = (card.tflops if card else 1.0) * 1e12 * (0.8 if kw.get("load_in_4bit") else 1.0)
+    rate = (card.tflops if card else 1.0) * 1e12 * (0.8 if _quantised(kw) else 1.0)
     return patches * 2 * shape.vision.linear_params / rate
+
+
+def _quantised(kw: dict[str, Any]) -> bool:
+    """Whether the estimate's keywords ask for a quantised base (any ``load_in_*`` flag of the record)."""
+    return any(kw.get(flag) for flag in load_flags())
 
 
 def _modes(L: int, keep: int, recompute: int) -> tuple[str, ...]:
@@ -231,6 +244,8 @@ def plan_activations(
     host_memory_bytes: int | None = None,
     safety_margin: float | None = None,
     allow_offload: bool | None = None,
+    margin_of: str = "budget",
+    explain: bool = True,
     **estimate_kwargs: Any,
 ) -> ActivationPlan:
     """Choose keep / recompute / offload per decoder layer: the fastest plan within the budget.
@@ -246,6 +261,10 @@ def plan_activations(
         safety_margin: fraction of the budget left free for allocator fragmentation
             (default ``DEFAULT_SAFETY_MARGIN``).
         allow_offload: default True on a GPU or a named card, False when planning for the CPU.
+        margin_of: ``"budget"`` (the margin is a fraction of the whole budget) or ``"step"`` (of the budget
+            less the frozen base weights, which are allocated once: module docstring).
+        explain: False raises :class:`DoesNotFitError` without working out what to change (searches that
+            probe many settings: :func:`~notebookkit.memory.largest_lora_rank`, :func:`~notebookkit.memory.longest_sequence`).
         **estimate_kwargs: ``load_in_4bit``, ``dtype``, ``lora_r``, ``target_modules``, ``optimizer``,
             ``batch_size``, ``seq_len``, ``fused_loss``, ... as for :func:`estimate_training_memory`.
 
@@ -268,7 +287,15 @@ def plan_activations(
         allow_offload = card_obj is not None or "no GPU" not in source
     if safety_margin is None:
         safety_margin = DEFAULT_SAFETY_MARGIN
-    usable = int(budget * (1.0 - safety_margin))
+    if margin_of not in ("budget", "step"):
+        raise ValueError(f"notebookkit.memory: margin_of={margin_of!r}; use 'budget' or 'step'.")
+    L = text.num_layers
+
+    def usable_for(est: MemoryEstimate) -> int:
+        """What a step may fill: the budget less the margin (on the budget, or on what the step adds to the base)."""
+        if margin_of == "step":
+            return int(budget - safety_margin * max(0, budget - est.base_weights))
+        return int(budget * (1.0 - safety_margin))
     if host_memory_bytes is None:
         from .meters import host_memory
 
@@ -277,7 +304,9 @@ def plan_activations(
     def used(est: MemoryEstimate) -> int:
         return est.total if with_context else est.peak_allocated
 
-    L = text.num_layers
+    def fits(est: MemoryEstimate) -> bool:
+        return used(est) <= usable_for(est)
+
     t_f, c_rec, c_off = _layer_costs(text, estimate_kwargs, card_obj)
     c_vision = _vision_recompute_seconds(shape, estimate_kwargs, card_obj)
     step = 3 * L * t_f + 3 * c_vision
@@ -289,9 +318,13 @@ def plan_activations(
     host_blocked: MemoryEstimate | None = None
     for k in range(L, -1, -1):
         lowest_m = 0 if allow_offload else L - k
+        # For a given k the memory grows with m, except that m = L - k (nothing offloaded) has no input in
+        # flight: when neither end fits, no m does, and the scan of this k is skipped.
+        if lowest_m < L - k - 1 and not fits(est_for(k, lowest_m)) and not fits(est_for(k, L - k)):
+            continue
         for m in range(L - k, lowest_m - 1, -1):
             est = est_for(k, m)
-            if used(est) > usable:
+            if not fits(est):
                 continue
             if est.host_offload > host_memory_bytes:
                 host_blocked = host_blocked or est
@@ -304,11 +337,9 @@ def plan_activations(
             break
     if best is None:
         worst = est_for(0, 0 if allow_offload else L)
-        raise DoesNotFitError(
-            _explain(shape, worst, usable, budget, source, with_context, estimate_kwargs, allow_offload,
-                     host_blocked, host_memory_bytes),
-            estimate=worst, budget_bytes=budget,
-        )
+        message = _explain(shape, worst, usable_for, budget, source, with_context, estimate_kwargs, allow_offload,
+                           host_blocked, host_memory_bytes) if explain else f"{shape.name} does not fit {_fmt(budget)}"
+        raise DoesNotFitError(message, estimate=worst, budget_bytes=budget)
     cost, k, m, est = best
     plan = ActivationPlan(
         modes=_modes(L, k, m), budget_bytes=budget, budget_source=source, estimate=est,
@@ -319,15 +350,15 @@ def plan_activations(
 
 
 def _explain(
-    shape: ModelShape, worst: MemoryEstimate, usable: int, budget: int, source: str, with_context: bool,
+    shape: ModelShape, worst: MemoryEstimate, usable_for: Any, budget: int, source: str, with_context: bool,
     kw: dict[str, Any], allow_offload: bool, host_blocked: MemoryEstimate | None, host_bytes: int,
 ) -> str:
     need = worst.total if with_context else worst.peak_allocated
     mode = "every layer offloaded" if allow_offload else "every layer recomputed"
     lines = [
         f"notebookkit: {shape.name} does not fit in {_fmt(budget)} ({source}) even with {mode}: "
-        f"the step needs about {_fmt(need)} (usable after a {100 * (1 - usable / budget):.0f}% margin: "
-        f"{_fmt(usable)}).",
+        f"the step needs about {_fmt(need)} (usable after a {_fmt(budget - usable_for(worst))} margin for "
+        f"fragmentation: {_fmt(usable_for(worst))}).",
         "  " + ", ".join(f"{k} {_fmt(v)}" for k, v in worst.parts().items()),
     ]
     if host_blocked is not None:
@@ -345,21 +376,42 @@ def _explain(
             e = estimate_training_memory(shape, activation_plan=plan, **args)
         except ValueError:
             return None
-        return e if (e.total if with_context else e.peak_allocated) <= usable else None
+        return e if (e.total if with_context else e.peak_allocated) <= usable_for(e) else None
 
     single: list[tuple[str, dict[str, Any]]] = []
-    if not kw.get("load_in_4bit"):
-        single.append(("load_in_4bit=True", {"load_in_4bit": True}))
+    fmt = base_format_for(**{f: bool(kw.get(f)) for f in load_flags()})
+    off = {f: False for f in load_flags()}
+    width = shape.hidden_size  # bytes per weight of a typical projection, to order the formats
+    smaller_formats = [f for f in BASE_FORMATS.values()
+                       if f.quantised and f.bytes_per_weight(width) < fmt.bytes_per_weight(width, 2)]
+    if smaller_formats:  # one step down: the format of fewer bytes per weight nearest to this one
+        down = max(smaller_formats, key=lambda f: f.bytes_per_weight(width))
+        single.append((f"{down.load_flag}=True ({down.label} base)", dict(off, **{down.load_flag: True})))
+    if not kw.get("offload_embedding") and not shape.tie_word_embeddings:
+        single.append(("offload_embedding=True (input embedding in host RAM)", {"offload_embedding": True}))
     if kw.get("batch_size", 1) > 1:
         single.append(("batch_size=1 with more gradient_accumulation_steps", {"batch_size": 1}))
     if "8bit" not in str(kw.get("optimizer", "adamw")):
         single.append(("optimizer='adamw_8bit'", {"optimizer": "adamw_8bit"}))
-    if kw.get("lora_r", 16) > 8:
-        single.append(("LoRA rank r=8", {"lora_r": 8}))
     for text, change in single:
         e = fits(**change)
         if e:
             fixes.append(f"{text} (about {_fmt(e.total if with_context else e.peak_allocated)})")
+    # the largest smaller LoRA rank that fits (memory grows with the rank), with the embedding on the host if need be
+    rank = int(kw.get("lora_r", 16))
+    with_host = [({}, "")]
+    if not kw.get("offload_embedding") and not shape.tie_word_embeddings:
+        with_host.append(({"offload_embedding": True}, "offload_embedding=True with "))
+    for extra, prefix in with_host:
+        if rank <= 1 or not fits(**extra, lora_r=1):
+            continue
+        good, bad = 1, rank
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if fits(**extra, lora_r=middle) else (good, middle)
+        e = fits(**extra, lora_r=good)
+        fixes.append(f"{prefix}LoRA rank r={good} (about {_fmt(e.total if with_context else e.peak_allocated)})")
+        break
     # the shortest sequence that fits once every cheap change above is made
     combo: dict[str, Any] = {}
     for _, change in single:
@@ -373,7 +425,7 @@ def _explain(
         else:
             hi = mid
     if 64 <= lo < seq:
-        how = ", ".join(f"{k}={v!r}" for k, v in combo.items())
+        how = ", ".join(f"{k}={v!r}" for k, v in combo.items() if v or k not in off)  # format flags that turn on
         fixes.append(f"max_seq_length <= {lo // 32 * 32}" + (f" together with {how}" if how else ""))
     smaller = []
     seen: set[tuple] = set()
@@ -384,14 +436,16 @@ def _explain(
         seen.add(key)
         if other.num_params < shape.num_params:
             try:
-                e = estimate_training_memory(other, activation_plan=plan, **dict(kw, load_in_4bit=True))
+                smaller_base = kw if fmt.quantised else dict(kw, load_in_4bit=True)
+                e = estimate_training_memory(other, activation_plan=plan, **smaller_base)
             except ValueError:
                 continue
-            if (e.total if with_context else e.peak_allocated) <= usable:
+            if (e.total if with_context else e.peak_allocated) <= usable_for(e):
                 smaller.append((other.num_params, name))
     if smaller:
         smaller.sort(reverse=True)
-        fixes.append("a smaller model, e.g. " + ", ".join(n for _, n in smaller[:3]) + " (in 4-bit)")
+        fixes.append("a smaller model, e.g. " + ", ".join(n for _, n in smaller[:3])
+                     + f" ({fmt.label if fmt.quantised else 'in 4-bit'})")
     else:
         fixes.append("a smaller model")
     if "no GPU" not in source and with_context:

@@ -145,6 +145,8 @@ _ROWS = [
     ("meta-llama/Llama-3.2-3B",                "llama",   3072, 28, 24, 8, 128, 8192, 128256, True,  131072),
     ("meta-llama/Llama-3.1-8B-Instruct",       "llama",   4096, 32, 32, 8, 128, 14336, 128256, False, 131072),
     ("meta-llama/Llama-3.1-8B",                "llama",   4096, 32, 32, 8, 128, 14336, 128256, False, 131072),
+    ("meta-llama/Llama-3.1-70B-Instruct",      "llama",   8192, 80, 64, 8, 128, 28672, 128256, False, 131072),
+    ("meta-llama/Llama-3.1-70B",               "llama",   8192, 80, 64, 8, 128, 28672, 128256, False, 131072),
     ("Qwen/Qwen3-0.6B",                        "qwen3",   1024, 28, 16, 8, 128, 3072, 151936, True,  40960),
     ("Qwen/Qwen3-1.7B",                        "qwen3",   2048, 28, 16, 8, 128, 6144, 151936, True,  40960),
     ("Qwen/Qwen3-4B",                          "qwen3",   2560, 36, 32, 8, 128, 9728, 151936, True,  40960),

@@ -9,7 +9,8 @@ tokens, ``s`` the compute dtype's bytes and notation as in :mod:`.vision_shapes`
 Weights
     ``load_in_4bit`` quantises every linear layer of the tower and of Qwen2.5-VL's merger to NF4 (the
     loader quantises a VLM as transformers does: every ``nn.Linear`` but the LM head), at the bytes
-    per weight of the decoder's projections; the patch embedding, position table, norms, biases and
+    per weight of the decoder's projections (and ``load_in_2bit`` / ``load_in_ternary`` are counted by
+    the same rule, each linear at its format's bytes for its ``in_features``: :mod:`.base_weights`); the patch embedding, position table, norms, biases and
     Gemma 3's projector matrix stay in ``s``. Qwen2.5-VL's decoder q/k/v biases (``L*(dq + 2*dk)``,
     which the text :class:`~.shapes.ModelShape` leaves out) are added in ``s``.
 
@@ -60,6 +61,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from notebookkit.base_formats import BaseFormat
+
+from .base_weights import linear_weight_bytes
 from .vision_shapes import VLMShape
 
 
@@ -77,14 +81,13 @@ def vision_lora_param_count(vlm: VLMShape, r: int) -> int:
     return v.num_layers * block + sum(r * (i + o) for i, o in v.projector_linear_shapes().values())
 
 
-def vision_weight_bytes(vlm: VLMShape, s: int, nf4_bytes_per_weight: float | None) -> dict[str, int]:
-    """``{detail: bytes}`` of the tower's weights (``nf4_bytes_per_weight`` None: 16-bit linears)
-    and Qwen2.5-VL's decoder biases."""
+def vision_weight_bytes(vlm: VLMShape, s: int, fmt: BaseFormat, double_quant: bool = True) -> dict[str, int]:
+    """``{detail: bytes}`` of the tower's weights (its linears in the base format ``fmt``, each at the
+    record's bytes per weight for its ``in_features``) and Qwen2.5-VL's decoder biases."""
     v = vlm.vision
-    if nf4_bytes_per_weight is None:
-        linear = {"base weights: vision tower linears": v.linear_params * s}
-    else:
-        linear = {"base weights: vision tower linears (NF4)": int(v.linear_params * nf4_bytes_per_weight)}
+    shapes = [*list(v.block_linear_shapes().values()) * v.num_layers, *v.projector_linear_shapes().values()]
+    key = "base weights: vision tower linears" + (f" ({fmt.label.split()[0]})" if fmt.quantised else "")
+    linear = {key: linear_weight_bytes(shapes, fmt, s, double_quant)}
     out = {**linear, "base weights: vision patch embedding, norms, biases, projector": v.other_params * s}
     if vlm.text_bias_params:
         out["base weights: decoder q/k/v biases"] = vlm.text_bias_params * s

@@ -1,10 +1,18 @@
-"""Model panel: which model, 4-bit or not, sequence length, dtype, card, and the live VRAM estimate.
+"""Model panel: which model, the format of its frozen weights, sequence length, dtype, card, and the live
+VRAM estimate.
 
 The estimate beside the controls is :func:`notebookkit.memory.estimate_training_memory` for the
 current choices, broken into base weights, adapters + optimizer, activations, logits/loss and the
 rest, with a fits / does-not-fit verdict for the detected GPU or a chosen card. It follows a
 linked LoRA panel (rank, targets, checkpointing mode) and training panel (batch size, optimizer)
 as they change: see :func:`link_estimate` and :class:`notebookkit.widgets.ConfigPanels`.
+
+The weight formats offered are the rows of :mod:`notebookkit.base_formats` (16-bit, NF4, 2-bit,
+ternary), each chosen by its ``from_pretrained`` flag. When the choice does not fit a GPU card, the
+panel asks :func:`notebookkit.memory.largest_lora_rank` what each quantised format can train there
+(the largest LoRA rank, whether the input embedding must live in host RAM, the activation plan) or
+why it cannot: for a 70B on a 24 GiB card, 2-bit fits at a small rank with the embedding on the host
+and NF4 does not. Plans here leave the planner's margin on the step's own bytes (``margin_of="step"``).
 """
 
 from __future__ import annotations
@@ -16,10 +24,13 @@ from typing import Any
 
 import ipywidgets as W
 
+from notebookkit.base_formats import BASE_FORMATS
+from notebookkit.memory.base_weights import base_format_for, load_flags
 from notebookkit.memory.cards import GPUCard
 from notebookkit.memory.context import longest_sequence
 from notebookkit.memory.estimate import MemoryEstimate, estimate_training_memory
 from notebookkit.memory.planner import ActivationPlan, DoesNotFitError, plan_activations
+from notebookkit.memory.rank_fit import RankFit, largest_lora_rank
 from notebookkit.memory.vision_shapes import text_shape
 
 from ._base import Panel, header, styled
@@ -27,6 +38,7 @@ from .cards import card_for, card_options
 from .catalog import CATALOG, family_of, model_names, resolve_shape
 
 GiB = 1024**3
+MARGIN_OF = "step"  # the planner's fragmentation margin on the step's bytes (notebookkit.memory.planner)
 #: the dtype choices; "auto" (the loader picks for the machine) stands for ``dtype=None``: a Dropdown whose value is
 #: None shows no selection at all, so the widget holds the string and ``.value`` gives None back
 DTYPES: list[tuple[str, Any]] = [("auto", "auto"), ("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32")]
@@ -56,19 +68,34 @@ class ModelChoice:
     """Model settings, named as ``FastLanguageModel.from_pretrained`` takes them (plus the card)."""
 
     model_name: str = ""
-    load_in_4bit: bool = True
+    load_in_4bit: bool | None = None  # None: 4-bit unless load_in_2bit / load_in_ternary asks for another format
     max_seq_length: int = 2048
     dtype: str | None = None
     card: str = "auto"
     offload_embedding: bool = False
+    load_in_2bit: bool = False
+    load_in_ternary: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:
             self.model_name = _default_model()
+        if self.load_in_4bit is None:
+            self.load_in_4bit = not any(getattr(self, f) for f in load_flags() if f != "load_in_4bit")
+        self.base_format  # refuses two formats at once, with the message of the memory model
+
+    @property
+    def base_format(self) -> str:
+        """The name of the format the flags ask for (:data:`notebookkit.base_formats.BASE_FORMATS`)."""
+        return base_format_for(**self.format_flags()).name
+
+    def format_flags(self) -> dict[str, bool]:
+        """``from_pretrained``'s base-format flags, one per quantised format of the record."""
+        return {f: bool(getattr(self, f)) for f in load_flags()}
 
     def from_pretrained_kwargs(self) -> dict[str, Any]:
         kwargs = dict(model_name=self.model_name, max_seq_length=self.max_seq_length, dtype=self.dtype,
                       load_in_4bit=self.load_in_4bit)
+        kwargs.update({f: True for f, on in self.format_flags().items() if on and f != "load_in_4bit"})
         if self.offload_embedding:
             kwargs["offload_embedding"] = True
         return kwargs
@@ -86,13 +113,15 @@ class EstimateResult:
     message: str = ""
     what: str = "VRAM"  # "VRAM" for a GPU card, "memory" for a CPU run
     longest_seq: int | None = None  # GPU card, checkpointing "auto": the longest max_seq_length that fits
+    formats: tuple[RankFit, ...] = ()  # the choice does not fit a GPU card: what each quantised format can train
 
 
 @functools.lru_cache(maxsize=64)
 def _longest_seq(shape: Any, card: GPUCard, limit: int, settings: tuple) -> int:
     """The planner's longest trainable sequence for these settings (cached: the sequence-length
     slider changes nothing here, so moving it stays instant)."""
-    found = longest_sequence(shape, budget_bytes=card.memory_bytes, card=card, step=256, max_seq=limit, **dict(settings))
+    found = longest_sequence(shape, budget_bytes=card.memory_bytes, card=card, step=256, max_seq=limit,
+                             margin_of=MARGIN_OF, **dict(settings))
     return found.seq_len
 
 
@@ -119,7 +148,7 @@ def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None)
     if str(optim) not in ("sgd", "adafactor") and "8bit" not in str(optim):
         optim = "adamw"
     kw = dict(
-        load_in_4bit=bool(model.load_in_4bit), dtype=dtype, lora_r=int(r), target_modules=targets,
+        **model.format_flags(), dtype=dtype, lora_r=int(r), target_modules=targets,
         optimizer=str(optim), batch_size=int(batch), seq_len=int(model.max_seq_length),
         lora_dropout=float(getattr(lora, "lora_dropout", 0.0) or 0.0),
         fp8_forward=bool(getattr(lora, "fp8_base_matmul", False)),
@@ -134,24 +163,70 @@ def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None)
     with_context = card is not None
     try:
         if mode == "auto":
-            plan = plan_activations(shape, budget_bytes=budget, card=card, allow_offload=card is not None, **kw)
+            plan = plan_activations(shape, budget_bytes=budget, card=card, allow_offload=card is not None,
+                                    margin_of=MARGIN_OF, **kw)
             est = plan.estimate
         else:
             plan = None
             est = estimate_training_memory(shape, activation_plan=mode, **kw)
     except DoesNotFitError as exc:
-        return EstimateResult(exc.estimate, None, budget, label, False, str(exc).split("\n", 1)[-1], what)
+        formats = _format_fits(shape, card, _settings(kw)) if card is not None else ()
+        return EstimateResult(exc.estimate, None, budget, label, False, str(exc).split("\n", 1)[-1], what,
+                              formats=formats)
     except ValueError as exc:
         return EstimateResult(None, None, budget, label, False, str(exc), what)
     used = est.total if with_context else est.peak_allocated
     longest = None
     if mode == "auto" and card is not None:
-        settings = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items() if k != "seq_len"))
+        settings = tuple((k, v) for k, v in _settings(kw) if k != "seq_len")
         try:
             longest = _longest_seq(shape, card, text_shape(shape).max_position_embeddings or 131072, settings)
         except (ValueError, TypeError):  # a shape the planner cannot bisect: leave the line out
             longest = None
-    return EstimateResult(est, plan, budget, label, used <= budget, "", what, longest)
+    fits = used <= budget
+    formats = _format_fits(shape, card, _settings(kw)) if card is not None and not fits else ()
+    return EstimateResult(est, plan, budget, label, fits, "", what, longest, formats)
+
+
+def _settings(kw: dict[str, Any]) -> tuple:
+    """The estimate's keywords as a hashable key (for the caches)."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items()))
+
+
+@functools.lru_cache(maxsize=32)
+def _format_fits(shape: Any, card: GPUCard, settings: tuple) -> tuple[RankFit, ...]:
+    """For each quantised format of the record: the largest LoRA rank (and plan) the card trains with these
+    settings, or why none does (:func:`notebookkit.memory.largest_lora_rank`; the embedding goes to host RAM
+    when that is what it takes)."""
+    kw = dict(settings)
+    for flag in load_flags():
+        kw.pop(flag, None)
+    for dropped in ("lora_r", "seq_len", "batch_size", "offload_embedding"):
+        kw.pop(dropped, None)
+    seq, batch = dict(settings).get("seq_len", 2048), dict(settings).get("batch_size", 1)
+    fits = []
+    for fmt in BASE_FORMATS.values():
+        if not fmt.quantised:
+            continue
+        try:
+            fits.append(largest_lora_rank(shape, budget_bytes=card.memory_bytes, card=card, seq_len=seq,
+                                          batch_size=batch, max_rank=256, **{fmt.load_flag: True}, **kw))
+        except ValueError:  # a setting the planner refuses for this format: leave its line out
+            continue
+    return tuple(fits)
+
+
+def _format_line(fit: RankFit) -> str:
+    """One line of the per-format block: what fits, with the plan, or why not."""
+    label = fit.base_format.label
+    if not fit.fits:
+        need = f" (about {_size(fit.smallest.total)} at r=1, every layer offloaded)" if fit.smallest else ""
+        return f"{label}: does not fit at any LoRA rank{need}"
+    plan = fit.plan
+    counts = ", ".join(f"{v} {k}" for k, v in plan.counts().items() if v)
+    host = "input embedding in host RAM (offload_embedding=True)" if fit.offload_embedding else "embedding on the card"
+    return (f"{label}: fits with LoRA r≤{fit.rank} (fp32 adapters + {plan.estimate.inputs.get('optimizer')}), {host}, "
+            f"activations {counts}, max_seq_length {fit.seq_len:,}: predicted {_size(plan.estimate.total)}")
 
 
 def _size(nbytes: float) -> str:
@@ -202,6 +277,10 @@ def estimate_html(res: EstimateResult) -> str:
     if est.host_offload:
         extra += (f"<div style='color:#555'>pinned host memory (offloaded layer inputs, a host-side embedding): "
                   f"{_size(est.host_offload)}</div>")
+    if res.formats:
+        lines = "".join(f"<li class='nbk-format-fit'>{html.escape(_format_line(f))}</li>" for f in res.formats)
+        extra += (f"<div class='nbk-vram-formats' style='color:#333;max-width:560px;margin-top:4px'>"
+                  f"On {html.escape(res.budget_label)}, by weight format:<ul style='margin:2px 0'>{lines}</ul></div>")
     if res.longest_seq:
         extra += (f"<div class='nbk-vram-longest' style='color:#555'>longest max_seq_length that trains on this card "
                   f"with these settings: {res.longest_seq:,} tokens</div>")
@@ -246,8 +325,8 @@ class ModelPanel(Panel):
                        layout=W.Layout(width="460px")),
             "nbk-model-name",
         )
-        self.load_in_4bit = styled(W.Checkbox(value=bool(v.load_in_4bit), description="load in 4-bit (QLoRA, NF4)",
-                                              indent=False), "nbk-4bit")
+        self.weights = styled(W.Dropdown(options=[(f.label, f.name) for f in BASE_FORMATS.values()],
+                                         value=v.base_format, description="weights", style=st), "nbk-weights")
         self.max_seq_length = styled(
             W.BoundedIntText(value=int(v.max_seq_length), min=16, max=1 << 20, step=256, description="max_seq_length",
                              style=st, layout=W.Layout(width="260px")), "nbk-max-seq-length")
@@ -268,12 +347,12 @@ class ModelPanel(Panel):
                        description="input embedding in host RAM (untied models: ~1 GiB less VRAM for 7-8B)"),
             "nbk-offload-embedding")
         self.estimate = styled(W.HTML("", layout=W.Layout(margin="0 0 0 24px")), "nbk-vram-estimate")
-        self._controls = [self.model_name, self.load_in_4bit, self.max_seq_length, self.dtype, self.card,
+        self._controls = [self.model_name, self.weights, self.max_seq_length, self.dtype, self.card,
                           self.offload_embedding]
         self.widget = styled(
             W.VBox([
                 header("Model", "what to fine-tune and where"),
-                W.HBox([W.VBox([self.family, self.model_name, self.load_in_4bit, self.offload_embedding,
+                W.HBox([W.VBox([self.family, self.model_name, self.weights, self.offload_embedding,
                                 self.max_seq_length, self.dtype, self.card]), self.estimate]),
             ]),
             "nbk-panel", "nbk-model-panel",
@@ -323,7 +402,7 @@ class ModelPanel(Panel):
     def value(self) -> ModelChoice:
         return ModelChoice(
             model_name=str(self.model_name.value).strip() or _default_model(),
-            load_in_4bit=bool(self.load_in_4bit.value),
+            **{f: BASE_FORMATS[self.weights.value].load_flag == f for f in load_flags()},
             max_seq_length=int(self.max_seq_length.value),
             dtype=None if self.dtype.value == "auto" else self.dtype.value,
             card=str(self.card.value),

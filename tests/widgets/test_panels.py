@@ -20,7 +20,7 @@ def test_model_panel_overrides_and_value():
     assert (v.model_name, v.load_in_4bit, v.max_seq_length, v.card) == ("Qwen/Qwen3-4B", True, 4096, "t4")
     assert v.from_pretrained_kwargs() == dict(model_name="Qwen/Qwen3-4B", max_seq_length=4096, dtype=None,
                                               load_in_4bit=True)
-    p.load_in_4bit.value = False
+    p.weights.value = "16bit"  # the weight-format dropdown (tests/widgets/test_weight_formats.py)
     p.max_seq_length.value = 1024
     assert p.value.load_in_4bit is False and p.value.max_seq_length == 1024
     before = p.last_result.estimate.total
