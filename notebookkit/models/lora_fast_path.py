@@ -44,6 +44,7 @@ from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
 from . import forward_state
 from .decoder_layers import decoder_layers as _decoder_layers
 from .kernel_ops import kernel
+from .low_bit.frozen_linear import is_low_bit_linear
 
 PROJECTION_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -67,6 +68,8 @@ def _base_parts(base: nn.Module) -> tuple[Optional[tuple[torch.Tensor, Any, Opti
     if _is_linear4bit(base):
         weight = base.weight
         return (weight, weight.quant_state, base.bias), None
+    if is_low_bit_linear(base):  # 2-bit / ternary: the packed codes and their Q2Weight / TernaryWeight
+        return (base.qweight, base.packed_weight(), base.bias), None
     if type(base).__name__ in ("Linear8bitLt",):
         return None, "8-bit base weights have no fused kernel"
     if isinstance(base, nn.Linear):
