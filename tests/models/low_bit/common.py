@@ -62,7 +62,8 @@ def dense_twin(model):
     replaced = 0
     for name, module in list(twin.named_modules()):
         if is_low_bit_linear(module):
-            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=module.qweight.device)
             with torch.no_grad():
                 dense.weight.copy_(module.dequantized_weight(torch.float32))
                 if module.bias is not None:
