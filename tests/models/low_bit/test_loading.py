@@ -144,3 +144,22 @@ def test_a_prequantised_checkpoint_refuses_another_format(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"saved pre-quantised in 2-bit.*Drop load_in_ternary=True"):
         load(str(tmp_path), "ternary")
+
+
+@pytest.mark.parametrize("base_format", ["2bit", "ternary"])
+def test_a_saved_adapter_reloads_onto_the_low_bit_base(base_format, tmp_path):
+    """``save_pretrained`` of the PEFT model writes the adapter; loading the adapter folder with the same
+    flag quantises the base again (deterministic fit) and puts the adapter on top: the same logits."""
+    from .common import with_lora
+
+    model, tok = load(checkpoint("llama"), base_format)
+    model = with_lora(model, seed=5)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again, _ = load(str(tmp_path), base_format)
+    assert base_format_of(again.get_base_model()) == base_format
+    ids = batch()["input_ids"]
+    model.eval()
+    again.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
