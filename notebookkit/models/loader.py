@@ -449,6 +449,7 @@ def load_adapter_folder(variant: LoadVariant, path: str, adapter_cfg: dict, show
 
     from .export_hook import attach_export_methods
     from .lora_fast_path import describe_lora
+    from .low_bit.merge_guard import guard_low_bit_merges
     from .patch_linear4bit import guard_lora_merges
 
     base_name = adapter_cfg.get("base_model_name_or_path")
@@ -462,6 +463,7 @@ def load_adapter_folder(variant: LoadVariant, path: str, adapter_cfg: dict, show
     banner: Banner = model.notebookkit_banner
     peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
     guard_lora_merges(peft_model)
+    guard_low_bit_merges(peft_model)
     variant.on_adapter(peft_model, banner)
     object.__setattr__(peft_model, "notebookkit_banner", banner)
     attach_export_methods(peft_model)

@@ -163,3 +163,17 @@ def test_a_saved_adapter_reloads_onto_the_low_bit_base(base_format, tmp_path):
     again.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+
+
+def test_merging_lora_into_a_low_bit_base_says_what_to_do_instead():
+    import copy
+
+    from notebookkit.models.low_bit.merge_guard import LowBitMergeError
+
+    from .common import with_lora
+
+    model = with_lora(load(checkpoint("llama"), "2bit")[0])
+    with pytest.raises(LowBitMergeError, match=r"not possible in place.*load_in_2bit=True\) puts it back"):
+        model.merge_and_unload()
+    with pytest.raises(LowBitMergeError):
+        copy.deepcopy(model).merge_adapter()
