@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from notebookkit.base_formats import BASE_FORMATS
+from notebookkit.base_formats import BASE_FORMATS, PREQUANTISED_CONFIG_KEY
 
 __all__ = ["CONFIG_KEY", "LOW_BIT_FORMATS", "check_flag_conflicts", "saved_low_bit_record", "is_bitnet_config",
            "format_to_load"]
 
-#: the ``config.json`` entry of a checkpoint saved in a low-bit format: ``{"format", "group_size", "modules"}``
-CONFIG_KEY = "notebookkit_base_format"
+#: the ``config.json`` entry of a checkpoint saved in a low-bit format (``notebookkit.base_formats``)
+CONFIG_KEY = PREQUANTISED_CONFIG_KEY
 LOW_BIT_FORMATS = ("2bit", "ternary")
 _FLAGS = {BASE_FORMATS[name].load_flag: name for name in LOW_BIT_FORMATS}  # load_in_2bit -> "2bit", ...
 

@@ -34,6 +34,10 @@ def test_tiny_ternary_loads_as_saved_and_trains_under_lora():
                                                    dtype=torch.float32, show_banner=False)
     assert base_format_of(model) == "ternary"
     assert sum(isinstance(m, TernaryLinear) for m in model.modules()) == 7 * len(model.model.layers)
+    on_load, _ = FastLanguageModel.from_pretrained("notebookkit/tiny-llama", max_seq_length=128, dtype=torch.float32,
+                                                   load_in_ternary=True, show_banner=False)
+    want, got = on_load.state_dict(), model.state_dict()  # the embedded build quantises as the loader does
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     dense, _ = FastLanguageModel.from_pretrained("notebookkit/tiny-llama", max_seq_length=128, dtype=torch.float32,
                                                  load_in_4bit=False, show_banner=False)
     heldout = _tokens(tok, load_corpus("heldout")[:12])[:4]
