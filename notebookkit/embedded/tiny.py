@@ -139,7 +139,7 @@ def vision_model_version() -> str:
     return source_version(_VISION_SOURCES, _VISION_PACKAGES, _recipe())
 
 
-_LOW_BIT_SOURCES = _MODEL_SOURCES + ("../base_formats.py", "../kernels/ternary.py")
+_LOW_BIT_SOURCES = _MODEL_SOURCES + ("generate_low_bit_models.py", "../base_formats.py", "../kernels/ternary.py")
 
 
 def low_bit_model_version() -> str:
@@ -303,47 +303,17 @@ def _ensure_tiny_vision_model(canonical: str, final: Path, cache_dir, verbose: b
                         announce=f"notebookkit: building {canonical} once{slow} -> {final}")
 
 
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj")
-
-
 def _ensure_tiny_low_bit_model(canonical: str, cache_dir, verbose: bool) -> Path:
-    """Build (once) the pre-quantised tiny model ``canonical`` from its source tiny model's folder: each
-    decoder projection's weight quantised (as ``from_pretrained(..., load_in_ternary=True)`` does,
-    ``notebookkit.kernels.ternary.quantize_ternary``) and written as notebookkit's pre-quantised
-    checkpoint (``notebookkit.base_formats.PREQUANTISED_CONFIG_KEY``), the rest copied."""
+    """Build (once) the pre-quantised tiny model ``canonical`` from its source tiny model's folder
+    (:func:`.generate_low_bit_models.build_low_bit_model_folder`)."""
     source, base_format = TINY_LOW_BIT_MODELS[canonical]
-    if base_format != "ternary":
-        raise ValueError(f"{canonical}: only ternary tiny models are built, not {base_format!r}.")
 
     def build(tmp: Path, _final: Path) -> dict[str, Any]:
-        import shutil
-
-        from safetensors.torch import load_file, save_file
-
-        from notebookkit.base_formats import PREQUANTISED_CONFIG_KEY
-        from notebookkit.kernels.ternary import quantize_ternary
+        from .generate_low_bit_models import build_low_bit_model_folder
 
         folder = ensure_tiny_model(source, cache_dir, verbose)
-        tensors = load_file(str(folder / "model.safetensors"))
-        config = json.loads((folder / "config.json").read_text())
-        modules, out, params = [], {}, 0
-        for key, value in tensors.items():
-            params += value.numel()
-            prefix = key[: -len(".weight")] if key.endswith(".weight") else None
-            if prefix is not None and prefix.startswith("model.layers.") and prefix.split(".", 3)[3] in _PROJECTIONS:
-                t = quantize_ternary(value)
-                out[prefix + ".qweight"], out[prefix + ".scale"] = t.packed, t.scales
-                modules.append(prefix)
-            else:
-                out[key] = value
-        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config[PREQUANTISED_CONFIG_KEY] = {"format": base_format, "group_size": None, "modules": modules}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        for extra in folder.iterdir():
-            if extra.is_file() and extra.name not in ("model.safetensors", "config.json") and not extra.name.startswith("."):
-                shutil.copy2(extra, tmp / extra.name)
-        return {"family": TINY_MODELS[source], "params": params, "source": source, "base_format": base_format}
+        return {"family": TINY_MODELS[source], "source": source,
+                **build_low_bit_model_folder(folder, tmp, base_format)}
 
     return cached_build(_short(canonical), low_bit_model_version(), build, cache_dir,
                         announce=f"notebookkit: building {canonical} once (from {source}) -> "
