@@ -177,3 +177,35 @@ def test_merging_lora_into_a_low_bit_base_says_what_to_do_instead():
         model.merge_and_unload()
     with pytest.raises(LowBitMergeError):
         copy.deepcopy(model).merge_adapter()
+
+
+def test_the_stream_holds_one_dense_projection_at_a_time_and_reads_shards(monkeypatch, tmp_path):
+    """A checkpoint in several safetensors shards loads as the single-file one does, and when a
+    projection is quantised no earlier projection's 16-bit weight is still alive (one at a time)."""
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from notebookkit.models.low_bit import stream_load
+
+    path = checkpoint("llama")
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(tmp_path, max_shard_size="40KB")
+    shards = list(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 3 and (tmp_path / "model.safetensors.index.json").is_file()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((__import__("pathlib").Path(path) / name).read_bytes())
+    seen, still_alive = [], []
+    real = stream_load.quantize_q2
+
+    def watched(weight, group_size):
+        still_alive.append(sum(ref() is not None for ref in seen))
+        seen.append(weakref.ref(weight))
+        return real(weight, group_size)
+
+    monkeypatch.setattr(stream_load, "quantize_q2", watched)
+    sharded, _ = load(str(tmp_path), "2bit")
+    assert len(seen) == 2 * 7 and still_alive == [0] * len(seen), still_alive
+    monkeypatch.undo()
+    single, _ = load(path, "2bit")
+    want, got = single.state_dict(), sharded.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
