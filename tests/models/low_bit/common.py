@@ -49,8 +49,8 @@ def with_lora(model, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05, generator=g)
+            if "lora_B" in name:  # drawn on the CPU: the same values on every device
+                p.copy_(torch.empty(p.shape).normal_(0.0, 0.05, generator=g))
     return model
 
 
