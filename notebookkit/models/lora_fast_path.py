@@ -9,6 +9,9 @@ added by the caller after the kernel.
 
 The check is made on every call (it is a few attribute reads), so the same patched forward serves
 a model before and after ``get_peft_model``, inside ``disable_adapter()``, and after merging.
+A 2-bit or ternary base (:mod:`.low_bit`: ``Q2Linear`` / ``TernaryLinear``) is handed over as its
+packed codes with its ``Q2Weight`` / ``TernaryWeight`` in the ``quant_state`` slot; the kernels then
+run its products through the dequantise-in-the-GEMM kernels, never a dense weight.
 A layer stays on stock PEFT code, and the banner says why, when it has: LoRA dropout > 0 while
 training, a trainable bias (``bias="all"``/``"lora_only"``), DoRA, a LoRA bias, several active
 adapters, 8-bit base weights, or a base weight that requires grad (full fine-tuning).
