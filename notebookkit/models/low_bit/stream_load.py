@@ -203,8 +203,9 @@ def load_low_bit(path: str, config: Any, base_format: str, model_class: Any, dty
     if pairs.waiting:
         raise ValueError(f"This BitNet checkpoint has a weight without its weight_scale (or the reverse) in "
                          f"{len(pairs.waiting)} layers; it is not transformers' BitNet layout.")
-    _finish(model, device)
-    _missing(model, path)
+    _tie(model)
+    _missing(model, path, unused)
+    model.to(device)  # the buffers a module computes in __init__ (RoPE frequencies) were made on the host
     if notes is not None and unused:
         notes.append(f"{len(unused)} checkpoint tensors have no place in the model and were skipped "
                      f"(e.g. {unused[0]})")
@@ -249,15 +250,17 @@ def _low_bit_tensor(module: nn.Module, leaf: str, tensor: torch.Tensor, prequant
     return True
 
 
-def _finish(model: nn.Module, device: torch.device) -> None:
+def _tie(model: nn.Module) -> None:
     if getattr(model.config, "tie_word_embeddings", False) or getattr(
             getattr(model.config, "get_text_config", lambda: None)(), "tie_word_embeddings", False):
         model.tie_weights()
-    model.to(device)
 
 
-def _missing(model: nn.Module, path: str) -> None:
+def _missing(model: nn.Module, path: str, unused: list[str]) -> None:
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
-        raise ValueError(f"The checkpoint at {path} lacks {len(missing)} tensors the model needs (e.g. "
-                         f"{', '.join(missing[:3])}); it does not match its config.json.")
+        names = (f" Its tensors are named otherwise (e.g. {unused[0]}): it was saved by another model class or "
+                 "library version, which the low-bit loader does not rename." if unused else "")
+        raise ValueError(f"The checkpoint at {path} lacks {len(missing)} tensors {type(model).__name__} needs (e.g. "
+                         f"{', '.join(missing[:3])}).{names} Load it with load_in_4bit=True or in 16-bit, save it "
+                         "with save_pretrained, and load that folder in 2-bit / ternary.")

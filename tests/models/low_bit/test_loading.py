@@ -209,3 +209,16 @@ def test_the_stream_holds_one_dense_projection_at_a_time_and_reads_shards(monkey
     single, _ = load(path, "2bit")
     want, got = single.state_dict(), sharded.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_checkpoint_with_other_tensor_names_says_what_to_do(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint("llama")
+    tensors = {k.replace("model.", "backbone.", 1): v for k, v in load_file(f"{path}/model.safetensors").items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((__import__("pathlib").Path(path) / name).read_bytes())
+    with pytest.raises(ValueError, match=r"lacks \d+ tensors LlamaForCausalLM needs.*named otherwise \(e\.g\. "
+                                         r"backbone\..*load_in_4bit=True or in 16-bit"):
+        load(str(tmp_path), "2bit")
