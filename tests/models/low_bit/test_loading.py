@@ -222,3 +222,12 @@ def test_a_checkpoint_with_other_tensor_names_says_what_to_do(tmp_path):
     with pytest.raises(ValueError, match=r"lacks \d+ tensors LlamaForCausalLM needs.*named otherwise \(e\.g\. "
                                          r"backbone\..*load_in_4bit=True or in 16-bit"):
         load(str(tmp_path), "2bit")
+
+
+def test_a_merged_export_from_a_low_bit_base_says_what_works(tmp_path):
+    from .common import with_lora
+
+    model, tok = load(checkpoint("llama"), "ternary")
+    model = with_lora(model)
+    with pytest.raises(NotImplementedError, match=r"ternary .*not supported yet\. Save the adapter"):
+        model.save_pretrained_merged(str(tmp_path), tok, save_method="merged_16bit")
