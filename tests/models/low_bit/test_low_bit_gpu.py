@@ -86,3 +86,24 @@ def test_decode_projection_equals_the_dense_product_on_cuda(base_format):
         want = [(x.float() @ m.dequantized_weight(torch.bfloat16).float().t()) for m in mods]
     for g, w in zip(got, want):
         assert rel_err(g.float(), w) < 1e-2
+
+
+@pytest.mark.parametrize("base_format", ["2bit", "ternary"])
+def test_loading_never_holds_the_16bit_model_on_the_gpu(base_format):
+    """Peak GPU memory of a low-bit load (hidden 512, MLP 1536, 24 layers: 150 MB of bf16 projections) stays
+    under the packed model plus one projection and the fit's temporaries (chunked: a constant, 64 MiB
+    allowed), under half the 16-bit projections alone."""
+    path = checkpoint("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=24, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=64)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    model, _ = load(path, base_format, dtype=torch.bfloat16, device_map={"": 0})
+    peak = torch.cuda.max_memory_allocated() - start
+    held = torch.cuda.memory_allocated() - start
+    layers = [m for m in model.modules() if hasattr(m, "dequantized_weight")]
+    dense16 = sum(2 * m.in_features * m.out_features for m in layers)
+    largest = max(2 * m.in_features * m.out_features for m in layers)
+    print(f"\n[{base_format}] peak {peak / 2**20:.1f} MiB, held {held / 2**20:.1f} MiB, "
+          f"16-bit projections {dense16 / 2**20:.1f} MiB, largest one {largest / 2**20:.1f} MiB")
+    assert peak <= held + largest + 64 * 2**20 and peak < 0.5 * dense16
