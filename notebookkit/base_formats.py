@@ -42,7 +42,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BaseFormat", "BASE_FORMATS", "base_format"]
+__all__ = ["BaseFormat", "BASE_FORMATS", "base_format", "PREQUANTISED_CONFIG_KEY"]
+
+#: the ``config.json`` entry of a checkpoint saved with its projections in a low-bit format (2-bit,
+#: ternary): ``{"format": name, "group_size": G or None, "modules": [full names of the packed layers]}``;
+#: each listed layer's tensors are ``<name>.qweight`` (uint8 codes), ``<name>.scale`` (fp16) and, for
+#: 2-bit, ``<name>.zero`` (fp16). Written and read by :mod:`notebookkit.models.low_bit`.
+PREQUANTISED_CONFIG_KEY = "notebookkit_base_format"
 
 
 @dataclass(frozen=True)

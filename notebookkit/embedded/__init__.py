@@ -31,6 +31,7 @@ from notebookkit._lazy import lazy_exports
 _LAZY = {
     "TINY_MODELS": "tiny",
     "TINY_VISION_MODELS": "tiny",
+    "TINY_LOW_BIT_MODELS": "tiny",
     "ensure_tiny_model": "tiny",
     "resolve_model_name": "tiny",
     "is_tiny_model_name": "tiny",

@@ -12,7 +12,7 @@ from typing import Any
 
 from .bundled import ensure_bundled_datasets, list_bundled
 from .cache import cache_root, read_stamp
-from .tiny import TINY_MODELS, TINY_VISION_MODELS, ensure_corpus, ensure_tiny_model, ensure_tokenizer, tiny_model_folder, tiny_model_info
+from .tiny import TINY_LOW_BIT_MODELS, TINY_MODELS, TINY_VISION_MODELS, ensure_corpus, ensure_tiny_model, ensure_tokenizer, tiny_model_folder, tiny_model_info
 
 
 def _fmt_params(n: int) -> str:
@@ -32,7 +32,7 @@ def build_all(cache_dir: str | os.PathLike | None = None, datasets: bool = True,
     """
     start = time.perf_counter()
     models = []
-    for name in [*TINY_MODELS, *TINY_VISION_MODELS]:
+    for name in [*TINY_MODELS, *TINY_VISION_MODELS, *TINY_LOW_BIT_MODELS]:
         t0 = time.perf_counter()
         cached = read_stamp(tiny_model_folder(name, cache_dir)) is not None
         ensure_tiny_model(name, cache_dir, verbose=verbose)

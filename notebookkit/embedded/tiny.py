@@ -20,7 +20,9 @@ What gets built (all deterministic; nothing is downloaded):
    ``tokenizer.json``, ``tokenizer_config.json`` with the family's chat template; ``tiny-llama`` is
    pre-trained for a few hundred steps on the corpus (:mod:`.generate_pretrain`), the others keep
    their seeded random weights;
-4. one tiny vision-language model per family with a vision row (``Family.vision``: ``tiny-qwen2.5-vl``,
+4. ``tiny-llama-ternary`` (:data:`TINY_LOW_BIT_MODELS`): ``tiny-llama`` with ternary projections, saved
+   pre-quantised (:mod:`notebookkit.models.low_bit`);
+5. one tiny vision-language model per family with a vision row (``Family.vision``: ``tiny-qwen2.5-vl``,
    ``tiny-gemma3-vision``, built by :mod:`.generate_vision_models`): the family's tiny decoder,
    a small vision tower, the tokenizer with the image tokens, and the processor.
 
@@ -48,6 +50,11 @@ TINY_MODELS: dict[str, str] = {f.tiny_name: f.name for f in FAMILIES.values()}
 PRETRAINED_FAMILIES: frozenset[str] = frozenset(f.name for f in FAMILIES.values() if f.tiny.pretrained)
 #: Reserved names of the tiny vision-language models and the family each one's decoder is.
 TINY_VISION_MODELS: dict[str, str] = {f.vision.tiny_name: f.name for f in FAMILIES.values() if f.vision is not None}
+#: Reserved names of tiny models saved pre-quantised in a low-bit base format: ``(the tiny model it is
+#: quantised from, base format)``. ``tiny-llama-ternary`` is the pre-trained ``tiny-llama`` with its
+#: projections ternarised (``load_in_ternary``: per-row scales, least-squares refits) and saved as
+#: notebookkit's pre-quantised checkpoint, so it loads as a ternary base with no flag.
+TINY_LOW_BIT_MODELS: dict[str, tuple[str, str]] = {"notebookkit/tiny-llama-ternary": ("notebookkit/tiny-llama", "ternary")}
 
 MODEL_SEED = 1234
 CORPUS_SEED, CORPUS_DOCS = 0, 8000
@@ -74,12 +81,13 @@ class UnknownTinyModelError(ValueError):
 
 def _canonical_name(name: str) -> str | None:
     lowered = name.strip().lower()
-    return lowered if lowered in TINY_MODELS or lowered in TINY_VISION_MODELS else None
+    return lowered if lowered in TINY_MODELS or lowered in TINY_VISION_MODELS or lowered in TINY_LOW_BIT_MODELS else None
 
 
 def _unknown_name_error(name: str) -> UnknownTinyModelError:
     valid = "\n".join([f"  - {n}  ({fam})" for n, fam in TINY_MODELS.items()]
-                      + [f"  - {n}  (vision-language, {fam} decoder; FastVisionModel)" for n, fam in TINY_VISION_MODELS.items()])
+                      + [f"  - {n}  (vision-language, {fam} decoder; FastVisionModel)" for n, fam in TINY_VISION_MODELS.items()]
+                      + [f"  - {n}  ({src} saved pre-quantised, {fmt} base)" for n, (src, fmt) in TINY_LOW_BIT_MODELS.items()])
     return UnknownTinyModelError(
         f"{name!r} is not one of the bundled tiny models. The valid names are:\n{valid}\n"
         "For a Hugging Face Hub model pass its hub id (for example 'Qwen/Qwen2.5-0.5B-Instruct'); "
@@ -129,6 +137,14 @@ def model_version() -> str:
 def vision_model_version() -> str:
     """Hash naming the current build of the tiny vision-language models."""
     return source_version(_VISION_SOURCES, _VISION_PACKAGES, _recipe())
+
+
+_LOW_BIT_SOURCES = _MODEL_SOURCES + ("generate_low_bit_models.py", "../base_formats.py", "../kernels/ternary.py")
+
+
+def low_bit_model_version() -> str:
+    """Hash naming the current build of the tiny pre-quantised low-bit models."""
+    return source_version(_LOW_BIT_SOURCES, _MODEL_PACKAGES, _recipe())
 
 
 def is_tiny_vision_model_name(name: str | os.PathLike) -> bool:
@@ -217,7 +233,12 @@ def tiny_model_folder(name: str, cache_dir: str | os.PathLike | None = None) -> 
     canonical = _canonical_name(os.fspath(name))
     if canonical is None:
         raise _unknown_name_error(os.fspath(name))
-    version = vision_model_version() if canonical in TINY_VISION_MODELS else model_version()
+    if canonical in TINY_VISION_MODELS:
+        version = vision_model_version()
+    elif canonical in TINY_LOW_BIT_MODELS:
+        version = low_bit_model_version()
+    else:
+        version = model_version()
     return cache_root(cache_dir) / f"{_short(canonical)}-{version}"
 
 
@@ -235,6 +256,8 @@ def ensure_tiny_model(name: str, cache_dir: str | os.PathLike | None = None, ver
     canonical = _canonical_name(os.fspath(name))
     if canonical in TINY_VISION_MODELS:
         return _ensure_tiny_vision_model(canonical, final, cache_dir, verbose)
+    if canonical in TINY_LOW_BIT_MODELS:
+        return _ensure_tiny_low_bit_model(canonical, cache_dir, verbose)
     family = TINY_MODELS[canonical]
 
     def build(tmp: Path, _final: Path) -> dict[str, Any]:
@@ -278,6 +301,23 @@ def _ensure_tiny_vision_model(canonical: str, final: Path, cache_dir, verbose: b
     slow = " (its decoder pre-trained on the bundled corpus, about 30 s)" if pretrained else ""
     return cached_build(_short(canonical), vision_model_version(), build, cache_dir,
                         announce=f"notebookkit: building {canonical} once{slow} -> {final}")
+
+
+def _ensure_tiny_low_bit_model(canonical: str, cache_dir, verbose: bool) -> Path:
+    """Build (once) the pre-quantised tiny model ``canonical`` from its source tiny model's folder
+    (:func:`.generate_low_bit_models.build_low_bit_model_folder`)."""
+    source, base_format = TINY_LOW_BIT_MODELS[canonical]
+
+    def build(tmp: Path, _final: Path) -> dict[str, Any]:
+        from .generate_low_bit_models import build_low_bit_model_folder
+
+        folder = ensure_tiny_model(source, cache_dir, verbose)
+        return {"family": TINY_MODELS[source], "source": source,
+                **build_low_bit_model_folder(folder, tmp, base_format)}
+
+    return cached_build(_short(canonical), low_bit_model_version(), build, cache_dir,
+                        announce=f"notebookkit: building {canonical} once (from {source}) -> "
+                                 f"{tiny_model_folder(canonical, cache_dir)}")
 
 
 def tiny_model_info(name: str, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:

@@ -168,6 +168,21 @@ def _plain_maker(tensor: torch.Tensor, out_dtype: Optional[torch.dtype]) -> Call
     return make
 
 
+def _refuse_low_bit_bases(model: nn.Module) -> None:
+    """A model on a 2-bit or ternary base (:mod:`notebookkit.models.low_bit`) has no dense base weights to
+    merge into, and writing its packed tensors as a 16-bit checkpoint is not done yet: say what works."""
+    from notebookkit.models.low_bit import is_low_bit_linear
+
+    found = next((m for m in model.modules() if is_low_bit_linear(m)), None)
+    if found is not None:
+        raise NotImplementedError(
+            f"This model's projections are {found.base_format} (load_in_2bit / load_in_ternary): merged and GGUF "
+            "exports from such a base are not supported yet. Save the adapter with model.save_pretrained(folder) "
+            "(it reloads onto the same base), or load the 16-bit checkpoint the base was quantised from with the "
+            "adapter (from_pretrained(folder, load_in_4bit=False)) and export from there."
+        )
+
+
 def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTensor]:
     """Every tensor of the merged Hugging Face checkpoint, in the model's module order (not computed).
 
@@ -176,6 +191,7 @@ def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTen
         dtype: the 16-bit (or fp32) dtype floating-point tensors are written in.
     """
     base = base_model_of(model)
+    _refuse_low_bit_bases(base)
     plan: list[PlannedTensor] = []
     seen: set[int] = set()
     skip_prefixes: list[str] = []

@@ -42,7 +42,10 @@ compute dtype, the ``dA`` of a group are row blocks of one ``dA_cat`` tensor (no
 
 The base weight is frozen: no gradient is computed for it. An NF4 base weight is dequantised on
 the fly (forward and again in backward) with :func:`notebookkit.kernels.nf4.dequantize_nf4`, so the
-dense weight never outlives one GEMM.
+dense weight never outlives one GEMM. A 2-bit (:class:`~notebookkit.kernels.q2.Q2Weight`) or ternary
+(:class:`~notebookkit.kernels.ternary.TernaryWeight`) base is never dequantised at all on this path:
+``X W^T`` and ``dY W`` are its dequantise-in-the-GEMM kernels (:mod:`.q2_matmul`, :mod:`.ternary_matmul`;
+:data:`LOW_BIT_PRODUCTS`), the same products up to the order of the fp32 additions.
 
 FP8 forward (opt-in, ``LoRAProjection(..., fp8_forward=True)``): the base part of the forward,
 ``X W^T``, is computed in FP8 by :mod:`notebookkit.kernels.fp8_matmul` (X and W quantised
@@ -76,6 +79,10 @@ import torch
 from .fp8_matmul import FP8_DTYPE, fp8_matmul_quantized, quantize_rowwise_fp8, scaled_mm_applies_to
 from .nf4_fp8 import quantize_nf4_rowwise_fp8
 from .nf4 import dequantize_nf4
+from .q2 import Q2Weight, dequantize_q2
+from .q2_matmul import q2_matmul, q2_matmul_backward_input
+from .ternary import TernaryWeight, dequantize_ternary
+from .ternary_matmul import ternary_input_grad, ternary_matmul
 
 __all__ = [
     "LoRAProjection",
@@ -107,9 +114,17 @@ __all__ = [
     "accumulate_grouped_input_grad_",
     "grouped_adapter_grads",
     "projection_reference",
+    "LOW_BIT_PRODUCTS",
 ]
 
 _DENSE_NF4_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: packed low-bit base weight type -> (dequantise(w, dtype), X W^T, dY W): what a projection on such a
+#: base computes with (the products dequantise inside the GEMM; ``dequantise`` is for references and FP8)
+LOW_BIT_PRODUCTS = {
+    Q2Weight: (lambda w, dtype: dequantize_q2(w, dtype), q2_matmul, q2_matmul_backward_input),
+    TernaryWeight: (lambda w, dtype: dequantize_ternary(w, dtype), ternary_matmul, ternary_input_grad),
+}
 
 
 @dataclass
@@ -118,9 +133,11 @@ class LoRAProjection:
 
     Args:
         weight: the base weight: a dense ``[out, in]`` tensor, or a bitsandbytes NF4 weight
-            (``Params4bit`` or its packed uint8 data) together with ``quant_state``.
-        quant_state: the NF4 ``QuantState``; taken from ``weight.quant_state`` when omitted.
-            ``None`` for a 16-bit base weight.
+            (``Params4bit`` or its packed uint8 data) together with ``quant_state``, or the packed
+            codes of a 2-bit / ternary base together with its ``Q2Weight`` / ``TernaryWeight``.
+        quant_state: the NF4 ``QuantState`` (taken from ``weight.quant_state`` when omitted), or the
+            :class:`~notebookkit.kernels.q2.Q2Weight` / :class:`~notebookkit.kernels.ternary.TernaryWeight`
+            of a low-bit base. ``None`` for a 16-bit base weight.
         lora_A: adapter down-projection ``[r, in]`` (PEFT's ``lora_A[adapter].weight``), or ``None``.
         lora_B: adapter up-projection ``[out, r]`` (PEFT's ``lora_B[adapter].weight``), or ``None``.
         scaling: ``lora_alpha / r`` (or ``lora_alpha / sqrt(r)`` with rsLoRA): PEFT's
@@ -173,8 +190,13 @@ class LoRAProjection:
 
     @property
     def quantized(self) -> bool:
-        """True for an NF4 base weight."""
+        """True for a packed base weight (NF4, 2-bit or ternary)."""
         return self.quant_state is not None
+
+    @property
+    def low_bit(self) -> bool:
+        """True for a 2-bit or ternary base weight (:data:`LOW_BIT_PRODUCTS`)."""
+        return type(self.quant_state) in LOW_BIT_PRODUCTS
 
     @property
     def out_features(self) -> int:
@@ -196,6 +218,8 @@ class LoRAProjection:
         """The dense base weight ``[out, in]`` in ``dtype`` (NF4 is dequantised, fresh each call)."""
         if not self.quantized:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        if self.low_bit:
+            return LOW_BIT_PRODUCTS[type(self.quant_state)][0](self.quant_state, dtype)
         if dtype in _DENSE_NF4_DTYPES:
             return dequantize_nf4(self.weight, self.quant_state, out_dtype=dtype)
         return dequantize_nf4(self.weight, self.quant_state, out_dtype=torch.float32).to(dtype)
@@ -209,9 +233,27 @@ class LoRAProjection:
         ``[out, 1]``, contiguous; e.g. this projection's rows of a group's buffer, see
         :func:`grouped_fp8_base_forward`); the bits are the same as without it.
         """
-        if self.quantized:
+        if self.quantized and not self.low_bit:
             return quantize_nf4_rowwise_fp8(self.weight, self.quant_state, dtype, out=out)
         return quantize_rowwise_fp8(self.base_weight(dtype), out=out)
+
+    def base_product(self, x2d: torch.Tensor) -> torch.Tensor:
+        """``X W^T`` ``[N, out]`` in ``x2d``'s dtype: a low-bit base through its dequantise-in-the-GEMM
+        kernel, others through the dense (or freshly dequantised NF4) weight."""
+        if self.low_bit:
+            return LOW_BIT_PRODUCTS[type(self.quant_state)][1](x2d, self.quant_state)
+        W = self.base_weight(x2d.dtype)
+        return x2d @ W.t()
+
+    def add_base_input_grad_(self, dx: torch.Tensor | None, dy: torch.Tensor) -> torch.Tensor:
+        """``dX (+)= dY W`` (``dx`` None: a new tensor); a low-bit base through its input-gradient kernel."""
+        if self.low_bit:
+            g = LOW_BIT_PRODUCTS[type(self.quant_state)][2](dy, self.quant_state)
+            return g if dx is None else dx.add_(g)
+        W = self.base_weight(dy.dtype)
+        if dx is None:
+            return dy @ W
+        return dx.addmm_(dy, W)
 
     def adapters(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(A, B)`` in the compute dtype (``(None, None)`` without adapter).
@@ -397,9 +439,7 @@ def projection_forward(
         x_q = x_fp8 if x_fp8 is not None else quantize_rowwise_fp8(x2d)
         y = fp8_matmul_quantized(x_q, proj.base_weight_fp8(x2d.dtype), x2d.dtype)
     else:
-        W = proj.base_weight(x2d.dtype)
-        y = x2d @ W.t()
-        del W
+        y = proj.base_product(x2d)
     if A is not None:
         xa = scale_(x2d @ A.t(), proj.scaling)
         y.addmm_(xa, B.t())
@@ -421,12 +461,7 @@ def accumulate_input_grad_(
     A: torch.Tensor | None,
 ) -> torch.Tensor:
     """``dX (+)= dY W + U A`` in place into ``dx`` (allocated by the first call when ``dx`` is None)."""
-    W = proj.base_weight(dy.dtype)
-    if dx is None:
-        dx = dy @ W
-    else:
-        dx.addmm_(dy, W)
-    del W
+    dx = proj.add_base_input_grad_(dx, dy)
     if u is not None:
         dx.addmm_(u, A)
     return dx

@@ -202,6 +202,8 @@ def load(
     dtype: Union[None, str, torch.dtype] = None,
     load_in_4bit: bool = True,
     load_in_8bit: bool = False,
+    load_in_2bit: bool = False,
+    load_in_ternary: bool = False,
     full_finetuning: bool = False,
     token: Optional[str] = None,
     device_map: Any = None,
@@ -238,7 +240,7 @@ def load(
         return load_adapter_folder(
             variant, path, adapter_cfg,
             max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
-            full_finetuning=full_finetuning, token=token, device_map=device_map,
+            load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary, full_finetuning=full_finetuning, token=token, device_map=device_map,
             trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
             fast_path=fast_path, offload_embedding=offload_embedding, show_banner=show_banner, **kwargs,
         )
@@ -247,10 +249,25 @@ def load(
     checked = variant.check_config(config, model_name, banner)
     device_map, torch_dtype = placement(device_map, dtype, banner)
     torch_dtype = family_dtype(config, torch_dtype, dtype, banner)
-    quant = weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
+    low_bit = low_bit_format(variant, config, load_in_2bit, load_in_ternary)
+    if low_bit is None:
+        quant = weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
+        load_kwargs = weights_kwargs(torch_dtype, token, trust_remote_code, device_map, quant, attn_implementation,
+                                     kwargs)
+        model = load_weights(path, kind, model_name, load_kwargs, variant.model_class(checked), where=variant.where)
+    else:
+        from .low_bit.loading import load_weights_low_bit
 
-    load_kwargs = weights_kwargs(torch_dtype, token, trust_remote_code, device_map, quant, attn_implementation, kwargs)
-    model = load_weights(path, kind, model_name, load_kwargs, variant.model_class(checked), where=variant.where)
+        model = load_weights_low_bit(path, kind, config, low_bit, variant.model_class(checked), torch_dtype,
+                                     device_map, banner, token=token, attn_implementation=attn_implementation,
+                                     extra=kwargs, where=variant.where)
+    from notebookkit.memory.model_setup import record_base_format
+
+    from .low_bit.loading import loaded_base_format
+
+    base_format_name = loaded_base_format(model)
+    if base_format_name is not None:  # 8-bit has no base-format record
+        record_base_format(model, base_format_name)
 
     processor = variant.load_processor(path, checked, banner, token=token, trust_remote_code=trust_remote_code)
     fix_tokenizer(variant.tokenizer_of(processor), model, banner, max_seq_length)
@@ -277,6 +294,9 @@ def entry_point(variant: LoadVariant, module: str, doc: str) -> Callable[..., tu
 
     def from_pretrained(*args: Any, **kwargs: Any):
         bound = signature.bind(*args, **kwargs)
+        from .low_bit.flags import check_flag_conflicts
+
+        check_flag_conflicts({**bound.arguments, **bound.arguments.get("kwargs", {})}, variant.where)
         bound.apply_defaults()
         options = dict(bound.arguments)
         extra = options.pop("kwargs")
@@ -287,6 +307,18 @@ def entry_point(variant: LoadVariant, module: str, doc: str) -> Callable[..., tu
     from_pretrained.__qualname__ = "from_pretrained"
     from_pretrained.__module__ = module
     return from_pretrained
+
+
+def low_bit_format(variant: LoadVariant, config: Any, load_in_2bit: bool, load_in_ternary: bool) -> Optional[str]:
+    """``"2bit"`` / ``"ternary"`` when the keywords or the checkpoint ask for a low-bit base
+    (:func:`.low_bit.flags.format_to_load`), else ``None``; only causal LMs (:data:`TEXT_MODEL`) load so."""
+    from .low_bit.flags import format_to_load
+
+    wanted = format_to_load(config, load_in_2bit, load_in_ternary, variant.where)
+    if wanted is not None and variant.model_class is not _auto_causal_lm:
+        raise ValueError(f"{variant.where}: 2-bit and ternary bases are for causal language models "
+                         "(FastLanguageModel.from_pretrained); load this model with load_in_4bit=True or in 16-bit.")
+    return wanted
 
 
 def weights_kwargs(torch_dtype: torch.dtype, token: Optional[str], trust_remote_code: bool, device_map: Any,
@@ -417,6 +449,7 @@ def load_adapter_folder(variant: LoadVariant, path: str, adapter_cfg: dict, show
 
     from .export_hook import attach_export_methods
     from .lora_fast_path import describe_lora
+    from .low_bit.merge_guard import guard_low_bit_merges
     from .patch_linear4bit import guard_lora_merges
 
     base_name = adapter_cfg.get("base_model_name_or_path")
@@ -430,6 +463,7 @@ def load_adapter_folder(variant: LoadVariant, path: str, adapter_cfg: dict, show
     banner: Banner = model.notebookkit_banner
     peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
     guard_lora_merges(peft_model)
+    guard_low_bit_merges(peft_model)
     variant.on_adapter(peft_model, banner)
     object.__setattr__(peft_model, "notebookkit_banner", banner)
     attach_export_methods(peft_model)
@@ -508,6 +542,12 @@ from_pretrained = entry_point(TEXT_MODEL, __name__, """Load a causal language mo
         load_in_4bit: NF4 weights with double quantisation (QLoRA). Ignored for pre-quantised
             checkpoints (they load as saved) and for ``full_finetuning``.
         load_in_8bit: LLM.int8 weights (runs LoRA on stock PEFT code: no fused 8-bit path).
+        load_in_2bit: notebookkit's 2-bit base (groups of 64 weights with an fp16 scale and zero,
+            2.5 bits a weight), quantised on load one tensor at a time from a 16-bit safetensors
+            checkpoint; a checkpoint saved from such a model loads as saved.
+            :mod:`notebookkit.models.low_bit`.
+        load_in_ternary: a ternary base (weights in {-1, 0, +1} times an fp16 scale a row, about 2 bits
+            a weight), quantised on load; BitNet b1.58 checkpoints always load this way.
         full_finetuning: train every weight (no quantisation, no LoRA).
         token: Hugging Face token for gated models.
         device_map: ``None`` (the current GPU, or CPU), ``"auto"``, ``"sequential"``, ``"balanced"``

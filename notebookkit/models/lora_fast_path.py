@@ -9,6 +9,9 @@ added by the caller after the kernel.
 
 The check is made on every call (it is a few attribute reads), so the same patched forward serves
 a model before and after ``get_peft_model``, inside ``disable_adapter()``, and after merging.
+A 2-bit or ternary base (:mod:`.low_bit`: ``Q2Linear`` / ``TernaryLinear``) is handed over as its
+packed codes with its ``Q2Weight`` / ``TernaryWeight`` in the ``quant_state`` slot; the kernels then
+run its products through the dequantise-in-the-GEMM kernels, never a dense weight.
 A layer stays on stock PEFT code, and the banner says why, when it has: LoRA dropout > 0 while
 training, a trainable bias (``bias="all"``/``"lora_only"``), DoRA, a LoRA bias, several active
 adapters, 8-bit base weights, or a base weight that requires grad (full fine-tuning).
@@ -44,6 +47,7 @@ from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
 from . import forward_state
 from .decoder_layers import decoder_layers as _decoder_layers
 from .kernel_ops import kernel
+from .low_bit.frozen_linear import is_low_bit_linear
 
 PROJECTION_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -67,6 +71,8 @@ def _base_parts(base: nn.Module) -> tuple[Optional[tuple[torch.Tensor, Any, Opti
     if _is_linear4bit(base):
         weight = base.weight
         return (weight, weight.quant_state, base.bias), None
+    if is_low_bit_linear(base):  # 2-bit / ternary: the packed codes and their Q2Weight / TernaryWeight
+        return (base.qweight, base.packed_weight(), base.bias), None
     if type(base).__name__ in ("Linear8bitLt",):
         return None, "8-bit base weights have no fused kernel"
     if isinstance(base, nn.Linear):

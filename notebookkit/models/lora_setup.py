@@ -19,6 +19,7 @@ from .banner import Banner, get_banner
 from .checkpointing import normalize_mode
 from .export_hook import attach_export_methods
 from .lora_fast_path import describe_lora, set_fp8_base_matmul
+from .low_bit.merge_guard import guard_low_bit_merges
 from .patch_linear4bit import guard_lora_merges
 
 
@@ -158,6 +159,7 @@ def wrap_with_lora(model: nn.Module, lora_config: Any, random_state: int, banner
             object.__setattr__(model, "max_seq_length", previous_length)
         raise
     guard_lora_merges(peft_model)  # PEFT's merge would decode 4-bit bases with bitsandbytes on a CPU
+    guard_low_bit_merges(peft_model)  # and cannot write into 2-bit / ternary codes
     object.__setattr__(peft_model, "notebookkit_banner", banner)
     attach_export_methods(peft_model)
     return peft_model

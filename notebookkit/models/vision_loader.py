@@ -123,6 +123,9 @@ from_pretrained = loader.entry_point(VISION_MODEL, __name__, """Load a vision-la
         dtype: ``None`` (bf16 if the GPU supports it, else fp16; fp32 on CPU), or a torch dtype/name.
         load_in_4bit: NF4 weights with double quantisation (QLoRA), vision tower included.
         load_in_8bit: LLM.int8 weights (LoRA then runs on stock PEFT code).
+        load_in_2bit: not for vision-language models yet (2-bit bases load through
+            ``FastLanguageModel.from_pretrained``); ``True`` raises an error that says so.
+        load_in_ternary: the same for ternary bases.
         full_finetuning: train every weight (no quantisation, no LoRA).
         token: Hugging Face token for gated models.
         device_map: ``None`` (the current GPU, or CPU), ``"auto"``... as in ``transformers``.

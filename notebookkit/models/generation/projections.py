@@ -7,6 +7,11 @@ helpers of :mod:`notebookkit.kernels.lora_projection` without autograd
 ``notebookkit.kernels.nf4_matvec`` is available and takes the input (CUDA, few rows), the base part
 ``X W^T`` reads the NF4 bytes directly instead of dequantising each whole weight per token, and the
 low-rank part is added into its output (``grouped_projection_forward`` with the base outputs given).
+2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their weight: a 2-bit
+base of a decode batch of at most ``q2_matvec.MAX_ROWS`` rows reads its codes in
+:func:`notebookkit.kernels.q2_matvec.q2_matvec` (no ``tl.dot``), more rows and ternary bases go
+through their dequantise-in-the-GEMM kernels (:func:`~notebookkit.kernels.ternary_matmul.ternary_matmul`
+takes 16-row tiles for few rows), as in training.
 
 Adapters in another dtype than the compute dtype (PEFT keeps them in fp32 next to 16-bit and 4-bit
 bases) are read through :class:`AdapterCasts`: one cast per adapter kept between decode steps and
@@ -90,7 +95,19 @@ def _nf4_takes(x2d: torch.Tensor, projs: Sequence[LoRAProjection]) -> bool:
     if matvec is None or supported is None:
         return False
     quantized = [p for p in projs if p.quantized]
+    if any(p.low_bit for p in quantized):
+        return False
     return bool(quantized) and all(supported(x2d, (p.weight, p.quant_state)) for p in quantized)
+
+
+def _low_bit_base(x2d: torch.Tensor, proj: LoRAProjection) -> Optional[torch.Tensor]:
+    """``X W^T`` of a 2-bit base through the decode matvec (it hands more rows to ``q2_matmul``
+    itself); ``None`` for other bases (their products run in :func:`projection_forward`)."""
+    matvec = kernel("q2_matvec", "q2_matvec")
+    q2_weight = kernel("q2", "Q2Weight")
+    if matvec is None or q2_weight is None or not isinstance(proj.quant_state, q2_weight):
+        return None
+    return matvec(x2d, proj.quant_state)
 
 
 def fused_views(modules: Sequence[nn.Module]) -> bool:
@@ -100,6 +117,9 @@ def fused_views(modules: Sequence[nn.Module]) -> bool:
 
 
 def _nf4_bases(x2d: torch.Tensor, projs: Sequence[LoRAProjection]) -> Optional[list]:
+    if any(p.low_bit for p in projs):
+        bases = [_low_bit_base(x2d, p) for p in projs]
+        return bases if any(b is not None for b in bases) else None
     if not _nf4_takes(x2d, projs):
         return None
     matvec, _ = _nf4_kernels()
