@@ -16,15 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "notebookkit"
 
-_MEMORY_ELSEWHERE = ("memory/ is being reworked on another branch as this rule reaches it: the helper becomes public "
-                     "in its owner there")
-#: (importing module, "owner:name") -> why it may stay
-ALLOWED: dict[tuple[str, str], str] = {
-    ("notebookkit.memory.planner", "notebookkit.memory.estimate:_dtype_bytes"): _MEMORY_ELSEWHERE,
-    ("notebookkit.memory.planner", "notebookkit.memory.estimate:_fmt"): _MEMORY_ELSEWHERE,
-    ("notebookkit.memory.vision_shapes", "notebookkit.memory.shapes:_get"): _MEMORY_ELSEWHERE,
-    ("notebookkit.memory.vision_shapes", "notebookkit.memory.shapes:_lookup_known"): _MEMORY_ELSEWHERE,
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:

@@ -182,7 +182,7 @@ _DTYPE_BYTES = {"float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2, "f
 ALL_TARGETS = list(PROJECTIONS)
 
 
-def _dtype_bytes(dtype: Any) -> int:
+def bytes_of_dtype(dtype: Any) -> int:
     if dtype is None:
         return 2
     name = str(dtype).replace("torch.", "").lower()
@@ -248,7 +248,7 @@ def normalize_plan(plan: Any, num_layers: int) -> tuple[str, ...]:
     return tuple(modes)
 
 
-def _targets(target_modules: Any) -> list[str]:
+def lora_targets(target_modules: Any) -> list[str]:
     if target_modules is None or target_modules == "all-linear" or target_modules == "all":
         return list(ALL_TARGETS)
     if isinstance(target_modules, str):
@@ -263,7 +263,7 @@ def _targets(target_modules: Any) -> list[str]:
     return out
 
 
-def _fmt(nbytes: float) -> str:
+def readable_bytes(nbytes: float) -> str:
     if abs(nbytes) >= GiB / 10:
         return f"{nbytes / GiB:.2f} GiB"
     return f"{nbytes / 2**20:.1f} MiB"
@@ -352,15 +352,15 @@ class MemoryEstimate:
         lines = [head, f"activation plan: {plan}", ""]
         width = max(len(k) for k in list(self.parts()) + list(self.details)) + 4
         for part, value in self.parts().items():
-            lines.append(f"{part:<{width}}{_fmt(value):>12}")
+            lines.append(f"{part:<{width}}{readable_bytes(value):>12}")
             for key, sub in self.details.items():
                 if key.startswith(part + ":") and sub:
-                    lines.append(f"  {key.split(':', 1)[1].strip():<{width - 2}}{_fmt(sub):>12}")
+                    lines.append(f"  {key.split(':', 1)[1].strip():<{width - 2}}{readable_bytes(sub):>12}")
         lines.append("-" * (width + 12))
-        lines.append(f"{'total (peak)':<{width}}{_fmt(self.total):>12}")
-        lines.append(f"{'  of which CUDA context':<{width}}{_fmt(self.cuda_context):>12}")
+        lines.append(f"{'total (peak)':<{width}}{readable_bytes(self.total):>12}")
+        lines.append(f"{'  of which CUDA context':<{width}}{readable_bytes(self.cuda_context):>12}")
         if self.host_offload:
-            lines.append(f"{'pinned host memory':<{width}}{_fmt(self.host_offload):>12}")
+            lines.append(f"{'pinned host memory':<{width}}{readable_bytes(self.host_offload):>12}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -475,7 +475,7 @@ GROUPED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 def grouped_lora_A_params(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
     """Elements of the ``A_cat`` the fused path builds: ``L * sum r * in`` over the projections of every
     group sharing an input (q/k/v; gate/up) whose members are all targeted (same rank)."""
-    targets = _targets(target_modules)
+    targets = lora_targets(target_modules)
     dims = shape.projection_shapes()
     grouped = [t for group in GROUPED_PROJECTIONS if all(t in targets for t in group) for t in group]
     return shape.num_layers * sum(r * dims[t][0] for t in grouped)
@@ -501,7 +501,7 @@ def fp8_products(shape: ModelShape) -> list[tuple[str, ...]]:
 def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
     """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``."""
     dims = shape.projection_shapes()
-    return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in _targets(target_modules))
+    return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in lora_targets(target_modules))
 
 
 def layer_activation_bytes(
@@ -537,7 +537,7 @@ def layer_activation_bytes(
     if mode != "keep":
         raise ValueError(f"unknown mode {mode!r}")
     eager = resolve_attention(shape, attention) == "eager"
-    targets = _targets(target_modules)
+    targets = lora_targets(target_modules)
     elems = 4 * H + 2 * dq + 2 * dk + 2 * I
     fp32 = 2  # 1/rms of the two pre-norms
     if shape.qk_norm:
@@ -711,8 +711,8 @@ def estimate_training_memory(
     if method not in METHODS:
         raise ValueError(f"notebookkit.memory: method={method!r}; use one of {list(METHODS)} (the trainer's kind).")
     fmt = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
-    s = _dtype_bytes(dtype)
-    targets = _targets(target_modules)
+    s = bytes_of_dtype(dtype)
+    targets = lora_targets(target_modules)
     plan = normalize_plan(activation_plan, shape.num_layers)
     opt = _optimizer_name(optimizer)
     attention = resolve_attention(shape, attention)
@@ -728,7 +728,7 @@ def estimate_training_memory(
     adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
     acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
                         target_modules=targets, lora_dropout=lora_dropout, attention=attention,
-                        adapter_dtype_bytes=_dtype_bytes(adapter_dtype), kv_repeated=kv_repeated, padded=padded)
+                        adapter_dtype_bytes=bytes_of_dtype(adapter_dtype), kv_repeated=kv_repeated, padded=padded)
     vision_inputs: dict[str, Any] = {}
     if vlm is not None:
         vision_inputs = _add_vision(vlm, base, adapters, acts, plan, rows=rows, seq_len=seq_len, s=s,
@@ -846,7 +846,7 @@ def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan
     every_linear = ve.vision_lora_param_count(vlm, lora_r)
     p_vision = (every_linear if vision_lora_params is None else int(vision_lora_params)) if vision_lora else 0
     if p_vision:
-        a_bytes = _dtype_bytes(adapter_dtype)
+        a_bytes = bytes_of_dtype(adapter_dtype)
         if opt == "adafactor":  # factored second moment: rows + columns per matrix, ~ (r + in + out + r) each
             v = vlm.vision
             mats = [*[(i, o) for i, o in v.block_linear_shapes().values()] * v.num_layers,
@@ -876,7 +876,7 @@ def _adapters_and_optimizer(
     """LoRA weights, gradients, fp32 master copy, optimizer states and compute-dtype copies; and the
     number of LoRA parameters."""
     p_lora = lora_param_count(shape, lora_r, targets)
-    a_bytes = _dtype_bytes(adapter_dtype)
+    a_bytes = bytes_of_dtype(adapter_dtype)
     params_b = p_lora * a_bytes
     grads_b = p_lora * a_bytes
     master_b = p_lora * 4 if a_bytes < 4 else 0

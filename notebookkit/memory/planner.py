@@ -52,7 +52,7 @@ from notebookkit.training_methods import TRAINING_METHODS
 
 from .base_weights import base_format_for, load_flags
 from .cards import GPUCard, detect_card, parse_card, parse_memory
-from .estimate import MODES, MemoryEstimate, _dtype_bytes, _fmt, estimate_training_memory, lora_param_count
+from .estimate import MODES, MemoryEstimate, bytes_of_dtype, readable_bytes, estimate_training_memory, lora_param_count
 from .shapes import KNOWN_MODELS, ModelShape, model_shape
 
 GiB = 1024**3
@@ -118,13 +118,13 @@ class ActivationPlan:
         parts = ", ".join(f"{v} {k}" for k, v in c.items() if v)
         used = self.estimate.peak_allocated if "free VRAM" in self.budget_source else self.estimate.total
         text = (
-            f"{parts} of {len(self.modes)} layers; predicted peak {_fmt(used)} of "
-            f"{_fmt(self.budget_bytes)} ({self.budget_source})"
+            f"{parts} of {len(self.modes)} layers; predicted peak {readable_bytes(used)} of "
+            f"{readable_bytes(self.budget_bytes)} ({self.budget_source})"
         )
         if self.step_overhead:
             text += f"; about {100 * self.step_overhead:.0f}% slower than keeping everything"
         if self.host_bytes:
-            text += f"; {_fmt(self.host_bytes)} pinned host memory"
+            text += f"; {readable_bytes(self.host_bytes)} pinned host memory"
         return text
 
     def __str__(self) -> str:
@@ -144,7 +144,7 @@ def _resolve_budget(
     elif card is not None and card != "auto":
         card_obj = parse_card(str(card))
     if budget_bytes is not None:
-        return int(budget_bytes), True, f"budget {_fmt(budget_bytes)}", card_obj or detect_card()
+        return int(budget_bytes), True, f"budget {readable_bytes(budget_bytes)}", card_obj or detect_card()
     if max_memory is not None:
         if isinstance(max_memory, str):
             try:
@@ -194,7 +194,7 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
     N = kw.get("batch_size", 1) * kw.get("seq_len", 2048)
     T = kw.get("seq_len", 2048)
     r = kw.get("lora_r", 16)
-    s = _dtype_bytes(kw.get("dtype", "bfloat16"))
+    s = bytes_of_dtype(kw.get("dtype", "bfloat16"))
     lora_layer = lora_param_count(shape, r, kw.get("target_modules")) / shape.num_layers
     flops = N * (2 * shape.linear_params_per_layer + 2 * lora_layer + 2 * T * shape.q_dim)
     rate = (card.tflops if card else 1.0) * 1e12
@@ -338,7 +338,7 @@ def plan_activations(
     if best is None:
         worst = est_for(0, 0 if allow_offload else L)
         message = _explain(shape, worst, usable_for, budget, source, with_context, estimate_kwargs, allow_offload,
-                           host_blocked, host_memory_bytes) if explain else f"{shape.name} does not fit {_fmt(budget)}"
+                           host_blocked, host_memory_bytes) if explain else f"{shape.name} does not fit {readable_bytes(budget)}"
         raise DoesNotFitError(message, estimate=worst, budget_bytes=budget)
     cost, k, m, est = best
     plan = ActivationPlan(
@@ -356,15 +356,15 @@ def _explain(
     need = worst.total if with_context else worst.peak_allocated
     mode = "every layer offloaded" if allow_offload else "every layer recomputed"
     lines = [
-        f"notebookkit: {shape.name} does not fit in {_fmt(budget)} ({source}) even with {mode}: "
-        f"the step needs about {_fmt(need)} (usable after a {_fmt(budget - usable_for(worst))} margin for "
-        f"fragmentation: {_fmt(usable_for(worst))}).",
-        "  " + ", ".join(f"{k} {_fmt(v)}" for k, v in worst.parts().items()),
+        f"notebookkit: {shape.name} does not fit in {readable_bytes(budget)} ({source}) even with {mode}: "
+        f"the step needs about {readable_bytes(need)} (usable after a {readable_bytes(budget - usable_for(worst))} margin for "
+        f"fragmentation: {readable_bytes(usable_for(worst))}).",
+        "  " + ", ".join(f"{k} {readable_bytes(v)}" for k, v in worst.parts().items()),
     ]
     if host_blocked is not None:
         lines.append(
-            f"  A plan that offloads would fit on the GPU but needs {_fmt(host_blocked.host_offload)} of pinned host "
-            f"memory and only {_fmt(host_bytes)} is available: free host RAM or lower batch_size / seq_len."
+            f"  A plan that offloads would fit on the GPU but needs {readable_bytes(host_blocked.host_offload)} of pinned host "
+            f"memory and only {readable_bytes(host_bytes)} is available: free host RAM or lower batch_size / seq_len."
         )
     fixes: list[str] = []
     plan = "offload" if allow_offload else "recompute"
@@ -396,7 +396,7 @@ def _explain(
     for text, change in single:
         e = fits(**change)
         if e:
-            fixes.append(f"{text} (about {_fmt(e.total if with_context else e.peak_allocated)})")
+            fixes.append(f"{text} (about {readable_bytes(e.total if with_context else e.peak_allocated)})")
     # the largest smaller LoRA rank that fits (memory grows with the rank), with the embedding on the host if need be
     rank = int(kw.get("lora_r", 16))
     with_host = [({}, "")]
@@ -410,7 +410,7 @@ def _explain(
             middle = (good + bad) // 2
             good, bad = (middle, bad) if fits(**extra, lora_r=middle) else (good, middle)
         e = fits(**extra, lora_r=good)
-        fixes.append(f"{prefix}LoRA rank r={good} (about {_fmt(e.total if with_context else e.peak_allocated)})")
+        fixes.append(f"{prefix}LoRA rank r={good} (about {readable_bytes(e.total if with_context else e.peak_allocated)})")
         break
     # the shortest sequence that fits once every cheap change above is made
     combo: dict[str, Any] = {}

@@ -40,7 +40,7 @@ from typing import Any
 from notebookkit.base_formats import BaseFormat
 
 from .base_weights import base_format_for, load_flags
-from .estimate import MemoryEstimate, _fmt, _targets
+from .estimate import MemoryEstimate, readable_bytes, lora_targets
 from .planner import ActivationPlan, DoesNotFitError, plan_activations
 from .shapes import model_shape
 from .vision_shapes import is_vlm, text_shape, vlm_shape
@@ -81,7 +81,7 @@ class RankFit:
         where = "input embedding in host RAM (offload_embedding=True)" if self.offload_embedding else \
             "input embedding on the card"
         return (f"{what}: fits {self.budget} with LoRA r={self.rank} on {self.targets} projections "
-                f"({est.inputs.get('optimizer')}, adapters {_fmt(est.adapters)}); {where}; "
+                f"({est.inputs.get('optimizer')}, adapters {readable_bytes(est.adapters)}); {where}; "
                 f"activations {self.plan.summary()}")
 
 
@@ -124,7 +124,7 @@ def largest_lora_rank(
     options = [False, True] if offload_embedding is None else [bool(offload_embedding)]
     if shape.tie_word_embeddings:
         options = [False]  # a tied table is the LM head: it stays on the card
-    targets = len(_targets(plan_kwargs.get("target_modules")))
+    targets = len(lora_targets(plan_kwargs.get("target_modules")))
 
     def plan_at(rank: int, on_host: bool, explain: bool = False) -> ActivationPlan | DoesNotFitError:
         try:
@@ -155,9 +155,9 @@ def largest_lora_rank(
     if best is None:
         refusal = plan_at(1, options[-1], explain=True)  # the leanest setting: the planner says what to change
         assert isinstance(refusal, DoesNotFitError)
-        budget = _fmt(refusal.budget_bytes) if refusal.budget_bytes else str(max_memory)
+        budget = readable_bytes(refusal.budget_bytes) if refusal.budget_bytes else str(max_memory)
         return RankFit(0, None, options[-1], fmt, seq_len, batch_size, targets, budget,
                        reason=f"Even LoRA rank r=1 does not fit. {refusal}", smallest=refusal.estimate)
     rank, on_host, plan = best
     return RankFit(rank, plan, on_host, fmt, seq_len, batch_size, targets,
-                   f"{_fmt(plan.budget_bytes)} ({plan.budget_source})")
+                   f"{readable_bytes(plan.budget_bytes)} ({plan.budget_source})")

@@ -162,7 +162,7 @@ _ROWS = [
 KNOWN_MODELS: dict[str, ModelShape] = {row[0]: _shape(*row) for row in _ROWS}
 
 
-def _lookup_known(name: str) -> ModelShape | None:
+def known_shape(name: str) -> ModelShape | None:
     if name in KNOWN_MODELS:
         return KNOWN_MODELS[name]
     low = name.lower()
@@ -172,7 +172,7 @@ def _lookup_known(name: str) -> ModelShape | None:
     return None
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
+def config_value(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, Mapping):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
@@ -180,35 +180,35 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 
 def shape_from_config(cfg: Any, name: str | None = None) -> ModelShape:
     """Read a :class:`ModelShape` from a Hugging Face config object or a config dict."""
-    tied_outer = _get(cfg, "tie_word_embeddings")
-    text = _get(cfg, "text_config")
-    if text is not None and _get(cfg, "hidden_size") is None:
+    tied_outer = config_value(cfg, "tie_word_embeddings")
+    text = config_value(cfg, "text_config")
+    if text is not None and config_value(cfg, "hidden_size") is None:
         cfg = text
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-               if _get(cfg, k) is None]
+               if config_value(cfg, k) is None]
     if missing:
         raise ValueError(
             f"notebookkit.memory: this model config lacks {missing}; the memory model needs a decoder-only "
             "LM config (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size)."
         )
-    H = int(_get(cfg, "hidden_size"))
-    nh = int(_get(cfg, "num_attention_heads"))
-    nk = _get(cfg, "num_key_value_heads") or nh
-    hd = _get(cfg, "head_dim") or H // nh
-    model_type = str(_get(cfg, "model_type", "llama") or "llama")
-    tied = _get(cfg, "tie_word_embeddings")
+    H = int(config_value(cfg, "hidden_size"))
+    nh = int(config_value(cfg, "num_attention_heads"))
+    nk = config_value(cfg, "num_key_value_heads") or nh
+    hd = config_value(cfg, "head_dim") or H // nh
+    model_type = str(config_value(cfg, "model_type", "llama") or "llama")
+    tied = config_value(cfg, "tie_word_embeddings")
     family = for_model_type(model_type, multimodal=True)
     if tied is None:  # the config class's default: the family's, or Gemma's for another Gemma variant
         default = family.tied_embeddings if family is not None else model_type.startswith("gemma")
         tied = tied_outer if tied_outer is not None else default
     softcap_attr = (family.attn_softcap_attr if family is not None else None) or "attn_logit_softcapping"
     _missing = object()
-    softcap = _get(cfg, softcap_attr, _missing)
+    softcap = config_value(cfg, softcap_attr, _missing)
     return _shape(
-        name or str(_get(cfg, "_name_or_path", "") or _get(cfg, "name_or_path", "") or model_type),
-        model_type, H, int(_get(cfg, "num_hidden_layers")), nh, int(nk), int(hd),
-        int(_get(cfg, "intermediate_size")), int(_get(cfg, "vocab_size")), bool(tied),
-        _get(cfg, "max_position_embeddings"),
+        name or str(config_value(cfg, "_name_or_path", "") or config_value(cfg, "name_or_path", "") or model_type),
+        model_type, H, int(config_value(cfg, "num_hidden_layers")), nh, int(nk), int(hd),
+        int(config_value(cfg, "intermediate_size")), int(config_value(cfg, "vocab_size")), bool(tied),
+        config_value(cfg, "max_position_embeddings"),
         attn_softcap=None if softcap is _missing else softcap is not None,
     )
 
@@ -225,7 +225,7 @@ def model_shape(model_config: Any) -> ModelShape:
         return model_config
     if isinstance(model_config, (str, os.PathLike)):
         name = str(model_config)
-        known = _lookup_known(name)
+        known = known_shape(name)
         if known is not None:
             return known
         path = Path(name).expanduser()
@@ -242,7 +242,7 @@ def model_shape(model_config: Any) -> ModelShape:
                 f"curated names: {', '.join(KNOWN_MODELS)}."
             ) from exc
     cfg = getattr(model_config, "config", None)
-    if cfg is not None and not isinstance(model_config, Mapping) and _get(model_config, "hidden_size") is None:
+    if cfg is not None and not isinstance(model_config, Mapping) and config_value(model_config, "hidden_size") is None:
         return shape_from_config(cfg)
     return shape_from_config(model_config)
 

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 from notebookkit.families import for_vision_model_type, vision_families
 
-from .shapes import PROJECTIONS, ModelShape, _get, shape_from_config
+from .shapes import PROJECTIONS, ModelShape, config_value, shape_from_config
 
 #: Public config numbers (text decoder and vision tower) of the curated VLMs, by a short name. The
 #: vision benchmark (``benchmarks/vision_step.py``) builds its random-weight checkpoints from these.
@@ -220,13 +220,13 @@ class VLMShape:
 
 def is_vlm_config(cfg: Any) -> bool:
     """True for a config (object or dict) with a vision tower (``vision_config``)."""
-    return _get(cfg, "vision_config") is not None
+    return config_value(cfg, "vision_config") is not None
 
 
 def vlm_shape_from_config(cfg: Any, name: str | None = None, image_size: int | None = None) -> VLMShape:
     """Read a :class:`VLMShape` from a Qwen2.5-VL or Gemma 3 config (object or dict)."""
-    model_type = str(_get(cfg, "model_type", "") or "")
-    vision = _get(cfg, "vision_config")
+    model_type = str(config_value(cfg, "model_type", "") or "")
+    vision = config_value(cfg, "vision_config")
     family = for_vision_model_type(model_type)
     if vision is None or family is None:
         known = " and ".join(f"{f.vision.label} ({t!r})" for t, f in vision_families().items())
@@ -246,31 +246,31 @@ def vlm_shape_from_config(cfg: Any, name: str | None = None, image_size: int | N
 
 def _qwen2_5_vl_tower(cfg: Any, vision: Any, H: int) -> tuple[VisionTowerShape, int | None]:
     """Qwen2.5-VL's tower from its ``vision_config`` (it takes any image size: no default side)."""
-    out = int(_get(vision, "out_hidden_size", H) or H)
+    out = int(config_value(vision, "out_hidden_size", H) or H)
     if out != H:
         raise ValueError(f"notebookkit.memory: the vision merger's out_hidden_size ({out}) differs from the "
                          f"decoder's hidden_size ({H}); this config cannot run.")
     return VisionTowerShape(
-        kind="qwen2_5_vl", hidden_size=int(_get(vision, "hidden_size")), num_layers=int(_get(vision, "depth")),
-        intermediate_size=int(_get(vision, "intermediate_size")), num_heads=int(_get(vision, "num_heads")),
-        patch_size=int(_get(vision, "patch_size", 14)), text_hidden_size=H,
-        merge=int(_get(vision, "spatial_merge_size", 2)),
-        temporal_patch_size=int(_get(vision, "temporal_patch_size", 2)),
-        in_channels=int(_get(vision, "in_channels", 3)),
-        window_size=int(_get(vision, "window_size", 112)),
-        full_attention_blocks=len(_get(vision, "fullatt_block_indexes", []) or []),
+        kind="qwen2_5_vl", hidden_size=int(config_value(vision, "hidden_size")), num_layers=int(config_value(vision, "depth")),
+        intermediate_size=int(config_value(vision, "intermediate_size")), num_heads=int(config_value(vision, "num_heads")),
+        patch_size=int(config_value(vision, "patch_size", 14)), text_hidden_size=H,
+        merge=int(config_value(vision, "spatial_merge_size", 2)),
+        temporal_patch_size=int(config_value(vision, "temporal_patch_size", 2)),
+        in_channels=int(config_value(vision, "in_channels", 3)),
+        window_size=int(config_value(vision, "window_size", 112)),
+        full_attention_blocks=len(config_value(vision, "fullatt_block_indexes", []) or []),
     ), None
 
 
 def _siglip_tower(cfg: Any, vision: Any, H: int) -> tuple[VisionTowerShape, int | None]:
     """A SigLIP tower (Gemma 3) from its ``vision_config``; every image is resized to its side."""
-    side = int(_get(vision, "image_size", 224))
+    side = int(config_value(vision, "image_size", 224))
     return VisionTowerShape(
-        kind="siglip", hidden_size=int(_get(vision, "hidden_size")), num_layers=int(_get(vision, "num_hidden_layers")),
-        intermediate_size=int(_get(vision, "intermediate_size")),
-        num_heads=int(_get(vision, "num_attention_heads")), patch_size=int(_get(vision, "patch_size", 14)),
-        text_hidden_size=H, in_channels=int(_get(vision, "num_channels", 3)), image_size=side,
-        tokens_per_image=int(_get(cfg, "mm_tokens_per_image", 256)),
+        kind="siglip", hidden_size=int(config_value(vision, "hidden_size")), num_layers=int(config_value(vision, "num_hidden_layers")),
+        intermediate_size=int(config_value(vision, "intermediate_size")),
+        num_heads=int(config_value(vision, "num_attention_heads")), patch_size=int(config_value(vision, "patch_size", 14)),
+        text_hidden_size=H, in_channels=int(config_value(vision, "num_channels", 3)), image_size=side,
+        tokens_per_image=int(config_value(cfg, "mm_tokens_per_image", 256)),
     ), side
 
 
@@ -327,7 +327,7 @@ def vlm_shape(model_config: Any, image_size: int | None = None) -> VLMShape:
             shape = _vlm_from_folder(name)
     else:
         cfg = getattr(model_config, "config", None)
-        if cfg is not None and not isinstance(model_config, Mapping) and _get(model_config, "vision_config") is None:
+        if cfg is not None and not isinstance(model_config, Mapping) and config_value(model_config, "vision_config") is None:
             model_config = cfg
         shape = vlm_shape_from_config(model_config)
     if image_size is not None:
@@ -365,9 +365,9 @@ def is_vlm(model_config: Any) -> bool:
         return False
     if isinstance(model_config, (str, os.PathLike)):
         name = str(model_config)
-        from .shapes import _lookup_known
+        from .shapes import known_shape
 
-        if name in VLM_CONFIGS or (_known_vlm(name) is not None and _lookup_known(name) is None):
+        if name in VLM_CONFIGS or (_known_vlm(name) is not None and known_shape(name) is None):
             return True
         from notebookkit.embedded.tiny import is_tiny_vision_model_name
 
@@ -378,7 +378,7 @@ def is_vlm(model_config: Any) -> bool:
     if isinstance(model_config, Mapping):
         return is_vlm_config(model_config)
     cfg = getattr(model_config, "config", model_config)
-    if not (is_vlm_config(cfg) and for_vision_model_type(str(_get(cfg, "model_type", ""))) is not None):
+    if not (is_vlm_config(cfg) and for_vision_model_type(str(config_value(cfg, "model_type", ""))) is not None):
         return False
     if hasattr(model_config, "named_modules"):  # a loaded model: only one that holds its vision tower
         base = model_config.get_base_model() if hasattr(model_config, "get_base_model") else model_config
