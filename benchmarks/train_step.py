@@ -45,6 +45,11 @@ SHAPES: dict[str, dict] = {
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
     ),
+    "llama-3.1-70b": dict(  # only built in a packed low-bit format (low_bit_step.py): 140 GB in bf16
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+    ),
     "llama-3.2-1b": dict(
         model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
