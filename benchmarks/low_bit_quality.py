@@ -141,7 +141,7 @@ def setup(which: str, seq_len: int, heldout_windows: int):
     from registry_assets import smollm2_folder
 
     folder = str(smollm2_folder())
-    return folder, *austen_windows(folder, seq_len, heldout_windows), 4, 2e-4, None
+    return folder, *austen_windows(folder, seq_len, heldout_windows), 4, 1e-3, None
 
 
 def main() -> None:

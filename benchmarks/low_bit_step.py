@@ -124,6 +124,7 @@ def main() -> None:
     t0 = time.time()
     model = build_model(args, config, device, offload_embedding)
     build_s = time.time() - t0
+    print(f"base built or loaded in {build_s:.1f} s", flush=True)  # progress lines: a row cut by a timeout says where
     if device == "cuda":
         torch.cuda.empty_cache()
         if args.cap_gib:
@@ -150,7 +151,10 @@ def main() -> None:
     batches = token_batches(args.shape, args.batch, args.seq, args.steps, device=device)
     step = training_step(model, optimizer)
     warm = min(2, args.steps - 1)
-    losses = [step(ids).item() for ids in batches[:warm]]
+    losses = []
+    for ids in batches[:warm]:
+        losses.append(step(ids).item())
+        print(f"warm-up step {len(losses)}: loss {losses[-1]:.4f}, {time.time() - t0:.1f} s since the start", flush=True)
     marks = []
     if device == "cuda":
         torch.cuda.synchronize()
