@@ -43,9 +43,10 @@ compute dtype, the ``dA`` of a group are row blocks of one ``dA_cat`` tensor (no
 The base weight is frozen: no gradient is computed for it. An NF4 base weight is dequantised on
 the fly (forward and again in backward) with :func:`notebookkit.kernels.nf4.dequantize_nf4`, so the
 dense weight never outlives one GEMM. A 2-bit (:class:`~notebookkit.kernels.q2.Q2Weight`) or ternary
-(:class:`~notebookkit.kernels.ternary.TernaryWeight`) base is never dequantised at all on this path:
-``X W^T`` and ``dY W`` are its dequantise-in-the-GEMM kernels (:mod:`.q2_matmul`, :mod:`.ternary_matmul`;
-:data:`LOW_BIT_PRODUCTS`), the same products up to the order of the fp32 additions.
+(:class:`~notebookkit.kernels.ternary.TernaryWeight`) base is never dequantised whole on this path:
+``X W^T`` and ``dY W`` dequantise inside the GEMM for few rows (:mod:`.q2_matmul`, :mod:`.ternary_matmul`)
+and a bounded chunk at a time under cuBLAS for many (:mod:`.chunked_dequant_matmul`; :data:`LOW_BIT_PRODUCTS`),
+the same products up to the order of the fp32 additions.
 
 FP8 forward (opt-in, ``LoRAProjection(..., fp8_forward=True)``): the base part of the forward,
 ``X W^T``, is computed in FP8 by :mod:`notebookkit.kernels.fp8_matmul` (X and W quantised
@@ -79,10 +80,9 @@ import torch
 from .fp8_matmul import FP8_DTYPE, fp8_matmul_quantized, quantize_rowwise_fp8, scaled_mm_applies_to
 from .nf4_fp8 import quantize_nf4_rowwise_fp8
 from .nf4 import dequantize_nf4
+from .chunked_dequant_matmul import low_bit_matmul, low_bit_matmul_backward_input
 from .q2 import Q2Weight, dequantize_q2
-from .q2_matmul import q2_matmul, q2_matmul_backward_input
 from .ternary import TernaryWeight, dequantize_ternary
-from .ternary_matmul import ternary_input_grad, ternary_matmul
 
 __all__ = [
     "LoRAProjection",
@@ -120,10 +120,11 @@ __all__ = [
 _DENSE_NF4_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: packed low-bit base weight type -> (dequantise(w, dtype), X W^T, dY W): what a projection on such a
-#: base computes with (the products dequantise inside the GEMM; ``dequantise`` is for references and FP8)
+#: base computes with (the products dequantise inside the GEMM for few rows, in dense chunks for many:
+#: :mod:`.chunked_dequant_matmul`; ``dequantise`` is for references and FP8)
 LOW_BIT_PRODUCTS = {
-    Q2Weight: (lambda w, dtype: dequantize_q2(w, dtype), q2_matmul, q2_matmul_backward_input),
-    TernaryWeight: (lambda w, dtype: dequantize_ternary(w, dtype), ternary_matmul, ternary_input_grad),
+    Q2Weight: (lambda w, dtype: dequantize_q2(w, dtype), low_bit_matmul, low_bit_matmul_backward_input),
+    TernaryWeight: (lambda w, dtype: dequantize_ternary(w, dtype), low_bit_matmul, low_bit_matmul_backward_input),
 }
 
 

@@ -12,12 +12,14 @@ With ``L`` layers, a projection ``[out, in]``, ``b(in)`` the record's bytes per 
 What a GEMM through the base adds to a working set (the record's ``product``), with ``N`` tokens:
 
     "dequantise" (NF4)    max_proj(in * out) * s     one dense copy of the weight being multiplied
-    "in_tile" (2-bit, ternary), backward only
-                          N * H * s                  the fresh ``[N, in]`` input gradient of the second
+    "chunks" (2-bit, ternary)
+                          min(C, max_proj(in * out) * s)   one dense chunk of the weight, C = 32 MiB, when
+                                                     N >= 256 (cuBLAS on chunks; fewer rows: in-tile, 0)
+                          + N * H * s (backward)     the fresh ``[N, in]`` input gradient of the second
                                                      (third) projection reading one input (q/k/v read H,
                                                      gate/up read H), alive until it is added to the
-                                                     first one's; the kernels allocate nothing else
-                                                     (their outputs are the tensors the estimate counts)
+                                                     first one's; nothing else is allocated (the outputs
+                                                     are the tensors the estimate counts)
     "dense" (16-bit)      0                          (``addmm_`` into one buffer)
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from notebookkit.base_formats import BASE_FORMATS, BaseFormat
+from notebookkit.base_formats import BASE_FORMATS, DEQUANT_CHUNK_BYTES, DEQUANT_CHUNK_MIN_ROWS, BaseFormat
 
 from .shapes import ModelShape
 
@@ -65,15 +67,19 @@ def projection_weight_bytes(shape: ModelShape, fmt: BaseFormat, s: int, double_q
     return shape.num_layers * linear_weight_bytes(shape.projection_shapes().values(), fmt, s, double_quant)
 
 
-def dense_copy_bytes(shape: ModelShape, fmt: BaseFormat, s: int) -> int:
-    """The dense copy of the largest projection a ``"dequantise"`` format makes per product (0 otherwise)."""
-    if fmt.product != "dequantise":
-        return 0
-    return max(i * o for i, o in shape.projection_shapes().values()) * s
+def dense_copy_bytes(shape: ModelShape, fmt: BaseFormat, s: int, tokens: int) -> int:
+    """The dense weight alive during one product of ``tokens`` rows: a ``"dequantise"`` format's copy of the
+    largest projection, a ``"chunks"`` format's chunk from :data:`DEQUANT_CHUNK_MIN_ROWS` rows (0 otherwise)."""
+    largest = max(i * o for i, o in shape.projection_shapes().values()) * s
+    if fmt.product == "dequantise":
+        return largest
+    if fmt.product == "chunks" and tokens >= DEQUANT_CHUNK_MIN_ROWS:
+        return min(largest, DEQUANT_CHUNK_BYTES)
+    return 0
 
 
 def input_grad_buffer_bytes(shape: ModelShape, fmt: BaseFormat, tokens: int, s: int) -> int:
-    """The fresh input gradient an ``"in_tile"`` kernel writes for a projection sharing its input (0 otherwise)."""
-    if fmt.product != "in_tile":
+    """The fresh input gradient a ``"chunks"`` product writes for a projection sharing its input (0 otherwise)."""
+    if fmt.product != "chunks":
         return 0
     return tokens * shape.hidden_size * s

@@ -587,14 +587,15 @@ def backward_working_set(
     ``fp8_forward`` is the FP8 copies of the input and weights of one FP8 product during a
     (recomputed) forward: the largest of :func:`fp8_products` (0 without the FP8 forward).
     The base format (``load_in_*``) adds what its GEMMs need beyond their outputs (:mod:`.base_weights`):
-    NF4's dense copy of one projection, or 2-bit / ternary's fresh input gradient of a shared-input projection.
+    NF4's dense copy of one projection, or 2-bit / ternary's dense chunk (from 256 tokens on) and fresh input
+    gradient of a shared-input projection.
     """
     fmt = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
     N = batch_size * seq_len
     s = dtype_bytes
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     dims = shape.projection_shapes()
-    dequant = dense_copy_bytes(shape, fmt, s) + input_grad_buffer_bytes(shape, fmt, N, s)
+    dequant = dense_copy_bytes(shape, fmt, s, N) + input_grad_buffer_bytes(shape, fmt, N, s)
     mlp = N * H * s + N * I * s + N * H * s + dequant
     freed = N * (2 * I + 2 * H) * s + N * 8  # e, g, the MLP norm's input and output, 1/rms
     attn = N * H * s + N * dq * s  # gradient from above, gradient of the attention output

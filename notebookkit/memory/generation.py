@@ -128,7 +128,7 @@ def layer_working_set(
 ) -> int:
     """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots
     (``base``: the format of the frozen projections, or ``load_in_4bit`` as a bool; NF4 adds its dense copy,
-    :mod:`.base_weights`)."""
+    2-bit and ternary a dense chunk from 256 tokens on, :mod:`.base_weights`)."""
     base = _as_format(base)
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
@@ -138,7 +138,7 @@ def layer_working_set(
     if resolve_attention(shape, attention) == "eager":
         attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
     mlp = N * s * (2 * H + 3 * I)
-    return max(attn, mlp) + dense_copy_bytes(shape, base, s)
+    return max(attn, mlp) + dense_copy_bytes(shape, base, s, N)
 
 
 def generation_memory(

@@ -94,3 +94,16 @@ def test_the_vision_tower_linears_follow_the_same_record():
     assert two.details["base weights: vision tower linears (2-bit)"] == int(sum(i * o for i, o in shapes) * 0.3125)
     ternary = estimate_training_memory(qwen, load_in_ternary=True, seq_len=1024)
     assert ternary.details["base weights: vision tower linears (ternary)"] == int(sum(i * o * (0.25 + 2 / i) for i, o in shapes))
+
+
+def test_from_256_tokens_a_low_bit_product_holds_one_dense_chunk():
+    # 2 x 128 = 256 tokens: cuBLAS on dense chunks (kernels/chunked_dequant_matmul.py); the largest projection
+    # here (192 x 64 x 2 bytes) is below the 32 MiB chunk, so the chunk is that whole weight.
+    kw = dict(batch_size=2, seq_len=128, dtype_bytes=2)
+    plain = backward_working_set(model_shape(CFG), **kw)
+    for flag in ("load_in_2bit", "load_in_ternary"):
+        ws = backward_working_set(model_shape(CFG), **kw, **{flag: True})
+        assert ws["mlp"] - plain["mlp"] == 192 * 64 * 2 + 256 * 64 * 2
+    fewer = backward_working_set(model_shape(CFG), batch_size=1, seq_len=255, dtype_bytes=2, load_in_2bit=True)
+    assert fewer["mlp"] - backward_working_set(model_shape(CFG), batch_size=1, seq_len=255, dtype_bytes=2)["mlp"] \
+        == 255 * 64 * 2

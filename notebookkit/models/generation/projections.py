@@ -7,11 +7,12 @@ helpers of :mod:`notebookkit.kernels.lora_projection` without autograd
 ``notebookkit.kernels.nf4_matvec`` is available and takes the input (CUDA, few rows), the base part
 ``X W^T`` reads the NF4 bytes directly instead of dequantising each whole weight per token, and the
 low-rank part is added into its output (``grouped_projection_forward`` with the base outputs given).
-2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their weight: a 2-bit
+2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their whole weight: a 2-bit
 base of a decode batch of at most ``q2_matvec.MAX_ROWS`` rows reads its codes in
 :func:`notebookkit.kernels.q2_matvec.q2_matvec` (no ``tl.dot``), more rows and ternary bases go
-through their dequantise-in-the-GEMM kernels (:func:`~notebookkit.kernels.ternary_matmul.ternary_matmul`
-takes 16-row tiles for few rows), as in training.
+through the training path's products (:data:`~notebookkit.kernels.lora_projection.LOW_BIT_PRODUCTS`:
+in-tile kernels for few rows, dense chunks under cuBLAS for a prompt of ``DEQUANT_CHUNK_MIN_ROWS`` rows
+or more).
 
 Adapters in another dtype than the compute dtype (PEFT keeps them in fp32 next to 16-bit and 4-bit
 bases) are read through :class:`AdapterCasts`: one cast per adapter kept between decode steps and
@@ -34,6 +35,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from notebookkit.base_formats import DEQUANT_CHUNK_MIN_ROWS
 from notebookkit.kernels.lora_projection import (
     LoRAProjection,
     adapter_group,
@@ -102,10 +104,13 @@ def _nf4_takes(x2d: torch.Tensor, projs: Sequence[LoRAProjection]) -> bool:
 
 def _low_bit_base(x2d: torch.Tensor, proj: LoRAProjection) -> Optional[torch.Tensor]:
     """``X W^T`` of a 2-bit base through the decode matvec (it hands more rows to ``q2_matmul``
-    itself); ``None`` for other bases (their products run in :func:`projection_forward`)."""
+    itself); ``None`` for other bases and for prompts of ``DEQUANT_CHUNK_MIN_ROWS`` rows or more
+    (their products run in :func:`projection_forward`)."""
     matvec = kernel("q2_matvec", "q2_matvec")
     q2_weight = kernel("q2", "Q2Weight")
     if matvec is None or q2_weight is None or not isinstance(proj.quant_state, q2_weight):
+        return None
+    if x2d.shape[0] >= DEQUANT_CHUNK_MIN_ROWS:  # a long prompt: cuBLAS on dense chunks, as in training
         return None
     return matvec(x2d, proj.quant_state)
 

@@ -1,9 +1,10 @@
 """The frozen low-bit linear layers: a 2-bit (:class:`Q2Linear`) and a ternary (:class:`TernaryLinear`)
 base projection, ``y = x W^T + b`` with ``W`` held packed (buffers, not parameters: nothing to train).
 
-Both run their product through the kernels' autograd functions (:func:`notebookkit.kernels.q2_matmul.q2_linear`,
-:func:`notebookkit.kernels.ternary_matmul.ternary_linear`): the forward dequantises inside the GEMM and the
-backward ``dx = dy W`` reads the codes again, so gradients reach the input (and through it every
+Both run their product through the kernels' autograd function
+(:func:`notebookkit.kernels.chunked_dequant_matmul.low_bit_linear`): the forward dequantises inside the GEMM
+(few rows) or a bounded chunk at a time under cuBLAS (many rows on a GPU), and the backward ``dx = dy W``
+reads the codes again, so gradients reach the input (and through it every
 LoRA adapter below) while no dense ``W`` outlives one product.
 
 Why a subclass of ``nn.Linear`` (and not ``LoraConfig._register_custom_module``): PEFT's default
@@ -32,9 +33,8 @@ import torch
 import torch.nn as nn
 
 from notebookkit.kernels.q2 import DEFAULT_GROUP_SIZE, Q2Weight, check_group_size, dequantize_q2, quantize_q2
-from notebookkit.kernels.q2_matmul import q2_linear
+from notebookkit.kernels.chunked_dequant_matmul import low_bit_linear
 from notebookkit.kernels.ternary import TernaryWeight, dequantize_ternary, quantize_ternary
-from notebookkit.kernels.ternary_matmul import ternary_linear
 
 __all__ = ["Q2Linear", "TernaryLinear", "LOW_BIT_LINEARS", "is_low_bit_linear"]
 
@@ -137,7 +137,7 @@ class Q2Linear(_LowBitLinear):
         return dequantize_q2(self.packed_weight(), dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._bias_added(q2_linear(self._input(x), self.packed_weight()))
+        return self._bias_added(low_bit_linear(self._input(x), self.packed_weight()))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"
@@ -204,7 +204,7 @@ class TernaryLinear(_LowBitLinear):
         return dequantize_ternary(self.packed_weight(), dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._bias_added(ternary_linear(self._input(x), self.packed_weight()))
+        return self._bias_added(low_bit_linear(self._input(x), self.packed_weight()))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"
