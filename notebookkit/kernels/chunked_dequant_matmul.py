@@ -60,11 +60,16 @@ def _columns(w, k0: int, k1: int):
                          k1 - k0, g)
 
 
-def _column_step(w) -> int:
-    """Column chunks start on a code byte (4 codes) and, where scales change along a row, on a group."""
+#: chunk lengths are multiples of this (cuBLAS tiles), unless the whole weight is shorter
+ALIGN = 128
+
+
+def _column_step(w, align: int) -> int:
+    """Column chunks start on a code byte (4 codes), on a group where scales change along a row, and on
+    ``align`` (a power of two >= 4)."""
     n, k = w.shape
     g = w.group_size
-    return 4 if g >= k else max(4, g)
+    return align if g >= k else max(align, g)
 
 
 def _dequantise(w, dtype: torch.dtype) -> torch.Tensor:
@@ -77,12 +82,13 @@ def _chunk(total: int, other: int, step: int, element_bytes: int, chunk_bytes: i
     return min(total, fit)
 
 
-def chunked_dequant_matmul(x: torch.Tensor, w, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """``x @ deq(W)^T`` (``[..., K] -> [..., N]``), ``W`` dequantised ``chunk_bytes`` at a time by rows."""
+def chunked_dequant_matmul(x: torch.Tensor, w, chunk_bytes: int = CHUNK_BYTES, align: int = ALIGN) -> torch.Tensor:
+    """``x @ deq(W)^T`` (``[..., K] -> [..., N]``), ``W`` dequantised ``chunk_bytes`` at a time by rows,
+    chunks a multiple of ``align`` rows long."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    step = _chunk(n, k, 1, x.element_size(), chunk_bytes)
+    step = _chunk(n, k, align, x.element_size(), chunk_bytes)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         block = _dequantise(_rows(w, n0, n1), x.dtype)
@@ -91,12 +97,14 @@ def chunked_dequant_matmul(x: torch.Tensor, w, chunk_bytes: int = CHUNK_BYTES) -
     return y.reshape(*x.shape[:-1], n)
 
 
-def chunked_dequant_matmul_backward_input(dy: torch.Tensor, w, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """``dy @ deq(W)`` (``[..., N] -> [..., K]``), ``W`` dequantised ``chunk_bytes`` at a time by columns."""
+def chunked_dequant_matmul_backward_input(dy: torch.Tensor, w, chunk_bytes: int = CHUNK_BYTES,
+                                          align: int = ALIGN) -> torch.Tensor:
+    """``dy @ deq(W)`` (``[..., N] -> [..., K]``), ``W`` dequantised ``chunk_bytes`` at a time by columns
+    (:func:`_column_step`)."""
     n, k = w.shape
     dy2 = dy.reshape(-1, n)
     dx = torch.empty((dy2.shape[0], k), dtype=dy.dtype, device=dy.device)
-    step = _chunk(k, n, _column_step(w), dy.element_size(), chunk_bytes)
+    step = _chunk(k, n, _column_step(w, align), dy.element_size(), chunk_bytes)
     if step >= k:
         block = _dequantise(w, dy.dtype)
         torch.mm(dy2, block, out=dx)

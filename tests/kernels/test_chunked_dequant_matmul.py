@@ -43,8 +43,8 @@ def test_chunks_match_the_dequantised_product(fmt, n, k, group, dtype, chunk):
     x = torch.randn(2, 19, k, generator=g).to(dtype)
     dy = torch.randn(2, 19, n, generator=g).to(dtype)
     w = deq(dtype)
-    y = cdm.chunked_dequant_matmul(x, q, chunk_bytes=chunk)
-    dx = cdm.chunked_dequant_matmul_backward_input(dy, q, chunk_bytes=chunk)
+    y = cdm.chunked_dequant_matmul(x, q, chunk_bytes=chunk, align=4)
+    dx = cdm.chunked_dequant_matmul_backward_input(dy, q, chunk_bytes=chunk, align=4)
     assert y.shape == (2, 19, n) and dx.shape == (2, 19, k) and y.dtype == dx.dtype == dtype
     assert_close(y, _exact(x, w.t()), dtype)
     assert_close(dx, _exact(dy, w), dtype)
@@ -52,11 +52,11 @@ def test_chunks_match_the_dequantised_product(fmt, n, k, group, dtype, chunk):
 
 def test_a_chunk_is_bounded_and_starts_on_a_group():
     q, _ = _weight("ternary", 45, 320, 64)
-    assert cdm._column_step(q) == 64
-    assert cdm._chunk(320, 45, 64, 2, 3000) == 64  # at least one step, even past the bound
-    assert cdm._chunk(320, 45, 64, 2, 45 * 2 * 200) == 192
-    rows = cdm._chunk(1000, 320, 1, 2, 3000)
-    assert rows * 320 * 2 <= 3000 and (rows + 1) * 320 * 2 > 3000
+    assert cdm._column_step(q, 4) == 64 and cdm._column_step(q, cdm.ALIGN) == cdm.ALIGN == 128
+    assert cdm._chunk(320, 45, 128, 2, 3000) == 128  # at least one step, even past the bound
+    assert cdm._chunk(320, 45, 128, 2, 45 * 2 * 300) == 256  # the most whole steps that fit
+    rows = cdm._chunk(1000, 320, 4, 2, 3000)
+    assert rows % 4 == 0 and rows * 320 * 2 <= 3000 < (rows + 4) * 320 * 2
 
 
 def test_many_rows_on_cpu_stay_in_the_tile_kernels_and_the_gradient_reaches_x():
@@ -84,3 +84,4 @@ def test_gpu_dispatch_by_rows_bf16(fmt, n, k, group):
         assert_close(cdm.low_bit_matmul(x, q), _exact(x, w.t()), torch.bfloat16)
         assert_close(cdm.low_bit_matmul_backward_input(dy, q), _exact(dy, w), torch.bfloat16)
         assert_close(cdm.chunked_dequant_matmul_backward_input(dy, q, chunk_bytes=5000), _exact(dy, w), torch.bfloat16)
+        assert_close(cdm.chunked_dequant_matmul(x, q, chunk_bytes=5000), _exact(x, w.t()), torch.bfloat16)
