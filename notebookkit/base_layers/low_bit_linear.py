@@ -21,7 +21,8 @@ Dtypes: the packed codes are uint8 and the scales (and zeros) fp16 by the format
 ``model.to(torch.bfloat16)`` / ``model.half()`` must not round them, so :meth:`_LowBitLinear._apply`
 keeps their dtype and moves only their device. The bias (rare in these families: Qwen2's q/k/v) is a
 frozen parameter in the model's dtype. ``state_dict`` holds ``qweight``, ``scale`` (+ ``zero`` for
-2-bit) and ``bias``: what :mod:`.prequantised` saves and reloads.
+2-bit) and ``bias``: what a pre-quantised checkpoint holds
+(:mod:`notebookkit.models.low_bit.stream_load` reloads it).
 """
 
 from __future__ import annotations

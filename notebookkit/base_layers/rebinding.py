@@ -15,7 +15,7 @@ with stock Hugging Face models.
 
 Models placed with ``device_map`` (``"balanced"``, ``"auto"``...) carry accelerate hooks: accelerate
 replaces ``module.forward`` by a wrapper that moves the inputs to the module's device and then calls
-``module._old_forward`` (:mod:`.compat`). On such a module the patched forward takes the place of
+``module._old_forward`` (:mod:`notebookkit.compat`). On such a module the patched forward takes the place of
 ``_old_forward``, so the hook keeps running around it. The patched forward also runs with the CUDA
 device of its first tensor argument current, so Triton kernels launch on the device that holds that
 layer.
@@ -33,9 +33,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from notebookkit.compat import ACCELERATE_FORWARD, accelerate_wrapped
 from notebookkit.marks import ORIGINAL_FORWARD, PATCHED_FORWARD, PATCH_TAG
-
-from .compat import ACCELERATE_FORWARD, accelerate_wrapped
 
 _ORIGINAL = ORIGINAL_FORWARD
 _PATCHED = PATCHED_FORWARD

@@ -14,13 +14,15 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from . import arguments, compat
-from .banner import Banner, get_banner
-from .checkpointing import normalize_mode
+from notebookkit import compat
+from notebookkit.base_layers.linear4bit import guard_lora_merges
+
+from .common.banner import Banner, get_banner
 from .export_hook import attach_export_methods
-from .lora_fast_path import describe_lora, set_fp8_base_matmul
+from .loading import arguments
 from .low_bit.merge_guard import guard_low_bit_merges
-from .patch_linear4bit import guard_lora_merges
+from .patching.checkpointing import normalize_mode
+from .patching.lora_fast_path import describe_lora, set_fp8_base_matmul
 
 
 def note_unused_max_memory(banner: Banner, max_memory: Any, mode: str, device_type: str) -> None:

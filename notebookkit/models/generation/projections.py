@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from notebookkit.base_layers.kernel_ops import kernel
 from notebookkit.kernels.lora_projection import (
     LoRAProjection,
     adapter_group,
@@ -42,8 +43,7 @@ from notebookkit.kernels.lora_projection import (
     shared_input_forward,
 )
 
-from ..kernel_ops import kernel
-from ..lora_fast_path import views
+from ..patching.lora_fast_path import views
 
 __all__ = ["AdapterCasts", "project", "fused_views"]
 
