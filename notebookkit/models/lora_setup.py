@@ -16,9 +16,9 @@ import torch.nn as nn
 
 from notebookkit import compat
 from notebookkit.base_layers.linear4bit import guard_lora_merges
+from notebookkit.export.bind import bind_export_methods
 
 from .common.banner import Banner, get_banner
-from .export_hook import attach_export_methods
 from .loading import arguments
 from .low_bit.merge_guard import guard_low_bit_merges
 from .patching.checkpointing import normalize_mode
@@ -163,7 +163,7 @@ def wrap_with_lora(model: nn.Module, lora_config: Any, random_state: int, banner
     guard_lora_merges(peft_model)  # PEFT's merge would decode 4-bit bases with bitsandbytes on a CPU
     guard_low_bit_merges(peft_model)  # and cannot write into 2-bit / ternary codes
     object.__setattr__(peft_model, "notebookkit_banner", banner)
-    attach_export_methods(peft_model)
+    bind_export_methods(peft_model)
     return peft_model
 
 

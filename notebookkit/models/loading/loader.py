@@ -38,6 +38,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from notebookkit.export.bind import bind_export_methods
+
 from . import arguments
 from ..common.banner import Banner, device_line, versions_line
 from ..common.precision import family_dtype, is_bfloat16_supported
@@ -440,16 +442,13 @@ def finish_model(model, banner: Banner, variant: LoadVariant, max_seq_length: in
         # Stock code, but never bitsandbytes' CPU NF4 decode (wrong on AVX-512 CPUs): see patch_linear4bit.
         describe_linear4bit(model, banner, patch_linear4bit(model))
     variant.on_loaded(model)
-    from ..export_hook import attach_export_methods
-
-    attach_export_methods(model)
+    bind_export_methods(model)
 
 
 def load_adapter_folder(variant: LoadVariant, path: str, adapter_cfg: dict, show_banner: bool = True, **kw: Any):
     """Base model (by ``base_model_name_or_path``, through :func:`load`), then the saved adapter on top, trainable."""
     from peft import PeftModel
 
-    from ..export_hook import attach_export_methods
     from ..patching.lora_fast_path import describe_lora
     from ..low_bit.merge_guard import guard_low_bit_merges
     from notebookkit.base_layers.linear4bit import guard_lora_merges
@@ -468,7 +467,7 @@ def load_adapter_folder(variant: LoadVariant, path: str, adapter_cfg: dict, show
     guard_low_bit_merges(peft_model)
     variant.on_adapter(peft_model, banner)
     object.__setattr__(peft_model, "notebookkit_banner", banner)
-    attach_export_methods(peft_model)
+    bind_export_methods(peft_model)
     banner.header.append(f"adapter: {path} on base {base_name}")
     describe_lora(peft_model, banner)
     saved = variant.saved_processor(path, model, banner)
