@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from notebookkit.base_layers.kernel_ops import kernel
 from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
+from notebookkit.base_layers.rebinding import DroppedOnCopy
 from notebookkit.marks import LORA_VIEWS, PATCH_TAG
 from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
 
@@ -201,7 +202,7 @@ def fp8_base_matmul_count(model: nn.Module) -> int:
 _VIEWS_KEPT = LORA_VIEWS
 
 
-class _KeptViews:
+class _KeptViews(DroppedOnCopy):
     """Views of one module group in one pass, kept on the group's first module (never copied or
     pickled with it: a copy gets none)."""
 
@@ -209,16 +210,6 @@ class _KeptViews:
 
     def __init__(self, pass_id: int, training: Optional[bool], ids: tuple, result: tuple) -> None:
         self.pass_id, self.training, self.ids, self.result = pass_id, training, ids, result
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
-
-    def __reduce__(self):
-        return (_no_views, ())
-
-
-def _no_views() -> None:
-    return None
 
 
 def views(*modules: nn.Module, training: Optional[bool] = None) -> tuple[Optional[list[ProjectionView]], Optional[str]]:
