@@ -58,7 +58,7 @@ def build_model(args, config, device: str, offload_embedding: bool):
 
     if args.source == "random":
         from notebookkit.models.low_bit.random_model import random_low_bit_model
-        from notebookkit.models.offload_embedding import offload_input_embedding
+        from notebookkit.models.loading.offload_embedding import offload_input_embedding
 
         model = random_low_bit_model(config, args.format, device=device, dtype=args.dtype, std=0.02)
         banner = FastLanguageModel.patch(model)

@@ -236,7 +236,7 @@ def _replanner(model, cap: float) -> Callable[[int], None]:
     import inspect
 
     from notebookkit.memory.planner import DoesNotFitError
-    from notebookkit.models.checkpointing import apply_checkpointing
+    from notebookkit.models.patching.checkpointing import apply_checkpointing
 
     capped = "max_memory" in inspect.signature(apply_checkpointing).parameters
     if not capped:

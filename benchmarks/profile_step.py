@@ -295,7 +295,7 @@ def load_system(args):
     if args.max_memory:
         import inspect
 
-        from notebookkit.models.checkpointing import apply_checkpointing
+        from notebookkit.models.patching.checkpointing import apply_checkpointing
 
         if "max_memory" not in inspect.signature(apply_checkpointing).parameters:
             raise SystemExit("--max-memory needs apply_checkpointing(..., max_memory=...), which this notebookkit lacks.")

@@ -191,9 +191,9 @@ def load_hf(folder: str, quant: str, dtype, device: str):
     from transformers import BitsAndBytesConfig
 
     from notebookkit.families import for_vision_model_type
-    from notebookkit.models.banner import Banner
-    from notebookkit.models.vision_processor import load_processor
-    from notebookkit.models.vision_targets import select_targets
+    from notebookkit.models.common.banner import Banner
+    from notebookkit.models.vision.processor import load_processor
+    from notebookkit.models.vision.targets import select_targets
 
     vision = for_vision_model_type(tf.AutoConfig.from_pretrained(folder).model_type).vision
     kwargs = dict(dtype=dtype, attn_implementation="sdpa")
@@ -302,7 +302,7 @@ def profile_step(step, base, batch, args) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from notebookkit.models.patch_vision import submodule
+    from notebookkit.models.vision.patcher import submodule
 
     vision = collator_vision(base)
     marks: dict[str, list] = {}  # name -> [start event, end event, host start, host end], first call only
@@ -369,7 +369,7 @@ def memory_breakdown(model, batch, vision) -> list[str]:
     of the forward and of the backward."""
     import torch
 
-    from notebookkit.models.patch_vision import submodule
+    from notebookkit.models.vision.patcher import submodule
 
     seen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.is_cuda}
     saved = {"vision tower": 0, "rest of the forward": 0}
@@ -416,7 +416,7 @@ def predicted_peak(model, rows: int, seq: int, image_size: int, profile: str | N
     estimate's parts go to ``<profile>/vision-estimate.txt`` beside the measured breakdown."""
     try:
         from notebookkit.memory import estimate_for_model
-        from notebookkit.models.checkpointing import kv_repeated
+        from notebookkit.models.patching.checkpointing import kv_repeated
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         estimate = estimate_for_model(model, batch_size=rows, seq_len=seq, images_per_row=1, image_size=image_size,

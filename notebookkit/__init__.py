@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "FastLanguageModel": "models",
     "FastVisionModel": "models",
-    "is_bfloat16_supported": "models.precision",
-    "is_bf16_supported": "models.precision",
+    "is_bfloat16_supported": "models.common.precision",
+    "is_bf16_supported": "models.common.precision",
     "get_chat_template": "data",
     "standardize_sharegpt": "data",
     "standardize_data_formats": "data",

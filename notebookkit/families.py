@@ -3,7 +3,7 @@
 Adding a family is one :class:`Family` row in :data:`FAMILIES` plus its tests; everything that
 depends on a family reads the row:
 
-* the patcher (:mod:`notebookkit.models.patcher`, through :mod:`notebookkit.models.architectures`):
+* the patcher (:mod:`notebookkit.models.patching.patcher`, through :mod:`notebookkit.models.common.architectures`):
   which fused pieces a loaded model gets, looked up by the Hugging Face ``model_type``;
 * the memory model (:mod:`notebookkit.memory.shapes`): q/k norms, sandwich norms and whether
   attention is soft-capped (an explicit softmax that keeps ``[B, heads, T, T]`` scores);
@@ -45,7 +45,7 @@ names:
 * ``fp16_overflow``: why the family's activations leave fp16's range (largest finite value 65504)
   with real checkpoints, or ``None``. Gemma 2 and 3 checkpoints carry residual-stream values of
   1e4-1e5; in fp16 they become inf. On a GPU without bf16 (a T4) ``dtype=None`` then picks fp32 and
-  ``dtype=float16`` is refused with this reason (:func:`notebookkit.models.precision.family_dtype`;
+  ``dtype=float16`` is refused with this reason (:func:`notebookkit.models.common.precision.family_dtype`;
   ``tests/models/test_gemma_fp16.py`` shows the overflow with weights scaled to those magnitudes).
 * ``tied_embeddings``: the LM head shares the embedding table when a config does not say
   (``tie_word_embeddings``'s default in the family's config class; Gemma).
@@ -162,7 +162,7 @@ class Vision:
       them to the shared vocabulary); ``image_token``: the one repeated once per image feature;
     * ``tower_attention``: ``"segments"`` when the tower attends within segments of one patch
       sequence given by ``cu_seqlens`` (Qwen2.5-VL's windows and images), which
-      :mod:`notebookkit.models.patch_vision_attention` runs as one SDPA call per segment length;
+      :mod:`notebookkit.models.vision.tower_attention` runs as one SDPA call per segment length;
       ``"stock"`` otherwise (SigLIP's per-image attention is one batched call already);
     * ``tower``: the memory model's formulas for the tower and projector
       (:class:`notebookkit.memory.vision_shapes.VisionTowerShape`: ``"qwen2_5_vl"`` or ``"siglip"``);

@@ -28,7 +28,7 @@ HOST_EMBEDDING = "_notebookkit_host_embedding"
 #: causal LM: the format its frozen decoder projections are held in (a :mod:`notebookkit.base_formats` name)
 BASE_FORMAT = "_notebookkit_base_format"
 
-# ---- instance patching (models/patching.py, models/patcher.py) ----------------------------------------
+# ---- instance patching (base_layers/rebinding.py, models/patching/patcher.py) ------------------------
 #: patched module: ``(slot, original forward)``, what ``restore`` puts back
 ORIGINAL_FORWARD = "_notebookkit_original_forward"
 #: patched module: the bound forward notebookkit put in its place
@@ -36,7 +36,7 @@ PATCHED_FORWARD = "_notebookkit_patched_forward"
 #: patched module: what kind of patch it carries (``"rms_norm"``, ``"mlp"``, ...)
 PATCH_TAG = "_notebookkit_patch"
 
-# ---- the fused LM head (models/patch_lm_head.py) ------------------------------------------------------
+# ---- the fused LM head (models/patching/patch_lm_head.py) ---------------------------------------------
 #: backbone: a weak reference to the causal LM whose patched head owns it
 LM_HEAD_OWNER = "_notebookkit_owner"
 #: backbone: every attention layer is patched, so a plain causal mask can be skipped
@@ -44,16 +44,16 @@ ALL_ATTENTION_PATCHED = "_notebookkit_all_attention_patched"
 #: causal LM: the warning about inputs longer than ``max_seq_length`` was given once
 WARNED_LENGTH = "_notebookkit_warned_length"
 
-# ---- checkpointing, LoRA and precision (models/) ----------------------------------------------------
+# ---- checkpointing, LoRA and precision (models/patching/, base_layers/) -----------------------------
 #: base model: the Trainer's ``gradient_checkpointing_enable`` re-applies notebookkit's plan
 CHECKPOINTING_GUARD = "_notebookkit_gc_guard"
-#: first module of a LoRA group: the adapter views kept for the current pass (models/lora_fast_path.py)
+#: first module of a LoRA group: the adapter views kept for the current pass (models/patching/lora_fast_path.py)
 LORA_VIEWS = "_notebookkit_views"
-#: LoRA layer on a 4-bit base: PEFT's ``merge`` / ``unmerge`` check the CPU decode first (models/patch_linear4bit.py)
+#: LoRA layer on a 4-bit base: PEFT's ``merge`` / ``unmerge`` check the CPU decode first (base_layers/linear4bit.py)
 MERGE_GUARD = "_notebookkit_merge_guard"
 #: LoRA layer on a 4-bit base: a weak reference to the model whose 4-bit bases that check decodes
 MERGE_ROOT = "_notebookkit_merge_root"
-#: module with an fp32 master weight under fp16: the hooks that cast its inputs and outputs (models/master_weights.py)
+#: module with an fp32 master weight under fp16: the hooks that cast its inputs and outputs (models/patching/master_weights.py)
 FP32_MASTER_HOOKS = "_notebookkit_fp32_master_hooks"
 
 # ---- generation (models/generation/state.py) --------------------------------------------------------

@@ -58,9 +58,9 @@ def test_lookup_by_model_type():
 def test_patcher_covers_every_layer(name):
     """The patched model runs every norm, MLP and attention fused; the norm count checks the row's
     q/k-norm and sandwich-norm facts against the Hugging Face class."""
-    from notebookkit.models.architectures import lookup
-    from notebookkit.models.decoder_layers import decoder_layers
-    from notebookkit.models.patcher import patch_model, patch_summary
+    from notebookkit.models.common.architectures import lookup
+    from notebookkit.models.common.decoder_layers import decoder_layers
+    from notebookkit.models.patching.patcher import patch_model, patch_summary
 
     row = FAMILIES[name]
     model = helpers.random_model(name)

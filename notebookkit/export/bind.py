@@ -14,7 +14,7 @@ import importlib
 import torch.nn as nn
 
 from notebookkit.export_forms import EXPORT_FORMS
-from notebookkit.models.patching import WeakBoundMethod
+from notebookkit.base_layers.rebinding import WeakBoundMethod
 
 __all__ = ["EXPORT_METHODS", "bind_export_methods"]
 
@@ -30,7 +30,7 @@ def _methods() -> dict:
 def bind_export_methods(model: nn.Module) -> nn.Module:
     """Attach the export methods to this model instance; returns it.
 
-    Bound through a weak reference (:class:`notebookkit.models.patching.WeakBoundMethod`): a plain bound
+    Bound through a weak reference (:class:`notebookkit.base_layers.rebinding.WeakBoundMethod`): a plain bound
     method in the model's own ``__dict__`` would be a reference cycle, and ``del model`` would leave its
     weights allocated until Python's cycle collector ran (tests/memory/test_model_release.py)."""
     for name, function in _methods().items():

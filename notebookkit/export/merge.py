@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from notebookkit.kernels.nf4 import dequantize_nf4
 from notebookkit.memory.export import merge_working_bytes
-from notebookkit.models.patch_linear4bit import is_linear4bit
+from notebookkit.base_layers.linear4bit import is_linear4bit
 
 __all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of"]
 
@@ -171,7 +171,7 @@ def _plain_maker(tensor: torch.Tensor, out_dtype: Optional[torch.dtype]) -> Call
 def _refuse_low_bit_bases(model: nn.Module) -> None:
     """A model on a 2-bit or ternary base (:mod:`notebookkit.models.low_bit`) has no dense base weights to
     merge into, and writing its packed tensors as a 16-bit checkpoint is not done yet: say what works."""
-    from notebookkit.models.low_bit import is_low_bit_linear
+    from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
 
     found = next((m for m in model.modules() if is_low_bit_linear(m)), None)
     if found is not None:

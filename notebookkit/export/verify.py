@@ -139,7 +139,7 @@ def reload_merged_folder(folder: os.PathLike) -> nn.Module:
 
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu")
     if is_4bit_folder(folder):
-        from notebookkit.models.patch_linear4bit import is_linear4bit, patch_linear4bit
+        from notebookkit.base_layers.linear4bit import is_linear4bit, patch_linear4bit
 
         patch_linear4bit(reloaded)
         for module in reloaded.modules():
@@ -153,7 +153,7 @@ def _nf4_weights_exact(model: nn.Module, reloaded: nn.Module) -> bool:
     (merged and quantised again on the model's device, as the export did unless its budget sent a
     tensor to the CPU)."""
     from notebookkit.kernels.nf4 import dequantize_nf4
-    from notebookkit.models.patch_linear4bit import is_linear4bit
+    from notebookkit.base_layers.linear4bit import is_linear4bit
 
     from .merge import plan_merged_tensors
     from .nf4_quantize import quantize_nf4

@@ -66,7 +66,7 @@ is on for the input's device and ``x.dtype`` otherwise. Adapter matrices kept in
 their gradients are returned in the adapters' own dtype (as autocast would do). A projection casts
 its adapters once and keeps the casts (:meth:`LoRAProjection.adapters`) while neither adapter changes
 (their version counters), so the backward, and the recompute when the model layer reuses its
-projections (``notebookkit.models.lora_fast_path.views``), cast nothing again.
+projections (``notebookkit.models.patching.lora_fast_path.views``), cast nothing again.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ transients counts (:mod:`notebookkit.memory.generation`).
 
 Input embedding in host memory (``offload_embedding=True``, untied embeddings only): its ``V * H * s``
 bytes leave the base weights; pinned host memory gains that size rounded up to a power of two (how
-PyTorch's pinned allocator sizes its blocks; :mod:`notebookkit.models.offload_embedding`).
+PyTorch's pinned allocator sizes its blocks; :mod:`notebookkit.models.loading.offload_embedding`).
 
 Vision-language models (a Qwen2.5-VL / Gemma 3 config, model, folder or ``VLMShape``): the decoder's
 parts above for ``seq_len`` tokens per row, image tokens included, plus the vision tower's weights,
@@ -442,7 +442,7 @@ def activation_plan_of(model: Any) -> Any:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     modes = recorded_activation_plan(base)
     if modes is None:
-        from notebookkit.models.compat import is_checkpointing
+        from notebookkit.compat import is_checkpointing
 
         return "recompute" if is_checkpointing(base) else "keep"
     return "keep" if modes == "none" else modes

@@ -9,7 +9,7 @@ copies for backward: ``2 * q_dim`` elements per token instead of ``2 * kv_dim``.
 
 That happens on every CUDA training batch with padding (collators pad rows to the longest one, and
 the padding becomes a mask) and on every batch on a T4 (7.5) or in fp32. On CPU the attention always
-passes grouped K/V. The attention (:func:`notebookkit.models.patch_attention.attend`) and the memory
+passes grouped K/V. The attention (:func:`notebookkit.models.patching.patch_attention.attend`) and the memory
 model (``estimate_training_memory(kv_repeated=...)``) both read this one rule.
 """
 

@@ -24,10 +24,10 @@ Activations saved for backward (checked tensor by tensor: ``tests/memory/test_vi
     With them, per patch, in ``s``-byte elements, plus fp32 values:
 
     Every adapted linear of the tower and the projector runs the LoRA projection kernels
-    (:mod:`notebookkit.models.patch_lora_linear`), which keep only its input (stock PEFT would also
+    (:mod:`notebookkit.models.patching.patch_lora_linear`), which keep only its input (stock PEFT would also
     keep ``x A^T`` and, with fp32 adapters under a 16-bit model, an fp32 copy of ``x``).
 
-    * Qwen2.5-VL block (its attention on :mod:`notebookkit.models.segment_attention`):
+    * Qwen2.5-VL block (its attention on :mod:`notebookkit.models.vision.segment_attention`):
       ``10*Hv + 3*Iv``: the two RMSNorms' inputs, the normed inputs of ``qkv`` and of gate/up,
       the ``qkv`` output (V is a view of it), Q and K after RoPE, the attention output (which is
       ``proj``'s input), e and g of the gated MLP and ``down``'s input; fp32: two ``1/rms`` and a

@@ -6,13 +6,13 @@ are the notebook API (``FastVisionModel``, the same for vision-language models);
 
 from __future__ import annotations
 
-from .compat import quiet_bitsandbytes_cpu_kernel_notice
+from notebookkit.compat import quiet_bitsandbytes_cpu_kernel_notice
 
 quiet_bitsandbytes_cpu_kernel_notice()  # before PEFT imports bitsandbytes (see compat.py)
 
 from .fast_language_model import DEFAULT_TARGET_MODULES, FastLanguageModel
 from .fast_vision_model import FastVisionModel
-from .patcher import patch_model, patch_summary, unpatch_model
+from .patching.patcher import patch_model, patch_summary, unpatch_model
 
 __all__ = ["FastLanguageModel", "FastVisionModel", "DEFAULT_TARGET_MODULES", "patch_model", "unpatch_model",
            "patch_summary"]

@@ -6,12 +6,12 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.nn as nn
 
-from . import arguments, loader
-from .banner import Banner, get_banner
-from .checkpointing import apply_checkpointing
-from .lora_fast_path import describe_lora
+from .common.banner import Banner, get_banner
+from .loading import arguments, loader
 from .lora_setup import (already_adapted, check_lora_arguments, describe_adapters, lora_config, note_setup,
                          wrap_with_lora)
+from .patching.checkpointing import apply_checkpointing
+from .patching.lora_fast_path import describe_lora
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -177,7 +177,7 @@ class FastLanguageModel:
     @staticmethod
     def patch(model: nn.Module) -> Banner:
         """(Re)apply the fused path to a model in place; returns its banner."""
-        from .patcher import patch_model
+        from .patching.patcher import patch_model
 
         banner = get_banner(model) or Banner()
         return patch_model(model, banner)
@@ -188,6 +188,6 @@ class FastLanguageModel:
 
         4-bit layers keep notebookkit's NF4 decode on CPU tensors unless ``keep_nf4_decode=False``
         (bitsandbytes' own CPU forward is wrong on AVX-512 CPUs for some shapes)."""
-        from .patcher import unpatch_model
+        from .patching.patcher import unpatch_model
 
         return unpatch_model(model, keep_nf4_decode=keep_nf4_decode)

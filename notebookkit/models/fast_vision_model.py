@@ -12,7 +12,7 @@ The same calls as the most used vision notebooks::
 The language decoder runs on the FastLanguageModel fused path (RMSNorm, RoPE including
 Qwen2.5-VL's multimodal rotary embedding, fused LoRA QKV / O / MLP, the fused cross-entropy, the
 activation planner); the vision tower's RMSNorms and gated MLPs run the same kernels, the rest of it
-stock code (:mod:`.patch_vision`). The banner says which part runs what.
+stock code (:mod:`.vision.patcher`). The banner says which part runs what.
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.nn as nn
 
-from . import arguments, vision_loader
-from .banner import Banner, get_banner
-from .checkpointing import apply_checkpointing
+from .common.banner import Banner, get_banner
 from .fast_language_model import FastLanguageModel
-from .lora_fast_path import describe_lora
+from .loading import arguments
 from .lora_setup import (already_adapted, check_lora_arguments, describe_adapters, lora_config, note_setup,
                          wrap_with_lora)
-from .patch_vision import patch_tower_adapters, vision_family, wrapper_of
-from .vision_targets import select_targets
+from .patching.checkpointing import apply_checkpointing
+from .patching.lora_fast_path import describe_lora
+from .vision import loader as vision_loader
+from .vision.patcher import patch_tower_adapters, vision_family, wrapper_of
+from .vision.targets import select_targets
 
 
 class FastVisionModel:
@@ -71,7 +72,7 @@ class FastVisionModel:
             finetune_attention_modules: adapters on attention projections (q/k/v/o, ``qkv``/``proj``).
             finetune_mlp_modules: adapters on MLP projections (gate/up/down, ``fc1``/``fc2``, the merger).
                 A layer is adapted when the switch of its tower and the switch of its kind are both on
-                (:mod:`notebookkit.models.vision_targets`).
+                (:mod:`notebookkit.models.vision.targets`).
             r, lora_alpha, lora_dropout, bias, use_rslora, loftq_config, modules_to_save,
                 init_lora_weights: as in ``FastLanguageModel.get_peft_model`` (dropout 0 and bias
                 ``"none"`` keep the decoder on the fused kernels).
@@ -133,13 +134,13 @@ class FastVisionModel:
 
         ``model.generate`` then runs the language decoder's decode path (as after
         ``FastLanguageModel.for_inference``): a prompt with images goes through the model's own forward
-        once, every new token through the fast decode step (:mod:`notebookkit.models.vision_decode`;
+        once, every new token through the fast decode step (:mod:`notebookkit.models.vision.decode`;
         Qwen2.5-VL's at the per-row multimodal RoPE offsets its forward leaves). The banner's
         ``image prompts`` line says which path runs.
         Returns the model.
         """
         from .generation import is_bound
-        from .vision_decode import attach_image_prompts, describe_image_prompts
+        from .vision.decode import attach_image_prompts, describe_image_prompts
 
         _require_model(model, "FastVisionModel.for_inference")
         attach_image_prompts(model)  # also for a wrapper that did not come from FastVisionModel.from_pretrained
@@ -163,7 +164,7 @@ class FastVisionModel:
     @staticmethod
     def patch(model: nn.Module) -> Banner:
         """(Re)apply the fused path to a vision-language model in place; returns its banner."""
-        from .patch_vision import patch_vision_model
+        from .vision.patcher import patch_vision_model
 
         return patch_vision_model(model, get_banner(model) or Banner())
 

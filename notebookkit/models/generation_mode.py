@@ -25,7 +25,7 @@ def generation_mode(model: Any, api: Any = None) -> Iterator[None]:
     """
     import torch
 
-    from .banner import get_banner
+    from .common.banner import get_banner
     from .generation import is_bound, unbind_generate
 
     if api is None:

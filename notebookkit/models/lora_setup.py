@@ -14,13 +14,15 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from . import arguments, compat
-from .banner import Banner, get_banner
-from .checkpointing import normalize_mode
-from .export_hook import attach_export_methods
-from .lora_fast_path import describe_lora, set_fp8_base_matmul
+from notebookkit import compat
+from notebookkit.base_layers.linear4bit import guard_lora_merges
+from notebookkit.export.bind import bind_export_methods
+
+from .common.banner import Banner, get_banner
+from .loading import arguments
 from .low_bit.merge_guard import guard_low_bit_merges
-from .patch_linear4bit import guard_lora_merges
+from .patching.checkpointing import normalize_mode
+from .patching.lora_fast_path import describe_lora, set_fp8_base_matmul
 
 
 def note_unused_max_memory(banner: Banner, max_memory: Any, mode: str, device_type: str) -> None:
@@ -161,7 +163,7 @@ def wrap_with_lora(model: nn.Module, lora_config: Any, random_state: int, banner
     guard_lora_merges(peft_model)  # PEFT's merge would decode 4-bit bases with bitsandbytes on a CPU
     guard_low_bit_merges(peft_model)  # and cannot write into 2-bit / ternary codes
     object.__setattr__(peft_model, "notebookkit_banner", banner)
-    attach_export_methods(peft_model)
+    bind_export_methods(peft_model)
     return peft_model
 
 

@@ -5,7 +5,7 @@
 renders each prompt with the chat template and its generation prompt, runs ``model.generate`` on
 left-padded batches (so every row's answer starts at the same column) and returns the decoded
 answers. For the call the model is in eval mode, and a model of ``FastVisionModel`` is switched
-with ``for_inference`` (the fast decode path where it applies: :mod:`.vision_decode`); after it, it is
+with ``for_inference`` (the fast decode path where it applies: :mod:`.vision.decode`); after it, it is
 what it was (:mod:`.generation_mode`).
 """
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from notebookkit.models.compat import quiet_checkpointing_flag_deprecation
+from notebookkit.compat import quiet_checkpointing_flag_deprecation
 
 __all__ = ["CalibrationRun", "CalibrationResult", "calibrate"]
 
@@ -252,7 +252,7 @@ def _load_plain(model_name: str, max_seq_length: int, dtype: Any, load_in_4bit: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models.precision import is_bfloat16_supported
+    from ..models.common.precision import is_bfloat16_supported
 
     try:
         from ..embedded.tiny import resolve_model_name
@@ -281,7 +281,7 @@ def _load_plain(model_name: str, max_seq_length: int, dtype: Any, load_in_4bit: 
         # bitsandbytes' CPU forward decodes NF4 wrongly on AVX-512 CPUs for some shapes (and rewrites
         # weights in place in eval mode): the baseline's 4-bit layers decode with notebookkit's NF4
         # kernel on CPU tensors, which is bitsandbytes' CUDA arithmetic. On a GPU they run bitsandbytes.
-        from ..models.patch_linear4bit import patch_linear4bit
+        from ..base_layers.linear4bit import patch_linear4bit
 
         patch_linear4bit(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -387,7 +387,7 @@ def calibrate(
     from peft import LoraConfig, get_peft_model
 
     from ..models import FastLanguageModel
-    from ..models.master_weights import hold_fp32_masters
+    from ..models.patching.master_weights import hold_fp32_masters
 
     sft_kwargs.setdefault("max_length", max_seq_length)
     per_step = sft_kwargs.get("per_device_train_batch_size", 2) * sft_kwargs.get("gradient_accumulation_steps", 4)

@@ -28,7 +28,7 @@ update ``pi_theta = pi_ref``, so all four are 0, and training should raise the m
   ``entropy``, ``mean_token_accuracy``, ``num_tokens``), which the dashboard reads. A setting it
   does not implement (another loss type, ``ld_alpha``, ``use_weighting``, an f-divergence, images,
   several processes) runs TRL's own computation, said once in a warning;
-* under ``fp16=True`` the adapters train as fp32 master weights (:mod:`notebookkit.models.master_weights`).
+* under ``fp16=True`` the adapters train as fp32 master weights (:mod:`notebookkit.models.patching.master_weights`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 from trl import DPOTrainer
 
-from notebookkit.models.compat import quiet_checkpointing_flag_deprecation
+from notebookkit.compat import quiet_checkpointing_flag_deprecation
 from notebookkit.training_methods import training_method
 
 from .preference_inputs import (

@@ -44,7 +44,7 @@ is ``pi_theta`` detached, so ``rho = 1`` and the gradient is ``-A_i * grad log p
   sequence-level importance sampling, the off-policy mask, entropy masks or bonuses, ``delta``, vLLM's
   correction, MoE router losses, images, several processes) run TRL's computation, said once in a
   warning;
-* under ``fp16=True`` the adapters train as fp32 master weights (:mod:`notebookkit.models.master_weights`).
+* under ``fp16=True`` the adapters train as fp32 master weights (:mod:`notebookkit.models.patching.master_weights`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Any, Optional
 import torch
 from trl import GRPOTrainer
 
-from notebookkit.models.compat import quiet_checkpointing_flag_deprecation
+from notebookkit.compat import quiet_checkpointing_flag_deprecation
 from notebookkit.training_methods import training_method
 
 from ..memory.estimate import activation_plan_of

@@ -108,7 +108,7 @@ def describe_reference(trainer: Any) -> str:
 def _checkpointing_off(model: Any, kwargs: dict | None) -> Iterator[None]:
     """Hugging Face's gradient checkpointing off for the block, then back on (what TRL's
     ``disable_gradient_checkpointing`` does, reading the flag under its current name)."""
-    from notebookkit.models.compat import is_checkpointing
+    from notebookkit.compat import is_checkpointing
 
     was_on = is_checkpointing(model)
     if was_on:

@@ -49,7 +49,7 @@ def precision_flags(model: Any = None) -> dict[str, bool]:
     """``fp16`` / ``bf16`` Trainer flags for the model's dtype on this machine (both off on CPU)."""
     import torch
 
-    from ..models.precision import is_bfloat16_supported
+    from ..models.common.precision import is_bfloat16_supported
 
     if not torch.cuda.is_available():
         return {"fp16": False, "bf16": False}
@@ -163,7 +163,7 @@ def fused_loss_blocker(trainer: Any) -> str | None:
     base model under a PEFT adapter) runs notebookkit's patched causal-LM forward. Otherwise a
     short reason for the banner line.
     """
-    from ..models.patching import patch_tag
+    from ..base_layers.rebinding import patch_tag
 
     args = trainer.args
     loss_type = getattr(args, "loss_type", "nll")
@@ -184,7 +184,7 @@ def fused_loss_blocker(trainer: Any) -> str | None:
         return "prompt-learning adapters prepend virtual tokens (TRL's path)"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if patch_tag(base) != "causal_lm":
-        from ..models.banner import get_banner
+        from ..models.common.banner import get_banner
 
         banner = get_banner(model)
         if banner is not None and FUSED_CE_FEATURE in banner.features and not banner.is_on(FUSED_CE_FEATURE):
@@ -244,7 +244,7 @@ def fused_sft_loss(trainer: Any, model: Any, inputs: dict[str, Any], num_items_i
 
 def _report_fused_loss(trainer: Any, show: bool) -> None:
     """Record (and print once per change) the banner line saying which head computes the SFT loss."""
-    from ..models.banner import Banner, get_banner
+    from ..models.common.banner import Banner, get_banner
 
     off = trainer.fused_loss_off
     if off is None:
@@ -253,7 +253,7 @@ def _report_fused_loss(trainer: Any, show: bool) -> None:
             "metrics entropy / mean_token_accuracy are off (eval keeps them; fused_loss=False restores TRL's head)"
         )
     else:
-        from ..models.patch_lm_head import trl_own_lm_head
+        from ..models.patching.patch_lm_head import trl_own_lm_head
 
         head = "TRL's own chunked LM head (no full logits either)" if trl_own_lm_head() else "TRL's compute_loss"
         why = f"SFT training loss by {head}: {off}"

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.kernels.linear_logprobs import linear_logprobs
-from notebookkit.models.architectures import final_softcap, lookup, text_config
+from notebookkit.models.common.architectures import final_softcap, lookup, text_config
 from notebookkit.train.logit_statistics import logit_statistics
 
 __all__ = ["token_logprobs", "causal_lm_parts"]

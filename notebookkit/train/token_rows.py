@@ -55,7 +55,7 @@ def train_token_rows(model: Any, token_ids: Sequence[int]) -> Iterator[None]:
     model, not only the adapter, to keep them).
 
     In an fp16 model the rows train as fp32 master weights like every trainable parameter
-    (:mod:`notebookkit.models.master_weights` casts the matrices at the first training forward); on
+    (:mod:`notebookkit.models.patching.master_weights` casts the matrices at the first training forward); on
     leaving, the matrices go back to the dtype they had, so the rest of the notebook holds them in fp16.
     """
     import torch

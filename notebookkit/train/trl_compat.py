@@ -7,7 +7,7 @@ versions that was read in TRL's source; ``tests/train/test_trl_compat.py`` fails
 stops having a name, and ``tests/train/test_trl_private_names.py`` when a private TRL name is used in
 ``notebookkit/train`` outside this module.
 
-Why here and not in :mod:`notebookkit.models.compat`: TRL is a dependency of the train layer only
+Why here and not in :mod:`notebookkit.compat`: TRL is a dependency of the train layer only
 (nothing below ``train/`` imports it), and the GRPO hooks are methods of a trainer class that call back
 into the trainer; in ``models/`` they would be trainer knowledge on a floor below the trainers.
 ``models/compat.py`` keeps the private names of transformers, accelerate and bitsandbytes, which models/

@@ -97,7 +97,7 @@ class TrainingChoice:
             d["num_train_epochs"] = 1.0  # ignored by the Trainer when max_steps > 0
         else:
             d["max_steps"] = -1
-        from notebookkit.models.compat import trainer_checkpointing_flag
+        from notebookkit.compat import trainer_checkpointing_flag
 
         # TRL's default for the Trainer's checkpointing switch, named so that transformers 5.24 does not warn that
         # the old name is deprecated (get_peft_model's plan stays in force either way)

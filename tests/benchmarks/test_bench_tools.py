@@ -415,7 +415,7 @@ def test_report_name():
 
 def test_notebookkit_replan_falls_back_to_full_offload_when_the_planner_refuses(monkeypatch):
     """A length the planner predicts will not fit is still tried, fully offloaded: the step decides."""
-    import notebookkit.models.checkpointing as checkpointing
+    import notebookkit.models.patching.checkpointing as checkpointing
     from notebookkit.memory.planner import DoesNotFitError
 
     calls = []

@@ -18,7 +18,7 @@ import pytest
 
 from notebookkit.embedded import cache, cli, generate_models, tiny
 from notebookkit.embedded.generate_tokenizer import FAMILY_TOKENS, SPECIAL_TOKENS, VOCAB_SIZE
-from notebookkit.models.offline import (ModelUnreachableError, explain_unreachable, is_unreachable_error,
+from notebookkit.models.loading.offline import (ModelUnreachableError, explain_unreachable, is_unreachable_error,
                                       raise_unreachable)
 from notebookkit.embedded.cache import cached_build
 from notebookkit.embedded.tiny import TINY_MODELS, UnknownTinyModelError, ensure_tiny_model, resolve_model_name

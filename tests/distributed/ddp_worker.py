@@ -21,7 +21,7 @@ Recorded per variant (``<out>/<variant>.rank<r>.pt``):
 it (a data-parallel run that is broken on purpose: the tests' negative control).
 
 ``force_offload`` swaps every decoder layer's checkpoint function for notebookkit's offload
-checkpoint (``notebookkit.models.checkpointing.offload_checkpoint``). On a CPU the layer input stays
+checkpoint (``notebookkit.models.patching.checkpointing.offload_checkpoint``). On a CPU the layer input stays
 in place, but the backward is the same code as on a GPU: a recompute and a nested
 ``torch.autograd.backward`` inside the custom Function's backward, which is what must cooperate
 with DDP's gradient hooks.
@@ -71,8 +71,8 @@ def build_from_notebook(settings: dict, cells: list[str]) -> dict:
 
 
 def _force_offload(model, record: dict) -> None:
-    from notebookkit.models.checkpointing import _decoder_layers, apply_checkpointing, offload_checkpoint
-    from notebookkit.models.compat import set_layer_checkpoint_function
+    from notebookkit.models.patching.checkpointing import _decoder_layers, apply_checkpointing, offload_checkpoint
+    from notebookkit.compat import set_layer_checkpoint_function
 
     base = model.get_base_model()
     apply_checkpointing(model, True)

@@ -38,7 +38,7 @@ def cuda_like(release_launch_args: bool = False, capability: tuple[int, int] = (
     (slower: a cycle collection per launch)."""
     import triton.runtime.interpreter as interpreter
 
-    import notebookkit.models.patch_attention as patch_attention
+    import notebookkit.models.patching.patch_attention as patch_attention
     from notebookkit.kernels.runtime import use_triton
     from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 

@@ -78,7 +78,7 @@ def _measure(folder, mode, load_in_4bit, batch, seq, steps=3):
     layers = model.config.num_hidden_layers
     plan = (mode,) * layers
     if mode == "offload-keep-last":
-        from notebookkit.models.checkpointing import apply_checkpointing
+        from notebookkit.models.patching.checkpointing import apply_checkpointing
 
         plan = ("offload",) * (layers - 1) + ("keep",)
         apply_checkpointing(model, list(plan))

@@ -20,8 +20,9 @@ import torch
 
 from notebookkit.kernels import lora_projection
 from notebookkit.kernels.lora_projection import LoRAProjection
-from notebookkit.models import lora_fast_path, patch_model
-from notebookkit.models.checkpointing import apply_checkpointing
+from notebookkit.models.patching import lora_fast_path
+from notebookkit.models import patch_model
+from notebookkit.models.patching.checkpointing import apply_checkpointing
 
 from .helpers import random_model
 from .test_patch_parity import _lora
@@ -113,7 +114,7 @@ def test_steps_follow_the_optimizer_updates():
 
 def _forward_without_pass(model, ids):
     """The model's forward with the backbone opening no pass: every views() call builds anew."""
-    from notebookkit.models import patch_lm_head
+    from notebookkit.models.patching import patch_lm_head
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(patch_lm_head, "forward_pass", lambda **_: contextlib.nullcontext(None))

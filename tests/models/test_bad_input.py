@@ -8,10 +8,10 @@ import torch
 
 from notebookkit.memory.model_setup import fp8_forward
 from notebookkit.models import FastLanguageModel
-from notebookkit.models.banner import Banner
+from notebookkit.models.common.banner import Banner
 from notebookkit.models.lora_setup import note_unused_max_memory
-from notebookkit.models.loader import pick_dtype
-from notebookkit.models.precision import is_bf16_supported, is_bfloat16_supported
+from notebookkit.models.loading.loader import pick_dtype
+from notebookkit.models.common.precision import is_bf16_supported, is_bfloat16_supported
 
 TINY = "notebookkit/tiny-llama"
 

@@ -11,9 +11,11 @@ import torch
 
 from notebookkit.kernels.testing import rel_err
 from notebookkit.memory import PinnedBufferPool
-from notebookkit.models import checkpointing as ckpt
-from notebookkit.models import compat, forward_state, patch_model
-from notebookkit.models.checkpointing import _HostCopy, apply_checkpointing, normalize_mode, offload_checkpoint
+from notebookkit.models.patching import checkpointing as ckpt
+from notebookkit import compat
+from notebookkit.models.patching import forward_state
+from notebookkit.models import patch_model
+from notebookkit.models.patching.checkpointing import _HostCopy, apply_checkpointing, normalize_mode, offload_checkpoint
 
 from .helpers import random_model
 from .test_patch_parity import _lora

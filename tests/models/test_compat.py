@@ -1,4 +1,4 @@
-"""The private names of other libraries that notebookkit uses (:mod:`notebookkit.models.compat`)
+"""The private names of other libraries that notebookkit uses (:mod:`notebookkit.compat`)
 still behave as they did on the versions checked: each test fails when an installed version changes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from notebookkit.models import compat
+from notebookkit import compat
 
 from .helpers import random_model, tiny_folder
 
@@ -83,7 +83,7 @@ def test_bitsandbytes_cpu_kernel_notice_is_dropped_and_nothing_else():
     its CPU 4-bit kernel (printed on AVX512-BF16 CPUs without the ``kernels`` package); other records pass."""
     import logging
 
-    from notebookkit.models import compat
+    from notebookkit import compat
 
     logger = logging.getLogger(compat.BNB_CPU_OPS_LOGGER)
     assert any(isinstance(f, compat._DropBnbCpuKernelNotice) for f in logger.filters)

@@ -1,6 +1,6 @@
 """The state of one forward is its own: threads, nested forwards and failures do not share or leak it.
 
-A patched backbone opens one :class:`~notebookkit.models.forward_state.ForwardPass` per call, held
+A patched backbone opens one :class:`~notebookkit.models.patching.forward_state.ForwardPass` per call, held
 per thread, and a plainly causal forward passes its "no mask" through the attention-mask argument:
 nothing shared (the model's config, a module-level flag) changes during a forward. So a padded
 forward running while a plainly causal one is paused inside a layer (another thread, or nested in
@@ -15,8 +15,9 @@ import threading
 import pytest
 import torch
 
-from notebookkit.models import forward_state, lora_fast_path, patch_model
-from notebookkit.models.checkpointing import apply_checkpointing
+from notebookkit.models.patching import forward_state, lora_fast_path
+from notebookkit.models import patch_model
+from notebookkit.models.patching.checkpointing import apply_checkpointing
 
 from .helpers import random_model
 from .test_patch_parity import _lora

@@ -13,9 +13,9 @@ from notebookkit.kernels import lora_projection
 from notebookkit.kernels.testing import rel_err
 from notebookkit.memory.estimate import estimate_kwargs_from_model, estimate_training_memory
 from notebookkit.models import FastLanguageModel, patch_model
-from notebookkit.models import lora_fast_path
+from notebookkit.models.patching import lora_fast_path
 from notebookkit.memory.model_setup import fp8_forward
-from notebookkit.models.lora_fast_path import fp8_base_matmul_count, projection_view, set_fp8_base_matmul
+from notebookkit.models.patching.lora_fast_path import fp8_base_matmul_count, projection_view, set_fp8_base_matmul
 
 from .helpers import FAMILIES, random_model
 

@@ -4,7 +4,7 @@ Random tiny weights keep every activation near 1, so fp16 looks fine on them. Re
 residual-stream values of 1e4-1e5. Here the tiny models' embedding table is scaled until the residual stream
 reaches 9e4 (measured in fp32): stock Hugging Face in fp16 then returns non-finite logits, while fp32 stays
 finite and notebookkit's fp32 path matches it. That is why the family record marks ``fp16_overflow`` and the
-loader picks fp32 instead (``notebookkit.models.precision.family_dtype``).
+loader picks fp32 instead (``notebookkit.models.common.precision.family_dtype``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from notebookkit.families import FAMILIES
 from notebookkit.models import FastLanguageModel
-from notebookkit.models.precision import family_dtype
+from notebookkit.models.common.precision import family_dtype
 
 from .helpers import tiny_folder
 

@@ -17,7 +17,7 @@ import torch
 
 import notebookkit
 from notebookkit.models import patch_model
-from notebookkit.models.checkpointing import apply_checkpointing
+from notebookkit.models.patching.checkpointing import apply_checkpointing
 
 from .helpers import random_model
 from .test_patch_parity import _lora

@@ -1,5 +1,5 @@
 """One load pipeline, two variants: the public ``from_pretrained`` of text and vision models share
-:func:`notebookkit.models.loader.load`, and the generic decoder imports nothing of vision."""
+:func:`notebookkit.models.loading.loader.load`, and the generic decoder imports nothing of vision."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from notebookkit.models import FastLanguageModel, FastVisionModel
-from notebookkit.models.loader import LOAD_KEYWORDS, TEXT_MODEL, load
-from notebookkit.models.vision_loader import VISION_MODEL
+from notebookkit.models.loading.loader import LOAD_KEYWORDS, TEXT_MODEL, load
+from notebookkit.models.vision.loader import VISION_MODEL
 
 GENERATION = Path(__file__).resolve().parents[2] / "notebookkit" / "models" / "generation"
 

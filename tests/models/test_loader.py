@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from notebookkit.models import FastLanguageModel, patch_summary
-from notebookkit.models.loader import pick_dtype
+from notebookkit.models.loading.loader import pick_dtype
 
 from .helpers import tiny_folder
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from notebookkit.memory.estimate import activation_plan_of, estimate_kwargs_from_model
 from notebookkit.models import patch_model, unpatch_model
-from notebookkit.models.checkpointing import apply_checkpointing
-from notebookkit.models.lora_fast_path import set_fp8_base_matmul
+from notebookkit.models.patching.checkpointing import apply_checkpointing
+from notebookkit.models.patching.lora_fast_path import set_fp8_base_matmul
 
 from .helpers import random_model
 from .test_patch_parity import _lora

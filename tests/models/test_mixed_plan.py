@@ -18,7 +18,7 @@ import torch
 from notebookkit.kernels import lora_projection
 from notebookkit.memory import estimate_training_memory, layer_activation_bytes, model_shape
 from notebookkit.memory.model_setup import recorded_activation_plan
-from notebookkit.models import checkpointing
+from notebookkit.models.patching import checkpointing
 
 from ..memory.activation_probe import cuda_like, decoder_layers, saved_bytes_by_layer
 

@@ -28,7 +28,7 @@ import bitsandbytes.functional as bnbF  # noqa: E402
 from notebookkit.kernels.nf4 import dequantize_nf4  # noqa: E402
 from notebookkit.kernels.testing import rel_err  # noqa: E402
 from notebookkit.models import FastLanguageModel, patch_summary, unpatch_model  # noqa: E402
-from notebookkit.models.patch_linear4bit import is_linear4bit  # noqa: E402
+from notebookkit.base_layers.linear4bit import is_linear4bit  # noqa: E402
 from tests.nf4_format import replace_4bit_layers_by_dense  # noqa: E402
 
 from .helpers import byte_tokenizer, random_model  # noqa: E402

@@ -15,8 +15,9 @@ import pytest
 import torch
 import transformers.masking_utils as masking_utils
 
-from notebookkit.models import patch_lm_head, patch_model
-from notebookkit.models.checkpointing import apply_checkpointing
+from notebookkit.models.patching import patch_lm_head
+from notebookkit.models import patch_model
+from notebookkit.models.patching.checkpointing import apply_checkpointing
 
 from .helpers import random_model
 from .test_patch_parity import _lora
@@ -117,7 +118,7 @@ def test_padded_batch_still_masks_the_padding():
 
 def test_unpatched_attention_keeps_hf_masks(monkeypatch):
     """A model whose attention layers stay on Hugging Face's code never skips their masks."""
-    from notebookkit.models import patcher
+    from notebookkit.models.patching import patcher
 
     monkeypatch.setattr(patcher, "attention_ready", lambda attn: "kept stock for this test")
     model = _lora(random_model("llama"))
@@ -148,7 +149,7 @@ def test_hugging_face_returns_a_prepared_mask_as_it_is(builder, monkeypatch):
     an already prepared mask, returned as it is, before the positions are checked for packed rows."""
     import inspect
 
-    from notebookkit.models.patch_attention import is_plain_causal, plain_causal_mask
+    from notebookkit.models.patching.patch_attention import is_plain_causal, plain_causal_mask
 
     config = random_model("mistral").config
     embeds = torch.zeros(2, 8, config.hidden_size)

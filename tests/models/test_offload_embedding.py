@@ -21,8 +21,8 @@ from notebookkit.memory.estimate import estimate_kwargs_from_model
 from notebookkit.memory.host_mapped import host_mapped_cuda_tensor
 from notebookkit.memory.model_setup import host_embedding, record_host_embedding
 from notebookkit.models import FastLanguageModel
-from notebookkit.models.banner import Banner
-from notebookkit.models.offload_embedding import offload_embedding_value, offload_input_embedding
+from notebookkit.models.common.banner import Banner
+from notebookkit.models.loading.offload_embedding import offload_embedding_value, offload_input_embedding
 
 UNTIED = "notebookkit/tiny-mistral"  # untied embeddings, as Llama-3.1-8B and Qwen2.5-7B
 TIED = "notebookkit/tiny-llama"  # tied, as Llama 3.2 1B/3B

@@ -106,7 +106,7 @@ def test_positions_made_by_hugging_face_are_not_read_on_the_host(monkeypatch):
     """A forward without position_ids skips the packed-rows check (a GPU sync per forward on CUDA):
     Hugging Face's own positions are one segment per row. Positions the caller passes are still checked,
     and the hint never outlives the forward it was given for, not even one that raised."""
-    from notebookkit.models import forward_state, patch_attention
+    from notebookkit.models.patching import forward_state, patch_attention
 
     model = random_model("llama")
     patch_model(model)

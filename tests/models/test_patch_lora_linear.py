@@ -9,8 +9,8 @@ import torch.nn as nn
 from peft import LoraConfig, get_peft_model
 
 from notebookkit.kernels.testing import rel_err
-from notebookkit.models.patch_lora_linear import lora_linear_ready, patch_lora_linears
-from notebookkit.models.patcher import patch_summary, unpatch_model
+from notebookkit.models.patching.patch_lora_linear import lora_linear_ready, patch_lora_linears
+from notebookkit.models.patching.patcher import patch_summary, unpatch_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

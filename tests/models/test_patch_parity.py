@@ -12,7 +12,7 @@ import torch
 
 from notebookkit.kernels.testing import rel_err
 from notebookkit.models import patch_model, patch_summary, unpatch_model
-from notebookkit.models.patch_lm_head import owner_of
+from notebookkit.models.patching.patch_lm_head import owner_of
 
 from .helpers import FAMILIES, random_model
 

@@ -1,5 +1,5 @@
 """fp16 training: every trainable parameter is an fp32 master weight, whatever made it trainable and whichever
-trainer runs the step (notebookkit/models/master_weights.py, applied in the model's training forward).
+trainer runs the step (notebookkit/models/patching/master_weights.py, applied in the model's training forward).
 
 An optimizer step is run as Hugging Face's Trainer runs it under ``fp16=True``: the optimizer is built first,
 then the forward, the backward of the scaled loss and ``GradScaler.unscale_``, which refuses fp16 gradients
@@ -135,7 +135,7 @@ def test_plain_peft_model_with_the_hook(tmp_path):
     from trl import SFTConfig, SFTTrainer
 
     from notebookkit.embedded.tiny import resolve_model_name
-    from notebookkit.models.master_weights import hold_fp32_masters
+    from notebookkit.models.patching.master_weights import hold_fp32_masters
 
     _, tok = _fp16_lora(four_bit=False)
     plain = AutoModelForCausalLM.from_pretrained(resolve_model_name("notebookkit/tiny-llama"), dtype=torch.float16)

@@ -194,7 +194,7 @@ def test_the_generation_cache_is_kept_or_freed_between_steps(tmp_path, monkeypat
 
 def test_the_cache_rule_follows_the_activation_plan(tmp_path):
     from notebookkit.memory.generation import keeps_cache_between_steps
-    from notebookkit.models.checkpointing import apply_checkpointing
+    from notebookkit.models.patching.checkpointing import apply_checkpointing
 
     assert keeps_cache_between_steps(["keep", "keep"]) and keeps_cache_between_steps("keep")
     assert not keeps_cache_between_steps(["keep", "offload"]) and not keeps_cache_between_steps("recompute")

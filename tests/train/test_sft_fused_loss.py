@@ -19,9 +19,9 @@ import torch.nn.functional as F
 pytest.importorskip("trl")
 
 from notebookkit.models import FastLanguageModel  # noqa: E402
-from notebookkit.models.banner import get_banner  # noqa: E402
-from notebookkit.models import kernel_ops  # noqa: E402
-from notebookkit.models.patch_lm_head import trl_own_lm_head  # noqa: E402
+from notebookkit.models.common.banner import get_banner  # noqa: E402
+from notebookkit.base_layers import kernel_ops  # noqa: E402
+from notebookkit.models.patching.patch_lm_head import trl_own_lm_head  # noqa: E402
 
 KEY = ("fused_linear_cross_entropy", "fused_linear_cross_entropy")
 FEATURE = "fused CE loss"

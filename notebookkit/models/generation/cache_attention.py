@@ -20,7 +20,7 @@ Then::
     O = softmax(S masked) V                      PyTorch SDPA when there is no soft-cap
 
 The prompt (``T > 1``) runs the training path's attention
-(:func:`notebookkit.models.patch_attention.attend`: the same scores, the mask broadcast over heads),
+(:func:`notebookkit.models.patching.patch_attention.attend`: the same scores, the mask broadcast over heads),
 so a long prompt never materialises a mask per query head.
 
 Everything has static shapes for a fixed ``kv_length`` and reads the step's slot from a device
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..patch_attention import attend
+from ..patching.patch_attention import attend
 
 __all__ = ["slot_mask", "cache_attention"]
 

@@ -37,8 +37,9 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..kernel_ops import require
-from ..patch_mlp import activation_kernel
+from notebookkit.base_layers.kernel_ops import require
+
+from ..patching.patch_mlp import activation_kernel
 from .cache_attention import cache_attention, slot_mask
 from .decoder_plan import DecoderPlan, LayerPlan
 from .projections import AdapterCasts, fused_views, project

@@ -32,8 +32,8 @@ import torch.nn as nn
 
 from notebookkit.families import Family, for_vision_model_type
 
-from .. import architectures
-from ..decoder_layers import decoder_layers
+from ..common import architectures
+from ..common.decoder_layers import decoder_layers
 
 __all__ = ["DecoderPlan", "LayerPlan", "RopeTables", "embedding_scale", "plan_for", "causal_lm_of"]
 
@@ -131,7 +131,7 @@ class DecoderPlan:
     def hidden_dtype(self) -> torch.dtype:
         """dtype of the hidden states (and so of the KV cache): the final norm's, the model's own 16-bit dtype
         (an embedding table being trained under fp16 is an fp32 master weight that hands back fp16 rows:
-        :mod:`notebookkit.models.master_weights`)."""
+        :mod:`notebookkit.models.patching.master_weights`)."""
         return self.final_norm.weight.dtype
 
     def device(self) -> torch.device:

@@ -42,11 +42,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from notebookkit.base_layers.rebinding import WeakBoundMethod
+from notebookkit.compat import prepare_generation_config
 from notebookkit.marks import PREPARE_PROMPT
 
-from ..banner import get_banner
-from ..compat import prepare_generation_config
-from ..patching import WeakBoundMethod
+from ..common.banner import get_banner
 from .cached_forward import cached_forward
 from .decoder_plan import DecoderPlan, causal_lm_of
 from .graph_runner import graphs_enabled
@@ -118,7 +118,7 @@ def set_prompt_preparation(model: nn.Module, prepare: PreparePrompt) -> None:
     ``prepare(model, keywords)`` returns the reason the fast path cannot run the call, or ``(prefill,
     keywords left)`` where ``prefill`` (``None``: :func:`.cached_forward` over the prompt) fills the cache
     and gives the last logits and per-row RoPE offsets. A model's loader sets it (a vision-language
-    wrapper: its image prompts run the model's own forward first, :mod:`notebookkit.models.vision_decode`);
+    wrapper: its image prompts run the model's own forward first, :mod:`notebookkit.models.vision.decode`);
     without one, the keywords go to the decode path as they are.
     """
     object.__setattr__(causal_lm_of(model), PREPARE_PROMPT, prepare)

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.base_formats import DEQUANT_CHUNK_MIN_ROWS
+from notebookkit.base_layers.kernel_ops import kernel
 from notebookkit.kernels.lora_projection import (
     LoRAProjection,
     adapter_group,
@@ -44,8 +45,7 @@ from notebookkit.kernels.lora_projection import (
     shared_input_forward,
 )
 
-from ..kernel_ops import kernel
-from ..lora_fast_path import views
+from ..patching.lora_fast_path import views
 
 __all__ = ["AdapterCasts", "project", "fused_views"]
 

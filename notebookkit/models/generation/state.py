@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 
 import torch.nn as nn
 
+from notebookkit.base_layers.rebinding import DroppedOnCopy
 from notebookkit.marks import GENERATION_STATE
 
 from .decoder_plan import DecoderPlan, causal_lm_of, plan_for
@@ -35,7 +36,7 @@ __all__ = ["GenerationState", "generation_state", "decoder_plan", "model_signatu
 _STATE = GENERATION_STATE
 
 
-class GenerationState:
+class GenerationState(DroppedOnCopy):
     """The per-model generation state (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -74,15 +75,6 @@ class GenerationState:
             self.plan.rope.release()
         self.plan, self.signature = None, None
 
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
-
-    def __reduce__(self):
-        return (_no_state, ())
-
-
-def _no_state() -> None:
-    return None
 
 
 def generation_state(model: nn.Module) -> GenerationState:

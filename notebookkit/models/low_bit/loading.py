@@ -1,4 +1,4 @@
-"""The low-bit step of the one load pipeline (:func:`notebookkit.models.loader.load`): where the
+"""The low-bit step of the one load pipeline (:func:`notebookkit.models.loading.loader.load`): where the
 16-bit / NF4 path calls the model class's ``from_pretrained``, a 2-bit or ternary load calls
 :func:`load_weights_low_bit` (device from ``device_map``, the streamed load of :mod:`.stream_load`, the
 generation config, the banner's weights line); :func:`loaded_base_format` names what any load produced,
@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 from notebookkit.base_formats import BASE_FORMATS
+from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
 
 from .flags import is_bitnet_config, saved_low_bit_record
-from .frozen_linear import is_low_bit_linear
 from .stream_load import load_low_bit
 
 __all__ = ["device_of_map", "load_weights_low_bit", "loaded_base_format"]

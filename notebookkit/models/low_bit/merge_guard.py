@@ -15,8 +15,7 @@ from typing import Any
 import torch.nn as nn
 
 from notebookkit.base_formats import BASE_FORMATS
-
-from .frozen_linear import is_low_bit_linear
+from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
 
 __all__ = ["guard_low_bit_merges", "LowBitMergeError"]
 

@@ -25,12 +25,12 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from notebookkit.base_layers.low_bit_linear import Q2Linear, TernaryLinear
 from notebookkit.families import for_model_type
 from notebookkit.kernels.q2 import DEFAULT_GROUP_SIZE, Q2Weight, pack_codes, quantize_q2
 from notebookkit.kernels.ternary import TernaryWeight, pack_ternary
 
 from .flags import CONFIG_KEY
-from .frozen_linear import Q2Linear, TernaryLinear
 from .stream_load import empty_low_bit_model
 
 __all__ = ["random_low_bit_model"]

@@ -7,7 +7,7 @@ The whole 16-bit model never exists, on the GPU or on the host (a 70B is 140 GB 
    in ``__init__`` -- RoPE frequencies, Gemma's embedding scale -- are made for real, they are tiny and
    are not in checkpoints);
 2. every q/k/v/o and gate/up/down projection of the decoder layers is swapped for an empty
-   :class:`~.frozen_linear.Q2Linear` / :class:`~.frozen_linear.TernaryLinear` (on meta; a layer that the
+   :class:`~notebookkit.base_layers.low_bit_linear.Q2Linear` / ``TernaryLinear`` (on meta; a layer that the
    format cannot serve is refused first, naming it);
 3. the safetensors files are read with ``safe_open``, one tensor at a time (the host holds one tensor,
    never a whole shard): a projection's 16-bit weight goes to the target device and is quantised there
@@ -34,12 +34,12 @@ import torch
 import torch.nn as nn
 
 from notebookkit.base_formats import BASE_FORMATS
+from notebookkit.base_layers.low_bit_linear import LOW_BIT_LINEARS, Q2Linear, TernaryLinear
 from notebookkit.kernels.q2 import DEFAULT_GROUP_SIZE, quantize_q2
 from notebookkit.kernels.ternary import quantize_ternary, ternary_from_bitnet
 
-from ..decoder_layers import decoder_layers
+from ..common.decoder_layers import decoder_layers
 from .flags import CONFIG_KEY, is_bitnet_config, saved_low_bit_record
-from .frozen_linear import LOW_BIT_LINEARS, Q2Linear, TernaryLinear
 
 __all__ = ["checkpoint_files", "projection_names", "check_servable", "empty_low_bit_model", "load_low_bit"]
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.models import FastLanguageModel, unpatch_model
-from notebookkit.models.low_bit import is_low_bit_linear
+from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
 
 from ..helpers import byte_tokenizer, random_model
 

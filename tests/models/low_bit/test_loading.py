@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from notebookkit.memory.model_setup import base_format_of
 from notebookkit.models import FastLanguageModel
-from notebookkit.models.low_bit import Q2Linear, TernaryLinear, is_low_bit_linear
+from notebookkit.base_layers.low_bit_linear import Q2Linear, TernaryLinear, is_low_bit_linear
 from notebookkit.models.low_bit.flags import CONFIG_KEY
 
 from ..helpers import byte_tokenizer

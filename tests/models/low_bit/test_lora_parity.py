@@ -15,7 +15,7 @@ import torch
 
 from notebookkit.kernels import runtime
 from notebookkit.kernels.testing import rel_err
-from notebookkit.models.low_bit import Q2Linear, TernaryLinear
+from notebookkit.base_layers.low_bit_linear import Q2Linear, TernaryLinear
 
 from ..helpers import FAMILIES
 from .common import batch, checkpoint, dense_twin, load, with_lora

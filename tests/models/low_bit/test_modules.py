@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.kernels.testing import rel_err
-from notebookkit.models.low_bit import Q2Linear, TernaryLinear
+from notebookkit.base_layers.low_bit_linear import Q2Linear, TernaryLinear
 
 LAYERS = {"2bit": Q2Linear, "ternary": TernaryLinear}
 

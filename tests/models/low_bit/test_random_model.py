@@ -9,7 +9,7 @@ import torch
 
 from notebookkit.memory.model_setup import base_format_of
 from notebookkit.models import FastLanguageModel
-from notebookkit.models.low_bit import Q2Linear, TernaryLinear
+from notebookkit.base_layers.low_bit_linear import Q2Linear, TernaryLinear
 from notebookkit.models.low_bit.random_model import random_low_bit_model
 
 from ..helpers import family_config

@@ -12,7 +12,7 @@ import torch
 from notebookkit.embedded.tiny import load_corpus
 from notebookkit.memory.model_setup import base_format_of
 from notebookkit.models import FastLanguageModel
-from notebookkit.models.low_bit import TernaryLinear
+from notebookkit.base_layers.low_bit_linear import TernaryLinear
 
 from .common import TARGETS
 

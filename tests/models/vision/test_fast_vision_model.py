@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from notebookkit.models import FastVisionModel
-from notebookkit.models.patch_vision import patch_vision_model, rope_table_problem
-from notebookkit.models.patcher import patch_summary, unpatch_model
-from notebookkit.models.vision_targets import kind_of, select_targets, tower_of
+from notebookkit.models.vision.patcher import patch_vision_model, rope_table_problem
+from notebookkit.models.patching.patcher import patch_summary, unpatch_model
+from notebookkit.models.vision.targets import kind_of, select_targets, tower_of
 
 from .conftest import VISION
 

@@ -6,7 +6,7 @@ import torch
 
 from notebookkit.models import FastLanguageModel, FastVisionModel
 from notebookkit.models.generation.generate import PREPARE_PROMPT
-from notebookkit.models.vision_decode import multimodal_prefill
+from notebookkit.models.vision.decode import multimodal_prefill
 
 
 def test_a_loaded_vlm_carries_its_prompt_preparation_and_a_text_model_none(vlm_folder):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from notebookkit.kernels.testing import rel_err
-from notebookkit.models.segment_attention import segment_attention, segment_plan
+from notebookkit.models.vision.segment_attention import segment_attention, segment_plan
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -87,8 +87,8 @@ def _tower_run(tower, pixels, grid):
 def test_patched_tower_matches_stock_with_uneven_windows(device, vlm_folder):
     """A 10x6-patch image: the tiny tower's 4x4-patch windows leave 4x2, 2x4 and 2x2 edge windows."""
     from notebookkit.models import FastVisionModel
-    from notebookkit.models.patch_vision import submodule
-    from notebookkit.models.patcher import unpatch_model
+    from notebookkit.models.vision.patcher import submodule
+    from notebookkit.models.patching.patcher import unpatch_model
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model, _ = FastVisionModel.from_pretrained(vlm_folder("qwen2"), max_seq_length=128, dtype=dtype,
@@ -139,7 +139,7 @@ def test_patched_attention_takes_the_angles_older_transformers_pass():
     stock module fed the tables those versions built (``cat(theta, theta).cos()``, ``.sin()``)."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention, Qwen2_5_VLVisionConfig
 
-    from notebookkit.models.patch_vision_attention import patch_segment_attentions
+    from notebookkit.models.vision.tower_attention import patch_segment_attentions
 
     config = Qwen2_5_VLVisionConfig(hidden_size=48, num_heads=3)
     config._attn_implementation = "sdpa"

@@ -52,8 +52,8 @@ def test_folder_loads_as_a_hub_checkpoint(family, vlm_folder):
     import transformers as tf
     from transformers import AutoConfig
 
-    from notebookkit.models.banner import Banner
-    from notebookkit.models.vision_processor import load_processor
+    from notebookkit.models.common.banner import Banner
+    from notebookkit.models.vision.processor import load_processor
 
     folder = Path(vlm_folder(family))
     vision = VISION[family]

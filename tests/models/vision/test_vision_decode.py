@@ -153,7 +153,7 @@ def test_text_only_prompts_run_the_fast_path(vlm_folder, caption_rows, family):
 
 @pytest.mark.parametrize("start", ["training", "eval", "for_inference"])
 def test_caption_replies_use_the_fast_path_and_restore_the_mode(vlm_folder, caption_rows, start, monkeypatch):
-    from notebookkit.models import vision_decode
+    from notebookkit.models.vision import decode as vision_decode
     from notebookkit.models.vision_generate import generate_vision_replies
 
     model, processor = _model(vlm_folder("gemma3"))

@@ -30,8 +30,8 @@ import torch
 
 from notebookkit.kernels.testing import rel_err
 from notebookkit.models import FastVisionModel
-from notebookkit.models.patcher import patch_summary
-from notebookkit.models.vision_targets import select_targets, tower_of
+from notebookkit.models.patching.patcher import patch_summary
+from notebookkit.models.vision.targets import select_targets, tower_of
 
 from .conftest import VISION
 

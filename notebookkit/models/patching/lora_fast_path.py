@@ -9,8 +9,8 @@ added by the caller after the kernel.
 
 The check is made on every call (it is a few attribute reads), so the same patched forward serves
 a model before and after ``get_peft_model``, inside ``disable_adapter()``, and after merging.
-A 2-bit or ternary base (:mod:`.low_bit`: ``Q2Linear`` / ``TernaryLinear``) is handed over as its
-packed codes with its ``Q2Weight`` / ``TernaryWeight`` in the ``quant_state`` slot; the kernels then
+A 2-bit or ternary base (``Q2Linear`` / ``TernaryLinear``, :mod:`notebookkit.base_layers.low_bit_linear`) is
+handed over as its packed codes with its ``Q2Weight`` / ``TernaryWeight`` in the ``quant_state`` slot; the kernels then
 run its products through the dequantise-in-the-GEMM kernels, never a dense weight.
 A layer stays on stock PEFT code, and the banner says why, when it has: LoRA dropout > 0 while
 training, a trainable bias (``bias="all"``/``"lora_only"``), DoRA, a LoRA bias, several active
@@ -41,13 +41,14 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from notebookkit.base_layers.kernel_ops import kernel
+from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
+from notebookkit.base_layers.rebinding import DroppedOnCopy
 from notebookkit.marks import LORA_VIEWS, PATCH_TAG
 from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
 
 from . import forward_state
-from .decoder_layers import decoder_layers as _decoder_layers
-from .kernel_ops import kernel
-from .low_bit.frozen_linear import is_low_bit_linear
+from ..common.decoder_layers import decoder_layers as _decoder_layers
 
 PROJECTION_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -177,7 +178,7 @@ def set_fp8_base_matmul(model: nn.Module, enabled: bool = True) -> int:
     if enabled:
         supported = kernel("fp8_matmul", "fp8_supported")
         if supported is None:
-            from .kernel_ops import why_missing
+            from notebookkit.base_layers.kernel_ops import why_missing
 
             raise ValueError(f"fp8_base_matmul=True needs notebookkit.kernels.fp8_matmul: {why_missing('fp8_matmul', 'fp8_supported')}")
         devices = {m.weight.device for m in linears if getattr(m, "weight", None) is not None}
@@ -201,7 +202,7 @@ def fp8_base_matmul_count(model: nn.Module) -> int:
 _VIEWS_KEPT = LORA_VIEWS
 
 
-class _KeptViews:
+class _KeptViews(DroppedOnCopy):
     """Views of one module group in one pass, kept on the group's first module (never copied or
     pickled with it: a copy gets none)."""
 
@@ -209,16 +210,6 @@ class _KeptViews:
 
     def __init__(self, pass_id: int, training: Optional[bool], ids: tuple, result: tuple) -> None:
         self.pass_id, self.training, self.ids, self.result = pass_id, training, ids, result
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
-
-    def __reduce__(self):
-        return (_no_views, ())
-
-
-def _no_views() -> None:
-    return None
 
 
 def views(*modules: nn.Module, training: Optional[bool] = None) -> tuple[Optional[list[ProjectionView]], Optional[str]]:

@@ -11,7 +11,7 @@ That is the stock forward's math (transformers rotates in fp32 and rounds to the
 does the kernel). What changes is the attention: the stock code runs one SDPA call per window, in a
 Python loop, after reading the window boundaries back to the host in every block.
 
-Every rebinding goes through :mod:`.patching`, so ``unpatch_model`` restores the stock forward.
+Every rebinding goes through :mod:`notebookkit.base_layers.rebinding`, so ``unpatch_model`` restores the stock forward.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .kernel_ops import kernel, why_missing
-from .patching import rebind
+from notebookkit.base_layers.kernel_ops import kernel, why_missing
+from notebookkit.base_layers.rebinding import rebind
+
 from .segment_attention import segment_attention
 
 __all__ = ["patch_segment_attentions", "segment_attention_ready"]

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from notebookkit.families import for_vision_model_type
 
-from .generation.generate import Prefill, set_prompt_preparation
+from ..generation.generate import Prefill, set_prompt_preparation
 
 __all__ = ["IMAGE_INPUTS", "attach_image_prompts", "describe_image_prompts", "image_prompt_support",
            "multimodal_prefill"]

@@ -1,17 +1,20 @@
-"""``FastVisionModel.from_pretrained``: the vision-language variant of the one load pipeline (:mod:`.loader`).
+"""``FastVisionModel.from_pretrained``: the vision-language variant of the one load pipeline
+(:mod:`notebookkit.models.loading.loader`).
 
-:data:`VISION_MODEL` is what differs from a text model; :func:`.loader.load` runs the steps. Resolution of ``model_name``, as for text models (:mod:`.loader`): a reserved tiny name
+:data:`VISION_MODEL` is what differs from a text model; :func:`~notebookkit.models.loading.loader.load`
+runs the steps. Resolution of ``model_name``, as for text models: a reserved tiny name
 (``"notebookkit/tiny-qwen2.5-vl"``, ``"notebookkit/tiny-gemma3-vision"``: built once, offline, by
 :mod:`notebookkit.embedded`), a local folder (a model, or a LoRA adapter saved from one, whose base
 is loaded first), or a Hugging Face Hub name. The config's ``model_type`` must be a wrapper of the
 family record (``Family.vision``: ``qwen2_5_vl``, ``gemma3``); any other model is refused with the
 list of supported ones. The weights load with the wrapper's own class
-(``Qwen2_5_VLForConditionalGeneration``...) in the precision :func:`~.loader.pick_dtype` picks,
+(``Qwen2_5_VLForConditionalGeneration``...) in the precision
+:func:`~notebookkit.models.loading.loader.pick_dtype` picks,
 NF4 with double quantisation for ``load_in_4bit`` (every linear layer but the LM head, vision tower
 included, as transformers quantises a VLM by default); the processor with
-:func:`~.vision_processor.load_processor`; the fused path with :func:`~.patch_vision.patch_vision_model`
-(an adapter loaded from a folder also gets :func:`~.patch_vision.patch_tower_adapters`); and every
-model the image-prompt preparation of its ``generate`` (:func:`~.vision_decode.attach_image_prompts`).
+:func:`~.processor.load_processor`; the fused path with :func:`~.patcher.patch_vision_model`
+(an adapter loaded from a folder also gets :func:`~.patcher.patch_tower_adapters`); and every
+model the image-prompt preparation of its ``generate`` (:func:`~.decode.attach_image_prompts`).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import torch.nn as nn
 
 from notebookkit.families import Family, for_vision_model_type, vision_support_error
 
-from . import loader
-from .banner import Banner
+from ..common.banner import Banner
+from ..loading import loader
 
 
 def resolve_vision(model_name: Union[str, os.PathLike]) -> tuple[str, str]:
-    """``(path_or_hub_id, kind)`` as :func:`.loader.resolve`, for the tiny vision names too."""
+    """``(path_or_hub_id, kind)`` as :func:`~notebookkit.models.loading.loader.resolve`, for the tiny vision
+    names too."""
     from notebookkit.embedded.tiny import is_tiny_vision_model_name, resolve_model_name
 
     name = os.fspath(model_name)
@@ -54,7 +58,7 @@ def _wrapper_class(family: Family):
 
 
 def _processor(path: str, family: Family, banner: Banner, **hub: Any):
-    from .vision_processor import load_processor
+    from .processor import load_processor
 
     return load_processor(path, family.vision, banner, **hub)
 
@@ -64,8 +68,8 @@ def _saved_processor(path: str, model: nn.Module, banner: Banner) -> Optional[An
     same but for the template, and the banner says so)."""
     if not any((Path(path) / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
         return None
-    from .patch_vision import vision_family
-    from .vision_processor import load_processor
+    from .patcher import vision_family
+    from .processor import load_processor
 
     try:
         return load_processor(path, vision_family(model).vision, banner)
@@ -76,24 +80,24 @@ def _saved_processor(path: str, model: nn.Module, banner: Banner) -> Optional[An
 
 
 def _patch(model: nn.Module, banner: Banner) -> Banner:
-    from .patch_vision import patch_vision_model
+    from .patcher import patch_vision_model
 
     return patch_vision_model(model, banner)
 
 
 def _patch_adapters(peft_model: nn.Module, banner: Banner) -> int:
-    from .patch_vision import patch_tower_adapters
+    from .patcher import patch_tower_adapters
 
     return patch_tower_adapters(peft_model, banner)
 
 
 def _attach_image_prompts(model: nn.Module) -> None:
-    from .vision_decode import attach_image_prompts
+    from .decode import attach_image_prompts
 
     attach_image_prompts(model)
 
 
-#: a vision-language wrapper of the family record and its processor, patched by :func:`.patch_vision.patch_vision_model`
+#: a vision-language wrapper of the family record and its processor, patched by :func:`.patcher.patch_vision_model`
 VISION_MODEL = loader.LoadVariant(
     where="FastVisionModel.from_pretrained",
     default_model_name="notebookkit/tiny-qwen2.5-vl",

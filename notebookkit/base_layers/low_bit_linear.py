@@ -22,12 +22,13 @@ Dtypes: the packed codes are uint8 and the scales (and zeros) fp16 by the format
 ``model.to(torch.bfloat16)`` / ``model.half()`` must not round them, so :meth:`_LowBitLinear._apply`
 keeps their dtype and moves only their device. The bias (rare in these families: Qwen2's q/k/v) is a
 frozen parameter in the model's dtype. ``state_dict`` holds ``qweight``, ``scale`` (+ ``zero`` for
-2-bit) and ``bias``: what :mod:`.prequantised` saves and reloads.
+2-bit) and ``bias``: what a pre-quantised checkpoint holds
+(:mod:`notebookkit.models.low_bit.stream_load` reloads it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -40,10 +41,13 @@ __all__ = ["Q2Linear", "TernaryLinear", "LOW_BIT_LINEARS", "is_low_bit_linear"]
 
 
 class _LowBitLinear(nn.Linear):
-    """What the two frozen low-bit layers share: no dense weight, fixed-dtype packed buffers."""
+    """What the two frozen low-bit layers share: no dense weight, fixed-dtype packed buffers, and a
+    product and a decode through their format's kernels (``_product``, ``_dequantize``)."""
 
     base_format: str = ""
     _FIXED_DTYPE: tuple[str, ...] = ()
+    _product: Callable[..., torch.Tensor]  # (x, packed weight) -> x W^T, with its input gradient
+    _dequantize: Callable[..., torch.Tensor]  # (packed weight, dtype) -> the dense W
 
     def _init_common(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
                      device: Any) -> None:
@@ -69,6 +73,12 @@ class _LowBitLinear(nn.Linear):
                 self._buffers[name] = before.to(after.device)
         return self
 
+    def _check_fits(self, what: str, shape: Any, group_size: int) -> None:
+        """Refuse packed tensors whose shape or group size is not this layer's, naming both."""
+        if tuple(shape) != (self.out_features, self.in_features) or group_size != self.group_size:
+            raise ValueError(f"A {what} weight {tuple(shape)} with groups of {group_size} does not fit this "
+                             f"layer [{self.out_features}, {self.in_features}] with groups of {self.group_size}.")
+
     def _bias_added(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -77,9 +87,16 @@ class _LowBitLinear(nn.Linear):
             x = x.to(self.compute_dtype)
         return x
 
+    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The dense ``[out, in]`` weight the codes stand for (a new tensor; for export and tests)."""
+        return self._dequantize(self.packed_weight(), dtype or self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._bias_added(self._product(self._input(x), self.packed_weight()))
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"format={self.base_format}")
+                f"format={self.base_format}, group_size={self.group_size}")
 
 
 class Q2Linear(_LowBitLinear):
@@ -92,6 +109,8 @@ class Q2Linear(_LowBitLinear):
 
     base_format = "2bit"
     _FIXED_DTYPE = ("scale", "zero")
+    _product = staticmethod(low_bit_linear)
+    _dequantize = staticmethod(dequantize_q2)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = DEFAULT_GROUP_SIZE,
                  compute_dtype: torch.dtype = torch.float16, device: Any = None) -> None:
@@ -122,9 +141,7 @@ class Q2Linear(_LowBitLinear):
 
     def set_packed(self, q: Q2Weight) -> None:
         """Take the packed tensors of ``q`` (shape and group size must be this layer's)."""
-        if tuple(q.shape) != (self.out_features, self.in_features) or q.group_size != self.group_size:
-            raise ValueError(f"A Q2 weight {tuple(q.shape)} with groups of {q.group_size} does not fit this "
-                             f"layer [{self.out_features}, {self.in_features}] with groups of {self.group_size}.")
+        self._check_fits("Q2", q.shape, q.group_size)
         self._buffers["qweight"], self._buffers["scale"], self._buffers["zero"] = q.codes, q.scale, q.zero
 
     def packed_weight(self) -> Q2Weight:
@@ -132,15 +149,6 @@ class Q2Linear(_LowBitLinear):
         return Q2Weight(self.qweight, self.scale, self.zero, (self.out_features, self.in_features),
                         self.group_size, self.compute_dtype)
 
-    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The dense ``[out, in]`` weight the codes stand for (a new tensor; for export and tests)."""
-        return dequantize_q2(self.packed_weight(), dtype or self.compute_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._bias_added(low_bit_linear(self._input(x), self.packed_weight()))
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}"
 
 
 class TernaryLinear(_LowBitLinear):
@@ -153,6 +161,8 @@ class TernaryLinear(_LowBitLinear):
 
     base_format = "ternary"
     _FIXED_DTYPE = ("scale",)
+    _product = staticmethod(low_bit_linear)
+    _dequantize = staticmethod(dequantize_ternary)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: Optional[int] = None,
                  compute_dtype: torch.dtype = torch.float16, device: Any = None) -> None:
@@ -190,24 +200,13 @@ class TernaryLinear(_LowBitLinear):
 
     def set_packed(self, t: TernaryWeight) -> None:
         """Take the packed tensors of ``t`` (shape and group size must be this layer's)."""
-        if tuple(t.shape) != (self.out_features, self.in_features) or t.group_size != self.group_size:
-            raise ValueError(f"A ternary weight {tuple(t.shape)} with groups of {t.group_size} does not fit this "
-                             f"layer [{self.out_features}, {self.in_features}] with groups of {self.group_size}.")
+        self._check_fits("ternary", t.shape, t.group_size)
         self._buffers["qweight"], self._buffers["scale"] = t.packed, t.scales
 
     def packed_weight(self) -> TernaryWeight:
         """The layer's weight as a :class:`~notebookkit.kernels.ternary.TernaryWeight` (views of the buffers)."""
         return TernaryWeight(self.qweight, self.scale, self.in_features, self.group_size)
 
-    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The dense ``[out, in]`` weight the codes stand for (a new tensor; for export and tests)."""
-        return dequantize_ternary(self.packed_weight(), dtype or self.compute_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._bias_added(low_bit_linear(self._input(x), self.packed_weight()))
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}"
 
 
 #: base format name (``notebookkit.base_formats``) -> its frozen layer class

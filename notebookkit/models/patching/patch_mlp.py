@@ -6,7 +6,7 @@
   adapter of dropout 0 and no trainable bias, the whole block runs ``kernels.lora_mlp`` (fused
   dequantisation, base + low-rank matmuls, activation and its hand-written backward).
 * While a checkpointed layer recomputes its forward for the backward pass and nothing reads the
-  MLP output (the recompute names it: :func:`notebookkit.models.forward_state.unread_output`), the
+  MLP output (the recompute names it: :func:`notebookkit.models.patching.forward_state.unread_output`), the
   fused block skips the down projection.
 * Otherwise (trainable base weights, LoRA dropout, DoRA, 8-bit...) the projections run their own
   modules (stock PEFT / bitsandbytes) and only ``act(e) * g`` runs the fused activation kernel.
@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from notebookkit.base_layers.kernel_ops import kernel
+from notebookkit.base_layers.rebinding import rebind
+
 from . import forward_state
-from .kernel_ops import kernel
 from .lora_fast_path import views
-from .patching import rebind
 
 
 def activation_kernel(activation: str):

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .kernel_ops import kernel
-from .patching import rebind
+from notebookkit.base_layers.kernel_ops import kernel
+from notebookkit.base_layers.rebinding import rebind
 
 
 def is_rms_norm(module: nn.Module) -> bool:

@@ -14,8 +14,8 @@ loss with ``kernels.fused_linear_cross_entropy``, chunk by chunk, without the ``
 ``logits`` is then ``None``. Every other call (eval mode, generation, no labels, ``return_logits=True``)
 runs the model's own forward unchanged, so generation and evaluation are stock Hugging Face code.
 
-The backbone call is one forward pass (:func:`~.forward_state.forward_pass`): the fused decoder
-layers build their LoRA views once and the checkpointing recompute reuses them. A training batch
+The backbone call is one forward pass (:func:`~notebookkit.models.patching.forward_state.forward_pass`):
+the fused decoder layers build their LoRA views once and the checkpointing recompute reuses them. A training batch
 longer than ``max_seq_length`` raises before anything runs.
 """
 
@@ -27,14 +27,14 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from notebookkit.base_layers.kernel_ops import kernel
+from notebookkit.base_layers.rebinding import rebind
 from notebookkit.memory.model_setup import record_fused_lm_head
 
-from .checkpointing import fit_plan_to_batch
-from .forward_state import forward_pass
-from .kernel_ops import kernel
-from .master_weights import keep_trainable_fp32
-from .patch_lm_head import lm_head_ready, shifted_labels
-from .patching import rebind
+from ..patching.checkpointing import fit_plan_to_batch
+from ..patching.forward_state import forward_pass
+from ..patching.master_weights import keep_trainable_fp32
+from ..patching.patch_lm_head import lm_head_ready, shifted_labels
 
 TAG = "causal_lm"  # the tag the SFT trainer looks for (notebookkit.train.sft.fused_loss_blocker)
 
@@ -122,7 +122,8 @@ def vision_head_ready(model: nn.Module) -> Optional[str]:
 
 
 def patch_vision_head(model: nn.Module, final_softcap: Optional[float]) -> None:
-    """Rebind the forward of the wrapper ``model`` (reversible: :func:`~.patcher.unpatch_model`)."""
+    """Rebind the forward of the wrapper ``model`` (reversible:
+    :func:`~notebookkit.models.patching.patcher.unpatch_model`)."""
     rebind(model, make_vision_lm_forward(model, final_softcap), TAG)
     record_fused_lm_head(model, True)  # for the memory model: training computes no [N, V] logits
 

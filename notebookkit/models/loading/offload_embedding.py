@@ -35,9 +35,10 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..memory.host_mapped import host_mapped_cuda_tensor
-from ..memory.model_setup import record_host_embedding
-from .banner import Banner
+from notebookkit.memory.host_mapped import host_mapped_cuda_tensor
+from notebookkit.memory.model_setup import record_host_embedding
+
+from ..common.banner import Banner
 
 __all__ = ["offload_input_embedding", "offload_embedding_value"]
 

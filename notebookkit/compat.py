@@ -3,7 +3,7 @@ module in the train layer, :mod:`notebookkit.train.trl_compat`, the one place fo
 
 Where a public interface does the job, notebookkit uses it: a plainly causal forward skips Hugging
 Face's masks by passing an already prepared 4-D mask, which ``transformers.masking_utils`` returns
-as it is (:func:`notebookkit.models.patch_attention.plain_causal_mask`), instead of swapping the
+as it is (:func:`notebookkit.models.patching.patch_attention.plain_causal_mask`), instead of swapping the
 shared config's attention implementation. What is left has no public equivalent in the supported
 versions. Each entry says what it touches and on which versions that was read in the library's
 source; ``tests/models/test_compat.py`` fails when an installed version stops behaving that way.

@@ -1,7 +1,8 @@
 """The one load pipeline behind ``FastLanguageModel.from_pretrained`` and ``FastVisionModel.from_pretrained``.
 
 :func:`load` runs the same steps for every model; a :class:`LoadVariant` passes in what differs (the
-text variant, :data:`TEXT_MODEL`, is here; the vision-language one is :data:`.vision_loader.VISION_MODEL`)::
+text variant, :data:`TEXT_MODEL`, is here; the vision-language one is
+:data:`notebookkit.models.vision.loader.VISION_MODEL`)::
 
     check model_name and max_seq_length -> banner -> resolve the name (variant.resolve)
       -> a LoRA adapter folder: load its base through this pipeline, then the adapter on top
@@ -37,11 +38,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from notebookkit.export.bind import bind_export_methods
+
 from . import arguments
-from .banner import Banner, device_line, versions_line
+from ..common.banner import Banner, device_line, versions_line
+from ..common.precision import family_dtype, is_bfloat16_supported
 from .offline import explain_unreachable
 from .offload_embedding import offload_embedding_value, offload_input_embedding
-from .precision import family_dtype, is_bfloat16_supported
 
 _UNSUPPORTED_KWARGS = {
     "fast_inference": (
@@ -256,14 +259,14 @@ def load(
                                      kwargs)
         model = load_weights(path, kind, model_name, load_kwargs, variant.model_class(checked), where=variant.where)
     else:
-        from .low_bit.loading import load_weights_low_bit
+        from ..low_bit.loading import load_weights_low_bit
 
         model = load_weights_low_bit(path, kind, config, low_bit, variant.model_class(checked), torch_dtype,
                                      device_map, banner, token=token, attn_implementation=attn_implementation,
                                      extra=kwargs, where=variant.where)
     from notebookkit.memory.model_setup import record_base_format
 
-    from .low_bit.loading import loaded_base_format
+    from ..low_bit.loading import loaded_base_format
 
     base_format_name = loaded_base_format(model)
     if base_format_name is not None:  # 8-bit has no base-format record
@@ -294,7 +297,7 @@ def entry_point(variant: LoadVariant, module: str, doc: str) -> Callable[..., tu
 
     def from_pretrained(*args: Any, **kwargs: Any):
         bound = signature.bind(*args, **kwargs)
-        from .low_bit.flags import check_flag_conflicts
+        from ..low_bit.flags import check_flag_conflicts
 
         check_flag_conflicts({**bound.arguments, **bound.arguments.get("kwargs", {})}, variant.where)
         bound.apply_defaults()
@@ -311,8 +314,9 @@ def entry_point(variant: LoadVariant, module: str, doc: str) -> Callable[..., tu
 
 def low_bit_format(variant: LoadVariant, config: Any, load_in_2bit: bool, load_in_ternary: bool) -> Optional[str]:
     """``"2bit"`` / ``"ternary"`` when the keywords or the checkpoint ask for a low-bit base
-    (:func:`.low_bit.flags.format_to_load`), else ``None``; only causal LMs (:data:`TEXT_MODEL`) load so."""
-    from .low_bit.flags import format_to_load
+    (:func:`~notebookkit.models.low_bit.flags.format_to_load`), else ``None``; only causal LMs
+    (:data:`TEXT_MODEL`) load so."""
+    from ..low_bit.flags import format_to_load
 
     wanted = format_to_load(config, load_in_2bit, load_in_ternary, variant.where)
     if wanted is not None and variant.model_class is not _auto_causal_lm:
@@ -429,7 +433,7 @@ def finish_model(model, banner: Banner, variant: LoadVariant, max_seq_length: in
     if full_finetuning:
         banner.header.append("training: full fine-tuning (every weight trainable)")
 
-    from .patch_linear4bit import describe_linear4bit, patch_linear4bit
+    from notebookkit.base_layers.linear4bit import describe_linear4bit, patch_linear4bit
 
     if fast_path:
         variant.patch(model, banner)
@@ -438,19 +442,16 @@ def finish_model(model, banner: Banner, variant: LoadVariant, max_seq_length: in
         # Stock code, but never bitsandbytes' CPU NF4 decode (wrong on AVX-512 CPUs): see patch_linear4bit.
         describe_linear4bit(model, banner, patch_linear4bit(model))
     variant.on_loaded(model)
-    from .export_hook import attach_export_methods
-
-    attach_export_methods(model)
+    bind_export_methods(model)
 
 
 def load_adapter_folder(variant: LoadVariant, path: str, adapter_cfg: dict, show_banner: bool = True, **kw: Any):
     """Base model (by ``base_model_name_or_path``, through :func:`load`), then the saved adapter on top, trainable."""
     from peft import PeftModel
 
-    from .export_hook import attach_export_methods
-    from .lora_fast_path import describe_lora
-    from .low_bit.merge_guard import guard_low_bit_merges
-    from .patch_linear4bit import guard_lora_merges
+    from ..patching.lora_fast_path import describe_lora
+    from ..low_bit.merge_guard import guard_low_bit_merges
+    from notebookkit.base_layers.linear4bit import guard_lora_merges
 
     base_name = adapter_cfg.get("base_model_name_or_path")
     if not base_name:
@@ -466,7 +467,7 @@ def load_adapter_folder(variant: LoadVariant, path: str, adapter_cfg: dict, show
     guard_low_bit_merges(peft_model)
     variant.on_adapter(peft_model, banner)
     object.__setattr__(peft_model, "notebookkit_banner", banner)
-    attach_export_methods(peft_model)
+    bind_export_methods(peft_model)
     banner.header.append(f"adapter: {path} on base {base_name}")
     describe_lora(peft_model, banner)
     saved = variant.saved_processor(path, model, banner)
@@ -503,7 +504,7 @@ def _saved_tokenizer(path: str, model: nn.Module, banner: Banner):
 
 
 def _patch_text_model(model: nn.Module, banner: Banner) -> Banner:
-    from .patcher import patch_model
+    from ..patching.patcher import patch_model
 
     return patch_model(model, banner)
 
@@ -512,7 +513,7 @@ def _nothing(*args: Any) -> None:
     return None
 
 
-#: a causal LM and its tokenizer, patched by :func:`.patcher.patch_model`
+#: a causal LM and its tokenizer, patched by :func:`notebookkit.models.patching.patcher.patch_model`
 TEXT_MODEL = LoadVariant(
     where="from_pretrained",
     default_model_name="notebookkit/tiny-llama",
@@ -557,7 +558,7 @@ from_pretrained = entry_point(TEXT_MODEL, __name__, """Load a causal language mo
         fast_path: set ``False`` to load on stock Hugging Face code (for comparisons).
         offload_embedding: keep the input embedding table in pinned host memory, read by the GPU in
             place (saves ``vocab x hidden`` 16-bit values of GPU memory: 0.98 GiB for Llama-3.1-8B; not for
-            models whose LM head is tied to it). :mod:`notebookkit.models.offload_embedding`.
+            models whose LM head is tied to it). :mod:`notebookkit.models.loading.offload_embedding`.
         show_banner: print the load report (kept in ``model.notebookkit_banner`` either way).
 
     Returns:

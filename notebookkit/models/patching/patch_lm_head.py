@@ -44,15 +44,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from notebookkit.base_layers.kernel_ops import kernel
+from notebookkit.base_layers.rebinding import WeakOwner, rebind
 from notebookkit.marks import ALL_ATTENTION_PATCHED, LM_HEAD_OWNER, WARNED_LENGTH
 from notebookkit.memory.model_setup import record_fused_lm_head
 
 from .checkpointing import fit_plan_to_batch
 from .forward_state import forward_pass
-from .kernel_ops import kernel
 from .master_weights import keep_trainable_fp32
 from .patch_attention import plain_causal_mask
-from .patching import WeakOwner, rebind
 
 
 def _cache_kwarg(base_model: nn.Module) -> str:

@@ -22,7 +22,7 @@ The recomputed ``y`` is only back-propagated through, never read. Where the MLP 
 residual sum directly (``y = h + mlp(norm(h))``: Llama, Mistral, Qwen, Gemma 1; not Gemma 2/3,
 whose post-MLP norm reads it), the backward of ``+`` and of the fused MLP need no value of it, so
 the recompute names the MLP as one whose output it does not read
-(:func:`notebookkit.models.forward_state.resumed`), and the MLP skips its down projection: about a
+(:func:`notebookkit.models.patching.forward_state.resumed`), and the MLP skips its down projection: about a
 quarter of the matmul work of a recomputed Llama layer.
 """
 
@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from notebookkit import compat
 from notebookkit.marks import CHECKPOINTING_GUARD
 from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 from notebookkit.memory.model_setup import (
@@ -45,9 +46,9 @@ from notebookkit.memory.model_setup import (
     recorded_activation_plan,
 )
 
-from . import compat, forward_state
-from .architectures import lookup
-from .decoder_layers import decoder_layers as _decoder_layers
+from . import forward_state
+from ..common.architectures import lookup
+from ..common.decoder_layers import decoder_layers as _decoder_layers
 
 Mode = Union[bool, str]
 _MODES = {False: "none", None: "none", "none": "none", True: "recompute", "recompute": "recompute",
@@ -410,7 +411,8 @@ def _guard_trainer_override(base: nn.Module) -> None:
     if CHECKPOINTING_GUARD in base.__dict__:
         return
     object.__setattr__(base, CHECKPOINTING_GUARD, True)
-    from .patching import WeakBoundMethod  # a closure over `base` kept in its own __dict__ would be a cycle
+    # a closure over `base` kept in its own __dict__ would be a cycle
+    from notebookkit.base_layers.rebinding import WeakBoundMethod
 
     for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
         if hasattr(base, name):

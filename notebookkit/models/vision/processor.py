@@ -20,7 +20,7 @@ from typing import Any
 
 from notebookkit.families import Vision
 
-from .banner import Banner
+from ..common.banner import Banner
 
 
 def has_torchvision() -> bool:

@@ -1,14 +1,14 @@
 """Walk a loaded Hugging Face causal LM and rebind its pieces onto the fused kernels (and back).
 
 ``patch_model(model)`` looks the model's ``model_type`` up in the family record
-(:mod:`notebookkit.families`, read through :mod:`.architectures`) and rebinds the ``forward`` of
+(:mod:`notebookkit.families`, read through :mod:`notebookkit.models.common.architectures`) and rebinds the ``forward`` of
 instances, one step per kind: every RMSNorm, every decoder MLP, every decoder self-attention and
 the causal-LM head; and, for every model, the CPU forward of bitsandbytes 4-bit layers
-(:mod:`.patch_linear4bit`). A family that is not in the table is left entirely on stock code (never
+(:mod:`notebookkit.base_layers.linear4bit`). A family that is not in the table is left entirely on stock code (never
 half-patched), and the banner says so. ``unpatch_model(model)`` restores every original forward.
 Each feature is independent: if one kernel file is missing, only that feature stays stock.
 :func:`stays_stock`, :func:`patch_mlps` and :func:`patch_attentions` are the steps a vision-language
-wrapper's decoder shares (:mod:`.patch_vision`).
+wrapper's decoder shares (:mod:`notebookkit.models.vision.patcher`).
 """
 
 from __future__ import annotations
@@ -17,22 +17,23 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
+from notebookkit.base_layers.kernel_ops import why_missing
+from notebookkit.base_layers.linear4bit import (TAG as NF4_CPU_TAG, describe_linear4bit, guard_lora_merges,
+                                                patch_linear4bit)
+from notebookkit.base_layers.rebinding import patch_tag, patched_modules, restore
+from notebookkit.compat import attention_implementation
 from notebookkit.families import Family
 from notebookkit.marks import LM_HEAD_OWNER, PATCH_TAG
+from notebookkit.memory.model_setup import record_fused_lm_head
 
-from . import architectures
-from .banner import Banner
-from .decoder_layers import decoder_layers
+from ..common import architectures
+from ..common.banner import Banner
+from ..common.decoder_layers import decoder_layers
 from .lora_fast_path import describe_lora
 from .patch_attention import attention_ready, patch_attention
-from .patch_linear4bit import TAG as NF4_CPU_TAG, describe_linear4bit, guard_lora_merges, patch_linear4bit
 from .patch_lm_head import ALL_ATTENTION_PATCHED, describe_lm_head, lm_head_ready, patch_lm_head
 from .patch_mlp import mlp_ready, patch_mlp
 from .patch_norms import patch_norms
-from .patching import patch_tag, patched_modules, restore
-from .kernel_ops import why_missing
-from .compat import attention_implementation
-from notebookkit.memory.model_setup import record_fused_lm_head
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -175,7 +176,7 @@ def unpatch_model(model: nn.Module, keep_nf4_decode: bool = True) -> int:
     """Restore every forward that notebookkit rebound in ``model``; returns how many were restored.
 
     ``keep_nf4_decode=True`` (the default) leaves the 4-bit layers' CPU forward on notebookkit's NF4
-    decode (:mod:`.patch_linear4bit`): bitsandbytes' own CPU forward gives wrong results on AVX-512
+    decode (:mod:`notebookkit.base_layers.linear4bit`): bitsandbytes' own CPU forward gives wrong results on AVX-512
     CPUs for some shapes and rewrites weights in place in eval mode. ``False`` restores it anyway.
     """
     count = 0

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from notebookkit.marks import MERGE_GUARD, MERGE_ROOT
 
 from .kernel_ops import require
-from .patching import WeakBoundMethod, WeakOwner, rebind
+from .rebinding import WeakBoundMethod, WeakOwner, rebind
 
 TAG = "nf4_cpu"
 _MERGE_GUARD = MERGE_GUARD

@@ -35,12 +35,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from notebookkit.base_layers.kernel_ops import kernel
+from notebookkit.base_layers.rebinding import rebind
 from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 
 from . import forward_state
-from .kernel_ops import kernel
 from .lora_fast_path import views
-from .patching import rebind
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
 

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .kernel_ops import kernel, why_missing
+from notebookkit.base_layers.kernel_ops import kernel, why_missing
+from notebookkit.base_layers.rebinding import rebind
+
 from .lora_fast_path import projection_view, views
-from .patching import rebind
 
 __all__ = ["lora_linear_ready", "patch_lora_linears"]
 

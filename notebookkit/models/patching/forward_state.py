@@ -2,7 +2,7 @@
 
 The fused layers of one forward share a little state that no single layer owns:
 
-* ``id``: which LoRA views this pass may reuse. :func:`notebookkit.models.lora_fast_path.views`
+* ``id``: which LoRA views this pass may reuse. :func:`notebookkit.models.patching.lora_fast_path.views`
   builds a module group's views (and adapter casts) once per pass; the recompute of a checkpointed
   layer reuses them.
 * ``positions_are_defaults``: the caller passed no ``position_ids``, so the ones Hugging Face makes

@@ -12,16 +12,17 @@ What runs fused:
   and the RoPE kernel applies any per-token table. That is checked on the loaded model (a
   transformers whose rotary module returned the three tables separately would keep the attention
   on stock code, and the banner would say so);
-* the **LM head** in training with labels: the fused linear cross-entropy (:mod:`.vision_head`);
+* the **LM head** in training with labels: the fused linear cross-entropy (:mod:`.lm_head`);
 * the **vision tower** where the same kernels apply: its RMSNorms (Qwen2.5-VL's blocks and merger,
   Gemma 3's projector norm) and its gated SiLU MLPs (Qwen2.5-VL; they have biases, so the
   projections run their own modules around the fused activation; once ``get_peft_model`` adapts
-  them, every adapted tower linear runs the LoRA projection kernels, :mod:`.patch_lora_linear`);
+  them, every adapted tower linear runs the LoRA projection kernels,
+  :mod:`notebookkit.models.patching.patch_lora_linear`);
   Qwen2.5-VL's attention within windows and images on the RoPE kernel and one SDPA call per
-  segment length (:mod:`.patch_vision_attention`, instead of a Python loop over the windows).
+  segment length (:mod:`.tower_attention`, instead of a Python loop over the windows).
   SigLIP's attention (already one batched call), LayerNorms and plain GELU MLPs stay stock.
 
-Everything is an instance rebinding (:mod:`.patching`), so ``unpatch_model`` restores it all.
+Everything is an instance rebinding (:mod:`notebookkit.base_layers.rebinding`), so ``unpatch_model`` restores it all.
 """
 
 from __future__ import annotations
@@ -31,19 +32,19 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from notebookkit.base_layers.linear4bit import describe_linear4bit, guard_lora_merges, patch_linear4bit
 from notebookkit.families import Family, for_vision_model_type
 
-from . import architectures
-from .banner import Banner
-from .decoder_layers import decoder_layers
-from .lora_fast_path import describe_lora
-from .patch_linear4bit import describe_linear4bit, guard_lora_merges, patch_linear4bit
-from .patch_lora_linear import patch_lora_linears
-from .patch_mlp import mlp_ready, patch_mlp
-from .patch_norms import patch_norms
-from .patch_vision_attention import patch_segment_attentions
-from .patcher import patch_attentions, patch_mlps, stays_stock
-from .vision_head import patch_vision_head, vision_head_ready
+from ..common import architectures
+from ..common.banner import Banner
+from ..common.decoder_layers import decoder_layers
+from ..patching.lora_fast_path import describe_lora
+from ..patching.patch_lora_linear import patch_lora_linears
+from ..patching.patch_mlp import mlp_ready, patch_mlp
+from ..patching.patch_norms import patch_norms
+from ..patching.patcher import patch_attentions, patch_mlps, stays_stock
+from .lm_head import patch_vision_head, vision_head_ready
+from .tower_attention import patch_segment_attentions
 
 
 def submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
@@ -187,7 +188,8 @@ def _patch_tower(wrapper: nn.Module, family: Family, banner: Banner) -> None:
 
 def patch_tower_adapters(peft_model: nn.Module, banner: Optional[Banner] = None) -> int:
     """Put the adapted linears of the vision tower and projector of a PEFT-wrapped VLM on the LoRA projection
-    kernels (:mod:`.patch_lora_linear`); returns how many, and the banner's ``vision LoRA`` line says it."""
+    kernels (:mod:`notebookkit.models.patching.patch_lora_linear`); returns how many, and the banner's
+    ``vision LoRA`` line says it."""
     wrapper = wrapper_of(peft_model)
     family = vision_family(wrapper)
     if family is None:

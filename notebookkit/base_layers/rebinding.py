@@ -11,11 +11,13 @@ rebinding it to the copy) but holds its module through a weak reference. A bound
 the module's own ``__dict__`` would make a reference cycle (module -> method -> module), so
 ``del model`` would not free the weights (GPU memory included) until Python's cycle collector
 happens to run; with the weak reference, dropping the last reference frees the model at once, as
-with stock Hugging Face models.
+with stock Hugging Face models. The other values notebookkit keeps on an instance follow the same
+care: :class:`WeakOwner` (a weak reference that a deep copy maps to the copy) and :class:`DroppedOnCopy`
+(caches and views that a copy or a pickle of the module leaves behind).
 
 Models placed with ``device_map`` (``"balanced"``, ``"auto"``...) carry accelerate hooks: accelerate
 replaces ``module.forward`` by a wrapper that moves the inputs to the module's device and then calls
-``module._old_forward`` (:mod:`.compat`). On such a module the patched forward takes the place of
+``module._old_forward`` (:mod:`notebookkit.compat`). On such a module the patched forward takes the place of
 ``_old_forward``, so the hook keeps running around it. The patched forward also runs with the CUDA
 device of its first tensor argument current, so Triton kernels launch on the device that holds that
 layer.
@@ -33,9 +35,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from notebookkit.compat import ACCELERATE_FORWARD, accelerate_wrapped
 from notebookkit.marks import ORIGINAL_FORWARD, PATCHED_FORWARD, PATCH_TAG
-
-from .compat import ACCELERATE_FORWARD, accelerate_wrapped
 
 _ORIGINAL = ORIGINAL_FORWARD
 _PATCHED = PATCHED_FORWARD
@@ -139,6 +140,24 @@ class WeakOwner:
         owner = self._ref()
         return self if owner is None else WeakOwner(copy.deepcopy(owner, memo))
 
+
+
+class DroppedOnCopy:
+    """Base of a value notebookkit keeps on a module instance that stays with that instance only:
+    ``copy.deepcopy`` of the module gives the copy ``None`` in its place (a fresh one is built on first
+    use), and pickling stores ``None``. For caches and views that point into the module they belong to."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_dropped, ())
+
+
+def _dropped() -> None:
+    return None
 
 def rebind(module: nn.Module, fn: Callable[..., Any], tag: str) -> None:
     """Rebind ``module.forward`` to ``fn`` (called as ``fn(module, *args, **kwargs)``).
