@@ -95,6 +95,26 @@ def tanh_from_exp(a):
 
 
 @triton.jit
+def softcapped_scores(x, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The scores a row's softmax is taken of, in fp32, from raw logits ``x``: ``z = c tanh(s x / c)``
+    with a soft-cap ``c`` (``HAS_SOFTCAP``), else ``z = s x`` (``s`` the scale)."""
+    z = x.to(tl.float32) * scale
+    if HAS_SOFTCAP:
+        z = softcap * tanh_from_exp(z / softcap)
+    return z
+
+
+@triton.jit
+def grad_through_softcap(dz, z, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``dL/du`` from ``dL/dz`` for ``z = c tanh(u / c)``: ``dL/dz * (1 - (z / c)^2)``; unchanged without a
+    soft-cap."""
+    if HAS_SOFTCAP:
+        t = z / softcap
+        dz = dz * (1.0 - t * t)
+    return dz
+
+
+@triton.jit
 def _cross_entropy_kernel(
     x_ptr,  # [N, V] logits (fp32 / fp16 / bf16), unit stride along V
     x_row_stride,
@@ -134,10 +154,7 @@ def _cross_entropy_kernel(
     for start in range(0, n_cols, BLOCK_V):
         offs = start + cols
         mask = offs < n_cols
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        z = x * logit_scale
-        if HAS_SOFTCAP:
-            z = softcap * tanh_from_exp(z / softcap)
+        z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
         z = tl.where(mask, z, -float("inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: keep exp() finite
@@ -146,10 +163,7 @@ def _cross_entropy_kernel(
     lse = m + tl.log(s)
 
     in_range = (label >= 0) & (label < n_cols)
-    x_y = tl.load(x_row + label, mask=in_range, other=0.0).to(tl.float32)
-    z_y = x_y * logit_scale
-    if HAS_SOFTCAP:
-        z_y = softcap * tanh_from_exp(z_y / softcap)
+    z_y = softcapped_scores(tl.load(x_row + label, mask=in_range, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
     loss = lse - z_y
     if HAS_Z_LOSS:
         loss += z_loss * lse * lse
@@ -166,15 +180,9 @@ def _cross_entropy_kernel(
         for start in range(0, n_cols, BLOCK_V):
             offs = start + cols
             mask = offs < n_cols
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            z = x * logit_scale
-            if HAS_SOFTCAP:
-                z = softcap * tanh_from_exp(z / softcap)
+            z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
             p = tl.exp(z - lse)
-            dz = coef * p - tl.where(offs == label, 1.0, 0.0)
-            if HAS_SOFTCAP:
-                t = z / softcap
-                dz = dz * (1.0 - t * t)
+            dz = grad_through_softcap(coef * p - tl.where(offs == label, 1.0, 0.0), z, softcap, HAS_SOFTCAP)
             g = dz * scale
             tl.store(g_row + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
 

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.cross_entropy import tanh_from_exp
+from notebookkit.kernels.cross_entropy import grad_through_softcap, softcapped_scores
 from notebookkit.kernels.fused_linear_cross_entropy import (
     backprop_lm_head_chunk,
     check_lm_head_inputs,
@@ -111,9 +111,7 @@ def _logprobs_forward_kernel(
     for start in range(0, n_cols, BLOCK_V):
         offs = start + cols
         mask = offs < n_cols
-        z = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) * scale
-        if HAS_SOFTCAP:
-            z = softcap * tanh_from_exp(z / softcap)
+        z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), scale, softcap, HAS_SOFTCAP)
         z_in = tl.where(mask, z, -float("inf"))
         m_new = tl.maximum(m, tl.max(z_in, axis=0))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -126,9 +124,7 @@ def _logprobs_forward_kernel(
     lse = m + tl.log(s)
 
     in_range = (label >= 0) & (label < n_cols)
-    z_y = tl.load(x_row + label, mask=in_range, other=0.0).to(tl.float32) * scale
-    if HAS_SOFTCAP:
-        z_y = softcap * tanh_from_exp(z_y / softcap)
+    z_y = softcapped_scores(tl.load(x_row + label, mask=in_range, other=0.0), scale, softcap, HAS_SOFTCAP)
     tl.store(logp_ptr + row, z_y - lse)
     tl.store(lse_ptr + row, lse)
     if HAS_ENTROPY:
@@ -160,14 +156,9 @@ def _logprobs_backward_kernel(
         return
     lse = tl.load(lse_ptr + row)
     g = tl.load(grad_ptr + row)
-    z = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) * scale
-    if HAS_SOFTCAP:
-        z = softcap * tanh_from_exp(z / softcap)
+    z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), scale, softcap, HAS_SOFTCAP)
     p = tl.exp(z - lse)
-    dz = g * (tl.where(offs == label, 1.0, 0.0) - p)
-    if HAS_SOFTCAP:
-        u = z / softcap
-        dz = dz * (1.0 - u * u)
+    dz = grad_through_softcap(g * (tl.where(offs == label, 1.0, 0.0) - p), z, softcap, HAS_SOFTCAP)
     tl.store(x_row + offs, (dz * scale).to(x_ptr.dtype.element_ty), mask=mask)
 
 
