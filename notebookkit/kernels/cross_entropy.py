@@ -115,6 +115,33 @@ def grad_through_softcap(dz, z, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def row_logsumexp(x_row, n_cols, scale, softcap, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """``(lse, s, t)`` of one row's scores ``z_j`` (:func:`softcapped_scores` of ``x_row[0 .. n_cols)``), read
+    once in blocks of ``BLOCK_V``: the online log-sum-exp with running max ``m``, ``s = sum_j exp(z_j - m)``,
+    ``lse = m + log s``; with ``WITH_ENTROPY`` also ``t = sum_j exp(z_j - m) z_j`` (entropy ``lse - t / s``),
+    else ``t = 0``. All in fp32."""
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    t = 0.0
+    for start in range(0, n_cols, BLOCK_V):
+        offs = start + cols
+        mask = offs < n_cols
+        z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), scale, softcap, HAS_SOFTCAP)
+        z_in = tl.where(mask, z, -float("inf"))
+        m_new = tl.maximum(m, tl.max(z_in, axis=0))
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: keep exp() finite
+        alpha = tl.exp(m - m_ref)
+        e = tl.exp(z_in - m_ref)
+        s = s * alpha + tl.sum(e, axis=0)
+        if WITH_ENTROPY:
+            t = t * alpha + tl.sum(e * tl.where(mask, z, 0.0), axis=0)  # 0 * -inf would be NaN
+        m = m_new
+    return m + tl.log(s), s, t
+
+
+@triton.jit
 def _cross_entropy_kernel(
     x_ptr,  # [N, V] logits (fp32 / fp16 / bf16), unit stride along V
     x_row_stride,
@@ -149,18 +176,7 @@ def _cross_entropy_kernel(
         return
 
     # Sweep 1: online log-sum-exp of z over the row.
-    m = -float("inf")
-    s = 0.0
-    for start in range(0, n_cols, BLOCK_V):
-        offs = start + cols
-        mask = offs < n_cols
-        z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
-        z = tl.where(mask, z, -float("inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: keep exp() finite
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
+    lse, _, _ = row_logsumexp(x_row, n_cols, logit_scale, softcap, HAS_SOFTCAP, False, BLOCK_V)
 
     in_range = (label >= 0) & (label < n_cols)
     z_y = softcapped_scores(tl.load(x_row + label, mask=in_range, other=0.0), logit_scale, softcap, HAS_SOFTCAP)

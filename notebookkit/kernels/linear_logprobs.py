@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.cross_entropy import grad_through_softcap, softcapped_scores
+from notebookkit.kernels.cross_entropy import grad_through_softcap, row_logsumexp, softcapped_scores
 from notebookkit.kernels.fused_linear_cross_entropy import (
     backprop_lm_head_chunk,
     check_lm_head_inputs,
@@ -104,24 +104,7 @@ def _logprobs_forward_kernel(
             tl.store(entropy_ptr + row, 0.0)
         return
 
-    cols = tl.arange(0, BLOCK_V)
-    m = -float("inf")
-    s = 0.0  # sum exp(z - m)
-    t = 0.0  # sum exp(z - m) * z   (entropy only)
-    for start in range(0, n_cols, BLOCK_V):
-        offs = start + cols
-        mask = offs < n_cols
-        z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), scale, softcap, HAS_SOFTCAP)
-        z_in = tl.where(mask, z, -float("inf"))
-        m_new = tl.maximum(m, tl.max(z_in, axis=0))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_ref)
-        e = tl.exp(z_in - m_ref)
-        s = s * alpha + tl.sum(e, axis=0)
-        if HAS_ENTROPY:
-            t = t * alpha + tl.sum(e * tl.where(mask, z, 0.0), axis=0)  # 0 * -inf would be NaN
-        m = m_new
-    lse = m + tl.log(s)
+    lse, s, t = row_logsumexp(x_row, n_cols, scale, softcap, HAS_SOFTCAP, HAS_ENTROPY, BLOCK_V)
 
     in_range = (label >= 0) & (label < n_cols)
     z_y = softcapped_scores(tl.load(x_row + label, mask=in_range, other=0.0), scale, softcap, HAS_SOFTCAP)
