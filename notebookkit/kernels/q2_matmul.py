@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dequant_gemm import as_rows, dot_acc
 from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, check_q2, dequantize_q2_reference, q2_decode_tile
 from .runtime import should_use_triton
 
@@ -104,10 +105,7 @@ def _q2_matmul_fwd_kernel(
     for k0 in range(0, K, BLOCK_K):
         xt = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
         w = q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K).to(xt.dtype)
-        if IEEE:
-            acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(w), acc)
+        acc = dot_acc(xt, tl.trans(w), acc, IEEE)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -137,10 +135,7 @@ def _q2_matmul_bwd_input_kernel(
         n_ok = rn < N
         dyt = tl.load(dy_ptr + rm[:, None] * stride_dym + rn[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         w = q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K).to(dyt.dtype)
-        if IEEE:
-            acc = tl.dot(dyt, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(dyt, w, acc)
+        acc = dot_acc(dyt, w, acc, IEEE)
     rk = k0 + tl.arange(0, BLOCK_K)
     tl.store(dx_ptr + rm[:, None] * K + rk[None, :], acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None])
 
@@ -149,14 +144,6 @@ def _config(group_size: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K divides the group (one scale per step).
     Not tuned on a GPU yet."""
     return 64, 64, min(group_size, 64), 4, 3
-
-
-def as_rows(a: torch.Tensor, features: int) -> torch.Tensor:
-    """``a`` as a ``[rows, features]`` view (a copy only when its last dimension is strided)."""
-    a2 = a.reshape(-1, features)
-    if a2.stride(-1) != 1:
-        a2 = a2.contiguous()
-    return a2
 
 
 def q2_matmul(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, q2_decode_tile
-from .q2_matmul import as_rows, check_q2_operand, q2_matmul, q2_matmul_reference
+from .dequant_gemm import as_rows
+from .q2_matmul import check_q2_operand, q2_matmul, q2_matmul_reference
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = ["MAX_ROWS", "q2_matvec", "q2_matvec_reference", "AOT_SPECS"]

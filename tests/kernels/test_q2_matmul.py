@@ -58,6 +58,11 @@ def test_strided_rows_and_leading_dims():
         y = q2_matmul(xs, q)
     assert y.shape == (2, 5, 33)
     assert_close(y, xs.double() @ w64.t(), torch.float32, "strided forward")
+    xc = torch.randn(2, 5, 256)[..., ::2]  # column stride 2: the launchers copy it to unit stride (as_rows)
+    with use_triton(True):
+        assert_close(q2_matmul(xc, q), xc.double() @ w64.t(), torch.float32, "column-strided forward")
+        assert_close(q2_matmul_backward_input(xc[..., :33], q), xc[..., :33].double() @ w64, torch.float32,
+                     "column-strided input grad")
 
 
 def test_autograd_input_gradient_only():
