@@ -82,19 +82,10 @@ def q2_matmul_backward_input_reference(dy: torch.Tensor, q: Q2Weight) -> torch.T
 @triton.jit
 def _q2_matmul_fwd_kernel(
     x_ptr,  # *c [M, K], row stride stride_xm
-    codes_ptr,  # *u8 [N, K/4]
-    scale_ptr,  # *fp16 [N, K/G]
-    zero_ptr,  # *fp16 [N, K/G]
+    codes_ptr, scale_ptr, zero_ptr,  # the Q2 weight: *u8 [N, K/4] codes, *fp16 [N, K/G] scale and zero
     y_ptr,  # *c [M, N] contiguous
-    M,
-    N,
-    K,
-    stride_xm,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    M, N, K, stride_xm,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,19 +103,10 @@ def _q2_matmul_fwd_kernel(
 @triton.jit
 def _q2_matmul_bwd_input_kernel(
     dy_ptr,  # *c [M, N], row stride stride_dym
-    codes_ptr,  # *u8 [N, K/4]
-    scale_ptr,  # *fp16 [N, K/G]
-    zero_ptr,  # *fp16 [N, K/G]
+    codes_ptr, scale_ptr, zero_ptr,  # the Q2 weight: *u8 [N, K/4] codes, *fp16 [N, K/G] scale and zero
     dx_ptr,  # *c [M, K] contiguous
-    M,
-    N,
-    K,
-    stride_dym,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    M, N, K, stride_dym,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     k0 = tl.program_id(1) * BLOCK_K

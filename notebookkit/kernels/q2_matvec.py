@@ -46,17 +46,10 @@ def q2_matvec_reference(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
 @triton.jit
 def _q2_matvec_kernel(
     x_ptr,  # *c [M, K], row stride stride_xm
-    codes_ptr,  # *u8 [N, K/4]
-    scale_ptr,  # *fp16 [N, K/G]
-    zero_ptr,  # *fp16 [N, K/G]
+    codes_ptr, scale_ptr, zero_ptr,  # the Q2 weight: *u8 [N, K/4] codes, *fp16 [N, K/G] scale and zero
     y_ptr,  # *c [M, N] contiguous
-    N,
-    K,
-    stride_xm,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
+    N, K, stride_xm,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
