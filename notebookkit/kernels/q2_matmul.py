@@ -60,6 +60,13 @@ def check_q2_operand(a: torch.Tensor, q: Q2Weight, features: int, what: str, nam
         raise ValueError(f"{what}: {name} is on {a.device} but the Q2 weight on {q.device}; move them together.")
 
 
+def q2_operand_rows(a: torch.Tensor, q: Q2Weight, features: int, what: str, name: str) -> torch.Tensor:
+    """``a`` checked against the Q2 weight (:func:`check_q2_operand`) and seen as ``[rows, features]``
+    (:func:`~notebookkit.kernels.dequant_gemm.as_rows`): what a launcher hands its kernel."""
+    check_q2_operand(a, q, features, what, name)
+    return as_rows(a, features)
+
+
 def q2_matmul_reference(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     """``x @ dequant(W)^T``: ``W`` dequantised to ``x``'s dtype, fp32 product, one rounding."""
     check_q2_operand(x, q, q.shape[1], "q2_matmul", "x")
@@ -134,8 +141,7 @@ def q2_matmul(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     if not should_use_triton(x):
         return q2_matmul_reference(x, q)
     n, k = q.shape
-    check_q2_operand(x, q, k, "q2_matmul", "x")
-    x2 = as_rows(x, k)
+    x2 = q2_operand_rows(x, q, k, "q2_matmul", "x")
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
@@ -153,8 +159,7 @@ def q2_matmul_backward_input(dy: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     if not should_use_triton(dy):
         return q2_matmul_backward_input_reference(dy, q)
     n, k = q.shape
-    check_q2_operand(dy, q, n, "q2_matmul_backward_input", "dy")
-    dy2 = as_rows(dy, n)
+    dy2 = q2_operand_rows(dy, q, n, "q2_matmul_backward_input", "dy")
     m = dy2.shape[0]
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
     if m:

@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, q2_decode_tile
-from .dequant_gemm import as_rows
-from .q2_matmul import check_q2_operand, q2_matmul, q2_matmul_reference
+from .q2_matmul import q2_matmul, q2_matmul_reference, q2_operand_rows
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = ["MAX_ROWS", "q2_matvec", "q2_matvec_reference", "AOT_SPECS"]
@@ -81,8 +80,7 @@ def q2_matvec(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     if not should_use_triton(x):
         return q2_matvec_reference(x, q)
     n, k = q.shape
-    check_q2_operand(x, q, k, "q2_matvec", "x")
-    x2 = as_rows(x, k)
+    x2 = q2_operand_rows(x, q, k, "q2_matvec", "x")
     m = x2.shape[0]
     if m > MAX_ROWS:
         return q2_matmul(x, q)
