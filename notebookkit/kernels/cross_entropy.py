@@ -377,15 +377,9 @@ class CrossEntropyFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def cross_entropy_reference(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    ignore_index: int = -100,
-    softcap: Optional[float] = None,
-    logit_scale: float = 1.0,
-    z_loss: float = 0.0,
-    n_items: NItems = None,
-) -> torch.Tensor:
+def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                            softcap: Optional[float] = None, logit_scale: float = 1.0, z_loss: float = 0.0,
+                            n_items: NItems = None) -> torch.Tensor:
     """Plain-PyTorch cross-entropy with the same options, differentiable by autograd.
 
     Math in float32 (float64 when the logits are float64, which makes it the test oracle). Without

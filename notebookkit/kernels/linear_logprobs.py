@@ -306,19 +306,10 @@ class LinearLogprobsFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def linear_logprobs_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    softcap: Optional[float] = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    ignore_index: int = -100,
-    return_entropy: bool = False,
-    compute_dtype: Optional[torch.dtype] = None,
-):
+def linear_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                              bias: Optional[torch.Tensor] = None, *, softcap: Optional[float] = None,
+                              temperature: float = 1.0, logit_scale: float = 1.0, ignore_index: int = -100,
+                              return_entropy: bool = False, compute_dtype: Optional[torch.dtype] = None):
     """Plain PyTorch: full logits, ``log_softmax``, ``gather`` (autograd differentiates it).
 
     The logits are made in ``compute_dtype`` (default: float32, float64 for float64 inputs) and the
