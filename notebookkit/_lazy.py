@@ -1,18 +1,19 @@
 """Lazy package exports: a package names what it offers and from which submodule, and each name's
 submodule is imported only when the name is first used (keeps ``import notebookkit.data`` light).
 
-Used in a package ``__init__``::
+Used in a package ``__init__``, each submodule with the names it offers::
 
-    _LAZY = {"get_chat_template": "chat_templates", "pack_examples": "packing"}
-    __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
-    __all__ = list(_LAZY)
+    __getattr__, __dir__, __all__ = lazy_package(__name__, {
+        "chat_templates": ("get_chat_template", "list_chat_templates"),
+        "packing": ("pack_examples",),
+    })
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 
 def lazy_exports(
@@ -39,3 +40,13 @@ def lazy_exports(
         return sorted(list(vars(sys.modules[package])) + list(table))
 
     return __getattr__, __dir__
+
+
+def lazy_package(
+    package: str, offers: Mapping[str, Iterable[str]], more: Optional[Mapping[str, str]] = None
+) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """``(__getattr__, __dir__, __all__)`` of ``package``, which offers the names ``offers[sub]`` from its
+    submodule ``sub`` (and each name of ``more`` from the submodule it maps to), imported on first use."""
+    table = {name: sub for sub, names in offers.items() for name in names}
+    table.update(more or {})
+    return (*lazy_exports(package, table), list(table))

@@ -12,35 +12,16 @@ because notebooks read the bundled datasets as they read their own.
 
 from __future__ import annotations
 
-from notebookkit._lazy import lazy_exports
+from notebookkit._lazy import lazy_package
 
-_LAZY = {
-    "get_chat_template": "chat_templates",
-    "list_chat_templates": "chat_templates",
-    "apply_generation_eos": "chat_templates",
-    "guess_chat_template": "chat_templates",
-    "template_spec": "chat_templates",
-    "CHAT_TEMPLATES": "chat_templates",
-    "standardize_sharegpt": "sharegpt",
-    "standardize_data_formats": "sharegpt",
-    "to_role_content": "sharegpt",
-    "alpaca_to_messages": "sharegpt",
-    "train_on_responses_only": "responses_only",
-    "detect_markers": "responses_only",
-    "MarkerNotFoundError": "responses_only",
-    "profile_lengths": "profile",
-    "LengthProfile": "profile",
-    "round_up_length": "profile",
-    "check_masking": "masking",
-    "MaskingReport": "masking",
-    "PaddingFreeCollator": "packing",
-    "pack_examples": "packing",
-    "packing_stats": "packing",
-    "VisionDataCollator": "vision_collator",
-    "VisionRowError": "vision_collator",
-    "load_bundled": "bundled",
-    "dataset_path": "bundled",
-}
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
-__all__ = list(_LAZY)
+__getattr__, __dir__, __all__ = lazy_package(__name__, {
+    "chat_templates": ("get_chat_template", "list_chat_templates", "apply_generation_eos",
+                       "guess_chat_template", "template_spec", "CHAT_TEMPLATES"),
+    "sharegpt": ("standardize_sharegpt", "standardize_data_formats", "to_role_content", "alpaca_to_messages"),
+    "responses_only": ("train_on_responses_only", "detect_markers", "MarkerNotFoundError"),
+    "profile": ("profile_lengths", "LengthProfile", "round_up_length"),
+    "masking": ("check_masking", "MaskingReport"),
+    "packing": ("PaddingFreeCollator", "pack_examples", "packing_stats"),
+    "vision_collator": ("VisionDataCollator", "VisionRowError"),
+    "bundled": ("load_bundled", "dataset_path"),
+})

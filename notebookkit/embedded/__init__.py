@@ -26,21 +26,11 @@ Used by tests, demos and notebooks, never by the layers above for real work::
 
 from __future__ import annotations
 
-from notebookkit._lazy import lazy_exports
+from notebookkit._lazy import lazy_package
 
-_LAZY = {
-    "TINY_MODELS": "tiny",
-    "TINY_VISION_MODELS": "tiny",
-    "TINY_LOW_BIT_MODELS": "tiny",
-    "ensure_tiny_model": "tiny",
-    "resolve_model_name": "tiny",
-    "is_tiny_model_name": "tiny",
-    "tiny_model_info": "tiny",
-    "load_bundled": "bundled",
-    "dataset_path": "bundled",
-    "list_bundled": "bundled",
-    "build_all": "cli",
-}
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
-__all__ = list(_LAZY)
+__getattr__, __dir__, __all__ = lazy_package(__name__, {
+    "tiny": ("TINY_MODELS", "TINY_VISION_MODELS", "TINY_LOW_BIT_MODELS", "ensure_tiny_model",
+             "resolve_model_name", "is_tiny_model_name", "tiny_model_info"),
+    "bundled": ("load_bundled", "dataset_path", "list_bundled"),
+    "cli": ("build_all",),
+})

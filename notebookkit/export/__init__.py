@@ -11,27 +11,17 @@ and :mod:`notebookkit.export.verify` reloads what was written and compares it wi
 
 from __future__ import annotations
 
-from notebookkit._lazy import lazy_exports
+from notebookkit._lazy import lazy_package
 
-_LAZY = {
-    "save_pretrained_merged": "merged",
-    "ExportResult": "merged",
-    "SAVE_METHODS": "merged",
-    "save_pretrained_gguf": "gguf_file",
-    "GGUF_METHODS": "gguf_file",
-    "KQUANT_METHODS": "gguf_file",
-    "install_llama_cpp": "kquants",
-    "push_to_hub_merged": "hub",
-    "push_to_hub_gguf": "hub",
-    "ExportError": "checks",
-    "bind_export_methods": "bind",
-    "check_merged_folder": "verify",
-    "check_gguf_file": "verify",
-    "write_modelfile": "modelfile",
-    "train_canary": "canary",
-    "DEFAULT_CANARY": "canary",
-    "export_and_verify": "report",
-}
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
-__all__ = list(_LAZY)
+__getattr__, __dir__, __all__ = lazy_package(__name__, {
+    "merged": ("save_pretrained_merged", "ExportResult", "SAVE_METHODS"),
+    "gguf_file": ("save_pretrained_gguf", "GGUF_METHODS", "KQUANT_METHODS"),
+    "kquants": ("install_llama_cpp",),
+    "hub": ("push_to_hub_merged", "push_to_hub_gguf"),
+    "checks": ("ExportError",),
+    "bind": ("bind_export_methods",),
+    "verify": ("check_merged_folder", "check_gguf_file"),
+    "modelfile": ("write_modelfile",),
+    "canary": ("train_canary", "DEFAULT_CANARY"),
+    "report": ("export_and_verify",),
+})

@@ -95,6 +95,53 @@ def tanh_from_exp(a):
 
 
 @triton.jit
+def softcapped_scores(x, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The scores a row's softmax is taken of, in fp32, from raw logits ``x``: ``z = c tanh(s x / c)``
+    with a soft-cap ``c`` (``HAS_SOFTCAP``), else ``z = s x`` (``s`` the scale)."""
+    z = x.to(tl.float32) * scale
+    if HAS_SOFTCAP:
+        z = softcap * tanh_from_exp(z / softcap)
+    return z
+
+
+@triton.jit
+def grad_through_softcap(dz, z, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``dL/du`` from ``dL/dz`` for ``z = c tanh(u / c)``: ``dL/dz * (1 - (z / c)^2)``; unchanged without a
+    soft-cap."""
+    if HAS_SOFTCAP:
+        t = z / softcap
+        dz = dz * (1.0 - t * t)
+    return dz
+
+
+@triton.jit
+def row_logsumexp(x_row, n_cols, scale, softcap, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """``(lse, s, t)`` of one row's scores ``z_j`` (:func:`softcapped_scores` of ``x_row[0 .. n_cols)``), read
+    once in blocks of ``BLOCK_V``: the online log-sum-exp with running max ``m``, ``s = sum_j exp(z_j - m)``,
+    ``lse = m + log s``; with ``WITH_ENTROPY`` also ``t = sum_j exp(z_j - m) z_j`` (entropy ``lse - t / s``),
+    else ``t = 0``. All in fp32."""
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    t = 0.0
+    for start in range(0, n_cols, BLOCK_V):
+        offs = start + cols
+        mask = offs < n_cols
+        z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), scale, softcap, HAS_SOFTCAP)
+        z_in = tl.where(mask, z, -float("inf"))
+        m_new = tl.maximum(m, tl.max(z_in, axis=0))
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: keep exp() finite
+        alpha = tl.exp(m - m_ref)
+        e = tl.exp(z_in - m_ref)
+        s = s * alpha + tl.sum(e, axis=0)
+        if WITH_ENTROPY:
+            t = t * alpha + tl.sum(e * tl.where(mask, z, 0.0), axis=0)  # 0 * -inf would be NaN
+        m = m_new
+    return m + tl.log(s), s, t
+
+
+@triton.jit
 def _cross_entropy_kernel(
     x_ptr,  # [N, V] logits (fp32 / fp16 / bf16), unit stride along V
     x_row_stride,
@@ -129,27 +176,10 @@ def _cross_entropy_kernel(
         return
 
     # Sweep 1: online log-sum-exp of z over the row.
-    m = -float("inf")
-    s = 0.0
-    for start in range(0, n_cols, BLOCK_V):
-        offs = start + cols
-        mask = offs < n_cols
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        z = x * logit_scale
-        if HAS_SOFTCAP:
-            z = softcap * tanh_from_exp(z / softcap)
-        z = tl.where(mask, z, -float("inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: keep exp() finite
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
+    lse, _, _ = row_logsumexp(x_row, n_cols, logit_scale, softcap, HAS_SOFTCAP, False, BLOCK_V)
 
     in_range = (label >= 0) & (label < n_cols)
-    x_y = tl.load(x_row + label, mask=in_range, other=0.0).to(tl.float32)
-    z_y = x_y * logit_scale
-    if HAS_SOFTCAP:
-        z_y = softcap * tanh_from_exp(z_y / softcap)
+    z_y = softcapped_scores(tl.load(x_row + label, mask=in_range, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
     loss = lse - z_y
     if HAS_Z_LOSS:
         loss += z_loss * lse * lse
@@ -166,15 +196,9 @@ def _cross_entropy_kernel(
         for start in range(0, n_cols, BLOCK_V):
             offs = start + cols
             mask = offs < n_cols
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            z = x * logit_scale
-            if HAS_SOFTCAP:
-                z = softcap * tanh_from_exp(z / softcap)
+            z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
             p = tl.exp(z - lse)
-            dz = coef * p - tl.where(offs == label, 1.0, 0.0)
-            if HAS_SOFTCAP:
-                t = z / softcap
-                dz = dz * (1.0 - t * t)
+            dz = grad_through_softcap(coef * p - tl.where(offs == label, 1.0, 0.0), z, softcap, HAS_SOFTCAP)
             g = dz * scale
             tl.store(g_row + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
 
@@ -353,15 +377,9 @@ class CrossEntropyFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def cross_entropy_reference(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    ignore_index: int = -100,
-    softcap: Optional[float] = None,
-    logit_scale: float = 1.0,
-    z_loss: float = 0.0,
-    n_items: NItems = None,
-) -> torch.Tensor:
+def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                            softcap: Optional[float] = None, logit_scale: float = 1.0, z_loss: float = 0.0,
+                            n_items: NItems = None) -> torch.Tensor:
     """Plain-PyTorch cross-entropy with the same options, differentiable by autograd.
 
     Math in float32 (float64 when the logits are float64, which makes it the test oracle). Without

@@ -276,18 +276,11 @@ def lm_head_compute_dtype(op: str, hidden: torch.Tensor, weight: torch.Tensor, h
     return dtype
 
 
-def fused_linear_cross_entropy_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
-    softcap: Optional[float] = None,
-    logit_scale: float = 1.0,
-    z_loss: float = 0.0,
-    n_items: NItems = None,
-    chunk_size: Optional[int] = None,
-) -> torch.Tensor:
+def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                         bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                                         softcap: Optional[float] = None, logit_scale: float = 1.0,
+                                         z_loss: float = 0.0, n_items: NItems = None,
+                                         chunk_size: Optional[int] = None) -> torch.Tensor:
     """Plain PyTorch: fp32 logits ``hidden @ weight.T + bias`` then :func:`cross_entropy_reference`.
 
     Materialises the ``[N, V]`` logits (in float32, float64 for float64 inputs); ``chunk_size`` is

@@ -104,15 +104,8 @@ def geglu_forward(
     return gated.launch_forward(_geglu_fwd_kernel, e, g, out, APPROX_TANH=_approx_flag(approximate))
 
 
-def geglu_backward_launch(
-    dh: torch.Tensor,
-    e: torch.Tensor,
-    g: torch.Tensor,
-    h_out: torch.Tensor | None,
-    de_out: torch.Tensor,
-    dg_out: torch.Tensor,
-    approximate: str = "none",
-) -> None:
+def geglu_backward_launch(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, h_out: torch.Tensor | None,
+                          de_out: torch.Tensor, dg_out: torch.Tensor, approximate: str = "none") -> None:
     """Launch the backward kernel on tensors of one shape (``dh``, ``h_out`` contiguous; ``e``, ``g`` and
     ``de_out``, ``dg_out`` contiguous or row slices with one row stride); outputs may be any of the
     inputs (element-wise read-then-write). ``h_out=None`` skips recomputing ``h``."""

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.cross_entropy import tanh_from_exp
+from notebookkit.kernels.cross_entropy import grad_through_softcap, row_logsumexp, softcapped_scores
 from notebookkit.kernels.fused_linear_cross_entropy import (
     backprop_lm_head_chunk,
     check_lm_head_inputs,
@@ -104,31 +104,10 @@ def _logprobs_forward_kernel(
             tl.store(entropy_ptr + row, 0.0)
         return
 
-    cols = tl.arange(0, BLOCK_V)
-    m = -float("inf")
-    s = 0.0  # sum exp(z - m)
-    t = 0.0  # sum exp(z - m) * z   (entropy only)
-    for start in range(0, n_cols, BLOCK_V):
-        offs = start + cols
-        mask = offs < n_cols
-        z = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) * scale
-        if HAS_SOFTCAP:
-            z = softcap * tanh_from_exp(z / softcap)
-        z_in = tl.where(mask, z, -float("inf"))
-        m_new = tl.maximum(m, tl.max(z_in, axis=0))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_ref)
-        e = tl.exp(z_in - m_ref)
-        s = s * alpha + tl.sum(e, axis=0)
-        if HAS_ENTROPY:
-            t = t * alpha + tl.sum(e * tl.where(mask, z, 0.0), axis=0)  # 0 * -inf would be NaN
-        m = m_new
-    lse = m + tl.log(s)
+    lse, s, t = row_logsumexp(x_row, n_cols, scale, softcap, HAS_SOFTCAP, HAS_ENTROPY, BLOCK_V)
 
     in_range = (label >= 0) & (label < n_cols)
-    z_y = tl.load(x_row + label, mask=in_range, other=0.0).to(tl.float32) * scale
-    if HAS_SOFTCAP:
-        z_y = softcap * tanh_from_exp(z_y / softcap)
+    z_y = softcapped_scores(tl.load(x_row + label, mask=in_range, other=0.0), scale, softcap, HAS_SOFTCAP)
     tl.store(logp_ptr + row, z_y - lse)
     tl.store(lse_ptr + row, lse)
     if HAS_ENTROPY:
@@ -160,14 +139,9 @@ def _logprobs_backward_kernel(
         return
     lse = tl.load(lse_ptr + row)
     g = tl.load(grad_ptr + row)
-    z = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) * scale
-    if HAS_SOFTCAP:
-        z = softcap * tanh_from_exp(z / softcap)
+    z = softcapped_scores(tl.load(x_row + offs, mask=mask, other=0.0), scale, softcap, HAS_SOFTCAP)
     p = tl.exp(z - lse)
-    dz = g * (tl.where(offs == label, 1.0, 0.0) - p)
-    if HAS_SOFTCAP:
-        u = z / softcap
-        dz = dz * (1.0 - u * u)
+    dz = grad_through_softcap(g * (tl.where(offs == label, 1.0, 0.0) - p), z, softcap, HAS_SOFTCAP)
     tl.store(x_row + offs, (dz * scale).to(x_ptr.dtype.element_ty), mask=mask)
 
 
@@ -332,19 +306,10 @@ class LinearLogprobsFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def linear_logprobs_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    softcap: Optional[float] = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    ignore_index: int = -100,
-    return_entropy: bool = False,
-    compute_dtype: Optional[torch.dtype] = None,
-):
+def linear_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                              bias: Optional[torch.Tensor] = None, *, softcap: Optional[float] = None,
+                              temperature: float = 1.0, logit_scale: float = 1.0, ignore_index: int = -100,
+                              return_entropy: bool = False, compute_dtype: Optional[torch.dtype] = None):
     """Plain PyTorch: full logits, ``log_softmax``, ``gather`` (autograd differentiates it).
 
     The logits are made in ``compute_dtype`` (default: float32, float64 for float64 inputs) and the

@@ -210,12 +210,8 @@ def _resolve_out(st: _NF4State, device: torch.device, out_dtype: torch.dtype | N
 # --------------------------------------------------------------------------------------------------
 
 
-def dequantize_nf4_reference(
-    weight: torch.Tensor,
-    quant_state: Any = None,
-    out_dtype: torch.dtype | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def dequantize_nf4_reference(weight: torch.Tensor, quant_state: Any = None, out_dtype: torch.dtype | None = None,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-PyTorch NF4 dequantisation (same arguments and bits as :func:`dequantize_nf4`)."""
     packed, quant_state = unwrap_nf4_weight(weight, quant_state)
     st = read_nf4_state(packed, quant_state)

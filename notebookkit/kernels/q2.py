@@ -380,16 +380,10 @@ def q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rows, row_ok, k0, K, GROUP: t
 
 @triton.jit
 def _q2_dequant_kernel(
-    codes_ptr,  # *u8 [N, K/4]
-    scale_ptr,  # *fp16 [N, K/G]
-    zero_ptr,  # *fp16 [N, K/G]
+    codes_ptr, scale_ptr, zero_ptr,  # the Q2 weight: *u8 [N, K/4] codes, *fp16 [N, K/G] scale and zero
     out_ptr,  # *fp16 / *bf16 / *fp32 [N, K] (int16 bits when BF16_BITS)
-    N,
-    K,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BF16_BITS: tl.constexpr,
+    N, K,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_BITS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dequant_gemm import as_rows, dot_acc
 from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, check_q2, dequantize_q2_reference, q2_decode_tile
 from .runtime import should_use_triton
 
@@ -59,6 +60,13 @@ def check_q2_operand(a: torch.Tensor, q: Q2Weight, features: int, what: str, nam
         raise ValueError(f"{what}: {name} is on {a.device} but the Q2 weight on {q.device}; move them together.")
 
 
+def q2_operand_rows(a: torch.Tensor, q: Q2Weight, features: int, what: str, name: str) -> torch.Tensor:
+    """``a`` checked against the Q2 weight (:func:`check_q2_operand`) and seen as ``[rows, features]``
+    (:func:`~notebookkit.kernels.dequant_gemm.as_rows`): what a launcher hands its kernel."""
+    check_q2_operand(a, q, features, what, name)
+    return as_rows(a, features)
+
+
 def q2_matmul_reference(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     """``x @ dequant(W)^T``: ``W`` dequantised to ``x``'s dtype, fp32 product, one rounding."""
     check_q2_operand(x, q, q.shape[1], "q2_matmul", "x")
@@ -81,19 +89,10 @@ def q2_matmul_backward_input_reference(dy: torch.Tensor, q: Q2Weight) -> torch.T
 @triton.jit
 def _q2_matmul_fwd_kernel(
     x_ptr,  # *c [M, K], row stride stride_xm
-    codes_ptr,  # *u8 [N, K/4]
-    scale_ptr,  # *fp16 [N, K/G]
-    zero_ptr,  # *fp16 [N, K/G]
+    codes_ptr, scale_ptr, zero_ptr,  # the Q2 weight: *u8 [N, K/4] codes, *fp16 [N, K/G] scale and zero
     y_ptr,  # *c [M, N] contiguous
-    M,
-    N,
-    K,
-    stride_xm,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    M, N, K, stride_xm,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,29 +103,17 @@ def _q2_matmul_fwd_kernel(
     for k0 in range(0, K, BLOCK_K):
         xt = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
         w = q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K).to(xt.dtype)
-        if IEEE:
-            acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(w), acc)
+        acc = dot_acc(xt, tl.trans(w), acc, IEEE)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _q2_matmul_bwd_input_kernel(
     dy_ptr,  # *c [M, N], row stride stride_dym
-    codes_ptr,  # *u8 [N, K/4]
-    scale_ptr,  # *fp16 [N, K/G]
-    zero_ptr,  # *fp16 [N, K/G]
+    codes_ptr, scale_ptr, zero_ptr,  # the Q2 weight: *u8 [N, K/4] codes, *fp16 [N, K/G] scale and zero
     dx_ptr,  # *c [M, K] contiguous
-    M,
-    N,
-    K,
-    stride_dym,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    M, N, K, stride_dym,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     k0 = tl.program_id(1) * BLOCK_K
@@ -137,10 +124,7 @@ def _q2_matmul_bwd_input_kernel(
         n_ok = rn < N
         dyt = tl.load(dy_ptr + rm[:, None] * stride_dym + rn[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         w = q2_decode_tile(codes_ptr, scale_ptr, zero_ptr, rn, n_ok, k0, K, GROUP, BLOCK_K).to(dyt.dtype)
-        if IEEE:
-            acc = tl.dot(dyt, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(dyt, w, acc)
+        acc = dot_acc(dyt, w, acc, IEEE)
     rk = k0 + tl.arange(0, BLOCK_K)
     tl.store(dx_ptr + rm[:, None] * K + rk[None, :], acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None])
 
@@ -151,22 +135,13 @@ def _config(group_size: int) -> tuple[int, int, int, int, int]:
     return 64, 64, min(group_size, 64), 4, 3
 
 
-def as_rows(a: torch.Tensor, features: int) -> torch.Tensor:
-    """``a`` as a ``[rows, features]`` view (a copy only when its last dimension is strided)."""
-    a2 = a.reshape(-1, features)
-    if a2.stride(-1) != 1:
-        a2 = a2.contiguous()
-    return a2
-
-
 def q2_matmul(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     """``x @ dequant(W)^T`` (``[..., K] -> [..., N]``, ``x``'s dtype), dequantising inside the GEMM
     on CUDA (or forced Triton); the reference elsewhere."""
     if not should_use_triton(x):
         return q2_matmul_reference(x, q)
     n, k = q.shape
-    check_q2_operand(x, q, k, "q2_matmul", "x")
-    x2 = as_rows(x, k)
+    x2 = q2_operand_rows(x, q, k, "q2_matmul", "x")
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
@@ -184,8 +159,7 @@ def q2_matmul_backward_input(dy: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     if not should_use_triton(dy):
         return q2_matmul_backward_input_reference(dy, q)
     n, k = q.shape
-    check_q2_operand(dy, q, n, "q2_matmul_backward_input", "dy")
-    dy2 = as_rows(dy, n)
+    dy2 = q2_operand_rows(dy, q, n, "q2_matmul_backward_input", "dy")
     m = dy2.shape[0]
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
     if m:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .q2 import DEFAULT_GROUP_SIZE, Q2Weight, q2_decode_tile
-from .q2_matmul import as_rows, check_q2_operand, q2_matmul, q2_matmul_reference
+from .q2_matmul import q2_matmul, q2_matmul_reference, q2_operand_rows
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = ["MAX_ROWS", "q2_matvec", "q2_matvec_reference", "AOT_SPECS"]
@@ -45,17 +45,10 @@ def q2_matvec_reference(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
 @triton.jit
 def _q2_matvec_kernel(
     x_ptr,  # *c [M, K], row stride stride_xm
-    codes_ptr,  # *u8 [N, K/4]
-    scale_ptr,  # *fp16 [N, K/G]
-    zero_ptr,  # *fp16 [N, K/G]
+    codes_ptr, scale_ptr, zero_ptr,  # the Q2 weight: *u8 [N, K/4] codes, *fp16 [N, K/G] scale and zero
     y_ptr,  # *c [M, N] contiguous
-    N,
-    K,
-    stride_xm,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
+    N, K, stride_xm,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
@@ -87,8 +80,7 @@ def q2_matvec(x: torch.Tensor, q: Q2Weight) -> torch.Tensor:
     if not should_use_triton(x):
         return q2_matvec_reference(x, q)
     n, k = q.shape
-    check_q2_operand(x, q, k, "q2_matvec", "x")
-    x2 = as_rows(x, k)
+    x2 = q2_operand_rows(x, q, k, "q2_matvec", "x")
     m = x2.shape[0]
     if m > MAX_ROWS:
         return q2_matmul(x, q)

@@ -71,14 +71,8 @@ def swiglu_forward(e: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = 
     return gated.launch_forward(_swiglu_fwd_kernel, e, g, out)
 
 
-def swiglu_backward_launch(
-    dh: torch.Tensor,
-    e: torch.Tensor,
-    g: torch.Tensor,
-    h_out: torch.Tensor | None,
-    de_out: torch.Tensor,
-    dg_out: torch.Tensor,
-) -> None:
+def swiglu_backward_launch(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, h_out: torch.Tensor | None,
+                           de_out: torch.Tensor, dg_out: torch.Tensor) -> None:
     """Launch the backward kernel on tensors of one shape (``dh``, ``h_out`` contiguous; ``e``, ``g`` and
     ``de_out``, ``dg_out`` contiguous or row slices with one row stride). Outputs may be any of the inputs
     (element ``i`` of every output is written after element ``i`` of every input is read);

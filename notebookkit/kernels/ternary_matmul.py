@@ -11,8 +11,9 @@ Math (``W [N, K]`` a :class:`~notebookkit.kernels.ternary.TernaryWeight`, ``x [M
 ``x @ dequantize_ternary(W)^T`` and ``dy @ dequantize_ternary(W)`` up to the order of the fp32 additions.
 There is no weight gradient: the base is frozen; LoRA's adapters take theirs from ``x`` and ``dy``.
 
-Tiling: forward programs own ``[BLOCK_M, BLOCK_N]`` of ``y`` and walk ``K``; backward programs own
-``[BLOCK_M, BLOCK_K]`` of ``dx`` and walk ``N``. Both build the ``[BLOCK_N, BLOCK_K]`` tile of ``w`` from
+Tiling: one kernel serves both, ``out = a @ W^T`` (``a = x``) and, with ``INPUT_GRAD``, ``out = a @ W``
+(``a = dy``). Forward programs own ``[BLOCK_M, BLOCK_N]`` of ``y`` and walk ``K``; input-gradient programs
+own ``[BLOCK_M, BLOCK_K]`` of ``dx`` and walk ``N``. Both build the ``[BLOCK_N, BLOCK_K]`` tile of ``w`` from
 ``BLOCK_K / 4`` bytes a row (:func:`~notebookkit.kernels.ternary.ternary_tile`) in registers and feed
 ``tl.dot`` (fp32 inputs as IEEE fp32, not TF32). ``tl.dot`` on bf16 is wrong under triton 3.9's
 interpreter, so CPU tests cover fp32 and fp16 only.
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dequant_gemm import as_rows, dot_acc
 from .runtime import should_use_triton
 from .ternary import TernaryWeight, dequantize_ternary_reference, ternary_tile
 
@@ -38,61 +40,36 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _ternary_matmul_fwd_kernel(
-    x_ptr,  # [M, K], row stride stride_xm
+def _ternary_gemm_kernel(
+    a_ptr,  # [M, n_inner], row stride stride_am: x (forward) or dy (INPUT_GRAD)
     packed_ptr,  # *u8 [N, row_bytes]
     scales_ptr,  # *fp16 [N, n_groups]
-    y_ptr,  # [M, N] contiguous, dtype of x
-    M, N, K, stride_xm, row_bytes, n_groups, group_size,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    out_ptr,  # [M, n_out] contiguous, dtype of a: y (forward) or dx (INPUT_GRAD)
+    M, n_out, n_inner, stride_am, row_bytes, n_groups, group_size,
+    BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_INNER: tl.constexpr, IEEE: tl.constexpr,
+    INPUT_GRAD: tl.constexpr,
 ):
+    """``out = a @ W^T`` (forward: ``W``'s rows are the outputs) or, with ``INPUT_GRAD``, ``out = a @ W``
+    (``W``'s rows are the inner index); a program owns ``[BLOCK_M, BLOCK_OUT]`` of ``out`` and walks the
+    inner index in steps of ``BLOCK_INNER``."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ro = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     m_ok = rm < M
-    n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = ternary_tile(packed_ptr, scales_ptr, rn, rk, n_ok, k_ok, row_bytes, n_groups, group_size)
-        w = w.to(x.dtype)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    o_ok = ro < n_out
+    acc = tl.zeros((BLOCK_M, BLOCK_OUT), dtype=tl.float32)
+    for i0 in range(0, n_inner, BLOCK_INNER):
+        ri = i0 + tl.arange(0, BLOCK_INNER)
+        i_ok = ri < n_inner
+        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_am + ri[None, :],
+                    mask=m_ok[:, None] & i_ok[None, :], other=0.0)
+        if INPUT_GRAD:
+            w = ternary_tile(packed_ptr, scales_ptr, ri, ro, i_ok, o_ok, row_bytes, n_groups, group_size)
+            acc = dot_acc(a, w.to(a.dtype), acc, IEEE)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _ternary_matmul_bwd_kernel(
-    dy_ptr,  # [M, N], row stride stride_dym
-    packed_ptr,  # *u8 [N, row_bytes]
-    scales_ptr,  # *fp16 [N, n_groups]
-    dx_ptr,  # [M, K] contiguous, dtype of dy
-    M, N, K, stride_dym, row_bytes, n_groups, group_size,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    k_ok = rk < K
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        n_ok = rn < N
-        dy = tl.load(dy_ptr + rm[:, None].to(tl.int64) * stride_dym + rn[None, :],
-                     mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        w = ternary_tile(packed_ptr, scales_ptr, rn, rk, n_ok, k_ok, row_bytes, n_groups, group_size)
-        w = w.to(dy.dtype)
-        if IEEE:
-            acc = tl.dot(dy, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(dy, w, acc)
-    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
-    tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
+            w = ternary_tile(packed_ptr, scales_ptr, ro, ri, o_ok, i_ok, row_bytes, n_groups, group_size)
+            acc = dot_acc(a, tl.trans(w.to(a.dtype)), acc, IEEE)
+    offs = rm[:, None].to(tl.int64) * n_out + ro[None, :]
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & o_ok[None, :])
 
 
 def _config(m: int) -> tuple[int, int, int, int]:
@@ -128,24 +105,25 @@ def ternary_input_grad_reference(dy: torch.Tensor, weight: TernaryWeight) -> tor
     return (dy.float() @ w).to(dy.dtype)
 
 
-def _launch(kernel, a: torch.Tensor, weight: TernaryWeight, out_width: int, forward: bool) -> torch.Tensor:
-    lead = a.shape[:-1]
-    a2 = a.reshape(-1, a.shape[-1])
-    if a2.stride(-1) != 1:
-        a2 = a2.contiguous()
+def _launch(a: torch.Tensor, weight: TernaryWeight, input_grad: bool) -> torch.Tensor:
+    """``a @ W^T`` (``a`` is ``x``) or, with ``input_grad``, ``a @ W`` (``a`` is ``dy``) through the kernel."""
+    n, k = weight.shape
+    out_width, inner = (k, n) if input_grad else (n, k)
+    a2 = as_rows(a, inner)
     m = a2.shape[0]
     out = torch.empty((m, out_width), dtype=a.dtype, device=a.device)
     if m == 0 or out_width == 0:
-        return out.reshape(*lead, out_width)
+        return out.reshape(*a.shape[:-1], out_width)
     block_m, block_n, block_k, warps = _config(m)
-    n, k = weight.shape
-    grid = (triton.cdiv(m, block_m), triton.cdiv(out_width, block_n if forward else block_k))
-    kernel[grid](
+    block_out, block_inner = (block_k, block_n) if input_grad else (block_n, block_k)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(out_width, block_out))
+    _ternary_gemm_kernel[grid](
         a2, weight.packed.contiguous(), weight.scales.contiguous(), out,
-        m, n, k, a2.stride(0), weight.packed.shape[1], weight.scales.shape[1], weight.group_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, num_warps=warps,
+        m, out_width, inner, a2.stride(0), weight.packed.shape[1], weight.scales.shape[1], weight.group_size,
+        BLOCK_M=block_m, BLOCK_OUT=block_out, BLOCK_INNER=block_inner, IEEE=a.dtype == torch.float32,
+        INPUT_GRAD=input_grad, num_warps=warps,
     )
-    return out.reshape(*lead, out_width)
+    return out.reshape(*a.shape[:-1], out_width)
 
 
 def ternary_matmul(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
@@ -157,7 +135,7 @@ def ternary_matmul(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     _check(x, weight, "x", "ternary_matmul")
     if not should_use_triton(x):
         return ternary_matmul_reference(x, weight)
-    return _launch(_ternary_matmul_fwd_kernel, x, weight, weight.out_features, True)
+    return _launch(x, weight, input_grad=False)
 
 
 def ternary_input_grad(dy: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
@@ -166,7 +144,7 @@ def ternary_input_grad(dy: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     _check(dy, weight, "dy", "ternary_input_grad")
     if not should_use_triton(dy):
         return ternary_input_grad_reference(dy, weight)
-    return _launch(_ternary_matmul_bwd_kernel, dy, weight, weight.in_features, False)
+    return _launch(dy, weight, input_grad=True)
 
 
 class _TernaryLinear(torch.autograd.Function):
@@ -194,20 +172,21 @@ def ternary_linear(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
 
 def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     specs = []
-    for kernel, a, out in ((_ternary_matmul_fwd_kernel, "x_ptr", "y_ptr"), (_ternary_matmul_bwd_kernel, "dy_ptr", "dx_ptr")):
-        stride = "stride_xm" if a == "x_ptr" else "stride_dym"
+    for input_grad in (False, True):
         for ty, m in (("fp16", 16), ("fp16", 128), ("bf16", 128), ("fp32", 128)):
             signature = {
-                a: f"*{ty}", "packed_ptr": "*u8", "scales_ptr": "*fp16", out: f"*{ty}",
-                "M": "i32", "N": "i32", "K": "i32", stride: "i32", "row_bytes": "i32", "n_groups": "i32",
-                "group_size": "i32",
+                "a_ptr": f"*{ty}", "packed_ptr": "*u8", "scales_ptr": "*fp16", "out_ptr": f"*{ty}",
+                "M": "i32", "n_out": "i32", "n_inner": "i32", "stride_am": "i32", "row_bytes": "i32",
+                "n_groups": "i32", "group_size": "i32",
             }
             block_m, block_n, block_k, warps = _config(m)
-            constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "IEEE": ty == "fp32"}
+            block_out, block_inner = (block_k, block_n) if input_grad else (block_n, block_k)
+            constexprs = {"BLOCK_M": block_m, "BLOCK_OUT": block_out, "BLOCK_INNER": block_inner,
+                          "IEEE": ty == "fp32", "INPUT_GRAD": input_grad}
             options: dict[str, Any] = {"num_warps": warps}
             if ty == "bf16":
                 options["targets"] = [80, 86, 89, 90]  # sm_75 has no bf16 tensor-core dot
-            specs.append((kernel, signature, constexprs, options))
+            specs.append((_ternary_gemm_kernel, signature, constexprs, options))
     return specs
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-GiB = 1024**3
-
 
 @dataclass(frozen=True)
 class GPUMemory:

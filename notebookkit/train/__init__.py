@@ -8,40 +8,20 @@ and held-out evaluation. Imported on first use::
 
 from __future__ import annotations
 
-from notebookkit._lazy import lazy_exports
+from notebookkit._lazy import lazy_package
 from notebookkit.training_methods import TRAINING_METHODS
 
-_LAZY = {
-    "sft_config": "sft",
-    "make_sft_trainer": "sft",
-    "precision_flags": "sft",
-    "check_sft_dataset": "sft_inputs",
-    "SFTInputError": "sft_inputs",
-    "calibrate": "calibration",
-    "CalibrationResult": "calibration",
-    "QAItem": "evaluation",
-    "split_heldout": "evaluation",
-    "qa_items": "evaluation",
-    "answer_loss": "evaluation",
-    "exact_match": "evaluation",
-    "generate_reply": "evaluation",
-    "normalize_answer": "evaluation",
-    "check_preference_dataset": "preference_inputs",
-    "PreferenceInputError": "preference_inputs",
-    "ORPOConfig": "orpo",
-    "check_grpo_dataset": "grpo_inputs",
-    "GRPOInputError": "grpo_inputs",
-    "format_reward": "rewards",
-    "correctness_reward": "rewards",
-    "checked_reward": "rewards",
-    "completion_text": "rewards",
-    "extract_tagged_answer": "rewards",
-    "RewardFunctionError": "rewards",
-    "untrained_tokens": "token_rows",
-    "train_token_rows": "token_rows",
-    # each method's trainer class, from notebookkit.train.<method name> (the training-method record)
-    **{method.trainer: method.name for method in TRAINING_METHODS.values()},
-}
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
-__all__ = list(_LAZY)
+__getattr__, __dir__, __all__ = lazy_package(__name__, {
+    "sft": ("sft_config", "make_sft_trainer", "precision_flags"),
+    "sft_inputs": ("check_sft_dataset", "SFTInputError"),
+    "calibration": ("calibrate", "CalibrationResult"),
+    "evaluation": ("QAItem", "split_heldout", "qa_items", "answer_loss", "exact_match", "generate_reply",
+                   "normalize_answer"),
+    "preference_inputs": ("check_preference_dataset", "PreferenceInputError"),
+    "orpo": ("ORPOConfig",),
+    "grpo_inputs": ("check_grpo_dataset", "GRPOInputError"),
+    "rewards": ("format_reward", "correctness_reward", "checked_reward", "completion_text",
+                "extract_tagged_answer", "RewardFunctionError"),
+    "token_rows": ("untrained_tokens", "train_token_rows"),
+    # and each method's trainer class, from notebookkit.train.<method name> (the training-method record)
+}, more={method.trainer: method.name for method in TRAINING_METHODS.values()})

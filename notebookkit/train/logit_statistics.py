@@ -23,17 +23,10 @@ __all__ = ["logit_statistics"]
 
 
 @torch.no_grad()
-def logit_statistics(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    softcap: Optional[float] = None,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    chunk_size: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def logit_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None, *, softcap: Optional[float] = None,
+                     temperature: float = 1.0, ignore_index: int = -100,
+                     chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean_logits, is_top1)`` of every row of ``hidden``, shaped like ``labels`` (math: module docstring).
 
     Args:

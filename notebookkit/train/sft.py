@@ -390,17 +390,9 @@ def make_sft_trainer(
         args = sft_config(model=model, **config_kwargs)
     elif config_kwargs:
         raise TypeError("Pass either args= or SFTConfig keyword arguments, not both.")
-    kwargs: dict[str, Any] = dict(
-        model=model,
-        args=args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        fused_loss=fused_loss,
-        show_banner=show_banner,
-    )
-    trainer = trainer_class(**kwargs)
+    trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                            processing_class=tokenizer, callbacks=callbacks, fused_loss=fused_loss,
+                            show_banner=show_banner)
     if responses_only:
         from ..data.responses_only import train_on_responses_only
 

@@ -65,15 +65,10 @@ class GRPOHookPoints:
         """TRL's ``_get_per_token_logps_and_entropies``: per-token log-probs (and entropies) of completions."""
         return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
-    # the names a subclass overrides (TRL's behaviour when it does not)
-    def generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-        return self.trl_generate_single_turn(*args, **kwargs)
-
-    def generate_and_score_completions(self, inputs: Any) -> Any:
-        return self.trl_generate_and_score_completions(inputs)
-
-    def per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        return self.trl_per_token_logps_and_entropies(*args, **kwargs)
+    # the names a subclass overrides: TRL's own implementations until it does
+    generate_single_turn = trl_generate_single_turn
+    generate_and_score_completions = trl_generate_and_score_completions
+    per_token_logps_and_entropies = trl_per_token_logps_and_entropies
 
 
 # ---- every TRL trainer: the metric store ---------------------------------------------------------------

@@ -51,6 +51,15 @@ class Panel(Shown):
     def __init__(self) -> None:
         self._callbacks: list[Callable[["Panel"], Any]] = []
 
+    def _starting_value(self, choice: type, overrides: dict[str, Any]) -> Any:
+        """``choice(**overrides)``, the panel's first value; a setting that is not a field of the dataclass
+        ``choice`` raises ``TypeError`` naming the known ones."""
+        known = list(choice.__dataclass_fields__)
+        unknown = set(overrides) - set(known)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unknown settings {sorted(unknown)}; known: {known}")
+        return choice(**overrides)
+
     def _wire(self) -> None:
         for c in self._controls:
             c.observe(self._changed, names="value")

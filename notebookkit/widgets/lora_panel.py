@@ -103,10 +103,7 @@ class LoRAPanel(Panel):
 
     def __init__(self, **overrides: Any) -> None:
         super().__init__()
-        unknown = set(overrides) - set(LoRAChoice.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"LoRAPanel got unknown settings {sorted(unknown)}; known: {list(LoRAChoice.__dataclass_fields__)}")
-        v = LoRAChoice(**overrides)
+        v = self._starting_value(LoRAChoice, overrides)
         targets = [str(t) for t in (v.target_modules or [])]
         bad = [t for t in targets if t not in PROJECTIONS]
         if bad:

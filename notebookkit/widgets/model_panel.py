@@ -311,10 +311,7 @@ class ModelPanel(Panel):
 
     def __init__(self, **overrides: Any) -> None:
         super().__init__()
-        unknown = set(overrides) - set(ModelChoice.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"ModelPanel got unknown settings {sorted(unknown)}; known: {list(ModelChoice.__dataclass_fields__)}")
-        v = ModelChoice(**overrides)
+        v = self._starting_value(ModelChoice, overrides)
         st = {"description_width": "120px"}
         fam = family_of(v.model_name)
         self.family = styled(W.Dropdown(options=["All"] + list(CATALOG), value=fam or "All", description="family",

@@ -113,12 +113,7 @@ class TrainingPanel(Panel):
 
     def __init__(self, **overrides: Any) -> None:
         super().__init__()
-        unknown = set(overrides) - set(TrainingChoice.__dataclass_fields__)
-        if unknown:
-            raise TypeError(
-                f"TrainingPanel got unknown settings {sorted(unknown)}; known: {list(TrainingChoice.__dataclass_fields__)}"
-            )
-        v = TrainingChoice(**overrides)
+        v = self._starting_value(TrainingChoice, overrides)
         st = {"description_width": "150px"}
         lay = W.Layout(width="420px")
         # A log slider cannot show 0: a run asked for with learning rate 0 (a control that trains nothing)

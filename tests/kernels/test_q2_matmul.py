@@ -58,6 +58,11 @@ def test_strided_rows_and_leading_dims():
         y = q2_matmul(xs, q)
     assert y.shape == (2, 5, 33)
     assert_close(y, xs.double() @ w64.t(), torch.float32, "strided forward")
+    xc = torch.randn(2, 5, 256)[..., ::2]  # column stride 2: the launchers copy it to unit stride (as_rows)
+    with use_triton(True):
+        assert_close(q2_matmul(xc, q), xc.double() @ w64.t(), torch.float32, "column-strided forward")
+        assert_close(q2_matmul_backward_input(xc[..., :33], q), xc[..., :33].double() @ w64, torch.float32,
+                     "column-strided input grad")
 
 
 def test_autograd_input_gradient_only():
@@ -71,12 +76,18 @@ def test_autograd_input_gradient_only():
     assert not q.scale.requires_grad and q.scale.grad is None
 
 
-def test_bad_input_messages():
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton"])
+def test_bad_input_messages(triton):
+    from notebookkit.kernels.q2_matvec import q2_matvec
+
     q, x, dy, _ = _setup(4, 16, 64, 32, torch.float32)
-    with pytest.raises(ValueError, match="x has 63 features, the Q2 weight \\(16, 64\\) needs 64"):
-        q2_matmul(x[:, :63], q)
-    with pytest.raises(ValueError, match="dy must be float16, bfloat16 or float32"):
-        q2_matmul_backward_input(dy.double(), q)
+    with use_triton(triton):
+        with pytest.raises(ValueError, match="x has 63 features, the Q2 weight \\(16, 64\\) needs 64"):
+            q2_matmul(x[:, :63], q)
+        with pytest.raises(ValueError, match="x has 63 features, the Q2 weight \\(16, 64\\) needs 64"):
+            q2_matvec(x[:1, :63], q)
+        with pytest.raises(ValueError, match="dy must be float16, bfloat16 or float32"):
+            q2_matmul_backward_input(dy.double(), q)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])

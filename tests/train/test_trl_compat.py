@@ -44,6 +44,11 @@ def test_hook_points_call_the_override_and_trl_s_own():
 
     assert Trainer()._generate_single_turn(1, x=2) == ("ours", ("trl", (1,), {"x": 2}))
 
+    class Plain(trl_compat.GRPOHookPoints, TRLLike):  # no override: TRL's own
+        pass
+
+    assert Plain()._generate_single_turn(1, x=2) == ("trl", (1,), {"x": 2})
+
 
 def test_grpo_and_dpo_set_the_names_read_in_their_source():
     """The counters and switches are set in TRL's own ``__init__`` / ``training_step`` (read in its source)."""
