@@ -9,18 +9,15 @@
 
 from __future__ import annotations
 
-from notebookkit._lazy import lazy_exports
+from notebookkit._lazy import lazy_package
 
-_LAZY = {
-    "ModelPanel": "model_panel", "ModelChoice": "model_panel", "compute_estimate": "model_panel",
-    "LoRAPanel": "lora_panel", "LoRAChoice": "lora_panel",
-    "TrainingPanel": "training_panel", "TrainingChoice": "training_panel",
-    "ConfigPanels": "panels", "PanelValues": "panels", "link_estimate": "panels",
-    "LiveDashboard": "dashboard",
-    "CATALOG": "catalog", "resolve_shape": "catalog",
-    "card_options": "cards",
-    "ExportPanel": "export_panel", "ExportChoice": "export_panel",
-}
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
-__all__ = list(_LAZY)
+__getattr__, __dir__, __all__ = lazy_package(__name__, {
+    "model_panel": ("ModelPanel", "ModelChoice", "compute_estimate"),
+    "lora_panel": ("LoRAPanel", "LoRAChoice"),
+    "training_panel": ("TrainingPanel", "TrainingChoice"),
+    "panels": ("ConfigPanels", "PanelValues", "link_estimate"),
+    "dashboard": ("LiveDashboard",),
+    "catalog": ("CATALOG", "resolve_shape"),
+    "cards": ("card_options",),
+    "export_panel": ("ExportPanel", "ExportChoice"),
+})
