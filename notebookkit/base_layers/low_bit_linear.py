@@ -2,7 +2,7 @@
 base projection, ``y = x W^T + b`` with ``W`` held packed (buffers, not parameters: nothing to train).
 
 Both run their product through the kernels' autograd function
-(:func:`notebookkit.kernels.chunked_dequant_matmul.low_bit_linear`): the forward dequantises inside the GEMM
+(:func:`notebookkit.kernels.chunked_dequant_matmul.low_bit_product`): the forward dequantises inside the GEMM
 (few rows) or a bounded chunk at a time under cuBLAS (many rows on a GPU), and the backward ``dx = dy W``
 reads the codes again, so gradients reach the input (and through it every
 LoRA adapter below) while no dense ``W`` outlives one product.
@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.kernels.q2 import DEFAULT_GROUP_SIZE, Q2Weight, check_group_size, dequantize_q2, quantize_q2
-from notebookkit.kernels.chunked_dequant_matmul import low_bit_linear
+from notebookkit.kernels.chunked_dequant_matmul import low_bit_product
 from notebookkit.kernels.ternary import TernaryWeight, dequantize_ternary, quantize_ternary
 
 __all__ = ["Q2Linear", "TernaryLinear", "LOW_BIT_LINEARS", "is_low_bit_linear"]
@@ -109,7 +109,7 @@ class Q2Linear(_LowBitLinear):
 
     base_format = "2bit"
     _FIXED_DTYPE = ("scale", "zero")
-    _product = staticmethod(low_bit_linear)
+    _product = staticmethod(low_bit_product)
     _dequantize = staticmethod(dequantize_q2)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = DEFAULT_GROUP_SIZE,
@@ -161,7 +161,7 @@ class TernaryLinear(_LowBitLinear):
 
     base_format = "ternary"
     _FIXED_DTYPE = ("scale",)
-    _product = staticmethod(low_bit_linear)
+    _product = staticmethod(low_bit_product)
     _dequantize = staticmethod(dequantize_ternary)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: Optional[int] = None,

@@ -17,7 +17,7 @@ Why two ways: on an H200 at ``M = 8192`` and the 8B projections the in-tile kern
 ``benchmarks/results/2026-12-03-NVIDIA-H200-low-bit-gemm-s20.md``); a chunk's dequantisation costs a
 fixed few microseconds, so few rows (decode, short prompts) stay in the tile kernels.
 :func:`low_bit_matmul` / :func:`low_bit_matmul_backward_input` choose by ``M`` (:data:`DENSE_MIN_ROWS`)
-and :func:`low_bit_linear` is their autograd function (``x`` differentiable, ``W`` frozen). The memory
+and :func:`low_bit_product` is their autograd function (``x`` differentiable, ``W`` frozen). The memory
 model counts the chunk (``notebookkit.base_formats``: the 2-bit and ternary rows' ``product``).
 """
 
@@ -33,7 +33,7 @@ from .ternary import TernaryWeight, dequantize_ternary
 from .ternary_matmul import ternary_input_grad, ternary_matmul
 
 __all__ = ["CHUNK_BYTES", "DENSE_MIN_ROWS", "chunked_dequant_matmul", "chunked_dequant_matmul_backward_input",
-           "low_bit_matmul", "low_bit_matmul_backward_input", "low_bit_linear"]
+           "low_bit_matmul", "low_bit_matmul_backward_input", "low_bit_product"]
 
 #: the most bytes of dense weight one chunk holds (the memory model's figure)
 CHUNK_BYTES = DEQUANT_CHUNK_BYTES
@@ -67,9 +67,7 @@ ALIGN = 128
 def _column_step(w, align: int) -> int:
     """Column chunks start on a code byte (4 codes), on a group where scales change along a row, and on
     ``align`` (a power of two >= 4)."""
-    n, k = w.shape
-    g = w.group_size
-    return align if g >= k else max(align, g)
+    return align if w.group_size >= w.shape[1] else max(align, w.group_size)
 
 
 def _dequantise(w, dtype: torch.dtype) -> torch.Tensor:
@@ -91,8 +89,8 @@ def chunked_dequant_matmul(x: torch.Tensor, w, chunk_bytes: int = CHUNK_BYTES, a
     step = _chunk(n, k, align, x.element_size(), chunk_bytes)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
-        block = _dequantise(_rows(w, n0, n1), x.dtype)
-        torch.mm(x2, block.t(), out=y[:, n0:n1]) if n1 - n0 < n else torch.mm(x2, block.t(), out=y)
+        block = _dequantise(w if n1 - n0 == n else _rows(w, n0, n1), x.dtype)
+        torch.mm(x2, block.t(), out=y[:, n0:n1])
         del block
     return y.reshape(*x.shape[:-1], n)
 
@@ -105,13 +103,9 @@ def chunked_dequant_matmul_backward_input(dy: torch.Tensor, w, chunk_bytes: int 
     dy2 = dy.reshape(-1, n)
     dx = torch.empty((dy2.shape[0], k), dtype=dy.dtype, device=dy.device)
     step = _chunk(k, n, _column_step(w, align), dy.element_size(), chunk_bytes)
-    if step >= k:
-        block = _dequantise(w, dy.dtype)
-        torch.mm(dy2, block, out=dx)
-        return dx.reshape(*dy.shape[:-1], k)
     for k0 in range(0, k, step):
         k1 = min(k, k0 + step)
-        block = _dequantise(_columns(w, k0, k1), dy.dtype)
+        block = _dequantise(w if k1 - k0 == k else _columns(w, k0, k1), dy.dtype)
         torch.mm(dy2, block, out=dx[:, k0:k1])
         del block
     return dx.reshape(*dy.shape[:-1], k)
@@ -148,6 +142,6 @@ class _LowBitLinear(torch.autograd.Function):
         return dx, None
 
 
-def low_bit_linear(x: torch.Tensor, w) -> torch.Tensor:
+def low_bit_product(x: torch.Tensor, w) -> torch.Tensor:
     """``x @ deq(W)^T`` with autograd to ``x`` (the frozen 2-bit or ternary base of a LoRA projection)."""
     return _LowBitLinear.apply(x, w)

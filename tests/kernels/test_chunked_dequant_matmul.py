@@ -63,7 +63,7 @@ def test_many_rows_on_cpu_stay_in_the_tile_kernels_and_the_gradient_reaches_x():
     q, deq = _weight("2bit", 40, 128, 64)
     x = torch.randn(DEQUANT_CHUNK_MIN_ROWS + 3, 128, requires_grad=True)
     assert not cdm._dense_chunks(x)  # CUDA only
-    y = cdm.low_bit_linear(x, q)
+    y = cdm.low_bit_product(x, q)
     y.square().sum().backward()
     w = deq(torch.float32).double()
     assert_close(y, (x.detach().double() @ w.t()).float(), torch.float32)
