@@ -106,9 +106,16 @@ def main() -> None:
     ap.add_argument("--checkpointing", default=None, help="True/offload/auto... (default: the fitted plan)")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--decode-tokens", type=int, default=0)
+    ap.add_argument("--matvec-config", default=None,
+                    help="BLOCK_N,BLOCK_B,warps for the decode matvec of 2-bit and ternary bases (the sweep's pick; "
+                         "default: the library's low_bit_matvec.CONFIG)")
     args = ap.parse_args()
     if args.format == "nf4" and args.source != "checkpoint":
         ap.error("--format nf4 needs --source checkpoint (NF4 is quantised from 16-bit weights on load)")
+    if args.matvec_config:  # swapped for this run, as benchmarks/low_bit_matvec.py does; nothing is written back
+        from notebookkit.kernels import low_bit_matvec
+
+        low_bit_matvec.CONFIG = tuple(int(v) for v in args.matvec_config.split(","))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = torch.bfloat16 if device == "cuda" else torch.float32
 

@@ -15,7 +15,7 @@ One op per module, named after its public function, imported from there::
     from notebookkit.kernels.nf4_fp8 import quantize_nf4_rowwise_fp8  # NF4 -> FP8 in one pass
     from notebookkit.kernels.q2 import quantize_q2         # 2-bit group-wise base (codes, fp16 scale/zero)
     from notebookkit.kernels.q2_matmul import q2_linear    # x @ W^T and its input gradient from the 2-bit codes
-    from notebookkit.kernels.q2_matvec import q2_matvec    # decode, few rows
+    from notebookkit.kernels.low_bit_matvec import low_bit_matvec  # decode of 2-bit and ternary bases, few rows
     from notebookkit.kernels.ternary import quantize_ternary  # {-1, 0, +1} x fp16 scale (BitNet b1.58 style)
     from notebookkit.kernels.ternary_matmul import ternary_linear
 

@@ -1,6 +1,5 @@
 """Pieces shared by the GEMMs that dequantise a frozen low-bit weight inside the tile
-(:mod:`notebookkit.kernels.q2_matmul`, :mod:`notebookkit.kernels.ternary_matmul`, and the decode path
-:mod:`notebookkit.kernels.q2_matvec`). Not an op of its own.
+(:mod:`notebookkit.kernels.q2_matmul`, :mod:`notebookkit.kernels.ternary_matmul`). Not an op of its own.
 
 ``dot_acc`` is their one ``tl.dot`` step, ``acc + a @ b`` with fp32 accumulation, where fp32 inputs are
 multiplied as IEEE fp32 (``input_precision="ieee"``), not TF32; 16-bit inputs take the default.

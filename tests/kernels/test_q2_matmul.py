@@ -78,30 +78,9 @@ def test_autograd_input_gradient_only():
 
 @pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton"])
 def test_bad_input_messages(triton):
-    from notebookkit.kernels.q2_matvec import q2_matvec
-
     q, x, dy, _ = _setup(4, 16, 64, 32, torch.float32)
     with use_triton(triton):
         with pytest.raises(ValueError, match="x has 63 features, the Q2 weight \\(16, 64\\) needs 64"):
             q2_matmul(x[:, :63], q)
-        with pytest.raises(ValueError, match="x has 63 features, the Q2 weight \\(16, 64\\) needs 64"):
-            q2_matvec(x[:1, :63], q)
         with pytest.raises(ValueError, match="dy must be float16, bfloat16 or float32"):
             q2_matmul_backward_input(dy.double(), q)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_decode_matvec(dtype):
-    """``q2_matvec`` (no ``tl.dot``, so bf16 runs under the interpreter): 1 and 3 rows, odd N, and the
-    hand-over to ``q2_matmul`` above ``MAX_ROWS``."""
-    from notebookkit.kernels.q2_matvec import MAX_ROWS, q2_matvec
-
-    q, x, _, w64 = _setup(MAX_ROWS + 2, 45, 192, 64, dtype, seed=7)
-    for rows in (1, 3, MAX_ROWS + 2):
-        xs = x[:rows].reshape(rows, 1, -1)
-        with use_triton(True):
-            y = q2_matvec(xs, q)
-        assert y.shape == (rows, 1, 45) and y.dtype == dtype
-        if dtype == torch.bfloat16 and rows > MAX_ROWS:
-            continue  # the bf16 tl.dot path: GPU only
-        assert_close(y.reshape(rows, -1), x[:rows].double() @ w64.t(), dtype, f"matvec {rows} rows")

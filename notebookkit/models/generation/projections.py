@@ -7,9 +7,9 @@ helpers of :mod:`notebookkit.kernels.lora_projection` without autograd
 ``notebookkit.kernels.nf4_matvec`` is available and takes the input (CUDA, few rows), the base part
 ``X W^T`` reads the NF4 bytes directly instead of dequantising each whole weight per token, and the
 low-rank part is added into its output (``grouped_projection_forward`` with the base outputs given).
-2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their whole weight: a 2-bit
-base of a decode batch of at most ``q2_matvec.MAX_ROWS`` rows reads its codes in
-:func:`notebookkit.kernels.q2_matvec.q2_matvec` (no ``tl.dot``), more rows and ternary bases go
+2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their whole weight: a decode
+batch of at most ``low_bit_matvec.MAX_ROWS`` rows reads their codes in
+:func:`notebookkit.kernels.low_bit_matvec.low_bit_matvec` (no ``tl.dot``), more rows go
 through the training path's products (:data:`~notebookkit.kernels.lora_projection.LOW_BIT_PRODUCTS`:
 in-tile kernels for few rows, dense chunks under cuBLAS for a prompt of ``DEQUANT_CHUNK_MIN_ROWS`` rows
 or more).
@@ -103,12 +103,11 @@ def _nf4_takes(x2d: torch.Tensor, projs: Sequence[LoRAProjection]) -> bool:
 
 
 def _low_bit_base(x2d: torch.Tensor, proj: LoRAProjection) -> Optional[torch.Tensor]:
-    """``X W^T`` of a 2-bit base through the decode matvec (it hands more rows to ``q2_matmul``
+    """``X W^T`` of a 2-bit or ternary base through the decode matvec (it hands more rows to the GEMM
     itself); ``None`` for other bases and for prompts of ``DEQUANT_CHUNK_MIN_ROWS`` rows or more
     (their products run in :func:`projection_forward`)."""
-    matvec = kernel("q2_matvec", "q2_matvec")
-    q2_weight = kernel("q2", "Q2Weight")
-    if matvec is None or q2_weight is None or not isinstance(proj.quant_state, q2_weight):
+    matvec = kernel("low_bit_matvec", "low_bit_matvec")
+    if matvec is None or not proj.low_bit:
         return None
     if x2d.shape[0] >= DEQUANT_CHUNK_MIN_ROWS:  # a long prompt: cuBLAS on dense chunks, as in training
         return None

@@ -79,7 +79,7 @@ def test_cuda_graph_decode_equals_eager_decode(base_format, monkeypatch):
 
 @pytest.mark.parametrize("base_format", ["2bit", "ternary"])
 def test_decode_projection_equals_the_dense_product_on_cuda(base_format):
-    """One decode row through the fused projections (``q2_matvec`` for 2-bit) against ``x W^T`` of the
+    """One decode row through the fused projections (``low_bit_matvec``) against ``x W^T`` of the
     decoded weight, bf16."""
     from notebookkit.models.generation.projections import project
 

@@ -37,8 +37,8 @@ def test_lora_on_a_low_bit_base_learns_a_token_stream(base_format):
 
 @pytest.mark.parametrize("base_format", ["2bit", "ternary"])
 def test_fast_decode_equals_the_dense_twin(base_format):
-    """Greedy tokens of the fast ``generate`` (static cache, fused projections: a 2-bit base through
-    ``q2_matvec``) equal Hugging Face's ``generate`` on the dense twin, 16 new tokens, two prompts."""
+    """Greedy tokens of the fast ``generate`` (static cache, fused projections: the base through
+    ``low_bit_matvec``) equal Hugging Face's ``generate`` on the dense twin, 16 new tokens, two prompts."""
     model, _ = load(checkpoint("qwen3"), base_format)
     model = with_lora(model)
     twin = dense_twin(model)
