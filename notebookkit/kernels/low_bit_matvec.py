@@ -95,7 +95,7 @@ def _low_bit_matvec_kernel(
 
 
 #: (BLOCK_N, code bytes a step, num_warps); ``benchmarks/low_bit_matvec.py`` sweeps the alternatives
-CONFIG = (2, 256, 2)
+CONFIG = (4, 128, 1)
 
 
 def _parts(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
