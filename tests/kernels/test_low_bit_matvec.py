@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTER
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (format, N, K, group, config = (BLOCK_N, code bytes a step, warps)): steps of several pieces and of one
 CASES = [
+    ("2bit", 45, 192, 64, None),           # the library's CONFIG
     ("2bit", 45, 192, 64, (8, 64, 4)),     # a step of 256 weights: 4 pieces of 64, the last step partly past K
     ("2bit", 45, 192, 64, (4, 16, 2)),     # a step of one piece = one group
     ("2bit", 19, 256, 16, (2, 32, 1)),     # pieces of 16 (groups of 16), 8 a step
@@ -38,7 +39,7 @@ def _weight(fmt, n, k, group, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("fmt,n,k,group,config", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}g{c[3]}-{c[4][0]}.{c[4][1]}" for c in CASES])
+@pytest.mark.parametrize("fmt,n,k,group,config", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}g{c[3]}-{'.'.join(map(str, c[4] or ['library']))}" for c in CASES])
 def test_matvec_matches_the_dense_product(fmt, n, k, group, config, dtype):
     w, dense = _weight(fmt, n, k, group, seed=n + k)
     w64 = dense(torch.float32).double()
