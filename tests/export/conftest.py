@@ -26,6 +26,25 @@ def lora_model_from(name: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
     return model, tokenizer
 
 
+#: LoRA targets of the low-bit models: every projection but ``down_proj``, which stays a packed layer without
+#: an adapter (the export writes it dense)
+LOW_BIT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+
+
+def low_bit_lora_model(name: str, base_format: str, seed: int = 0, r: int = 8):
+    """The model ``name`` on a ``"2bit"`` or ``"ternary"`` base with LoRA on :data:`LOW_BIT_TARGETS` and random non-zero B."""
+    flag = {"2bit": "load_in_2bit", "ternary": "load_in_ternary"}[base_format]
+    model, tokenizer = FastLanguageModel.from_pretrained(str(name), show_banner=False, **{flag: True})
+    model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=16, target_modules=LOW_BIT_TARGETS, show_banner=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    FastLanguageModel.for_inference(model)
+    return model, tokenizer
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """One intra-op thread: the tiny models' matmuls are small, and on a shared 2-core machine two
