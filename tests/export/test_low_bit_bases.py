@@ -12,7 +12,8 @@ an adapter) with a non-zero ``B``:
 * the plan: the dense checkpoint's names and shapes (so the disk-space check and the shards count the
   dense bytes), the memory model's working set per layer, each packed layer decoded once, while
   writing, and no two decoded weights alive at a time;
-* ``merged_4bit_forced`` from a 2-bit base: the folder holds the NF4 quantisation of the same merge.
+* ``merged_4bit_forced`` from a 2-bit base: every projection in the folder (the one without an adapter too)
+  holds the nearest NF4 levels of the merge computed here, and the check finds the export's own merge.
 
 GGUF from a low-bit base: tests/export/test_gguf_llama_cpp.py (it needs llama-cpp-python).
 """
@@ -32,6 +33,7 @@ from notebookkit.export.merge import plan_merged_tensors
 from notebookkit.export.verify import check_merged_folder, reload_merged_folder
 from notebookkit.memory import merge_working_bytes
 from tests.export.conftest import LOW_BIT_TARGETS, low_bit_lora_model
+from tests.nf4_format import assert_packing_is_nearest_level
 
 @pytest.fixture(scope="module")
 def low_bit():
@@ -68,6 +70,26 @@ def _decoded_by_definition(layer) -> torch.Tensor:
     return per_column(layer.scale) * (codes - 1)
 
 
+def _merges_by_definition(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """For each packed projection (by module name): ``deq(W)`` by definition, the LoRA update ``s B @ A`` (zeros
+    without an adapter), ``|deq(W)| + s |B| @ |A|`` and the rank, all float64."""
+    merges = {}
+    for name, module in model.get_base_model().named_modules():
+        lora = hasattr(module, "lora_A")
+        layer = module.base_layer if lora else module
+        if not is_low_bit_linear(layer) or name.endswith(".base_layer"):
+            continue
+        w64 = _decoded_by_definition(layer)
+        if lora:
+            a, b = module.lora_A["default"].weight.detach().double(), module.lora_B["default"].weight.detach().double()
+            s = module.scaling["default"]
+            assert float((s * b).abs().max()) > 1e-3, "the test's LoRA update is too small to see"
+            merges[name] = (w64, s * b @ a, w64.abs() + s * b.abs() @ a.abs(), a.shape[0])
+        else:
+            merges[name] = (w64, torch.zeros_like(w64), w64.abs(), 0)
+    return merges
+
+
 def _assert_rounded_once(written: torch.Tensor, w64: torch.Tensor, delta: torch.Tensor, bound: torch.Tensor,
                          rank: int, name: str) -> None:
     """``written`` is ``w64 + delta`` (float64) rounded to its dtype: within half an ulp, plus fp32's rounding of
@@ -99,23 +121,11 @@ def test_merged_16bit_from_a_low_bit_base(base_format, dtype, low_bit, tmp_path)
     written = _read_all(out)
     assert {n: tuple(t.shape) for n, t in written.items()} == _dense_checkpoint()  # no qweight / scale / zero
 
-    adapted = 0
-    for name, module in model.get_base_model().named_modules():
-        lora = hasattr(module, "lora_A")
-        layer = module.base_layer if lora else module
-        if not is_low_bit_linear(layer) or name.endswith(".base_layer"):
-            continue
-        w64 = _decoded_by_definition(layer)
-        delta, bound, rank = torch.zeros_like(w64), w64.abs(), 0
-        if lora:
-            a, b = module.lora_A["default"].weight.detach().double(), module.lora_B["default"].weight.detach().double()
-            s = module.scaling["default"]
-            delta, bound, rank = s * b @ a, w64.abs() + s * b.abs() @ a.abs(), a.shape[0]
-            adapted += 1
-            assert float(delta.abs().max()) > 1e-3, "the test's LoRA update is too small to see"
-        assert name.endswith(".down_proj") != lora
+    merges = _merges_by_definition(model)
+    assert sum(rank > 0 for *_, rank in merges.values()) == len(LOW_BIT_TARGETS) * model.config.num_hidden_layers
+    for name, (w64, delta, bound, rank) in merges.items():
+        assert name.endswith(".down_proj") == (rank == 0)
         _assert_rounded_once(written[name + ".weight"], w64, delta, bound, rank, name)
-    assert adapted == len(LOW_BIT_TARGETS) * model.get_base_model().config.num_hidden_layers
 
     reloaded = reload_merged_folder(out)  # plain transformers
     assert all(type(m) is torch.nn.Linear for n, m in reloaded.named_modules() if n.endswith("_proj"))
@@ -168,8 +178,12 @@ def test_merged_4bit_forced_from_a_2bit_base(low_bit, tmp_path):
         model.save_pretrained_merged(out, tokenizer, save_method="merged_4bit_forced", verbose=False)
     assert "notebookkit_base_format" not in json.loads((out / "config.json").read_text())
     reloaded = reload_merged_folder(out)
-    four_bit = [n for n, m in reloaded.named_modules() if type(m).__name__ == "Linear4bit"]
-    assert len(four_bit) == 7 * reloaded.config.num_hidden_layers
+    four_bit = {n: m for n, m in reloaded.named_modules() if type(m).__name__ == "Linear4bit"}
+    merges = _merges_by_definition(model)
+    assert set(four_bit) == set(merges) and len(merges) == 7 * reloaded.config.num_hidden_layers
+    for name, (w64, delta, _, _) in merges.items():  # the nearest NF4 levels of the merge computed here
+        module = four_bit[name]
+        assert_packing_is_nearest_level((w64 + delta).float(), module.weight.data, module.weight.quant_state)
     check = check_merged_folder(model, out, tokenizer, n_tokens=4)
     print(f"2bit merged_4bit_forced: rel logit diff {check.relative_diff:.3f}, greedy {check.greedy_equal}/{check.prompts}")
     assert check.ok and check.weights_exact
