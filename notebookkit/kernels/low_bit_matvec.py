@@ -8,9 +8,9 @@ bits ``2 * (k % 4)``) and fp16 scales per row and group of ``G`` inputs; they di
     ternary (:class:`~notebookkit.kernels.ternary.TernaryWeight`) w = (code - 1) * scales[n, g]
 
 with ``g = k // G``. For ``x [M, K]`` (``M`` the decode batch, ``c`` its dtype), cutting each row into
-pieces ``p`` of ``P`` weights inside one group (``P`` a power of two, 4 to 64: :func:`piece_length`):
+words ``u`` of 16 weights (four code bytes read as one 32-bit word; a word lies inside one group):
 
-    y[m, n] = c( sum_p s[n, p] * ( sum_{k in p} code[n, k] x[m, k]  -  z[n, p] * sum_{k in p} x[m, k] ) )
+    y[m, n] = c( sum_u s[n, u] * ( sum_{k in u} code[n, k] x[m, k]  -  z[n, u] * sum_{k in u} x[m, k] ) )
 
 all in fp32 (``z = zero`` for 2-bit, 1 for ternary): the product with the weight dequantised in fp32,
 up to the order of the fp32 additions. It is not rounded to ``c`` weight by weight as the training
@@ -18,13 +18,14 @@ path's dequantised weight is (a difference of one rounding of ``c`` a weight, be
 ``y``); the reference computes the same fp32 product.
 
 Kernel: a program owns ``BLOCK_N`` rows of ``W`` and one row of ``x`` (grid ``[N / BLOCK_N, M]``) and
-walks a row ``PIECES`` pieces at a time: one contiguous load of the code bytes ``[BLOCK_N, PIECES,
-P / 4]``, the four codes of a byte split by shifts against the contiguous ``x`` of the step, two sums
-a piece, then one scale (and zero) a row and piece; ``sum x`` of a piece is shared by all rows. So
-the scale is applied once a piece, not once a weight, and the loads are wide. No ``tl.dot`` (bf16 runs
-under the interpreter too), no split over ``K``, deterministic. Each row of ``x`` reads ``W`` again:
-meant for ``M`` up to :data:`MAX_ROWS`; more rows (and groups that are not a multiple of 4) go
-through :func:`~notebookkit.kernels.chunked_dequant_matmul.low_bit_matmul`, CPU tensors through the
+walks a row ``WORDS`` words at a time: one load of ``[BLOCK_N, WORDS]`` 32-bit words, then for each of
+the 16 code positions a shift, a mask and a multiply-add against ``x[16 u + i]`` (a ``[WORDS]`` vector
+shared by the rows, from the cache), all on ``[BLOCK_N, WORDS]`` tiles of one layout: no reduction and
+no reshape inside the loop. Each word's scale (and zero) is applied once, to its 16-weight sum, with
+``sum x`` of the word shared by the rows; one reduction at the end. No ``tl.dot`` (bf16 runs under the
+interpreter too), no split over ``K``, deterministic. Each row of ``x`` reads ``W`` again: meant for
+``M`` up to :data:`MAX_ROWS`; more rows, and weights whose rows are not whole words (:func:`reads_words`),
+go through :func:`~notebookkit.kernels.chunked_dequant_matmul.low_bit_matmul`, CPU tensors through the
 reference. The launch configuration comes from the sweep ``benchmarks/low_bit_matvec.py``.
 """
 
@@ -58,44 +59,41 @@ def low_bit_matvec_reference(x: torch.Tensor, w) -> torch.Tensor:
 @triton.jit
 def _low_bit_matvec_kernel(
     x_ptr,  # *c [M, K], row stride stride_xm
-    codes_ptr,  # *u8 [N, row_bytes]
+    words_ptr,  # *i32 [N, row_words]: the code bytes read four at a time (16 codes a word)
     scale_ptr, zero_ptr,  # *fp16 [N, n_groups] each (zero_ptr unused without HAS_ZERO)
     y_ptr,  # *c [M, N] contiguous
-    N, K, row_bytes, n_groups, group_size, stride_xm,
-    BLOCK_N: tl.constexpr, PIECES: tl.constexpr, PIECE: tl.constexpr, HAS_ZERO: tl.constexpr,
+    N, K, row_words, n_groups, group_size, stride_xm,
+    BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     n_ok = rn < N
-    QP: tl.constexpr = PIECE // 4  # code bytes a piece
-    pieces = tl.arange(0, PIECES)
-    qb = tl.arange(0, QP)
-    lanes = tl.arange(0, 4)
-    acc = tl.zeros((BLOCK_N, PIECES), dtype=tl.float32)
-    for p0 in range(0, tl.cdiv(K, PIECE), PIECES):
-        piece = p0 + pieces  # [P]: pieces of this step
-        byte_at = piece[:, None] * QP + qb[None, :]  # [P, QP]
-        ok = n_ok[:, None, None] & (byte_at < row_bytes)[None, :, :]
-        byte = tl.load(codes_ptr + rn[:, None, None] * row_bytes + byte_at[None, :, :], mask=ok, other=0)
-        code = ((byte.to(tl.int32)[:, :, :, None] >> (2 * lanes)[None, None, None, :]) & 3).to(tl.float32)
-        k = byte_at[:, :, None] * 4 + lanes[None, None, :]  # [P, QP, 4]
-        xv = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-        dot = tl.sum(tl.sum(code * xv[None, :, :, :], axis=3), axis=2)  # [BN, P]: sum of code * x a piece
-        grp = rn[:, None] * n_groups + ((piece * PIECE) // group_size)[None, :]
-        grp_ok = n_ok[:, None] & (piece * PIECE < K)[None, :]
-        s = tl.load(scale_ptr + grp, mask=grp_ok, other=0.0).to(tl.float32)
-        xsum = tl.sum(tl.sum(xv, axis=2), axis=1)[None, :]  # [1, P]: sum of x a piece
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    for w0 in range(0, row_words, WORDS):
+        word_at = w0 + tl.arange(0, WORDS)
+        word_ok = word_at < row_words
+        ok = n_ok[:, None] & word_ok[None, :]
+        word = tl.load(words_ptr + rn[:, None] * row_words + word_at[None, :], mask=ok, other=0)
+        dot = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)  # sum of code * x over each word's 16 weights
+        xsum = tl.zeros((WORDS,), dtype=tl.float32)  # sum of x over each word's 16 weights, shared by the rows
+        for i in tl.static_range(16):
+            k = word_at * 16 + i
+            xv = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            dot += ((word >> (2 * i)) & 3).to(tl.float32) * xv[None, :]
+            xsum += xv
+        grp = rn[:, None] * n_groups + ((word_at * 16) // group_size)[None, :]
+        s = tl.load(scale_ptr + grp, mask=ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            z = tl.load(zero_ptr + grp, mask=grp_ok, other=0.0).to(tl.float32)
-            acc += s * (dot - z * xsum)
+            z = tl.load(zero_ptr + grp, mask=ok, other=0.0).to(tl.float32)
+            acc += s * (dot - z * xsum[None, :])
         else:
-            acc += s * (dot - xsum)
+            acc += s * (dot - xsum[None, :])
     y = tl.sum(acc, axis=1)
     tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-#: (BLOCK_N, code bytes a step, num_warps); ``benchmarks/low_bit_matvec.py`` sweeps the alternatives
-CONFIG = (4, 128, 1)
+#: (BLOCK_N, words a step, num_warps); ``benchmarks/low_bit_matvec.py`` sweeps the alternatives
+CONFIG = (4, 16, 1)
 
 
 def _parts(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -108,14 +106,12 @@ def _parts(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     raise TypeError(f"low_bit_matvec takes a Q2Weight or a TernaryWeight, got {type(w).__name__}.")
 
 
-def piece_length(group_size: int, n_groups: int) -> int:
-    """Weights a piece: a power of two of at least 4 (whole code bytes) and at most 64 inside which the
-    scale does not change: any with one group a row, else one that divides the group; 0 when there is
-    none (groups not a multiple of 4: such a weight goes through the GEMM path)."""
-    if n_groups == 1:
-        return 64
-    piece = min(group_size & -group_size, 64)
-    return piece if piece >= 4 else 0
+def reads_words(codes: torch.Tensor, group_size: int, n_groups: int) -> bool:
+    """Whether the kernel can take a weight: its code rows are whole 32-bit words (``K`` a multiple of 16,
+    the rows 4-byte aligned) and a word's 16 weights share a scale (one group a row, or groups a multiple of
+    16). Others (a ternary ``K`` or group that is not) go through the GEMM path."""
+    return (codes.shape[1] % 4 == 0 and codes.data_ptr() % 4 == 0 and codes.stride(0) == codes.shape[1]
+            and codes.stride(1) == 1 and (n_groups == 1 or group_size % 16 == 0))
 
 
 def _rows_of(x: torch.Tensor, w, k: int) -> torch.Tensor:
@@ -139,29 +135,27 @@ def low_bit_matvec(x: torch.Tensor, w, config: Optional[tuple[int, int, int]] = 
     if not should_use_triton(x):
         return low_bit_matvec_reference(x2, w).reshape(*x.shape[:-1], n)
     m = x2.shape[0]
-    piece = piece_length(group, n_groups)
-    if m > MAX_ROWS or not piece:
+    if m > MAX_ROWS or not reads_words(codes, group, n_groups):
         return low_bit_matmul(x, w)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
-        block_n, step_bytes, warps = config or CONFIG
+        block_n, words, warps = config or CONFIG
         _low_bit_matvec_kernel[(triton.cdiv(n, block_n), m)](
-            x2, codes, scale, zero, y, n, k, codes.shape[1], n_groups, group, x2.stride(0),
-            BLOCK_N=block_n, PIECES=max(1, 4 * step_bytes // piece), PIECE=piece, HAS_ZERO=isinstance(w, Q2Weight),
-            num_warps=warps)
+            x2, codes.view(torch.int32), scale, zero, y, n, k, codes.shape[1] // 4, n_groups, group, x2.stride(0),
+            BLOCK_N=block_n, WORDS=words, HAS_ZERO=isinstance(w, Q2Weight), num_warps=warps)
     return y.reshape(*x.shape[:-1], n)
 
 
 def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
-    """The two formats at their defaults (2-bit groups of 64, ternary one scale a row: pieces of 64), fp16 and bf16."""
+    """Both formats (2-bit with its zero, ternary without), fp16 and bf16, at :data:`CONFIG`."""
     specs = []
-    block_n, step_bytes, warps = CONFIG
+    block_n, words, warps = CONFIG
     for ty in ("fp16", "bf16"):
-        signature = {"x_ptr": f"*{ty}", "codes_ptr": "*u8", "scale_ptr": "*fp16", "zero_ptr": "*fp16",
-                     "y_ptr": f"*{ty}", "N": "i32", "K": "i32", "row_bytes": "i32", "n_groups": "i32",
+        signature = {"x_ptr": f"*{ty}", "words_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*fp16",
+                     "y_ptr": f"*{ty}", "N": "i32", "K": "i32", "row_words": "i32", "n_groups": "i32",
                      "group_size": "i32", "stride_xm": "i32"}
         for has_zero in (True, False):
-            constexprs = {"BLOCK_N": block_n, "PIECES": 4 * step_bytes // 64, "PIECE": 64, "HAS_ZERO": has_zero}
+            constexprs = {"BLOCK_N": block_n, "WORDS": words, "HAS_ZERO": has_zero}
             specs.append((_low_bit_matvec_kernel, signature, constexprs, {"num_warps": warps}))
     return specs
 

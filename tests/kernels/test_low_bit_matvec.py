@@ -1,8 +1,8 @@
 """The decode matvec of 2-bit and ternary bases (``notebookkit.kernels.low_bit_matvec``) under the interpreter
 against the float64 product of the weight decoded in fp32 by each format's reference: fp32, fp16 and bf16 (no
-``tl.dot``, so bf16 runs here too), odd N, a ternary K that is not a multiple of 4, steps of one and of
-several groups, one scale a row, several launch configurations, the hand-over above ``MAX_ROWS`` and for
-groups that are not a multiple of 4, and bad input."""
+``tl.dot``, so bf16 runs here too), odd N, steps of one word and of several groups, one scale a row,
+several launch configurations, the hand-over above ``MAX_ROWS`` and for weights whose rows are not whole
+32-bit words (a ternary K or group that is not a multiple of 16), and bad input."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from notebookkit.kernels.ternary import dequantize_ternary_reference, quantize_t
 pytestmark = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (format, N, K, group, config = (BLOCK_N, code bytes a step, warps)): steps of several pieces and of one
+# (format, N, K, group, config = (BLOCK_N, words a step, warps)): steps of several groups and of one word
 CASES = [
     ("2bit", 45, 192, 64, None),           # the library's CONFIG
-    ("2bit", 45, 192, 64, (8, 64, 4)),     # a step of 256 weights: 4 pieces of 64, the last step partly past K
-    ("2bit", 45, 192, 64, (4, 16, 2)),     # a step of one piece = one group
-    ("2bit", 19, 256, 16, (2, 32, 1)),     # pieces of 16 (groups of 16), 8 a step
-    ("ternary", 45, 190, "row", (8, 64, 4)),  # one scale a row, K not a multiple of 4 (padded last byte)
-    ("ternary", 33, 130, 32, (1, 16, 2)),  # groups of 32: pieces of 32, the last one partly past K
+    ("2bit", 45, 192, 64, (8, 8, 4)),      # a step of 128 weights: two groups, the last step partly past K
+    ("2bit", 45, 192, 64, (4, 1, 2)),      # a step of one word
+    ("2bit", 19, 256, 16, (2, 4, 1)),      # groups of 16: a scale a word
+    ("ternary", 45, 176, "row", (8, 4, 4)),  # one scale a row, K = 11 words
+    ("ternary", 33, 160, 32, (1, 2, 2)),   # groups of 32, two words each
 ]
 
 
@@ -53,8 +53,9 @@ def test_matvec_matches_the_dense_product(fmt, n, k, group, config, dtype):
     assert_close(low_bit_matvec_reference(x, w), x.double() @ w64.t(), dtype, f"{fmt} reference")
 
 
-@pytest.mark.parametrize("fmt,rows,k,group", [("2bit", MAX_ROWS + 2, 128, 64), ("ternary", 1, 120, 30)],
-                         ids=["2bit-more-rows", "ternary-groups-of-30"])
+@pytest.mark.parametrize("fmt,rows,k,group", [("2bit", MAX_ROWS + 2, 128, 64), ("ternary", 1, 120, 40),
+                                              ("ternary", 1, 190, "row")],
+                         ids=["2bit-more-rows", "ternary-groups-of-40", "ternary-K-not-whole-words"])
 def test_hand_over_to_the_gemm(fmt, rows, k, group):
     w, dense = _weight(fmt, 21, k, group, seed=3)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
