@@ -81,13 +81,17 @@ So the backward's GEMMs run through the same grouped kernels (transposed operand
 experts on the host. The CPU path and the test oracle is :func:`moe_expert_mlp_reference` (a loop over
 experts in fp32, as Hugging Face's eager experts with the adapters' low-rank terms).
 
-Memory (per layer; ``b`` bytes an element of the compute dtype, ``N = T k``): bookkeeping ``perm``
-(4 N bytes), ``bincount``/offsets (O(E)), the block schedule (12 (N / BLOCK_M + E) bytes). Forward
-transients: ``h`` (``N I b``) and the output buffer (``N H b``); saved for the backward: ``gu``
-(``2 N I b``) and, with adapters, the ``[N, r]`` products ``x Agu^T`` and ``h Ad^T`` (``2 N r b``) -
-i.e. ``k (2 I + 2 r) b`` bytes a token (Qwen3-30B-A3B, bf16, k = 8, I = 768: 24.6 KiB a token a layer
-without adapters). Backward transients: ``dgu`` (``2 N I b``), ``h`` again (``N I b``, with a down
-adapter), the ``dx`` buffer (``N H b``), the ``<G, h>`` partials (``4 N cdiv(I, BLOCK_N)`` bytes).
+Memory (per layer; ``b`` bytes an element of the compute dtype, ``N = T k`` pairs, ``r`` the rank):
+
+* bookkeeping: ``perm`` (``4 N`` bytes; the sort's int64 temporaries ``8 N`` on the way), the counts and
+  offsets (O(E)), the block schedule (``12 (cdiv(N, BLOCK_M) + E)`` bytes), the fp32 routing weights (``4 N``);
+* forward transients: ``h`` (``N I b``) and the pairs' output buffer (``N H b``), gone at the return;
+* saved for the backward: ``gu`` (``2 N I b``) and, with adapters, ``x Agu^T`` and ``h Ad^T`` (``2 N r b``),
+  i.e. ``k (2 I + 2 r) b + 8 k`` bytes a token: Qwen3-30B-A3B (bf16, k = 8, I = 768, H = 2048) 24 KiB a
+  token a layer, against ``k H b`` = 32 KiB for the output buffer alone;
+* backward transients: ``dgu`` (``2 N I b``), ``h`` again (``N I b``, with a down adapter), the ``[N, r]``
+  products ``dy Bd`` and ``dgu Bgu``, the ``dx`` buffer (``N H b``), the ``<G, h>`` partials
+  (``4 N cdiv(I, BLOCK_N)`` bytes).
 
 Not measured on a GPU yet; bf16 is GPU-only (``tl.dot`` on bf16 is wrong under triton 3.9's interpreter).
 """

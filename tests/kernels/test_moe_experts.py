@@ -137,31 +137,35 @@ def test_matches_hugging_face_block(family, path, dtype, one_thread):
 @pytest.mark.parametrize("path", PATHS)
 def test_empty_expert_and_long_expert(path, one_thread):
     """Expert 5 gets no token (its factor gradients are exact zeros), expert 0 every token's first slot
-    (37 rows: two row blocks), 11 tokens pick the same expert twice; against the float64 reference,
-    ``topk_w``'s gradient directly."""
+    (48 rows: two row blocks), 11 tokens pick the same expert twice; fp16 activations and weights with the
+    adapters and ``topk_w`` in fp32 (PEFT's mixed precision: cast for the GEMMs, gradients in fp32); against
+    the float64 reference, ``topk_w``'s gradient directly."""
     g = torch.Generator().manual_seed(3)
     second = torch.randint(1, E - 1, (T,), generator=g)
     second[second >= 5] += 1
     idx = torch.stack([torch.zeros(T, dtype=torch.long), second], 1)
     idx[:11, 1] = 0
     w = torch.rand(T, K, generator=g)
-    x = torch.randn(T, H, generator=g)
-    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    x = torch.randn(T, H, generator=g).half()
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.1).half()
+    down = (torch.randn(E, H, I, generator=g) * 0.1).half()
     factors = [torch.randn(s, generator=g) * 0.1 for s in ((R * E, H), (2 * I, R * E), (R * E, I), (H, R * E))]
-    dy = torch.randn(T, H, generator=g)
+    dy = torch.randn(T, H, generator=g).half()
 
-    def run(dtype, triton):
-        leaves = [t.to(dtype).detach().requires_grad_() for t in (x, w, *factors)]
+    def run(cast, triton):
+        leaves = [cast(t).detach().requires_grad_() for t in (x, w, *factors)]
         with use_triton(triton):
-            y = moe_expert_mlp(leaves[0], idx, leaves[1], gate_up.to(dtype), down.to(dtype),
+            y = moe_expert_mlp(leaves[0], idx, leaves[1], cast(gate_up), cast(down),
                                gate_up_lora=expert_lora(leaves[2], leaves[3], E, 2.0),
                                down_lora=expert_lora(leaves[4], leaves[5], E, 2.0))
-        y.backward(dy.to(dtype))
+        y.backward(cast(dy))
         return [y] + [t.grad for t in leaves]
 
-    got, want = run(torch.float32, path == "triton"), run(torch.float64, False)
-    for name, a, b in zip(["y", "x", "topk_w", "A_gate_up", "B_gate_up", "A_down", "B_down"], got, want):
-        assert_close(a, b, torch.float32, name)
+    got, want = run(lambda t: t, path == "triton"), run(torch.Tensor.double, False)
+    names = ["y", "x", "topk_w", "A_gate_up", "B_gate_up", "A_down", "B_down"]
+    for name, a, b, dtype in zip(names, got, want, [torch.float16] * 2 + [torch.float32] * 5):
+        assert a.dtype == dtype, name
+        assert_close(a, b, torch.float16, name)
     empty_rows = slice(5 * R, 6 * R)  # A_e: rows e r .. e r + r - 1; B_e: columns j E + e
     for a, b in ((got[3], got[4]), (got[5], got[6])):
         assert torch.equal(a[empty_rows], torch.zeros_like(a[empty_rows]))
