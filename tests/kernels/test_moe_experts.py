@@ -78,18 +78,22 @@ def _gpt_oss_block(seed=0, limit=0.6):
     return _adapt(block, block.router, seed)
 
 
-def _ours(family, block, x, path):
-    """The block with its experts replaced by moe_expert_mlp (HF's router, PEFT's parameters)."""
+def _experts(family, block, x, idx, w):
+    """moe_expert_mlp on the block's experts (PEFT's parameters) for the routing ``idx``, ``w``."""
     gu_w, d_w, base = _wrappers(block.experts)
     loras = dict(gate_up_lora=peft_expert_lora(gu_w), down_lora=peft_expert_lora(d_w))
+    if family == "qwen3_moe":
+        return moe_expert_mlp(x, idx, w, base.gate_up_proj, base.down_proj, **loras)
+    return moe_expert_mlp(x, idx, w, base.gate_up_proj.transpose(1, 2), base.down_proj.transpose(1, 2),
+                          base.gate_up_proj_bias, base.down_proj_bias, **loras, activation="gpt_oss",
+                          alpha=base.alpha, limit=base.limit)
+
+
+def _ours(family, block, x, path):
+    """The block with its experts replaced by moe_expert_mlp (HF's router)."""
     with use_triton(path == "triton"):
-        if family == "qwen3_moe":
-            _, w, idx = block.gate(x)
-            return moe_expert_mlp(x, idx, w, base.gate_up_proj, base.down_proj, **loras)
-        _, w, idx = block.router(x)
-        return moe_expert_mlp(x, idx, w, base.gate_up_proj.transpose(1, 2), base.down_proj.transpose(1, 2),
-                              base.gate_up_proj_bias, base.down_proj_bias, **loras, activation="gpt_oss",
-                              alpha=base.alpha, limit=base.limit)
+        _, w, idx = (block.gate if family == "qwen3_moe" else block.router)(x)
+        return _experts(family, block, x, idx, w)
 
 
 def _hf(family, block, x):
@@ -204,3 +208,35 @@ def test_errors_are_explained():
         moe_expert_mlp(x, idx, w, gate_up.requires_grad_(), down)
     with pytest.raises(ValueError, match="factors of one rank-r adapter"):
         expert_lora(torch.randn(R * E + 1, H), torch.randn(2 * I, R * E + 1), E, 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only: bf16, a few thousand tokens, the compiled kernels
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_matches_hugging_face_experts_cuda(family, dtype):
+    """The experts alone (the routing from the float64 router, so a near-tie cannot pick other experts in
+    16 bits) for 3001 tokens: forward, dx, d topk_w and the factors' gradients against the float64 module."""
+    block = (_qwen_block() if family == "qwen3_moe" else _gpt_oss_block(limit=7.0)).to("cuda", dtype)
+    oracle = copy.deepcopy(block).double()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3001, H, generator=g).to("cuda", dtype)
+    dy = torch.randn(3001, H, generator=g).to("cuda", dtype)
+    with torch.no_grad():
+        _, w64, idx = (oracle.gate if family == "qwen3_moe" else oracle.router)(x.double())
+    x64, w64 = x.double().requires_grad_(), w64.clone().requires_grad_()
+    oracle.experts(x64, idx, w64).backward(dy.double())
+    want = {"x": x64.grad, "topk_w": w64.grad, **{n: p.grad for n, p in oracle.experts.named_parameters()
+                                                 if p.requires_grad}}
+    xl, wl = x.clone().requires_grad_(), w64.detach().float().requires_grad_()
+    y = _experts(family, block, xl, idx, wl)
+    y.backward(dy)
+    with torch.no_grad():
+        assert_close(y, oracle.experts(x.double(), idx, w64), dtype, "y")
+    got = {"x": xl.grad, "topk_w": wl.grad, **{n: p.grad for n, p in block.experts.named_parameters()
+                                              if p.requires_grad}}
+    assert set(got) == set(want) and len(want) == 6
+    for name in want:
+        assert_close(got[name], want[name], dtype, name)
