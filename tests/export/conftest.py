@@ -13,17 +13,24 @@ def lora_model(family: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
     return lora_model_from(f"notebookkit/tiny-{family}", load_in_4bit, seed, r)
 
 
+def _with_random_lora(model, seed: int, r: int, target_modules=None):
+    """``model`` with LoRA r=``r`` (on ``target_modules``, default all seven projections) and random non-zero B,
+    ready for inference."""
+    extra = {} if target_modules is None else {"target_modules": target_modules}
+    model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=16, show_banner=False, **extra)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    FastLanguageModel.for_inference(model)
+    return model
+
+
 def lora_model_from(name: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
     """The model ``name`` (a tiny default or a folder) with LoRA on all seven projections and random non-zero B."""
     model, tokenizer = FastLanguageModel.from_pretrained(str(name), load_in_4bit=load_in_4bit, show_banner=False)
-    model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=16, show_banner=False)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    FastLanguageModel.for_inference(model)
-    return model, tokenizer
+    return _with_random_lora(model, seed, r), tokenizer
 
 
 #: LoRA targets of the low-bit models: every projection but ``down_proj``, which stays a packed layer without
@@ -35,14 +42,7 @@ def low_bit_lora_model(name: str, base_format: str, seed: int = 0, r: int = 8):
     """The model ``name`` on a ``"2bit"`` or ``"ternary"`` base with LoRA on :data:`LOW_BIT_TARGETS` and random non-zero B."""
     flag = {"2bit": "load_in_2bit", "ternary": "load_in_ternary"}[base_format]
     model, tokenizer = FastLanguageModel.from_pretrained(str(name), show_banner=False, **{flag: True})
-    model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=16, target_modules=LOW_BIT_TARGETS, show_banner=False)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "lora_B" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    FastLanguageModel.for_inference(model)
-    return model, tokenizer
+    return _with_random_lora(model, seed, r, LOW_BIT_TARGETS), tokenizer
 
 
 def q2_k_sized_llama(folder) -> str:
