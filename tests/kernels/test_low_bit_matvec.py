@@ -22,10 +22,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CASES = [
     ("2bit", 45, 192, 64, None),           # the library's CONFIG
     ("2bit", 45, 192, 64, (8, 8, 4)),      # a step of 128 weights: two groups, the last step partly past K
-    ("2bit", 45, 192, 64, (4, 1, 2)),      # a step of one word
-    ("2bit", 19, 256, 16, (2, 4, 1)),      # groups of 16: a scale a word
+    ("2bit", 9, 192, 64, (4, 1, 2)),       # a step of one word (few rows: the interpreter runs a program at a time)
+    ("2bit", 7, 256, 16, (2, 4, 1)),       # groups of 16: a scale a word
     ("ternary", 45, 176, "row", (8, 4, 4)),  # one scale a row, K = 11 words
-    ("ternary", 33, 160, 32, (1, 2, 2)),   # groups of 32, two words each
+    ("ternary", 5, 160, 32, (1, 2, 2)),    # groups of 32, two words each
 ]
 
 
