@@ -101,6 +101,15 @@ GGUF_TYPES: dict[str, GGUFType] = {t.name: t for t in (
     GGUFType("q4_k_m", None, None, 15, 0.6, 2.0**-2, aliases=("quantized",)),
     GGUFType("q5_k_m", None, None, 17, 0.7, 2.0**-3),
     GGUFType("q6_k", None, None, 18, 0.82, 2.0**-4),
+    # q2_k (LLAMA_FTYPE_MOSTLY_Q2_K; the type base_formats suggests for a 2-bit base): 84 bytes a block of 256,
+    # but llama.cpp's Q2_K mix keeps v/o/down in Q3_K-Q4_K and the output in Q6_K: about 0.39 bytes a weight
+    # on disk at 8B (like q4_k_m's 0.6, the mix's average, for the free-space check).
+    # Measured with verify.check_gguf_file (relative teacher-forced logit difference, 4 prompts x 8 tokens) on
+    # llama models whose rows are whole Q2_K blocks (hidden 256, MLP 512, random weights of std 0.02, three
+    # seeds; llama.cpp's mix: Q2_K q/k/gate/up, Q3_K v/o/down, Q6_K embedding): 0.19-0.22 from a 2-bit base,
+    # 0.20-0.25 ternary, 0.23-0.29 16-bit, each explained by the file's own rounding; on tiny-llama (rows of
+    # 128 and 384, which llama.cpp writes in Q4_0 instead) 0.03-0.06. 2^-1 keeps 1.7x over the largest.
+    GGUFType("q2_k", None, None, 10, 0.39, 2.0**-1),
 )}
 
 #: The refused form: re-quantising the merge to 4-bit silently is lossy (``merged_4bit_forced`` says so).

@@ -16,7 +16,7 @@ is public: ``in_features`` / ``out_features``, a ``weight`` (``None`` here: ther
 ``qweight`` for the device the adapters go to (the packed codes, uint8, so the adapters' dtype is not
 taken from them), and ``compute_dtype`` for the adapters' dtype (bitsandbytes' 4-bit layers have the
 same attribute). PEFT's ``merge`` needs a dense weight and raises here; merged export dequantises the
-base itself.
+base itself (:meth:`_LowBitLinear.dequantized_weight`, in fp32 on the merging device).
 
 Dtypes: the packed codes are uint8 and the scales (and zeros) fp16 by the formats' definition; a
 ``model.to(torch.bfloat16)`` / ``model.half()`` must not round them, so :meth:`_LowBitLinear._apply`
@@ -87,9 +87,13 @@ class _LowBitLinear(nn.Linear):
             x = x.to(self.compute_dtype)
         return x
 
-    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The dense ``[out, in]`` weight the codes stand for (a new tensor; for export and tests)."""
-        return self._dequantize(self.packed_weight(), dtype or self.compute_dtype)
+    def dequantized_weight(self, dtype: Optional[torch.dtype] = None, device: Any = None) -> torch.Tensor:
+        """The dense ``[out, in]`` weight the codes stand for (a new tensor; for export and tests), decoded
+        on ``device`` (default: the layer's): the packed tensors move there, not the dense result."""
+        packed = self.packed_weight()
+        if device is not None:
+            packed = packed.to(device)
+        return self._dequantize(packed, dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._bias_added(self._product(self._input(x), self.packed_weight()))

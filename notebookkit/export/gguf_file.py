@@ -1,9 +1,10 @@
 """``model.save_pretrained_gguf``: the merged model as a GGUF file for llama.cpp / Ollama / LM Studio.
 
-The merged weights come from :mod:`.merge` in fp32 (NF4 decoded by notebookkit, ``W + s*B@A``),
+The merged weights come from :mod:`.merge` in fp32 (NF4, 2-bit and ternary bases decoded by notebookkit,
+``W + s*B@A``),
 are converted to llama.cpp's layout by the family's row of :mod:`.gguf_arch` and encoded with the
 ``gguf`` package: ``f32``, ``f16``, ``bf16``, ``q8_0`` and ``q4_0`` directly (``gguf.quants``), the
-K-quants ``q4_k_m``, ``q5_k_m`` and ``q6_k`` by llama.cpp's own quantiser (``llama_model_quantize``
+K-quants ``q4_k_m``, ``q5_k_m``, ``q6_k`` and ``q2_k`` by llama.cpp's own quantiser (``llama_model_quantize``
 from ``llama-cpp-python``) from a 16-bit GGUF written first. 1-D tensors (norms, biases) and
 ``rope_freqs`` stay F32; a 2-D tensor whose rows do not divide into the quant's blocks falls back
 to F16, as llama.cpp's converter does.
@@ -302,7 +303,7 @@ def save_pretrained_gguf(
         tokenizer: the model's tokenizer (required: its vocabulary, merges, special tokens and chat
             template go into the file).
         quantization_method: one of ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0`` (written by
-            notebookkit), ``q4_k_m``, ``q5_k_m``, ``q6_k`` (llama.cpp's quantiser, needs
+            notebookkit), ``q4_k_m``, ``q5_k_m``, ``q6_k``, ``q2_k`` (llama.cpp's quantiser, needs
             ``pip install llama-cpp-python``), or a list of them; aliases ``not_quantized`` (f16),
             ``fast_quantized`` (q8_0), ``quantized`` (q4_k_m).
         maximum_memory_usage: GPU fraction the merge may fill (see ``save_pretrained_merged``).

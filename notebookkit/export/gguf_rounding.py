@@ -19,7 +19,6 @@ uses it to say whether llama.cpp's differences are the size the format explains)
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Optional
 
@@ -28,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .gguf_arch import gguf_family, unpermute_for_llama_rope
-from .merge import base_model_of, plan_merged_tensors
+from .merge import base_model_of, merged_config, plan_merged_tensors
 
 __all__ = ["rounded_reference_model"]
 
@@ -84,10 +83,7 @@ def rounded_reference_model(model: nn.Module, method: str, path: Optional[os.Pat
         if path is None:
             raise ValueError(f"the rounding of {method} is read from its file: pass path=")
         _from_file(model, path, state)
-    config = copy.deepcopy(base.config)
-    for attr in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(config, attr):
-            delattr(config, attr)
+    config = merged_config(base)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = reference.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()

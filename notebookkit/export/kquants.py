@@ -1,4 +1,4 @@
-"""K-quants (``q4_k_m``, ``q5_k_m``, ``q6_k``) by llama.cpp's own quantiser.
+"""K-quants (``q4_k_m``, ``q5_k_m``, ``q6_k``, ``q2_k``) by llama.cpp's own quantiser.
 
 The K-quant formats and their per-tensor mixes ("_m": some tensors, such as parts of the attention
 V and FFN down projections, one step higher) are defined by llama.cpp; notebookkit does not

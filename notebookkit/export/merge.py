@@ -1,28 +1,39 @@
 """The merged weights of a LoRA model, one tensor at a time, planned before any is computed.
 
-For a LoRA-adapted linear layer with frozen base weight ``W`` (16-bit, or NF4-packed) and active
-adapters ``(A_i, B_i, s_i)`` (``A_i``: ``[r, in]``, ``B_i``: ``[out, r]``, ``s_i`` = PEFT's scaling,
-``alpha / r`` or ``alpha / sqrt(r)`` with rsLoRA) the merged weight is
+For a LoRA-adapted linear layer with frozen base weight ``W`` (16-bit, NF4-packed, or 2-bit / ternary
+packed) and active adapters ``(A_i, B_i, s_i)`` (``A_i``: ``[r, in]``, ``B_i``: ``[out, r]``,
+``s_i`` = PEFT's scaling, ``alpha / r`` or ``alpha / sqrt(r)`` with rsLoRA) the merged weight is
 
     W' = dtype( fp32(W) + sum_i s_i * fp32(B_i) @ fp32(A_i) )
 
 with one rounding, to the model's 16-bit dtype, at the end. The product runs in IEEE fp32 even where
 TF32 is switched on (``tf32=True`` training, ``torch.set_float32_matmul_precision("high")``): TF32
-keeps 10 mantissa bits, which shows in the 16-bit result wherever ``s B @ A`` is small. An NF4 weight is decoded by
-notebookkit's own decode (:func:`notebookkit.kernels.nf4.dequantize_nf4`, straight to fp32), never by
-bitsandbytes' CPU dequantisation. Every other parameter and persistent buffer of the model is
-passed through under its Hugging Face name (cast to the 16-bit dtype when floating point); a tied
-LM head is written once, as the embedding.
+keeps 10 mantissa bits, which shows in the 16-bit result wherever ``s B @ A`` is small. A packed weight
+is decoded by its format's own decode straight to fp32, on the device that merges it (its packed
+tensors move there, never the fp32 result):
+
+* NF4: :func:`notebookkit.kernels.nf4.dequantize_nf4`, never bitsandbytes' CPU dequantisation;
+* 2-bit (``load_in_2bit``): ``fp32(W)[n, k] = (code(n, k) - zero[n, k // G]) * scale[n, k // G]``
+  (:func:`notebookkit.kernels.q2.dequantize_q2`);
+* ternary (``load_in_ternary``): ``fp32(W)[n, k] = scale[n, k // G] * t(n, k)``, ``t`` in {-1, 0, +1}
+  (:func:`notebookkit.kernels.ternary.dequantize_ternary`).
+
+A 2-bit or ternary projection without an adapter is written the same way with no sum: a dense
+``weight`` (and its ``bias``), never its packed buffers, so the folder loads in plain transformers.
+Every other parameter and persistent buffer of the model is passed through under its Hugging Face
+name (cast to the 16-bit dtype when floating point); a tied LM head is written once, as the embedding.
 
 :func:`plan_merged_tensors` walks the modules once and returns, for every output tensor, its name,
 shape and dtype plus a ``make(device)`` that computes it. The writers use the plan to size shards
 and check disk space before anything is computed, then call ``make`` tensor by tensor, so at most
-one merged tensor (and its fp32 working copy) exists at a time.
+one merged tensor (and its fp32 working copy) exists at a time. :func:`merged_config` is the config
+the merged tensors belong to: the base's without its quantisation entries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -30,11 +41,18 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from notebookkit.base_formats import PREQUANTISED_CONFIG_KEY
+from notebookkit.base_layers.linear4bit import is_linear4bit
+from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
 from notebookkit.kernels.nf4 import dequantize_nf4
 from notebookkit.memory.export import merge_working_bytes
-from notebookkit.base_layers.linear4bit import is_linear4bit
 
-__all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of"]
+__all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of", "merged_config", "QUANTISATION_CONFIG_KEYS"]
+
+#: the config entries of a quantised base that the merged (dense) model must not carry: transformers'
+#: ``quantization_config`` (bitsandbytes, BitNet) and notebookkit's pre-quantised low-bit record, which
+#: would make ``from_pretrained`` look for packed tensors in the merged folder
+QUANTISATION_CONFIG_KEYS = ("quantization_config", "_pre_quantization_dtype", PREQUANTISED_CONFIG_KEY)
 
 
 @dataclass
@@ -62,12 +80,36 @@ def base_model_of(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def merged_config(base: nn.Module):
+    """A copy of ``base``'s config for the merged model: its quantisation entries
+    (:data:`QUANTISATION_CONFIG_KEYS`) removed, the rest as it is."""
+    config = copy.deepcopy(base.config)
+    for key in QUANTISATION_CONFIG_KEYS:
+        if hasattr(config, key):
+            delattr(config, key)
+    return config
+
+
 def _is_nf4(weight: torch.Tensor) -> bool:
     return getattr(weight, "quant_state", None) is not None
 
 
 def _weight_shape(weight: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(s) for s in weight.quant_state.shape) if _is_nf4(weight) else tuple(weight.shape)
+
+
+def _linear_shape(layer: nn.Module) -> tuple[int, int]:
+    """``(out, in)`` of a linear base layer: from its features for a packed 2-bit / ternary layer (no ``weight``)."""
+    if is_low_bit_linear(layer):
+        return int(layer.out_features), int(layer.in_features)
+    out_f, in_f = _weight_shape(layer.weight)
+    return out_f, in_f
+
+
+def _stored_weight(layer: nn.Module) -> torch.Tensor:
+    """The tensor that holds a linear base layer's weight (the packed codes of a 2-bit / ternary layer):
+    where the merge's inputs live."""
+    return layer.qweight if is_low_bit_linear(layer) else layer.weight
 
 
 def _quant_state_on(quant_state, device: torch.device) -> SimpleNamespace:
@@ -90,6 +132,14 @@ def _dense_fp32(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
             return dequantize_nf4(weight, out_dtype=torch.float32)
         return dequantize_nf4(weight.data.to(device), _quant_state_on(weight.quant_state, device), out_dtype=torch.float32)
     return weight.detach().to(device=device, dtype=torch.float32, copy=True)
+
+
+def _base_fp32(layer: nn.Module, device: torch.device) -> torch.Tensor:
+    """A linear base layer's weight in fp32 on ``device`` (a new tensor): a 2-bit / ternary layer decoded
+    there by its format (its packed tensors move, not the fp32 result), else :func:`_dense_fp32`."""
+    if is_low_bit_linear(layer):
+        return layer.dequantized_weight(torch.float32, device)
+    return _dense_fp32(layer.weight, device)
 
 
 def active_adapter_names(module: nn.Module) -> list[str]:
@@ -141,13 +191,18 @@ def _ieee_fp32_matmul():
             backend.fp32_precision = precision
 
 
-def _merged_linear_maker(module: nn.Module, out_dtype: torch.dtype) -> Callable[[torch.device], torch.Tensor]:
-    base = module.base_layer
-    adapters = [(module.lora_A[a].weight, module.lora_B[a].weight, float(module.scaling[a]))
-                for a in active_adapter_names(module)]
+def _lora_factors(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """``(A_i, B_i, s_i)`` of each active adapter of a LoRA layer."""
+    return [(module.lora_A[a].weight, module.lora_B[a].weight, float(module.scaling[a])) for a in active_adapter_names(module)]
+
+
+def _merged_linear_maker(base: nn.Module, adapters: list[tuple[torch.Tensor, torch.Tensor, float]],
+                         out_dtype: torch.dtype) -> Callable[[torch.device], torch.Tensor]:
+    """``make(device)`` of ``dtype(fp32(W) + sum_i s_i B_i @ A_i)`` for the linear layer ``base`` (``adapters``
+    may be empty: a packed layer without an adapter, written dense)."""
 
     def make(device: torch.device) -> torch.Tensor:
-        merged = _dense_fp32(base.weight, device)
+        merged = _base_fp32(base, device)
         with _ieee_fp32_matmul():
             for lora_a, lora_b, scaling in adapters:
                 a = lora_a.detach().to(device=device, dtype=torch.float32)
@@ -168,31 +223,16 @@ def _plain_maker(tensor: torch.Tensor, out_dtype: Optional[torch.dtype]) -> Call
     return make
 
 
-def _refuse_low_bit_bases(model: nn.Module) -> None:
-    """A model on a 2-bit or ternary base (:mod:`notebookkit.models.low_bit`) has no dense base weights to
-    merge into, and writing its packed tensors as a 16-bit checkpoint is not done yet: say what works."""
-    from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
-
-    found = next((m for m in model.modules() if is_low_bit_linear(m)), None)
-    if found is not None:
-        raise NotImplementedError(
-            f"This model's projections are {found.base_format} (load_in_2bit / load_in_ternary): merged and GGUF "
-            "exports from such a base are not supported yet. Save the adapter with model.save_pretrained(folder) "
-            "(it reloads onto the same base), or load the 16-bit checkpoint the base was quantised from with the "
-            "adapter (from_pretrained(folder, load_in_4bit=False)) and export from there."
-        )
-
-
 def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTensor]:
     """Every tensor of the merged Hugging Face checkpoint, in the model's module order (not computed).
 
     Args:
-        model: a ``PeftModel`` or a plain Hugging Face model (16-bit or NF4 weights).
+        model: a ``PeftModel`` or a plain Hugging Face model (16-bit, NF4, 2-bit or ternary base weights).
         dtype: the 16-bit (or fp32) dtype floating-point tensors are written in.
     """
     base = base_model_of(model)
-    _refuse_low_bit_bases(base)
     plan: list[PlannedTensor] = []
+    out_bytes = torch.empty((), dtype=dtype).element_size()
     seen: set[int] = set()
     skip_prefixes: list[str] = []
 
@@ -207,15 +247,23 @@ def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTen
         if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
             _check_supported_lora(module, mod_name)
             skip_prefixes.append(mod_name)
-            weight = module.base_layer.weight
-            out_f, in_f = _weight_shape(weight)
+            weight = _stored_weight(module.base_layer)
+            out_f, in_f = _linear_shape(module.base_layer)
             rank = sum(module.lora_A[a].weight.shape[0] for a in active_adapter_names(module))
             seen.add(id(weight))
-            add(prefix + "weight", weight, _merged_linear_maker(module, dtype), (out_f, in_f), dtype,
-                merge_working_bytes(out_f, in_f, rank, torch.empty((), dtype=dtype).element_size()), rank)
+            add(prefix + "weight", weight, _merged_linear_maker(module.base_layer, _lora_factors(module), dtype),
+                (out_f, in_f), dtype, merge_working_bytes(out_f, in_f, rank, out_bytes), rank)
             bias = getattr(module.base_layer, "bias", None)
             if bias is not None:
                 add(prefix + "bias", bias, _plain_maker(bias, dtype), tuple(bias.shape), dtype, 0)
+            continue
+        if is_low_bit_linear(module):  # a 2-bit / ternary projection without an adapter: dense weight (+ bias)
+            out_f, in_f = _linear_shape(module)
+            add(prefix + "weight", module.qweight, _merged_linear_maker(module, [], dtype), (out_f, in_f), dtype,
+                merge_working_bytes(out_f, in_f, 0, out_bytes), 0)
+            if module.bias is not None:
+                seen.add(id(module.bias))
+                add(prefix + "bias", module.bias, _plain_maker(module.bias, dtype), tuple(module.bias.shape), dtype, 0)
             continue
         if type(module).__name__ == "ModulesToSaveWrapper":  # modules_to_save: the trained copy
             skip_prefixes.append(mod_name)

@@ -2,7 +2,8 @@
 
 :func:`write_merged_folder` streams a plan of tensors (:mod:`.merge`) into safetensors shards
 (:mod:`.safetensors_stream`), tensor by tensor on the device :class:`MergeDevice` picks, then writes
-``config.json`` (without ``quantization_config`` unless the form adds one), ``generation_config.json``
+``config.json`` (without ``quantization_config`` unless the form adds one, and without the low-bit base's
+``notebookkit_base_format`` record: the merged weights are dense), ``generation_config.json``
 (its ``eos_token_id`` holds the token that ends the assistant's turn) and the tokenizer. Everything
 is written into a temporary folder beside the target and renamed at the end, so a failed export
 never leaves a folder that looks complete.
@@ -26,7 +27,7 @@ import torch.nn as nn
 
 from .chat_turns import stop_ids
 from .checks import ExportError, check_output_folder, format_bytes, parse_size
-from .merge import PlannedTensor
+from .merge import PlannedTensor, merged_config
 from .safetensors_stream import write_sharded_safetensors
 
 __all__ = ["ExportResult", "MergeDevice", "write_merged_folder", "temporary_sibling", "move_into_place", "folder_bytes",
@@ -101,10 +102,7 @@ def folder_bytes(folder: Path) -> tuple[list[Path], int]:
 
 
 def _write_config(base: nn.Module, folder: Path, dtype: torch.dtype, tokenizer: Any, extra: Optional[dict] = None) -> None:
-    config = copy.deepcopy(base.config)
-    for attr in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(config, attr):
-            delattr(config, attr)
+    config = merged_config(base)
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(folder)

@@ -18,6 +18,7 @@ One op per module, named after its public function, imported from there::
     from notebookkit.kernels.low_bit_matvec import low_bit_matvec  # decode of 2-bit and ternary bases, few rows
     from notebookkit.kernels.ternary import quantize_ternary  # {-1, 0, +1} x fp16 scale (BitNet b1.58 style)
     from notebookkit.kernels.ternary_matmul import ternary_linear
+    from notebookkit.kernels.moe_experts import moe_expert_mlp  # MoE experts: grouped GEMMs, LoRA on stacked weights
 
 Each module has Triton kernels, a launcher, a ``torch.autograd.Function`` and a plain-PyTorch
 ``*_reference`` of the same math (the CPU path and the test oracle). CUDA tensors run Triton; CPU

@@ -3,12 +3,15 @@
 The export merges one linear layer at a time (``notebookkit.export.merge``): for a projection of
 ``out x in`` with LoRA rank ``r`` it holds, on the device that merges it,
 
-    fp32 weight (NF4 decoded, or 16-bit upcast)       4 * out * in
+    fp32 weight (NF4 / 2-bit / ternary decoded,       4 * out * in
+    or 16-bit upcast)
     fp32 LoRA factors A [r, in] and B [out, r]        4 * r * (out + in)
     the merged weight in the written dtype            b * out * in       (b = 2 for 16-bit)
 
 and frees them before the next one; ``W += s * B @ A`` runs in place (``addmm_``), so no product
-buffer of its own. The host holds one merged tensor at a time on its way to the file
+buffer of its own. On a GPU a packed base (NF4, 2-bit, ternary) is decoded by its kernel straight into
+that fp32 weight, from the packed tensors already there; a 2-bit / ternary projection without an adapter
+is written dense the same way (``r = 0``). The host holds one merged tensor at a time on its way to the file
 (``b * out * in``, the largest one, usually the embedding). :func:`merge_working_bytes` is the
 per-layer formula the export's GPU budget check uses; :func:`export_memory` applies it to a whole
 model shape.

@@ -61,6 +61,7 @@ def test_canary_fails_when_the_update_is_lost(tmp_path, monkeypatch):
     model, tokenizer = FastLanguageModel.from_pretrained("notebookkit/tiny-llama", load_in_4bit=True, show_banner=False)
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False, show_banner=False)
     train_canary(model, tokenizer)
-    monkeypatch.setattr(merge, "_merged_linear_maker", lambda module, dtype: merge._plain_maker(module.base_layer.weight, dtype))
+    real = merge._merged_linear_maker
+    monkeypatch.setattr(merge, "_merged_linear_maker", lambda base, adapters, dtype: real(base, [], dtype))  # no s*B@A
     model.save_pretrained_merged(tmp_path / "lost", tokenizer, verbose=False)
     assert not CANARY.recalled_by(AutoModelForCausalLM.from_pretrained(tmp_path / "lost"), tokenizer)

@@ -11,6 +11,9 @@ that at the step. f16 continuations are equal on every family. The tiny families
 keep random weights, whose next-token gaps are often below bf16 / q8_0 rounding (the numbers are
 printed); on tiny-llama (pre-trained: real gaps) bf16 and q8_0 continuations are equal too, and the
 agreement of q4_0 and the K-quants is stated. A wrong Q/K permutation and a misplaced tensor fail.
+
+From a 2-bit base (``load_in_2bit``): f16 of tiny-llama, and q2_k of a model whose rows are whole Q2_K
+blocks (tiny-llama's are not: llama.cpp writes its q2_k file in Q4_0), held to the same.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 from notebookkit import families
 from notebookkit.export_forms import GGUF_TYPES
 from notebookkit.export.verify import GGUF_TOLERANCE, check_gguf_file
-from tests.export.conftest import lora_model
+from tests.export.conftest import low_bit_lora_model, lora_model, q2_k_sized_llama
 
 if os.environ.get("NOTEBOOKKIT_REQUIRE_LLAMA_CPP") != "1":
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make setup installs it)")
@@ -61,10 +64,41 @@ def test_family_in_llama_cpp(family, tmp_path):
 def test_k_quants_in_llama_cpp(llama_nf4, tmp_path):
     model, tokenizer = llama_nf4
     results = model.save_pretrained_gguf(tmp_path, tokenizer, ["f32", *K_QUANTS], verbose=False)
-    assert [r.path.name for r in results] == [f"{tmp_path.name}.{m}.gguf" for m in ("F32", "Q4_K_M", "Q5_K_M", "Q6_K")]
+    assert [r.path.name for r in results] == [f"{tmp_path.name}.{m.upper()}.gguf" for m in ("f32", *K_QUANTS)]
     assert not list(tmp_path.glob("*.partial.gguf")) and not list(tmp_path.glob(".*partial*"))
     checks = _checks(model, tokenizer, results, "llama")
     assert checks["q6_k"].agreement >= 0.75 and checks["q5_k_m"].agreement >= 0.5 and checks["q4_k_m"].agreement >= 0.5
+
+
+def _check_alone(model, tokenizer, result):
+    """One file's check without an f32 file beside it (llama.cpp's arithmetic floor: the f32 tolerance)."""
+    check = check_gguf_file(model, result.path, tokenizer, n_tokens=N_TOKENS, method=result.form)
+    summary = f"2bit base {check.summary()}"
+    print(summary)
+    assert check.tokenizer_equal, summary
+    assert check.within(result.form), f"{summary} > tolerance {GGUF_TOLERANCE[result.form]:.2e}"
+    assert check.explained(), f"{summary}: not explained by the format's rounding"
+    return check
+
+
+def test_f16_from_a_2bit_base_in_llama_cpp(tmp_path):
+    """tiny-llama on a 2-bit base, LoRA on all but the down projections (written dense from their codes)."""
+    model, tokenizer = low_bit_lora_model("notebookkit/tiny-llama", "2bit")
+    (result,) = model.save_pretrained_gguf(tmp_path, tokenizer, "f16", verbose=False)
+    check = _check_alone(model, tokenizer, result)
+    assert check.greedy_equal == check.prompts
+
+
+def test_q2_k_from_a_2bit_base_in_llama_cpp(tmp_path):
+    """q2_k of a 2-bit base whose rows are whole Q2_K blocks: the projections are Q2_K (and Q3_K, llama.cpp's
+    mix) in the file, and llama.cpp's logits differ from the model's by what that rounding explains."""
+    import gguf
+
+    model, tokenizer = low_bit_lora_model(q2_k_sized_llama(tmp_path / "model"), "2bit")
+    (result,) = model.save_pretrained_gguf(tmp_path / "gguf", tokenizer, "q2_k", verbose=False)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(result.path).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q2_K" and types["blk.1.ffn_up.weight"] == "Q2_K", types
+    _check_alone(model, tokenizer, result)
 
 
 @pytest.mark.parametrize("fault", ["no Q/K permutation", "down projections of layers 0 and 1 swapped"])

@@ -3,7 +3,8 @@
 ``W + s B A`` is a dense matrix; writing it back into 2-bit codes would quantise the adapter's change
 away (it is far below one quantisation step), and PEFT's own merge expects a dense ``base_layer.weight``
 (these layers have none). :func:`guard_low_bit_merges` replaces ``merge`` and ``unmerge`` of each such
-LoRA layer (on the instance: PEFT's class is untouched) by one that raises and says what to do instead.
+LoRA layer (on the instance: PEFT's class is untouched) by one that raises and says what to do instead:
+the merged exports (:mod:`notebookkit.export.merge`) write ``W + s B A`` to a new folder, dense.
 The replacement is a ``functools.partial`` of a module function, so ``copy.deepcopy`` and pickling keep it.
 """
 
@@ -30,8 +31,9 @@ def _refuse(base_format: str, what: str, *args: Any, **kwargs: Any) -> None:
         f"LoRA {what} on a {label} base is not possible in place: the merged weight W + s B A is dense, and "
         f"packing it back into {label} codes would round the adapter's change away. Keep the adapter separate "
         "(model.save_pretrained(folder) saves it; from_pretrained(folder, "
-        f"{BASE_FORMATS[base_format].load_flag}=True) puts it back on the base), or load the 16-bit checkpoint "
-        "with the adapter (from_pretrained(folder, load_in_4bit=False)) and merge there."
+        f"{BASE_FORMATS[base_format].load_flag}=True) puts it back on the base), or write the merged model to a "
+        "folder, leaving this one as it is: model.save_pretrained_merged(folder, tokenizer) (16-bit weights decoded "
+        "from the codes plus the adapter, for plain transformers) or model.save_pretrained_gguf(folder, tokenizer)."
     )
 
 

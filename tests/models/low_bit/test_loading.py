@@ -224,10 +224,21 @@ def test_a_checkpoint_with_other_tensor_names_says_what_to_do(tmp_path):
         load(str(tmp_path), "2bit")
 
 
-def test_a_merged_export_from_a_low_bit_base_says_what_works(tmp_path):
+def test_a_merged_export_from_a_low_bit_base_loads_back_dense(tmp_path):
+    """merged_16bit of a ternary base with LoRA (once refused): a folder without the low-bit record that loads
+    back as a 16-bit model computing what the LoRA model computes (written in fp32: to fp32 rounding).
+    The merge's arithmetic is tested in tests/export/test_low_bit_bases.py."""
     from .common import with_lora
 
     model, tok = load(checkpoint("llama"), "ternary")
     model = with_lora(model)
-    with pytest.raises(NotImplementedError, match=r"ternary .*not supported yet\. Save the adapter"):
-        model.save_pretrained_merged(str(tmp_path), tok, save_method="merged_16bit")
+    model.save_pretrained_merged(str(tmp_path), tok, save_method="merged_16bit", dtype=torch.float32, verbose=False)
+    assert CONFIG_KEY not in json.loads((tmp_path / "config.json").read_text())
+    again, _ = load(str(tmp_path), load_in_4bit=False)
+    assert base_format_of(again) == "16bit" and not any(is_low_bit_linear(m) for m in again.modules())
+    ids = batch()["input_ids"]
+    model.eval()
+    again.eval()
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, again(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
