@@ -94,8 +94,9 @@ def _x_quad(x_ptr, at, ok, X_KIND: tl.constexpr):
 
 @triton.jit
 def _four_plus_code(byte, SHIFT: tl.constexpr):
-    """``4 + code`` as fp32 for the code at bits ``21 - SHIFT`` of ``byte``: the two code bits moved into the
-    mantissa of 4.0 (whose last-but-21 bit is worth 1), no integer-to-float conversion."""
+    """``4 + code`` as fp32 for the code in bits ``21 - SHIFT`` and ``22 - SHIFT`` of ``byte``: the two code bits
+    moved into mantissa bits 21-22 of 4.0 (``0x40800000``, where bit 21 is worth 1); no integer-to-float
+    conversion."""
     return (((byte << SHIFT) & 0x600000) | 0x40800000).to(tl.float32, bitcast=True)
 
 
