@@ -319,7 +319,19 @@ class Prober:
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
             reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
             plan=_plan_summary(self.model) if self.replan is not None else None,
+            predicted_gib=_predicted_peak(self.model, length) if self.replan is not None else None,
         )
+
+
+def _predicted_peak(model, length: int) -> Optional[float]:
+    """The memory model's peak (allocator bytes, CUDA context left out) for the plan just applied, in GiB."""
+    try:
+        from notebookkit.memory.estimate import estimate_for_model
+
+        return round(estimate_for_model(model, batch_size=1, seq_len=length).peak_allocated / 2**30, 3)
+    except Exception as exc:  # noqa: BLE001 - informative only
+        print(f"(no predicted peak: {type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        return None
 
 
 def child_main(args) -> None:

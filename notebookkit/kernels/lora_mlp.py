@@ -45,7 +45,14 @@ run once per forward (``retain_graph=True`` is refused).
 The backward never reads ``Y``. A checkpointed decoder layer whose MLP output only enters the
 residual sum (Llama, Mistral, Qwen, Gemma 1) recomputes its forward in the backward pass only to
 rebuild what is saved, so there ``compute_output=False`` skips the down projection (a quarter of a
-Llama layer's matmul work) and returns zeros of Y's shape for the graph to go through.
+Llama layer's matmul work) and returns zeros of Y's shape for the graph to go through. It also defers
+e and g: that forward saves only X, and the backward computes e, g and runs the steps above a tile of
+tokens at a time (the MLP acts on each token alone), summing the adapters' gradients over the tiles.
+The products are the same as without deferring; what changes is memory: the layer's recompute no longer
+holds ``[N, I]`` e and g (3.5 GiB each at 131,072 tokens of an 8B model) while the rest of it runs, and
+the backward holds ``[rows, I]`` tiles (:func:`notebookkit.sequence_tiles.mlp_tile_rows`: 9,216 rows for
+an 8B model in bf16; a batch of at most that many tokens is one tile). A forward without autograd (an
+offloaded layer's first pass, a reference model) runs a tile at a time as well.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from .lora_projection import (
     adapter_grads,
     apply_in_compute_dtype,
     autograd_tensor_grads,
+    compute_dtype,
     flatten_tokens,
     lora_rank_grad,
     no_autocast,
@@ -72,6 +80,7 @@ from .lora_projection import (
 )
 from .runtime import should_use_triton
 from .swiglu import swiglu_backward_, swiglu_forward, swiglu_reference
+from ..sequence_tiles import mlp_tile_rows
 
 __all__ = ["lora_mlp", "lora_mlp_reference", "LoRAMLPFunction", "ACTIVATIONS"]
 
@@ -113,24 +122,64 @@ def _activation_ops(activation: str) -> tuple[Callable, Callable]:
 # --------------------------------------------------------------------------------------------------
 
 
+def _tiles(rows: int, tile_rows: int):
+    """``(start, stop)`` of each tile of ``tile_rows`` tokens out of ``rows``."""
+    return [(a, min(a + tile_rows, rows)) for a in range(0, rows, tile_rows)]
+
+
+def _mlp_rows(x2d, projs, activation, compute_output=True):
+    """``(Y or None, e, g, group)`` of the tokens ``x2d`` (the forward of the module docstring)."""
+    gate, up, down = projs
+    act_forward, _ = _activation_ops(activation)
+    (e, g), group = shared_input_forward(x2d, (gate, up))
+    if not compute_output:
+        return None, e, g, group
+    h = act_forward(e, g)
+    A, B = down.adapters(x2d.dtype)
+    return projection_forward(h, down, A, B), e, g, group
+
+
+def _backward_rows(dy2d, x2d, e, g, projs, group, activation, need_dx, need_dA, need_dB):
+    """``(dX, [(dA, dB) of gate, up, down])`` of the tokens ``x2d`` from ``dY`` (the backward of the module
+    docstring; overwrites ``e`` and ``g``)."""
+    gate, up, down = projs
+    _, act_backward_ = _activation_ops(activation)
+    A_d, B_d = down.adapters(x2d.dtype)
+    u_d = lora_rank_grad(dy2d, down, B_d)
+    dh = accumulate_input_grad_(None, dy2d, down, u_d, A_d)
+    h, de, dg = act_backward_(dh, e, g)
+    down_grads = adapter_grads(dy2d, h, u_d, down, A_d, need_dA[2], need_dB[2])
+    del h, dh, u_d
+    dx, (gate_grads, up_grads) = shared_input_backward(
+        [de, dg], x2d, (gate, up), group, need_dx, need_dA[:2], need_dB[:2],
+    )
+    return dx, [gate_grads, up_grads, down_grads]
+
+
+def _summed(total, grads):
+    """The adapters' ``(dA, dB)`` pairs of two tiles added (``total`` is ``None`` for the first)."""
+    if total is None:
+        return grads
+    return [tuple(None if a is None else a.add_(b) for a, b in zip(pair_total, pair))
+            for pair_total, pair in zip(total, grads)]
+
+
 class LoRAMLPFunction(torch.autograd.Function):
-    """Autograd function of :func:`lora_mlp`: inputs ``x, projs, activation, compute_output,
+    """Autograd function of :func:`lora_mlp`: inputs ``x, projs, activation, compute_output, tile_rows,
     *autograd_tensors(projs)``."""
 
     @staticmethod
-    def forward(ctx, x, projs, activation, compute_output, *tensors):
-        gate, up, down = projs
-        act_forward, _ = _activation_ops(activation)
+    def forward(ctx, x, projs, activation, compute_output, tile_rows, *tensors):
         x2d = flatten_tokens(x)
-        (e, g), group = shared_input_forward(x2d, (gate, up))
         if compute_output:
-            h = act_forward(e, g)
-            A, B = down.adapters(x.dtype)
-            y = projection_forward(h, down, A, B)
-            del h
-        else:  # the caller only back-propagates through Y (see the module docstring)
-            y = x2d.new_zeros(x2d.shape[0], down.out_features)
-        ctx.save_for_backward(x, e, g, *tensors)
+            y, e, g, group = _mlp_rows(x2d, projs, activation)
+            ctx.save_for_backward(x, e, g, *tensors)
+        else:  # deferred (module docstring): the caller only back-propagates through Y
+            y = x2d.new_zeros(1, projs[2].out_features).expand(x2d.shape[0], -1)  # no [N, H] of zeros
+            group = None
+            ctx.save_for_backward(x, *tensors)
+        ctx.deferred = not compute_output
+        ctx.tile_rows = tile_rows
         ctx.projs = projs  # the same projections in backward: their adapter casts are reused
         ctx.group = group  # and the same A_cat of gate and up
         ctx.activation = activation
@@ -145,30 +194,38 @@ class LoRAMLPFunction(torch.autograd.Function):
                 "(retain_graph=True with a second backward is not supported). Run the forward again."
             )
         ctx.consumed = True
-        x, e, g, *_ = ctx.saved_tensors
-        need_dx, _, _, _, *tensor_needs = ctx.needs_input_grad  # x, projs, activation, compute_output, ...
-        (need_dA_gate, need_dA_up, need_dA_down), (need_dB_gate, need_dB_up, need_dB_down) = (
-            requested_adapter_grads(tensor_needs)
-        )
-        gate, up, down = ctx.projs
-        _, act_backward_ = _activation_ops(ctx.activation)
+        x = ctx.saved_tensors[0]
+        need_dx, _, _, _, _, *tensor_needs = ctx.needs_input_grad  # x, projs, activation, compute_output, tile_rows
+        need_dA, need_dB = requested_adapter_grads(tensor_needs)
         with no_autocast(x.device.type):
-            dtype = x.dtype
-            dy2d = flatten_tokens(dy).to(dtype)
+            x2d, dy2d = flatten_tokens(x), flatten_tokens(dy).to(x.dtype)
+            if not ctx.deferred:
+                e, g = ctx.saved_tensors[1:3]
+                dx, grads = _backward_rows(dy2d, x2d, e, g, ctx.projs, ctx.group, ctx.activation,
+                                           need_dx, need_dA, need_dB)
+            else:
+                dx = torch.empty_like(x2d) if need_dx else None
+                grads = None
+                for a, b in _tiles(x2d.shape[0], ctx.tile_rows):
+                    _, e, g, group = _mlp_rows(x2d[a:b], ctx.projs, ctx.activation, compute_output=False)
+                    dx_tile, tile_grads = _backward_rows(dy2d[a:b], x2d[a:b], e, g, ctx.projs, group,
+                                                         ctx.activation, need_dx, need_dA, need_dB)
+                    del e, g
+                    if dx is not None:
+                        dx[a:b].copy_(dx_tile)
+                    grads = _summed(grads, tile_grads)
+        return (dx.view(x.shape) if dx is not None else None), None, None, None, None, *autograd_tensor_grads(grads)
 
-            A_d, B_d = down.adapters(dtype)
-            u_d = lora_rank_grad(dy2d, down, B_d)
-            dh = accumulate_input_grad_(None, dy2d, down, u_d, A_d)
-            h, de, dg = act_backward_(dh, e, g)
-            down_grads = adapter_grads(dy2d, h, u_d, down, A_d, need_dA_down, need_dB_down)
-            del h, dh, u_d
 
-            dx, (gate_grads, up_grads) = shared_input_backward(
-                [de, dg], flatten_tokens(x), (gate, up), ctx.group,
-                need_dx, [need_dA_gate, need_dA_up], [need_dB_gate, need_dB_up],
-            )
-        grads = autograd_tensor_grads([gate_grads, up_grads, down_grads])
-        return (dx.view(x.shape) if dx is not None else None), None, None, None, *grads
+def _forward_without_grad(x, projs, activation, compute_output, tile_rows, *tensors):
+    """The forward a tile of tokens at a time, when nothing will be back-propagated (module docstring)."""
+    x2d = flatten_tokens(x)
+    if x2d.shape[0] <= tile_rows:
+        return _mlp_rows(x2d, projs, activation)[0].view(*x.shape[:-1], -1)
+    y = x2d.new_empty(x2d.shape[0], projs[2].out_features)
+    for a, b in _tiles(x2d.shape[0], tile_rows):
+        y[a:b] = _mlp_rows(x2d[a:b], projs, activation)[0]
+    return y.view(*x.shape[:-1], -1)
 
 
 def lora_mlp(
@@ -178,6 +235,7 @@ def lora_mlp(
     down: LoRAProjection,
     activation: str = "swiglu",
     compute_output: bool = True,
+    tile_rows: int | None = None,
 ) -> torch.Tensor:
     """Gated MLP with LoRA on each projection: ``down(act(gate(x)) * up(x))``.
 
@@ -189,7 +247,9 @@ def lora_mlp(
             ``"geglu_tanh"`` (tanh-approximated GELU, Gemma).
         compute_output: ``False`` skips the down projection and returns zeros; gradients are
             unchanged, because the backward never reads the output. Only for a recompute pass
-            whose output value nobody reads.
+            whose output value nobody reads: its backward then runs a tile of tokens at a time.
+        tile_rows: tokens per tile of that backward and of a forward without autograd (default:
+            :func:`notebookkit.sequence_tiles.mlp_tile_rows`, which the memory model reads too).
 
     Returns:
         ``[..., hidden]`` in the compute dtype (autocast dtype if autocast is on, else ``x.dtype``).
@@ -201,7 +261,12 @@ def lora_mlp(
             f"MLP shapes do not chain: gate out {gate.out_features}, up out {up.out_features}, "
             f"down in {down.in_features} must all be the intermediate size."
         )
-    return apply_in_compute_dtype(LoRAMLPFunction, x, (gate, up, down), activation, bool(compute_output))
+    if tile_rows is None:
+        tile_rows = mlp_tile_rows(up.out_features, compute_dtype(x).itemsize)
+    if tile_rows < 1:
+        raise ValueError(f"lora_mlp: tile_rows must be >= 1 (got {tile_rows}).")
+    forward = LoRAMLPFunction if torch.is_grad_enabled() or not compute_output else _forward_without_grad
+    return apply_in_compute_dtype(forward, x, (gate, up, down), activation, bool(compute_output), int(tile_rows))
 
 
 def lora_mlp_reference(

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -731,18 +731,21 @@ class SharedInputLoRAFunction(torch.autograd.Function):
 
 
 def apply_in_compute_dtype(
-    function: type[torch.autograd.Function], x: torch.Tensor, projs: tuple[LoRAProjection, ...], *args: Any
+    function: type[torch.autograd.Function] | Callable[..., Any], x: torch.Tensor,
+    projs: tuple[LoRAProjection, ...], *args: Any
 ) -> Any:
     """``function.apply(x, projs, *args, *autograd_tensors(projs))``, the entry of a LoRA autograd
-    function: after checking that every base weight is frozen, with ``x`` cast to the compute dtype
+    function (or ``function(...)`` for a plain function, such as a forward without autograd): after
+    checking that every base weight is frozen, with ``x`` cast to the compute dtype
     (:func:`compute_dtype`) and autocast off (the functions cast explicitly)."""
     for p in projs:
         p.check_frozen()
     dtype = compute_dtype(x)
     if x.dtype != dtype:
         x = x.to(dtype)
+    call = function.apply if isinstance(function, type) else function
     with no_autocast(x.device.type):
-        return function.apply(x, projs, *args, *autograd_tensors(projs))
+        return call(x, projs, *args, *autograd_tensors(projs))
 
 
 def shared_input_lora(x: torch.Tensor, projs: Sequence[LoRAProjection]) -> tuple[torch.Tensor, ...]:

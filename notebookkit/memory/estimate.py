@@ -90,6 +90,12 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
       backward runs from the last layer down and frees what each layer saved), so a plan that
       keeps the last layers peaks at the larger of "all saved + loss buffers" and "the rest
       saved + one recompute";
+    - where the MLP output only enters the residual sum (no post-MLP norm) and the MLP runs the fused
+      kernel (no LoRA dropout), the recompute defers the MLP (``kernels.lora_mlp``): the recomputed
+      layer saves no e, g (``2*I`` per token less), and its MLP backward runs a tile of ``t`` tokens at
+      a time (``notebookkit.sequence_tiles.mlp_tile_rows``: 9,216 for an 8B model in bf16): the gradient
+      from above and of the input (``2*N*H*s``), the tile's e, g and ``dY W_down`` (``3*t*I*s``) and, when
+      there is more than one tile, the tile's input gradient before it is copied (``t*H*s``);
     - the attention backward (after the MLP's e, g are freed) when it needs more: the output
       gradient, the fp32 ``dQ`` accumulator and, with GQA, K/V gradients expanded to all heads
       (FlashAttention 2), or the ``[B, heads, T, T]`` fp32 gradients of an explicit softmax;
@@ -154,6 +160,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from notebookkit.base_formats import BASE_FORMATS, BaseFormat
+from notebookkit.sequence_tiles import mlp_tile_rows
 from notebookkit.training_methods import TRAINING_METHODS
 
 from .base_weights import base_format_for, dense_copy_bytes, input_grad_buffer_bytes, projection_weight_bytes
@@ -584,6 +591,8 @@ def backward_working_set(
     ``{"mlp": ..., "attention": ..., "fp8_forward": ...}``: the high-water marks inside a layer's
     backward (see the module docstring, "Temporaries"). ``attention`` is relative to the MLP
     moment's baseline, with the layer's e and g already freed (it can be negative).
+    ``mlp_deferred`` and ``attention_after_deferred``: the same for a recomputed layer whose MLP is
+    deferred and runs its backward in tiles of tokens (no e, g saved).
     ``fp8_forward`` is the FP8 copies of the input and weights of one FP8 product during a
     (recomputed) forward: the largest of :func:`fp8_products` (0 without the FP8 forward).
     The base format (``load_in_*``) adds what its GEMMs need beyond their outputs (:mod:`.base_weights`):
@@ -597,6 +606,10 @@ def backward_working_set(
     dims = shape.projection_shapes()
     dequant = dense_copy_bytes(shape, fmt, s, N) + input_grad_buffer_bytes(shape, fmt, N, s)
     mlp = N * H * s + N * I * s + N * H * s + dequant
+    t = min(N, mlp_tile_rows(I, s))
+    tiled_input_grad = t * H * s if t < N else 0
+    mlp_deferred = 2 * N * H * s + 3 * t * I * s + tiled_input_grad + dense_copy_bytes(shape, fmt, s, t) \
+        + input_grad_buffer_bytes(shape, fmt, t, s)
     freed = N * (2 * I + 2 * H) * s + N * 8  # e, g, the MLP norm's input and output, 1/rms
     attn = N * H * s + N * dq * s  # gradient from above, gradient of the attention output
     if resolve_attention(shape, attention) == "eager":
@@ -611,7 +624,8 @@ def backward_working_set(
         one_pass = fmt.product == "dequantise" and all(i % 64 == 0 and i <= 16384 for i, _ in dims.values())
         fp8 = max(N * dims[names[0]][0] + sum(dims[n][0] * dims[n][1] for n in names) for names in fp8_products(shape))
         fp8 += 0 if one_pass or not fmt.quantised else max(i * o for i, o in dims.values()) * s
-    return {"mlp": mlp, "attention": attn - freed, "fp8_forward": fp8}
+    return {"mlp": mlp, "attention": attn - freed, "fp8_forward": fp8,
+            "mlp_deferred": mlp_deferred, "attention_after_deferred": attn - (freed - 2 * N * I * s)}
 
 
 def estimate_training_memory(
@@ -796,6 +810,8 @@ class _Activations(_Part):
     keep_layer: int = 0
     layer_input: int = 0
     host_offload: int = 0
+    recomputed_layer: int = 0  # what a recomputed layer saves again in the backward (keep_layer less a deferred MLP's e, g)
+    mlp_deferred: bool = False
 
 
 def _optimizer_name(optimizer: str) -> str:
@@ -922,8 +938,18 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     in_flight = (X if plan[-1] == "offload" else 2 * X) if counts["offload"] else 0
     if in_flight:
         details["activations: offloaded inputs in flight"] = in_flight
+    deferred = mlp_deferred(shape, layer_kw.get("lora_dropout", 0.0))
+    N = layer_kw["batch_size"] * layer_kw["seq_len"]
+    recomputed = keep_layer - (2 * N * shape.intermediate_size * layer_kw["dtype_bytes"] if deferred else 0)
     return _Activations(sum(per_layer) + in_flight, details, per_layer=tuple(per_layer), keep_layer=keep_layer,
-                        layer_input=X, host_offload=counts["offload"] * X)
+                        layer_input=X, host_offload=counts["offload"] * X, recomputed_layer=recomputed,
+                        mlp_deferred=deferred)
+
+
+def mlp_deferred(shape: ModelShape, lora_dropout: float = 0.0) -> bool:
+    """Whether a recomputed layer defers its MLP to the backward (module docstring, "Temporaries"): its
+    output only enters the residual sum (no post-MLP norm) and it runs the fused kernel (no LoRA dropout)."""
+    return not shape.sandwich_norms and not (lora_dropout and lora_dropout > 0)
 
 
 def _logits_and_loss(shape: ModelShape, tokens: int, s: int, fused_loss: bool, loss_chunk_size: int | None,
@@ -959,7 +985,7 @@ def _scored_len(completion_loss: bool, seq_len: int, completion_len: int | None)
 def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, fmt: BaseFormat, attention: str) -> _Part:
     """DPO's reference forward (no gradient) on top of the saved policy activations: one decoder layer's
     no-grad working set for ``rows * seq_len`` tokens."""
-    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, fmt, attention))
+    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, fmt, attention, tiled_mlp=True))
 
 
 def _temporaries(
@@ -977,6 +1003,8 @@ def _temporaries(
     * first recompute: what is still saved + the recomputed layer's activations + working set.
     """
     ws_max = max(working_set["mlp"], working_set["attention"], working_set["fp8_forward"])
+    ws_recompute = max(working_set["mlp_deferred"], working_set["attention_after_deferred"],
+                       working_set["fp8_forward"]) if acts.mlp_deferred else ws_max
     activations, keep_layer = acts.bytes, acts.keep_layer
     policy_end = activations + max(logits_loss, ws_max if plan and plan[-1] == "keep" else 0)
     reference_end = activations + logits_loss + forward_extra
@@ -984,7 +1012,8 @@ def _temporaries(
     non_kept = [i for i, m in enumerate(plan) if m != "keep"]
     if non_kept:
         kept_after = len(plan) - 1 - non_kept[-1]
-        first_recompute = activations - kept_after * keep_layer + (keep_layer - acts.layer_input) + ws_max
+        first_recompute = (activations - kept_after * keep_layer + (acts.recomputed_layer - acts.layer_input)
+                           + ws_recompute)
     else:
         first_recompute = 0
     over = max(end_of_forward, first_recompute) - activations - logits_loss

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from notebookkit.base_formats import BaseFormat
+from notebookkit.sequence_tiles import mlp_tile_rows
 
 from .base_weights import base_format_for, dense_copy_bytes
 from .shapes import ModelShape, resolve_attention
@@ -124,11 +125,15 @@ def _as_format(base: BaseFormat | bool) -> BaseFormat:
 
 
 def layer_working_set(
-    shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, base: BaseFormat | bool, attention: str
+    shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, base: BaseFormat | bool, attention: str,
+    tiled_mlp: bool = False,
 ) -> int:
     """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots
     (``base``: the format of the frozen projections, or ``load_in_4bit`` as a bool; NF4 adds its dense copy,
-    2-bit and ternary a dense chunk from 256 tokens on, :mod:`.base_weights`)."""
+    2-bit and ternary a dense chunk from 256 tokens on, :mod:`.base_weights`). ``tiled_mlp``: the MLP is
+    the training path's fused kernel, which runs a forward without autograd a tile of ``t`` tokens at a
+    time (:mod:`notebookkit.sequence_tiles`): ``3*t*I`` intermediates and the tile's output (``t*H``, when
+    there is more than one tile) instead of ``3*N*I``; generation's own MLP runs whole."""
     base = _as_format(base)
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
@@ -137,7 +142,8 @@ def layer_working_set(
         attn += 2 * batch_size * shape.num_heads * slots * shape.head_dim * s
     if resolve_attention(shape, attention) == "eager":
         attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
-    mlp = N * s * (2 * H + 3 * I)
+    t = min(N, mlp_tile_rows(I, s)) if tiled_mlp else N
+    mlp = N * s * 2 * H + t * s * (3 * I + (H if t < N else 0))
     return max(attn, mlp) + dense_copy_bytes(shape, base, s, N)
 
 

@@ -270,21 +270,54 @@ def test_mlp_backward_runs_once():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
-def test_mlp_without_output_has_the_same_gradients(nf4, dtype, device):
-    """compute_output=False (a recompute pass) returns zeros; the gradients still match float64."""
+@pytest.mark.parametrize("nf4,tile_rows", [(False, None), (True, None), (False, 5), (True, 16)],
+                         ids=["dense", "nf4", "dense-tiles-of-5", "nf4-tiles-of-16"])
+def test_mlp_without_output_has_the_same_gradients(nf4, tile_rows, dtype, device):
+    """compute_output=False (a recompute pass) returns zeros; the gradients, computed a tile of tokens at a
+    time in backward (38 tokens: tiles of 5 leave a last tile of 3), still match float64."""
     gen = torch.Generator().manual_seed(11)
     kw = dict(nf4=nf4, dtype=dtype, device=device, gen=gen)
     gate, up = Pair(INTER, HIDDEN, adapter=True, **kw), Pair(INTER, HIDDEN, adapter=True, **kw)
     down = Pair(HIDDEN, INTER, adapter=True, **kw)
     x, x64 = _x(dtype, device, gen, shape=(2, 19, HIDDEN))
-    y = lora_mlp(x, gate.proj, up.proj, down.proj, "swiglu", compute_output=False)
+    y = lora_mlp(x, gate.proj, up.proj, down.proj, "swiglu", compute_output=False, tile_rows=tile_rows)
     y64 = lora_mlp_reference(x64, gate.proj64, up.proj64, down.proj64, "swiglu")
     assert y.shape == y64.shape and y.dtype == dtype and not y.any()
     _backward([y], [y64], gen)
     assert_close(x.grad, x64.grad, dtype, "dx")
     for name, p in zip(("gate", "up", "down"), (gate, up, down)):
         p.check_grads(dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tile_rows", [None, 7])
+def test_mlp_forward_without_grad_in_tiles(tile_rows, dtype, device):
+    """Under ``torch.no_grad`` the forward runs a tile of tokens at a time (37 tokens: tiles of 7 leave 2)
+    and equals the float64 composition."""
+    gen = torch.Generator().manual_seed(12)
+    pairs, _, _, _, _ = _mlp_case("geglu_tanh", dtype, device, True, gen)
+    x, x64 = _x(dtype, device, gen)
+    with torch.no_grad():
+        y = lora_mlp(x, *(p.proj for p in pairs), "geglu_tanh", tile_rows=tile_rows)
+        y64 = lora_mlp_reference(x64, *(p.proj64 for p in pairs), "geglu_tanh")
+    assert y.dtype == dtype and y.shape == y64.shape and y.grad_fn is None
+    assert_close(y, y64, dtype, "y")
+
+
+def test_mlp_tile_rows_rule():
+    """The tile rule the kernel and the memory model share: 256 MiB of one intermediate, whole 256-row
+    blocks, at least 4,096 rows."""
+    from notebookkit.sequence_tiles import mlp_tile_rows
+
+    assert mlp_tile_rows(14336, 2) == 9216 and mlp_tile_rows(8192, 2) == 16384 and mlp_tile_rows(14336, 4) == 4608
+    assert mlp_tile_rows(10**6, 2) == 4096
+    with pytest.raises(ValueError, match="intermediate_size"):
+        mlp_tile_rows(0, 2)
+    p = LoRAProjection(torch.randn(INTER, HIDDEN), None, None, None, 1.0)
+    q = LoRAProjection(torch.randn(HIDDEN, INTER), None, None, None, 1.0)
+    with pytest.raises(ValueError, match="tile_rows"):
+        lora_mlp(torch.randn(3, HIDDEN), p, p, q, tile_rows=0)
 
 
 @pytest.mark.parametrize("alpha,expect_scale_kernels", [(float(RANK), False), (16.0, True)], ids=["alpha_eq_r", "alpha_16"])

@@ -38,11 +38,17 @@ def folder(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,load_in_4bit", [("keep", False), ("recompute", False), ("recompute", True),
-                                               (["recompute", "keep"], False)],  # the planner's order: last kept
-                         ids=["keep", "recompute", "recompute-nf4", "recompute-then-keep"])
-def test_step_working_set_matches_the_estimate(folder, mode, load_in_4bit):
-    from notebookkit import FastLanguageModel
+@pytest.mark.parametrize("mode,load_in_4bit,tile_rows", [
+    ("keep", False, None), ("recompute", False, None), ("recompute", True, None),
+    (["recompute", "keep"], False, None),  # the planner's order: last kept
+    ("recompute", True, 48),  # the recompute's MLP backward in tiles of 48 of the 128 tokens (48, 48, 32)
+], ids=["keep", "recompute", "recompute-nf4", "recompute-then-keep", "recompute-nf4-tiles"])
+def test_step_working_set_matches_the_estimate(folder, mode, load_in_4bit, tile_rows, monkeypatch):
+    from notebookkit import FastLanguageModel, sequence_tiles
+
+    if tile_rows:  # the kernel and the memory model read the same rule
+        monkeypatch.setattr(sequence_tiles, "MLP_TILE_MIN_ROWS", tile_rows)
+        monkeypatch.setattr(sequence_tiles, "MLP_TILE_BYTES", tile_rows * CONFIG["intermediate_size"] * 2)
 
     model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=T, dtype=torch.bfloat16,
                                                  load_in_4bit=load_in_4bit, show_banner=False)
