@@ -51,6 +51,11 @@ names:
   (``tie_word_embeddings``'s default in the family's config class; Gemma).
 * ``gguf``: how llama.cpp lays the family out (:class:`GGUFLayout`), or ``None`` when GGUF export
   does not support it.
+* ``moe``: the family's decoder MLP is a sparse mixture-of-experts block (:class:`MoE`: router, experts'
+  layout, activation, routing rule), run on :mod:`notebookkit.kernels.moe_experts` by
+  :mod:`notebookkit.models.patching.patch_moe`; ``None`` for a dense family.
+* ``stock``: parts of the decoder that stay on stock Hugging Face code, each with the reason the
+  banner prints (gpt-oss: attention sinks, norms that multiply the weight in fp32).
 * ``vision``: the vision-language model whose language decoder is this family (Qwen2.5-VL for
   ``qwen2``, Gemma 3 4B+ for ``gemma3``), read by ``FastVisionModel``
   (:mod:`notebookkit.models.fast_vision_model`), the vision collator
@@ -144,6 +149,42 @@ class GGUFLayout:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A sparse mixture-of-experts MLP as a family's Hugging Face classes lay it out.
+
+    A block holds a router (``router``: attribute of the block, ``[E, H]`` weight, a bias when
+    ``router_bias``) and an experts module (``experts``) with two stacked weights, ``gate_up_proj``
+    and ``down_proj`` (biases ``gate_up_proj_bias`` / ``down_proj_bias`` when ``expert_bias``).
+    ``transposed``: the stacked weights are ``[E, in, out]`` (gpt-oss), not ``[E, out, in]`` (Qwen3-MoE).
+    ``activation``: the experts' gated activation, a :data:`notebookkit.kernels.moe_experts.ACTIVATIONS`
+    name (``"swiglu"``: ``[gate; up]`` halves; ``"gpt_oss"``: interleaved, clamped at ``swiglu_limit``).
+    ``routing``, over router logits ``z = x R^T (+ b)`` of one token, in fp32:
+
+    * ``"softmax_topk"`` (Qwen3-MoE): ``p = softmax(z)``, keep the ``k`` largest ``p``; with the config's
+      ``norm_topk_prob`` the kept ones are divided by their sum;
+    * ``"topk_softmax"`` (gpt-oss): keep the ``k`` largest ``z``, weights ``softmax`` over those ``k``.
+
+    ``num_experts`` / ``intermediate``: the config attributes holding ``E`` and the experts' ``I``.
+    ``returns_scores``: the block returns ``(y, router scores)`` (gpt-oss), not ``y``. The router's
+    load-balancing loss is Hugging Face's (the model adds ``router_aux_loss_coef`` times it when
+    ``output_router_logits`` is set); the patched router still returns the logits it records.
+    ``lora_parameters``: what ``LoraConfig(target_parameters=...)`` names to adapt the experts.
+    """
+
+    router: str
+    routing: str
+    activation: str
+    num_experts: str
+    intermediate: str
+    transposed: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    returns_scores: bool = False
+    experts: str = "experts"
+    lora_parameters: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@dataclass(frozen=True)
 class Vision:
     """A vision-language wrapper (``*ForConditionalGeneration``) whose language model is a family's.
 
@@ -221,6 +262,9 @@ class Family:
     fp16_overflow: Optional[str] = None
     tied_embeddings: bool = False
     gguf: Optional[GGUFLayout] = None
+    moe: Optional[MoE] = None
+    # parts left on stock Hugging Face code: banner name ("RMSNorm", "attention") -> the reason
+    stock: Mapping[str, str] = field(default_factory=dict, hash=False)
     # multimodal wrappers whose text model is this family: the memory model reads their shapes,
     # the patcher leaves them on stock code (never half-patched)
     multimodal_model_types: tuple[str, ...] = ()
@@ -289,6 +333,20 @@ _GEMMA3_VISION = Vision(
 )
 _ALTERNATING = {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]}
 
+_QWEN3_MOE = MoE(router="gate", routing="softmax_topk", activation="swiglu", num_experts="num_experts",
+                 intermediate="moe_intermediate_size")
+_GPT_OSS = MoE(router="router", routing="topk_softmax", activation="gpt_oss", num_experts="num_local_experts",
+               intermediate="intermediate_size", transposed=True, router_bias=True, expert_bias=True,
+               returns_scores=True)
+_GPT_OSS_STOCK = {
+    "attention": "gpt-oss attention adds a learned per-head sink logit to the softmax's denominator, which the "
+                 "fused SDPA path does not express: it stays on Hugging Face's eager attention",
+    "RMSNorm": "gpt-oss norms multiply by the weight in fp32 before rounding ((w * x * rstd).to(dtype), weights "
+               "kept in fp32): they stay on Hugging Face's code",
+}
+# Tiny MoE bodies: 8 experts (Qwen3-MoE) / 4 experts (gpt-oss), 2 a token, experts 96 wide
+_TINY_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.01}
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(
         "llama", ("llama",), "LlamaConfig", chat_template="llama-3", tokens="llama",
@@ -319,6 +377,22 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         tokenizer_template=tokenizer_templates.QWEN3, qk_norm=True,
         sliding_window=True, gguf=GGUFLayout("qwen3"),
         tiny=TinyRecipe(config={"rms_norm_eps": 1e-6, "use_sliding_window": False, "attention_bias": False}),
+    ),
+    Family(
+        "qwen3_moe", ("qwen3_moe",), "Qwen3MoeConfig", chat_template="qwen-3", tokens="qwen3",
+        tokenizer_template=tokenizer_templates.QWEN3, qk_norm=True, sliding_window=True, moe=_QWEN3_MOE,
+        tiny=TinyRecipe(tie_word_embeddings=False, config={
+            "rms_norm_eps": 1e-6, "use_sliding_window": False, "attention_bias": False, **_TINY_MOE,
+            "num_experts": 8, "moe_intermediate_size": 96, "norm_topk_prob": True,
+        }),
+    ),
+    Family(
+        "gpt_oss", ("gpt_oss",), "GptOssConfig", chat_template="chatml", tokens="qwen3",
+        tokenizer_template=tokenizer_templates.QWEN2, sliding_window=True, moe=_GPT_OSS, stock=_GPT_OSS_STOCK,
+        tiny=TinyRecipe(tie_word_embeddings=False, rope_theta=150000.0, config={
+            "rms_norm_eps": 1e-5, **_TINY_MOE, "num_local_experts": 4, "intermediate_size": 96,
+            "swiglu_limit": 7.0, "attention_bias": True, **_ALTERNATING,
+        }),
     ),
     Family(
         "gemma", ("gemma",), "GemmaConfig", chat_template="gemma", tokens="gemma",

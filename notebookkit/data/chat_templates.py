@@ -225,7 +225,9 @@ _ALIASES = {
     "unsloth": "chatml",
 }
 # A family's name picks its format (``"gemma3"`` -> ``gemma-3``; notebookkit.families).
-_ALIASES.update({f.name: f.chat_template for f in FAMILIES.values() if f.name not in CHAT_TEMPLATES | _ALIASES})
+# (names are looked up with "_" read as "-": "qwen3_moe" -> "qwen3-moe")
+_ALIASES.update({f.name.replace("_", "-"): f.chat_template for f in FAMILIES.values()
+                 if f.name.replace("_", "-") not in CHAT_TEMPLATES | _ALIASES})
 
 
 def list_chat_templates() -> list[str]:

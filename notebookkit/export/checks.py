@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from notebookkit.export_forms import REFUSED_SAVE_METHOD, forms_written_by
 
-__all__ = ["ExportError", "require_notebookkit_model", "check_output_folder", "check_save_method", "SAVE_METHODS",
+__all__ = ["ExportError", "refuse_mixture_of_experts", "require_notebookkit_model", "check_output_folder", "check_save_method", "SAVE_METHODS",
            "parse_size", "format_bytes"]
 
 #: the ``save_method`` values of ``save_pretrained_merged`` (the forms of :mod:`notebookkit.export_forms` it
@@ -105,3 +105,21 @@ def check_save_method(save_method: str) -> None:
         )
     if save_method not in SAVE_METHODS:
         raise ExportError(f"save_method={save_method!r} is not one of {', '.join(repr(m) for m in SAVE_METHODS)}.")
+
+
+def refuse_mixture_of_experts(model_type: Any, what: str) -> None:
+    """Raise :class:`ExportError` when ``model_type`` is a mixture-of-experts family (Qwen3-MoE, gpt-oss):
+    merging adapters into stacked expert weights and llama.cpp's expert layout are not written yet, and a
+    merge that skipped the experts' adapters would write a model without them."""
+    from notebookkit.families import for_model_type
+
+    family = for_model_type(model_type)
+    if family is None or family.moe is None:
+        return
+    raise ExportError(
+        f"{what} does not support mixture-of-experts models yet ({family.name}; issue #36): merging the "
+        "experts' LoRA into their stacked weights is not written. Save the adapters instead, "
+        "model.save_pretrained_merged(folder, tokenizer, save_method='lora') (or model.save_pretrained(folder)): "
+        "they load with PEFT onto the base model."
+    )
+

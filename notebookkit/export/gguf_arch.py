@@ -34,7 +34,7 @@ import torch
 
 from notebookkit.families import FAMILIES
 
-from .checks import ExportError
+from .checks import ExportError, refuse_mixture_of_experts
 
 __all__ = ["GGUFFamily", "GGUF_FAMILIES", "gguf_family", "permute_for_llama_rope", "unpermute_for_llama_rope", "llama3_rope_factors"]
 
@@ -60,6 +60,7 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
 def gguf_family(config: Any) -> GGUFFamily:
     """The table row for a Hugging Face config; raises naming the supported ones otherwise."""
     model_type = getattr(config, "model_type", None)
+    refuse_mixture_of_experts(model_type, "GGUF export")
     row = GGUF_FAMILIES.get(model_type)
     if row is None:
         supported = ", ".join(sorted(GGUF_FAMILIES))

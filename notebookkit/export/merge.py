@@ -47,6 +47,8 @@ from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
 from notebookkit.kernels.nf4 import dequantize_nf4
 from notebookkit.memory.export import merge_working_bytes
 
+from .checks import refuse_mixture_of_experts
+
 __all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of", "merged_config", "QUANTISATION_CONFIG_KEYS"]
 
 #: the config entries of a quantised base that the merged (dense) model must not carry: transformers'
@@ -231,6 +233,7 @@ def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTen
         dtype: the 16-bit (or fp32) dtype floating-point tensors are written in.
     """
     base = base_model_of(model)
+    refuse_mixture_of_experts(getattr(base.config, "model_type", None), "The merged export")
     plan: list[PlannedTensor] = []
     out_bytes = torch.empty((), dtype=dtype).element_size()
     seen: set[int] = set()

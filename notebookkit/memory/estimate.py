@@ -707,6 +707,13 @@ def estimate_training_memory(
 
     vlm = vlm_shape(model_config) if is_vlm(model_config) else None
     shape = vlm.text if vlm is not None else model_shape(model_config)
+    if shape.num_experts:
+        raise ValueError(
+            f"notebookkit.memory: {shape.name} is a mixture of experts ({shape.num_experts} experts, "
+            f"{shape.experts_per_token} a token); the memory model does not cover the experts' activations and "
+            "routing buffers yet (issue #36), so it gives no estimate or activation plan for it. Choose "
+            "use_gradient_checkpointing=True (recompute every layer) and watch notebookkit.memory's meters."
+        )
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"notebookkit.memory: batch_size and seq_len must be >= 1 (got {batch_size}, {seq_len}).")
     if method not in METHODS:

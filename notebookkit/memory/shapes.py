@@ -25,13 +25,18 @@ families have q/k norms, sandwich norms and soft-caps is read from their record 
 ``KNOWN_MODELS`` lists the curated hub checkpoints with the numbers copied from their public
 ``config.json`` files (text part for multimodal Gemma 3). ``model_shape(x)`` turns a Hugging Face
 config, a plain dict, a known name or a local model folder into a :class:`ModelShape`.
+
+A mixture-of-experts model (Qwen3-MoE, gpt-oss: ``Family.moe``) replaces the gate/up/down projections of
+each layer by ``E`` experts of width ``I_e`` (``3*H*I_e`` each) and a router ``[E, H]``, ``k`` experts a
+token; the shape counts those parameters, but :func:`notebookkit.memory.estimate.estimate` refuses it:
+the experts' activations and permutation buffers are not in the memory model yet (issue #36).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -58,6 +63,9 @@ class ModelShape:
     sandwich_norms: bool = False  # extra post-attention / post-MLP norms (Gemma 2, Gemma 3)
     max_position_embeddings: int | None = None
     attn_softcap: bool = False  # attention logit soft-cap (Gemma 2): explicit softmax, T^2 scores kept
+    num_experts: int = 0  # a mixture of experts: E experts a layer (0: a dense MLP)
+    experts_per_token: int = 0  # k
+    expert_intermediate_size: int = 0  # I_e, the width of one expert
 
     @property
     def q_dim(self) -> int:
@@ -82,6 +90,10 @@ class ModelShape:
 
     @property
     def linear_params_per_layer(self) -> int:
+        if self.num_experts:  # attention projections + every expert's gate/up/down + the router
+            attention = sum(i * o for n, (i, o) in self.projection_shapes().items() if n in PROJECTIONS[:4])
+            E, H = self.num_experts, self.hidden_size
+            return attention + E * 3 * H * self.expert_intermediate_size + E * H
         return sum(i * o for i, o in self.projection_shapes().values())
 
     @property
@@ -115,6 +127,8 @@ class ModelShape:
             f"{self.name} ({self.model_type}): {self.num_params / 1e9:.2f}B params, L={self.num_layers}, "
             f"H={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, "
             f"I={self.intermediate_size}, V={self.vocab_size}, tied={self.tie_word_embeddings}"
+            + (f", {self.num_experts} experts of I={self.expert_intermediate_size}, {self.experts_per_token} a token"
+               if self.num_experts else "")
         )
 
 
@@ -204,13 +218,19 @@ def shape_from_config(cfg: Any, name: str | None = None) -> ModelShape:
     softcap_attr = (family.attn_softcap_attr if family is not None else None) or "attn_logit_softcapping"
     _missing = object()
     softcap = config_value(cfg, softcap_attr, _missing)
-    return _shape(
+    experts = {}
+    if family is not None and family.moe is not None:
+        experts = dict(num_experts=int(config_value(cfg, family.moe.num_experts, 0) or 0),
+                       experts_per_token=int(config_value(cfg, "num_experts_per_tok", 0) or 0),
+                       expert_intermediate_size=int(config_value(cfg, family.moe.intermediate, 0) or 0))
+    shape = _shape(
         name or str(config_value(cfg, "_name_or_path", "") or config_value(cfg, "name_or_path", "") or model_type),
         model_type, H, int(config_value(cfg, "num_hidden_layers")), nh, int(nk), int(hd),
         int(config_value(cfg, "intermediate_size")), int(config_value(cfg, "vocab_size")), bool(tied),
         config_value(cfg, "max_position_embeddings"),
         attn_softcap=None if softcap is _missing else softcap is not None,
     )
+    return replace(shape, **experts) if experts else shape
 
 
 def model_shape(model_config: Any) -> ModelShape:
