@@ -169,6 +169,10 @@ class MoE:
     load-balancing loss is Hugging Face's (the model adds ``router_aux_loss_coef`` times it when
     ``output_router_logits`` is set); the patched router still returns the logits it records.
     ``lora_parameters``: what ``LoraConfig(target_parameters=...)`` names to adapt the experts.
+    ``peft_maps_mlp_targets``: PEFT itself (0.21 with transformers 5) turns ``target_modules`` naming
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` into adapters on the stacked experts (``gate_up_proj`` at rank
+    ``2 r`` and alpha ``2 alpha``, as the two v4 adapters it fuses), so ``get_peft_model`` leaves the
+    targets to PEFT; otherwise (gpt-oss) it adds ``lora_parameters`` when the MLP is targeted.
     """
 
     router: str
@@ -181,6 +185,7 @@ class MoE:
     expert_bias: bool = False
     returns_scores: bool = False
     experts: str = "experts"
+    peft_maps_mlp_targets: bool = False
     lora_parameters: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -334,7 +339,7 @@ _GEMMA3_VISION = Vision(
 _ALTERNATING = {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]}
 
 _QWEN3_MOE = MoE(router="gate", routing="softmax_topk", activation="swiglu", num_experts="num_experts",
-                 intermediate="moe_intermediate_size")
+                 intermediate="moe_intermediate_size", peft_maps_mlp_targets=True)
 _GPT_OSS = MoE(router="router", routing="topk_softmax", activation="gpt_oss", num_experts="num_local_experts",
                intermediate="intermediate_size", transposed=True, router_bias=True, expert_bias=True,
                returns_scores=True)

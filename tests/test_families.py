@@ -230,6 +230,6 @@ def test_catalogue_lists_the_tiny_model(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_test_helpers_build_the_family(name):
     row = FAMILIES[name]
-    assert name in helpers.FAMILIES
+    assert name in helpers.FAMILIES + helpers.MOE_FAMILIES
     config = helpers.family_config(name)
     assert type(config).__name__ == row.config_class and config.model_type in row.model_types

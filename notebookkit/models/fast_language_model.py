@@ -60,8 +60,9 @@ class FastLanguageModel:
             target_modules: projection names to adapt; default all seven
                 ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj``. On a mixture-of-experts
                 model (Qwen3-MoE, gpt-oss) whose targets name the MLP's projections, the experts' stacked
-                weights are adapted too, as PEFT does it (``target_parameters=["mlp.experts.gate_up_proj",
-                "mlp.experts.down_proj"]``, unless you pass ``target_parameters`` yourself).
+                weights are adapted too: PEFT maps the names onto Qwen3-MoE's experts itself; for gpt-oss
+                notebookkit adds ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``
+                (unless you pass ``target_parameters`` yourself).
             lora_alpha: LoRA scaling numerator (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA).
             lora_dropout: dropout on the LoRA input. Only ``0`` runs the fused kernels; other values
                 run stock PEFT code (the banner says so).
