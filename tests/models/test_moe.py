@@ -5,7 +5,8 @@ on the attention projections and on the experts' stacked weights (PEFT's ``targe
 ``B`` so every adapter matters), the routers' load-balancing loss switched on, a right-padded batch:
 
 * the loss (cross-entropy + ``router_aux_loss_coef * aux``), ``aux_loss`` and every LoRA gradient, on the
-  default path (the kernels' PyTorch references) and with the Triton kernels under the interpreter;
+  default path (the kernels' PyTorch references), with every layer recomputed in the backward (gradient
+  checkpointing) and with the Triton kernels under the interpreter;
   gpt-oss at a small ``swiglu_limit``, so the clamps of its activation bind;
 * a few training steps of the tiny default model through ``FastLanguageModel`` (the experts adapted
   because the default targets name the MLP) in which the loss falls, and the adapters saved by PEFT
@@ -69,14 +70,19 @@ def _loss_and_grads(model, batch):
     return out, grads
 
 
-PATHS = ["reference",
+PATHS = ["reference", "recompute",
          pytest.param("triton", marks=pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1"))]
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_loss_and_every_lora_gradient_match_peft(family, path, one_thread):
+    """``recompute``: with gradient checkpointing on every layer, which must keep the aux loss's gradient."""
+    from notebookkit.models.patching.checkpointing import apply_checkpointing
+
     ours, ref = _models(family)
+    if path == "recompute":
+        assert apply_checkpointing(ours, True) == "recompute"
     assert patch_summary(ours)["moe"] == ours.config.num_hidden_layers
     for layer in ours.base_model.model.model.layers:  # the fused experts run, not PEFT's fallback
         assert experts_status(layer.mlp, FAMILY_RECORDS[family].moe) is None
@@ -85,7 +91,7 @@ def test_loss_and_every_lora_gradient_match_peft(family, path, one_thread):
         x = torch.randn(64, experts.gate_up_proj.shape[1])
         gu = torch.einsum("th,ehi->eti", x, experts.gate_up_proj)
         assert (gu[..., 0::2] > 0.1).any() and (gu[..., 1::2].abs() > 0.1).any()
-    batch = _batch(seq=11 if path == "reference" else 6)
+    batch = _batch(seq=6 if path == "triton" else 11)
     with use_triton(path == "triton"):
         out, grads = _loss_and_grads(ours, batch)
     want, want_grads = _loss_and_grads(ref, batch)
