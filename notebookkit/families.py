@@ -9,7 +9,8 @@ depends on a family reads the row:
   attention is soft-capped (an explicit softmax that keeps ``[B, heads, T, T]`` scores);
 * the embedded default (:mod:`notebookkit.embedded`): the config class and settings of
   ``notebookkit/tiny-<name>`` and its tokenizer's special tokens;
-* the chat templates (:mod:`notebookkit.data.chat_templates`): the format a family's name picks;
+* the chat templates (:mod:`notebookkit.data.chat_templates`): the format a family's name picks (or,
+  ``chat_template=None``, the reason it picks none yet: ``chat_template_missing``);
   and the template its checkpoints ship (``tokenizer_template``, one copy in
   :mod:`notebookkit.tokenizer_templates`), which the tiny tokenizers carry;
 * the GGUF export (:mod:`notebookkit.export.gguf_arch`): llama.cpp's architecture and the
@@ -249,7 +250,9 @@ class Family:
     name: str  # canonical name: notebookkit/tiny-<name>, test ids, the catalogue
     model_types: tuple[str, ...]  # Hugging Face model_type(s) of the causal LM, the ones patched
     config_class: str  # the transformers config class of that model_type
-    chat_template: str  # the notebookkit.data.chat_templates format of the family
+    # the notebookkit.data.chat_templates format of the family, or None where notebookkit has none yet (then
+    # get_chat_template refuses the family's name with chat_template_missing as the reason)
+    chat_template: Optional[str]
     tokens: str  # the tiny tokenizer's special-token set (notebookkit.embedded.generate_tokenizer)
     tokenizer_template: str  # the chat template the family's checkpoints ship (notebookkit.tokenizer_templates)
     tiny: TinyRecipe
@@ -270,6 +273,7 @@ class Family:
     moe: Optional[MoE] = None
     # parts left on stock Hugging Face code: banner name ("RMSNorm", "attention") -> the reason
     stock: Mapping[str, str] = field(default_factory=dict, hash=False)
+    chat_template_missing: str = ""
     # multimodal wrappers whose text model is this family: the memory model reads their shapes,
     # the patcher leaves them on stock code (never half-patched)
     multimodal_model_types: tuple[str, ...] = ()
@@ -392,7 +396,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         }),
     ),
     Family(
-        "gpt_oss", ("gpt_oss",), "GptOssConfig", chat_template="chatml", tokens="qwen3",
+        # the tiny tokenizer speaks ChatML (the shared tiny vocabulary has no harmony tokens); real gpt-oss
+        # tokenizers ship their harmony template, which notebookkit has no format of yet
+        "gpt_oss", ("gpt_oss",), "GptOssConfig", chat_template=None, tokens="qwen3",
+        chat_template_missing="gpt-oss speaks OpenAI's harmony format (<|start|>role<|channel|>...<|message|>...<|end|>), "
+                              "which notebookkit's get_chat_template does not write yet (#36): keep the template "
+                              "its tokenizer ships (do not call get_chat_template)",
         tokenizer_template=tokenizer_templates.QWEN2, sliding_window=True, moe=_GPT_OSS, stock=_GPT_OSS_STOCK,
         tiny=TinyRecipe(tie_word_embeddings=False, rope_theta=150000.0, config={
             "rms_norm_eps": 1e-5, **_TINY_MOE, "num_local_experts": 4, "intermediate_size": 96,
