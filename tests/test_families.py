@@ -81,6 +81,31 @@ def test_patcher_covers_every_layer(name):
     assert counts.get("rms_norm", 0) == norms
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if FAMILIES[n].moe is not None])
+def test_moe_facts_are_true_of_the_model(name):
+    """The MoE record's layout is the Hugging Face model's: router (and its bias), stacked experts in
+    ``[E, out, in]`` or transposed, expert biases, what the block returns, the config attributes holding
+    ``E`` and the experts' width, the names PEFT's ``target_parameters`` take; the memory shape counts them."""
+    import torch
+
+    moe = FAMILIES[name].moe
+    model = helpers.random_model(name)
+    config, block = model.config, model.model.layers[0].mlp
+    E, I, H = getattr(config, moe.num_experts), getattr(config, moe.intermediate), config.hidden_size
+    router, experts = getattr(block, moe.router), getattr(block, moe.experts)
+    assert tuple(router.weight.shape) == (E, H) and (getattr(router, "bias", None) is not None) == moe.router_bias
+    gate_up = (E, H, 2 * I) if moe.transposed else (E, 2 * I, H)
+    down = (E, I, H) if moe.transposed else (E, H, I)
+    assert (tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)) == (gate_up, down)
+    assert hasattr(experts, "gate_up_proj_bias") == hasattr(experts, "down_proj_bias") == moe.expert_bias
+    out = block(torch.randn(1, 3, H))
+    assert isinstance(out, tuple) == moe.returns_scores
+    assert all(f"layers.0.{p}" in dict(model.named_parameters()) or f"model.layers.0.{p}" in dict(model.named_parameters())
+               for p in moe.lora_parameters)
+    assert model_shape(config).num_params == sum(p.numel() for n, p in model.named_parameters() if not n.endswith("bias")
+                                                 and "sinks" not in n)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_memory_shape_follows_the_record(name):
     row = FAMILIES[name]

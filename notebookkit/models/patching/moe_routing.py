@@ -53,13 +53,16 @@ def make_router_forward(rule: str):
     return router_forward
 
 
-def router_ready(router: Optional[nn.Module]) -> Optional[str]:
-    """None when ``router`` can be patched, else the reason."""
+def router_ready(router: Optional[nn.Module], bias: bool) -> Optional[str]:
+    """None when ``router`` can be patched (a top-k router with an ``[E, H]`` weight, and a bias when
+    the family's router has one: ``bias``), else the reason."""
     if router is None:
         return "no router module"
     weight = getattr(router, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not hasattr(router, "top_k"):
         return f"{type(router).__name__} is not a top-k router with an [E, H] weight"
+    if isinstance(getattr(router, "bias", None), torch.Tensor) != bias:
+        return f"{type(router).__name__} {'lacks' if bias else 'has'} the router bias the family record says"
     return None
 
 

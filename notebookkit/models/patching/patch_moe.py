@@ -114,7 +114,7 @@ def moe_ready(block: nn.Module, moe: MoE) -> Optional[str]:
     """None when ``block`` is a sparse MoE block of layout ``moe`` that can be patched, else the reason."""
     if kernel("moe_experts", "moe_expert_mlp") is None:
         return "notebookkit.kernels.moe_experts is unavailable"
-    reason = router_ready(getattr(block, moe.router, None))
+    reason = router_ready(getattr(block, moe.router, None), moe.router_bias)
     if reason is not None:
         return reason
     base, _ = unwrap_experts(getattr(block, moe.experts, nn.Module()))
