@@ -19,6 +19,8 @@ Facts of the format (from the ``gguf`` package's name tables and llama.cpp's mod
   ``lambda_i = 2*pi / theta_i``, ``lambda_hi = L0 / high_freq_factor``, ``lambda_lo = L0 / low_freq_factor``
   (``L0`` = original context):  ``f_i = 1`` if ``lambda_i < lambda_hi``, ``f_i = factor`` if
   ``lambda_i > lambda_lo``, else ``1 / ((1 - s) / factor + s)`` with ``s = (L0 / lambda_i - low) / (high - low)``.
+* Mixture-of-experts families (``Family.moe``: ``qwen3moe``, ``gpt-oss``): the experts' tensors, metadata
+  and what llama.cpp fixes for them are in :mod:`.gguf_experts`.
 * Gemma 2/3 interleave sliding-window and full-attention layers; llama.cpp reads the per-layer
   pattern from ``sliding_window_pattern`` (an array of booleans, true = sliding) and Gemma 3's local
   RoPE base from ``rope.freq_base_swa``.
@@ -32,9 +34,9 @@ from typing import Any, Optional
 
 import torch
 
-from notebookkit.families import FAMILIES
+from notebookkit.families import FAMILIES, MoE
 
-from .checks import ExportError, refuse_mixture_of_experts
+from .checks import ExportError
 
 __all__ = ["GGUFFamily", "GGUF_FAMILIES", "gguf_family", "permute_for_llama_rope", "unpermute_for_llama_rope", "llama3_rope_factors"]
 
@@ -48,11 +50,13 @@ class GGUFFamily:
     norm_shift: float = 0.0
     softcaps: bool = False  # Gemma 2: attention and final logit soft-caps
     sliding_pattern: bool = False  # Gemma 2/3: per-layer sliding-window pattern
+    moe: Optional[MoE] = None  # a mixture of experts: the family's layout of them (gguf_experts)
+    family: str = ""  # the family record's name
 
 
 GGUF_FAMILIES: dict[str, GGUFFamily] = {
     model_type: GGUFFamily(f.gguf.arch, permute_qk=f.gguf.permute_qk, norm_shift=1.0 if f.gemma_norm else 0.0,
-                           softcaps=f.gguf.attn_softcap, sliding_pattern=f.gguf.sliding_pattern)
+                           softcaps=f.gguf.attn_softcap, sliding_pattern=f.gguf.sliding_pattern, moe=f.moe, family=f.name)
     for f in FAMILIES.values() if f.gguf is not None for model_type in f.model_types
 }
 
@@ -60,7 +64,6 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
 def gguf_family(config: Any) -> GGUFFamily:
     """The table row for a Hugging Face config; raises naming the supported ones otherwise."""
     model_type = getattr(config, "model_type", None)
-    refuse_mixture_of_experts(model_type, "GGUF export")
     row = GGUF_FAMILIES.get(model_type)
     if row is None:
         supported = ", ".join(sorted(GGUF_FAMILIES))
@@ -69,6 +72,10 @@ def gguf_family(config: Any) -> GGUFFamily:
             "You can still save it with model.save_pretrained_merged(folder, tokenizer) and convert that "
             "folder with llama.cpp's convert_hf_to_gguf.py."
         )
+    if row.moe is not None:
+        from .gguf_experts import check_llama_cpp_moe
+
+        check_llama_cpp_moe(config, row.family, row.moe)
     return row
 
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 from notebookkit.export_forms import GGUF_TYPES, gguf_aliases
 
 from .checks import ExportError, check_output_folder, format_bytes, require_notebookkit_model
+from .gguf_experts import ExpertPart, add_moe_metadata, expert_parts, stored_in_f32
 from .gguf_arch import GGUFFamily, gguf_family, llama3_rope_factors, permute_for_llama_rope, rope_parameters
 from .gguf_vocab import tokenizer_metadata
 from .merge import PlannedTensor, base_model_of, plan_merged_tensors
@@ -87,12 +88,16 @@ class GGUFTensor:
     constant: Optional[torch.Tensor] = None
     permute_heads: int = 0  # > 0: reorder rows for llama.cpp's rotary layout
     add: float = 0.0  # Gemma's (1 + w) norms
+    part: Optional[ExpertPart] = None  # cut from a stacked expert tensor (gguf_experts)
+    keep_f32: bool = False  # stored F32 whatever the method (biases and router of a mixture of experts)
 
     def compute(self, chooser: MergeDevice) -> np.ndarray:
         if self.source is None:
             values = self.constant
         else:
             values = self.source.make(chooser.pick(self.source)).to(device="cpu", dtype=torch.float32)
+            if self.part is not None:
+                values = self.part.take(values)
         if self.permute_heads:
             values = permute_for_llama_rope(values, self.permute_heads)
         if self.add:
@@ -123,7 +128,17 @@ def gguf_tensors(model: nn.Module, family: GGUFFamily) -> list[GGUFTensor]:
         factors = llama3_rope_factors(head_dim, rope)
         tensors.append(GGUFTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", tuple(factors.shape), None, factors))
     for planned in plan_merged_tensors(model, torch.float32):
+        parts = expert_parts(planned.name, planned.shape, family.moe) if family.moe is not None else None
+        if parts is not None:  # a stacked expert weight / bias: llama.cpp's gate / up / down tensors
+            for hf_name, part, shape in parts:
+                gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+                if gname is None:
+                    raise ExportError(f"GGUF export does not know where {hf_name!r} goes in llama.cpp's {family.arch} layout.")
+                tensors.append(GGUFTensor(gname, shape, planned, part=part, keep_f32=stored_in_f32(planned.name, family.moe)))
+            continue
         gname = names.get_name(planned.name, try_suffixes=(".weight", ".bias"))
+        if gname is not None and not gname.endswith((".weight", ".bias")):  # a bare parameter (gpt-oss's sinks)
+            gname += ".weight"
         if gname is None:
             raise ExportError(f"GGUF export does not know where the tensor {planned.name!r} goes in llama.cpp's {family.arch} layout.")
         heads = 0
@@ -132,7 +147,8 @@ def gguf_tensors(model: nn.Module, family: GGUFFamily) -> list[GGUFTensor]:
         elif family.permute_qk and planned.name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = n_kv
         add = family.norm_shift if planned.name.endswith("norm.weight") else 0.0
-        tensors.append(GGUFTensor(gname, planned.shape, planned, permute_heads=heads, add=add))
+        tensors.append(GGUFTensor(gname, planned.shape, planned, permute_heads=heads, add=add,
+                                  keep_f32=stored_in_f32(planned.name, family.moe)))
     return tensors
 
 
@@ -147,6 +163,8 @@ def _add_model_metadata(writer: Any, model: nn.Module, family: GGUFFamily, metho
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
     writer.add_feed_forward_length(int(config.intermediate_size))
+    if family.moe is not None:
+        add_moe_metadata(writer, config, family.moe)
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or n_heads))
     writer.add_key_length(head_dim)
@@ -206,14 +224,15 @@ def _add_tokenizer_metadata(writer: Any, meta: dict[str, Any]) -> None:
         writer.add_chat_template(meta["chat_template"])
 
 
-def tensor_type(shape: tuple[int, ...], method: str, from_weights: bool = True):
+def tensor_type(shape: tuple[int, ...], method: str, from_weights: bool = True, keep_f32: bool = False):
     """The ggml type a tensor of ``shape`` is stored in, in ``method``'s file (a direct method): F32 for
-    1-D tensors and tensors made from the config (``from_weights=False``), else the method's type, or
-    F16 where a row does not divide into the type's blocks."""
+    1-D tensors, tensors made from the config (``from_weights=False``) and ``keep_f32`` ones (a mixture of
+    experts' biases and router), else the method's type, or F16 where a row (the last axis, the input
+    features) does not divide into the type's blocks."""
     import gguf
 
     t = gguf.GGMLQuantizationType
-    if len(shape) < 2 or not from_weights or method == "f32":
+    if len(shape) < 2 or not from_weights or keep_f32 or method == "f32":
         return t.F32
     qtype = _ggml_type(method)
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
@@ -225,7 +244,7 @@ def _encoding(tensor: GGUFTensor, method: str):
     import gguf
 
     t = gguf.GGMLQuantizationType
-    qtype = tensor_type(tensor.shape, method, tensor.source is not None)
+    qtype = tensor_type(tensor.shape, method, tensor.source is not None, tensor.keep_f32)
     n = int(np.prod(tensor.shape))
     if qtype == t.F32:
         return qtype, np.float32, n * 4, tensor.shape

@@ -68,7 +68,7 @@ def test_not_enough_disk_space(llama_nf4, tmp_path, monkeypatch, no_work):
 def test_architecture_gguf_does_not_support(llama_nf4, tmp_path, monkeypatch, no_work):
     model, tokenizer = llama_nf4
     monkeypatch.setattr(model.get_base_model().config, "model_type", "phi3")
-    with pytest.raises(ExportError, match=r"does not support model_type='phi3'\. Supported: gemma, gemma2, gemma3_text, llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ExportError, match=r"does not support model_type='phi3'\. Supported: gemma, gemma2, gemma3_text, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe"):
         model.save_pretrained_gguf(tmp_path / "g", tokenizer)
     assert not (tmp_path / "g").exists()
 

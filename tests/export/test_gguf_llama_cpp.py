@@ -12,6 +12,13 @@ keep random weights, whose next-token gaps are often below bf16 / q8_0 rounding 
 printed); on tiny-llama (pre-trained: real gaps) bf16 and q8_0 continuations are equal too, and the
 agreement of q4_0 and the K-quants is stated. A wrong Q/K permutation and a misplaced tensor fail.
 
+The mixture-of-experts families (Qwen3-MoE, gpt-oss) are held to the same in f32 and f16 (llama.cpp's
+``qwen3moe`` / ``gpt-oss`` with the experts split and transposed as it lays them out). Their coarser formats
+are not held to a logit tolerance: a random tiny router has near-ties between experts, and where rounding
+(llama.cpp's of the activations included) swaps one expert for another the logits jump at that token
+(measured on tiny-gpt_oss q8_0: 31 of 32 steps within 1.3x the weights' own rounding, one step 0.165,
+12x it). The canary test reads the q8_0 file of both families.
+
 From a 2-bit base (``load_in_2bit``): f16 of tiny-llama, and q2_k of a model whose rows are whole Q2_K
 blocks (tiny-llama's are not: llama.cpp writes its q2_k file in Q4_0), held to the same.
 """
@@ -54,7 +61,8 @@ def _checks(model, tokenizer, results, label: str) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_in_llama_cpp(family, tmp_path):
     model, tokenizer = lora_model(family, load_in_4bit=family == "llama")
-    results = model.save_pretrained_gguf(tmp_path, tokenizer, METHODS, verbose=False)
+    methods = ["f32", "f16"] if families.FAMILIES[family].moe is not None else METHODS  # routing: module docstring
+    results = model.save_pretrained_gguf(tmp_path, tokenizer, methods, verbose=False)
     checks = _checks(model, tokenizer, results, family)
     assert checks["f32"].greedy_equal == checks["f16"].greedy_equal == checks["f16"].prompts
     if family == "llama":
