@@ -31,7 +31,7 @@ from notebookkit.export_forms import GGUF_TYPES, gguf_aliases
 
 from .checks import ExportError, check_output_folder, format_bytes, require_notebookkit_model
 from .gguf_experts import ExpertPart, add_moe_metadata, expert_parts, stored_in_f32
-from .gguf_arch import GGUFFamily, gguf_family, llama3_rope_factors, permute_for_llama_rope, rope_parameters
+from .gguf_arch import GGUFFamily, add_yarn_metadata, gguf_family, llama3_rope_factors, permute_for_llama_rope, rope_parameters
 from .gguf_vocab import tokenizer_metadata
 from .merge import PlannedTensor, base_model_of, plan_merged_tensors
 from .merged import model_dtype
@@ -179,8 +179,10 @@ def _add_model_metadata(writer: Any, model: nn.Module, family: GGUFFamily, metho
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope_type == "yarn":
+        add_yarn_metadata(writer, rope)
     elif rope_type not in ("default", "llama3"):
-        raise ExportError(f"GGUF export does not write rope_type={rope_type!r} yet (supported: default, linear, llama3).")
+        raise ExportError(f"GGUF export does not write rope_type={rope_type!r} yet (supported: default, linear, llama3, yarn).")
     if family.softcaps:
         if getattr(config, "attn_logit_softcapping", None):
             writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))

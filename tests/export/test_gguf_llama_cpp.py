@@ -134,3 +134,33 @@ def test_a_broken_file_is_not_explained_by_rounding(fault, llama_nf4, tmp_path, 
     check = check_gguf_file(model, bad.path, tokenizer, n_tokens=N_TOKENS)
     print(f"{fault}: {check.summary(arithmetic)}")
     assert not check.explained(arithmetic)
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_gpt_oss_yarn_in_llama_cpp(truncate, tmp_path):
+    """gpt-oss's YaRN RoPE (factor 32 over 4096 positions, betas 32 / 1) in llama.cpp: with ``truncate=True`` the
+    f32 file matches to llama.cpp's arithmetic; gpt-oss's own ``truncate=False`` has no llama.cpp key, so the
+    export warns and the small difference it makes is bounded (measured 2e-4 of the largest logit)."""
+    import json
+    import shutil
+
+    from notebookkit.embedded.tiny import ensure_tiny_model
+    from tests.export.conftest import lora_model_from
+
+    folder = tmp_path / "model"
+    shutil.copytree(ensure_tiny_model("notebookkit/tiny-gpt_oss"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 32 * 4096
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate,
+                                 "original_max_position_embeddings": 4096, "rope_theta": config["rope_parameters"]["rope_theta"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    model, tokenizer = lora_model_from(folder, load_in_4bit=False)
+    if truncate:
+        (result,) = model.save_pretrained_gguf(tmp_path / "gguf", tokenizer, "f32", verbose=False)
+    else:
+        with pytest.warns(UserWarning, match="truncate=False"):
+            (result,) = model.save_pretrained_gguf(tmp_path / "gguf", tokenizer, "f32", verbose=False)
+    check = check_gguf_file(model, result.path, tokenizer, n_tokens=N_TOKENS, method="f32")
+    print(f"yarn truncate={truncate} {check.summary()}")
+    assert check.tokenizer_equal and check.greedy_equal == check.prompts
+    assert check.relative_diff <= (1e-5 if truncate else 1e-3), check.summary()
