@@ -117,5 +117,5 @@ def check_llama_cpp_moe(config: Any, family: str, moe: Any) -> None:
         layer_types = list(getattr(config, "layer_types", None) or [])
         expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(int(config.num_hidden_layers))]
         if layer_types and layer_types != expected:
-            raise ExportError(f"GGUF export: this {family} model's attention layers are {layer_types}; llama.cpp's "
+            raise ExportError(f"GGUF export: this {family} model's attention layers are layer_types={layer_types}; llama.cpp's "
                               f"gpt-oss alternates sliding and full attention starting with a sliding layer. {tail}")
