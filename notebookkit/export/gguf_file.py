@@ -7,7 +7,8 @@ are converted to llama.cpp's layout by the family's row of :mod:`.gguf_arch` and
 K-quants ``q4_k_m``, ``q5_k_m``, ``q6_k`` and ``q2_k`` by llama.cpp's own quantiser (``llama_model_quantize``
 from ``llama-cpp-python``) from a 16-bit GGUF written first. 1-D tensors (norms, biases) and
 ``rope_freqs`` stay F32; a 2-D tensor whose rows do not divide into the quant's blocks falls back
-to F16, as llama.cpp's converter does.
+to F16, as llama.cpp's converter does. A mixture of experts' stacked expert weights become llama.cpp's
+per-projection expert tensors (:mod:`.gguf_experts`; gate and up are cut from one merge of ``gate_up``).
 
 Several methods in one call share one pass over the merged weights (each tensor is merged once
 and encoded for every file). Files are written under a temporary name in the target folder and
@@ -91,11 +92,16 @@ class GGUFTensor:
     part: Optional[ExpertPart] = None  # cut from a stacked expert tensor (gguf_experts)
     keep_f32: bool = False  # stored F32 whatever the method (biases and router of a mixture of experts)
 
-    def compute(self, chooser: MergeDevice) -> np.ndarray:
+    def merged(self, chooser: MergeDevice) -> torch.Tensor:
+        """The merged source tensor, fp32 on the CPU."""
+        return self.source.make(chooser.pick(self.source)).to(device="cpu", dtype=torch.float32)
+
+    def compute(self, chooser: MergeDevice, merged: Optional[torch.Tensor] = None) -> np.ndarray:
+        """The values as the file stores them; ``merged``: the source already merged (an expert part's stack)."""
         if self.source is None:
             values = self.constant
         else:
-            values = self.source.make(chooser.pick(self.source)).to(device="cpu", dtype=torch.float32)
+            values = merged if merged is not None else self.merged(chooser)
             if self.part is not None:
                 values = self.part.take(values)
         if self.permute_heads:
@@ -288,8 +294,13 @@ def _write_gguf_files(model, tokenizer, family, methods: list[str], paths: list[
         writers.append(writer)
         encodings.append(codes)
     try:
+        held = (None, None)  # the stacked expert tensor last merged: its gate and up parts are cut from one merge
         for i, tensor in enumerate(tensors):
-            values = tensor.compute(chooser)
+            if tensor.part is None:
+                held = (None, None)
+            elif held[0] is not tensor.source:
+                held = (tensor.source, tensor.merged(chooser))
+            values = tensor.compute(chooser, held[1])
             for writer, codes in zip(writers, encodings):
                 writer.write_tensor_data(_encode(values, codes[i][0]))
             del values
