@@ -35,7 +35,6 @@ the merged tensors belong to: the base's without its quantisation entries.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -50,6 +49,8 @@ from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
 from notebookkit.kernels.nf4 import dequantize_nf4
 from notebookkit.memory.export import merge_working_bytes
 
+from .active_adapters import active_adapter_names
+from .ieee_fp32 import ieee_fp32_matmul
 from .merge_experts import StackedExperts, experts_module, stacked_experts
 
 __all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of", "merged_config", "QUANTISATION_CONFIG_KEYS"]
@@ -149,15 +150,6 @@ def _base_fp32(layer: nn.Module, device: torch.device) -> torch.Tensor:
     return _dense_fp32(layer.weight, device)
 
 
-def active_adapter_names(module: nn.Module) -> list[str]:
-    """The LoRA adapters of ``module`` that are active and not yet merged into its weight."""
-    active = getattr(module, "active_adapters", None) or []
-    if isinstance(active, str):
-        active = [active]
-    merged = set(getattr(module, "merged_adapters", []) or [])
-    return [a for a in active if a in module.lora_A and a not in merged]
-
-
 def _check_supported_lora(module: nn.Module, name: str) -> None:
     dora = getattr(module, "use_dora", {}) or {}
     if any(dora.get(a, False) for a in active_adapter_names(module)):
@@ -169,33 +161,6 @@ def _check_supported_lora(module: nn.Module, name: str) -> None:
         raise NotImplementedError(f"{name} stores its weight transposed (fan_in_fan_out); only nn.Linear layers merge.")
     if any(getattr(module, "lora_bias", {}).get(a, False) for a in active_adapter_names(module)):
         raise NotImplementedError(f"{name} has a LoRA bias (lora_bias=True), which the merge does not write.")
-
-
-@contextlib.contextmanager
-def _ieee_fp32_matmul():
-    """fp32 matrix products at full fp32 precision inside the block (TF32 / bf16 reduced precision off, on CUDA
-    and on oneDNN CPUs), the caller's settings back afterwards. torch >= 2.9 keeps these per backend
-    (``torch.backends.<backend>.matmul.fp32_precision``, what ``tf32=True`` training sets through transformers);
-    reading them through the older ``torch.get_float32_matmul_precision`` would raise after that, so the block
-    uses the per-backend settings where they exist."""
-    backends = [getattr(getattr(torch.backends, name, None), "matmul", None) for name in ("cuda", "mkldnn")]
-    backends = [b for b in backends if b is not None and hasattr(b, "fp32_precision")]
-    if not backends:  # torch < 2.9
-        before_legacy = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-        try:
-            yield
-        finally:
-            torch.set_float32_matmul_precision(before_legacy)
-        return
-    before = [b.fp32_precision for b in backends]
-    for backend in backends:
-        backend.fp32_precision = "ieee"
-    try:
-        yield
-    finally:
-        for backend, precision in zip(backends, before):
-            backend.fp32_precision = precision
 
 
 def _lora_factors(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -210,7 +175,7 @@ def _merged_linear_maker(base: nn.Module, adapters: list[tuple[torch.Tensor, tor
 
     def make(device: torch.device) -> torch.Tensor:
         merged = _base_fp32(base, device)
-        with _ieee_fp32_matmul():
+        with ieee_fp32_matmul():
             for lora_a, lora_b, scaling in adapters:
                 a = lora_a.detach().to(device=device, dtype=torch.float32)
                 b = lora_b.detach().to(device=device, dtype=torch.float32)

@@ -32,6 +32,9 @@ import torch.nn as nn
 from notebookkit.kernels.moe_experts import expert_lora
 from notebookkit.memory.export import merge_working_bytes
 
+from .active_adapters import active_adapter_names
+from .ieee_fp32 import ieee_fp32_matmul
+
 __all__ = ["StackedExperts", "experts_module", "stacked_experts"]
 
 STACKED = ("gate_up_proj", "down_proj")
@@ -69,8 +72,6 @@ def _adapters(wrapper: Optional[nn.Module], num_experts: int, name: str) -> list
     """The :class:`~notebookkit.kernels.moe_experts.ExpertLoRA` of each active, unmerged adapter of ``wrapper``."""
     if wrapper is None:
         return []
-    from .merge import active_adapter_names
-
     out = []
     for a in active_adapter_names(wrapper):
         if getattr(wrapper, "use_dora", {}).get(a, False) or getattr(wrapper, "lora_bias", {}).get(a, False):
@@ -109,10 +110,8 @@ class StackedExperts:
     def full(self, device: torch.device) -> torch.Tensor:
         """The merged stack in fp32, in the stored orientation: ``W + s B A`` per expert (its transpose when
         ``transposed``)."""
-        from .merge import _ieee_fp32_matmul
-
         merged = self.weight.detach().to(device=device, dtype=torch.float32, copy=True)
-        with _ieee_fp32_matmul():
+        with ieee_fp32_matmul():
             for lora in self.adapters:
                 a = lora.A.detach().to(device=device, dtype=torch.float32)
                 b = lora.B.detach().to(device=device, dtype=torch.float32)
@@ -125,11 +124,9 @@ class StackedExperts:
     def expert_rows(self, device: torch.device, e: int, rows: slice = slice(None)) -> torch.Tensor:
         """Expert ``e``'s merged projection rows ``rows`` in the linear orientation ``[out, in]``, fp32:
         ``W_e[rows] + s B_e[rows] A_e``."""
-        from .merge import _ieee_fp32_matmul
-
         w = self.weight[e].t() if self.transposed else self.weight[e]
         merged = w[rows].detach().to(device=device, dtype=torch.float32, copy=True)
-        with _ieee_fp32_matmul():
+        with ieee_fp32_matmul():
             for lora in self.adapters:
                 a = lora.A[e].detach().to(device=device, dtype=torch.float32)
                 b = lora.B[e][rows].detach().to(device=device, dtype=torch.float32)
