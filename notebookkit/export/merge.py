@@ -23,7 +23,9 @@ A 2-bit or ternary projection without an adapter is written the same way with no
 A mixture-of-experts block's stacked expert weights (Qwen3-MoE, gpt-oss) with PEFT's ``target_parameters``
 adapters are merged by :mod:`.merge_experts` (``W_e + s B_e A_e`` in the parameter's own orientation) and
 planned under the experts module's name, stacked as the model holds them (``PlannedTensor.experts`` keeps
-the per-expert maker for :mod:`.checkpoint_layout` and the GGUF writer). Every other parameter and persistent buffer of the model is passed through under its Hugging Face
+the per-expert maker for :mod:`.checkpoint_layout` and the GGUF writer).
+
+Every other parameter and persistent buffer of the model is passed through under its Hugging Face
 name (cast to the 16-bit dtype when floating point); a tied LM head is written once, as the embedding.
 
 :func:`plan_merged_tensors` walks the modules once and returns, for every output tensor, its name,
