@@ -170,6 +170,10 @@ class MoE:
     load-balancing loss is Hugging Face's (the model adds ``router_aux_loss_coef`` times it when
     ``output_router_logits`` is set); the patched router still returns the logits it records.
     ``lora_parameters``: what ``LoraConfig(target_parameters=...)`` names to adapt the experts.
+    ``saved_per_expert``: the family's checkpoints store each expert as its own linear layers,
+    ``experts.{e}.<gate>.weight [I, H]``, ``<up>`` and ``<down> [H, I]`` (these three names; Qwen3-MoE), which
+    transformers stacks on loading; empty when they store the stacked parameters as the model holds them
+    (gpt-oss). The merged export writes the family's own checkpoint layout.
     ``peft_maps_mlp_targets``: PEFT itself (0.21 with transformers 5) turns ``target_modules`` naming
     ``gate_proj`` / ``up_proj`` / ``down_proj`` into adapters on the stacked experts (``gate_up_proj`` at rank
     ``2 r`` and alpha ``2 alpha``, as the two v4 adapters it fuses), so ``get_peft_model`` leaves the
@@ -188,6 +192,7 @@ class MoE:
     experts: str = "experts"
     peft_maps_mlp_targets: bool = False
     lora_parameters: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    saved_per_expert: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -343,7 +348,8 @@ _GEMMA3_VISION = Vision(
 _ALTERNATING = {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]}
 
 _QWEN3_MOE = MoE(router="gate", routing="softmax_topk", activation="swiglu", num_experts="num_experts",
-                 intermediate="moe_intermediate_size", peft_maps_mlp_targets=True)
+                 intermediate="moe_intermediate_size", peft_maps_mlp_targets=True,
+                 saved_per_expert=("gate_proj", "up_proj", "down_proj"))
 _GPT_OSS = MoE(router="router", routing="topk_softmax", activation="gpt_oss", num_experts="num_local_experts",
                intermediate="intermediate_size", transposed=True, router_bias=True, expert_bias=True,
                returns_scores=True)
@@ -390,6 +396,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(
         "qwen3_moe", ("qwen3_moe",), "Qwen3MoeConfig", chat_template="qwen-3", tokens="qwen3",
         tokenizer_template=tokenizer_templates.QWEN3, qk_norm=True, sliding_window=True, moe=_QWEN3_MOE,
+        gguf=GGUFLayout("qwen3moe"),
         tiny=TinyRecipe(tie_word_embeddings=False, config={
             "rms_norm_eps": 1e-6, "use_sliding_window": False, "attention_bias": False, **_TINY_MOE,
             "num_experts": 8, "moe_intermediate_size": 96, "norm_topk_prob": True,
@@ -403,6 +410,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                               "which notebookkit's get_chat_template does not write yet (#36): keep the template "
                               "its tokenizer ships (do not call get_chat_template)",
         tokenizer_template=tokenizer_templates.QWEN2, sliding_window=True, moe=_GPT_OSS, stock=_GPT_OSS_STOCK,
+        gguf=GGUFLayout("gpt-oss"),
         tiny=TinyRecipe(tie_word_embeddings=False, rope_theta=150000.0, config={
             "rms_norm_eps": 1e-5, **_TINY_MOE, "num_local_experts": 4, "intermediate_size": 96,
             "swiglu_limit": 7.0, "attention_bias": True, **_ALTERNATING,

@@ -4,11 +4,12 @@ facts are true of the Hugging Face model it names.
 A family added to the table without one of its consumers fails here: the patcher (the fused
 path covers every layer), the memory model's shapes (q/k norms, sandwich norms, soft-cap), the
 tiny builder (config class, tokenizer set-up, reserved name), the chat templates (the family's
-name picks its format), the GGUF export (llama.cpp's architecture and conversions), the memory
-model's vision shapes (the wrapper's tower), the widget catalogue and the test helpers. A
-mixture-of-experts row (``Family.moe``) is patched block and router by block; the consumers that do not
-serve it yet refuse it with a message (GGUF and merged export here; decode, memory estimate and 2-bit /
-ternary loading in ``tests/models/test_moe.py``), and so does ``get_chat_template`` for a row without a format.
+name picks its format), the GGUF export (llama.cpp's architecture and conversions; a mixture of
+experts' split expert tensors too), the memory model's vision shapes (the wrapper's tower), the widget
+catalogue and the test helpers. A mixture-of-experts row (``Family.moe``) is patched block and router by
+block; the consumers that do not serve it yet refuse it with a message (decode, memory estimate and 2-bit /
+ternary loading in ``tests/models/test_moe.py``, merged_4bit_forced in ``tests/export/test_merged_moe.py``),
+and so does ``get_chat_template`` for a row without a format.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ def test_memory_shape_follows_the_record(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_gguf_layout_follows_the_record(name):
     """The GGUF writer's row is the record's, llama.cpp knows the architecture, and every tensor the
-    writer takes from the family's model has a llama.cpp name there (a mixture-of-experts family: the
-    GGUF and merged exports refuse it with a readable message)."""
+    writer takes from the family's model has a llama.cpp name there (a mixture of experts: its stacked
+    experts become llama.cpp's gate / up / down expert tensors and its router ``ffn_gate_inp``)."""
     import gguf
     import torch
 
@@ -137,16 +138,6 @@ def test_gguf_layout_follows_the_record(name):
     from notebookkit.export.merge import plan_merged_tensors
 
     row = FAMILIES[name]
-    if row.moe is not None:  # not written yet (#36): both exports refuse, saying what to do instead
-        from notebookkit.export.checks import ExportError
-
-        assert row.gguf is None
-        model = helpers.random_model(name)
-        with pytest.raises(ExportError, match="mixture-of-experts.*save_method='lora'"):
-            gguf_family(model.config)
-        with pytest.raises(ExportError, match="mixture-of-experts.*save_method='lora'"):
-            plan_merged_tensors(model, torch.float32)
-        return
     assert row.gguf is not None, f"{name}: no GGUF layout (GGUF export would refuse the family)"
     layout = gguf_family(helpers.family_config(name))
     assert (layout.arch, layout.permute_qk, layout.softcaps, layout.sliding_pattern) == (
@@ -156,6 +147,12 @@ def test_gguf_layout_follows_the_record(name):
     model = helpers.random_model(name, tie_word_embeddings=row.tiny.tie_word_embeddings)  # as the tiny model is
     names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
     tensors = [t.name for t in plan_merged_tensors(model, torch.float32)]
+    if row.moe is not None:  # the stacked experts are split / transposed by the writer (gguf_experts)
+        from notebookkit.export.gguf_file import gguf_tensors
+
+        written = {t.name for t in gguf_tensors(model, layout)}
+        assert {f"blk.1.{t}.weight" for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp")} <= written
+        tensors = [n for n in tensors if ".experts." not in n]
     missing = [n for n in tensors if names.get_name(n, try_suffixes=(".weight", ".bias")) is None]
     assert not missing, f"{name}: llama.cpp's {row.gguf.arch} layout has no place for {missing}"
 

@@ -108,18 +108,17 @@ def check_save_method(save_method: str) -> None:
 
 
 def refuse_mixture_of_experts(model_type: Any, what: str) -> None:
-    """Raise :class:`ExportError` when ``model_type`` is a mixture-of-experts family (Qwen3-MoE, gpt-oss):
-    merging adapters into stacked expert weights and llama.cpp's expert layout are not written yet, and a
-    merge that skipped the experts' adapters would write a model without them."""
+    """Raise :class:`ExportError` when ``model_type`` is a mixture-of-experts family (Qwen3-MoE, gpt-oss)
+    and ``what`` is ``merged_4bit_forced``: transformers + bitsandbytes quantise ``nn.Linear`` layers only,
+    so the stacked expert weights (most of the model) would stay 16-bit in a folder that claims 4-bit."""
     from notebookkit.families import for_model_type
 
     family = for_model_type(model_type)
     if family is None or family.moe is None:
         return
     raise ExportError(
-        f"{what} does not support mixture-of-experts models yet ({family.name}; issue #36): merging the "
-        "experts' LoRA into their stacked weights is not written. Save the adapters instead, "
-        "model.save_pretrained_merged(folder, tokenizer, save_method='lora') (or model.save_pretrained(folder)): "
-        "they load with PEFT onto the base model."
+        f"{what} does not cover mixture-of-experts models ({family.name}): bitsandbytes quantises linear layers "
+        "only, and the experts are stacked 3-D weights, so most of the model would stay 16-bit. Save with "
+        "save_method='merged_16bit' (the experts' LoRA merged in) and load that folder with load_in_4bit=True, or "
+        "save the adapters with save_method='lora'."
     )
-
