@@ -434,6 +434,10 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         tm = getattr(pc, "target_modules", None)
         if tm:
             names = [t for t in (list(tm) if not isinstance(tm, str) else [tm]) if str(t).split(".")[-1] in PROJECTIONS]
+            # PEFT's adapters on stacked experts (target_parameters) count as the MLP names that ask for them
+            stacked = {str(p).split(".")[-1] for p in (getattr(pc, "target_parameters", None) or ())}
+            names += [n for p, ns in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
+                      if p in stacked for n in ns]
             if names:
                 out["target_modules"] = sorted({str(t).split(".")[-1] for t in names}, key=PROJECTIONS.index)
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
