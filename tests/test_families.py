@@ -7,8 +7,8 @@ tiny builder (config class, tokenizer set-up, reserved name), the chat templates
 name picks its format), the GGUF export (llama.cpp's architecture and conversions), the memory
 model's vision shapes (the wrapper's tower), the widget catalogue and the test helpers. A
 mixture-of-experts row (``Family.moe``) is patched block and router by block; the consumers that do not
-serve it yet refuse it with a message (GGUF and merged export here; decode, memory estimate and 2-bit /
-ternary loading in ``tests/models/test_moe.py``), and so does ``get_chat_template`` for a row without a format.
+serve it yet refuse it with a message (GGUF and merged export here; decode, the memory estimate's DPO and
+GRPO steps and 2-bit / ternary loading in ``tests/models/test_moe.py``), and so does ``get_chat_template`` for a row without a format.
 """
 
 from __future__ import annotations
