@@ -37,11 +37,12 @@ Saved for backward by a kept sparse block (the router in fp32, the grouped kerne
     (``N H s`` for q/k/v, ``N dq s`` for o); the MLP norm's output ``N H s`` is the sparse block's ``x``.
 
 Working sets of a sparse block (beyond what it saved)
-    forward: ``h [n, I]``, the pairs' output rows ``[n, H]``, the fp32 sum ``4 N H`` and ``y`` (``N H s``);
-    backward, the larger of its two phases: ``dgu [n, 2I]``, ``dy Bd [n, r]``, ``h`` again (with a down
-    adapter), the fp32 ``<G, h>`` partials ``4 n ceil(I / 64)`` and ``dw`` (``8 n``); then ``dgu``, ``dgu
-    Bgu [n, r]``, the scattered input gradient ``[n, H]``, its fp32 sum and ``dx`` (``N H (4 + s)``), the
-    partials still alive, and the factor gradients ``E s sum r_w (in_w + out_w)``.
+    forward: ``h [n, I]`` and the pairs' output rows ``[n, H]``, or (``h`` freed) those rows, their fp32 sum
+    ``4 N H`` and ``y`` (``N H s``; none in fp32: the sum is ``y``);
+    backward, the largest of three moments: ``dgu [n, 2I]``, ``dy Bd [n, r]``, ``h`` again (with a down
+    adapter), the fp32 ``<G, h>`` partials ``4 n ceil(I / 64)``, ``dw`` and its source (``8 n``), the down adapter's
+    gradients; then ``dgu``, ``dgu Bgu [n, r]``, the partials, the scattered input gradient ``[n, H]``, its
+    fp32 sum and ``dx``; at the end ``dx`` and every factor gradient ``E s sum r_w (in_w + out_w)``.
     gpt-oss's attention backward: the dense eager terms with ``3 B heads T (T + 1) s`` for the
     probabilities' gradients and ``3 N dq s`` for dQ and the repeated dK, dV (not measured on a GPU yet).
 """
@@ -186,12 +187,15 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     N, k, E, H, I = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     n = N * k
     r_gu, r_d = ranks.get("gate_up_proj", 0), ranks.get("down_proj", 0)
-    forward = n * (I + H) * s + N * H * (4 + s) + 8 * n
-    partials = 4 * n * math.ceil(I / BLOCK_N) + 8 * n
-    grads = _factor_elems(shape, ranks) * s
-    phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials
-    phase_dx = n * (2 * I + r_gu + H) * s + N * H * (4 + s) + partials + grads
-    return {"forward": forward, "backward": max(phase_h, phase_dx)}
+    rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
+    forward = max(n * (I + H) * s, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
+    partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
+    down_grads = shape.num_experts * r_d * sum(shape.expert_shapes()["down_proj"]) * s
+    phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads
+    common = n * (2 * I + r_gu) * s + partials
+    at_sum = common + n * H * s + N * H * 4 + rounded + down_grads  # the scattered dx rows and their sum
+    at_end = common + N * H * s + _factor_elems(shape, ranks) * s  # dx and every factor gradient
+    return {"forward": forward, "backward": max(phase_h, at_sum, at_end)}
 
 
 def stock_attention_working_set(shape: ModelShape, *, batch_size: int, seq_len: int, s: int) -> int:

@@ -71,8 +71,8 @@ def test_kept_moe_layer_saves_exactly_what_the_model_says(family, dtype, monkeyp
 
 
 VERDICTS = {  # (model, card, dtype): what the panel's headline says, with its predicted peak
-    ("Qwen/Qwen3-30B-A3B", "t4", "float16"): "66.69 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
-    ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16"): "66.69 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
+    ("Qwen/Qwen3-30B-A3B", "t4", "float16"): "66.66 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
+    ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16"): "66.66 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
     ("openai/gpt-oss-20b", "t4", "float16"): "45.21 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
     ("openai/gpt-oss-20b", "rtx4090", "bfloat16"): "45.21 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
 }
@@ -92,3 +92,51 @@ def test_widget_verdict_for_the_moe_shapes(name, card, dtype):
     assert VERDICTS[(name, card, dtype)] in text, text
     assert "stay in the compute dtype under load_in_4bit" in text and "every layer recomputed" in text, text
     assert set(res.estimate.plan) == {"recompute"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_block_working_sets_are_what_it_allocates(dtype, monkeypatch, one_thread):
+    """One grouped call (Qwen3-MoE layout, fp32 adapters at ranks 2r / r) under ``LiveBytes``, launch arguments
+    released as a GPU would: what is alive after the forward is what it saved plus ``y``, and the forward's and
+    the backward's peaks above that are :func:`~notebookkit.memory.moe.sparse_block_working_sets`, byte for byte."""
+    import notebookkit.kernels.moe_experts as kernel
+    from notebookkit.memory.shapes import ModelShape
+
+    from .activation_probe import LiveBytes
+
+    cuda_tiles = kernel._config(torch.device("cuda"))
+    monkeypatch.setattr(kernel, "_config", lambda device: cuda_tiles)
+    tokens, H, I, E, k, r = 128, 64, 96, 8, 2, 4
+    s = dtype.itemsize
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, H, generator=g).to(dtype).requires_grad_()
+    w, idx = torch.softmax(torch.randn(tokens, E, generator=g), -1).topk(k, -1)
+    w.requires_grad_()
+    gate_up, down = (0.1 * torch.randn(E, 2 * I, H, generator=g)).to(dtype), (0.1 * torch.randn(E, H, I, generator=g)).to(dtype)
+    factors = [(0.1 * torch.randn(*shape, generator=g)).requires_grad_()
+               for shape in ((2 * r * E, H), (2 * I, 2 * r * E), (r * E, I), (H, r * E))]
+    loras = kernel.expert_lora(*factors[:2], E, 1.0), kernel.expert_lora(*factors[2:], E, 1.0)
+    dy = torch.randn(tokens, H, generator=g).to(dtype)
+
+    def run():
+        return kernel.moe_expert_mlp(x, idx, w, gate_up, down, None, None, *loras)
+
+    with cuda_like(release_launch_args=True):
+        run().backward(dy)  # warm-up: the kernels compiled, the gradients' storages made once
+        for p in (x, w, *factors):
+            p.grad = None
+        probe = LiveBytes()
+        with probe:
+            y = run()
+            forward_peak, after_forward = probe.peak, probe.live
+            probe.peak = probe.live
+            y.backward(dy)
+            backward_peak = probe.peak
+    shape = ModelShape("block", "qwen3_moe", H, 1, 4, 2, 16, 0, 100, False, num_experts=E, experts_per_token=k,
+                       expert_intermediate_size=I)
+    ranks = {"gate_up_proj": 2 * r, "down_proj": r}
+    saved = moe_terms.sparse_block_saved_bytes(shape, tokens=tokens, s=s, ranks=ranks)["experts"]
+    ws = moe_terms.sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks)
+    assert after_forward == saved + tokens * H * s  # what it saved for backward, and y
+    assert forward_peak - (after_forward - tokens * H * s) == ws["forward"]  # beyond what it saved (y comes last)
+    assert backward_peak - after_forward == ws["backward"]
