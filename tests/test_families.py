@@ -7,9 +7,9 @@ tiny builder (config class, tokenizer set-up, reserved name), the chat templates
 name picks its format), the GGUF export (llama.cpp's architecture and conversions; a mixture of
 experts' split expert tensors too), the memory model's vision shapes (the wrapper's tower), the widget
 catalogue and the test helpers. A mixture-of-experts row (``Family.moe``) is patched block and router by
-block; the consumers that do not serve it yet refuse it with a message (decode, memory estimate and 2-bit /
-ternary loading in ``tests/models/test_moe.py``, merged_4bit_forced in ``tests/export/test_merged_moe.py``),
-and so does ``get_chat_template`` for a row without a format.
+block; the consumers that do not serve it yet refuse it with a message (decode, the memory estimate's DPO and
+GRPO steps and 2-bit / ternary loading in ``tests/models/test_moe.py``, merged_4bit_forced in
+``tests/export/test_merged_moe.py``), and so does ``get_chat_template`` for a row without a format.
 """
 
 from __future__ import annotations
