@@ -1,7 +1,7 @@
 """The decode matvec of 2-bit and ternary bases (``kernels/low_bit_matvec.py``): a launch-configuration sweep.
 
 For each projection shape of an 8B (or 70B) Llama at one decode row (``M = 1``, bf16), times each candidate
-``BLOCK_N,words a step,warps`` (median µs of ``triton.testing.do_bench_cudagraph``: replayed from a CUDA graph as
+``BLOCK_N,blocks a step,warps`` (a block is up to 64 weights of a row sharing a scale) (median µs of ``triton.testing.do_bench_cudagraph``: replayed from a CUDA graph as
 the decode step is, so the host's launch cost is not timed) and reports the bytes a call
 reads (codes, scales, zeros and ``x``) per second, and that rate as a share of the card's copy bandwidth
 (a 1 GiB device-to-device copy: read + write bytes / time). One configuration serves every shape, so the pick
@@ -59,18 +59,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--formats", default="2bit,ternary")
-    ap.add_argument("--block-n", default="1,2,4,8")
-    ap.add_argument("--words", default="8,16,32")
-    ap.add_argument("--warps", default="1,2,4")
+    ap.add_argument("--block-n", default="1,2,4,8,16")
+    ap.add_argument("--step", default="8,16,32,64", help="blocks of a row a loop step")
+    ap.add_argument("--warps", default="1,2,4,8")
     args = ap.parse_args()
     from notebookkit.kernels import low_bit_matvec as mod
 
     torch.manual_seed(0)
     bandwidth = copy_gb_s()
     print(f"COPY {bandwidth:.0f} GB/s (1 GiB device-to-device, read + write)", flush=True)
-    candidates = [mod.CONFIG] + [c for c in itertools.product(*(tuple(int(v) for v in getattr(args, a).split(","))
-                                                                for a in ("block_n", "words", "warps")))
-                                 if c != mod.CONFIG]
+    grid = itertools.product(*(tuple(int(v) for v in getattr(args, a).split(",")) for a in ("block_n", "step", "warps")))
+    # tiles of 8 to 64 code bytes a thread (fewer starve the loads, more spill)
+    candidates = [mod.CONFIG] + [c for c in grid if c != mod.CONFIG and 8 <= c[0] * c[1] * 16 / (32 * c[2]) <= 64]
     for fmt in args.formats.split(","):
         layer = {name: packed(fmt, n, k) for name, (n, k) in SHAPES[args.shape].items()}
         xs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in SHAPES[args.shape].items()}

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--decode-tokens", type=int, default=0)
     ap.add_argument("--matvec-config", default=None,
-                    help="BLOCK_N,BLOCK_B,warps for the decode matvec of 2-bit and ternary bases (the sweep's pick; "
+                    help="BLOCK_N,blocks a step,warps for the decode matvec of 2-bit and ternary bases (the sweep's pick; "
                          "default: the library's low_bit_matvec.CONFIG)")
     args = ap.parse_args()
     if args.format == "nf4" and args.source != "checkpoint":

@@ -78,7 +78,9 @@ def _config(m: int) -> tuple[int, int, int, int]:
     return block_m, 64, 64, 4
 
 
-def _check(a: torch.Tensor, weight: TernaryWeight, what: str, where: str) -> None:
+def check_ternary_operand(a: torch.Tensor, weight: TernaryWeight, what: str, where: str) -> None:
+    """``a`` (``x`` against ``in_features``, ``dy`` against ``out_features``) checked against the ternary weight:
+    its type, ``a``'s dtype, last dimension and device, each refused with what to change."""
     if not isinstance(weight, TernaryWeight):
         raise TypeError(f"{where} takes a TernaryWeight (see quantize_ternary), got {type(weight).__name__}.")
     width = weight.in_features if what == "x" else weight.out_features
@@ -93,14 +95,14 @@ def _check(a: torch.Tensor, weight: TernaryWeight, what: str, where: str) -> Non
 
 def ternary_matmul_reference(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     """Plain-PyTorch ``x @ dequantize_ternary(W)^T`` (fp32 accumulation, one rounding to ``x.dtype``)."""
-    _check(x, weight, "x", "ternary_matmul")
+    check_ternary_operand(x, weight, "x", "ternary_matmul")
     w = dequantize_ternary_reference(weight, x.dtype).float()
     return (x.float() @ w.t()).to(x.dtype)
 
 
 def ternary_input_grad_reference(dy: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     """Plain-PyTorch ``dy @ dequantize_ternary(W)`` (fp32 accumulation, one rounding to ``dy.dtype``)."""
-    _check(dy, weight, "dy", "ternary_input_grad")
+    check_ternary_operand(dy, weight, "dy", "ternary_input_grad")
     w = dequantize_ternary_reference(weight, dy.dtype).float()
     return (dy.float() @ w).to(dy.dtype)
 
@@ -132,7 +134,7 @@ def ternary_matmul(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     CUDA tensors run the fused Triton GEMM (the dense weight is never written); CPU tensors run the
     reference unless Triton is forced (``runtime.use_triton(True)`` under ``TRITON_INTERPRET=1``).
     """
-    _check(x, weight, "x", "ternary_matmul")
+    check_ternary_operand(x, weight, "x", "ternary_matmul")
     if not should_use_triton(x):
         return ternary_matmul_reference(x, weight)
     return _launch(x, weight, input_grad=False)
@@ -141,7 +143,7 @@ def ternary_matmul(x: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
 def ternary_input_grad(dy: torch.Tensor, weight: TernaryWeight) -> torch.Tensor:
     """``dx = dy @ dequantize_ternary(W, dy.dtype)`` for ``dy [..., out]``: ``[..., in]`` in ``dy.dtype``
     (the backward of :func:`ternary_matmul` through the frozen base)."""
-    _check(dy, weight, "dy", "ternary_input_grad")
+    check_ternary_operand(dy, weight, "dy", "ternary_input_grad")
     if not should_use_triton(dy):
         return ternary_input_grad_reference(dy, weight)
     return _launch(dy, weight, input_grad=True)
