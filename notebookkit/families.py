@@ -9,7 +9,8 @@ depends on a family reads the row:
   attention is soft-capped (an explicit softmax that keeps ``[B, heads, T, T]`` scores);
 * the embedded default (:mod:`notebookkit.embedded`): the config class and settings of
   ``notebookkit/tiny-<name>`` and its tokenizer's special tokens;
-* the chat templates (:mod:`notebookkit.data.chat_templates`): the format a family's name picks;
+* the chat templates (:mod:`notebookkit.data.chat_templates`): the format a family's name picks (or,
+  ``chat_template=None``, the reason it picks none yet: ``chat_template_missing``);
   and the template its checkpoints ship (``tokenizer_template``, one copy in
   :mod:`notebookkit.tokenizer_templates`), which the tiny tokenizers carry;
 * the GGUF export (:mod:`notebookkit.export.gguf_arch`): llama.cpp's architecture and the
@@ -51,6 +52,11 @@ names:
   (``tie_word_embeddings``'s default in the family's config class; Gemma).
 * ``gguf``: how llama.cpp lays the family out (:class:`GGUFLayout`), or ``None`` when GGUF export
   does not support it.
+* ``moe``: the family's decoder MLP is a sparse mixture-of-experts block (:class:`MoE`: router, experts'
+  layout, activation, routing rule), run on :mod:`notebookkit.kernels.moe_experts` by
+  :mod:`notebookkit.models.patching.patch_moe`; ``None`` for a dense family.
+* ``stock``: parts of the decoder that stay on stock Hugging Face code, each with the reason the
+  banner prints (gpt-oss: attention sinks, norms that multiply the weight in fp32).
 * ``vision``: the vision-language model whose language decoder is this family (Qwen2.5-VL for
   ``qwen2``, Gemma 3 4B+ for ``gemma3``), read by ``FastVisionModel``
   (:mod:`notebookkit.models.fast_vision_model`), the vision collator
@@ -144,6 +150,52 @@ class GGUFLayout:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A sparse mixture-of-experts MLP as a family's Hugging Face classes lay it out.
+
+    A block holds a router (``router``: attribute of the block, ``[E, H]`` weight, a bias when
+    ``router_bias``) and an experts module (``experts``) with two stacked weights, ``gate_up_proj``
+    and ``down_proj`` (biases ``gate_up_proj_bias`` / ``down_proj_bias`` when ``expert_bias``).
+    ``transposed``: the stacked weights are ``[E, in, out]`` (gpt-oss), not ``[E, out, in]`` (Qwen3-MoE).
+    ``activation``: the experts' gated activation, a :data:`notebookkit.kernels.moe_experts.ACTIVATIONS`
+    name (``"swiglu"``: ``[gate; up]`` halves; ``"gpt_oss"``: interleaved, clamped at ``swiglu_limit``).
+    ``routing``, over router logits ``z = x R^T (+ b)`` of one token, in fp32:
+
+    * ``"softmax_topk"`` (Qwen3-MoE): ``p = softmax(z)``, keep the ``k`` largest ``p``; with the config's
+      ``norm_topk_prob`` the kept ones are divided by their sum;
+    * ``"topk_softmax"`` (gpt-oss): keep the ``k`` largest ``z``, weights ``softmax`` over those ``k``.
+
+    ``num_experts`` / ``intermediate``: the config attributes holding ``E`` and the experts' ``I``.
+    ``returns_scores``: the block returns ``(y, router scores)`` (gpt-oss), not ``y``. The router's
+    load-balancing loss is Hugging Face's (the model adds ``router_aux_loss_coef`` times it when
+    ``output_router_logits`` is set); the patched router still returns the logits it records.
+    ``lora_parameters``: what ``LoraConfig(target_parameters=...)`` names to adapt the experts.
+    ``saved_per_expert``: the family's checkpoints store each expert as its own linear layers,
+    ``experts.{e}.<gate>.weight [I, H]``, ``<up>`` and ``<down> [H, I]`` (these three names; Qwen3-MoE), which
+    transformers stacks on loading; empty when they store the stacked parameters as the model holds them
+    (gpt-oss). The merged export writes the family's own checkpoint layout.
+    ``peft_maps_mlp_targets``: PEFT itself (0.21 with transformers 5) turns ``target_modules`` naming
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` into adapters on the stacked experts (``gate_up_proj`` at rank
+    ``2 r`` and alpha ``2 alpha``, as the two v4 adapters it fuses), so ``get_peft_model`` leaves the
+    targets to PEFT; otherwise (gpt-oss) it adds ``lora_parameters`` when the MLP is targeted.
+    """
+
+    router: str
+    routing: str
+    activation: str
+    num_experts: str
+    intermediate: str
+    transposed: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    returns_scores: bool = False
+    experts: str = "experts"
+    peft_maps_mlp_targets: bool = False
+    lora_parameters: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    saved_per_expert: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Vision:
     """A vision-language wrapper (``*ForConditionalGeneration``) whose language model is a family's.
 
@@ -203,7 +255,9 @@ class Family:
     name: str  # canonical name: notebookkit/tiny-<name>, test ids, the catalogue
     model_types: tuple[str, ...]  # Hugging Face model_type(s) of the causal LM, the ones patched
     config_class: str  # the transformers config class of that model_type
-    chat_template: str  # the notebookkit.data.chat_templates format of the family
+    # the notebookkit.data.chat_templates format of the family, or None where notebookkit has none yet (then
+    # get_chat_template refuses the family's name with chat_template_missing as the reason)
+    chat_template: Optional[str]
     tokens: str  # the tiny tokenizer's special-token set (notebookkit.embedded.generate_tokenizer)
     tokenizer_template: str  # the chat template the family's checkpoints ship (notebookkit.tokenizer_templates)
     tiny: TinyRecipe
@@ -221,6 +275,10 @@ class Family:
     fp16_overflow: Optional[str] = None
     tied_embeddings: bool = False
     gguf: Optional[GGUFLayout] = None
+    moe: Optional[MoE] = None
+    # parts left on stock Hugging Face code: banner name ("RMSNorm", "attention") -> the reason
+    stock: Mapping[str, str] = field(default_factory=dict, hash=False)
+    chat_template_missing: str = ""
     # multimodal wrappers whose text model is this family: the memory model reads their shapes,
     # the patcher leaves them on stock code (never half-patched)
     multimodal_model_types: tuple[str, ...] = ()
@@ -289,6 +347,21 @@ _GEMMA3_VISION = Vision(
 )
 _ALTERNATING = {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]}
 
+_QWEN3_MOE = MoE(router="gate", routing="softmax_topk", activation="swiglu", num_experts="num_experts",
+                 intermediate="moe_intermediate_size", peft_maps_mlp_targets=True,
+                 saved_per_expert=("gate_proj", "up_proj", "down_proj"))
+_GPT_OSS = MoE(router="router", routing="topk_softmax", activation="gpt_oss", num_experts="num_local_experts",
+               intermediate="intermediate_size", transposed=True, router_bias=True, expert_bias=True,
+               returns_scores=True)
+_GPT_OSS_STOCK = {
+    "attention": "gpt-oss attention adds a learned per-head sink logit to the softmax's denominator, which the "
+                 "fused SDPA path does not express: it stays on Hugging Face's eager attention",
+    "RMSNorm": "gpt-oss norms multiply by the weight in fp32 before rounding ((w * x * rstd).to(dtype), weights "
+               "kept in fp32): they stay on Hugging Face's code",
+}
+# Tiny MoE bodies: 8 experts (Qwen3-MoE) / 4 experts (gpt-oss), 2 a token, experts 96 wide
+_TINY_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.01}
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(
         "llama", ("llama",), "LlamaConfig", chat_template="llama-3", tokens="llama",
@@ -319,6 +392,29 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         tokenizer_template=tokenizer_templates.QWEN3, qk_norm=True,
         sliding_window=True, gguf=GGUFLayout("qwen3"),
         tiny=TinyRecipe(config={"rms_norm_eps": 1e-6, "use_sliding_window": False, "attention_bias": False}),
+    ),
+    Family(
+        "qwen3_moe", ("qwen3_moe",), "Qwen3MoeConfig", chat_template="qwen-3", tokens="qwen3",
+        tokenizer_template=tokenizer_templates.QWEN3, qk_norm=True, sliding_window=True, moe=_QWEN3_MOE,
+        gguf=GGUFLayout("qwen3moe"),
+        tiny=TinyRecipe(tie_word_embeddings=False, config={
+            "rms_norm_eps": 1e-6, "use_sliding_window": False, "attention_bias": False, **_TINY_MOE,
+            "num_experts": 8, "moe_intermediate_size": 96, "norm_topk_prob": True,
+        }),
+    ),
+    Family(
+        # the tiny tokenizer speaks ChatML (the shared tiny vocabulary has no harmony tokens); real gpt-oss
+        # tokenizers ship their harmony template, which notebookkit has no format of yet
+        "gpt_oss", ("gpt_oss",), "GptOssConfig", chat_template=None, tokens="qwen3",
+        chat_template_missing="gpt-oss speaks OpenAI's harmony format (<|start|>role<|channel|>...<|message|>...<|end|>), "
+                              "which notebookkit's get_chat_template does not write yet (#36): keep the template "
+                              "its tokenizer ships (do not call get_chat_template)",
+        tokenizer_template=tokenizer_templates.QWEN2, sliding_window=True, moe=_GPT_OSS, stock=_GPT_OSS_STOCK,
+        gguf=GGUFLayout("gpt-oss"),
+        tiny=TinyRecipe(tie_word_embeddings=False, rope_theta=150000.0, config={
+            "rms_norm_eps": 1e-5, **_TINY_MOE, "num_local_experts": 4, "intermediate_size": 96,
+            "swiglu_limit": 7.0, "attention_bias": True, **_ALTERNATING,
+        }),
     ),
     Family(
         "gemma", ("gemma",), "GemmaConfig", chat_template="gemma", tokens="gemma",

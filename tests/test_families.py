@@ -4,8 +4,12 @@ facts are true of the Hugging Face model it names.
 A family added to the table without one of its consumers fails here: the patcher (the fused
 path covers every layer), the memory model's shapes (q/k norms, sandwich norms, soft-cap), the
 tiny builder (config class, tokenizer set-up, reserved name), the chat templates (the family's
-name picks its format), the GGUF export (llama.cpp's architecture and conversions), the memory
-model's vision shapes (the wrapper's tower), the widget catalogue and the test helpers.
+name picks its format), the GGUF export (llama.cpp's architecture and conversions; a mixture of
+experts' split expert tensors too), the memory model's vision shapes (the wrapper's tower), the widget
+catalogue and the test helpers. A mixture-of-experts row (``Family.moe``) is patched block and router by
+block; the consumers that do not serve it yet refuse it with a message (decode, the memory estimate's DPO and
+GRPO steps and 2-bit / ternary loading in ``tests/models/test_moe.py``, merged_4bit_forced in
+``tests/export/test_merged_moe.py``), and so does ``get_chat_template`` for a row without a format.
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ def test_lookup_by_model_type():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_patcher_covers_every_layer(name):
-    """The patched model runs every norm, MLP and attention fused; the norm count checks the row's
-    q/k-norm and sandwich-norm facts against the Hugging Face class."""
+    """The patched model runs every norm, MLP and attention fused (an MoE family: every sparse block and
+    its router; the parts the row keeps stock stay stock); the norm count checks the row's q/k-norm and
+    sandwich-norm facts against the Hugging Face class."""
     from notebookkit.models.common.architectures import lookup
     from notebookkit.models.common.decoder_layers import decoder_layers
     from notebookkit.models.patching.patcher import patch_model, patch_summary
@@ -69,8 +74,37 @@ def test_patcher_covers_every_layer(name):
     patch_model(model)
     counts = patch_summary(model)
     layers = model.config.num_hidden_layers
-    assert counts["mlp"] == counts["attention"] == layers
-    assert counts["rms_norm"] == layers * (2 + 2 * row.sandwich_norm + 2 * row.qk_norm) + 1
+    mlp = "moe" if row.moe is not None else "mlp"
+    assert counts[mlp] == layers
+    assert counts.get("moe_router", 0) == (layers if row.moe is not None else 0)
+    assert counts.get("attention", 0) == (0 if "attention" in row.stock else layers)
+    norms = 0 if "RMSNorm" in row.stock else layers * (2 + 2 * row.sandwich_norm + 2 * row.qk_norm) + 1
+    assert counts.get("rms_norm", 0) == norms
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if FAMILIES[n].moe is not None])
+def test_moe_facts_are_true_of_the_model(name):
+    """The MoE record's layout is the Hugging Face model's: router (and its bias), stacked experts in
+    ``[E, out, in]`` or transposed, expert biases, what the block returns, the config attributes holding
+    ``E`` and the experts' width, the names PEFT's ``target_parameters`` take; the memory shape counts them."""
+    import torch
+
+    moe = FAMILIES[name].moe
+    model = helpers.random_model(name)
+    config, block = model.config, model.model.layers[0].mlp
+    E, I, H = getattr(config, moe.num_experts), getattr(config, moe.intermediate), config.hidden_size
+    router, experts = getattr(block, moe.router), getattr(block, moe.experts)
+    assert tuple(router.weight.shape) == (E, H) and (getattr(router, "bias", None) is not None) == moe.router_bias
+    gate_up = (E, H, 2 * I) if moe.transposed else (E, 2 * I, H)
+    down = (E, I, H) if moe.transposed else (E, H, I)
+    assert (tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)) == (gate_up, down)
+    assert hasattr(experts, "gate_up_proj_bias") == hasattr(experts, "down_proj_bias") == moe.expert_bias
+    out = block(torch.randn(1, 3, H))
+    assert isinstance(out, tuple) == moe.returns_scores
+    assert all(f"layers.0.{p}" in dict(model.named_parameters()) or f"model.layers.0.{p}" in dict(model.named_parameters())
+               for p in moe.lora_parameters)
+    assert model_shape(config).num_params == sum(p.numel() for n, p in model.named_parameters() if not n.endswith("bias")
+                                                 and "sinks" not in n)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -95,7 +129,8 @@ def test_memory_shape_follows_the_record(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_gguf_layout_follows_the_record(name):
     """The GGUF writer's row is the record's, llama.cpp knows the architecture, and every tensor the
-    writer takes from the family's model has a llama.cpp name there."""
+    writer takes from the family's model has a llama.cpp name there (a mixture of experts: its stacked
+    experts become llama.cpp's gate / up / down expert tensors and its router ``ffn_gate_inp``)."""
     import gguf
     import torch
 
@@ -112,6 +147,12 @@ def test_gguf_layout_follows_the_record(name):
     model = helpers.random_model(name, tie_word_embeddings=row.tiny.tie_word_embeddings)  # as the tiny model is
     names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
     tensors = [t.name for t in plan_merged_tensors(model, torch.float32)]
+    if row.moe is not None:  # the stacked experts are split / transposed by the writer (gguf_experts)
+        from notebookkit.export.gguf_file import gguf_tensors
+
+        written = {t.name for t in gguf_tensors(model, layout)}
+        assert {f"blk.1.{t}.weight" for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp")} <= written
+        tensors = [n for n in tensors if ".experts." not in n]
     missing = [n for n in tensors if names.get_name(n, try_suffixes=(".weight", ".bias")) is None]
     assert not missing, f"{name}: llama.cpp's {row.gguf.arch} layout has no place for {missing}"
 
@@ -195,7 +236,20 @@ def test_tiny_tokenizer_carries_the_rows_template(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_family_name_picks_its_chat_template(name):
+    """The family's name picks its format; a family without one (gpt-oss's harmony) is refused with the row's
+    reason, and its tiny tokenizer's own template (a stand-in) is one notebookkit knows."""
     row = FAMILIES[name]
+    if row.chat_template is None:
+        from notebookkit.data.chat_templates import get_chat_template
+
+        assert row.chat_template_missing
+        for spelling in (name, name.replace("_", "-")):
+            with pytest.raises(ValueError, match="No chat template .*do not call get_chat_template"):
+                template_spec(spelling)
+        with pytest.raises(ValueError, match="harmony"):
+            get_chat_template(_Vocab(), name)
+        assert guess_chat_template(_Vocab(), row.tiny_name) in CHAT_TEMPLATES
+        return
     assert row.chat_template in CHAT_TEMPLATES
     assert template_spec(name).name == row.chat_template
     assert set(CHAT_TEMPLATES[row.chat_template].special_tokens) <= set(generate_tokenizer.SPECIAL_TOKENS)
@@ -214,6 +268,6 @@ def test_catalogue_lists_the_tiny_model(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_test_helpers_build_the_family(name):
     row = FAMILIES[name]
-    assert name in helpers.FAMILIES
+    assert name in helpers.FAMILIES + helpers.MOE_FAMILIES
     config = helpers.family_config(name)
     assert type(config).__name__ == row.config_class and config.model_type in row.model_types

@@ -225,7 +225,11 @@ _ALIASES = {
     "unsloth": "chatml",
 }
 # A family's name picks its format (``"gemma3"`` -> ``gemma-3``; notebookkit.families).
-_ALIASES.update({f.name: f.chat_template for f in FAMILIES.values() if f.name not in CHAT_TEMPLATES | _ALIASES})
+# (names are looked up with "_" read as "-": "qwen3_moe" -> "qwen3-moe")
+_ALIASES.update({f.name.replace("_", "-"): f.chat_template for f in FAMILIES.values()
+                 if f.chat_template is not None and f.name.replace("_", "-") not in CHAT_TEMPLATES | _ALIASES})
+# A family notebookkit has no format of yet (gpt-oss's harmony): its name is refused with the record's reason.
+_NO_FORMAT = {f.name.replace("_", "-"): f for f in FAMILIES.values() if f.chat_template is None}
 
 
 def list_chat_templates() -> list[str]:
@@ -236,6 +240,8 @@ def list_chat_templates() -> list[str]:
 def _canonical(name: str) -> str:
     key = name.strip().lower().replace("_", "-")
     key = _ALIASES.get(key, key)
+    if key in _NO_FORMAT:
+        raise ValueError(f"No chat template for {name!r}: {_NO_FORMAT[key].chat_template_missing}.")
     if key not in CHAT_TEMPLATES:
         raise ValueError(
             f"Unknown chat template {name!r}. Choose one of: {', '.join(list_chat_templates())}. "
@@ -268,6 +274,7 @@ _NAME_HINTS = (
 )
 # then any other family named in the model's name, longest name first (notebookkit.families)
 _NAME_HINTS += tuple((f.name, f.chat_template) for f in sorted(FAMILIES.values(), key=lambda f: -len(f.name))
+                     if f.chat_template is not None
                      if f.name not in dict(_NAME_HINTS))
 
 

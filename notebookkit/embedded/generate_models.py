@@ -79,7 +79,8 @@ def family_config(family: str, vocab_size: int, token_ids: dict[str, Any]):
     """The ``transformers`` config object of tiny ``family`` (not yet a model).
 
     The shared body above, plus the family's tiny recipe (:class:`notebookkit.families.TinyRecipe`):
-    its config class, layers, tied embeddings, RoPE and further config arguments.
+    its config class, layers, tied embeddings, RoPE and further config arguments (which override the
+    body's: a mixture-of-experts recipe sets its experts' width and count).
     """
     import transformers as tf
 
@@ -99,7 +100,8 @@ def family_config(family: str, vocab_size: int, token_ids: dict[str, Any]):
         rope = _gemma3_rope(recipe.rope_theta, recipe.local_rope_theta)
     else:
         rope = _rope(recipe.rope_theta, dict(recipe.rope_scaling) if recipe.rope_scaling else None)
-    return getattr(tf, row.config_class)(**common, **copy.deepcopy(dict(recipe.config)), **rope)
+    # the recipe's arguments win over the shared body (gpt-oss's experts are narrower than the dense MLP)
+    return getattr(tf, row.config_class)(**{**common, **copy.deepcopy(dict(recipe.config))}, **rope)
 
 
 def build_random_model(family: str, vocab_size: int, token_ids: dict[str, Any], seed: int):

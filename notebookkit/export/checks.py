@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from notebookkit.export_forms import REFUSED_SAVE_METHOD, forms_written_by
 
-__all__ = ["ExportError", "require_notebookkit_model", "check_output_folder", "check_save_method", "SAVE_METHODS",
+__all__ = ["ExportError", "refuse_mixture_of_experts", "require_notebookkit_model", "check_output_folder", "check_save_method", "SAVE_METHODS",
            "parse_size", "format_bytes"]
 
 #: the ``save_method`` values of ``save_pretrained_merged`` (the forms of :mod:`notebookkit.export_forms` it
@@ -105,3 +105,20 @@ def check_save_method(save_method: str) -> None:
         )
     if save_method not in SAVE_METHODS:
         raise ExportError(f"save_method={save_method!r} is not one of {', '.join(repr(m) for m in SAVE_METHODS)}.")
+
+
+def refuse_mixture_of_experts(model_type: Any, what: str) -> None:
+    """Raise :class:`ExportError` when ``model_type`` is a mixture-of-experts family (Qwen3-MoE, gpt-oss)
+    and ``what`` is ``merged_4bit_forced``: transformers + bitsandbytes quantise ``nn.Linear`` layers only,
+    so the stacked expert weights (most of the model) would stay 16-bit in a folder that claims 4-bit."""
+    from notebookkit.families import for_model_type
+
+    family = for_model_type(model_type)
+    if family is None or family.moe is None:
+        return
+    raise ExportError(
+        f"{what} does not cover mixture-of-experts models ({family.name}): bitsandbytes quantises linear layers "
+        "only, and the experts are stacked 3-D weights, so most of the model would stay 16-bit. Save with "
+        "save_method='merged_16bit' (the experts' LoRA merged in) and load that folder with load_in_4bit=True, or "
+        "save the adapters with save_method='lora'."
+    )

@@ -19,6 +19,10 @@ Facts of the format (from the ``gguf`` package's name tables and llama.cpp's mod
   ``lambda_i = 2*pi / theta_i``, ``lambda_hi = L0 / high_freq_factor``, ``lambda_lo = L0 / low_freq_factor``
   (``L0`` = original context):  ``f_i = 1`` if ``lambda_i < lambda_hi``, ``f_i = factor`` if
   ``lambda_i > lambda_lo``, else ``1 / ((1 - s) / factor + s)`` with ``s = (L0 / lambda_i - low) / (high - low)``.
+* Mixture-of-experts families (``Family.moe``: ``qwen3moe``, ``gpt-oss``): the experts' tensors, metadata
+  and what llama.cpp fixes for them are in :mod:`.gguf_experts`.
+* YaRN (``rope_type = "yarn"``, gpt-oss): ``rope.scaling.type = yarn``, its factor, original context and
+  betas; transformers' ``truncate=False`` (gpt-oss) has no llama.cpp key (:func:`add_yarn_metadata` warns).
 * Gemma 2/3 interleave sliding-window and full-attention layers; llama.cpp reads the per-layer
   pattern from ``sliding_window_pattern`` (an array of booleans, true = sliding) and Gemma 3's local
   RoPE base from ``rope.freq_base_swa``.
@@ -32,11 +36,11 @@ from typing import Any, Optional
 
 import torch
 
-from notebookkit.families import FAMILIES
+from notebookkit.families import FAMILIES, MoE
 
 from .checks import ExportError
 
-__all__ = ["GGUFFamily", "GGUF_FAMILIES", "gguf_family", "permute_for_llama_rope", "unpermute_for_llama_rope", "llama3_rope_factors"]
+__all__ = ["GGUFFamily", "GGUF_FAMILIES", "gguf_family", "add_yarn_metadata", "permute_for_llama_rope", "unpermute_for_llama_rope", "llama3_rope_factors"]
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,13 @@ class GGUFFamily:
     norm_shift: float = 0.0
     softcaps: bool = False  # Gemma 2: attention and final logit soft-caps
     sliding_pattern: bool = False  # Gemma 2/3: per-layer sliding-window pattern
+    moe: Optional[MoE] = None  # a mixture of experts: the family's layout of them (gguf_experts)
+    family: str = ""  # the family record's name
 
 
 GGUF_FAMILIES: dict[str, GGUFFamily] = {
     model_type: GGUFFamily(f.gguf.arch, permute_qk=f.gguf.permute_qk, norm_shift=1.0 if f.gemma_norm else 0.0,
-                           softcaps=f.gguf.attn_softcap, sliding_pattern=f.gguf.sliding_pattern)
+                           softcaps=f.gguf.attn_softcap, sliding_pattern=f.gguf.sliding_pattern, moe=f.moe, family=f.name)
     for f in FAMILIES.values() if f.gguf is not None for model_type in f.model_types
 }
 
@@ -68,6 +74,10 @@ def gguf_family(config: Any) -> GGUFFamily:
             "You can still save it with model.save_pretrained_merged(folder, tokenizer) and convert that "
             "folder with llama.cpp's convert_hf_to_gguf.py."
         )
+    if row.moe is not None:
+        from .gguf_experts import check_llama_cpp_moe
+
+        check_llama_cpp_moe(config, row.family, row.moe)
     return row
 
 
@@ -119,3 +129,25 @@ def rope_parameters(config: Any, layer_type: Optional[str] = None) -> dict:
     if "full_attention" in params:
         return dict(params["full_attention"])
     return dict(params)
+
+
+def add_yarn_metadata(writer: Any, rope: dict) -> None:
+    """YaRN RoPE scaling (gpt-oss): llama.cpp's ``rope.scaling`` keys (type, factor, original context, the
+    two betas). Both scale attention by ``0.1 ln(factor) + 1``; llama.cpp always rounds the ramp's
+    correction range outwards (``floor`` / ``ceil``), transformers only with ``truncate=True``."""
+    import warnings
+
+    import gguf
+
+    if rope.get("truncate", True) is False:
+        warnings.warn(
+            "This model's YaRN RoPE has truncate=False (gpt-oss): transformers keeps the ramp's correction range "
+            "unrounded, llama.cpp rounds it outwards, so llama.cpp's positions differ slightly from transformers' "
+            "(measured on tiny gpt-oss with gpt-oss's YaRN settings, f32 file, short prompts: 2e-4 of the largest "
+            "logit, against 4e-7 with truncate=True). The GGUF is what llama.cpp's own converter writes.",
+            stacklevel=3)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+    writer.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))

@@ -7,7 +7,8 @@ are converted to llama.cpp's layout by the family's row of :mod:`.gguf_arch` and
 K-quants ``q4_k_m``, ``q5_k_m``, ``q6_k`` and ``q2_k`` by llama.cpp's own quantiser (``llama_model_quantize``
 from ``llama-cpp-python``) from a 16-bit GGUF written first. 1-D tensors (norms, biases) and
 ``rope_freqs`` stay F32; a 2-D tensor whose rows do not divide into the quant's blocks falls back
-to F16, as llama.cpp's converter does.
+to F16, as llama.cpp's converter does. A mixture of experts' stacked expert weights become llama.cpp's
+per-projection expert tensors (:mod:`.gguf_experts`; gate and up are cut from one merge of ``gate_up``).
 
 Several methods in one call share one pass over the merged weights (each tensor is merged once
 and encoded for every file). Files are written under a temporary name in the target folder and
@@ -30,7 +31,8 @@ import torch.nn as nn
 from notebookkit.export_forms import GGUF_TYPES, gguf_aliases
 
 from .checks import ExportError, check_output_folder, format_bytes, require_notebookkit_model
-from .gguf_arch import GGUFFamily, gguf_family, llama3_rope_factors, permute_for_llama_rope, rope_parameters
+from .gguf_experts import ExpertPart, add_moe_metadata, expert_parts, stored_in_f32
+from .gguf_arch import GGUFFamily, add_yarn_metadata, gguf_family, llama3_rope_factors, permute_for_llama_rope, rope_parameters
 from .gguf_vocab import tokenizer_metadata
 from .merge import PlannedTensor, base_model_of, plan_merged_tensors
 from .merged import model_dtype
@@ -87,12 +89,21 @@ class GGUFTensor:
     constant: Optional[torch.Tensor] = None
     permute_heads: int = 0  # > 0: reorder rows for llama.cpp's rotary layout
     add: float = 0.0  # Gemma's (1 + w) norms
+    part: Optional[ExpertPart] = None  # cut from a stacked expert tensor (gguf_experts)
+    keep_f32: bool = False  # stored F32 whatever the method (biases and router of a mixture of experts)
 
-    def compute(self, chooser: MergeDevice) -> np.ndarray:
+    def merged(self, chooser: MergeDevice) -> torch.Tensor:
+        """The merged source tensor, fp32 on the CPU."""
+        return self.source.make(chooser.pick(self.source)).to(device="cpu", dtype=torch.float32)
+
+    def compute(self, chooser: MergeDevice, merged: Optional[torch.Tensor] = None) -> np.ndarray:
+        """The values as the file stores them; ``merged``: the source already merged (an expert part's stack)."""
         if self.source is None:
             values = self.constant
         else:
-            values = self.source.make(chooser.pick(self.source)).to(device="cpu", dtype=torch.float32)
+            values = merged if merged is not None else self.merged(chooser)
+            if self.part is not None:
+                values = self.part.take(values)
         if self.permute_heads:
             values = permute_for_llama_rope(values, self.permute_heads)
         if self.add:
@@ -123,7 +134,17 @@ def gguf_tensors(model: nn.Module, family: GGUFFamily) -> list[GGUFTensor]:
         factors = llama3_rope_factors(head_dim, rope)
         tensors.append(GGUFTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", tuple(factors.shape), None, factors))
     for planned in plan_merged_tensors(model, torch.float32):
+        parts = expert_parts(planned.name, planned.shape, family.moe) if family.moe is not None else None
+        if parts is not None:  # a stacked expert weight / bias: llama.cpp's gate / up / down tensors
+            for hf_name, part, shape in parts:
+                gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+                if gname is None:
+                    raise ExportError(f"GGUF export does not know where {hf_name!r} goes in llama.cpp's {family.arch} layout.")
+                tensors.append(GGUFTensor(gname, shape, planned, part=part, keep_f32=stored_in_f32(planned.name, family.moe)))
+            continue
         gname = names.get_name(planned.name, try_suffixes=(".weight", ".bias"))
+        if gname is not None and not gname.endswith((".weight", ".bias")):  # a bare parameter (gpt-oss's sinks)
+            gname += ".weight"
         if gname is None:
             raise ExportError(f"GGUF export does not know where the tensor {planned.name!r} goes in llama.cpp's {family.arch} layout.")
         heads = 0
@@ -132,7 +153,8 @@ def gguf_tensors(model: nn.Module, family: GGUFFamily) -> list[GGUFTensor]:
         elif family.permute_qk and planned.name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = n_kv
         add = family.norm_shift if planned.name.endswith("norm.weight") else 0.0
-        tensors.append(GGUFTensor(gname, planned.shape, planned, permute_heads=heads, add=add))
+        tensors.append(GGUFTensor(gname, planned.shape, planned, permute_heads=heads, add=add,
+                                  keep_f32=stored_in_f32(planned.name, family.moe)))
     return tensors
 
 
@@ -147,6 +169,8 @@ def _add_model_metadata(writer: Any, model: nn.Module, family: GGUFFamily, metho
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
     writer.add_feed_forward_length(int(config.intermediate_size))
+    if family.moe is not None:
+        add_moe_metadata(writer, config, family.moe)
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or n_heads))
     writer.add_key_length(head_dim)
@@ -161,8 +185,10 @@ def _add_model_metadata(writer: Any, model: nn.Module, family: GGUFFamily, metho
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope_type == "yarn":
+        add_yarn_metadata(writer, rope)
     elif rope_type not in ("default", "llama3"):
-        raise ExportError(f"GGUF export does not write rope_type={rope_type!r} yet (supported: default, linear, llama3).")
+        raise ExportError(f"GGUF export does not write rope_type={rope_type!r} yet (supported: default, linear, llama3, yarn).")
     if family.softcaps:
         if getattr(config, "attn_logit_softcapping", None):
             writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
@@ -206,14 +232,15 @@ def _add_tokenizer_metadata(writer: Any, meta: dict[str, Any]) -> None:
         writer.add_chat_template(meta["chat_template"])
 
 
-def tensor_type(shape: tuple[int, ...], method: str, from_weights: bool = True):
+def tensor_type(shape: tuple[int, ...], method: str, from_weights: bool = True, keep_f32: bool = False):
     """The ggml type a tensor of ``shape`` is stored in, in ``method``'s file (a direct method): F32 for
-    1-D tensors and tensors made from the config (``from_weights=False``), else the method's type, or
-    F16 where a row does not divide into the type's blocks."""
+    1-D tensors, tensors made from the config (``from_weights=False``) and ``keep_f32`` ones (a mixture of
+    experts' biases and router), else the method's type, or F16 where a row (the last axis, the input
+    features) does not divide into the type's blocks."""
     import gguf
 
     t = gguf.GGMLQuantizationType
-    if len(shape) < 2 or not from_weights or method == "f32":
+    if len(shape) < 2 or not from_weights or keep_f32 or method == "f32":
         return t.F32
     qtype = _ggml_type(method)
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
@@ -225,7 +252,7 @@ def _encoding(tensor: GGUFTensor, method: str):
     import gguf
 
     t = gguf.GGMLQuantizationType
-    qtype = tensor_type(tensor.shape, method, tensor.source is not None)
+    qtype = tensor_type(tensor.shape, method, tensor.source is not None, tensor.keep_f32)
     n = int(np.prod(tensor.shape))
     if qtype == t.F32:
         return qtype, np.float32, n * 4, tensor.shape
@@ -267,8 +294,13 @@ def _write_gguf_files(model, tokenizer, family, methods: list[str], paths: list[
         writers.append(writer)
         encodings.append(codes)
     try:
+        held = (None, None)  # the stacked expert tensor last merged: its gate and up parts are cut from one merge
         for i, tensor in enumerate(tensors):
-            values = tensor.compute(chooser)
+            if tensor.part is None:
+                held = (None, None)
+            elif held[0] is not tensor.source:
+                held = (tensor.source, tensor.merged(chooser))
+            values = tensor.compute(chooser, held[1])
             for writer, codes in zip(writers, encodings):
                 writer.write_tensor_data(_encode(values, codes[i][0]))
             del values

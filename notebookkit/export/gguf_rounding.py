@@ -11,7 +11,9 @@ uses it to say whether llama.cpp's differences are the size the format explains)
   rounded type (:func:`notebookkit.export.gguf_file.tensor_type`) is taken from the merged fp32
   weights and rounded by ``gguf.quants`` (quantise, then dequantise), in Hugging Face's own names
   and layout: independent of the writer's tensor names and layout conversions, so a tensor written
-  in the wrong place or permuted wrongly shows as llama.cpp differing from this model;
+  in the wrong place or permuted wrongly shows as llama.cpp differing from this model (a block runs
+  along a weight's input features, ``PlannedTensor.in_dim``: gpt-oss's stacked experts hold them on
+  axis 1; a mixture of experts' biases and router stay F32, :func:`notebookkit.export.gguf_experts.stored_in_f32`);
 * K-quants: ``gguf`` has no Python quantiser for them, so the file's own tensors are decoded
   (``gguf.quants.dequantize``) and mapped back through the family's table (rows un-permuted,
   Gemma's ``+1`` removed). That relies on the writer's table, which the direct formats check.
@@ -60,6 +62,9 @@ def _from_file(model: nn.Module, path: os.PathLike, state: dict[str, torch.Tenso
             values = unpermute_for_llama_rope(values, tensor.permute_heads)
         if tensor.add:
             values = values - tensor.add
+        if tensor.part is not None:  # one of the tensors cut from a stacked expert weight
+            tensor.part.put(state[tensor.source.name], values)
+            continue
         state[tensor.source.name] = values
 
 
@@ -69,16 +74,22 @@ def rounded_reference_model(model: nn.Module, method: str, path: Optional[os.Pat
     (module docstring); ``path`` (the written file) is needed for the K-quants."""
     from transformers import AutoModelForCausalLM
 
-    from .gguf_file import GGUF_METHODS, tensor_type
+    from .gguf_experts import stored_in_f32
+    from .gguf_file import GGUF_METHODS, decoder_config, tensor_type
 
     base = base_model_of(model)
+    moe = gguf_family(decoder_config(base.config)).moe
+    plan = plan_merged_tensors(model, torch.float32)
     state = {t.name: t.make(torch.device("cpu")).float() if t.dtype.is_floating_point else t.make(torch.device("cpu"))
-             for t in plan_merged_tensors(model, torch.float32)}
+             for t in plan}
     if method in GGUF_METHODS:
-        for name, values in state.items():
+        for planned in plan:
+            values = state[planned.name]
             if values.is_floating_point():
-                qtype = tensor_type(tuple(values.shape), method)
-                state[name] = torch.from_numpy(_round_trip(values.numpy(), qtype))
+                rows = values.movedim(planned.in_dim, -1)  # blocks run along the input features
+                qtype = tensor_type(tuple(rows.shape), method, keep_f32=stored_in_f32(planned.name, moe))
+                rounded = torch.from_numpy(_round_trip(rows.contiguous().numpy(), qtype).reshape(rows.shape))
+                state[planned.name] = rounded.movedim(-1, planned.in_dim).contiguous()
     else:
         if path is None:
             raise ValueError(f"the rounding of {method} is read from its file: pass path=")

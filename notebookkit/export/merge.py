@@ -20,6 +20,11 @@ tensors move there, never the fp32 result):
 
 A 2-bit or ternary projection without an adapter is written the same way with no sum: a dense
 ``weight`` (and its ``bias``), never its packed buffers, so the folder loads in plain transformers.
+A mixture-of-experts block's stacked expert weights (Qwen3-MoE, gpt-oss) with PEFT's ``target_parameters``
+adapters are merged by :mod:`.merge_experts` (``W_e + s B_e A_e`` in the parameter's own orientation) and
+planned under the experts module's name, stacked as the model holds them (``PlannedTensor.experts`` keeps
+the per-expert maker for :mod:`.checkpoint_layout` and the GGUF writer).
+
 Every other parameter and persistent buffer of the model is passed through under its Hugging Face
 name (cast to the 16-bit dtype when floating point); a tied LM head is written once, as the embedding.
 
@@ -32,7 +37,6 @@ the merged tensors belong to: the base's without its quantisation entries.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -46,6 +50,10 @@ from notebookkit.base_layers.linear4bit import is_linear4bit
 from notebookkit.base_layers.low_bit_linear import is_low_bit_linear
 from notebookkit.kernels.nf4 import dequantize_nf4
 from notebookkit.memory.export import merge_working_bytes
+
+from .active_adapters import active_adapter_names
+from .ieee_fp32 import ieee_fp32_matmul
+from .merge_experts import StackedExperts, experts_module, stacked_experts
 
 __all__ = ["PlannedTensor", "plan_merged_tensors", "base_model_of", "merged_config", "QUANTISATION_CONFIG_KEYS"]
 
@@ -66,6 +74,8 @@ class PlannedTensor:
     source_device: torch.device  # where its inputs live
     working_bytes: int  # device memory make() needs beyond its inputs (fp32 copies, products)
     linear_rank: Optional[int] = None  # the weight of a linear layer: its LoRA rank (0: no adapter); else None
+    experts: Optional[StackedExperts] = None  # a stacked expert weight: its per-expert merge (merge_experts)
+    in_dim: int = -1  # the axis of the input features (what a product reduces over; GGUF blocks run along it)
 
     @property
     def nbytes(self) -> int:
@@ -142,15 +152,6 @@ def _base_fp32(layer: nn.Module, device: torch.device) -> torch.Tensor:
     return _dense_fp32(layer.weight, device)
 
 
-def active_adapter_names(module: nn.Module) -> list[str]:
-    """The LoRA adapters of ``module`` that are active and not yet merged into its weight."""
-    active = getattr(module, "active_adapters", None) or []
-    if isinstance(active, str):
-        active = [active]
-    merged = set(getattr(module, "merged_adapters", []) or [])
-    return [a for a in active if a in module.lora_A and a not in merged]
-
-
 def _check_supported_lora(module: nn.Module, name: str) -> None:
     dora = getattr(module, "use_dora", {}) or {}
     if any(dora.get(a, False) for a in active_adapter_names(module)):
@@ -162,33 +163,6 @@ def _check_supported_lora(module: nn.Module, name: str) -> None:
         raise NotImplementedError(f"{name} stores its weight transposed (fan_in_fan_out); only nn.Linear layers merge.")
     if any(getattr(module, "lora_bias", {}).get(a, False) for a in active_adapter_names(module)):
         raise NotImplementedError(f"{name} has a LoRA bias (lora_bias=True), which the merge does not write.")
-
-
-@contextlib.contextmanager
-def _ieee_fp32_matmul():
-    """fp32 matrix products at full fp32 precision inside the block (TF32 / bf16 reduced precision off, on CUDA
-    and on oneDNN CPUs), the caller's settings back afterwards. torch >= 2.9 keeps these per backend
-    (``torch.backends.<backend>.matmul.fp32_precision``, what ``tf32=True`` training sets through transformers);
-    reading them through the older ``torch.get_float32_matmul_precision`` would raise after that, so the block
-    uses the per-backend settings where they exist."""
-    backends = [getattr(getattr(torch.backends, name, None), "matmul", None) for name in ("cuda", "mkldnn")]
-    backends = [b for b in backends if b is not None and hasattr(b, "fp32_precision")]
-    if not backends:  # torch < 2.9
-        before_legacy = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-        try:
-            yield
-        finally:
-            torch.set_float32_matmul_precision(before_legacy)
-        return
-    before = [b.fp32_precision for b in backends]
-    for backend in backends:
-        backend.fp32_precision = "ieee"
-    try:
-        yield
-    finally:
-        for backend, precision in zip(backends, before):
-            backend.fp32_precision = precision
 
 
 def _lora_factors(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -203,7 +177,7 @@ def _merged_linear_maker(base: nn.Module, adapters: list[tuple[torch.Tensor, tor
 
     def make(device: torch.device) -> torch.Tensor:
         merged = _base_fp32(base, device)
-        with _ieee_fp32_matmul():
+        with ieee_fp32_matmul():
             for lora_a, lora_b, scaling in adapters:
                 a = lora_a.detach().to(device=device, dtype=torch.float32)
                 b = lora_b.detach().to(device=device, dtype=torch.float32)
@@ -223,6 +197,13 @@ def _plain_maker(tensor: torch.Tensor, out_dtype: Optional[torch.dtype]) -> Call
     return make
 
 
+def _experts_maker(stack: StackedExperts, out_dtype: torch.dtype) -> Callable[[torch.device], torch.Tensor]:
+    def make(device: torch.device) -> torch.Tensor:
+        return stack.full(device).to(out_dtype)
+
+    return make
+
+
 def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTensor]:
     """Every tensor of the merged Hugging Face checkpoint, in the model's module order (not computed).
 
@@ -230,20 +211,36 @@ def plan_merged_tensors(model: nn.Module, dtype: torch.dtype) -> list[PlannedTen
         model: a ``PeftModel`` or a plain Hugging Face model (16-bit, NF4, 2-bit or ternary base weights).
         dtype: the 16-bit (or fp32) dtype floating-point tensors are written in.
     """
+    from notebookkit.families import for_model_type
+
     base = base_model_of(model)
+    family = for_model_type(getattr(base.config, "model_type", None))
+    moe = family.moe if family is not None else None
     plan: list[PlannedTensor] = []
     out_bytes = torch.empty((), dtype=dtype).element_size()
     seen: set[int] = set()
     skip_prefixes: list[str] = []
 
     def add(name: str, tensor: torch.Tensor, make: Callable, shape: tuple[int, ...], out_dtype: torch.dtype, work: int,
-            linear_rank: Optional[int] = None):
-        plan.append(PlannedTensor(name, shape, out_dtype, make, tensor.device, work, linear_rank))
+            linear_rank: Optional[int] = None, **extra):
+        plan.append(PlannedTensor(name, shape, out_dtype, make, tensor.device, work, linear_rank, **extra))
 
     for mod_name, module in base.named_modules():
         if any(mod_name == p or mod_name.startswith(p + ".") for p in skip_prefixes):
             continue
         prefix = mod_name + "." if mod_name else ""
+        found = experts_module(module) if moe is not None else None
+        if found is not None:  # stacked experts (PEFT-wrapped or not): merged per expert, biases as they are
+            skip_prefixes.append(mod_name)
+            for pname, stack in stacked_experts(module, moe.transposed).items():
+                seen.add(id(stack.weight))
+                add(prefix + pname, stack.weight, _experts_maker(stack, dtype), tuple(stack.weight.shape), dtype,
+                    stack.working_bytes(out_bytes), experts=stack, in_dim=1 if moe.transposed else 2)
+            for pname, p in found[0].named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    add(prefix + pname, p, _plain_maker(p, dtype), tuple(p.shape), dtype, 0)
+            continue
         if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
             _check_supported_lora(module, mod_name)
             skip_prefixes.append(mod_name)

@@ -23,7 +23,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from .checks import SAVE_METHODS, ExportError, check_output_folder, check_save_method, format_bytes, require_notebookkit_model
+from .checks import SAVE_METHODS, ExportError, check_output_folder, check_save_method, format_bytes, refuse_mixture_of_experts
+from .checks import require_notebookkit_model
+from .checkpoint_layout import checkpoint_layout
 from .merge import base_model_of, plan_merged_tensors
 from .merged_4bit import save_merged_4bit_forced
 from .merged_folder import ExportResult, MergeDevice, folder_bytes, move_into_place, save_tokenizer, temporary_sibling
@@ -101,6 +103,7 @@ def save_pretrained_merged(
         return _save_lora(model, base, save_directory, tokenizer)
     out_dtype = _written_dtype(model, dtype)
     if save_method == "merged_4bit_forced":
+        refuse_mixture_of_experts(getattr(base.config, "model_type", None), "save_method='merged_4bit_forced'")
         return save_merged_4bit_forced(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose)
     return _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose)
 
@@ -127,7 +130,7 @@ def _save_lora(model: nn.Module, base: nn.Module, save_directory, tokenizer) -> 
 
 
 def _save_merged_16bit(model, base, save_directory, tokenizer, out_dtype, maximum_memory_usage, max_shard_size, verbose) -> ExportResult:
-    plan = plan_merged_tensors(model, out_dtype)
+    plan = checkpoint_layout(plan_merged_tensors(model, out_dtype), base.config)
     result, shards = write_merged_folder(model, base, plan, save_directory, tokenizer, out_dtype, maximum_memory_usage,
                                                   max_shard_size, "merged_16bit", "the merged model")
     target, size = result.path, result.bytes_on_disk

@@ -34,8 +34,9 @@ import torch.nn as nn
 
 from notebookkit.memory.export import nf4_merge_working_bytes
 
+from .active_adapters import active_adapter_names
 from .checks import format_bytes
-from .merge import PlannedTensor, active_adapter_names, base_model_of, plan_merged_tensors
+from .merge import PlannedTensor, base_model_of, plan_merged_tensors
 from .merged_folder import write_merged_folder
 from .nf4_quantize import NF4Weight, nf4_tensor_shapes, quantize_nf4
 

@@ -147,6 +147,19 @@ Vision-language models (a Qwen2.5-VL / Gemma 3 config, model, folder or ``VLMSha
 parts above for ``seq_len`` tokens per row, image tokens included, plus the vision tower's weights,
 adapters and saved activations (:mod:`notebookkit.memory.vision_estimate`).
 
+Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the formulas)
+    The experts and routers stay in the compute dtype under ``load_in_4bit`` (the loader quantises
+    ``nn.Linear`` only); the attention projections follow the base format. The experts' adapters are
+    PEFT's ``ParamWrapper`` pairs ``lora_A [r E, in]``, ``lora_B [out, r E]`` (Qwen3-MoE's gate_up at
+    ``2 r``). A kept layer saves its attention and norms (the fused ones, or gpt-oss's stock eager
+    attention with sinks and fp32 norms) and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
+    rank-space products, the permutation and block schedule; the block's forward and backward working
+    sets replace the dense MLP's. Offloading is not written for these models: ``"offload"`` layers
+    recompute (as ``use_gradient_checkpointing`` does). Not covered: ``lora_dropout > 0`` (PEFT refuses
+    dropout on the experts), DPO's reference pass, generation alongside (decode does not cover them
+    yet), 2-bit / ternary bases (the loader refuses them), the routers' load-balancing loss's
+    ``L N E`` fp32 softmax when ``output_router_logits`` is on.
+
 Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
 the larger of the end-of-forward peak (inside the loss) and the backward peak, plus the CUDA context. What
 ``torch.cuda.max_memory_reserved`` shows is higher by the caching allocator's fragmentation (a few
@@ -167,6 +180,7 @@ from .base_weights import base_format_for, dense_copy_bytes, input_grad_buffer_b
 from .generation import generation_term, keeps_cache_between_steps, layer_working_set
 from .model_setup import (base_format_of, fp8_forward, fused_lm_head, held_decode_cache, host_embedding,
                           recorded_activation_plan)
+from . import moe as moe_terms
 from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 
 GiB = 1024**3
@@ -427,6 +441,10 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         tm = getattr(pc, "target_modules", None)
         if tm:
             names = [t for t in (list(tm) if not isinstance(tm, str) else [tm]) if str(t).split(".")[-1] in PROJECTIONS]
+            # PEFT's adapters on stacked experts (target_parameters) count as the MLP names that ask for them
+            stacked = {str(p).split(".")[-1] for p in (getattr(pc, "target_parameters", None) or ())}
+            names += [n for p, ns in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
+                      if p in stacked for n in ns]
             if names:
                 out["target_modules"] = sorted({str(t).split(".")[-1] for t in names}, key=PROJECTIONS.index)
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
@@ -484,7 +502,7 @@ def grouped_lora_A_params(shape: ModelShape, r: int, target_modules: Iterable[st
     group sharing an input (q/k/v; gate/up) whose members are all targeted (same rank)."""
     targets = lora_targets(target_modules)
     dims = shape.projection_shapes()
-    grouped = [t for group in GROUPED_PROJECTIONS if all(t in targets for t in group) for t in group]
+    grouped = [t for group in GROUPED_PROJECTIONS if all(t in targets and t in dims for t in group) for t in group]
     return shape.num_layers * sum(r * dims[t][0] for t in grouped)
 
 
@@ -496,6 +514,8 @@ def fp8_products(shape: ModelShape) -> list[tuple[str, ...]]:
     dims = shape.projection_shapes()
     products: list[tuple[str, ...]] = []
     for group in GROUPED_PROJECTIONS:
+        if not all(n in dims for n in group):  # a mixture of experts: no dense MLP projections
+            continue
         if all(dims[n][0] % 16 == 0 and dims[n][1] % 16 == 0 for n in group):
             products.append(group)
         else:
@@ -506,9 +526,12 @@ def fp8_products(shape: ModelShape) -> list[tuple[str, ...]]:
 
 
 def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
-    """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``."""
+    """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``; on a mixture of experts the
+    MLP names adapt the stacked experts instead (``L * E * sum r_w (in_w + out_w)``, :mod:`.moe`)."""
     dims = shape.projection_shapes()
-    return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in lora_targets(target_modules))
+    targets = lora_targets(target_modules)
+    dense = shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
+    return dense + moe_terms.expert_lora_param_count(shape, moe_terms.expert_lora_ranks(shape, r, targets))
 
 
 def layer_activation_bytes(
@@ -543,8 +566,23 @@ def layer_activation_bytes(
         return N * H * s
     if mode != "keep":
         raise ValueError(f"unknown mode {mode!r}")
-    eager = resolve_attention(shape, attention) == "eager"
     targets = lora_targets(target_modules)
+    if shape.num_experts:  # the attention and norms, then the sparse block (notebookkit.memory.moe)
+        ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets)
+        block = moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks, adapter_bytes=adapter_dtype_bytes)
+        if moe_terms.stock_attention(shape):
+            body = moe_terms.stock_layer_saved_bytes(
+                shape, batch_size=batch_size, seq_len=seq_len, s=s, lora_r=lora_r,
+                attention_targets=[t for t in targets if t in shape.projection_shapes()],
+                adapter_bytes=adapter_dtype_bytes)
+        else:
+            body = layer_activation_bytes(
+                moe_terms.dense_part(shape), "keep", batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
+                lora_r=lora_r, target_modules=[t for t in targets if t in shape.projection_shapes()],
+                lora_dropout=lora_dropout, attention=attention, adapter_dtype_bytes=adapter_dtype_bytes,
+                kv_repeated=kv_repeated, padded=padded)
+        return body + sum(block.values())
+    eager = resolve_attention(shape, attention) == "eager"
     elems = 4 * H + 2 * dq + 2 * dk + 2 * I
     fp32 = 2  # 1/rms of the two pre-norms
     if shape.qk_norm:
@@ -585,6 +623,8 @@ def backward_working_set(
     fp8_forward: bool = False,
     load_in_2bit: bool = False,
     load_in_ternary: bool = False,
+    lora_r: int = 16,
+    target_modules: Iterable[str] | None = None,
 ) -> dict[str, int]:
     """Transient bytes of one decoder layer's backward on top of the saved activations.
 
@@ -597,11 +637,28 @@ def backward_working_set(
     (recomputed) forward: the largest of :func:`fp8_products` (0 without the FP8 forward).
     The base format (``load_in_*``) adds what its GEMMs need beyond their outputs (:mod:`.base_weights`):
     NF4's dense copy of one projection, or 2-bit / ternary's dense chunk (from 256 tokens on) and fresh input
-    gradient of a shared-input projection.
+    gradient of a shared-input projection. A mixture of experts (``lora_r`` and ``target_modules`` size its
+    expert adapters): ``"mlp"`` is the sparse block's larger working set (forward or backward) with the
+    incoming gradient, ``"attention"`` the attention's less what the block and the MLP norm free (:mod:`.moe`).
     """
     fmt = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
     N = batch_size * seq_len
     s = dtype_bytes
+    if shape.num_experts:
+        flags = {fmt.load_flag: True} if fmt.load_flag else {}
+        dense = backward_working_set(moe_terms.dense_part(shape), batch_size=batch_size, seq_len=seq_len,
+                                     dtype_bytes=s, attention=attention, fp8_forward=fp8_forward, **flags)
+        ranks = moe_terms.expert_lora_ranks(shape, lora_r, lora_targets(target_modules))
+        block_ws = moe_terms.sparse_block_working_sets(shape, tokens=N, s=s, ranks=ranks)
+        block_saved = sum(moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks).values())
+        mlp = N * shape.hidden_size * s + max(block_ws.values())
+        if moe_terms.stock_attention(shape):
+            freed = block_saved + N * (4 * shape.hidden_size + 4) + N * shape.hidden_size * s
+            attn = moe_terms.stock_attention_working_set(shape, batch_size=batch_size, seq_len=seq_len, s=s) \
+                + dense_copy_bytes(shape, fmt, s, N) - freed
+        else:
+            attn = dense["attention"] - block_saved
+        return {"mlp": mlp, "attention": attn, "fp8_forward": dense["fp8_forward"]}
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     dims = shape.projection_shapes()
     dequant = dense_copy_bytes(shape, fmt, s, N) + input_grad_buffer_bytes(shape, fmt, N, s)
@@ -729,6 +786,9 @@ def estimate_training_memory(
     s = bytes_of_dtype(dtype)
     targets = lora_targets(target_modules)
     plan = normalize_plan(activation_plan, shape.num_layers)
+    moe_notes: list[str] = []
+    if shape.num_experts:
+        plan = _moe_checks(shape, plan, fmt, method, generation, lora_dropout, lora_r, targets, moe_notes)
     opt = _optimizer_name(optimizer)
     attention = resolve_attention(shape, attention)
     record = TRAINING_METHODS[method]
@@ -753,6 +813,7 @@ def estimate_training_memory(
                                     vision_lora_params=vision_lora_params)
     loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=record.logprob_loss)
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
+                                       lora_r=lora_r, target_modules=targets,
                                        attention=attention, fp8_forward=fp8_forward,
                                        **({fmt.load_flag: True} if fmt.load_flag else {}))
     reference = _reference_pass(shape, rows, seq_len, s, fmt, attention) if record.reference_pass else _Part(0)
@@ -762,7 +823,7 @@ def estimate_training_memory(
         transients = acts.bytes + loss.bytes + temporaries.bytes - cuda_context_bytes
         gen_bytes, gen_details = generation_term(generation, shape, s, fmt, attention, transients)
 
-    notes = list(loss.notes)
+    notes = list(loss.notes) + moe_notes
     if lora_dropout and lora_dropout > 0:
         notes.append("lora_dropout > 0 stores a dropped copy of every adapter input and leaves the fused path")
     if opt.startswith("paged"):
@@ -831,7 +892,34 @@ def _base_weights(shape: ModelShape, s: int, fmt: BaseFormat, double_quant: bool
     small_bytes = p_small * s
     lin_bytes = projection_weight_bytes(shape, fmt, s, double_quant)
     lin_key = "base weights: decoder projections" + (f" ({fmt.label.split()[0]})" if fmt.quantised else "")
-    return _Part(lin_bytes + small_bytes, {lin_key: lin_bytes, "base weights: embeddings, LM head, norms": small_bytes})
+    if shape.num_experts:
+        lin_key = lin_key.replace("decoder projections", "attention projections")
+    details = {lin_key: lin_bytes, "base weights: embeddings, LM head, norms": small_bytes}
+    details.update(moe_terms.expert_weight_bytes(shape, s) if shape.num_experts else {})
+    return _Part(sum(details.values()), details)
+
+
+def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, method: str, generation: Any,
+                lora_dropout: float, lora_r: int, targets: list[str], notes: list[str]) -> tuple[str, ...]:
+    """Refuse what the memory model (or notebookkit) does not cover for a mixture of experts, with what to
+    do instead; the plan as it runs (offloaded layers recompute); a note on the experts."""
+    what = f"notebookkit.memory: {shape.name} is a mixture of experts"
+    if fmt.quantised and fmt.load_flag != "load_in_4bit":
+        raise ValueError(f"{what}: {fmt.label} bases do not hold its stacked experts (from_pretrained refuses "
+                         "them too); estimate it with load_in_4bit=True or in 16-bit.")
+    if TRAINING_METHODS[method].reference_pass or TRAINING_METHODS[method].generates or generation is not None:
+        raise ValueError(f"{what}: the memory model covers its SFT and ORPO steps, not method={method!r} (DPO's "
+                         "reference pass and GRPO's generation run decode paths that do not cover experts yet, #36). "
+                         "Estimate method='sft' and keep a margin, or watch notebookkit.memory's meters.")
+    if lora_dropout and lora_dropout > 0:
+        raise ValueError(f"{what}: with lora_dropout={lora_dropout} PEFT refuses the experts' adapters (no dropout on "
+                         "target_parameters) and the memory model has no formula for it; use lora_dropout=0.")
+    if "offload" in plan:
+        plan = tuple("recompute" if m == "offload" else m for m in plan)
+        notes.append("a mixture of experts recomputes its offloaded layers (offloading them is not written yet): "
+                     "counted as recompute")
+    notes.append(moe_terms.describe(shape, moe_terms.expert_lora_ranks(shape, lora_r, targets)))
+    return plan
 
 
 def _move_embedding_to_host(base: _Part, shape: ModelShape, s: int) -> int:
@@ -897,9 +985,11 @@ def _adapters_and_optimizer(
     params_b = p_lora * a_bytes
     grads_b = p_lora * a_bytes
     master_b = p_lora * 4 if a_bytes < 4 else 0
+    dims = shape.projection_shapes()
+    ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets)
     if opt == "adafactor":
-        dims = shape.projection_shapes()
-        opt_b = shape.num_layers * sum(4 * ((lora_r + dims[t][0]) + (dims[t][1] + lora_r)) for t in targets)
+        opt_b = shape.num_layers * sum(4 * ((lora_r + dims[t][0]) + (dims[t][1] + lora_r)) for t in targets if t in dims)
+        opt_b += moe_terms.expert_adafactor_bytes(shape, ranks)
     else:
         opt_b = int(p_lora * _OPT_STATE_BYTES[opt])
     details = {"adapters + optimizer: LoRA weights": params_b, "adapters + optimizer: gradients": grads_b}
@@ -910,10 +1000,17 @@ def _adapters_and_optimizer(
     # forward pass and keep the casts for the recompute and the backward (lora_fast_path.views); the
     # A of grouped projections (q/k/v, gate/up) go into one A_cat per group instead, of the same size.
     # Adapters already in the compute dtype are not copied, except into those A_cat.
+    # A mixture of experts: the expert adapters' casts are made by each layer's forward and saved with its
+    # activations (notebookkit.memory.moe); gpt-oss's attention adapters run PEFT's code, which casts inputs.
+    p_copied = p_lora - moe_terms.expert_lora_param_count(shape, ranks)
+    if moe_terms.stock_attention(shape):
+        p_copied = 0
     if a_bytes != s:
-        casts_b = p_lora * s
-    else:
+        casts_b = p_copied * s
+    elif p_copied:
         casts_b = grouped_lora_A_params(shape, lora_r, targets) * s
+    else:
+        casts_b = 0
     if casts_b:
         details["adapters + optimizer: compute-dtype copies"] = casts_b
     return _Part(params_b + grads_b + master_b + opt_b + casts_b, details), p_lora

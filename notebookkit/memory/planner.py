@@ -25,6 +25,8 @@ checkpoints the vision blocks (Hugging Face's flag reaches them), which adds the
 once: ``patches * 2 * P_vision_linear / rate``. For every k (from L down) the largest m that fits is found; the
 plan with the least extra time wins, ties going to more kept layers. Offloaded layers are the
 first ones (their copies back have the most backward work to hide behind), kept layers the last.
+A mixture of experts is planned without offloading (its layers recompute instead); its ``P_layer`` counts
+the ``k`` experts a token runs, and its recompute reruns the whole layer.
 
 The budget is free VRAM by default (``torch.cuda.mem_get_info`` plus what this process's
 allocator already holds, compared against the predicted allocator peak; at most the allocator's cap
@@ -52,7 +54,9 @@ from notebookkit.training_methods import TRAINING_METHODS
 
 from .base_weights import base_format_for, load_flags
 from .cards import GPUCard, detect_card, parse_card, parse_memory
-from .estimate import MODES, MemoryEstimate, bytes_of_dtype, readable_bytes, estimate_training_memory, lora_param_count
+from .estimate import (MODES, MemoryEstimate, bytes_of_dtype, estimate_training_memory, lora_param_count, lora_targets,
+                       readable_bytes)
+from .moe import expert_lora_param_count, expert_lora_ranks
 from .shapes import KNOWN_MODELS, ModelShape, model_shape
 
 GiB = 1024**3
@@ -196,15 +200,19 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
     r = kw.get("lora_r", 16)
     s = bytes_of_dtype(kw.get("dtype", "bfloat16"))
     lora_layer = lora_param_count(shape, r, kw.get("target_modules")) / shape.num_layers
-    flops = N * (2 * shape.linear_params_per_layer + 2 * lora_layer + 2 * T * shape.q_dim)
+    if shape.num_experts:  # a token runs k of the E experts (and their adapters)
+        experts = expert_lora_param_count(shape, expert_lora_ranks(shape, r, lora_targets(kw.get("target_modules"))))
+        lora_layer -= experts / shape.num_layers * (1 - shape.experts_per_token / shape.num_experts)
+    flops = N * (2 * shape.active_linear_params_per_layer + 2 * lora_layer + 2 * T * shape.q_dim)
     rate = (card.tflops if card else 1.0) * 1e12
     if _quantised(kw):
         rate *= 0.8  # dequantisation before (NF4) or inside (2-bit, ternary) each matmul
     t_f = flops / rate
     bw = (card.pcie_gbps if card else 10.0) * 1e9
     copy = N * shape.hidden_size * s / bw
-    # The recompute skips the down projection where nothing reads the MLP output (no post-MLP norm).
-    recompute = t_f if shape.sandwich_norms else t_f - N * 2 * shape.hidden_size * shape.intermediate_size / rate
+    # The recompute skips the down projection where nothing reads the MLP output (no post-MLP norm); a
+    # mixture of experts reruns its whole layer (torch's checkpoint).
+    recompute = t_f if shape.sandwich_norms or shape.num_experts else t_f - N * 2 * shape.hidden_size * shape.intermediate_size / rate
     offload = recompute + max(0.0, copy - 0.7 * t_f) + max(0.0, copy - 0.7 * 3 * t_f) + 50e-6
     return t_f, recompute, offload
 
@@ -260,7 +268,8 @@ def plan_activations(
         host_memory_bytes: pinned host memory offloading may use; default 80% of available RAM.
         safety_margin: fraction of the budget left free for allocator fragmentation
             (default ``DEFAULT_SAFETY_MARGIN``).
-        allow_offload: default True on a GPU or a named card, False when planning for the CPU.
+        allow_offload: default True on a GPU or a named card, False when planning for the CPU; always False
+            for a mixture of experts (its layers recompute instead: offloading them is not written yet).
         margin_of: ``"budget"`` (the margin is a fraction of the whole budget) or ``"step"`` (of the budget
             less the frozen base weights, which are allocated once: module docstring).
         explain: False raises :class:`DoesNotFitError` without working out what to change (searches that
@@ -285,6 +294,8 @@ def plan_activations(
     budget, with_context, source, card_obj = _resolve_budget(budget_bytes, max_memory, card)
     if allow_offload is None:
         allow_offload = card_obj is not None or "no GPU" not in source
+    if text.num_experts:  # a mixture of experts recomputes what would be offloaded (checkpointing's rule)
+        allow_offload = False
     if safety_margin is None:
         safety_margin = DEFAULT_SAFETY_MARGIN
     if margin_of not in ("budget", "step"):
@@ -361,6 +372,11 @@ def _explain(
         f"fragmentation: {readable_bytes(usable_for(worst))}).",
         "  " + ", ".join(f"{k} {readable_bytes(v)}" for k, v in worst.parts().items()),
     ]
+    if shape.num_experts:
+        experts = sum(v for k, v in worst.details.items() if k.startswith("base weights: experts"))
+        lines.append(f"  Its {shape.num_experts} experts a layer take {readable_bytes(experts)}: they stay in the compute dtype "
+                     "under load_in_4bit (bitsandbytes quantises nn.Linear layers only; NF4 experts are not written yet, #36), "
+                     "and its layers recompute rather than offload.")
     if host_blocked is not None:
         lines.append(
             f"  A plan that offloads would fit on the GPU but needs {readable_bytes(host_blocked.host_offload)} of pinned host "

@@ -55,7 +55,8 @@ class RankFit:
     ``rank``: the largest LoRA rank that fits (0: none does); ``plan``: the activation plan at that
     rank, its ``estimate`` the predicted peak; ``offload_embedding``: whether the input embedding must
     live in host memory; ``reason``: when nothing fits, the planner's account of what to change, and
-    ``smallest``: the estimate of the leanest step it tried (rank 1, every layer offloaded).
+    ``smallest``: the estimate of the leanest step it tried (rank 1, every layer offloaded; recomputed for a
+    mixture of experts).
     """
 
     rank: int

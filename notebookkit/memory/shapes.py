@@ -25,13 +25,19 @@ families have q/k norms, sandwich norms and soft-caps is read from their record 
 ``KNOWN_MODELS`` lists the curated hub checkpoints with the numbers copied from their public
 ``config.json`` files (text part for multimodal Gemma 3). ``model_shape(x)`` turns a Hugging Face
 config, a plain dict, a known name or a local model folder into a :class:`ModelShape`.
+
+A mixture-of-experts model (Qwen3-MoE, gpt-oss: ``Family.moe``) replaces the gate/up/down projections of
+each layer by ``E`` experts of width ``I_e`` (``3*H*I_e`` each, stacked ``[E, 2 I_e, H]`` and ``[E, H, I_e]``)
+and a router ``[E, H]``, ``k`` experts a token: :meth:`ModelShape.projection_shapes` then lists the four
+attention projections only, :meth:`ModelShape.expert_shapes` the two stacked weights, and
+:mod:`notebookkit.memory.moe` holds what the experts cost in a training step.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -58,6 +64,10 @@ class ModelShape:
     sandwich_norms: bool = False  # extra post-attention / post-MLP norms (Gemma 2, Gemma 3)
     max_position_embeddings: int | None = None
     attn_softcap: bool = False  # attention logit soft-cap (Gemma 2): explicit softmax, T^2 scores kept
+    num_experts: int = 0  # a mixture of experts: E experts a layer (0: a dense MLP)
+    experts_per_token: int = 0  # k
+    expert_intermediate_size: int = 0  # I_e, the width of one expert
+    router_norm_topk: bool = False  # the k kept routing weights are divided by their sum (norm_topk_prob)
 
     @property
     def q_dim(self) -> int:
@@ -68,9 +78,10 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """``{name: (in_features, out_features)}`` for the seven projections of one layer."""
+        """``{name: (in_features, out_features)}`` for the linear projections of one layer: seven, or the
+        four attention ones for a mixture of experts (its MLP is :meth:`expert_shapes`)."""
         H, I, dq, dk = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        return {
+        shapes = {
             "q_proj": (H, dq),
             "k_proj": (H, dk),
             "v_proj": (H, dk),
@@ -79,9 +90,31 @@ class ModelShape:
             "up_proj": (H, I),
             "down_proj": (I, H),
         }
+        return {n: shapes[n] for n in PROJECTIONS[:4]} if self.num_experts else shapes
+
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{name: (in_features, out_features)}`` of one expert's two stacked weights (``E`` of each a
+        layer): ``gate_up_proj`` ``H -> 2 I_e`` and ``down_proj`` ``I_e -> H``; empty for a dense model."""
+        if not self.num_experts:
+            return {}
+        H, Ie = self.hidden_size, self.expert_intermediate_size
+        return {"gate_up_proj": (H, 2 * Ie), "down_proj": (Ie, H)}
+
+    @property
+    def active_linear_params_per_layer(self) -> int:
+        """Linear parameters one token multiplies by in a layer: the attention, ``k`` experts, the router."""
+        if not self.num_experts:
+            return self.linear_params_per_layer
+        attention = sum(i * o for i, o in self.projection_shapes().values())
+        return attention + self.experts_per_token * 3 * self.hidden_size * self.expert_intermediate_size \
+            + self.num_experts * self.hidden_size
 
     @property
     def linear_params_per_layer(self) -> int:
+        if self.num_experts:  # attention projections + every expert's gate/up/down + the router
+            attention = sum(i * o for i, o in self.projection_shapes().values())
+            E, H = self.num_experts, self.hidden_size
+            return attention + E * 3 * H * self.expert_intermediate_size + E * H
         return sum(i * o for i, o in self.projection_shapes().values())
 
     @property
@@ -115,14 +148,17 @@ class ModelShape:
             f"{self.name} ({self.model_type}): {self.num_params / 1e9:.2f}B params, L={self.num_layers}, "
             f"H={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, "
             f"I={self.intermediate_size}, V={self.vocab_size}, tied={self.tie_word_embeddings}"
+            + (f", {self.num_experts} experts of I={self.expert_intermediate_size}, {self.experts_per_token} a token"
+               if self.num_experts else "")
         )
 
 
-def _shape(name, model_type, H, L, nh, nk, hd, I, V, tied, max_pos, attn_softcap=None) -> ModelShape:
+def _shape(name, model_type, H, L, nh, nk, hd, I, V, tied, max_pos, attn_softcap=None, experts=None) -> ModelShape:
     """A :class:`ModelShape` whose norms and soft-cap follow the family record of ``model_type``.
 
     ``attn_softcap``: whether the config soft-caps attention scores, ``None`` when it does not say
     (then the family's default decides, :attr:`~notebookkit.families.Family.default_attn_softcap`).
+    ``experts``: ``(E, k, I_e, norm_topk_prob)`` of a mixture of experts.
     """
     family = for_model_type(model_type, multimodal=True)
     if attn_softcap is None:
@@ -133,6 +169,8 @@ def _shape(name, model_type, H, L, nh, nk, hd, I, V, tied, max_pos, attn_softcap
         qk_norm=family is not None and family.qk_norm,
         sandwich_norms=family is not None and family.sandwich_norm,
         max_position_embeddings=max_pos, attn_softcap=bool(attn_softcap),
+        **(dict(zip(("num_experts", "experts_per_token", "expert_intermediate_size", "router_norm_topk"), experts))
+           if experts else {}),
     )
 
 
@@ -159,7 +197,16 @@ _ROWS = [
     ("mistralai/Mistral-7B-v0.3",              "mistral", 4096, 32, 32, 8, 128, 14336, 32768, False, 32768),
 ]
 
-KNOWN_MODELS: dict[str, ModelShape] = {row[0]: _shape(*row) for row in _ROWS}
+# Mixtures of experts: the same columns (I: the config's intermediate_size, which Qwen3-MoE does not use), then
+#            experts E, a token k, expert width I_e, norm_topk_prob
+_MOE_ROWS = [
+    ("Qwen/Qwen3-30B-A3B",                     "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False, 40960,
+     None, (128, 8, 768, True)),
+    ("openai/gpt-oss-20b",                     "gpt_oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 131072,
+     None, (32, 4, 2880, False)),
+]
+
+KNOWN_MODELS: dict[str, ModelShape] = {row[0]: _shape(*row) for row in _ROWS + _MOE_ROWS}
 
 
 def known_shape(name: str) -> ModelShape | None:
@@ -204,13 +251,23 @@ def shape_from_config(cfg: Any, name: str | None = None) -> ModelShape:
     softcap_attr = (family.attn_softcap_attr if family is not None else None) or "attn_logit_softcapping"
     _missing = object()
     softcap = config_value(cfg, softcap_attr, _missing)
-    return _shape(
+    experts = {}
+    if family is not None and family.moe is not None:
+        # a saved config.json may spell E either way (transformers 5 writes Qwen3-MoE's as num_local_experts)
+        count = next((config_value(cfg, key) for key in (family.moe.num_experts, "num_local_experts", "num_experts")
+                      if config_value(cfg, key)), 0)
+        experts = dict(num_experts=int(count or 0),
+                       experts_per_token=int(config_value(cfg, "num_experts_per_tok", 0) or 0),
+                       expert_intermediate_size=int(config_value(cfg, family.moe.intermediate, 0) or 0),
+                       router_norm_topk=bool(config_value(cfg, "norm_topk_prob", False)))
+    shape = _shape(
         name or str(config_value(cfg, "_name_or_path", "") or config_value(cfg, "name_or_path", "") or model_type),
         model_type, H, int(config_value(cfg, "num_hidden_layers")), nh, int(nk), int(hd),
         int(config_value(cfg, "intermediate_size")), int(config_value(cfg, "vocab_size")), bool(tied),
         config_value(cfg, "max_position_embeddings"),
         attn_softcap=None if softcap is _missing else softcap is not None,
     )
+    return replace(shape, **experts) if experts else shape
 
 
 def model_shape(model_config: Any) -> ModelShape:

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .common.banner import Banner, get_banner
 from .loading import arguments, loader
-from .lora_setup import (already_adapted, check_lora_arguments, describe_adapters, lora_config, note_setup,
+from .lora_setup import (already_adapted, check_lora_arguments, describe_adapters, expert_targets, lora_config, note_setup,
                          wrap_with_lora)
 from .patching.checkpointing import apply_checkpointing
 from .patching.lora_fast_path import describe_lora
@@ -58,7 +58,11 @@ class FastLanguageModel:
             model: the model returned by ``FastLanguageModel.from_pretrained``.
             r: LoRA rank.
             target_modules: projection names to adapt; default all seven
-                ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj``.
+                ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj``. On a mixture-of-experts
+                model (Qwen3-MoE, gpt-oss) whose targets name the MLP's projections, the experts' stacked
+                weights are adapted too: PEFT maps the names onto Qwen3-MoE's experts itself; for gpt-oss
+                notebookkit adds ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``
+                (unless you pass ``target_parameters`` yourself).
             lora_alpha: LoRA scaling numerator (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA).
             lora_dropout: dropout on the LoRA input. Only ``0`` runs the fused kernels; other values
                 run stock PEFT code (the banner says so).
@@ -102,6 +106,7 @@ class FastLanguageModel:
             targets: Any = target_modules
         else:
             targets = list(target_modules) if target_modules is not None else list(DEFAULT_TARGET_MODULES)
+        kwargs = expert_targets(model, targets, kwargs)
         config = lora_config(
             r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias, target_modules=targets,
             use_rslora=use_rslora, modules_to_save=modules_to_save, init_lora_weights=init_lora_weights,
@@ -115,8 +120,10 @@ class FastLanguageModel:
             peft_model, use_gradient_checkpointing, banner, batch_size=planning_batch_size, max_memory=max_memory
         )
         describe_lora(peft_model, banner)
-        describe_adapters(peft_model, banner, r, lora_alpha, use_rslora,
-                          targets if isinstance(targets, str) else ", ".join(targets))
+        described = targets if isinstance(targets, str) else ", ".join(targets)
+        if kwargs.get("target_parameters"):
+            described += " + " + ", ".join(kwargs["target_parameters"])
+        describe_adapters(peft_model, banner, r, lora_alpha, use_rslora, described)
         if show_banner:
             banner.show()
         # Ready to train, as the name promises: the fused loss and checkpointing act in training mode

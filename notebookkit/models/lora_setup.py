@@ -86,6 +86,26 @@ def check_lora_arguments(
     return r, mode, max_seq_length, planning_batch_size
 
 
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_targets(model: nn.Module, target_modules: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with ``target_parameters`` set to the experts' stacked weights (``Family.moe``) when the
+    model is a mixture of experts, ``target_modules`` names the MLP's projections (as the default does),
+    the caller did not choose ``target_parameters`` and PEFT does not map those names onto the experts
+    itself (``MoE.peft_maps_mlp_targets``: Qwen3-MoE); otherwise ``kwargs`` unchanged."""
+    from notebookkit.families import for_model_type
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    family = for_model_type(getattr(getattr(base, "config", None), "model_type", None))
+    if family is None or family.moe is None or family.moe.peft_maps_mlp_targets or "target_parameters" in kwargs:
+        return kwargs
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules or ())
+    if target_modules != "all-linear" and not any(n in _MLP_PROJECTIONS for n in names):
+        return kwargs
+    return {**kwargs, "target_parameters": list(family.moe.lora_parameters)}
+
+
 def lora_config(
     *, r: int, lora_alpha: int, lora_dropout: float, bias: str, target_modules: Any, use_rslora: bool,
     modules_to_save: Optional[Sequence[str]], init_lora_weights: Any, layers_to_transform: Optional[Sequence[int]],

@@ -53,6 +53,10 @@ _CURATED = {
         ("google/gemma-3-4b-it", "Gemma 3 4B it (text)"),
     ],
     "Mistral": [("mistralai/Mistral-7B-Instruct-v0.3", "Mistral 7B Instruct v0.3")],
+    "Mixture of experts": [
+        ("Qwen/Qwen3-30B-A3B", "Qwen3 30B-A3B (128 experts, 8 active)"),
+        ("openai/gpt-oss-20b", "gpt-oss 20B (32 experts, 4 active)"),
+    ],
     "Vision-language": [
         *[(f.vision.tiny_name, f"{f.vision.tiny_name} (tiny VLM, random weights)")
           for f in FAMILIES.values() if f.vision is not None],
@@ -90,12 +94,15 @@ def _tiny_shape_from_generator(name: str) -> ModelShape | None:
     from notebookkit.embedded import generate_models as gm
     from notebookkit.embedded.generate_tokenizer import VOCAB_SIZE
 
+    moe_keys = (family.moe.num_experts, family.moe.intermediate, "num_experts_per_tok", "norm_topk_prob") \
+        if family.moe is not None else ()
     return model_shape(
         dict(model_type=family.model_types[0], hidden_size=gm.HIDDEN, num_hidden_layers=family.tiny.layers,
              num_attention_heads=gm.HEADS, num_key_value_heads=gm.KV_HEADS, head_dim=gm.HEAD_DIM,
              intermediate_size=gm.INTERMEDIATE, vocab_size=VOCAB_SIZE,
              tie_word_embeddings=family.tiny.tie_word_embeddings, max_position_embeddings=gm.MAX_POSITIONS,
-             _name_or_path=name, **{k: v for k, v in family.tiny.config.items() if k == family.attn_softcap_attr})
+             _name_or_path=name)
+        | {k: v for k, v in family.tiny.config.items() if k == family.attn_softcap_attr or k in moe_keys}
     )
 
 

@@ -220,7 +220,8 @@ def _format_line(fit: RankFit) -> str:
     """One line of the per-format block: what fits, with the plan, or why not."""
     label = fit.base_format.label
     if not fit.fits:
-        need = f" (about {_size(fit.smallest.total)} at r=1, every layer offloaded)" if fit.smallest else ""
+        leanest = "every layer offloaded" if fit.smallest and "offload" in fit.smallest.plan else "every layer recomputed"
+        need = f" (about {_size(fit.smallest.total)} at r=1, {leanest})" if fit.smallest else ""
         return f"{label}: does not fit at any LoRA rank{need}"
     plan = fit.plan
     counts = ", ".join(f"{v} {k}" for k, v in plan.counts().items() if v)

@@ -81,4 +81,4 @@ def test_the_section_covers_every_family_and_mode(monkeypatch):
     vision = {(f, m) for _, f, m in (r for r in runs if r[0] == "vision")}
     assert vision == {(f, m) for f, row in FAMILIES.items() if row.vision for m in ri.CHECKPOINT_MODES}
     assert len(out) == len(runs) == len(set(out))
-    assert len(FAMILIES) == 7 and ri.CHECKPOINT_MODES == (False, True, "unsloth")
+    assert len(FAMILIES) == 9 and ri.CHECKPOINT_MODES == (False, True, "unsloth")  # 7 dense + 2 MoE rows

@@ -18,6 +18,7 @@ import pytest
 
 from notebookkit.embedded import cache, cli, generate_models, tiny
 from notebookkit.embedded.generate_tokenizer import FAMILY_TOKENS, SPECIAL_TOKENS, VOCAB_SIZE
+from notebookkit.families import FAMILIES as FAMILY_RECORDS
 from notebookkit.models.loading.offline import (ModelUnreachableError, explain_unreachable, is_unreachable_error,
                                       raise_unreachable)
 from notebookkit.embedded.cache import cached_build
@@ -25,7 +26,7 @@ from notebookkit.embedded.tiny import TINY_MODELS, UnknownTinyModelError, ensure
 
 FAMILIES = list(TINY_MODELS.values())
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-               "gemma2": "gemma2", "gemma3": "gemma3_text"}
+               "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
 CHAT = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What colour is a banana?"},
@@ -40,6 +41,8 @@ TEMPLATE_MARKERS = {
     "gemma": ["<bos>", "<start_of_turn>", "<end_of_turn>"],
     "gemma2": ["<bos>", "<start_of_turn>", "<end_of_turn>"],
     "gemma3": ["<bos>", "<start_of_turn>", "<end_of_turn>"],
+    "qwen3_moe": ["<|im_start|>", "<|im_end|>"],
+    "gpt_oss": ["<|im_start|>", "<|im_end|>"],  # a ChatML stand-in: the tiny vocabulary has no harmony tokens
 }
 
 
@@ -63,7 +66,8 @@ def tokenizers_by_family(tiny_folders):
 # ------------------------------------------------------------------------------- names
 
 def test_reserved_names_cover_every_family():
-    assert sorted(FAMILIES) == sorted(["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
+    assert sorted(FAMILIES) == sorted(["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+                                       "qwen3_moe", "gpt_oss"])
     assert all(n.startswith("notebookkit/tiny-") for n in TINY_MODELS)
 
 
@@ -128,7 +132,7 @@ def test_family_loads_and_generates(tiny_folders, tokenizers_by_family, family):
     assert cfg.vocab_size == len(tok) == VOCAB_SIZE
     assert cfg.hidden_size == 128 and cfg.num_attention_heads == 4 and cfg.num_key_value_heads == 2
     assert cfg.head_dim == 32 and cfg.max_position_embeddings == 2048
-    assert cfg.tie_word_embeddings == (family != "mistral")
+    assert cfg.tie_word_embeddings == FAMILY_RECORDS[family].tiny.tie_word_embeddings
 
     ids = tok.apply_chat_template(CHAT, add_generation_prompt=family != "mistral", return_tensors="pt",
                                   return_dict=True)
@@ -152,6 +156,12 @@ def test_family_specific_features(tiny_folders):
     assert cfg["gemma3"].sliding_window == 512 and cfg["gemma3"].layer_types[0] == "sliding_attention"
     assert cfg["mistral"].sliding_window == 1024
     assert cfg["gemma3"].architectures == ["Gemma3ForCausalLM"]
+    # mixture of experts: few experts, top-2, each family's quirks
+    qwen, oss = cfg["qwen3_moe"], cfg["gpt_oss"]
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.norm_topk_prob, qwen.moe_intermediate_size) == (8, 2, True, 96)
+    assert (oss.num_local_experts, oss.num_experts_per_tok, oss.intermediate_size, oss.swiglu_limit) == (4, 2, 96, 7.0)
+    assert oss.sliding_window == 512 and oss.layer_types == ["sliding_attention", "full_attention"]
+    assert oss.attention_bias
 
 
 def test_qwen_and_gemma_modules(tiny_folders):

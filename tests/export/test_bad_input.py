@@ -68,7 +68,7 @@ def test_not_enough_disk_space(llama_nf4, tmp_path, monkeypatch, no_work):
 def test_architecture_gguf_does_not_support(llama_nf4, tmp_path, monkeypatch, no_work):
     model, tokenizer = llama_nf4
     monkeypatch.setattr(model.get_base_model().config, "model_type", "phi3")
-    with pytest.raises(ExportError, match=r"does not support model_type='phi3'\. Supported: gemma, gemma2, gemma3_text, llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ExportError, match=r"does not support model_type='phi3'\. Supported: gemma, gemma2, gemma3_text, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe"):
         model.save_pretrained_gguf(tmp_path / "g", tokenizer)
     assert not (tmp_path / "g").exists()
 
@@ -144,3 +144,16 @@ def test_push_unreachable_hub_fails_before_any_work(llama_nf4, monkeypatch, no_w
         push_to_hub_merged(model, "me/tiny", tokenizer)
     with pytest.raises(ExportError, match="should look like 'your-name/model-name'"):
         push_to_hub_merged(model, "tiny", tokenizer)
+
+
+@pytest.mark.parametrize("family, setting", [("qwen3_moe", {"norm_topk_prob": False}), ("qwen3_moe", {"mlp_only_layers": [1]}),
+                                             ("gpt_oss", {"swiglu_limit": 5.0}),
+                                             ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]})])
+def test_gguf_refuses_a_mixture_of_experts_llama_cpp_computes_otherwise(family, setting):
+    """llama.cpp fixes these for qwen3moe / gpt-oss (export.gguf_experts): a model that differs is refused, naming it."""
+    from notebookkit.export.gguf_arch import gguf_family
+    from tests.models.helpers import family_config
+
+    with pytest.raises(ExportError, match=f"{next(iter(setting))}.*llama.cpp.*save_pretrained_merged"):
+        gguf_family(family_config(family, **setting))
+    gguf_family(family_config(family))  # the family's own settings pass

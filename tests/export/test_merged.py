@@ -72,7 +72,7 @@ def test_merge_products_are_ieee_fp32_under_a_tf32_setting(llama_nf4, tmp_path, 
             torch.set_float32_matmul_precision("high")
         user = [m.fp32_precision for m in matmuls]
         assert user == ["tf32", "tf32"]
-        with merge._ieee_fp32_matmul():
+        with merge.ieee_fp32_matmul():
             assert [m.fp32_precision for m in matmuls] == ["ieee", "ieee"]
         assert [m.fp32_precision for m in matmuls] == user
         model.save_pretrained_merged(tmp_path / "merged", tokenizer, dtype=torch.bfloat16, verbose=False)

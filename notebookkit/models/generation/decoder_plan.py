@@ -214,6 +214,9 @@ def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
     if family is None:
         return (f"model_type {getattr(causal_lm.config, 'model_type', '?')!r} is not in notebookkit's family table "
                 f"({', '.join(architectures.supported_model_types())})")
+    if family.moe is not None:
+        return (f"the {family.name} family is a mixture of experts, which notebookkit's decode path does not run yet "
+                "(issue #36): generation uses Hugging Face's generate")
     layers = decoder_layers(causal_lm)
     if backbone is None or not layers:
         return f"{type(causal_lm).__name__} has no decoder layers where notebookkit looks for them"

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.export.bind import bind_export_methods
+from notebookkit.families import for_model_type
 
 from . import arguments
 from ..common.banner import Banner, device_line, versions_line
@@ -322,6 +323,11 @@ def low_bit_format(variant: LoadVariant, config: Any, load_in_2bit: bool, load_i
     if wanted is not None and variant.model_class is not _auto_causal_lm:
         raise ValueError(f"{variant.where}: 2-bit and ternary bases are for causal language models "
                          "(FastLanguageModel.from_pretrained); load this model with load_in_4bit=True or in 16-bit.")
+    family = for_model_type(getattr(config, "model_type", None))
+    if wanted is not None and family is not None and family.moe is not None:
+        raise ValueError(f"{variant.where}: 2-bit and ternary bases do not cover mixture-of-experts models yet "
+                         f"({family.name}: its experts are stacked 3-D weights, not the linear layers these formats "
+                         "hold; issue #36). Load it with load_in_4bit=True or in 16-bit.")
     return wanted
 
 
@@ -391,6 +397,10 @@ def weights_format(config: Any, load_in_4bit: bool, load_in_8bit: bool, full_fin
         banner.header.append(f"weights: {_dtype_name(torch_dtype)}")
     elif load_in_4bit:
         banner.header.append(f"weights: NF4 4-bit, double quantisation, compute {_dtype_name(torch_dtype)}")
+        family = for_model_type(getattr(config, "model_type", None))
+        if family is not None and family.moe is not None:
+            banner.note(f"{family.name}: bitsandbytes quantises linear layers only, so the experts' stacked weights "
+                        f"(most of the model) stay {_dtype_name(torch_dtype)}; NF4 experts are not written yet (#36)")
     else:
         banner.header.append(f"weights: LLM.int8 8-bit, compute {_dtype_name(torch_dtype)}")
     return quant

@@ -353,6 +353,15 @@ def apply_checkpointing(
     if "offload" in modes and _model_device(base).type != "cuda":
         modes = ["recompute" if m == "offload" else m for m in modes]
         why = "offload needs a CUDA device; on CPU it is plain recompute"
+    # A mixture of experts: the routers' logits leave each layer through Hugging Face's output hooks (the
+    # load-balancing loss), so a layer's first forward must keep its graph: torch's non-reentrant checkpoint
+    # does, notebookkit's offload_checkpoint (which runs it under no_grad) would drop the aux loss's gradient.
+    spec = lookup(getattr(base, "config", None))
+    moe = spec is not None and spec.moe is not None
+    if moe and "offload" in modes:
+        modes = ["recompute" if m == "offload" else m for m in modes]
+        why = ("a mixture of experts recomputes with torch's checkpoint (the routers' logits keep their gradient "
+               "for the load-balancing loss); offloading its layers is not written yet (#36)")
 
     if all(m == "keep" for m in modes) or not layers:
         if _is_checkpointing(base):
@@ -371,6 +380,9 @@ def apply_checkpointing(
     for i, (layer, m) in enumerate(zip(layers, modes)):
         layer.gradient_checkpointing = m != "keep"
         if m == "keep":
+            continue
+        if moe:
+            compat.set_layer_checkpoint_function(layer, functools.partial(checkpoint, use_reentrant=False))
             continue
         # Recompute keeps the input on the device; so does the last offloaded layer (its input is
         # needed first in the backward pass).

@@ -48,6 +48,7 @@ from notebookkit.marks import LORA_VIEWS, PATCH_TAG
 from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
 
 from . import forward_state
+from .lora_parts import lora_parts
 from ..common.decoder_layers import decoder_layers as _decoder_layers
 
 PROJECTION_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -83,33 +84,6 @@ def _base_parts(base: nn.Module) -> tuple[Optional[tuple[torch.Tensor, Any, Opti
     return None, f"unsupported layer type {type(base).__name__}"
 
 
-def _lora_parts(module: nn.Module, training: Optional[bool] = None) -> tuple[Optional[tuple[torch.Tensor, torch.Tensor, float]], Optional[str]]:
-    """(A, B, scaling) of a PEFT LoRA layer's active adapter, None when inactive, or a reason."""
-    if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
-        return None, None
-    active = list(getattr(module, "active_adapters", None) or [])
-    active = [a for a in active if a in module.lora_A]
-    if not active:
-        return None, None
-    if len(active) > 1:
-        return None, "several active adapters"
-    name = active[0]
-    if getattr(module, "use_dora", {}).get(name, False):
-        return None, "DoRA"
-    if getattr(module, "lora_bias", {}).get(name, False):
-        return None, "lora_bias=True"
-    dropout = module.lora_dropout[name] if name in getattr(module, "lora_dropout", {}) else None
-    active_dropout = dropout.training if training is None else training
-    if isinstance(dropout, nn.Dropout) and dropout.p > 0 and active_dropout:
-        return None, f"lora_dropout={dropout.p}"
-    lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-    if not (isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)):
-        return None, f"LoRA layer type {type(lora_a).__name__}"
-    if lora_a.bias is not None or lora_b.bias is not None:
-        return None, "LoRA bias"
-    return (lora_a.weight, lora_b.weight, float(module.scaling[name])), None
-
-
 def projection_view(module: nn.Module, training: Optional[bool] = None) -> tuple[Optional[ProjectionView], Optional[str]]:
     """A :class:`ProjectionView` for ``module`` (plain, 4-bit or PEFT-LoRA linear), or a reason why not.
 
@@ -124,7 +98,7 @@ def projection_view(module: nn.Module, training: Optional[bool] = None) -> tuple
     lora = None
     base = module
     if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
-        lora, reason = _lora_parts(module, training)
+        lora, reason = lora_parts(module, training)
         if reason is not None:
             return None, reason
         base = module.base_layer
@@ -250,18 +224,37 @@ def lora_fast_path_status(model: nn.Module) -> tuple[int, int, list[str]]:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         mods = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        mods += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        moe = getattr(mlp, PATCH_TAG, None) == "moe"
+        if not moe:
+            mods += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(m is None for m in mods):
             reasons.append(f"{type(layer).__name__}: projections not found")
             continue
         _, reason = views(*mods, training=True)
+        if reason is None and moe:  # a sparse block: its experts' adapters (patch_moe)
+            reason = _moe_experts_reason(model, mlp)
         if reason is None and getattr(mlp, PATCH_TAG, None) and getattr(attn, PATCH_TAG, None):
             fast += 1
         elif reason is not None:
             reasons.append(reason)
         else:
-            reasons.append("attention/MLP not patched")
+            stock = [what for what, m in (("attention", attn), ("MLP", mlp)) if not getattr(m, PATCH_TAG, None)]
+            reasons.append(f"{' and '.join(stock)} not patched (the banner's line above says why)")
     return fast, len(layers), sorted(set(reasons))
+
+
+def _moe_experts_reason(model: nn.Module, block: nn.Module) -> Optional[str]:
+    """Why a patched sparse MoE block runs its experts on stock code, or None (:mod:`.patch_moe`)."""
+    from notebookkit.families import for_model_type
+
+    from .patch_moe import experts_status
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    family = for_model_type(getattr(getattr(base, "config", None), "model_type", None))
+    if family is None or family.moe is None:
+        return None
+    reason = experts_status(block, family.moe)
+    return None if reason is None else f"experts: {reason}"
 
 
 def describe_lora(model: nn.Module, banner) -> None:

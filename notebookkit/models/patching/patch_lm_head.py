@@ -18,6 +18,10 @@ Contract of the patched forward (documented for trainers):
 * otherwise: ``logits`` are returned for the positions selected by ``logits_to_keep`` (``0`` = all),
   and ``loss`` is computed from them when ``labels`` are given.
 * ``shift_labels`` (already shifted labels) is honoured like in ``transformers``.
+* A mixture-of-experts model (``moe=True``) with ``output_router_logits`` (the argument or the
+  config's) gets the routers' load-balancing loss as Hugging Face adds it
+  (:mod:`.router_aux_loss`): ``aux_loss`` and ``router_logits`` in the output, and
+  ``loss + router_aux_loss_coef * aux_loss`` when labels are given.
 * In training, a batch longer than the ``max_seq_length`` given at load time raises a ``ValueError``
   that says how to fix it (checked in the backbone, so trainers that run their own LM head, like
   TRL's chunked one, are covered too); in inference it warns once.
@@ -53,6 +57,7 @@ from .checkpointing import fit_plan_to_batch
 from .forward_state import forward_pass
 from .master_weights import keep_trainable_fp32
 from .patch_attention import plain_causal_mask
+from .router_aux_loss import load_balancing_loss
 
 
 def _cache_kwarg(base_model: nn.Module) -> str:
@@ -174,14 +179,15 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
 
 
-def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float]):
-    """The patched forward of a ``*ForCausalLM`` instance (its backbone is ``model.model``)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float], moe: bool = False):
+    """The patched forward of a ``*ForCausalLM`` instance (its backbone is ``model.model``); ``moe``: the
+    backbone's MLPs are routed experts (the load-balancing loss above)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     fused_ce = kernel("fused_linear_cross_entropy", "fused_linear_cross_entropy")
     cross_entropy = kernel("cross_entropy", "cross_entropy")
     backbone_cache = _cache_kwarg(model.model)
-    out_cache = _output_cache_field(CausalLMOutputWithPast)
+    out_cache = _output_cache_field(MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast)
 
     def causal_lm_forward(
         self: nn.Module,
@@ -197,12 +203,18 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float]):
         shift_labels: Optional[torch.Tensor] = None,
         return_dict: Optional[bool] = None,
         return_logits: bool = False,
+        output_router_logits: Optional[bool] = None,
         **kwargs: Any,
     ):
         cache = kwargs.pop("cache", None)
         if cache is None:
             cache = past_key_values
         kwargs.pop("ignore_index", None)
+        if output_router_logits is None:
+            output_router_logits = bool(getattr(self.config, "output_router_logits", False))
+        output_router_logits = moe and output_router_logits
+        if moe:
+            kwargs["output_router_logits"] = output_router_logits
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -248,6 +260,15 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float]):
                     loss = F.cross_entropy(flat.float(), targets.to(flat.device), ignore_index=-100, reduction=reduction)
                     if n_items is not None:
                         loss = loss / n_items
+        extra = {}
+        if output_router_logits:
+            config = self.config
+            aux = load_balancing_loss(outputs.router_logits, int(getattr(config, "num_experts", None)
+                                                                 or config.num_local_experts),
+                                      int(config.num_experts_per_tok), attention_mask)
+            if loss is not None:
+                loss = loss + float(config.router_aux_loss_coef) * aux.to(loss.device)
+            extra = {"aux_loss": aux, "router_logits": outputs.router_logits}
         fields = {
             "loss": loss,
             "logits": logits,
@@ -255,7 +276,7 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float]):
             "hidden_states": getattr(outputs, "hidden_states", None),
             "attentions": getattr(outputs, "attentions", None),
         }
-        result = CausalLMOutputWithPast(**fields)
+        result = MoeCausalLMOutputWithPast(**fields, **extra) if moe else CausalLMOutputWithPast(**fields)
         if return_dict is False:
             return result.to_tuple()
         return result
@@ -313,9 +334,10 @@ def describe_lm_head(banner: Any, final_softcap: Optional[float]) -> None:
         )
 
 
-def patch_lm_head(model: nn.Module, final_softcap: Optional[float]) -> None:
-    """Rebind the causal-LM forward of ``model`` (and its backbone's, for the length check)."""
-    rebind(model, make_causal_lm_forward(model, final_softcap), "causal_lm")
+def patch_lm_head(model: nn.Module, final_softcap: Optional[float], moe: bool = False) -> None:
+    """Rebind the causal-LM forward of ``model`` (and its backbone's, for the length check); ``moe``: a
+    mixture-of-experts model (its routers' load-balancing loss)."""
+    rebind(model, make_causal_lm_forward(model, final_softcap, moe), "causal_lm")
     record_fused_lm_head(model, True)  # for the memory model: training computes no [N, V] logits
     object.__setattr__(model.model, LM_HEAD_OWNER, WeakOwner(model))  # weak: no reference cycle
     rebind(model.model, backbone_forward, "backbone")

@@ -33,6 +33,7 @@ from .lora_fast_path import describe_lora
 from .patch_attention import attention_ready, patch_attention
 from .patch_lm_head import ALL_ATTENTION_PATCHED, describe_lm_head, lm_head_ready, patch_lm_head
 from .patch_mlp import mlp_ready, patch_mlp
+from .patch_moe import is_moe_block, moe_ready, patch_moe
 from .patch_norms import patch_norms
 
 
@@ -93,6 +94,9 @@ def stays_stock(causal_lm: nn.Module, spec: Optional[Family], banner: Banner) ->
 
 def _patch_norms(causal_lm: nn.Module, spec: Family, banner: Banner) -> None:
     """Every RMSNorm onto ``kernels.rms_norm`` (Llama or Gemma ``1 + w`` style)."""
+    if "RMSNorm" in spec.stock:
+        banner.feature("RMSNorm", False, spec.stock["RMSNorm"])
+        return
     n_norms = patch_norms(causal_lm, gemma=spec.gemma_norm)
     if n_norms:
         style = "gemma (1 + w)" if spec.gemma_norm else "llama"
@@ -102,11 +106,19 @@ def _patch_norms(causal_lm: nn.Module, spec: Family, banner: Banner) -> None:
 
 
 def patch_mlps(layers: list[nn.Module], config: Any, spec: Family, banner: Banner) -> int:
-    """Every gated decoder MLP onto the fused activation; returns how many were patched."""
+    """Every gated decoder MLP onto the fused activation, every sparse MoE block of an MoE family onto
+    the grouped expert kernel; returns how many layers were patched."""
     mlp_done, mlp_reason = 0, None
+    moe_done, moe_reason = 0, None
     activation = None
     for layer in layers:
         mlp = getattr(layer, "mlp", None)
+        if spec.moe is not None and is_moe_block(mlp, spec.moe):
+            moe_reason = moe_ready(mlp, spec.moe)
+            if moe_reason is None:
+                patch_moe(mlp, spec.moe)
+                moe_done += 1
+            continue
         if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             mlp_reason = f"{type(mlp).__name__} is not a gated MLP"
             continue
@@ -117,11 +129,16 @@ def patch_mlps(layers: list[nn.Module], config: Any, spec: Family, banner: Banne
             continue
         patch_mlp(mlp, activation)
         mlp_done += 1
+    if spec.moe is not None:
+        banner.feature("MoE experts", moe_done > 0,
+                       f"{moe_done}/{len(layers)} layers: fp32 {spec.moe.routing} routing + grouped expert GEMMs "
+                       f"({spec.moe.activation}, kernels.moe_experts; LoRA through target_parameters)"
+                       if moe_done else (moe_reason or "no sparse MoE blocks found"))
     if mlp_done:
         banner.feature("MLP", True, f"{mlp_done}/{len(layers)} layers: fused {activation} (lora_mlp when LoRA/frozen weights allow)")
-    else:
+    elif spec.moe is None or mlp_reason is not None:
         banner.feature("MLP", False, mlp_reason or "no decoder MLPs found")
-    return mlp_done
+    return mlp_done + moe_done
 
 
 def patch_attentions(causal_lm: nn.Module, layers: list[nn.Module], config: Any, spec: Family, banner: Banner) -> int:
@@ -134,7 +151,9 @@ def patch_attentions(causal_lm: nn.Module, layers: list[nn.Module], config: Any,
     attn_impl = attention_implementation(text_config) or attention_implementation(config)
     softcap = architectures.attn_softcap(config, spec)
     attn_done, attn_reason = 0, None
-    if attn_impl not in (None, "sdpa", "eager"):
+    if "attention" in spec.stock:
+        attn_reason = spec.stock["attention"]
+    elif attn_impl not in (None, "sdpa", "eager"):
         # flash-attention / flex masks have other formats (2-D, BlockMask); leave those layers stock.
         attn_reason = f"attn_implementation={attn_impl!r} requested: attention stays on Hugging Face's {attn_impl}"
     else:
@@ -166,7 +185,7 @@ def _patch_head(causal_lm: nn.Module, config: Any, spec: Family, banner: Banner)
     """The causal-LM head onto the fused linear cross-entropy (final soft-cap included)."""
     reason = lm_head_ready(causal_lm)
     if reason is None:
-        patch_lm_head(causal_lm, architectures.final_softcap(config, spec))
+        patch_lm_head(causal_lm, architectures.final_softcap(config, spec), moe=spec.moe is not None)
         describe_lm_head(banner, architectures.final_softcap(config, spec))
     else:
         banner.feature("fused CE loss", False, reason)

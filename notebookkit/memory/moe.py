@@ -1,0 +1,213 @@
+"""The memory model's mixture-of-experts terms (Qwen3-MoE, gpt-oss): what a sparse block and its family's
+stock parts cost in a training step. :mod:`notebookkit.memory.estimate` adds them; the formulas are
+read off what runs (:mod:`notebookkit.kernels.moe_experts`, :mod:`notebookkit.models.patching.patch_moe`,
+:mod:`~notebookkit.models.patching.moe_routing`, PEFT's ``ParamWrapper``, Hugging Face's gpt-oss code).
+
+Notation: ``N = B T`` tokens, ``n = N k`` token-expert pairs, ``E`` experts of width ``I`` (``I_e``), hidden
+``H``, ``s`` bytes of the compute dtype, ``a`` bytes of the adapters' dtype (4: PEFT's fp32), ``r`` the LoRA
+rank, ``M = ceil(n / 64) + E`` row blocks of the kernel's schedule (64: its ``BLOCK_M`` on CUDA).
+
+Weights (per layer, all in the compute dtype ``s``; the loader's ``load_in_4bit`` quantises ``nn.Linear``
+only, and the stacked experts and the routers are not ``nn.Linear``: they stay 16-bit, as the loader's
+banner says; NF4 experts are not written yet)
+    experts ``E * 3 * H * I``, router ``E * H`` (+ ``E`` bias, gpt-oss), expert biases ``E * (2 I + H)`` (gpt-oss).
+
+Adapters on the stacked experts (PEFT ``target_parameters`` -> ``ParamWrapper``: ``lora_A [r E, in]``,
+``lora_B [out, r E]`` a stacked weight): ``L * E * sum r_w (in_w + out_w)`` over ``gate_up_proj``
+(``H -> 2I``) and ``down_proj`` (``I -> H``). Qwen3-MoE: PEFT maps ``gate_proj`` + ``up_proj`` onto
+``gate_up_proj`` at rank ``2 r`` (the two fused adapters; one without the other is refused) and
+``down_proj`` at ``r``; gpt-oss: notebookkit adds both at rank ``r`` when any MLP name is targeted.
+
+Saved for backward by a kept sparse block (the router in fp32, the grouped kernel's ``ctx``)
+    router ``softmax_topk`` (Qwen3-MoE): the fp32 softmax ``4 N E``, top-k indices ``8 n``, weights ``4 n``
+        [+ with ``norm_topk_prob``: the top-k values ``4 n`` and their sum ``4 N``];
+    router ``topk_softmax`` (gpt-oss): top-k indices ``8 n``, the fp32 softmax over them ``4 n``;
+    experts: ``gu [n, 2I]`` (``2 n I s``), ``x Agu^T`` and ``h Ad^T`` (``n r_w s`` an adapted weight), the
+    permutation ``4 n``, expert offsets ``8 E``, the block schedule ``12 M``, and, when the adapters' dtype
+    is not the compute dtype, their casts ``E s sum r_w (in_w + out_w)`` (made by every forward, so saved
+    per kept layer); the block's input ``x`` is the MLP norm's output, counted with the layer.
+    Qwen3-MoE's attention and norms are the fused dense ones (:func:`~.estimate.layer_activation_bytes`
+    without the MLP). gpt-oss keeps Hugging Face's attention (sinks) and norms:
+    norms: ``N (4 H + 4)`` each (the fp32 input and ``1/rms``: the frozen weight's product saves no
+    normed value); attention: ``N dq s`` (q after RoPE; RoPE's products by the constant cos/sin save
+    nothing of q, k) ``+ 2 N dq s`` (K, V repeated to every head) ``+ 8 N heads`` (the row max's
+    indices) ``+ B heads T (T + 1) s`` (probabilities with the sink column); the frozen base linears
+    save no input, PEFT's adapters on q/k/v/o do: ``N r a`` each (``x A^T``) and their input in the
+    adapters' dtype, a cast ``N in a`` per adapter when ``a != s``, else the layer's own tensor once
+    (``N H s`` for q/k/v, ``N dq s`` for o); the MLP norm's output ``N H s`` is the sparse block's ``x``.
+
+Working sets of a sparse block (beyond what it saved)
+    forward: ``h [n, I]`` and the pairs' output rows ``[n, H]``, or (``h`` freed) those rows, their fp32 sum
+    ``4 N H`` and ``y`` (``N H s``; none in fp32: the sum is ``y``);
+    backward, the largest of three moments: ``dgu [n, 2I]``, ``dy Bd [n, r]``, ``h`` again (with a down
+    adapter), the fp32 ``<G, h>`` partials ``4 n ceil(I / 64)``, ``dw`` and its source (``8 n``), the down adapter's
+    gradients; then ``dgu``, ``dgu Bgu [n, r]``, the partials, the scattered input gradient ``[n, H]``, its
+    fp32 sum and ``dx``; at the end ``dx`` and every factor gradient ``E s sum r_w (in_w + out_w)``.
+    gpt-oss's attention backward: the dense eager terms with ``3 B heads T (T + 1) s`` for the
+    probabilities' gradients and ``3 N dq s`` for dQ and the repeated dK, dV (not measured on a GPU yet).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Iterable
+
+from notebookkit.families import Family, for_model_type
+
+from .shapes import ModelShape
+
+__all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "expert_lora_param_count", "expert_weight_bytes",
+           "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets", "dense_part"]
+
+#: the grouped kernel's row block on CUDA (``kernels.moe_experts._config``; a test checks they agree)
+BLOCK_M = 64
+#: the column tile of its down-projection gradient kernel on CUDA (the ``<G, h>`` partials per pair)
+BLOCK_N = 64
+
+
+def moe_family(shape: ModelShape) -> Family | None:
+    """The family record of a mixture-of-experts shape (``None`` for a dense one)."""
+    if not shape.num_experts:
+        return None
+    family = for_model_type(shape.model_type)
+    if family is None or family.moe is None:
+        raise ValueError(f"notebookkit.memory: {shape.name} has {shape.num_experts} experts but its model_type "
+                         f"{shape.model_type!r} is not a mixture-of-experts family notebookkit knows (Qwen3-MoE, gpt-oss).")
+    return family
+
+
+def stock_attention(shape: ModelShape) -> bool:
+    """Whether the family's attention stays on Hugging Face's code (gpt-oss's sinks)."""
+    family = for_model_type(shape.model_type)
+    return family is not None and "attention" in family.stock
+
+
+def stock_norms(shape: ModelShape) -> bool:
+    """Whether the family's RMSNorms stay on Hugging Face's code (gpt-oss's fp32 weight product)."""
+    family = for_model_type(shape.model_type)
+    return family is not None and "RMSNorm" in family.stock
+
+
+def expert_lora_ranks(shape: ModelShape, r: int, targets: Iterable[str]) -> dict[str, int]:
+    """``{stacked weight: rank}`` of the adapters ``get_peft_model`` puts on the experts for these
+    ``target_modules`` names (module docstring); empty for a dense model or no MLP target."""
+    family = moe_family(shape)
+    if family is None:
+        return {}
+    targets = set(targets)
+    if family.moe.peft_maps_mlp_targets:  # PEFT's own mapping: gate + up fused at 2 r
+        gate_up = {"gate_proj", "up_proj"} & targets
+        if len(gate_up) == 1:
+            raise ValueError(
+                f"notebookkit.memory: {shape.name}'s experts hold gate and up in one stacked gate_up_proj, so PEFT "
+                f"adapts both or neither; target_modules names only {gate_up.pop()}: add "
+                f"{'up_proj' if 'gate_proj' in targets else 'gate_proj'}, or drop it.")
+        ranks = {"gate_up_proj": 2 * r} if gate_up else {}
+        if "down_proj" in targets:
+            ranks["down_proj"] = r
+        return ranks
+    if {"gate_proj", "up_proj", "down_proj"} & targets:  # notebookkit's target_parameters: both, at r
+        return {"gate_up_proj": r, "down_proj": r}
+    return {}
+
+
+def expert_lora_param_count(shape: ModelShape, ranks: dict[str, int]) -> int:
+    """``L * E * sum r_w (in_w + out_w)``: PEFT's ``lora_A [r E, in]`` and ``lora_B [out, r E]``."""
+    dims = shape.expert_shapes()
+    return shape.num_layers * shape.num_experts * sum(rank * sum(dims[w]) for w, rank in ranks.items())
+
+
+def expert_adafactor_bytes(shape: ModelShape, ranks: dict[str, int]) -> int:
+    """Adafactor's factored second moment of the expert adapters: ``4 (rows + cols)`` a matrix."""
+    dims, E = shape.expert_shapes(), shape.num_experts
+    return shape.num_layers * sum(4 * ((rank * E + dims[w][0]) + (dims[w][1] + rank * E)) for w, rank in ranks.items())
+
+
+def expert_weight_bytes(shape: ModelShape, s: int) -> dict[str, int]:
+    """The experts', routers' and expert biases' bytes over all layers, in the compute dtype (never quantised)."""
+    family = moe_family(shape)
+    L, E, H, I = shape.num_layers, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
+    out = {"base weights: experts (compute dtype: bitsandbytes quantises nn.Linear only)": L * E * 3 * H * I * s}
+    router = L * E * H * s + (L * E * s if family.moe.router_bias else 0)
+    if family.moe.expert_bias:
+        router += L * E * (2 * I + H) * s
+    out["base weights: routers" + (" and expert biases" if family.moe.expert_bias else "")] = router
+    return out
+
+
+def dense_part(shape: ModelShape) -> ModelShape:
+    """The shape without its MLP (``I = 0``, no experts): the dense formulas then give the attention and norms."""
+    return replace(shape, intermediate_size=0, num_experts=0, experts_per_token=0, expert_intermediate_size=0)
+
+
+def _factor_elems(shape: ModelShape, ranks: dict[str, int]) -> int:
+    dims = shape.expert_shapes()
+    return shape.num_experts * sum(rank * sum(dims[w]) for w, rank in ranks.items())
+
+
+def sparse_block_saved_bytes(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
+                             adapter_bytes: int = 4) -> dict[str, int]:
+    """What one kept sparse block saves for backward (module docstring), ``{"router": ..., "experts": ...}``."""
+    family = moe_family(shape)
+    N, k, E, I = tokens, shape.experts_per_token, shape.num_experts, shape.expert_intermediate_size
+    n = N * k
+    if family.moe.routing == "softmax_topk":
+        router = N * E * 4 + n * (8 + 4) + (n * 4 + N * 4 if shape.router_norm_topk else 0)
+    else:
+        router = n * (8 + 4)
+    experts = n * 2 * I * s + n * s * sum(ranks.values()) + 4 * n + 8 * E + 12 * (math.ceil(n / BLOCK_M) + E)
+    if ranks and adapter_bytes != s:
+        experts += _factor_elems(shape, ranks) * s
+    return {"router": router, "experts": experts}
+
+
+def stock_layer_saved_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, s: int, lora_r: int,
+                            attention_targets: Iterable[str], adapter_bytes: int = 4) -> int:
+    """A kept decoder layer's attention and norms on Hugging Face's code with PEFT's adapters (gpt-oss:
+    eager attention with sinks, fp32-weighted norms); the sparse block not included (module docstring)."""
+    N, T, B = batch_size * seq_len, seq_len, batch_size
+    H, dq, dk, nh = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.num_heads
+    dims = shape.projection_shapes()
+    repeated = dq if shape.num_heads != shape.num_kv_heads else dk
+    targets = set(attention_targets)
+    norms = 2 * N * (4 * H + 4)
+    attention = N * dq * s + 2 * N * repeated * s + 8 * N * nh + B * nh * T * (T + 1) * s
+    adapters = sum(N * lora_r * adapter_bytes + (N * dims[t][0] * adapter_bytes if adapter_bytes != s else 0)
+                   for t in targets)
+    if adapter_bytes == s:  # the adapters save the layer's own inputs: q/k/v's once, o's
+        adapters += (N * H * s if targets & {"q_proj", "k_proj", "v_proj"} else 0) + (N * dq * s if "o_proj" in targets else 0)
+    mlp_input = N * H * s  # the post-attention norm's output, the sparse block's x
+    return norms + attention + adapters + mlp_input
+
+
+def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int]) -> dict[str, int]:
+    """Transient bytes of a sparse block beyond what it saved: ``{"forward": ..., "backward": ...}`` (the
+    incoming gradient ``dy`` not included)."""
+    N, k, E, H, I = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
+    n = N * k
+    r_gu, r_d = ranks.get("gate_up_proj", 0), ranks.get("down_proj", 0)
+    rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
+    forward = max(n * (I + H) * s, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
+    partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
+    down_grads = shape.num_experts * r_d * sum(shape.expert_shapes()["down_proj"]) * s
+    phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads
+    common = n * (2 * I + r_gu) * s + partials
+    at_sum = common + n * H * s + N * H * 4 + rounded + down_grads  # the scattered dx rows and their sum
+    at_end = common + N * H * s + _factor_elems(shape, ranks) * s  # dx and every factor gradient
+    return {"forward": forward, "backward": max(phase_h, at_sum, at_end)}
+
+
+def stock_attention_working_set(shape: ModelShape, *, batch_size: int, seq_len: int, s: int) -> int:
+    """gpt-oss's eager attention backward (module docstring), before what the layer's MLP frees."""
+    N, T, B = batch_size * seq_len, seq_len, batch_size
+    H, dq, nh = shape.hidden_size, shape.q_dim, shape.num_heads
+    return N * H * s + N * dq * s + 3 * N * dq * s + 3 * B * nh * T * (T + 1) * s
+
+
+def describe(shape: ModelShape, ranks: dict[str, Any]) -> str:
+    """One line for the estimate's notes."""
+    adapted = ", ".join(f"{w} r={rank}" for w, rank in ranks.items()) or "none"
+    return (f"mixture of experts: {shape.num_experts} experts of I={shape.expert_intermediate_size}, "
+            f"{shape.experts_per_token} a token; expert adapters: {adapted}; experts and routers stay 16-bit "
+            "(bitsandbytes quantises nn.Linear only)")
