@@ -178,3 +178,10 @@ def test_stock_code_on_nf4_experts_is_refused(one_thread):
     model.base_model.set_adapter(["default", "second"])
     with pytest.raises(RuntimeError, match="loaded in NF4.*cannot use it: .*adapter.*load_in_4bit=False"):
         model(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+def test_merged_export_of_nf4_experts_is_refused(tmp_path, one_thread):
+    model = FastLanguageModel.get_peft_model(_load("gpt_oss"), r=4, lora_alpha=8, use_gradient_checkpointing=False,
+                                             show_banner=False)
+    with pytest.raises(NotImplementedError, match="expert weights are in NF4.*load_in_4bit=False"):
+        model.save_pretrained_merged(str(tmp_path / "merged"), None, save_method="merged_16bit")
