@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from notebookkit.base_layers.nf4_experts import is_nf4_expert_param
 from notebookkit.kernels.moe_experts import expert_lora
 from notebookkit.memory.export import merge_working_bytes
 
@@ -53,6 +54,11 @@ def experts_module(module: nn.Module) -> Optional[tuple[nn.Module, dict[str, nn.
         wrappers[inner.parameter_name] = inner
         inner = inner.base_layer
     weight = getattr(inner, "gate_up_proj", None)
+    if is_nf4_expert_param(weight) or is_nf4_expert_param(getattr(inner, "down_proj", None)):
+        raise NotImplementedError(
+            "This model's expert weights are in NF4 (loaded with load_in_4bit=True); merged exports of NF4 experts "
+            "are not written yet. Save the adapters (model.save_pretrained(folder)), reload them on a 16-bit base "
+            "(FastLanguageModel.from_pretrained(folder, load_in_4bit=False)) and export that model.")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or not isinstance(getattr(inner, "down_proj", None), torch.Tensor):
         if wrappers:
             raise NotImplementedError(

@@ -106,6 +106,7 @@ import triton
 import triton.language as tl
 
 from .dequant_gemm import dot_acc
+from .nf4_stacked import NF4Stacked, load_weight_tile, weight_operands
 from .runtime import should_use_triton
 
 __all__ = ["ExpertLoRA", "expert_lora", "peft_expert_lora", "moe_expert_mlp", "moe_expert_mlp_reference",
@@ -174,6 +175,12 @@ def _lora_term(a: torch.Tensor, lora: Optional[ExpertLoRA], e: int, acc: torch.d
     return lora.scaling * ((a @ lora.A[e].to(acc).t()) @ lora.B[e].to(acc).t())
 
 
+def _expert_weight(w, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e`` of a stacked weight: the tensor's slice, or an :class:`NF4Stacked` expert decoded to ``dtype``
+    (the compute dtype, as the kernels round their decoded tiles): one expert's scratch at a time."""
+    return w.expert(e, dtype) if isinstance(w, NF4Stacked) else w[e]
+
+
 def moe_expert_mlp_reference(
     x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None,
@@ -190,12 +197,12 @@ def moe_expert_mlp_reference(
     for e in torch.unique(topk_idx).tolist():
         tok, j = torch.where(topk_idx == e)
         xe = x[tok].to(acc)
-        gu = xe @ gate_up[e].to(acc).t() + _lora_term(xe, gate_up_lora, e, acc)
+        gu = xe @ _expert_weight(gate_up, e, x.dtype).to(acc).t() + _lora_term(xe, gate_up_lora, e, acc)
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[e].to(acc)
         gu = gu.to(x.dtype).to(acc)  # the kernels' roundings: gu and h are stored in x's dtype
         h = _activation_reference(*_gate_up_split(gu, interleaved), activation, alpha, limit).to(x.dtype).to(acc)
-        o = h @ down[e].to(acc).t() + _lora_term(h, down_lora, e, acc)
+        o = h @ _expert_weight(down, e, x.dtype).to(acc).t() + _lora_term(h, down_lora, e, acc)
         if down_bias is not None:
             o = o + down_bias[e].to(acc)
         y = y.index_add(0, tok, o * topk_w[tok, j].to(acc)[:, None])
@@ -249,17 +256,20 @@ def _check(x, topk_idx, topk_w, gate_up, down, gate_up_bias, down_bias, gate_up_
 
 
 @triton.jit
-def _acc_rows_wt(acc, a_ptr, a_rows, stride_am, row_ok, w_ptr, stride_wn, stride_wk, cols, col_ok, K,
+def _acc_rows_wt(acc, a_ptr, a_rows, stride_am, row_ok, w_ptr, w_base, stride_wn, stride_wk, cols, col_ok, K,
+                 q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr,
+                 NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """``acc + A[a_rows, :K] @ W[cols, :K]^T`` (``A`` unit column stride, ``W`` any strides, cast to ``A``'s
-    dtype)."""
+    """``acc + A[a_rows, :K] @ W[cols, :K]^T`` (``A`` unit column stride, ``W`` any strides from element
+    ``w_base``, NF4-decoded when ``NF4``, cast to ``A``'s dtype)."""
     rk = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + kk[:, None] * stride_wk + cols[None, :] * stride_wn, mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
+        w = load_weight_tile(w_ptr, w_base + kk[:, None] * stride_wk + cols[None, :] * stride_wn,
+                             k_ok[:, None] & col_ok[None, :], q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr,
+                             q_offset_ptr, NF4, NESTED, QBLOCK, QBLOCK2)
         acc = dot_acc(a, w.to(a.dtype), acc, IEEE)
     return acc
 
@@ -309,12 +319,13 @@ def _act_bwd(g, u, dh, ACT: tl.constexpr, alpha, limit):
 def _moe_linear_kernel(
     a_ptr, stride_am, a2_ptr, stride_a2m,
     w_ptr, stride_we, stride_wn, stride_wk,
+    q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr,
     w2_ptr, stride_w2e, stride_w2n, stride_w2k,
     bias_ptr, stride_be, route_ptr, out_ptr, stride_om,
     perm_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
     n_out, k_in, rank, topk, lora_scale,
     A_GATHER: tl.constexpr, SCATTER: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ROUTE_SCALE: tl.constexpr,
+    ROUTE_SCALE: tl.constexpr, NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
     """out[o(p), n] = (A[a(p)] W_e^T + s A2[p] W2_e^T + bias_e)[n] (* w_p) for the sorted pairs ``p`` of a block of
@@ -333,12 +344,14 @@ def _moe_linear_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _acc_rows_wt(acc, a_ptr, a_rows, stride_am, ok, w_ptr + e * stride_we, stride_wn, stride_wk, cols, col_ok,
-                       k_in, BLOCK_K, IEEE)
+    acc = _acc_rows_wt(acc, a_ptr, a_rows, stride_am, ok, w_ptr, e * stride_we, stride_wn, stride_wk, cols, col_ok,
+                       k_in, q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr, NF4, NESTED, QBLOCK,
+                       QBLOCK2, BLOCK_K, IEEE)
     if HAS_LORA:
         low = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        low = _acc_rows_wt(low, a2_ptr, rows, stride_a2m, ok, w2_ptr + e * stride_w2e, stride_w2n, stride_w2k, cols,
-                           col_ok, rank, BLOCK_R, IEEE)
+        low = _acc_rows_wt(low, a2_ptr, rows, stride_a2m, ok, w2_ptr, e * stride_w2e, stride_w2n, stride_w2k, cols,
+                           col_ok, rank, q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr, False,
+                           False, QBLOCK, QBLOCK2, BLOCK_R, IEEE)
         acc += lora_scale * low
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -356,11 +369,13 @@ def _moe_linear_kernel(
 def _moe_gate_up_kernel(
     x_ptr, stride_xm, xa_ptr, stride_xam,
     w_ptr, stride_we, stride_wn, stride_wk,
+    q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr,
     b_ptr, stride_be, stride_bn, stride_bk,
     bias_ptr, stride_biase, h_ptr, stride_hm, gu_ptr, stride_gum,
     perm_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
     inter, hidden, rank, topk, gu_step, up_off, lora_scale, alpha, limit,
     ACT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_GU: tl.constexpr,
+    NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
     """h[p, n] = act(gate, up) of ``gu_p = x_t Wgu_e^T + s xa_p B_e^T + bias_e`` at gate row ``n gu_step`` and up row
@@ -376,7 +391,7 @@ def _moe_gate_up_kernel(
     n_ok = n < inter
     gcol = n * gu_step
     ucol = gcol + up_off
-    we = w_ptr + e * stride_we
+    w_base = e * stride_we
     rk = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -385,18 +400,22 @@ def _moe_gate_up_kernel(
         k_ok = kk < hidden
         xt = tl.load(x_ptr + tok[:, None] * stride_xm + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         wmask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(we + kk[:, None] * stride_wk + gcol[None, :] * stride_wn, mask=wmask, other=0.0)
-        wu = tl.load(we + kk[:, None] * stride_wk + ucol[None, :] * stride_wn, mask=wmask, other=0.0)
+        k_off = w_base + kk[:, None] * stride_wk
+        wg = load_weight_tile(w_ptr, k_off + gcol[None, :] * stride_wn, wmask, q_absmax_ptr, q_table_ptr, q_code2_ptr,
+                              q_absmax2_ptr, q_offset_ptr, NF4, NESTED, QBLOCK, QBLOCK2)
+        wu = load_weight_tile(w_ptr, k_off + ucol[None, :] * stride_wn, wmask, q_absmax_ptr, q_table_ptr, q_code2_ptr,
+                              q_absmax2_ptr, q_offset_ptr, NF4, NESTED, QBLOCK, QBLOCK2)
         acc_g = dot_acc(xt, wg.to(xt.dtype), acc_g, IEEE)
         acc_u = dot_acc(xt, wu.to(xt.dtype), acc_u, IEEE)
     if HAS_LORA:
-        be = b_ptr + e * stride_be
         low_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         low_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        low_g = _acc_rows_wt(low_g, xa_ptr, rows, stride_xam, ok, be, stride_bn, stride_bk, gcol, n_ok, rank, BLOCK_R,
-                             IEEE)
-        low_u = _acc_rows_wt(low_u, xa_ptr, rows, stride_xam, ok, be, stride_bn, stride_bk, ucol, n_ok, rank, BLOCK_R,
-                             IEEE)
+        low_g = _acc_rows_wt(low_g, xa_ptr, rows, stride_xam, ok, b_ptr, e * stride_be, stride_bn, stride_bk, gcol,
+                             n_ok, rank, q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr, False,
+                             False, QBLOCK, QBLOCK2, BLOCK_R, IEEE)
+        low_u = _acc_rows_wt(low_u, xa_ptr, rows, stride_xam, ok, b_ptr, e * stride_be, stride_bn, stride_bk, ucol,
+                             n_ok, rank, q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr, False,
+                             False, QBLOCK, QBLOCK2, BLOCK_R, IEEE)
         acc_g += lora_scale * low_g
         acc_u += lora_scale * low_u
     if HAS_BIAS:
@@ -417,11 +436,13 @@ def _moe_gate_up_kernel(
 def _moe_down_grad_kernel(
     dy_ptr, stride_dym, dyb_ptr, stride_dybm,
     w_ptr, stride_we, stride_wn, stride_wk,
+    q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr,
     a_ptr, stride_ae, stride_an, stride_ak,
     gu_ptr, stride_gum, route_ptr, dgu_ptr, stride_dgum, h_ptr, stride_hm, part_ptr, stride_pm,
     perm_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
     inter, hidden, rank, topk, gu_step, up_off, lora_scale, alpha, limit,
     ACT: tl.constexpr, HAS_LORA: tl.constexpr, STORE_H: tl.constexpr,
+    NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
     """G = dy_t Wd_e + s dyb_p Ad_e on columns ``n`` of I, then the activation's backward at the saved gu with
@@ -436,12 +457,14 @@ def _moe_down_grad_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    g = _acc_rows_wt(g, dy_ptr, tok, stride_dym, ok, w_ptr + e * stride_we, stride_wn, stride_wk, n, n_ok, hidden,
+    g = _acc_rows_wt(g, dy_ptr, tok, stride_dym, ok, w_ptr, e * stride_we, stride_wn, stride_wk, n, n_ok, hidden,
+                     q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr, NF4, NESTED, QBLOCK, QBLOCK2,
                      BLOCK_K, IEEE)
     if HAS_LORA:
         low = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        low = _acc_rows_wt(low, dyb_ptr, rows, stride_dybm, ok, a_ptr + e * stride_ae, stride_an, stride_ak, n, n_ok,
-                           rank, BLOCK_R, IEEE)
+        low = _acc_rows_wt(low, dyb_ptr, rows, stride_dybm, ok, a_ptr, e * stride_ae, stride_an, stride_ak, n, n_ok,
+                           rank, q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr, False, False,
+                           QBLOCK, QBLOCK2, BLOCK_R, IEEE)
         g += lora_scale * low
     mask = ok[:, None] & n_ok[None, :]
     gcol = n * gu_step
@@ -561,9 +584,10 @@ def _routing(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> _Routing
 def _linear(rt: _Routing, cfg: _Config, a: torch.Tensor, w: torch.Tensor, n_out: int, out: torch.Tensor, *,
             a_gather: bool = False, scatter: bool = False, lora: Optional[tuple] = None,
             bias: Optional[torch.Tensor] = None, route: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``_moe_linear_kernel`` with ``w`` an ``[E, n_out, K]`` view (any strides) and ``lora = (a2 [N, r], w2
-    [E, n_out, r] view, scale)``."""
+    """``_moe_linear_kernel`` with ``w`` an ``[E, n_out, K]`` view (any strides, or an :class:`NF4Stacked`) and
+    ``lora = (a2 [N, r], w2 [E, n_out, r] view, scale)``."""
     k_in = w.shape[2]
+    w_args, q_consts = weight_operands(w)
     if lora is not None:
         a2, w2, scale = lora
         rank = w2.shape[2]
@@ -574,12 +598,12 @@ def _linear(rt: _Routing, cfg: _Config, a: torch.Tensor, w: torch.Tensor, n_out:
     dummy = route if route is not None else a
     grid = (rt.blk_expert.numel(), triton.cdiv(n_out, block_n))
     _moe_linear_kernel[grid](
-        a, a.stride(0), a2, a2.stride(0), w, w.stride(0), w.stride(1), w.stride(2), w2, w2.stride(0), w2.stride(1),
-        w2.stride(2), bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, dummy, out,
+        a, a.stride(0), a2, a2.stride(0), *w_args, w2, w2.stride(0), w2.stride(1), w2.stride(2), bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, dummy, out,
         out.stride(0), rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end, n_out, k_in, rank, rt.topk, float(scale),
         A_GATHER=a_gather, SCATTER=scatter, HAS_LORA=lora is not None, HAS_BIAS=bias is not None,
-        ROUTE_SCALE=route is not None, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
-        IEEE=a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ROUTE_SCALE=route is not None, **q_consts, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+        BLOCK_R=block_r, IEEE=a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=not q_consts["NESTED"])
     return out
 
 
@@ -632,18 +656,19 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
         h = x.new_empty((n, inter))
         rank_gu = gu_A.shape[1] if gu_A is not None else 1
         block_r = _rank_block(rank_gu)
-        b_gu = gu_B if gu_B is not None else gate_up
+        w_args, q_consts = weight_operands(gate_up)
+        b_gu = gu_B if gu_B is not None else x[None]  # unused: any 3-D view
         bias = gu_bias if gu_bias is not None else route
         _moe_gate_up_kernel[(rt.blk_expert.numel(), triton.cdiv(inter, cfg.block_n))](
-            x, x.stride(0), xa if xa is not None else x, xa.stride(0) if xa is not None else 0,
-            gate_up, gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+            x, x.stride(0), xa if xa is not None else x, xa.stride(0) if xa is not None else 0, *w_args,
             b_gu, b_gu.stride(0), b_gu.stride(1), b_gu.stride(2),
             bias, bias.stride(0), h, h.stride(0), gu if gu is not None else h, gu.stride(0) if gu is not None else 0,
             rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end,
             inter, H, rank_gu, k, gu_step, up_off, float(gu_scale), float(alpha), float(limit),
-            ACT=act, HAS_LORA=gu_A is not None, HAS_BIAS=gu_bias is not None, SAVE_GU=gu is not None,
+            ACT=act, HAS_LORA=gu_A is not None, HAS_BIAS=gu_bias is not None, SAVE_GU=gu is not None, **q_consts,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
-            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=not q_consts["NESTED"])
         if d_A is not None:
             ha = _linear(rt, cfg, h, d_A, d_A.shape[1], x.new_empty((n, d_A.shape[1])))
         buf = x.new_empty((n, H))
@@ -651,16 +676,20 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
                 bias=d_bias, route=route)
         del h
         y = _sum_slots(buf, T, k, x.dtype)
-        if train:
-            ctx.save_for_backward(x, topk_idx, topk_w, gate_up, down, d_bias, gu_A, gu_B, d_A, d_B, gu, xa, ha,
-                                  route, *rt[:6])
-            ctx.meta = (meta, k, cfg)
+        if train:  # an NF4Stacked is no tensor: kept on ctx (its tensors are the frozen parameter's own)
+            nf4 = tuple(w if isinstance(w, NF4Stacked) else None for w in (gate_up, down))
+            ctx.save_for_backward(x, topk_idx, topk_w, *(None if q is not None else w for w, q in
+                                                          zip((gate_up, down), nf4)),
+                                  d_bias, gu_A, gu_B, d_A, d_B, gu, xa, ha, route, *rt[:6])
+            ctx.meta = (meta, k, cfg, nf4)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (x, topk_idx, topk_w, gate_up, down, d_bias, gu_A, gu_B, d_A, d_B, gu, xa, ha, route, *rtt) = ctx.saved_tensors
-        (gu_scale, d_scale, act, interleaved, alpha, limit), k, cfg = ctx.meta
+        (gu_scale, d_scale, act, interleaved, alpha, limit), k, cfg, (gate_up_nf4, down_nf4) = ctx.meta
+        gate_up = gate_up_nf4 if gate_up_nf4 is not None else gate_up
+        down = down_nf4 if down_nf4 is not None else down
         rt = _Routing(*rtt, k)
         need = ctx.needs_input_grad
         need_x, need_w = need[0], need[2]
@@ -681,19 +710,20 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
         h = x.new_empty((n, inter)) if need_dA else None
         n_tiles = triton.cdiv(inter, cfg.block_n)
         part = torch.empty((n, n_tiles), dtype=torch.float32, device=x.device)
-        w_t = down.transpose(1, 2)  # [E, I, H]: G = dy Wd as A W^T
-        a_t = d_A.transpose(1, 2) if d_A is not None else w_t  # [E, I, r]
+        w_args, q_consts = weight_operands(down.transpose(1, 2))  # [E, I, H]: G = dy Wd as A W^T
+        a_t = d_A.transpose(1, 2) if d_A is not None else dy[None]  # [E, I, r]; unused without adapter
         rank_d = d_A.shape[1] if d_A is not None else 1
         _moe_down_grad_kernel[(rt.blk_expert.numel(), n_tiles)](
             dy, dy.stride(0), dyb if dyb is not None else dy, dyb.stride(0) if dyb is not None else 0,
-            w_t, w_t.stride(0), w_t.stride(1), w_t.stride(2), a_t, a_t.stride(0), a_t.stride(1), a_t.stride(2),
+            *w_args, a_t, a_t.stride(0), a_t.stride(1), a_t.stride(2),
             gu, gu.stride(0), route, dgu, dgu.stride(0),
             h if h is not None else dgu, h.stride(0) if h is not None else 0,
             part, part.stride(0), rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end,
             inter, H, rank_d, k, gu_step, up_off, float(d_scale), float(alpha), float(limit),
-            ACT=act, HAS_LORA=d_A is not None, STORE_H=h is not None,
+            ACT=act, HAS_LORA=d_A is not None, STORE_H=h is not None, **q_consts,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=_rank_block(rank_d),
-            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=not q_consts["NESTED"])
 
         d_topk_w = None
         if need_w:  # dw_p = <G_p, h_p> + <dy_t, bd_e>, back from sorted order to the pairs' slots
@@ -775,7 +805,9 @@ def moe_expert_mlp(
 def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """The GPU configuration, rank 16: in fp16 (sm_75+) every kernel, both activations (Qwen3-MoE: SwiGLU,
     adapters; gpt-oss: clamped, interleaved, biases); in bf16 (sm_80+: sm_75 has no bf16 ``tl.dot``) the
-    down projection and the SwiGLU gate/up and its backward (10 specs: the AOT test compiles each)."""
+    down projection and the SwiGLU gate/up and its backward; each of the three weight-reading kernels again
+    with NF4 weights (nested absmax, fp fusion off) in those configurations (18 specs: the AOT test compiles
+    each)."""
     cfg = _config(torch.device("cuda"))
     tiles = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_R": 16, "IEEE": False}
     idx = {"perm_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32"}
@@ -783,47 +815,55 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
     def strides(*names):
         return {name: "i32" for name in names}
 
+    def weight(p: str, nf4: bool) -> dict[str, str]:
+        q = ("*u8", "*fp32", "*fp32", "*fp32", "*fp32") if nf4 else (p,) * 5
+        names = ("q_absmax_ptr", "q_table_ptr", "q_code2_ptr", "q_absmax2_ptr", "q_offset_ptr")
+        return {"w_ptr": "*u8" if nf4 else p, **strides("stride_we", "stride_wn", "stride_wk"), **dict(zip(names, q))}
+
     specs = []
     for ty in ("fp16", "bf16"):
         p = f"*{ty}"
-        options: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        if ty == "bf16":
-            options["targets"] = [80, 86, 89, 90]
-        linear = {"a_ptr": p, "stride_am": "i32", "a2_ptr": p, "stride_a2m": "i32", "w_ptr": p,
-                  **strides("stride_we", "stride_wn", "stride_wk"), "w2_ptr": p,
-                  **strides("stride_w2e", "stride_w2n", "stride_w2k"), "bias_ptr": p, "stride_be": "i32",
-                  "route_ptr": "*fp32", "out_ptr": p, "stride_om": "i32", **idx,
-                  **strides("n_out", "k_in", "rank", "topk"), "lora_scale": "fp32"}
-        variants = ((False, True, True, True, True),)  # the down projection (dx: the same without bias, w_p)
-        if ty == "fp16":
-            variants += ((True, False, False, False, False),)  # x A^T, dy B
-        for gather, scatter, lora, bias, route in variants:
-            specs.append((_moe_linear_kernel, linear, {"A_GATHER": gather, "SCATTER": scatter, "HAS_LORA": lora,
-                                                       "HAS_BIAS": bias, "ROUTE_SCALE": route, **tiles}, options))
-        consts = ("inter", "hidden", "rank", "topk", "gu_step", "up_off")
-        gate_up = {"x_ptr": p, "stride_xm": "i32", "xa_ptr": p, "stride_xam": "i32", "w_ptr": p,
-                   **strides("stride_we", "stride_wn", "stride_wk"), "b_ptr": p,
-                   **strides("stride_be", "stride_bn", "stride_bk"), "bias_ptr": p, "stride_biase": "i32",
-                   "h_ptr": p, "stride_hm": "i32", "gu_ptr": p, "stride_gum": "i32", **idx, **strides(*consts),
-                   "lora_scale": "fp32", "alpha": "fp32", "limit": "fp32"}
-        down_grad = {"dy_ptr": p, "stride_dym": "i32", "dyb_ptr": p, "stride_dybm": "i32", "w_ptr": p,
-                     **strides("stride_we", "stride_wn", "stride_wk"), "a_ptr": p,
-                     **strides("stride_ae", "stride_an", "stride_ak"), "gu_ptr": p, "stride_gum": "i32",
-                     "route_ptr": "*fp32", "dgu_ptr": p, "stride_dgum": "i32", "h_ptr": p, "stride_hm": "i32",
-                     "part_ptr": "*fp32", "stride_pm": "i32", **idx, **strides(*consts),
-                     "lora_scale": "fp32", "alpha": "fp32", "limit": "fp32"}
-        for act, bias in ((0, False), (1, True)) if ty == "fp16" else ((0, False),):
-            specs.append((_moe_gate_up_kernel, gate_up, {"ACT": act, "HAS_LORA": True, "HAS_BIAS": bias,
-                                                         "SAVE_GU": True, **tiles}, options))
-            specs.append((_moe_down_grad_kernel, down_grad, {"ACT": act, "HAS_LORA": True, "STORE_H": True, **tiles},
-                          options))
+        for nf4 in (False, True):
+            options: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            if ty == "bf16":
+                options["targets"] = [80, 86, 89, 90]
+            if nf4:
+                options["enable_fp_fusion"] = False
+            quant = {"NF4": nf4, "NESTED": nf4, "QBLOCK": 64, "QBLOCK2": 256}
+            linear = {"a_ptr": p, "stride_am": "i32", "a2_ptr": p, "stride_a2m": "i32", **weight(p, nf4), "w2_ptr": p,
+                      **strides("stride_w2e", "stride_w2n", "stride_w2k"), "bias_ptr": p, "stride_be": "i32",
+                      "route_ptr": "*fp32", "out_ptr": p, "stride_om": "i32", **idx,
+                      **strides("n_out", "k_in", "rank", "topk"), "lora_scale": "fp32"}
+            variants = ((False, True, True, True, True),)  # the down projection (dx: the same without bias, w_p)
+            if ty == "fp16" and not nf4:
+                variants += ((True, False, False, False, False),)  # x A^T, dy B
+            for gather, scatter, lora, bias, route in variants:
+                specs.append((_moe_linear_kernel, linear, {"A_GATHER": gather, "SCATTER": scatter, "HAS_LORA": lora,
+                                                           "HAS_BIAS": bias, "ROUTE_SCALE": route, **quant, **tiles},
+                              options))
+            consts = ("inter", "hidden", "rank", "topk", "gu_step", "up_off")
+            gate_up = {"x_ptr": p, "stride_xm": "i32", "xa_ptr": p, "stride_xam": "i32", **weight(p, nf4), "b_ptr": p,
+                       **strides("stride_be", "stride_bn", "stride_bk"), "bias_ptr": p, "stride_biase": "i32",
+                       "h_ptr": p, "stride_hm": "i32", "gu_ptr": p, "stride_gum": "i32", **idx, **strides(*consts),
+                       "lora_scale": "fp32", "alpha": "fp32", "limit": "fp32"}
+            down_grad = {"dy_ptr": p, "stride_dym": "i32", "dyb_ptr": p, "stride_dybm": "i32", **weight(p, nf4),
+                         "a_ptr": p, **strides("stride_ae", "stride_an", "stride_ak"), "gu_ptr": p,
+                         "stride_gum": "i32", "route_ptr": "*fp32", "dgu_ptr": p, "stride_dgum": "i32", "h_ptr": p,
+                         "stride_hm": "i32", "part_ptr": "*fp32", "stride_pm": "i32", **idx, **strides(*consts),
+                         "lora_scale": "fp32", "alpha": "fp32", "limit": "fp32"}
+            for act, bias in ((0, False), (1, True)) if ty == "fp16" else ((0, False),):
+                specs.append((_moe_gate_up_kernel, gate_up, {"ACT": act, "HAS_LORA": True, "HAS_BIAS": bias,
+                                                             "SAVE_GU": True, **quant, **tiles}, options))
+                specs.append((_moe_down_grad_kernel, down_grad, {"ACT": act, "HAS_LORA": True, "STORE_H": True,
+                                                                 **quant, **tiles}, options))
         wgrad = {"l_ptr": p, "stride_lm": "i32", "r_ptr": p, "stride_rm": "i32", "route_ptr": "*fp32", "out_ptr": p,
                  **strides("stride_oe", "stride_om"), "perm_ptr": "*i32", "seg_start_ptr": "*i32",
                  "seg_end_ptr": "*i32", **strides("m_size", "n_size", "topk"), "scale": "fp32"}
         if ty == "fp16":
             specs.append((_moe_wgrad_kernel, wgrad, {"L_GATHER": True, "R_GATHER": False, "ROUTE_SCALE": True,
                                                      "BLOCK_M": cfg.block_m, "BLOCK_N": 16, "BLOCK_K": cfg.block_k,
-                                                     "IEEE": False}, options))
+                                                     "IEEE": False}, {"num_warps": cfg.num_warps,
+                                                                      "num_stages": cfg.num_stages}))
     return specs
 
 

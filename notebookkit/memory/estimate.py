@@ -148,8 +148,9 @@ parts above for ``seq_len`` tokens per row, image tokens included, plus the visi
 adapters and saved activations (:mod:`notebookkit.memory.vision_estimate`).
 
 Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the formulas)
-    The experts and routers stay in the compute dtype under ``load_in_4bit`` (the loader quantises
-    ``nn.Linear`` only); the attention projections follow the base format. The experts' adapters are
+    Under ``load_in_4bit`` the experts are NF4 (bitsandbytes quantises ``nn.Linear`` only; the loader
+    quantises the stacked experts itself) and the routers stay in the compute dtype; the attention
+    projections follow the base format. The experts' adapters are
     PEFT's ``ParamWrapper`` pairs ``lora_A [r E, in]``, ``lora_B [out, r E]`` (Qwen3-MoE's gate_up at
     ``2 r``). A kept layer saves its attention and norms (the fused ones, or gpt-oss's stock eager
     attention with sinks and fp32 norms) and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
@@ -895,7 +896,7 @@ def _base_weights(shape: ModelShape, s: int, fmt: BaseFormat, double_quant: bool
     if shape.num_experts:
         lin_key = lin_key.replace("decoder projections", "attention projections")
     details = {lin_key: lin_bytes, "base weights: embeddings, LM head, norms": small_bytes}
-    details.update(moe_terms.expert_weight_bytes(shape, s) if shape.num_experts else {})
+    details.update(moe_terms.expert_weight_bytes(shape, s, nf4=fmt.name == "nf4") if shape.num_experts else {})
     return _Part(sum(details.values()), details)
 
 
@@ -918,7 +919,7 @@ def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, metho
         plan = tuple("recompute" if m == "offload" else m for m in plan)
         notes.append("a mixture of experts recomputes its offloaded layers (offloading them is not written yet): "
                      "counted as recompute")
-    notes.append(moe_terms.describe(shape, moe_terms.expert_lora_ranks(shape, lora_r, targets)))
+    notes.append(moe_terms.describe(shape, moe_terms.expert_lora_ranks(shape, lora_r, targets), nf4=fmt.name == "nf4"))
     return plan
 
 

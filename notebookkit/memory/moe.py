@@ -7,10 +7,13 @@ Notation: ``N = B T`` tokens, ``n = N k`` token-expert pairs, ``E`` experts of w
 ``H``, ``s`` bytes of the compute dtype, ``a`` bytes of the adapters' dtype (4: PEFT's fp32), ``r`` the LoRA
 rank, ``M = ceil(n / 64) + E`` row blocks of the kernel's schedule (64: its ``BLOCK_M`` on CUDA).
 
-Weights (per layer, all in the compute dtype ``s``; the loader's ``load_in_4bit`` quantises ``nn.Linear``
-only, and the stacked experts and the routers are not ``nn.Linear``: they stay 16-bit, as the loader's
-banner says; NF4 experts are not written yet)
-    experts ``E * 3 * H * I``, router ``E * H`` (+ ``E`` bias, gpt-oss), expert biases ``E * (2 I + H)`` (gpt-oss).
+Weights (per layer; bitsandbytes quantises ``nn.Linear`` only, the stacked experts are put in NF4 by the
+loader's own step, :mod:`notebookkit.models.loading.nf4_experts`, and the routers stay in the compute dtype)
+    experts, in the compute dtype ``E * 3 * H * I * s``; under ``load_in_4bit`` in NF4, each stacked weight of
+    ``n`` elements (``n = 2 E H I`` and ``E H I``) as the loader stores it (:func:`nf4_stacked_bytes`):
+    ``ceil(n / 2)`` code bytes, ``ceil(n / 64)`` absmax codes, ``4 ceil(n / 16384)`` second-level scales,
+    the offset and the two fp32 tables (16 and 256 values);
+    router ``E * H * s`` (+ ``E`` bias, gpt-oss), expert biases ``E * (2 I + H) * s`` (gpt-oss).
 
 Adapters on the stacked experts (PEFT ``target_parameters`` -> ``ParamWrapper``: ``lora_A [r E, in]``,
 ``lora_B [out, r E]`` a stacked weight): ``L * E * sum r_w (in_w + out_w)`` over ``gate_up_proj``
@@ -58,6 +61,7 @@ from notebookkit.families import Family, for_model_type
 from .shapes import ModelShape
 
 __all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "expert_lora_param_count", "expert_weight_bytes",
+           "nf4_stacked_bytes",
            "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets", "dense_part"]
 
 #: the grouped kernel's row block on CUDA (``kernels.moe_experts._config``; a test checks they agree)
@@ -124,11 +128,21 @@ def expert_adafactor_bytes(shape: ModelShape, ranks: dict[str, int]) -> int:
     return shape.num_layers * sum(4 * ((rank * E + dims[w][0]) + (dims[w][1] + rank * E)) for w, rank in ranks.items())
 
 
-def expert_weight_bytes(shape: ModelShape, s: int) -> dict[str, int]:
-    """The experts', routers' and expert biases' bytes over all layers, in the compute dtype (never quantised)."""
+def nf4_stacked_bytes(numel: int) -> int:
+    """Bytes of one stacked expert weight of ``numel`` elements in NF4 (module docstring)."""
+    blocks = -(-numel // 64)
+    return (numel + 1) // 2 + blocks + 4 * -(-blocks // 256) + 4 + 4 * (16 + 256)
+
+
+def expert_weight_bytes(shape: ModelShape, s: int, nf4: bool = False) -> dict[str, int]:
+    """The experts', routers' and expert biases' bytes over all layers: experts in the compute dtype, or in
+    NF4 (``nf4``: ``load_in_4bit``); routers and biases in the compute dtype."""
     family = moe_family(shape)
     L, E, H, I = shape.num_layers, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
-    out = {"base weights: experts (compute dtype: bitsandbytes quantises nn.Linear only)": L * E * 3 * H * I * s}
+    if nf4:
+        out = {"base weights: experts (NF4)": L * (nf4_stacked_bytes(2 * E * H * I) + nf4_stacked_bytes(E * H * I))}
+    else:
+        out = {"base weights: experts (compute dtype)": L * E * 3 * H * I * s}
     router = L * E * H * s + (L * E * s if family.moe.router_bias else 0)
     if family.moe.expert_bias:
         router += L * E * (2 * I + H) * s
@@ -205,9 +219,9 @@ def stock_attention_working_set(shape: ModelShape, *, batch_size: int, seq_len: 
     return N * H * s + N * dq * s + 3 * N * dq * s + 3 * B * nh * T * (T + 1) * s
 
 
-def describe(shape: ModelShape, ranks: dict[str, Any]) -> str:
+def describe(shape: ModelShape, ranks: dict[str, Any], nf4: bool = False) -> str:
     """One line for the estimate's notes."""
     adapted = ", ".join(f"{w} r={rank}" for w, rank in ranks.items()) or "none"
+    held = "experts in NF4 (load_in_4bit), routers 16-bit" if nf4 else "experts and routers 16-bit"
     return (f"mixture of experts: {shape.num_experts} experts of I={shape.expert_intermediate_size}, "
-            f"{shape.experts_per_token} a token; expert adapters: {adapted}; experts and routers stay 16-bit "
-            "(bitsandbytes quantises nn.Linear only)")
+            f"{shape.experts_per_token} a token; expert adapters: {adapted}; {held}")

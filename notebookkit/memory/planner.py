@@ -374,8 +374,10 @@ def _explain(
     ]
     if shape.num_experts:
         experts = sum(v for k, v in worst.details.items() if k.startswith("base weights: experts"))
-        lines.append(f"  Its {shape.num_experts} experts a layer take {readable_bytes(experts)}: they stay in the compute dtype "
-                     "under load_in_4bit (bitsandbytes quantises nn.Linear layers only; NF4 experts are not written yet, #36), "
+        nf4 = any(k.startswith("base weights: experts (NF4)") for k in worst.details)
+        held = ("in NF4 (load_in_4bit)" if nf4 else
+                "in the compute dtype (load_in_4bit=True would hold them in NF4, about a quarter)")
+        lines.append(f"  Its {shape.num_experts} experts a layer take {readable_bytes(experts)} {held}, "
                      "and its layers recompute rather than offload.")
     if host_blocked is not None:
         lines.append(

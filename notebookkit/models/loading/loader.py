@@ -22,7 +22,9 @@ Resolution order for ``model_name``:
 
 Precision: ``dtype=None`` picks bf16 on GPUs that support it, fp16 on other GPUs (T4), fp32 on CPU.
 ``load_in_4bit`` quantises linear weights to NF4 with double quantisation through bitsandbytes,
-computing in that dtype; checkpoints saved already quantised load as they are.
+computing in that dtype, and a mixture of experts' stacked expert weights in the same format by
+:mod:`.nf4_experts` (bitsandbytes quantises ``nn.Linear`` only); checkpoints saved already quantised load as
+they are.
 """
 
 from __future__ import annotations
@@ -259,6 +261,8 @@ def load(
         load_kwargs = weights_kwargs(torch_dtype, token, trust_remote_code, device_map, quant, attn_implementation,
                                      kwargs)
         model = load_weights(path, kind, model_name, load_kwargs, variant.model_class(checked), where=variant.where)
+        if quant is not None and getattr(quant, "load_in_4bit", False):
+            quantize_experts(model, config, banner)
     else:
         from ..low_bit.loading import load_weights_low_bit
 
@@ -397,13 +401,20 @@ def weights_format(config: Any, load_in_4bit: bool, load_in_8bit: bool, full_fin
         banner.header.append(f"weights: {_dtype_name(torch_dtype)}")
     elif load_in_4bit:
         banner.header.append(f"weights: NF4 4-bit, double quantisation, compute {_dtype_name(torch_dtype)}")
-        family = for_model_type(getattr(config, "model_type", None))
-        if family is not None and family.moe is not None:
-            banner.note(f"{family.name}: bitsandbytes quantises linear layers only, so the experts' stacked weights "
-                        f"(most of the model) stay {_dtype_name(torch_dtype)}; NF4 experts are not written yet (#36)")
     else:
         banner.header.append(f"weights: LLM.int8 8-bit, compute {_dtype_name(torch_dtype)}")
     return quant
+
+
+def quantize_experts(model: nn.Module, config: Any, banner: Banner) -> int:
+    """Under ``load_in_4bit``, a mixture of experts' stacked expert weights in NF4 too (bitsandbytes quantised
+    its ``nn.Linear`` layers only): :func:`.nf4_experts.quantize_moe_experts`; 0 for a dense model."""
+    family = for_model_type(getattr(config, "model_type", None))
+    if family is None or family.moe is None:
+        return 0
+    from .nf4_experts import quantize_moe_experts
+
+    return quantize_moe_experts(model, family, banner)
 
 
 def load_weights(path: str, kind: str, model_name: Union[str, os.PathLike], load_kwargs: dict[str, Any],

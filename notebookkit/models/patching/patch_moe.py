@@ -15,7 +15,10 @@ parameters and adapters save and load as PEFT's) and never lets PEFT fold ``W + 
 
 The block falls back to the experts' own forward (stock Hugging Face and PEFT code, same result)
 when the adapters are not one plain LoRA a stacked weight (several active adapters, DoRA, an adapter
-on another parameter) or the expert weights are trainable; :func:`experts_status` says why.
+on another parameter) or the expert weights are trainable; :func:`experts_status` says why. NF4 expert
+weights (``load_in_4bit``, :mod:`notebookkit.base_layers.nf4_experts`) go to the kernel as
+:class:`~notebookkit.kernels.nf4_stacked.NF4Stacked` views; stock code cannot read them, so there the block
+raises, saying why and what to change (:func:`check_stock_experts`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.base_layers.kernel_ops import kernel
+from notebookkit.base_layers.nf4_experts import is_nf4_expert_param
 from notebookkit.base_layers.rebinding import rebind
 from notebookkit.families import MoE
 
@@ -79,7 +83,14 @@ def experts_view(experts: nn.Module, moe: MoE) -> tuple[Optional[ExpertsView], O
     gate_up, down = base.gate_up_proj, base.down_proj
     if gate_up.requires_grad or down.requires_grad:
         return None, "the expert weights are trainable (full fine-tuning)"
-    if moe.transposed:  # stored [E, in, out]: the kernel reads the transposed views through their strides
+    if is_nf4_expert_param(gate_up) or is_nf4_expert_param(down):
+        nf4_stacked = kernel("nf4_stacked", "nf4_stacked")
+        if nf4_stacked is None:
+            return None, "notebookkit.kernels.nf4_stacked is unavailable"
+        # stored [E, in, out] (gpt-oss) is seen as [E, out, in] through the view's element strides
+        gate_up, down = (nf4_stacked(w.data, w.quant_state, transposed=moe.transposed) if is_nf4_expert_param(w)
+                         else (w.transpose(1, 2) if moe.transposed else w) for w in (gate_up, down))
+    elif moe.transposed:  # stored [E, in, out]: the kernel reads the transposed views through their strides
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     biases = (base.gate_up_proj_bias, base.down_proj_bias) if moe.expert_bias else (None, None)
     if any(b is not None and b.requires_grad for b in biases):
@@ -97,8 +108,9 @@ def make_moe_forward(moe: MoE):
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, idx = getattr(self, moe.router)(x)
         experts = getattr(self, moe.experts)
-        view, _ = experts_view(experts, moe)
+        view, reason = experts_view(experts, moe)
         if view is None:
+            check_stock_experts(experts, reason)
             y = experts(x, idx, weights)
         else:
             y = moe_expert_mlp(x, idx, weights, view.gate_up, view.down, view.gate_up_bias, view.down_bias,
@@ -108,6 +120,18 @@ def make_moe_forward(moe: MoE):
         return (y, weights) if moe.returns_scores else y
 
     return moe_forward
+
+
+def check_stock_experts(experts: nn.Module, reason: Optional[str]) -> None:
+    """Refuse to run the experts' own (Hugging Face / PEFT) forward on NF4 expert weights, which it would read
+    as dense tensors: say why the fused kernel was not used and what to change."""
+    base, _ = unwrap_experts(experts)
+    if any(is_nf4_expert_param(getattr(base, n, None)) for n in STACKED):
+        raise RuntimeError(
+            f"This model's expert weights were loaded in NF4 (load_in_4bit=True), which only notebookkit's fused "
+            f"experts kernel reads, but this block cannot use it: {reason}. Either change that (one plain LoRA "
+            "adapter a stacked weight, on gate_up_proj / down_proj, frozen experts), or reload the model with "
+            "load_in_4bit=False to run the experts in 16-bit on Hugging Face's code.")
 
 
 def moe_ready(block: nn.Module, moe: MoE) -> Optional[str]:
