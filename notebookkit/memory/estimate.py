@@ -664,7 +664,7 @@ def backward_working_set(
     dims = shape.projection_shapes()
     dequant = dense_copy_bytes(shape, fmt, s, N) + input_grad_buffer_bytes(shape, fmt, N, s)
     mlp = N * H * s + N * I * s + N * H * s + dequant
-    t = min(N, mlp_tile_rows(I, s))
+    t = min(N, mlp_tile_rows(I, s)) if I else N  # I = 0: the dense part of a mixture of experts
     tiled_input_grad = t * H * s if t < N else 0
     mlp_deferred = 2 * N * H * s + 3 * t * I * s + tiled_input_grad + dense_copy_bytes(shape, fmt, s, t) \
         + input_grad_buffer_bytes(shape, fmt, t, s)

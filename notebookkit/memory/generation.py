@@ -142,7 +142,7 @@ def layer_working_set(
         attn += 2 * batch_size * shape.num_heads * slots * shape.head_dim * s
     if resolve_attention(shape, attention) == "eager":
         attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
-    t = min(N, mlp_tile_rows(I, s)) if tiled_mlp else N
+    t = min(N, mlp_tile_rows(I, s)) if tiled_mlp and I else N
     mlp = N * s * 2 * H + t * s * (3 * I + (H if t < N else 0))
     return max(attn, mlp) + dense_copy_bytes(shape, base, s, N)
 
