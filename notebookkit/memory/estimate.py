@@ -1046,8 +1046,9 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
 
 def mlp_deferred(shape: ModelShape, lora_dropout: float = 0.0) -> bool:
     """Whether a recomputed layer defers its MLP to the backward (module docstring, "Temporaries"): its
-    output only enters the residual sum (no post-MLP norm) and it runs the fused kernel (no LoRA dropout)."""
-    return not shape.sandwich_norms and not (lora_dropout and lora_dropout > 0)
+    output only enters the residual sum (no post-MLP norm) and it runs the fused dense kernel (no LoRA
+    dropout; a mixture of experts' sparse block recomputes whole, :mod:`.moe`)."""
+    return not shape.sandwich_norms and not shape.num_experts and not (lora_dropout and lora_dropout > 0)
 
 
 def _logits_and_loss(shape: ModelShape, tokens: int, s: int, fused_loss: bool, loss_chunk_size: int | None,
