@@ -266,8 +266,9 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float], moe
             aux = load_balancing_loss(outputs.router_logits, int(getattr(config, "num_experts", None)
                                                                  or config.num_local_experts),
                                       int(config.num_experts_per_tok), attention_mask)
-            if loss is not None:
-                loss = loss + float(config.router_aux_loss_coef) * aux.to(loss.device)
+            if loss is not None:  # Hugging Face's heads read the coefficient they copied from the config at init
+                coef = getattr(self, "router_aux_loss_coef", config.router_aux_loss_coef)
+                loss = loss + float(coef) * aux.to(loss.device)
             extra = {"aux_loss": aux, "router_logits": outputs.router_logits}
         fields = {
             "loss": loss,
