@@ -145,3 +145,15 @@ def train_losses(model, batches: list[dict], steps: int, lr: float, first_grads:
         opt.zero_grad(set_to_none=True)
         losses.append(out.loss.item())
     return losses
+
+
+def assert_moe_lora_grads_match(got: dict, want: dict, layers: int, rtol: float = 1e-4) -> None:
+    """Every LoRA gradient of a mixture-of-experts model (names to tensors) within ``rtol`` of the reference's,
+    non-zero, with the two stacked expert weights' ``A`` and ``B`` adapted in each of ``layers`` layers."""
+    from notebookkit.kernels.testing import rel_err
+
+    assert got.keys() == want.keys()
+    assert sum("experts" in n for n in want) == 4 * layers
+    for name, g in want.items():
+        assert g.abs().sum() > 0, name
+        assert rel_err(got[name], g) <= rtol, f"{name}: {rel_err(got[name], g):.2e}"
