@@ -41,7 +41,8 @@ def route(logits: torch.Tensor, top_k: int, rule: str, norm_topk_prob: bool = Fa
     raise ValueError(f"Unknown MoE routing rule {rule!r}; notebookkit knows {', '.join(RULES)}.")
 
 
-def routed(router: nn.Module, hidden_states: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routed(router: nn.Module, hidden_states: torch.Tensor,
+           rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(z [T, E], w [T, k] fp32, idx [T, k])`` of a router module (``weight [E, H]``, optional ``bias``,
     ``top_k``, optional ``norm_topk_prob``) for ``hidden_states [..., H]``: the patched router's forward, and
     the decode path's sparse block (:mod:`notebookkit.models.generation.cached_forward`)."""

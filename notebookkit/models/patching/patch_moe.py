@@ -64,8 +64,9 @@ def unwrap_experts(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]
     return module, wrappers
 
 
-def experts_view(experts: nn.Module, moe: MoE,
-                 cast: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> tuple[Optional[ExpertsView], Optional[str]]:
+def experts_view(
+    experts: nn.Module, moe: MoE, cast: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> tuple[Optional[ExpertsView], Optional[str]]:
     """An :class:`ExpertsView` of ``experts`` (PEFT-wrapped or not), or the reason the block runs stock code.
 
     ``cast``: applied to PEFT's ``lora_A.weight`` / ``lora_B.weight`` before their expert views are taken
