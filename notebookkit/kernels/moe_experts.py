@@ -58,12 +58,13 @@ for gpt-oss ``dg = dh (uc + 1) (sig + a gc sig (1 - sig)) [g <= L]``, ``du = dh 
 (``sig = sigmoid(a gc)``; the clamps pass the gradient inside their closed range, as ``torch.clamp``).
 The frozen expert weights and biases get no gradient; ``topk_idx`` none.
 
-Implementation: the ``N = T k`` pairs are sorted by expert (``perm = argsort(topk_idx.flatten(), stable)``,
-plain torch; per-expert offsets from ``bincount``) and cut into blocks of ``BLOCK_M`` rows inside one
-expert (a block schedule of at most ``cdiv(N, BLOCK_M) + E`` blocks, computed on the device: no host
-sync). Every GEMM is a Triton grouped GEMM over those blocks, ``tl.dot`` with fp32 accumulation,
-reading the rows of ``x`` / ``dy`` through ``perm`` (no permuted copy) and weights through their
-strides (transposed operands are stride swaps):
+Implementation: the ``N = T k`` pairs are sorted by expert (``perm`` of a stable ``sort`` of
+``topk_idx.flatten()``, plain torch; per-expert offsets from ``searchsorted`` on the sorted ids) and cut into
+blocks of ``BLOCK_M`` rows inside one expert (a block schedule of at most ``cdiv(N, BLOCK_M) + E`` blocks,
+computed on the device: no host sync, so the forward can be captured in a CUDA graph, as the decode step's
+sparse block is). Every GEMM is a Triton grouped GEMM over those blocks, ``tl.dot`` with fp32 accumulation,
+reading the rows of ``x`` / ``dy`` through ``perm`` (no permuted copy) and weights through their strides
+(transposed operands are stride swaps):
 
 * ``_moe_gate_up_kernel``: gate and up tiles of one block (two accumulators), the LoRA term
   ``s (x A^T) B^T`` from the precomputed ``[N, r]`` product, the bias, and the activation in the
@@ -559,13 +560,18 @@ class _Routing(NamedTuple):
 
 def _routing(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> _Routing:
     """Sort the pairs by expert (stable: by token inside an expert) and cut each expert's rows into blocks of
-    ``block_m``: at most ``cdiv(N, block_m) + E`` blocks, so the grid is known without reading the counts."""
+    ``block_m``: at most ``cdiv(N, block_m) + E`` blocks, so the grid is known without reading the counts.
+
+    Nothing here reads the device from the host (the decode step runs it inside a CUDA graph): each
+    expert's segment of the sorted ids comes from ``searchsorted``, not ``bincount`` (whose CUDA version
+    reads the largest id on the host to size its output)."""
     flat = topk_idx.reshape(-1).long()
     n = flat.numel()
-    perm = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    ends = counts.cumsum(0)
-    starts = ends - counts
+    ordered, perm = torch.sort(flat, stable=True)
+    experts = torch.arange(num_experts, device=flat.device)
+    starts = torch.searchsorted(ordered, experts)
+    ends = torch.searchsorted(ordered, experts, right=True)
+    counts = ends - starts
     n_blk = (counts + block_m - 1) // block_m
     blk_cum = n_blk.cumsum(0)
     max_blocks = triton.cdiv(n, block_m) + num_experts

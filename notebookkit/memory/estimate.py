@@ -157,8 +157,10 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     rank-space products, the permutation and block schedule; the block's forward and backward working
     sets replace the dense MLP's. Offloading is not written for these models: ``"offload"`` layers
     recompute (as ``use_gradient_checkpointing`` does). Not covered: ``lora_dropout > 0`` (PEFT refuses
-    dropout on the experts), DPO's reference pass, generation alongside (decode does not cover them
-    yet), 2-bit / ternary bases (the loader refuses them), the routers' load-balancing loss's
+    dropout on the experts), DPO's reference pass, generation alongside training (refused; a generate
+    call's own bytes, the sparse block's decode working set included, are
+    :func:`~notebookkit.memory.generation.generation_memory`'s), 2-bit / ternary bases (the loader refuses
+    them), the routers' load-balancing loss's
     ``L N E`` fp32 softmax when ``output_router_logits`` is on.
 
 Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
@@ -909,8 +911,10 @@ def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, metho
         raise ValueError(f"{what}: {fmt.label} bases do not hold its stacked experts (from_pretrained refuses "
                          "them too); estimate it with load_in_4bit=True or in 16-bit.")
     if TRAINING_METHODS[method].reference_pass or TRAINING_METHODS[method].generates or generation is not None:
-        raise ValueError(f"{what}: the memory model covers its SFT and ORPO steps, not method={method!r} (DPO's "
-                         "reference pass and GRPO's generation run decode paths that do not cover experts yet, #36). "
+        raise ValueError(f"{what}: the memory model covers its SFT and ORPO steps, not method={method!r} nor "
+                         "generation= alongside training (DPO's reference pass and GRPO's step are not combined with "
+                         "the experts' terms yet, #36; a generate call alone is: "
+                         "notebookkit.memory.generation_memory). "
                          "Estimate method='sft' and keep a margin, or watch notebookkit.memory's meters.")
     if lora_dropout and lora_dropout > 0:
         raise ValueError(f"{what}: with lora_dropout={lora_dropout} PEFT refuses the experts' adapters (no dropout on "

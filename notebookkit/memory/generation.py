@@ -32,7 +32,15 @@ One decoder layer's working set for ``N`` tokens attending over ``M`` slots, wit
     (``2 * B * nh * M * hd * s``; a decode step's single query is grouped onto the key/value heads
     instead, as Hugging Face does, with no copy), and for soft-capped attention (Gemma 2) the
     explicit scores ``B * nh * T' * M * (2s + 4)``;
-    MLP: ``N * s * (2H + 3I)`` (residual, normed input, gate, up, their product);
+    MLP: ``N * s * (2H + 3I)`` (residual, normed input, gate, up, their product); a mixture of experts'
+    sparse block (Qwen3-MoE, gpt-oss) instead: the router, its fp32 routing and the grouped expert kernel's
+    schedule and transients for ``N`` tokens and ``N k`` (token, expert) pairs, the selected experts' weights
+    read in place (NF4 ones decoded in the kernel's tiles, no dense copy), as
+    :func:`notebookkit.memory.moe.sparse_block_generation_bytes` counts them;
+    attention with sinks (gpt-oss) forms its scores explicitly in fp32, with the query heads grouped onto their
+    key/value head (no repeated K, V): ``B * nh * T' * M * (2s + 12)`` (scores, their exponentials and
+    probabilities in fp32, the probabilities in ``s``) and the mask repeated to each group's rows
+    (``B * (nh / nk) * T' * M`` bytes);
     with NF4 weights the dequantised 16-bit copy of the largest projection, ``max(in*out) * s``,
     in either (2-bit and ternary bases dequantise inside the GEMM and the decode matvec: nothing more). LoRA's ``x A^T`` (``N * r`` per projection) is left out.
 
@@ -59,6 +67,7 @@ from typing import Any, Mapping
 from notebookkit.base_formats import BaseFormat
 from notebookkit.sequence_tiles import mlp_tile_rows
 
+from . import moe as moe_terms
 from .base_weights import base_format_for, dense_copy_bytes
 from .shapes import ModelShape, resolve_attention
 
@@ -138,12 +147,20 @@ def layer_working_set(
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
     attn = N * s * (2 * H + 2 * (dq + 2 * dk) + dq) + batch_size * queries * slots * s
-    if dk != dq and queries > 1:
-        attn += 2 * batch_size * shape.num_heads * slots * shape.head_dim * s
-    if resolve_attention(shape, attention) == "eager":
-        attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
-    t = min(N, mlp_tile_rows(I, s)) if tiled_mlp and I else N
-    mlp = N * s * 2 * H + t * s * (3 * I + (H if t < N else 0))
+    sinks = bool(shape.num_experts) and moe_terms.stock_attention(shape)  # gpt-oss: the decode path's sink attention
+    if sinks:
+        attn += batch_size * shape.num_heads * queries * slots * (2 * s + 12)
+        attn += batch_size * (shape.num_heads // shape.num_kv_heads) * queries * slots
+    else:
+        if dk != dq and queries > 1:
+            attn += 2 * batch_size * shape.num_heads * slots * shape.head_dim * s
+        if resolve_attention(shape, attention) == "eager":
+            attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
+    if shape.num_experts:
+        mlp = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s)
+    else:
+        t = min(N, mlp_tile_rows(I, s)) if tiled_mlp and I else N
+        mlp = N * s * 2 * H + t * s * (3 * I + (H if t < N else 0))
     return max(attn, mlp) + dense_copy_bytes(shape, base, s, N)
 
 

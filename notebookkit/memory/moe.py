@@ -48,6 +48,21 @@ Working sets of a sparse block (beyond what it saved)
     fp32 sum and ``dx``; at the end ``dx`` and every factor gradient ``E s sum r_w (in_w + out_w)``.
     gpt-oss's attention backward: the dense eager terms with ``3 B heads T (T + 1) s`` for the
     probabilities' gradients and ``3 N dq s`` for dQ and the repeated dK, dV (not measured on a GPU yet).
+
+Generation (:mod:`notebookkit.memory.generation`: a decode step or a prefill of ``N`` tokens, no autograd;
+:func:`sparse_block_generation_bytes`): the decode path's sparse block runs the same router and grouped kernel
+(:mod:`notebookkit.models.generation.cached_forward`), so its working set is the block's input and residual
+``2 N H s``, then the larger of the routing moment and the experts' forward moment:
+    routing: the router logits ``N E s``, their fp32 copy ``4 N E`` (16-bit compute) and fp32 softmax
+    ``4 N E`` (``softmax_topk``), the top-k values and indices ``12 n`` and the normalised weights ``4 n``
+    (``softmax_topk`` with ``norm_topk_prob``; ``topk_softmax``: the softmax over the k);
+    experts: the routing's weights and indices ``12 n``, the sort of the pair ids (``16 n``: values and int64
+    order), the int32 order and fp32 weights ``8 n``, the block schedule's int64 temporaries and int32 tables
+    ``52 M``, plus the forward transients above (``h`` and the pairs' rows, or the rows, their fp32 sum and ``y``).
+    NF4 experts are decoded in the kernel's tile loads: no dense copy. The expert adapters' ``x A^T`` /
+    ``h A^T`` products (``n r s``) are left out, as LoRA's products are in the dense layers' working set,
+    and so are the kept compute-dtype casts of fp32 expert adapters (``E s sum r_w (in_w + out_w)`` a
+    layer, held between steps: the memory model's generation terms do not take the LoRA rank).
 """
 
 from __future__ import annotations
@@ -62,7 +77,8 @@ from .shapes import ModelShape
 
 __all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "expert_lora_param_count", "expert_weight_bytes",
            "nf4_stacked_bytes",
-           "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets", "dense_part"]
+           "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets",
+           "sparse_block_generation_bytes", "dense_part"]
 
 #: the grouped kernel's row block on CUDA (``kernels.moe_experts._config``; a test checks they agree)
 BLOCK_M = 64
@@ -210,6 +226,24 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     at_sum = common + n * H * s + N * H * 4 + rounded + down_grads  # the scattered dx rows and their sum
     at_end = common + N * H * s + _factor_elems(shape, ranks) * s  # dx and every factor gradient
     return {"forward": forward, "backward": max(phase_h, at_sum, at_end)}
+
+
+def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int) -> int:
+    """A sparse block's peak in a decode step or a prefill of ``tokens`` tokens (no autograd; module docstring,
+    Generation)."""
+    family = moe_family(shape)
+    N, k, E, H = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size
+    n = N * k
+    blocks = math.ceil(n / BLOCK_M) + E
+    logits = N * E * s + (N * E * 4 if s != 4 else 0)
+    if family.moe.routing == "softmax_topk":
+        routing = logits + N * E * 4 + n * 12 + (n * 4 if shape.router_norm_topk else 0)
+    else:
+        routing = logits + n * 12 + n * 4
+    # the routing's weights and indices (12 n), the sort (16 n), the int32 order and fp32 weights (8 n), the schedule
+    experts = n * 12 + n * 16 + n * 8 + 52 * blocks
+    experts += sparse_block_working_sets(shape, tokens=N, s=s, ranks={})["forward"]
+    return 2 * N * H * s + max(routing, experts)
 
 
 def stock_attention_working_set(shape: ModelShape, *, batch_size: int, seq_len: int, s: int) -> int:

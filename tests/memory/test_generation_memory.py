@@ -281,3 +281,39 @@ def test_a_decode_cache_kept_on_the_model_joins_its_training_estimate():
     assert held.total - before.total == held.generation
     release(model)
     assert "generation" not in estimate_kwargs_from_model(model)
+
+
+def test_moe_decode_step_counts_the_sparse_block_not_a_dense_mlp():
+    """Qwen3-30B-A3B, 8 rows, bf16: N = 8 tokens, n = N k = 64 pairs, E = 128, H = 2048, I_e = 768,
+    M = ceil(64 / 64) + 128 = 129 row blocks (notebookkit.memory.moe, Generation)."""
+    from notebookkit.memory import moe as moe_terms
+    from notebookkit.memory.generation import layer_working_set
+
+    shape = model_shape("Qwen/Qwen3-30B-A3B")
+    # routing: logits 8*128*2 + their fp32 copy and fp32 softmax 2 * 8*128*4 + top-k 12*64 + normalised 4*64
+    routing = 2048 + 8192 + 768 + 256
+    # experts: routing outputs 12*64, sort 16*64, int32 order + fp32 weights 8*64, schedule 52*129, forward
+    # transients max(h + rows 64*(768+2048)*2, rows 64*2048*2 + fp32 sum 4*8*2048 + y 8*2048*2) = 360448
+    experts = 768 + 1024 + 512 + 52 * 129 + 360448
+    block = 2 * 8 * 2048 * 2 + max(routing, experts)
+    assert moe_terms.sparse_block_generation_bytes(shape, tokens=8, s=2) == block == 434996
+    # attention 8*2*(2H + 2(dq + 2dk) + dq) + the mask 8*1024*2 is less: the step's peak is the sparse block
+    attention = 8 * 2 * (4096 + 2 * (4096 + 1024) + 4096) + 8 * 1024 * 2
+    assert attention < block
+    assert layer_working_set(shape, 8, 1, 1024, 2, False, "auto") == block
+    # under load_in_4bit the experts are decoded in the kernel's tiles: only the largest attention projection
+    # (q_proj or o_proj, 2048 x 4096) is dequantised, not an expert and not the unused dense intermediate_size
+    assert layer_working_set(shape, 8, 1, 1024, 2, True, "auto") == block + 2048 * 4096 * 2
+    g = generation_memory(shape, 8, 1024, 2, prompt_len=512)
+    assert g.prefill == layer_working_set(shape, 8, 512, 1024, 2, False, "auto") + 8 * shape.vocab_size * 2
+
+
+def test_gpt_oss_attention_with_sinks_counts_its_explicit_fp32_scores():
+    from notebookkit.memory.generation import layer_working_set
+
+    shape = model_shape("openai/gpt-oss-20b")  # 64 query heads, 8 key/value heads of 64
+    B, T, M, s = 2, 256, 1024, 2
+    N, H, dq, dk = B * T, 2880, 64 * 64, 8 * 64
+    attention = N * s * (2 * H + 2 * (dq + 2 * dk) + dq) + B * T * M * s
+    attention += B * 64 * T * M * (2 * s + 12) + B * 8 * T * M  # scores, exp, probs; the mask per group row
+    assert layer_working_set(shape, B, T, M, s, False, "auto") == attention  # more than the sparse block here

@@ -17,8 +17,8 @@ import torch
 from notebookkit.families import FAMILIES as FAMILY_RECORDS
 
 # The dense families, which the shared model-layer tests (patch parity, training parity, 4-bit, decode,
-# low-bit) run on; the mixture-of-experts families have their own lean tests (tests/models/test_moe.py)
-# until decode, NF4 experts and the exports cover them (#36).
+# low-bit) run on; the mixture-of-experts families have their own lean tests (tests/models/test_moe.py,
+# test_moe_nf4.py, generation/test_moe_decode.py).
 FAMILIES = [name for name, row in FAMILY_RECORDS.items() if row.moe is None]
 MOE_FAMILIES = [name for name, row in FAMILY_RECORDS.items() if row.moe is not None]
 _CACHE = Path(os.environ.get("NOTEBOOKKIT_TEST_MODELS", tempfile.gettempdir())) / "notebookkit-models-tests"

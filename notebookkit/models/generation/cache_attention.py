@@ -23,6 +23,20 @@ The prompt (``T > 1``) runs the training path's attention
 (:func:`notebookkit.models.patching.patch_attention.attend`: the same scores, the mask broadcast over heads),
 so a long prompt never materialises a mask per query head.
 
+Attention sinks (gpt-oss: a learned logit ``sink_h`` per query head, ``sinks``), prompt and decode step
+alike: the sink is one more entry in the softmax's denominator that carries no value, so every visible
+slot ``s`` of head ``h`` gets::
+
+    p_s = exp(S_s - m) / ( sum_{s' visible} exp(S_s' - m) + exp(sink_h - m) ),   m = max(max_s' S_s', sink_h)
+    O   = sum_s p_s V_s                                (the weights sum to less than 1: the rest is the sink's)
+
+in fp32 (Hugging Face's eager ``softmax(cat([S, sink]))[..., :-1]``, without the concatenation). SDPA has
+no such term, so this path forms the scores explicitly, ``[B, Hq, T, kv_length]`` in fp32 (as Hugging
+Face's eager attention, gpt-oss's only implementation besides flex / flash kernels with sinks), with the
+query heads grouped onto their key/value head (no repeated K/V). gpt-oss's alternating sliding window needs
+nothing more: each layer's ``window`` (``None`` on its full-attention layers) picks its mask
+(:func:`slot_mask`, Hugging Face's rule ``s > q - W``).
+
 Everything has static shapes for a fixed ``kv_length`` and reads the step's slot from a device
 tensor, so the decode step can be captured as a CUDA graph.
 """
@@ -36,7 +50,7 @@ import torch.nn.functional as F
 
 from ..patching.patch_attention import attend
 
-__all__ = ["slot_mask", "cache_attention"]
+__all__ = ["slot_mask", "cache_attention", "sink_attention"]
 
 
 def slot_mask(query_slots: torch.Tensor, kv_length: int, pad_lengths: torch.Tensor,
@@ -63,13 +77,17 @@ def cache_attention(
     visible: torch.Tensor,
     scaling: float,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, T, D]`` over cached ``keys``/``values`` ``[B, Hkv, S, D]``.
 
     ``visible``: the boolean ``[B, 1, T, S]`` mask of :func:`slot_mask`; ``scaling``: the score
     scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma 2/3); ``softcap``:
-    ``c`` of ``c * tanh(S / c)`` on the scores, or ``None``. Returns ``[B, Hq, T, D]``.
+    ``c`` of ``c * tanh(S / c)`` on the scores, or ``None``; ``sinks``: ``[Hq]`` sink logits (gpt-oss,
+    module docstring), or ``None``. Returns ``[B, Hq, T, D]``.
     """
+    if sinks is not None:
+        return sink_attention(q, keys, values, visible, scaling, sinks, softcap)
     batch, heads, length, head_dim = q.shape
     if length > 1:
         return attend(q, keys, values, visible, scaling, softcap=softcap)
@@ -86,3 +104,25 @@ def cache_attention(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, values)
     return out.reshape(batch, heads, 1, head_dim)
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scaling: float,
+                   sinks: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+    """:func:`cache_attention` with a sink logit a query head (module docstring): ``q [B, Hq, T, D]``,
+    ``keys``/``values`` ``[B, Hkv, S, D]``, ``visible [B, 1, T, S]``, ``sinks [Hq]``; static shapes, no host read."""
+    batch, heads, length, head_dim = q.shape
+    kv_heads, kv_length = keys.shape[1], keys.shape[2]
+    rep = heads // kv_heads
+    # query head h = g rep + i reads key/value head g: its T rows become rows i T .. i T + T - 1 of group g
+    qg = q.reshape(batch, kv_heads, rep * length, head_dim)
+    scores = torch.matmul(qg, keys.transpose(2, 3)).float() * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = visible[:, :, None].expand(batch, 1, rep, length, kv_length).reshape(batch, 1, rep * length, kv_length)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().reshape(1, kv_heads, rep, 1).expand(1, kv_heads, rep, length).reshape(1, kv_heads, -1, 1)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)  # finite: every query sees its own slot
+    weights = torch.exp(scores - top)
+    probs = weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+    out = torch.matmul(probs.to(values.dtype), values)
+    return out.reshape(batch, heads, length, head_dim)

@@ -10,10 +10,10 @@ For ``T`` new tokens per row (``T = P`` for the prompt, ``T = 1`` per decode ste
       Q,K  = q_norm(Q), k_norm(K)                                  Qwen3, Gemma 3
       Q,K  = rope(Q, K, cos[pos], sin[pos])                        the model's rotary tables, kernels.rope
       cache[slots] = K, V                                          .static_cache
-      O    = attention(Q, cache[:kv_length], mask)                 soft-cap, sliding window, GQA
+      O    = attention(Q, cache[:kv_length], mask)                 soft-cap, sliding window, GQA, sinks
       a    = O Wo^T + s (O Ao^T) Bo^T   (post_attention_layernorm(a): sandwich norms, Gemma 2/3)
       h    = h + a
-      m    = mlp(pre-MLP norm(h))       (post_feedforward_layernorm(m): sandwich norms)
+      m    = mlp(pre-MLP norm(h))       (post_feedforward_layernorm(m): sandwich norms; or the sparse block)
       h    = h + m
     logits = lm_head(norm(h[:, -1]))    (c * tanh(logits / c): final soft-cap, Gemma 2)
 
@@ -28,6 +28,31 @@ The MLP is ``down(act(gate(x)) * up(x))`` with the training path's fused activat
 same projections as attention (so it reads the kept adapter casts and, for 4-bit weights, the NF4
 matrix-vector kernel); an MLP whose projections the fused path cannot take (DoRA, 8-bit, ...) or whose
 activation has no fused kernel runs the model's own module.
+
+A mixture of experts' sparse block (Qwen3-MoE, gpt-oss: :class:`notebookkit.families.MoE`), for the
+``N = B T`` tokens ``x [N, H]`` of the forward::
+
+    z, w, idx = router(x)          the training path's fp32 routing (moe_routing.routed: the family's rule,
+                                   norm_topk_prob for Qwen3-MoE, the router bias for gpt-oss)
+    y_t = sum_j w[t, j] expert_{idx[t, j]}(x_t)
+        expert_e(x) = (act(x Wgu_e^T + bgu_e + s (x Agu_e^T) Bgu_e^T)) Wd_e^T + bd_e + s (h Ad_e^T) Bd_e^T
+
+through the training path's grouped expert kernel, :func:`notebookkit.kernels.moe_experts.moe_expert_mlp`
+(its inputs from :func:`notebookkit.models.patching.patch_moe.experts_view`: the stacked weights, NF4 ones as
+:class:`~notebookkit.kernels.nf4_stacked.NF4Stacked` views decoded tile by tile, gpt-oss's biases and its
+clamped interleaved SwiGLU, PEFT's ``ParamWrapper`` adapters unmerged, read from the kept casts). Why that
+kernel and not a gather of the ``k`` experts' weights per token: it already is the gather, done in its weight
+loads: the ``B k`` (token, expert) pairs are sorted by expert on the device and each selected expert's weight
+tiles are read once for all the rows that chose it (a gather copies ``B k`` whole experts per step, ``2 I H``
+and ``I H`` elements each, and decodes NF4 ones to 16-bit first), nothing is computed for the unselected
+experts (a dense ``[N, E]`` mix would read all ``E``), and it has NF4, biases, both activations and LoRA
+already. Its schedule has static shapes (at most ``cdiv(B k, BLOCK_M) + E`` row blocks, the unused ones exit
+at once) and is computed with sort / ``searchsorted``, never a host read, so the decode step stays capturable
+as a CUDA graph. On the CPU the kernel's PyTorch reference runs (a loop over the selected experts, which reads
+the indices on the host: fine, nothing is captured there). A block the kernel cannot take (DoRA or several
+adapters on the experts, trainable experts, ...: ``experts_view``'s reason) runs the model's own module, whose
+expert loop reads the routing on the host: that step is not captured, it runs eagerly (the graph runner says
+so once); NF4 experts there raise, as in training (:func:`~notebookkit.models.patching.patch_moe.check_stock_experts`).
 """
 
 from __future__ import annotations
@@ -39,7 +64,9 @@ import torch.nn as nn
 
 from notebookkit.base_layers.kernel_ops import require
 
+from ..patching.moe_routing import routed
 from ..patching.patch_mlp import activation_kernel
+from ..patching.patch_moe import check_stock_experts, experts_view
 from .cache_attention import cache_attention, slot_mask
 from .decoder_plan import DecoderPlan, LayerPlan
 from .projections import AdapterCasts, fused_views, project
@@ -106,7 +133,8 @@ def cached_forward(
         x = lp.layer.input_layernorm(hidden)
         hidden = hidden + _attention(lp, x, cache, start_slot, kv_length, masks[lp.window], ropes[lp.rope_key],
                                      casts)
-        mlp_out = _mlp(lp, lp.pre_mlp_norm(hidden), casts)
+        mlp_in = lp.pre_mlp_norm(hidden)
+        mlp_out = _sparse_block(lp, mlp_in, casts) if lp.moe is not None else _mlp(lp, mlp_in, casts)
         if lp.sandwich:
             mlp_out = lp.layer.post_feedforward_layernorm(mlp_out)
         hidden = hidden + mlp_out
@@ -138,7 +166,7 @@ def _attention(lp: LayerPlan, x: torch.Tensor, cache: StaticKVCache, start_slot:
     q, k = require("rope", "apply_rope")(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     cache.write(lp.index, k, v, start_slot)
     keys, values = cache.read(lp.index, batch, kv_length)
-    out = cache_attention(q, keys, values, visible, lp.scaling, lp.softcap)
+    out = cache_attention(q, keys, values, visible, lp.scaling, lp.softcap, lp.sinks)
     (y,) = project(out.transpose(1, 2).reshape(batch * length, -1), (attn.o_proj,), casts)
     y = y.reshape(batch, length, -1)
     return lp.layer.post_attention_layernorm(y) if lp.sandwich else y
@@ -153,3 +181,20 @@ def _mlp(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts) -> torch.Tensor:
     gate, up = project(x2d, (mlp.gate_proj, mlp.up_proj), casts)
     (y,) = project(act(gate, up), (mlp.down_proj,), casts)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _sparse_block(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts) -> torch.Tensor:
+    """A mixture of experts' sparse block over ``x [B, T, H]`` (module docstring)."""
+    moe, block = lp.moe, lp.layer.mlp
+    x2d = x.reshape(-1, x.shape[-1])
+    _, weights, idx = routed(getattr(block, moe.router), x2d, moe.routing)
+    experts = getattr(block, moe.experts)
+    view, reason = experts_view(experts, moe, cast=lambda t: casts(t, x2d.dtype))
+    if view is None:
+        check_stock_experts(experts, reason)
+        out = block(x)
+        return out[0] if moe.returns_scores else out
+    y = require("moe_experts", "moe_expert_mlp")(
+        x2d, idx, weights, view.gate_up, view.down, view.gate_up_bias, view.down_bias, view.gate_up_lora,
+        view.down_lora, activation=moe.activation, alpha=view.alpha, limit=view.limit)
+    return y.reshape(x.shape)

@@ -9,11 +9,16 @@ language model of a vision-language wrapper of the family record: the decode ste
   tests/models/generation/test_cached_forward.py proves it by equality with the layer-0 input);
 * per decoder layer (:class:`LayerPlan`): the layer and its attention module, heads, scaling
   (``query_pre_attn_scalar ** -0.5`` for Gemma 2/3, read from the module), the attention soft-cap,
-  its sliding window (the module's ``sliding_window``; Mistral's config one for every layer),
-  q/k norms, sandwich norms, and which RoPE table it reads;
+  its sliding window (the module's ``sliding_window``; Mistral's config one for every layer; gpt-oss:
+  every other layer), q/k norms, sandwich norms, the attention sinks (gpt-oss: the module's ``sinks``,
+  one logit a query head), which RoPE table it reads, and for a mixture of experts whether its MLP is
+  the family's sparse block (``moe``: Qwen3-MoE may keep dense MLPs on some layers, ``mlp_only_layers``);
 * the RoPE tables (:class:`RopeTables`): ``cos``/``sin`` ``[positions, head_dim]`` computed by the
   model's own rotary embedding for positions ``0 .. n - 1`` (Llama 3.1 scaling, Gemma 3's local base
-  on sliding layers: whatever that module computes), gathered per row and step afterwards;
+  on sliding layers: whatever that module computes), gathered per row and step afterwards; a module
+  that hands back half-width tables (gpt-oss: ``[positions, head_dim / 2]``, applied to the two halves
+  of a head as ``(x1 cos - x2 sin, x2 cos + x1 sin)``) has them repeated to full width, which is the
+  same rotation in the rotate-half layout the RoPE kernel takes;
 * the final norm, the LM head and the final-logit soft-cap.
 
 :func:`plan_for` says why a model cannot be planned (family not in the table, rotary embeddings that
@@ -30,10 +35,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from notebookkit.families import Family, for_vision_model_type
+from notebookkit.families import Family, MoE, for_vision_model_type
 
 from ..common import architectures
 from ..common.decoder_layers import decoder_layers
+from ..patching.moe_routing import router_ready
+from ..patching.patch_moe import STACKED, is_moe_block, unwrap_experts
 
 __all__ = ["DecoderPlan", "LayerPlan", "RopeTables", "embedding_scale", "plan_for", "causal_lm_of"]
 
@@ -62,6 +69,8 @@ class LayerPlan:
     qk_norm: bool
     sandwich: bool
     activation: Optional[str]  # the gated MLP's fused activation ("swiglu", "geglu_tanh", ...), None if none
+    moe: Optional[MoE] = None  # the family's sparse-block layout when this layer's MLP is one (else a dense MLP)
+    sinks: Optional[torch.Tensor] = None  # [heads] learned logits in each softmax's denominator (gpt-oss)
 
     @property
     def pre_mlp_norm(self) -> nn.Module:
@@ -191,6 +200,28 @@ def _rope_problem(backbone: nn.Module) -> Optional[str]:
     return None
 
 
+def _full_width(source: Callable, head_dim: int) -> Callable:
+    """``source`` with half-width tables (gpt-oss's rotary embedding) repeated to ``head_dim`` (module docstring)."""
+
+    def full(x: torch.Tensor, positions: torch.Tensor):
+        cos, sin = source(x, positions)
+        if cos.shape[-1] * 2 == head_dim:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos, sin
+
+    return full
+
+
+def _sparse_block_problem(layer: nn.Module, moe: MoE) -> Optional[str]:
+    """Why the cached forward cannot run ``layer``'s sparse block (``None``: it can)."""
+    reason = router_ready(getattr(layer.mlp, moe.router, None), moe.router_bias)
+    if reason is not None:
+        return reason
+    base, _ = unwrap_experts(getattr(layer.mlp, moe.experts, nn.Module()))
+    missing = [n for n in STACKED if not isinstance(getattr(base, n, None), torch.Tensor)]
+    return f"{type(base).__name__} has no stacked {', '.join(missing)}" if missing else None
+
+
 def _window_of(attn: nn.Module, config: Any) -> Optional[int]:
     """The sliding window of one attention layer (``None``: full attention), as Hugging Face masks it."""
     if hasattr(attn, "sliding_window"):  # Qwen2/3, Gemma 2/3: None on full-attention layers
@@ -214,9 +245,6 @@ def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
     if family is None:
         return (f"model_type {getattr(causal_lm.config, 'model_type', '?')!r} is not in notebookkit's family table "
                 f"({', '.join(architectures.supported_model_types())})")
-    if family.moe is not None:
-        return (f"the {family.name} family is a mixture of experts, which notebookkit's decode path does not run yet "
-                "(issue #36): generation uses Hugging Face's generate")
     layers = decoder_layers(causal_lm)
     if backbone is None or not layers:
         return f"{type(causal_lm).__name__} has no decoder layers where notebookkit looks for them"
@@ -230,6 +258,8 @@ def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
     keys, sources = _rope_sources(backbone, config, len(layers))
     if mrope:
         sources = {key: _on_three_axes(source) for key, source in sources.items()}
+    head_dim = int(getattr(layers[0].self_attn, "head_dim", 0) or 0)
+    sources = {key: _full_width(source, head_dim) for key, source in sources.items()}
     softcap = architectures.attn_softcap(causal_lm.config, family)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     plans = []
@@ -240,12 +270,20 @@ def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
                 return f"{type(attn).__name__} has no {name}"
         if family.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
             return f"{type(attn).__name__}: q/k norms expected but not found"
+        sparse = family.moe is not None and is_moe_block(getattr(layer, "mlp", None), family.moe)
+        if sparse:
+            problem = _sparse_block_problem(layer, family.moe)
+            if problem is not None:
+                return f"layer {i}'s sparse block: {problem}"
+        sinks = getattr(attn, "sinks", None)
         plans.append(LayerPlan(
             index=i, layer=layer, attn=attn, heads=int(config.num_attention_heads), kv_heads=kv_heads,
             head_dim=int(attn.head_dim), scaling=float(attn.scaling), softcap=softcap,
             window=_window_of(attn, config), rope_key=keys[i], qk_norm=family.qk_norm,
             sandwich=family.sandwich_norm,
-            activation=architectures.activation_of(getattr(layer.mlp, "act_fn", None), causal_lm.config, family),
+            activation=None if sparse else architectures.activation_of(getattr(layer.mlp, "act_fn", None),
+                                                                       causal_lm.config, family),
+            moe=family.moe if sparse else None, sinks=sinks if isinstance(sinks, torch.Tensor) else None,
         ))
     return DecoderPlan(
         family=family, embed=embed, embed_scale=embedding_scale(embed, family, int(config.hidden_size)),

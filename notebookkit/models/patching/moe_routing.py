@@ -41,14 +41,22 @@ def route(logits: torch.Tensor, top_k: int, rule: str, norm_topk_prob: bool = Fa
     raise ValueError(f"Unknown MoE routing rule {rule!r}; notebookkit knows {', '.join(RULES)}.")
 
 
+def routed(router: nn.Module, hidden_states: torch.Tensor,
+           rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(z [T, E], w [T, k] fp32, idx [T, k])`` of a router module (``weight [E, H]``, optional ``bias``,
+    ``top_k``, optional ``norm_topk_prob``) for ``hidden_states [..., H]``: the patched router's forward, and
+    the decode path's sparse block (:mod:`notebookkit.models.generation.cached_forward`)."""
+    x = hidden_states.reshape(-1, router.weight.shape[1])
+    logits = F.linear(x, router.weight, getattr(router, "bias", None))
+    weights, idx = route(logits, int(router.top_k), rule, bool(getattr(router, "norm_topk_prob", False)))
+    return logits, weights, idx
+
+
 def make_router_forward(rule: str):
     """The patched forward of a router module (``weight [E, H]``, optional ``bias``, ``top_k``)."""
 
     def router_forward(self: nn.Module, hidden_states: torch.Tensor):
-        x = hidden_states.reshape(-1, self.weight.shape[1])
-        logits = F.linear(x, self.weight, getattr(self, "bias", None))
-        weights, idx = route(logits, int(self.top_k), rule, bool(getattr(self, "norm_topk_prob", False)))
-        return logits, weights, idx
+        return routed(self, hidden_states, rule)
 
     return router_forward
 

@@ -23,7 +23,7 @@ raises, saying why and what to change (:func:`check_stock_experts`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -64,10 +64,17 @@ def unwrap_experts(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]
     return module, wrappers
 
 
-def experts_view(experts: nn.Module, moe: MoE) -> tuple[Optional[ExpertsView], Optional[str]]:
-    """An :class:`ExpertsView` of ``experts`` (PEFT-wrapped or not), or the reason the block runs stock code."""
+def experts_view(
+    experts: nn.Module, moe: MoE, cast: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> tuple[Optional[ExpertsView], Optional[str]]:
+    """An :class:`ExpertsView` of ``experts`` (PEFT-wrapped or not), or the reason the block runs stock code.
+
+    ``cast``: applied to PEFT's ``lora_A.weight`` / ``lora_B.weight`` before their expert views are taken
+    (the decode path passes its kept adapter casts, :class:`notebookkit.models.generation.projections.AdapterCasts`);
+    ``None`` views the parameters themselves (training: the gradients land in them)."""
     peft_expert_lora = kernel("moe_experts", "peft_expert_lora")
-    if peft_expert_lora is None:
+    expert_lora = kernel("moe_experts", "expert_lora")
+    if peft_expert_lora is None or expert_lora is None:
         return None, "notebookkit.kernels.moe_experts is unavailable"
     base, wrappers = unwrap_experts(experts)
     loras: dict[str, Any] = {}
@@ -78,8 +85,12 @@ def experts_view(experts: nn.Module, moe: MoE) -> tuple[Optional[ExpertsView], O
         if reason is not None:
             return None, reason
         if parts is not None:
-            active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
-            loras[name] = peft_expert_lora(wrapper, active[0])
+            active = [a for a in wrapper.active_adapters if a in wrapper.lora_A][0]
+            if cast is None:
+                loras[name] = peft_expert_lora(wrapper, active)
+            else:
+                loras[name] = expert_lora(cast(wrapper.lora_A[active].weight), cast(wrapper.lora_B[active].weight),
+                                          wrapper.num_experts, wrapper.scaling[active])
     gate_up, down = base.gate_up_proj, base.down_proj
     if gate_up.requires_grad or down.requires_grad:
         return None, "the expert weights are trainable (full fine-tuning)"
