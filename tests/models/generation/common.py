@@ -10,9 +10,10 @@ import torch
 from notebookkit.models import patch_model
 from notebookkit.models.generation import bind_generate
 
-from ..helpers import random_model
+from ..helpers import MOE_FAMILIES, random_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # a mixture of experts' stacked weights
 PAD = 299  # the test models' vocabulary is 300; prompts use ids < 256
 PROMPT = 11
 PAD_LENGTHS = (0, 4, 7)
@@ -20,12 +21,14 @@ PAD_LENGTHS = (0, 4, 7)
 
 def lora_model(family: str, seed: int = 0, **overrides):
     """A random ``family`` model (tests/models/helpers.py: 8-token sliding windows, small soft-caps)
-    with LoRA r=4 on all seven projections, ``lora_B`` drawn non-zero, no default EOS id, in eval mode."""
+    with LoRA r=4 on all seven projections (a mixture of experts: the attention's and the stacked experts'),
+    ``lora_B`` drawn non-zero, no default EOS id, in eval mode."""
     from peft import LoraConfig, get_peft_model
 
     model = random_model(family, seed=seed, **overrides)
     torch.manual_seed(seed + 1)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    moe = dict(target_modules=TARGETS[:4], target_parameters=EXPERTS) if family in MOE_FAMILIES else {}
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **{"target_modules": TARGETS, **moe}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -1,7 +1,7 @@
 """GPU checks of the decode path (run on the GPU machine: ``pytest -m gpu tests/models/generation -s``).
 
 * replayed CUDA graphs give the tokens of the same steps run eagerly (``NOTEBOOKKIT_CUDA_GRAPHS=0``),
-  every family, bf16 and fp16 (the T4's dtype), 16-bit and NF4 bases; one graph per cache-length
+  every family (the mixtures of experts with LoRA on their stacked experts too), bf16 and fp16 (the T4's dtype), 16-bit and NF4 bases; one graph per cache-length
   bucket, none failed;
 * greedy tokens against Hugging Face's ``generate`` on the same weights: the first 64 new tokens of at
   least 95% of a fixed prompt set identical (the held-out questions of the bundled chat data on the
@@ -24,7 +24,7 @@ import torch
 from notebookkit.models import FastLanguageModel
 from notebookkit.models.generation import generation_state, release
 
-from ..helpers import FAMILIES
+from ..helpers import FAMILIES, MOE_FAMILIES
 from .common import PAD, fast_copy, left_padded_prompts, lora_model
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +47,7 @@ def _eager(monkeypatch, call):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_graph_replay_equals_eager_decode(family, dtype, monkeypatch):
     fast = fast_copy(lora_model(family)).to("cuda", dtype)
     ids, mask = _cuda(*left_padded_prompts())
