@@ -26,8 +26,13 @@ from notebookkit.kernels.nf4_stacked import NF4Stacked, nf4_stacked
 from notebookkit.kernels.runtime import interpreter_on, use_triton
 from notebookkit.kernels.testing import assert_close
 
-PATHS = ["reference",
-         pytest.param("triton", marks=pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1"))]
+_needs_interp = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
+#: (path, dtype, nested absmax): both paths in both dtypes with the nested absmax the loader writes; the plain
+#: absmax (the kernel's other address arithmetic) once, on the Triton path in fp32
+CASES = [pytest.param(path, dtype, True, id=f"{path}-{str(dtype)[6:]}-nested",
+                      marks=[_needs_interp] if path == "triton" else [])
+         for path in ("reference", "triton") for dtype in (torch.float32, torch.float16)]
+CASES.append(pytest.param("triton", torch.float32, False, id="triton-float32-plain", marks=[_needs_interp]))
 T, H, I, E, K, R = 23, 45, 27, 5, 2, 3
 
 
@@ -49,22 +54,25 @@ def _quantised(stored: torch.Tensor, transposed: bool, nested: bool) -> tuple[NF
     return nf4_stacked(q.packed, state, transposed=transposed), (dense.transpose(1, 2) if transposed else dense)
 
 
-def _case(family: str, dtype: torch.dtype, nested: bool = True, seed: int = 0):
+def _case(family: str, dtype: torch.dtype, nested: bool = True, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     gpt = family == "gpt_oss"
-    stored_gu = torch.randn((E, H, 2 * I) if gpt else (E, 2 * I, H), generator=g).to(dtype) * 0.15
-    stored_d = torch.randn((E, I, H) if gpt else (E, H, I), generator=g).to(dtype) * 0.15
+
+    def draw(*shape, scale=1.0, rand=torch.randn):
+        return (rand(*shape, generator=g) * scale).to(device, dtype)
+
+    stored_gu = draw(*((E, H, 2 * I) if gpt else (E, 2 * I, H)), scale=0.15)
+    stored_d = draw(*((E, I, H) if gpt else (E, H, I)), scale=0.15)
     gu_q, gu_dense = _quantised(stored_gu, gpt, nested)
     d_q, d_dense = _quantised(stored_d, gpt, nested)
-    x = torch.randn(T, H, generator=g).to(dtype)
+    x = draw(T, H)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     idx[:4] = torch.tensor([0, 3])  # expert 0 and 3 get more rows; expert 4 may get none
-    w = torch.rand(T, K, generator=g).to(dtype)
-    factors = [torch.randn(s, generator=g).to(dtype) * 0.2 for s in ((R * E, H), (2 * I, R * E), (R * E, I),
-                                                                      (H, R * E))]
-    biases = (torch.randn(E, 2 * I, generator=g).to(dtype) * 0.1, torch.randn(E, H, generator=g).to(dtype) * 0.1) \
-        if gpt else (None, None)
-    dy = torch.randn(T, H, generator=g).to(dtype)
+    idx = idx.to(device)
+    w = draw(T, K, rand=torch.rand)
+    factors = [draw(*s, scale=0.2) for s in ((R * E, H), (2 * I, R * E), (R * E, I), (H, R * E))]
+    biases = (draw(E, 2 * I, scale=0.1), draw(E, H, scale=0.1)) if gpt else (None, None)
+    dy = draw(T, H)
     return dict(gu_q=gu_q, gu_dense=gu_dense, d_q=d_q, d_dense=d_dense, x=x, idx=idx, w=w, factors=factors,
                 biases=biases, dy=dy, activation="gpt_oss" if gpt else "swiglu")
 
@@ -91,13 +99,9 @@ def test_decode_of_one_expert_is_the_format(one_thread):
             assert torch.equal(view.expert(3, torch.float16), dense[3].half())
 
 
-@pytest.mark.parametrize("nested", [True, False], ids=["nested", "plain"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path,dtype,nested", CASES)
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_nf4_experts_match_dequantise_then_reference(family, path, dtype, nested, one_thread):
-    if nested is False and (path == "reference" or dtype == torch.float16):
-        pytest.skip("plain absmax: one case (the Triton path in fp32) is enough")
     c = _case(family, dtype, nested)
     want = _run(c, c["gu_dense"], c["d_dense"], False)
     got = _run(c, c["gu_q"], c["d_q"], path == "triton")
@@ -113,6 +117,20 @@ def test_nf4_experts_match_dequantise_then_reference(family, path, dtype, nested
             assert_close(got[name], ref, dtype, name)
     # the 16-bit oracle really differs from the 4-bit weights' source: the test sees the quantisation
     assert not torch.equal(c["gu_dense"], c["gu_dense"].new_zeros(()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_nf4_experts_on_the_gpu(family, dtype):
+    """The compiled kernels reading NF4 stacked experts (the T4's fp16 and bf16) against the reference path on the
+    weights they decode, forward and every gradient."""
+    c = _case(family, dtype, device="cuda")
+    want = _run(c, c["gu_dense"], c["d_dense"], False)
+    got = _run(c, c["gu_q"], c["d_q"], True)
+    for name, ref in want.items():
+        assert ref.abs().sum() > 0, name
+        assert_close(got[name], ref, dtype, name)
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
