@@ -67,7 +67,9 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def _nf4_table(device: torch.device) -> torch.Tensor:
+def nf4_table(device: torch.device) -> torch.Tensor:
+    """The 16 NF4 levels as fp32 on ``device``, made once per device (no host-to-device copy per call, so a
+    caller inside a captured CUDA graph may use it)."""
     table = _TABLES.get(device)
     if table is None:
         table = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
@@ -219,7 +221,7 @@ def dequantize_nf4_reference(weight: torch.Tensor, quant_state: Any = None, out_
     n = st.numel
     flat = packed.reshape(-1)
     codes = torch.stack(((flat >> 4), (flat & 0xF)), dim=1).reshape(-1)[:n].long()
-    values = _nf4_table(packed.device)[codes]
+    values = nf4_table(packed.device)[codes]
     if st.nested:
         scale2 = st.absmax2.repeat_interleave(st.blocksize2)[: st.absmax.numel()]
         absmax = st.code2[st.absmax.long()] * scale2
@@ -316,7 +318,7 @@ def nf4_kernel_operands(packed: torch.Tensor, st: _NF4State) -> tuple[torch.Tens
     packed = packed.reshape(-1)
     if not packed.is_contiguous():
         packed = packed.contiguous()
-    table = _nf4_table(packed.device)
+    table = nf4_table(packed.device)
     if st.nested:
         return packed, st.absmax.contiguous(), table, st.code2.contiguous(), st.absmax2.contiguous(), st.offset
     return packed, st.absmax.contiguous(), table, table, table, table

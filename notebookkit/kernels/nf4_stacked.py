@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4 import NF4_LEVELS, block_absmax, read_nf4_state
+from .nf4 import block_absmax, nf4_table, read_nf4_state
 
 __all__ = ["NF4Stacked", "nf4_stacked", "load_weight_tile", "weight_operands"]
 
@@ -118,7 +118,7 @@ def nf4_stacked(packed: torch.Tensor, quant_state: Any, transposed: bool = False
                          f"shape {st.shape}.")
     e, a, b = st.shape
     view = NF4Stacked(packed.reshape(-1).contiguous(), st.absmax.contiguous(), st.code2, st.absmax2, st.offset,
-                      torch.tensor(NF4_LEVELS, dtype=torch.float32, device=packed.device), st.blocksize,
+                      nf4_table(packed.device), st.blocksize,
                       st.blocksize2, (e, a, b), (a * b, b, 1), st.dtype)
     return view.transpose(1, 2) if transposed else view
 
