@@ -6,6 +6,12 @@ Math (``W`` is ``[N, K]``, ``x`` is ``[M, K]`` with ``M`` the decode batch, 1..1
     w[n, k] = c( NF4[code(n, k)] * absmax[block(n, k)] )        fp32 product, one rounding to c
     y[m, n] = c( sum_k fp32(x[m, k]) * w[n, k]  +  b[n] )        fp32 accumulation, one rounding
 
+With a LoRA adapter given (``lora = (U, B, s)``, ``U = X A^T`` ``[M, r]`` already computed, ``B`` ``[N, r]``),
+its low-rank term joins the same fp32 sum before the one rounding (the decode path's projections then
+take one launch each instead of a matvec and an ``addmm``)::
+
+    y[m, n] = c( sum_k fp32(x[m, k]) * w[n, k]  +  b[n]  +  s * sum_j fp32(U[m, j]) * B[n, j] )
+
 ``c`` is the dtype of ``x`` (fp16, bf16 or fp32): ``w`` is, bit for bit,
 ``notebookkit.kernels.nf4.dequantize_nf4(W, out_dtype=x.dtype)`` (plain or nested absmax, the
 nested ``code2 * absmax2 + offset`` rounded twice as bitsandbytes does), so ``y`` is
@@ -48,7 +54,7 @@ in bitsandbytes); the accumulation uses explicit ``tl.fma``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -59,7 +65,7 @@ from .nf4 import (dequantize_nf4, dequantize_nf4_reference, nf4_kernel_operands,
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = [
-    "MAX_ROWS", "MatvecConfig", "matvec_config", "nf4_matvec", "nf4_matvec_reference", "nf4_matvec_supported",
+    "MAX_ROWS", "LoRATerm", "MatvecConfig", "matvec_config", "nf4_matvec", "nf4_matvec_reference", "nf4_matvec_supported",
     "AOT_SPECS",
 ]
 
@@ -69,6 +75,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _X_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _WORDS = {torch.float32: torch.int64, torch.float16: torch.int32, torch.bfloat16: torch.int32}
 _SM_COUNTS: dict[torch.device, tuple[int, int]] = {}
+
+
+class LoRATerm(NamedTuple):
+    """A LoRA adapter's part of a projection, added by the kernel: ``s U B^T`` with ``U = X A^T``."""
+
+    u: torch.Tensor  # [M, r], x's dtype
+    lora_B: torch.Tensor  # [N, r], x's dtype
+    scaling: float
 
 
 def _device_facts(device: torch.device) -> tuple[int, int]:
@@ -188,6 +202,18 @@ def _x_pair(word, X_KIND: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _low_rank(u_ptr, lora_b_ptr, rows, row_ok, ms, m_ok, stride_u, rank, RANK: tl.constexpr):
+    """``sum_j B[n, j] u[m, j]`` (fp32) for this program's rows ``n`` and the batch rows ``m``:
+    ``[BLOCK_N, BLOCK_M]``, products of 16-bit values, exact in fp32 (no ``tl.dot``: the rank can be
+    below 16, and ``BLOCK_N x RANK x BLOCK_M`` is a few thousand multiply-adds)."""
+    js = tl.arange(0, RANK)
+    j_ok = js < rank
+    b = tl.load(lora_b_ptr + rows[:, None] * rank + js[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+    u = tl.load(u_ptr + ms[None, :] * stride_u + js[:, None], mask=j_ok[:, None] & m_ok[None, :], other=0.0)
+    return tl.sum(b.to(tl.float32)[:, :, None] * u.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _nf4_matvec_kernel(
     x_words_ptr,  # *i32 (fp16 / bf16 x) or *i64 (fp32 x): [M, K / 2] words, row stride stride_xw
     packed_ptr,  # *u8 NF4 bytes of W [N, K]
@@ -197,15 +223,22 @@ def _nf4_matvec_kernel(
     absmax2_ptr,  # *fp32 second-level scales (nested only)
     offset_ptr,  # *fp32 [1] mean offset (nested only)
     bias_ptr,  # *fp16 / *bf16 / *fp32 [N] (HAS_BIAS only)
+    u_ptr,  # x's dtype, [M, rank] rows stride_u apart: X A^T of a LoRA adapter (HAS_LORA only)
+    lora_b_ptr,  # x's dtype, [N, rank] contiguous: its B (HAS_LORA only)
     y_ptr,  # x's dtype, [M, N] contiguous
     M,
     N,
     blocks_per_row,  # K // BLOCKSIZE
     stride_xw,
+    stride_u,
+    rank,
+    lora_scale,  # fp32 s
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    RANK: tl.constexpr,  # next power of two >= rank (HAS_LORA only)
     BLOCK_N: tl.constexpr,  # rows of W (columns of y) per program
     BLOCK_M: tl.constexpr,  # 1 (fma) or 16 (dot)
     STEP_BLOCKS: tl.constexpr,  # NF4 blocks of a row per loop step
@@ -282,6 +315,8 @@ def _nf4_matvec_kernel(
         y = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # [BLOCK_N, 1]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if HAS_LORA:
+        y = y + lora_scale * _low_rank(u_ptr, lora_b_ptr, rows, row_ok, ms, m_ok, stride_u, rank, RANK)
     y = _round_one(y, X_KIND, BF16_BY_HAND)
     tl.store(y_ptr + ms[None, :] * N + rows[:, None], y.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & m_ok[None, :])
@@ -295,12 +330,13 @@ def _nf4_matvec_kernel(
 @dataclass(frozen=True)
 class MatvecConfig:
     """Launch parameters of the kernel: rows of ``W`` per program, NF4 blocks of a row per loop
-    step, ``tl.dot`` or fused multiply-adds, warps per program."""
+    step, ``tl.dot`` or fused multiply-adds, warps per program, pipeline stages."""
 
     block_n: int
     step_blocks: int
     use_dot: bool
     num_warps: int = 4
+    num_stages: int | None = None  # Triton's software pipelining depth; None: Triton's default
 
     def __post_init__(self):
         for name in ("block_n", "step_blocks", "num_warps"):
@@ -309,6 +345,8 @@ class MatvecConfig:
                 raise ValueError(f"MatvecConfig.{name} must be a power of two, got {value}.")
         if self.use_dot and self.block_n < 16:
             raise ValueError(f"tl.dot needs block_n >= 16, got {self.block_n}.")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"MatvecConfig.num_stages must be at least 1, got {self.num_stages}.")
 
 
 # NF4 bytes of one program's tile per loop step: 16 per thread with 4 warps (one 128-bit load).
@@ -365,23 +403,42 @@ def _weight_parts(weight: Any, quant_state: Any) -> tuple[torch.Tensor, Any]:
 
 
 def nf4_matvec_reference(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, *,
-                         quant_state: Any = None) -> torch.Tensor:
+                         quant_state: Any = None, lora: LoRATerm | None = None) -> torch.Tensor:
     """Plain PyTorch: ``W`` decoded by :func:`~notebookkit.kernels.nf4.dequantize_nf4_reference` in
-    ``x``'s dtype, then ``x @ W^T + b`` in fp32, rounded once to ``x``'s dtype (the CPU path and the
-    tests' oracle; same arguments as :func:`nf4_matvec`, any number of rows)."""
-    return _decode_then_multiply(x, weight, quant_state, bias, dequantize_nf4_reference, "nf4_matvec_reference")
+    ``x``'s dtype, then ``x @ W^T + b + s U B^T`` in fp32, rounded once to ``x``'s dtype (the CPU path and
+    the tests' oracle; same arguments as :func:`nf4_matvec`, any number of rows)."""
+    return _decode_then_multiply(x, weight, quant_state, bias, lora, dequantize_nf4_reference,
+                                 "nf4_matvec_reference")
 
 
-def _decode_then_multiply(x, weight, quant_state, bias, decode, where: str) -> torch.Tensor:
+def _decode_then_multiply(x, weight, quant_state, bias, lora, decode, where: str) -> torch.Tensor:
     packed, quant_state = _weight_parts(weight, quant_state)
     st = read_nf4_state(packed, quant_state)
     n, k = _matrix_shape(st, where)
     _check_x(x, k, where)
+    _check_lora(lora, x, n, where)
     w = decode(packed, quant_state, out_dtype=x.dtype)
     y = x.reshape(-1, k).float() @ w.float().t()
     if bias is not None:
         y = y + bias.float()
+    if lora is not None:
+        u, b, scaling = lora
+        y = y + scaling * (u.reshape(-1, u.shape[-1]).float() @ b.float().t())
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _check_lora(lora: LoRATerm | None, x: torch.Tensor, n: int, where: str) -> None:
+    if lora is None:
+        return
+    u, b, _ = lora
+    rows = x.numel() // max(1, x.shape[-1])
+    if b.dim() != 2 or b.shape[0] != n or u.shape[-1] != b.shape[1] or u.numel() // max(1, u.shape[-1]) != rows:
+        raise ValueError(
+            f"{where}: the LoRA term needs U [{rows}, r] and B [{n}, r]; got U {tuple(u.shape)} and B {tuple(b.shape)}."
+        )
+    if u.dtype != x.dtype or b.dtype != x.dtype or u.device != x.device or b.device != x.device:
+        raise ValueError(f"{where}: U and B must be {x.dtype} on {x.device} like x, got U {u.dtype} on {u.device} "
+                         f"and B {b.dtype} on {b.device}.")
 
 
 def _why_not(x: torch.Tensor, packed: torch.Tensor, quant_state: Any) -> str | None:
@@ -442,8 +499,10 @@ def nf4_matvec(
     *,
     quant_state: Any = None,
     config: MatvecConfig | None = None,
+    lora: LoRATerm | None = None,
 ) -> torch.Tensor:
-    """``x @ W^T + bias`` for an NF4 weight ``W [N, K]`` and a few rows of ``x``, without decoding ``W``.
+    """``x @ W^T + bias (+ s U B^T)`` for an NF4 weight ``W [N, K]`` and a few rows of ``x``, without
+    decoding ``W``.
 
     Args:
         x: ``[..., K]`` in float16 / bfloat16 / float32; at most ``MAX_ROWS`` (16) rows for the
@@ -455,9 +514,12 @@ def nf4_matvec(
         quant_state: the weight's ``QuantState`` when ``weight`` is the bare bytes.
         config: launch parameters (:class:`MatvecConfig`) instead of :func:`matvec_config`'s
             choice; for tests and benchmarks.
+        lora: a LoRA adapter's term ``(U, B, s)`` (:class:`LoRATerm`): ``U = x A^T`` ``[..., r]`` in ``x``'s
+            dtype (its rows may be a column slice of a wider matrix: the ``X A_cat^T`` of a group),
+            ``B`` ``[N, r]`` in ``x``'s dtype, ``s`` the adapter's scaling; added in fp32 before the rounding.
 
     Returns:
-        ``[..., N]`` in ``x``'s dtype: ``x @ dequantize_nf4(W, out_dtype=x.dtype)^T + bias``,
+        ``[..., N]`` in ``x``'s dtype: ``x @ dequantize_nf4(W, out_dtype=x.dtype)^T + bias + s U B^T``,
         accumulated in fp32 and rounded once (:func:`nf4_matvec_reference` is the same math).
 
     CUDA tensors run the Triton kernel when :func:`nf4_matvec_supported`; other calls (CPU
@@ -473,8 +535,9 @@ def nf4_matvec(
         raise ValueError(
             f"nf4_matvec: bias must have {n} elements on {x.device}, got {tuple(bias.shape)} on {bias.device}."
         )
+    _check_lora(lora, x, n, "nf4_matvec")
     if _why_not(x, packed, quant_state) is not None:
-        return _decode_then_multiply(x, (packed, quant_state), None, bias, dequantize_nf4, "nf4_matvec")
+        return _decode_then_multiply(x, (packed, quant_state), None, bias, lora, dequantize_nf4, "nf4_matvec")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -494,13 +557,17 @@ def nf4_matvec(
     packed, absmax, table, code2, absmax2, offset = nf4_kernel_operands(packed, st)
     blocks_per_row = k // st.blocksize
     on_gpu = x.is_cuda
+    u, lora_b, scaling = _lora_operands(lora, m, y)
     _nf4_matvec_kernel[(triton.cdiv(n, config.block_n),)](
-        words, packed, absmax, table, code2, absmax2, offset, bias.reshape(-1) if bias is not None else y, y,
-        m, n, blocks_per_row, words.stride(0),
+        words, packed, absmax, table, code2, absmax2, offset, bias.reshape(-1) if bias is not None else y,
+        u, lora_b, y,
+        m, n, blocks_per_row, words.stride(0), u.stride(0), lora_b.shape[-1], scaling,
         BLOCKSIZE=st.blocksize,
         BLOCKSIZE2=st.blocksize2,
         NESTED=st.nested,
         HAS_BIAS=bias is not None,
+        HAS_LORA=lora is not None,
+        RANK=triton.next_power_of_2(lora_b.shape[-1]),
         BLOCK_N=config.block_n,
         BLOCK_M=MAX_ROWS if config.use_dot else 1,
         STEP_BLOCKS=config.step_blocks,
@@ -513,8 +580,21 @@ def nf4_matvec(
         INT64=packed.numel() + half * config.block_n * config.step_blocks >= 2**31,
         num_warps=config.num_warps,
         enable_fp_fusion=False,
+        **({} if config.num_stages is None else {"num_stages": config.num_stages}),
     )
     return y.reshape(*x.shape[:-1], n)
+
+
+def _lora_operands(lora: LoRATerm | None, m: int, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(U [m, r] with unit column stride, B [N, r] contiguous, s)`` for the kernel; without an adapter,
+    ``y`` stands in for both pointers (never read) with rank 1."""
+    if lora is None:
+        return y.reshape(m, -1), y.reshape(-1, 1), 0.0
+    u, b, scaling = lora
+    u = u.reshape(m, u.shape[-1])
+    if u.stride(-1) != 1:
+        u = u.contiguous()
+    return u, b.contiguous(), float(scaling)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -524,21 +604,25 @@ def nf4_matvec(
 
 def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """The Llama-3.1-8B decode configurations (K = 4096, M = 1 and 8) on a GPU, fp16 and bf16,
-    nested and plain absmax, with and without bias, masked and not. Packed conversions and the bf16
+    nested and plain absmax, with and without bias, with and without a LoRA term, masked and not. Packed conversions and the bf16
     ``tl.dot`` need sm_80+: on a T4 (sm_75, fp16 only) the launcher passes ``PACKED=False``."""
     specs = []
     for x_ty, kind in (("fp16", 1), ("bf16", 2)):
-        for m, nested, bias, masked, packed in ((1, True, False, False, True), (1, False, True, True, False),
-                                                (8, True, True, False, True), (8, False, False, True, False)):
+        for m, nested, bias, masked, packed, lora in ((1, True, False, False, True, True),
+                                                      (1, False, True, True, False, False),
+                                                      (8, True, True, False, True, False),
+                                                      (8, False, False, True, False, True)):
             config = matvec_config(m, 4096, 4096)
             signature = {
                 "x_words_ptr": "*i32", "packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32",
                 "table_ptr": "*fp32", "code2_ptr": "*fp32", "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
-                "bias_ptr": f"*{x_ty}", "y_ptr": f"*{x_ty}", "M": "i32", "N": "i32", "blocks_per_row": "i32",
-                "stride_xw": "i32",
+                "bias_ptr": f"*{x_ty}", "u_ptr": f"*{x_ty}", "lora_b_ptr": f"*{x_ty}", "y_ptr": f"*{x_ty}",
+                "M": "i32", "N": "i32", "blocks_per_row": "i32", "stride_xw": "i32", "stride_u": "i32", "rank": "i32",
+                "lora_scale": "fp32",
             }
             constexprs = {
-                "BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": nested, "HAS_BIAS": bias, "BLOCK_N": config.block_n,
+                "BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": nested, "HAS_BIAS": bias, "HAS_LORA": lora,
+                "RANK": 16, "BLOCK_N": config.block_n,
                 "BLOCK_M": MAX_ROWS if config.use_dot else 1, "STEP_BLOCKS": config.step_blocks,
                 "USE_DOT": config.use_dot, "X_KIND": kind, "MASKED": masked, "LANE_TABLE": True, "PACKED": packed,
                 "BF16_BY_HAND": False, "INT64": False,

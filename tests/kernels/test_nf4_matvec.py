@@ -26,6 +26,7 @@ import bitsandbytes.functional as bnbF  # noqa: E402
 
 from notebookkit.kernels.nf4_matvec import (  # noqa: E402
     MAX_ROWS,
+    LoRATerm,
     MatvecConfig,
     matvec_config,
     nf4_matvec,
@@ -53,24 +54,33 @@ def _inputs(m, n, k, dtype, with_bias, seed=1, device="cpu"):
     return x, bias
 
 
-def _oracle(x, packed, qs, bias):
-    """(float64 reference, S = sum |x w| + |b|) with w decoded by the NF4 definition in x's dtype."""
+def _oracle(x, packed, qs, bias, lora=None):
+    """(float64 reference, S = sum |x w| + |b| + |s| sum |u B|) with w decoded by the NF4 definition in
+    x's dtype."""
     w = decode_nf4_by_definition(packed, qs, out_dtype=x.dtype).double().to(x.device)
     x64 = x.double().reshape(-1, w.shape[1])
     ref, size = x64 @ w.t(), x64.abs() @ w.abs().t()
     if bias is not None:
         ref, size = ref + bias.double(), size + bias.double().abs()
+    if lora is not None:
+        u, b, scaling = lora
+        u64 = u.double().reshape(-1, u.shape[-1])
+        ref = ref + scaling * (u64 @ b.double().t())
+        size = size + abs(scaling) * (u64.abs() @ b.double().abs().t())
     return ref, size
 
 
-def assert_within_rounding(y, x, packed, qs, bias, what=""):
-    """Every element within the rounding bound of the module docstring."""
+def assert_within_rounding(y, x, packed, qs, bias, what="", lora=None):
+    """Every element within the rounding bound of the module docstring (a LoRA term's ``r`` products,
+    each scaled by ``s`` with one more rounding, count as ``2 r`` more terms)."""
     assert y.dtype == x.dtype
     y64 = y.double().reshape(-1, y.shape[-1])
     assert torch.isfinite(y64).all(), f"{what}: NaN/Inf in the output (elements not written?)"
-    ref, size = _oracle(x, packed, qs, bias)
+    ref, size = _oracle(x, packed, qs, bias, lora)
     k = x.shape[-1]
     terms = 2 * k + 1 if x.dtype == torch.float32 else k + 1
+    if lora is not None:
+        terms += 2 * lora[1].shape[1]
     g = terms * 2.0**-24 / (1 - terms * 2.0**-24)
     u = UNIT_ROUNDOFF[x.dtype]
     bound = u * (ref.abs() + g * size) + g * size + torch.finfo(x.dtype).tiny
@@ -82,9 +92,18 @@ def assert_within_rounding(y, x, packed, qs, bias, what=""):
     )
 
 
-def _kernel(x, packed, qs, bias=None, config=None):
+def _kernel(x, packed, qs, bias=None, config=None, lora=None):
     with use_triton(True):
-        return nf4_matvec(x, (packed, qs), bias=bias, config=config)
+        return nf4_matvec(x, (packed, qs), bias=bias, config=config, lora=lora)
+
+
+def _lora_term(m, n, rank, dtype, seed=7, device="cpu", group=3, scaling=0.5):
+    """A LoRA term whose ``U`` is the middle ``rank`` columns of a ``[m, group * rank]`` matrix (the
+    ``X A_cat^T`` of a group of projections: rows ``group * rank`` apart)."""
+    g = torch.Generator().manual_seed(seed)
+    u_cat = torch.randn(m, group * rank, generator=g).to(dtype).to(device)
+    b = (torch.randn(n, rank, generator=g) * 0.2).to(dtype).to(device)
+    return LoRATerm(u_cat[:, rank:2 * rank], b, scaling)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,6 +147,40 @@ def test_other_variants(nested, with_bias):
         assert_within_rounding(_kernel(x, packed, qs, bias), x, packed, qs, bias, f"M={m}")
 
 
+# the LoRA term in the kernel's sum: fused multiply-adds and tl.dot (fp16, fp32; bf16 at M = 1 only), ranks
+# below and at 16 and one that is not a power of two, U a column slice of a wider matrix
+LORA_CASES = [(1, torch.bfloat16, 16), (1, torch.float16, 6), (5, torch.float16, 4), (3, torch.float32, 16)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m,dtype,rank", LORA_CASES, ids=[f"M{m}-{str(d)[6:]}-r{r}" for m, d, r in LORA_CASES])
+def test_lora_term_joins_the_sum(m, dtype, rank):
+    n, k = 37, 320
+    packed, qs = _nf4_weight(n, k, dtype, nested=True, seed=11)
+    x, bias = _inputs(m, n, k, dtype, with_bias=(m == 1), seed=12)
+    lora = _lora_term(m, n, rank, dtype)
+    y = _kernel(x, packed, qs, bias, lora=lora)
+    assert_within_rounding(y, x, packed, qs, bias, f"M={m} r={rank}", lora=lora)
+    ref = nf4_matvec_reference(x, (packed, qs), bias, lora=lora)
+    assert rel_err(y, ref) <= 2 * UNIT_ROUNDOFF[dtype] + TOLERANCE[torch.float32]
+    # the term is really there: without it the output leaves the bound
+    with pytest.raises(AssertionError, match="beyond the rounding bound"):
+        assert_within_rounding(_kernel(x, packed, qs, bias), x, packed, qs, bias, lora=lora)
+
+
+def test_lora_term_shapes_are_checked():
+    packed, qs = _nf4_weight(16, 128, torch.float16, nested=False)
+    x, _ = _inputs(2, 16, 128, torch.float16, False)
+    u, b, _ = _lora_term(2, 16, 4, torch.float16)
+    with pytest.raises(ValueError, match=r"U \[2, r\] and B \[16, r\]"):
+        nf4_matvec(x, (packed, qs), lora=LoRATerm(u, b[:8], 1.0))
+    with pytest.raises(ValueError, match="must be torch.float16"):
+        nf4_matvec(x, (packed, qs), lora=LoRATerm(u.float(), b, 1.0))
+    # the CPU path (decode, then multiply) adds the term too
+    y = nf4_matvec(x, (packed, qs), lora=LoRATerm(u, b, 2.0))
+    assert_within_rounding(y, x, packed, qs, None, "cpu path", lora=LoRATerm(u, b, 2.0))
+
+
 CONFIGS = [
     MatvecConfig(block_n=4, step_blocks=2, use_dot=False, num_warps=2),  # 5 blocks a row: a partial last step
     MatvecConfig(block_n=16, step_blocks=8, use_dot=False),  # a step wider than the row
@@ -137,11 +190,11 @@ CONFIGS = [
 ]
 
 
-@needs_interpreter
 def _config_id(c: MatvecConfig) -> str:
     return f"n{c.block_n}-s{c.step_blocks}-{'dot' if c.use_dot else 'fma'}-w{c.num_warps}"
 
 
+@needs_interpreter
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_launch_configs(config):
     """Every tiling gives the same function: rows and steps that do not divide N and K (masked) and
@@ -346,6 +399,21 @@ def test_gpu_large_shapes(shape, dtype):
         _assert_within_rounding_chunked(y, x, packed, qs, bias, f"{shape} M={m} {dtype}")
         ref = nf4_matvec_reference(x, (packed, qs), bias)
         assert rel_err(y, ref) <= 2 * UNIT_ROUNDOFF[dtype] + TOLERANCE[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_lora_term(m, dtype):
+    """The LoRA term on the GPU (bf16 through tl.dot is GPU-only): the bound, and the kernel's one rounding
+    against the reference's."""
+    packed, qs = _nf4_weight(1024, 4096, dtype, nested=True, device="cuda")
+    x, _ = _inputs(m, 1024, 4096, dtype, False, device="cuda")
+    lora = _lora_term(m, 1024, 16, dtype, device="cuda")
+    y = nf4_matvec(x, (packed, qs), lora=lora)
+    assert_within_rounding(y, x, packed, qs, None, f"M={m} {dtype}", lora=lora)
+    ref = nf4_matvec_reference(x, (packed, qs), lora=lora)
+    assert rel_err(y, ref) <= 2 * UNIT_ROUNDOFF[dtype] + TOLERANCE[torch.float32]
 
 
 @pytest.mark.gpu

@@ -4,9 +4,12 @@ Projections that read one input (q/k/v; gate/up; o or down alone) go through the
 helpers of :mod:`notebookkit.kernels.lora_projection` without autograd
 (:func:`~notebookkit.kernels.lora_projection.shared_input_forward`: the adapters of one rank share
 ``X A_cat^T``), with one difference for 4-bit base weights: when the decode kernel
-``notebookkit.kernels.nf4_matvec`` is available and takes the input (CUDA, few rows), the base part
-``X W^T`` reads the NF4 bytes directly instead of dequantising each whole weight per token, and the
-low-rank part is added into its output (``grouped_projection_forward`` with the base outputs given).
+``notebookkit.kernels.nf4_matvec`` is available and takes the input (CUDA, few rows), each projection is
+one launch of that kernel: it reads the NF4 bytes directly instead of dequantising each whole weight per
+token, and adds the bias and the low-rank term ``s U B^T`` (``U = X A^T`` from one GEMM per group, over the
+group's ``A_cat`` kept between steps: :meth:`AdapterCasts.concatenated`) into the same fp32 sum before its
+one rounding. Per decoder layer that is 7 matvecs and 4 small GEMMs, where a matvec, an ``addmm`` per
+projection and a concatenation per group made 20.
 2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their whole weight: a decode
 batch of at most ``low_bit_matvec.MAX_ROWS`` rows reads their codes in
 :func:`notebookkit.kernels.low_bit_matvec.low_bit_matvec` (no ``tl.dot``), more rows go
@@ -40,6 +43,7 @@ from notebookkit.base_layers.kernel_ops import kernel
 from notebookkit.kernels.lora_projection import (
     LoRAProjection,
     adapter_group,
+    concat_adapters,
     grouped_projection_forward,
     projection_forward,
     shared_input_forward,
@@ -59,6 +63,8 @@ class AdapterCasts:
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, torch.dtype], list] = {}  # (id, dtype) -> [adapter, its version, cast]
+        # (ids, dtype) -> [adapters, their versions, cat(adapters) in dtype]: a group's A_cat
+        self._joined: dict[tuple[tuple[int, ...], torch.dtype], list] = {}
 
     def __call__(self, adapter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if adapter.dtype == dtype:
@@ -69,9 +75,20 @@ class AdapterCasts:
             self._kept[(id(adapter), dtype)] = entry
         return entry[2]
 
+    def concatenated(self, adapters: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """``cat(adapters)`` along the rank in ``dtype``, kept like the casts (a group's ``A_cat``: one
+        concatenation per group per step saved)."""
+        key = (tuple(id(a) for a in adapters), dtype)
+        entry = self._joined.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], adapters)):
+            entry = [tuple(adapters), tuple(a._version for a in adapters), concat_adapters(tuple(adapters), dtype)]
+            self._joined[key] = entry
+        return entry[2]
+
     def refresh(self, every: bool = False) -> int:
-        """Re-cast the adapters changed in place since they were cast (``every``: all of them, for updates
-        that did not move the version counter); returns how many."""
+        """Re-cast the adapters changed in place since they were cast, and re-join the concatenations
+        holding one (``every``: all of them, for updates that did not move the version counter); returns
+        how many casts and concatenations were renewed."""
         changed = 0
         for entry in self._kept.values():
             adapter, version, cast = entry
@@ -79,13 +96,21 @@ class AdapterCasts:
                 cast.copy_(adapter.detach())
                 entry[1] = adapter._version
                 changed += 1
+        for entry in self._joined.values():
+            adapters, versions, joined = entry
+            now = tuple(a._version for a in adapters)
+            if every or now != versions:
+                torch.cat([a.detach() for a in adapters], out=joined)
+                entry[1] = now
+                changed += 1
         return changed
 
     def clear(self) -> None:
         self._kept.clear()
+        self._joined.clear()
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return len(self._kept) + len(self._joined)
 
 
 def _nf4_kernels():
@@ -137,6 +162,42 @@ def _with_casts(proj: LoRAProjection, dtype: torch.dtype, casts: Optional[Adapte
                           proj.scaling)
 
 
+def _adapter_inputs(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
+                    casts: Optional[AdapterCasts]) -> list[Optional[torch.Tensor]]:
+    """``U_i = X A_i^T`` of each projection's adapter (``None`` without one), from one GEMM
+    ``X A_cat^T`` when two or more adapters share a rank (``A_cat`` kept by ``casts``)."""
+    dtype = x2d.dtype
+    adapted = [p for p in projs if p.has_adapter]
+    ranks = {p.rank for p in adapted}
+    if len(adapted) >= 2 and len(ranks) == 1 and len({p.lora_A.dtype for p in adapted}) == 1:
+        As = tuple(p.lora_A for p in adapted)
+        a_cat = casts.concatenated(As, dtype) if casts is not None else concat_adapters(As, dtype)
+        u_cat = x2d @ a_cat.t()
+        r = ranks.pop()
+        joined = iter(u_cat[:, i * r:(i + 1) * r] for i in range(len(adapted)))
+        return [next(joined) if p.has_adapter else None for p in projs]
+    return [x2d @ (casts(p.lora_A, dtype) if casts is not None else p.adapters(dtype)[0]).t() if p.has_adapter
+            else None for p in projs]
+
+
+def _nf4_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection], biases: Sequence[Optional[torch.Tensor]],
+                       casts: Optional[AdapterCasts]) -> Optional[list[torch.Tensor]]:
+    """``X W_i^T + b_i + s_i U_i B_i^T`` of NF4 projections, each in one launch of the decode matvec with its
+    bias and its adapter's term inside (``U_i`` from :func:`_adapter_inputs`); ``None`` where the kernel does
+    not take every projection (then the caller adds the low-rank parts itself)."""
+    if not all(p.quantized for p in projs) or not _nf4_takes(x2d, projs):
+        return None
+    matvec, _ = _nf4_kernels()
+    dtype = x2d.dtype
+    outs = []
+    for p, bias, u in zip(projs, biases, _adapter_inputs(x2d, projs, casts)):
+        lora = None
+        if u is not None:
+            lora = (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
+        outs.append(matvec(x2d, (p.weight, p.quant_state), bias, lora=lora))
+    return outs
+
+
 def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[AdapterCasts] = None) -> list[torch.Tensor]:
     """Outputs ``[N, out_i]`` of the linear ``modules`` (plain, 4-bit or PEFT LoRA) that all read ``x2d [N, in]``.
 
@@ -146,6 +207,9 @@ def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[Ada
     found, _ = views(*modules)
     if found is None:
         return [module(x2d) for module in modules]
+    fused = _nf4_with_adapters(x2d, [v.projection for v in found], [v.bias for v in found], casts)
+    if fused is not None:
+        return fused
     projs = tuple(_with_casts(v.projection, x2d.dtype, casts) for v in found)
     bases = _nf4_bases(x2d, projs)
     if bases is None:
