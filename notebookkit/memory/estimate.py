@@ -152,7 +152,8 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     quantises the stacked experts itself) and the routers stay in the compute dtype; the attention
     projections follow the base format. The experts' adapters are
     PEFT's ``ParamWrapper`` pairs ``lora_A [r E, in]``, ``lora_B [out, r E]`` (Qwen3-MoE's gate_up at
-    ``2 r`` when PEFT maps ``gate_proj`` + ``up_proj`` onto it; at ``r`` when ``target_parameters`` names it). A kept layer saves its attention and norms (the fused ones, or gpt-oss's stock eager
+    ``2 r`` when PEFT maps ``gate_proj`` + ``up_proj`` onto it; at ``r`` when ``target_parameters`` names
+    it). A kept layer saves its attention and norms (the fused ones, or gpt-oss's stock eager
     attention with sinks and fp32 norms) and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
     rank-space products, the permutation and block schedule; the block's forward and backward working
     sets replace the dense MLP's. Offloading is not written for these models: ``"offload"`` layers
@@ -663,8 +664,9 @@ def backward_working_set(
     The base format (``load_in_*``) adds what its GEMMs need beyond their outputs (:mod:`.base_weights`):
     NF4's dense copy of one projection, or 2-bit / ternary's dense chunk (from 256 tokens on) and fresh input
     gradient of a shared-input projection. A mixture of experts (``lora_r`` and ``target_modules`` or
-    ``target_parameters`` size its expert adapters): ``"mlp"`` is the sparse block's larger working set (forward or backward) with the
-    incoming gradient, ``"attention"`` the attention's less what the block and the MLP norm free (:mod:`.moe`).
+    ``target_parameters`` size its expert adapters): ``"mlp"`` is the sparse block's larger working set
+    (forward or backward) with the incoming gradient, ``"attention"`` the attention's less what the block and
+    the MLP norm free (:mod:`.moe`).
     """
     fmt = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
     N = batch_size * seq_len

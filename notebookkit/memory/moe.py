@@ -131,7 +131,8 @@ def explicit_expert_ranks(shape: ModelShape, r: int, target_parameters: Any) -> 
     return ranks
 
 
-def expert_lora_ranks(shape: ModelShape, r: int, targets: Iterable[str], target_parameters: Any = None) -> dict[str, int]:
+def expert_lora_ranks(shape: ModelShape, r: int, targets: Iterable[str],
+                      target_parameters: Any = None) -> dict[str, int]:
     """``{stacked weight: rank}`` of the adapters ``get_peft_model`` puts on the experts for these
     ``target_modules`` names (module docstring), or, when ``target_parameters`` names the stacked weights
     itself, those at ``r`` (:func:`explicit_expert_ranks`: PEFT's own ``2 r`` for Qwen3-MoE's gate_up comes only

@@ -216,6 +216,6 @@ def test_explicit_target_parameters_count_the_adapters_peft_makes(family, target
     assert details["adapters + optimizer: gradients"] == fp32
     assert details["adapters + optimizer: optimizer states"] == 2 * fp32  # AdamW's two fp32 moments
     # the same names given to the memory model directly (before loading anything), as get_peft_model takes them
-    named = estimate_training_memory(path, dtype=torch.float32, seq_len=T, lora_r=R, target_modules=["q_proj", "v_proj"],
-                                     target_parameters=target_parameters)
+    named = estimate_training_memory(path, dtype=torch.float32, seq_len=T, lora_r=R,
+                                     target_modules=["q_proj", "v_proj"], target_parameters=target_parameters)
     assert named.inputs["lora_params"] == sum(p.numel() for p in adapters)
