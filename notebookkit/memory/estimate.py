@@ -152,7 +152,8 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     quantises the stacked experts itself) and the routers stay in the compute dtype; the attention
     projections follow the base format. The experts' adapters are
     PEFT's ``ParamWrapper`` pairs ``lora_A [r E, in]``, ``lora_B [out, r E]`` (Qwen3-MoE's gate_up at
-    ``2 r``). A kept layer saves its attention and norms (the fused ones, or gpt-oss's stock eager
+    ``2 r`` when PEFT maps ``gate_proj`` + ``up_proj`` onto it; at ``r`` when ``target_parameters`` names
+    it). A kept layer saves its attention and norms (the fused ones, or gpt-oss's stock eager
     attention with sinks and fp32 norms) and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
     rank-space products, the permutation and block schedule; the block's forward and backward working
     sets replace the dense MLP's. Offloading is not written for these models: ``"offload"`` layers
@@ -399,7 +400,8 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     """What a loaded (PEFT) model tells about itself: the base format (``load_in_4bit`` /
     ``load_in_2bit`` / ``load_in_ternary``: the loader's record, :func:`.model_setup.base_format_of`, else
     the quantization config), ``dtype``, ``lora_r``,
-    ``target_modules``, ``lora_dropout`` from its configs, ``fused_loss``, ``fp8_forward`` and
+    ``target_modules``, ``lora_dropout`` from its configs, a mixture of experts' ``target_parameters`` ranks from
+    its adapters (:func:`stacked_expert_ranks`), ``fused_loss``, ``fp8_forward`` and
     ``offload_embedding`` from what notebookkit set up on it, and ``generation`` when ``generate`` holds a
     KV cache on it (:mod:`.model_setup`). Missing facts are left out (the defaults apply)."""
     out: dict[str, Any] = {}
@@ -450,6 +452,9 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
                       if p in stacked for n in ns]
             if names:
                 out["target_modules"] = sorted({str(t).split(".")[-1] for t in names}, key=PROJECTIONS.index)
+        ranks = stacked_expert_ranks(model, next(iter(peft)))
+        if ranks:  # the experts' adapters as PEFT made them (a rank_pattern's 2 r, or r for explicit names)
+            out["target_parameters"] = ranks
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
     if any(fp8_forward(m) for m in getattr(model, "modules", lambda: [])()):
         out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
@@ -462,6 +467,18 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     if is_vlm(model):
         out.update(vision_kwargs_from_model(model))
     return out
+
+
+def stacked_expert_ranks(model: Any, adapter: str) -> dict[str, int]:
+    """``{stacked weight: rank}`` of PEFT's ``ParamWrapper`` adapters on a mixture of experts' ``gate_up_proj`` /
+    ``down_proj`` in ``model`` (each wrapper names its ``parameter_name`` and keeps ``r`` by adapter); the largest
+    rank where layers differ (the memory model takes one rank a weight). Empty without such adapters."""
+    ranks: dict[str, int] = {}
+    for module in getattr(model, "modules", lambda: [])():
+        name, r = getattr(module, "parameter_name", None), getattr(module, "r", None)
+        if name in moe_terms.STACKED and isinstance(r, dict) and adapter in r and hasattr(module, "lora_A"):
+            ranks[name] = max(ranks.get(name, 0), int(r[adapter]))
+    return ranks
 
 
 def activation_plan_of(model: Any) -> Any:
@@ -528,13 +545,16 @@ def fp8_products(shape: ModelShape) -> list[tuple[str, ...]]:
     return products
 
 
-def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None) -> int:
+def lora_param_count(shape: ModelShape, r: int, target_modules: Iterable[str] | None = None,
+                     target_parameters: Any = None) -> int:
     """Trainable LoRA parameters: ``L * sum over targets of r * (in + out)``; on a mixture of experts the
-    MLP names adapt the stacked experts instead (``L * E * sum r_w (in_w + out_w)``, :mod:`.moe`)."""
+    MLP names (or ``target_parameters``) adapt the stacked experts instead (``L * E * sum r_w (in_w + out_w)``,
+    :mod:`.moe`)."""
     dims = shape.projection_shapes()
     targets = lora_targets(target_modules)
     dense = shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
-    return dense + moe_terms.expert_lora_param_count(shape, moe_terms.expert_lora_ranks(shape, r, targets))
+    ranks = moe_terms.expert_lora_ranks(shape, r, targets, target_parameters)
+    return dense + moe_terms.expert_lora_param_count(shape, ranks)
 
 
 def layer_activation_bytes(
@@ -551,6 +571,7 @@ def layer_activation_bytes(
     adapter_dtype_bytes: int = 4,
     kv_repeated: bool = False,
     padded: bool = False,
+    target_parameters: Any = None,
 ) -> int:
     """Bytes one decoder layer keeps on the GPU for backward in ``mode`` (see module docstring).
 
@@ -559,6 +580,7 @@ def layer_activation_bytes(
     (``adapter_dtype_bytes``: 4 for PEFT's fp32 adapters). ``kv_repeated``: SDPA is handed K/V repeated
     to every query head and saves them (:mod:`notebookkit.memory.grouped_kv`: a padded batch on CUDA, a T4).
     ``padded``: the batch has a padding mask, which SDPA keeps as an additive ``[B, 1, T, T]`` mask.
+    ``target_parameters``: a mixture of experts' stacked weights adapted by name (:func:`.moe.expert_lora_ranks`).
     """
     N = batch_size * seq_len
     s = dtype_bytes
@@ -571,7 +593,7 @@ def layer_activation_bytes(
         raise ValueError(f"unknown mode {mode!r}")
     targets = lora_targets(target_modules)
     if shape.num_experts:  # the attention and norms, then the sparse block (notebookkit.memory.moe)
-        ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets)
+        ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets, target_parameters)
         block = moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks, adapter_bytes=adapter_dtype_bytes)
         if moe_terms.stock_attention(shape):
             body = moe_terms.stock_layer_saved_bytes(
@@ -628,6 +650,7 @@ def backward_working_set(
     load_in_ternary: bool = False,
     lora_r: int = 16,
     target_modules: Iterable[str] | None = None,
+    target_parameters: Any = None,
 ) -> dict[str, int]:
     """Transient bytes of one decoder layer's backward on top of the saved activations.
 
@@ -640,9 +663,10 @@ def backward_working_set(
     (recomputed) forward: the largest of :func:`fp8_products` (0 without the FP8 forward).
     The base format (``load_in_*``) adds what its GEMMs need beyond their outputs (:mod:`.base_weights`):
     NF4's dense copy of one projection, or 2-bit / ternary's dense chunk (from 256 tokens on) and fresh input
-    gradient of a shared-input projection. A mixture of experts (``lora_r`` and ``target_modules`` size its
-    expert adapters): ``"mlp"`` is the sparse block's larger working set (forward or backward) with the
-    incoming gradient, ``"attention"`` the attention's less what the block and the MLP norm free (:mod:`.moe`).
+    gradient of a shared-input projection. A mixture of experts (``lora_r`` and ``target_modules`` or
+    ``target_parameters`` size its expert adapters): ``"mlp"`` is the sparse block's larger working set
+    (forward or backward) with the incoming gradient, ``"attention"`` the attention's less what the block and
+    the MLP norm free (:mod:`.moe`).
     """
     fmt = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
     N = batch_size * seq_len
@@ -651,7 +675,7 @@ def backward_working_set(
         flags = {fmt.load_flag: True} if fmt.load_flag else {}
         dense = backward_working_set(moe_terms.dense_part(shape), batch_size=batch_size, seq_len=seq_len,
                                      dtype_bytes=s, attention=attention, fp8_forward=fp8_forward, **flags)
-        ranks = moe_terms.expert_lora_ranks(shape, lora_r, lora_targets(target_modules))
+        ranks = moe_terms.expert_lora_ranks(shape, lora_r, lora_targets(target_modules), target_parameters)
         block_ws = moe_terms.sparse_block_working_sets(shape, tokens=N, s=s, ranks=ranks)
         block_saved = sum(moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks).values())
         mlp = N * shape.hidden_size * s + max(block_ws.values())
@@ -719,6 +743,7 @@ def estimate_training_memory(
     padded: bool = False,
     load_in_2bit: bool = False,
     load_in_ternary: bool = False,
+    target_parameters: Any = None,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
 
@@ -730,6 +755,10 @@ def estimate_training_memory(
             ``from_pretrained`` takes them; at most one of the three flags (the bytes: module docstring).
         dtype: compute dtype: ``"float16"`` (T4), ``"bfloat16"``, ``"float32"`` (CPU) or a torch dtype.
         lora_r: LoRA rank. ``target_modules``: projections with adapters (default: all seven).
+        target_parameters: a mixture of experts' stacked weights adapted by name, as ``get_peft_model`` /
+            PEFT's ``LoraConfig`` take them (``["mlp.experts.gate_up_proj", ...]``: each at ``lora_r``), or
+            ``{name: rank}`` (``estimate_for_model`` reads PEFT's ranks off the model); given, they replace the
+            expert adapters the MLP names of ``target_modules`` would make (:mod:`notebookkit.memory.moe`).
         optimizer: ``"adamw"`` (any fp32 AdamW), ``"adamw_8bit"`` / ``"paged_adamw_8bit"``, ``"lion"``,
             ``"lion_8bit"``, ``"adafactor"``, ``"sgd"`` (Trainer ``optim`` names work).
         batch_size, seq_len: tokens per micro-batch are ``batch_size * seq_len`` (use the padded
@@ -791,7 +820,8 @@ def estimate_training_memory(
     plan = normalize_plan(activation_plan, shape.num_layers)
     moe_notes: list[str] = []
     if shape.num_experts:
-        plan = _moe_checks(shape, plan, fmt, method, generation, lora_dropout, lora_r, targets, moe_notes)
+        plan = _moe_checks(shape, plan, fmt, method, generation, lora_dropout, lora_r, targets, moe_notes,
+                           target_parameters)
     opt = _optimizer_name(optimizer)
     attention = resolve_attention(shape, attention)
     record = TRAINING_METHODS[method]
@@ -803,10 +833,11 @@ def estimate_training_memory(
 
     base = _base_weights(shape, s, fmt, double_quant)
     host_embedding_bytes = _move_embedding_to_host(base, shape, s) if offload_embedding else 0
-    adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype)
+    adapters, p_lora = _adapters_and_optimizer(shape, s, lora_r, targets, opt, adapter_dtype, target_parameters)
     acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
                         target_modules=targets, lora_dropout=lora_dropout, attention=attention,
-                        adapter_dtype_bytes=bytes_of_dtype(adapter_dtype), kv_repeated=kv_repeated, padded=padded)
+                        adapter_dtype_bytes=bytes_of_dtype(adapter_dtype), kv_repeated=kv_repeated, padded=padded,
+                        target_parameters=target_parameters)
     vision_inputs: dict[str, Any] = {}
     if vlm is not None:
         vision_inputs = _add_vision(vlm, base, adapters, acts, plan, rows=rows, seq_len=seq_len, s=s,
@@ -816,7 +847,7 @@ def estimate_training_memory(
                                     vision_lora_params=vision_lora_params)
     loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=record.logprob_loss)
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
-                                       lora_r=lora_r, target_modules=targets,
+                                       lora_r=lora_r, target_modules=targets, target_parameters=target_parameters,
                                        attention=attention, fp8_forward=fp8_forward,
                                        **({fmt.load_flag: True} if fmt.load_flag else {}))
     reference = _reference_pass(shape, rows, seq_len, s, fmt, attention) if record.reference_pass else _Part(0)
@@ -837,7 +868,8 @@ def estimate_training_memory(
     inputs = dict(
         load_in_4bit=bool(load_in_4bit), load_in_2bit=bool(load_in_2bit), load_in_ternary=bool(load_in_ternary),
         base_format=fmt.name, dtype=str(dtype).replace("torch.", ""), lora_r=lora_r,
-        target_modules=targets, optimizer=opt, batch_size=batch_size, seq_len=seq_len,
+        target_modules=targets, target_parameters=target_parameters, optimizer=opt, batch_size=batch_size,
+        seq_len=seq_len,
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
         offload_embedding=bool(host_embedding_bytes), kv_repeated=bool(kv_repeated), padded=bool(padded),
@@ -903,7 +935,8 @@ def _base_weights(shape: ModelShape, s: int, fmt: BaseFormat, double_quant: bool
 
 
 def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, method: str, generation: Any,
-                lora_dropout: float, lora_r: int, targets: list[str], notes: list[str]) -> tuple[str, ...]:
+                lora_dropout: float, lora_r: int, targets: list[str], notes: list[str],
+                target_parameters: Any = None) -> tuple[str, ...]:
     """Refuse what the memory model (or notebookkit) does not cover for a mixture of experts, with what to
     do instead; the plan as it runs (offloaded layers recompute); a note on the experts."""
     what = f"notebookkit.memory: {shape.name} is a mixture of experts"
@@ -923,7 +956,8 @@ def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, metho
         plan = tuple("recompute" if m == "offload" else m for m in plan)
         notes.append("a mixture of experts recomputes its offloaded layers (offloading them is not written yet): "
                      "counted as recompute")
-    notes.append(moe_terms.describe(shape, moe_terms.expert_lora_ranks(shape, lora_r, targets), nf4=fmt.name == "nf4"))
+    ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets, target_parameters)
+    notes.append(moe_terms.describe(shape, ranks, nf4=fmt.name == "nf4"))
     return plan
 
 
@@ -981,17 +1015,18 @@ def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan
 
 
 def _adapters_and_optimizer(
-    shape: ModelShape, s: int, lora_r: int, targets: list[str], opt: str, adapter_dtype: str
+    shape: ModelShape, s: int, lora_r: int, targets: list[str], opt: str, adapter_dtype: str,
+    target_parameters: Any = None,
 ) -> tuple[_Part, int]:
     """LoRA weights, gradients, fp32 master copy, optimizer states and compute-dtype copies; and the
     number of LoRA parameters."""
-    p_lora = lora_param_count(shape, lora_r, targets)
+    p_lora = lora_param_count(shape, lora_r, targets, target_parameters)
     a_bytes = bytes_of_dtype(adapter_dtype)
     params_b = p_lora * a_bytes
     grads_b = p_lora * a_bytes
     master_b = p_lora * 4 if a_bytes < 4 else 0
     dims = shape.projection_shapes()
-    ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets)
+    ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets, target_parameters)
     if opt == "adafactor":
         opt_b = shape.num_layers * sum(4 * ((lora_r + dims[t][0]) + (dims[t][1] + lora_r)) for t in targets if t in dims)
         opt_b += moe_terms.expert_adafactor_bytes(shape, ranks)

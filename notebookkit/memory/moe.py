@@ -19,7 +19,9 @@ Adapters on the stacked experts (PEFT ``target_parameters`` -> ``ParamWrapper``:
 ``lora_B [out, r E]`` a stacked weight): ``L * E * sum r_w (in_w + out_w)`` over ``gate_up_proj``
 (``H -> 2I``) and ``down_proj`` (``I -> H``). Qwen3-MoE: PEFT maps ``gate_proj`` + ``up_proj`` onto
 ``gate_up_proj`` at rank ``2 r`` (the two fused adapters; one without the other is refused) and
-``down_proj`` at ``r``; gpt-oss: notebookkit adds both at rank ``r`` when any MLP name is targeted.
+``down_proj`` at ``r``; gpt-oss: notebookkit adds both at rank ``r`` when any MLP name is targeted. Named by
+``target_parameters`` (``get_peft_model(target_parameters=[...])``), each named weight is adapted at ``r``, and
+only those (a PEFT model's own ranks are read off it by :func:`~.estimate.estimate_kwargs_from_model`).
 
 Saved for backward by a kept sparse block (the router in fp32, the grouped kernel's ``ctx``)
     router ``softmax_topk`` (Qwen3-MoE): the fp32 softmax ``4 N E``, top-k indices ``8 n``, weights ``4 n``
@@ -69,13 +71,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from notebookkit.families import Family, for_model_type
 
 from .shapes import ModelShape
 
-__all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "expert_lora_param_count", "expert_weight_bytes",
+__all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "explicit_expert_ranks", "expert_lora_param_count",
+           "expert_weight_bytes",
            "nf4_stacked_bytes",
            "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets",
            "sparse_block_generation_bytes", "dense_part"]
@@ -109,12 +112,36 @@ def stock_norms(shape: ModelShape) -> bool:
     return family is not None and "RMSNorm" in family.stock
 
 
-def expert_lora_ranks(shape: ModelShape, r: int, targets: Iterable[str]) -> dict[str, int]:
+STACKED = ("gate_up_proj", "down_proj")
+
+
+def explicit_expert_ranks(shape: ModelShape, r: int, target_parameters: Any) -> dict[str, int]:
+    """``{stacked weight: rank}`` of PEFT's ``target_parameters`` adapters named by the caller: names ending in
+    ``gate_up_proj`` / ``down_proj`` (``"mlp.experts.gate_up_proj"``), each at ``r`` (PEFT's rank for a named
+    parameter), or a ``{name: rank}`` mapping (what a PEFT model holds, read off it)."""
+    items = target_parameters.items() if isinstance(target_parameters, Mapping) else \
+        ((name, r) for name in ([target_parameters] if isinstance(target_parameters, str) else target_parameters))
+    ranks: dict[str, int] = {}
+    for name, rank in items:
+        leaf = str(name).split(".")[-1]
+        if leaf not in STACKED:
+            raise ValueError(f"notebookkit.memory: target_parameters names {name!r}; {shape.name}'s experts hold "
+                             f"{' and '.join(STACKED)} (e.g. 'mlp.experts.gate_up_proj').")
+        ranks[leaf] = int(rank)
+    return ranks
+
+
+def expert_lora_ranks(shape: ModelShape, r: int, targets: Iterable[str],
+                      target_parameters: Any = None) -> dict[str, int]:
     """``{stacked weight: rank}`` of the adapters ``get_peft_model`` puts on the experts for these
-    ``target_modules`` names (module docstring); empty for a dense model or no MLP target."""
+    ``target_modules`` names (module docstring), or, when ``target_parameters`` names the stacked weights
+    itself, those at ``r`` (:func:`explicit_expert_ranks`: PEFT's own ``2 r`` for Qwen3-MoE's gate_up comes only
+    from its mapping of ``gate_proj`` + ``up_proj``); empty for a dense model or no MLP target."""
     family = moe_family(shape)
     if family is None:
         return {}
+    if target_parameters:
+        return explicit_expert_ranks(shape, r, target_parameters)
     targets = set(targets)
     if family.moe.peft_maps_mlp_targets:  # PEFT's own mapping: gate + up fused at 2 r
         gate_up = {"gate_proj", "up_proj"} & targets

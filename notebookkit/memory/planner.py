@@ -199,9 +199,10 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
     T = kw.get("seq_len", 2048)
     r = kw.get("lora_r", 16)
     s = bytes_of_dtype(kw.get("dtype", "bfloat16"))
-    lora_layer = lora_param_count(shape, r, kw.get("target_modules")) / shape.num_layers
+    lora_layer = lora_param_count(shape, r, kw.get("target_modules"), kw.get("target_parameters")) / shape.num_layers
     if shape.num_experts:  # a token runs k of the E experts (and their adapters)
-        experts = expert_lora_param_count(shape, expert_lora_ranks(shape, r, lora_targets(kw.get("target_modules"))))
+        ranks = expert_lora_ranks(shape, r, lora_targets(kw.get("target_modules")), kw.get("target_parameters"))
+        experts = expert_lora_param_count(shape, ranks)
         lora_layer -= experts / shape.num_layers * (1 - shape.experts_per_token / shape.num_experts)
     flops = N * (2 * shape.active_linear_params_per_layer + 2 * lora_layer + 2 * T * shape.q_dim)
     rate = (card.tflops if card else 1.0) * 1e12

@@ -183,3 +183,39 @@ def test_sparse_block_working_sets_are_what_it_allocates(dtype, monkeypatch, one
     assert after_forward == saved + tokens * H * s  # what it saved for backward, and y
     assert forward_peak - (after_forward - tokens * H * s) == ws["forward"]  # beyond what it saved (y comes last)
     assert backward_peak - after_forward == ws["backward"]
+
+
+EXPLICIT_PARAMETERS = [["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["mlp.experts.gate_up_proj"],
+                       ["mlp.experts.down_proj"]]
+
+
+@pytest.mark.parametrize("target_parameters", EXPLICIT_PARAMETERS, ids=["both", "gate_up", "down"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_explicit_target_parameters_count_the_adapters_peft_makes(family, target_parameters, one_thread):
+    """``get_peft_model(target_parameters=[...])`` names the stacked weights itself: PEFT adapts each at ``r``
+    (Qwen3-MoE's gate_up too, not at the ``2 r`` of PEFT's own gate_proj + up_proj mapping) and only those named
+    (gpt-oss: not both whenever one is). The estimate's adapter count and bytes (weights, gradients, optimizer
+    states) are PEFT's, read off the model, and the count is the same given the names."""
+    from notebookkit import FastLanguageModel
+    from notebookkit.embedded.tiny import ensure_tiny_model
+
+    path = str(ensure_tiny_model(f"notebookkit/tiny-{family}"))
+    model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=T, dtype=torch.float32, load_in_4bit=False,
+                                                 show_banner=False)
+    model = FastLanguageModel.get_peft_model(model, r=R, lora_alpha=R, target_modules=["q_proj", "v_proj"],
+                                             target_parameters=target_parameters, use_gradient_checkpointing=False,
+                                             show_banner=False)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    adapted = {n.split(".")[-1] for n in target_parameters}
+    assert any(getattr(m, "parameter_name", None) in adapted for m in model.modules())  # PEFT wrapped them
+    estimate = estimate_for_model(model, seq_len=T, optimizer="adamw")
+    assert estimate.inputs["lora_params"] == sum(p.numel() for p in adapters)
+    fp32 = sum(p.numel() * p.element_size() for p in adapters)
+    details = estimate.details
+    assert details["adapters + optimizer: LoRA weights"] == fp32
+    assert details["adapters + optimizer: gradients"] == fp32
+    assert details["adapters + optimizer: optimizer states"] == 2 * fp32  # AdamW's two fp32 moments
+    # the same names given to the memory model directly (before loading anything), as get_peft_model takes them
+    named = estimate_training_memory(path, dtype=torch.float32, seq_len=T, lora_r=R,
+                                     target_modules=["q_proj", "v_proj"], target_parameters=target_parameters)
+    assert named.inputs["lora_params"] == sum(p.numel() for p in adapters)

@@ -23,7 +23,8 @@ Resolution order for ``model_name``:
 Precision: ``dtype=None`` picks bf16 on GPUs that support it, fp16 on other GPUs (T4), fp32 on CPU.
 ``load_in_4bit`` quantises linear weights to NF4 with double quantisation through bitsandbytes,
 computing in that dtype, and a mixture of experts' stacked expert weights in the same format by
-:mod:`.nf4_experts` (bitsandbytes quantises ``nn.Linear`` only); checkpoints saved already quantised load as
+:mod:`.nf4_experts` (bitsandbytes quantises ``nn.Linear`` only), each as it is read from the checkpoint
+(:mod:`.stream_nf4_experts`: the 16-bit experts never all exist); checkpoints saved already quantised load as
 they are.
 """
 
@@ -33,6 +34,7 @@ import inspect
 import json
 import os
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -41,13 +43,15 @@ import torch
 import torch.nn as nn
 
 from notebookkit.export.bind import bind_export_methods
-from notebookkit.families import for_model_type
+from notebookkit.families import Family, for_model_type
 
 from . import arguments
 from ..common.banner import Banner, device_line, versions_line
 from ..common.precision import family_dtype, is_bfloat16_supported
 from .offline import explain_unreachable
+from .nf4_experts import quantize_moe_experts
 from .offload_embedding import offload_embedding_value, offload_input_embedding
+from .stream_nf4_experts import ExpertTally, quantize_experts_as_read
 
 _UNSUPPORTED_KWARGS = {
     "fast_inference": (
@@ -260,9 +264,13 @@ def load(
         quant = weights_format(config, load_in_4bit, load_in_8bit, full_finetuning, torch_dtype, banner)
         load_kwargs = weights_kwargs(torch_dtype, token, trust_remote_code, device_map, quant, attn_implementation,
                                      kwargs)
-        model = load_weights(path, kind, model_name, load_kwargs, variant.model_class(checked), where=variant.where)
-        if quant is not None and getattr(quant, "load_in_4bit", False):
-            quantize_experts(model, config, banner)
+        family = nf4_experts_family(config, quant)
+        read = ExpertTally()
+        with quantize_experts_as_read(read) if family is not None else nullcontext():
+            model = load_weights(path, kind, model_name, load_kwargs, variant.model_class(checked),
+                                 where=variant.where)
+        if family is not None:
+            quantize_moe_experts(model, family, banner, read)
     else:
         from ..low_bit.loading import load_weights_low_bit
 
@@ -406,15 +414,14 @@ def weights_format(config: Any, load_in_4bit: bool, load_in_8bit: bool, full_fin
     return quant
 
 
-def quantize_experts(model: nn.Module, config: Any, banner: Banner) -> int:
-    """Under ``load_in_4bit``, a mixture of experts' stacked expert weights in NF4 too (bitsandbytes quantised
-    its ``nn.Linear`` layers only): :func:`.nf4_experts.quantize_moe_experts`; 0 for a dense model."""
+def nf4_experts_family(config: Any, quant: Any) -> Optional[Family]:
+    """The family record when a mixture of experts loads under ``load_in_4bit`` (its stacked experts go to NF4
+    too: bitsandbytes quantises ``nn.Linear`` only, :mod:`.nf4_experts`), else ``None`` (a dense model, 16-bit,
+    8-bit or a pre-quantised checkpoint: loaded as before)."""
     family = for_model_type(getattr(config, "model_type", None))
-    if family is None or family.moe is None:
-        return 0
-    from .nf4_experts import quantize_moe_experts
-
-    return quantize_moe_experts(model, family, banner)
+    if family is None or family.moe is None or not getattr(quant, "load_in_4bit", False):
+        return None
+    return family
 
 
 def load_weights(path: str, kind: str, model_name: Union[str, os.PathLike], load_kwargs: dict[str, Any],
