@@ -147,3 +147,16 @@ def trainer_checkpointing_flag() -> dict[str, bool]:
 
     fields = TrainingArguments.__dataclass_fields__
     return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": True}
+
+
+# ---- transformers: the mark of a loaded parameter -------------------------------------------------
+# Checked on transformers 5.17.0, 5.24.0. After ``from_pretrained`` has set the checkpoint's tensors, it
+# initialises every parameter that lacks ``_is_hf_initialized = True`` (the mark it puts on each tensor it
+# loaded). A parameter replaced while loading (the NF4 experts of
+# :mod:`notebookkit.models.loading.stream_nf4_experts`) must carry the mark over, or its codes are overwritten.
+HF_INITIALIZED_MARK = "_is_hf_initialized"
+
+
+def carry_loaded_mark(source: Any, target: Any) -> None:
+    """Give ``target`` the loaded-parameter mark of ``source`` (False when it has none)."""
+    setattr(target, HF_INITIALIZED_MARK, getattr(source, HF_INITIALIZED_MARK, False))

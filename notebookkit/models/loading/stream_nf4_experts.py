@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.base_layers.nf4_experts import NF4ExpertParam, is_nf4_expert_param, quantize_expert_param
+from notebookkit.compat import carry_loaded_mark
 
 __all__ = ["STACKED", "ExpertTally", "quantize_experts_as_read", "nf4_param_bytes"]
 
@@ -94,8 +95,7 @@ def quantize_experts_as_read(tally: Optional[ExpertTally] = None) -> Iterator[Ex
             packed = quantize_expert_param(param.detach())
         except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError on torch >= 2.5
             raise _out_of_memory(module, name, param, tally) from None
-        # transformers re-initialises, after the load, any parameter without this mark (it set it on the weight)
-        packed._is_hf_initialized = getattr(param, "_is_hf_initialized", False)
+        carry_loaded_mark(param, packed)  # else transformers re-initialises the codes after the load
         tally.add(param, packed)
         return packed
 
