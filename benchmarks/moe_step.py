@@ -578,6 +578,19 @@ def order_systems(systems: list[str]) -> list[str]:
     return systems
 
 
+def run_order(shapes: list[str], systems: list[str], t4_systems: list[str], t4_shape: str) -> list[tuple[str, str, bool]]:
+    """(shape, system, T4 emulation?) in the order they run: each shape's step rows (``order_systems``), the
+    T4 rows right after the step rows of ``t4_shape`` (so a run cut short by its budget loses the last shape's
+    rows, not the T4 table), or last when that shape has no step rows."""
+    plan: list[tuple[str, str, bool]] = []
+    t4 = [(t4_shape, s, True) for s in t4_systems]
+    for shape in shapes:
+        plan += [(shape, s, False) for s in order_systems(systems)]
+        if shape == t4_shape:
+            plan, t4 = plan + t4, []
+    return plan + t4
+
+
 def capped_memory(rows: list[dict], cap_gib: float | None) -> tuple[str | None, str]:
     """(``max_memory`` for the capped row, or None, and why): ``--cap-gib`` or the Unsloth row's peak."""
     if cap_gib:
@@ -619,9 +632,8 @@ def run_all(args) -> tuple[list[dict], dict, str]:
         print(json.dumps({k: v for k, v in row.items() if k not in ("versions", "step_ms_all", "scales")}), flush=True)
         write(rows, meta, stem)
 
-    plan = [(shape, s, False) for shape in args.shapes.split(",") for s in order_systems(args.systems.split(","))]
-    if not args.no_t4:
-        plan += [(args.t4_shape, s, True) for s in args.t4_systems.split(",")]
+    plan = run_order(args.shapes.split(","), args.systems.split(","), [] if args.no_t4 else args.t4_systems.split(","),
+                     args.t4_shape)
     prepared: set[str] = set()
     for shape, system, t4 in plan:
         table = "t4" if t4 else shape  # also in log file names: no spaces
@@ -654,7 +666,7 @@ def main() -> None:
     ap.add_argument("--system", default=None, help="(child) run one system in this process")
     ap.add_argument("--label", default=None, help="(child) the row's name in the table")
     ap.add_argument("--shape", default="gpt-oss-20b", choices=sorted(SHAPES), help="(child, --prepare) the shape")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default="gpt-oss-20b,qwen3-30b-a3b", help="step tables, in this order")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the random checkpoints (widths as published)")
     ap.add_argument("--seq", type=int, default=2048)

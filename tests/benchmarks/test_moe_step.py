@@ -67,6 +67,11 @@ def test_table_ratios_and_the_capped_rows_cap():
     assert moe_step.capped_memory(rows, 6.5) == ("6.500GiB", "--cap-gib 6.5")
     assert moe_step.capped_memory(rows[1:], None)[0] is None
     assert moe_step.order_systems(["notebookkit-capped", "hf", "unsloth"]) == ["hf", "unsloth", "notebookkit-capped"]
+    # the T4 rows right after their shape's step rows, or last
+    order = moe_step.run_order(["gpt-oss-20b", "qwen3-30b-a3b"], ["hf"], ["notebookkit"], "gpt-oss-20b")
+    assert order == [("gpt-oss-20b", "hf", False), ("gpt-oss-20b", "notebookkit", True), ("qwen3-30b-a3b", "hf", False)]
+    assert moe_step.run_order(["qwen3-30b-a3b"], ["hf"], ["notebookkit"], "gpt-oss-20b")[-1] == \
+        ("gpt-oss-20b", "notebookkit", True)
     # a table without an unsloth or hf row shows no ratio instead of dividing by nothing
     alone = "\n".join(moe_step.step_table([_row("notebookkit", 1500.0, 10.0)]))
     assert "| notebookkit | 1,500 | 1365.3 | – | – | 10.00 | – |" in alone
