@@ -434,13 +434,20 @@ def run_child(system: str, shape: str, table: str, args, timeout: float, t4: boo
     start = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=max(1.0, timeout))
-    except subprocess.TimeoutExpired:
-        return head | dict(status=f"timed out after {timeout:.0f} s", wall_s=round(time.time() - start, 1))
+        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout, stderr, code = _text(exc.stdout), _text(exc.stderr), None
     if args.log_dir:
         with open(os.path.join(args.log_dir, f"{table}-{system}.log"), "w") as fh:
-            fh.write(shlex.join(cmd) + "\n\n" + proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    return head | parse_child(proc.stdout, proc.stderr, proc.returncode) | dict(table=table, system=system,
-                                                                                wall_s=round(time.time() - start, 1))
+            fh.write(shlex.join(cmd) + "\n\n" + stdout + "\n--- stderr ---\n" + stderr)
+    wall = dict(table=table, system=system, wall_s=round(time.time() - start, 1))
+    if code is None and "RESULT " not in stdout:
+        return head | dict(status=f"timed out after {timeout:.0f} s: {failure_reason(stderr or stdout or '(no output)')}") | wall
+    return head | parse_child(stdout, stderr, code if code is not None else -9) | wall
+
+
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
 def learning_verdict(row: dict, hf_row: dict | None) -> str:
@@ -544,7 +551,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for table in dict.fromkeys(r["table"] for r in rows if r.get("table") != "t4"):
         trs = [r for r in rows if r["table"] == table]
         title = TINY[table] if meta.get("tiny") else f"{table} shape, {meta.get('layers')} layers"
-        lines += ["", f"## {title}: {meta.get('quant')}, bf16, {meta.get('seq')} × {meta.get('batch')}", ""] + step_table(trs)
+        dtype = next((r["dtype"] for r in trs if r.get("dtype")), "?")
+        lines += ["", f"## {title}: {meta.get('quant')} base, {dtype}, {meta.get('seq')} × {meta.get('batch')}", ""]
+        lines += step_table(trs)
     if any(r.get("table") != "t4" for r in rows):
         lines += ["", HF_NOTE]
     t4 = [r for r in rows if r.get("table") == "t4"]
@@ -601,10 +610,19 @@ def capped_memory(rows: list[dict], cap_gib: float | None) -> tuple[str | None, 
     return f"{uns['peak_gib']:.3f}GiB", "unsloth's peak"
 
 
-def run_all(args) -> tuple[list[dict], dict, str]:
-    import torch
+def gpu_name() -> str:
+    """The first GPU's name from ``nvidia-smi`` (the parent holds no CUDA context while the rows run), or "CPU"."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30)
+        names = out.stdout.strip().splitlines()
+        return names[0].strip() if out.returncode == 0 and names else "CPU"
+    except (OSError, subprocess.TimeoutExpired):
+        return "CPU"
 
-    device = "CPU" if args.tiny or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
+
+def run_all(args) -> tuple[list[dict], dict, str]:
+    device = "CPU" if args.tiny else gpu_name()
     command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
     meta = dict(device=device, date=str(dt.date.today()), command=command,
                 layers=args.layers, seq=args.seq, batch=args.batch, quant=args.quant, lr=args.lr, warmup=args.warmup,
@@ -641,9 +659,13 @@ def run_all(args) -> tuple[list[dict], dict, str]:
             prepared.add(shape)
             cmd = [sys.executable, os.path.abspath(__file__), "--prepare", "--shape", shape, "--layers", str(args.layers)]
             t = time.time()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            print(f"prepared {shape} in {time.time() - t:.0f} s" if proc.returncode == 0
-                  else f"preparing {shape} failed: {failure_reason(proc.stderr)}", flush=True)
+            try:
+                left = None if deadline is None else max(1.0, deadline - t)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+                print(f"prepared {shape} in {time.time() - t:.0f} s" if proc.returncode == 0
+                      else f"preparing {shape} failed: {failure_reason(proc.stderr)}", flush=True)
+            except subprocess.TimeoutExpired:
+                print(f"preparing {shape} ran past the session budget", flush=True)
         max_memory = None
         if t4:
             max_memory = f"{args.t4_cap_gib}GiB" if system == "notebookkit" else None
@@ -700,7 +722,8 @@ def main() -> None:
         return
     if args.system is not None:
         print("RESULT " + json.dumps(run_system(args)), flush=True)
-        return
+        sys.stderr.flush()
+        os._exit(0)  # the row is out: no teardown of a large model (or a library's threads) can hang the run
     rows, meta, stem = run_all(args)
     print(f"wrote {stem}.json and .md")
     print(write(rows, meta, stem))

@@ -22,7 +22,8 @@ import moe_step  # noqa: E402
 
 
 def test_tiny_run_writes_rows_and_tables(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "moe_step.py"), "--tiny", "--shapes", "gpt-oss-20b",
          "--systems", "notebookkit-capped,unsloth,notebookkit,hf", "--t4-systems", "notebookkit",
