@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the lead runs on the GPU machine (device tool), in one call:
-#   bash benchmarks/gpu_session.sh tests|kernels|train|tune|profile|host|maxctx [extra args]
+#   bash benchmarks/gpu_session.sh tests|kernels|train|tune|profile|host|maxctx|moe [extra args]
 # Installs carried wheels (.whl/, .whl2/, .whl3/) into /tmp/site once per machine, then runs the step,
 # writing logs and results under $OUT (or ./gpu-out when OUT is unset). TAG names the log of a step
 # that runs more than once in a call (train, profile).
@@ -27,5 +27,8 @@ case "$step" in
   profile) python3 benchmarks/profile_step.py --out "$OUT" "$@" 2>&1 | tee "$OUT/profile${TAG:+-$TAG}.log" | tail -40 ;;
   host)    python3 benchmarks/host_profile.py --out "$OUT" "$@" 2>&1 | tee "$OUT/host${TAG:+-$TAG}.log" | tail -20 ;;
   maxctx)  python3 benchmarks/max_context.py --out "$OUT" "$@" 2>&1 | tee "$OUT/maxctx.log" | tail -20 ;;
+  # the MoE step tables (benchmarks/moe_session.sh runs them alone); Unsloth's site, when carried, goes first
+  moe)     PYTHONPATH=${PWD}/.site-unsloth:$PYTHONPATH python3 benchmarks/moe_step.py --out "$OUT" "$@" 2>&1 \
+             | tee "$OUT/moe${TAG:+-$TAG}.log" | grep -v '^{' | tail -80 ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

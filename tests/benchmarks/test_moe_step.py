@@ -1,0 +1,114 @@
+"""benchmarks/moe_step.py on a CPU: one --tiny run of the harness (tiny gpt-oss: notebookkit, hf, a missing
+Unsloth, the capped row without a peer peak, the T4-emulation row), and the pure parts: the table's ratios,
+a system's refusal as a row, and the learning check failing when the loss does not fall."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import moe_step  # noqa: E402
+
+
+def test_tiny_run_writes_rows_and_tables(tmp_path):
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "moe_step.py"), "--tiny", "--shapes", "gpt-oss-20b",
+         "--systems", "notebookkit-capped,unsloth,notebookkit,hf", "--t4-systems", "notebookkit",
+         "--seq", "32", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [result] = tmp_path.glob("*-moe-step-tiny.json")
+    rows = {(r["table"], r["system"]): r for r in json.loads(result.read_text())["rows"]}
+    # the capped row runs after Unsloth's, whose peak it would take
+    assert list(rows) == [("gpt-oss-20b", s) for s in ("unsloth", "notebookkit-capped", "notebookkit", "hf")] + \
+        [("t4", "notebookkit")]
+    if importlib.util.find_spec("unsloth") is None:
+        assert rows["gpt-oss-20b", "unsloth"]["status"] == "not installed (unsloth)"
+        assert rows["gpt-oss-20b", "notebookkit-capped"]["status"] == "skipped: no unsloth peak to cap at"
+    ours, hf, t4 = rows["gpt-oss-20b", "notebookkit"], rows["gpt-oss-20b", "hf"], rows["t4", "notebookkit"]
+    assert ours["status"] == hf["status"] == t4["status"] == "ok", (ours, hf, t4)
+    # the same weights, adapters and tokens: the same first loss and trainable count
+    assert ours["trainable"] == hf["trainable"] > 0 and abs(ours["losses"][0] - hf["losses"][0]) <= 1e-4 * hf["losses"][0]
+    assert len(ours["losses"]) == 3 and ours["tok_s"] > 0 and ours["peak_gib"] > 0 and ours["expert_gib"] > 0
+    assert ours["predicted_gib"] > 0 and "predicted_gib" not in hf
+    assert t4["skipped_steps"] == 0 and len(t4["scales"]) == 3 and t4["first_step_finite"] and t4["host_rss_peak_gib"] > 0
+    table = result.with_suffix(".md").read_text()
+    assert "## notebookkit/tiny-gpt_oss" in table and "## T4 emulation" in table and "not installed (unsloth)" in table
+    assert (tmp_path / result.name.replace(".json", "-logs") / "gpt-oss-20b-hf.log").exists()
+
+
+def _row(system: str, tok_s: float, peak: float, losses=(12.0, 11.0, 10.0), table: str = "gpt-oss-20b", **extra) -> dict:
+    return dict(dict(table=table, system=system, status="ok", tok_s=tok_s, step_ms=2048 / tok_s * 1e3, peak_gib=peak,
+                     losses=list(losses), loss_first=losses[0], loss_last=losses[-1], trainable=100, expert_gib=1.0,
+                     expert_format="4-bit"), **extra)
+
+
+def test_table_ratios_and_the_capped_rows_cap():
+    rows = [_row("unsloth", 1000.0, 8.0), _row("notebookkit", 1500.0, 10.0, predicted_gib=9.9, plan="4 keep"),
+            _row("notebookkit-capped", 1300.0, 7.5), _row("hf", 500.0, 20.0, expert_format="bfloat16")]
+    table = "\n".join(moe_step.step_table(rows))
+    assert "| notebookkit | 1,500 | 1365.3 | 1.50 | 3.00† | 10.00 | 1.25 | 9.90 |" in table
+    assert "| notebookkit-capped | 1,300 | 1575.4 | 1.30 | 2.60† | 7.50 | 0.94 |" in table
+    assert "| hf | 500 | 4096.0 | 0.50 | 1.00† | 20.00 | 2.50 | – | – | bfloat16 1.00 GiB |" in table
+    assert moe_step.capped_memory(rows, None) == ("8.000GiB", "unsloth's peak")
+    assert moe_step.capped_memory(rows, 6.5) == ("6.500GiB", "--cap-gib 6.5")
+    assert moe_step.capped_memory(rows[1:], None)[0] is None
+    assert moe_step.order_systems(["notebookkit-capped", "hf", "unsloth"]) == ["hf", "unsloth", "notebookkit-capped"]
+    # the T4 rows right after their shape's step rows, or last
+    order = moe_step.run_order(["gpt-oss-20b", "qwen3-30b-a3b"], ["hf"], ["notebookkit"], "gpt-oss-20b")
+    assert order == [("gpt-oss-20b", "hf", False), ("gpt-oss-20b", "notebookkit", True), ("qwen3-30b-a3b", "hf", False)]
+    assert moe_step.run_order(["qwen3-30b-a3b"], ["hf"], ["notebookkit"], "gpt-oss-20b")[-1] == \
+        ("gpt-oss-20b", "notebookkit", True)
+    # a table without an unsloth or hf row shows no ratio instead of dividing by nothing
+    alone = "\n".join(moe_step.step_table([_row("notebookkit", 1500.0, 10.0)]))
+    assert "| notebookkit | 1,500 | 1365.3 | – | – | 10.00 | – |" in alone
+
+
+def test_a_refusal_at_load_is_a_row_with_its_message(monkeypatch, tmp_path):
+    message = "Unsloth: this gpt-oss checkpoint stores fused experts, and in float16 its fused 4-bit experts would overflow."
+
+    def refuse(*_args, **_kwargs):
+        raise NotImplementedError(message)
+
+    monkeypatch.setattr(moe_step, "load_system", refuse)
+    args = types.SimpleNamespace(system="notebookkit", label="unsloth", shape="gpt-oss-20b", layers=4, seq=32, batch=1,
+                                 quant="none", t4=True, t4_cap_gib=15.0, max_memory=None, tiny=True, warmup=1, steps=2,
+                                 lr=1e-3)
+    row = moe_step.run_system(args)
+    assert row["status"] == f"refused at load: NotImplementedError: {message}" and row["system"] == "unsloth"
+    assert row["host_rss_peak_gib"] > 0
+    row["table"] = "t4"
+    assert f"| unsloth | – | – | – | – | – | – | {row['host_rss_peak_gib']:.2f} |" in "\n".join(moe_step.t4_table([row]))
+    assert message in moe_step.markdown([row], dict(tiny=True, t4_cap_gib=15.0))
+    # a child that died without a RESULT line: the reason from its output, an OOM named as such
+    crashed = moe_step.parse_child("", "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate", 1)
+    assert crashed["status"].startswith("out of memory: torch.OutOfMemoryError: CUDA out of memory")
+    failed = moe_step.parse_child("", "Traceback ...\nValueError: bad shape", 1)
+    assert failed["status"] == "failed (exit 1): ValueError: bad shape"
+
+
+@pytest.mark.parametrize("losses, hf_losses, verdict", [
+    ((12.0, 11.5, 11.0), None, "pass"),
+    ((12.0, 12.0, 12.0), None, "FAIL: loss fell 0.00% (< 1%)"),  # adapters that never updated
+    ((12.0, 12.1, 12.2), None, "FAIL: loss fell -1.67% (< 1%)"),
+    ((12.0, math.nan, math.nan), None, "FAIL: loss fell nan% (< 1%)"),
+    ((12.0, 11.8, 11.5), (12.0, 11.0, 10.0), "FAIL: loss fell 4.17%, hf 16.67%; last loss 15.00% from hf's (> 5%)"),
+    ((12.0, 10.9, 10.2), (12.0, 11.0, 10.0), "pass"),
+])
+def test_learning_check(losses, hf_losses, verdict):
+    hf = _row("hf", 500.0, 20.0, losses=hf_losses) if hf_losses else None
+    assert moe_step.learning_verdict(_row("notebookkit", 1.0, 1.0, losses=losses), hf) == verdict
