@@ -625,11 +625,11 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
                     row.update(status=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                     torch.cuda.synchronize()
                 shape_rows.append(row)
+                print("ROW " + json.dumps(row), flush=True)  # what has run survives a time limit
             ours = [r for r in shape_rows if r["impl"].startswith("nf4_matvec") and r.get("status") == "ok"]
             if ours:
                 min(ours, key=lambda r: r["ms"])["fastest_config"] = True
             rows += shape_rows
-            print(json.dumps(shape_rows[0]), flush=True)
         del packed, qs
         torch.cuda.empty_cache()
     for r in rows:
