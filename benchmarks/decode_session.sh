@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #35's decode measurements in one device call, from the repository root of the GPU machine:
-#   bash benchmarks/decode_session.sh STEP [STEP ...]      (carry .site, and .ab for the A/B steps)
+#   bash benchmarks/decode_session.sh STEP [STEP ...]      (carry .site, or SITE=.site-unsloth; .ab for the A/B steps)
 # Steps:
 #   ckpt        the random-weight Llama-3.1-8B checkpoint (train_step.py --prepare; once per machine)
 #   new[N]      generate.py's 8b-nf4 rows of notebookkit from this tree (batch 1 and 8, profile, bound), tag newN
@@ -12,7 +12,7 @@
 # Old and new rows alternate in one call so that both see the same machine. Logs and tables go to $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD/${SITE:-.site}:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a "$OUT/gpu.txt"
 rows() {  # rows TREE TAG CONFIG
   (cd "$1" && timeout 300 python3 benchmarks/generate.py --only "$3" --systems notebookkit --repeats 3 \

@@ -356,22 +356,27 @@ _TILE_BYTES = 2048
 def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 132) -> MatvecConfig:
     """Block sizes for ``x [m, k] @ W[n, k]^T`` on a GPU with ``sm_count`` SMs.
 
-    ``m == 1``: fused multiply-adds, 4 warps, the most rows per program (up to 16) that still leave
-    two programs per SM, and steps of ``_TILE_BYTES``. ``m >= 2``: ``tl.dot``, 32 rows and 2 warps
-    per program (64 rows and 4 warps, one warpgroup MMA, once ``n`` gives two programs per SM even
-    so), steps of 64 bytes a row (at least 16: ``tl.dot``'s smallest inner size). Steps never exceed
-    a row.
+    ``m == 1``: fused multiply-adds, the most rows per program up to 4 that still leave two programs
+    per SM, steps of ``_TILE_BYTES``, 4 warps (8 with fewer than 4 rows a program). ``m >= 2``:
+    ``tl.dot``, 32 rows and 2 warps per program (64 rows and 4 warps, one warpgroup MMA, once ``n``
+    gives two programs per SM even so; 16 rows for ``n`` under ``16 sm_count``), steps of 64 bytes a
+    row (at least 16: ``tl.dot``'s smallest inner size). Steps never exceed a row.
+
+    The sweep on an H200 (``benchmarks/generate.py --kernels --sweep``, session 24, bf16, the Llama-3.1-8B
+    shapes) put these first or within 1% of the first: M = 1 at 4096 x 4096 (4, 16), 7.8 us against
+    8.9 us for the 8 rows of the earlier rule; 14336 x 4096 (4, 16), 22.0 against 23.0 (16 rows);
+    1024 x 4096 (2, 32, 8 warps), 3.2 against 3.6; M = 8 at 1024 x 4096 16 rows, 16.2 against 18.4 us.
     """
     half = max(1, blocksize // 2)
     row_blocks = triton.next_power_of_2(max(1, k // blocksize))
     if m <= 1:
         block_n = 1
-        while block_n < 16 and triton.cdiv(n, block_n * 2) >= 2 * sm_count:
+        while block_n < 4 and triton.cdiv(n, block_n * 2) >= 2 * sm_count:
             block_n *= 2
         step_blocks = max(1, min(_TILE_BYTES // (block_n * half), row_blocks))
-        return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4)
+        return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4 if block_n >= 4 else 8)
     wide = triton.cdiv(n, 64) >= 2 * sm_count
-    block_n, num_warps = (64, 4) if wide else (32, 2)
+    block_n, num_warps = (64, 4) if wide else (32, 2) if n >= 16 * sm_count else (16, 2)
     step_blocks = max(triton.cdiv(16, half), min(triton.cdiv(64, half), row_blocks))
     return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=True, num_warps=num_warps)
 
