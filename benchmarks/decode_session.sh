@@ -22,7 +22,7 @@ rows() {  # rows TREE TAG CONFIG
 for step in "$@"; do
   start=$SECONDS
   case "$step" in
-    ckpt)  python3 benchmarks/train_step.py --shape llama-3.1-8b --prepare 2>&1 | tail -n 2 ;;
+    ckpt)  python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare 2>&1 | tail -n 2 ;;
     new*)  rows "$PWD" "$step" 8b-nf4 ;;
     old*)  rows "$PWD/.ab/old" "$step" 8b-nf4 ;;
     t4*)   rows "$PWD" "$step" 8b-nf4-fp16-15gib ;;
