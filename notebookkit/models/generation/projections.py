@@ -8,8 +8,8 @@ helpers of :mod:`notebookkit.kernels.lora_projection` without autograd
 one launch of that kernel: it reads the NF4 bytes directly instead of dequantising each whole weight per
 token, and adds the bias and the low-rank term ``s U B^T`` (``U = X A^T`` from one GEMM per group, over the
 group's ``A_cat`` kept between steps: :meth:`AdapterCasts.concatenated`) into the same fp32 sum before its
-one rounding. Per decoder layer that is 7 matvecs and 4 small GEMMs, where a matvec, an ``addmm`` per
-projection and a concatenation per group made 20.
+one rounding. Per decoder layer that is 7 matvecs and 4 thin products (:mod:`~notebookkit.kernels.skinny_matmul`),
+where a matvec, an ``addmm`` per projection and a concatenation per group made 20.
 2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their whole weight: a decode
 batch of at most ``low_bit_matvec.MAX_ROWS`` rows reads their codes in
 :func:`notebookkit.kernels.low_bit_matvec.low_bit_matvec` (no ``tl.dot``), more rows go
@@ -164,19 +164,21 @@ def _with_casts(proj: LoRAProjection, dtype: torch.dtype, casts: Optional[Adapte
 
 def _adapter_inputs(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
                     casts: Optional[AdapterCasts]) -> list[Optional[torch.Tensor]]:
-    """``U_i = X A_i^T`` of each projection's adapter (``None`` without one), from one GEMM
-    ``X A_cat^T`` when two or more adapters share a rank (``A_cat`` kept by ``casts``)."""
+    """``U_i = X A_i^T`` of each projection's adapter (``None`` without one), from one product
+    ``X A_cat^T`` when two or more adapters share a rank (``A_cat`` kept by ``casts``); the products run in
+    :mod:`notebookkit.kernels.skinny_matmul` (one launch sized to these thin shapes, not cuBLAS's GEMV)."""
     dtype = x2d.dtype
+    product = kernel("skinny_matmul", "skinny_matmul") or (lambda x, a: x @ a.t())
     adapted = [p for p in projs if p.has_adapter]
     ranks = {p.rank for p in adapted}
     if len(adapted) >= 2 and len(ranks) == 1 and len({p.lora_A.dtype for p in adapted}) == 1:
         As = tuple(p.lora_A for p in adapted)
         a_cat = casts.concatenated(As, dtype) if casts is not None else concat_adapters(As, dtype)
-        u_cat = x2d @ a_cat.t()
+        u_cat = product(x2d, a_cat)
         r = ranks.pop()
         joined = iter(u_cat[:, i * r:(i + 1) * r] for i in range(len(adapted)))
         return [next(joined) if p.has_adapter else None for p in projs]
-    return [x2d @ (casts(p.lora_A, dtype) if casts is not None else p.adapters(dtype)[0]).t() if p.has_adapter
+    return [product(x2d, casts(p.lora_A, dtype) if casts is not None else p.adapters(dtype)[0]) if p.has_adapter
             else None for p in projs]
 
 
