@@ -32,6 +32,7 @@ Fused on the way (forward only: decoding runs without gradients), each a kernel 
 
 Each fused op is looked up like every kernel of the model layer: ``NOTEBOOKKIT_DISABLE_KERNELS=add_rms_norm,
 rope_cache_write`` (or a module that does not import) gives the unfused step, computing the same function.
+
 With ``start_slot`` a one-element device tensor and ``kv_length`` fixed, every shape is static and
 nothing reads the device from the host, so the ``T = 1`` step can be captured as a CUDA graph
 (:mod:`.graph_runner`). Adapters in fp32 next to 16-bit compute are read from casts kept between
