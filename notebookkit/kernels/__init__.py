@@ -4,6 +4,8 @@ One op per module, named after its public function, imported from there::
 
     from notebookkit.kernels.rms_norm import rms_norm
     from notebookkit.kernels.rope import apply_rope
+    from notebookkit.kernels.add_rms_norm import add_rms_norm          # decode: residual add + RMSNorm, forward only
+    from notebookkit.kernels.rope_cache_write import rope_cache_write  # decode: RoPE + KV-cache write at a device slot
     from notebookkit.kernels.swiglu import swiglu          # geglu: notebookkit.kernels.geglu
     from notebookkit.kernels.cross_entropy import cross_entropy
     from notebookkit.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy

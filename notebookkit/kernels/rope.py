@@ -43,8 +43,11 @@ __all__ = ["apply_rope", "rope_reference", "rope_launch"]
 # --------------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------------
+# Device function: rotate the heads of one token (forward or transpose), ``x`` read from ``IN`` and the
+# result stored to ``OUT`` in ``OUT``'s dtype; shared with notebookkit.kernels.rope_cache_write (the decode
+# step's RoPE + KV-cache write), so both round exactly alike.
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     IN, OUT, in_base, out_base, stride_in_h, stride_out_h, n_heads,
     c1, c2, s1, s2, d, d_ok,
     HALF: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -85,9 +88,9 @@ def _rope_kernel(
     c2 = tl.load(COS + table + HALF, mask=d_ok, other=0.0).to(tl.float32)
     s1 = tl.load(SIN + table, mask=d_ok, other=0.0).to(tl.float32)
     s2 = tl.load(SIN + table + HALF, mask=d_ok, other=0.0).to(tl.float32)
-    _rotate_heads(Q, QO, b * sq_b + t * sq_t, b * sqo_b + t * sqo_t, sq_h, sqo_h, n_q_heads,
+    rotate_heads(Q, QO, b * sq_b + t * sq_t, b * sqo_b + t * sqo_t, sq_h, sqo_h, n_q_heads,
                   c1, c2, s1, s2, d, d_ok, HALF, BACKWARD, BLOCK_HQ)
-    _rotate_heads(K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, sk_h, sko_h, n_k_heads,
+    rotate_heads(K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, sk_h, sko_h, n_k_heads,
                   c1, c2, s1, s2, d, d_ok, HALF, BACKWARD, BLOCK_HK)
 
 

@@ -18,6 +18,21 @@ For ``T`` new tokens per row (``T = P`` for the prompt, ``T = 1`` per decode ste
     logits = lm_head(norm(h[:, -1]))    (c * tanh(logits / c): final soft-cap, Gemma 2)
 
 Only the last position reaches the norm and the LM head (``[B, V]``, never ``[B, T, V]``).
+
+Fused on the way (forward only: decoding runs without gradients), each a kernel instead of several small ones:
+
+* residual add + the norm after it, ``h = h + a; x = norm(h)`` (:mod:`notebookkit.kernels.add_rms_norm`), for
+  the attention residual with the pre-MLP norm and for the MLP residual with the next layer's input norm,
+  where the plan allows it (:class:`.decoder_plan.FusedNorm`: plain RMSNorms, no sandwich norms, not gpt-oss's
+  fp32-weight norms); the last layer's MLP residual with the final norm only when ``T == 1`` (a prompt
+  normalises only its last position, as before);
+* RoPE of q and k + the cache write of k and v, for the decode step (``T == 1``, device-tensor slot:
+  :meth:`.static_cache.StaticKVCache.write_rotated`); the prompt keeps ``apply_rope`` and a slice copy.
+  Qwen3 / Gemma 3's q/k norms come before RoPE and stay where they are; the fused kernel takes their outputs.
+
+Each fused op is looked up like every kernel of the model layer: ``NOTEBOOKKIT_DISABLE_KERNELS=add_rms_norm,
+rope_cache_write`` (or a module that does not import) gives the unfused step, computing the same function.
+
 With ``start_slot`` a one-element device tensor and ``kv_length`` fixed, every shape is static and
 nothing reads the device from the host, so the ``T = 1`` step can be captured as a CUDA graph
 (:mod:`.graph_runner`). Adapters in fp32 next to 16-bit compute are read from casts kept between
@@ -62,13 +77,13 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from notebookkit.base_layers.kernel_ops import require
+from notebookkit.base_layers.kernel_ops import kernel, require
 
 from ..patching.moe_routing import routed
 from ..patching.patch_mlp import activation_kernel
 from ..patching.patch_moe import check_stock_experts, experts_view
 from .cache_attention import cache_attention, slot_mask
-from .decoder_plan import DecoderPlan, LayerPlan
+from .decoder_plan import DecoderPlan, FusedNorm, LayerPlan
 from .projections import AdapterCasts, fused_views, project
 from .state import decoder_plan, generation_state
 from .static_cache import StaticKVCache
@@ -129,19 +144,37 @@ def cached_forward(
     ropes = {key: plan.rope.lookup(key, positions) for key in {lp.rope_key for lp in plan.layers}}
 
     hidden = _embed(plan, input_ids)
-    for lp in plan.layers:
-        x = lp.layer.input_layernorm(hidden)
-        hidden = hidden + _attention(lp, x, cache, start_slot, kv_length, masks[lp.window], ropes[lp.rope_key],
-                                     casts)
-        mlp_in = lp.pre_mlp_norm(hidden)
+    x = plan.layers[0].layer.input_layernorm(hidden)  # nothing is added before the first layer
+    last = None
+    for i, lp in enumerate(plan.layers):
+        attn_out = _attention(lp, x, cache, start_slot, kv_length, masks[lp.window], ropes[lp.rope_key], casts)
+        hidden, mlp_in = _add_and_norm(hidden, attn_out, lp.pre_mlp_norm, lp.mlp_norm)
         mlp_out = _sparse_block(lp, mlp_in, casts) if lp.moe is not None else _mlp(lp, mlp_in, casts)
         if lp.sandwich:
             mlp_out = lp.layer.post_feedforward_layernorm(mlp_out)
-        hidden = hidden + mlp_out
-    logits = plan.lm_head(plan.final_norm(hidden[:, -1]))
+        if i + 1 < len(plan.layers):
+            following = plan.layers[i + 1]
+            hidden, x = _add_and_norm(hidden, mlp_out, following.layer.input_layernorm, following.input_norm)
+        elif length == 1:
+            hidden, normed = _add_and_norm(hidden, mlp_out, plan.final_norm, plan.final_fused)
+            last = normed[:, -1]
+        else:
+            hidden = hidden + mlp_out
+    logits = plan.lm_head(plan.final_norm(hidden[:, -1]) if last is None else last)
     if plan.final_softcap is not None:
         logits = torch.tanh(logits / plan.final_softcap) * plan.final_softcap
     return logits
+
+
+def _add_and_norm(hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module,
+                  fused: Optional[FusedNorm]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + a, norm(h + a))``: one kernel when the plan fuses ``norm`` (module docstring), else the add and the
+    model's own norm module."""
+    add_rms_norm = kernel("add_rms_norm", "add_rms_norm") if fused is not None else None
+    if add_rms_norm is None:
+        hidden = hidden + delta
+        return hidden, norm(hidden)
+    return add_rms_norm(hidden, delta, fused.module.weight, fused.eps, gemma=fused.gemma)
 
 
 def _embed(plan: DecoderPlan, input_ids: torch.Tensor) -> torch.Tensor:
@@ -163,8 +196,11 @@ def _attention(lp: LayerPlan, x: torch.Tensor, cache: StaticKVCache, start_slot:
     if lp.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = rope
-    q, k = require("rope", "apply_rope")(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    cache.write(lp.index, k, v, start_slot)
+    if length == 1 and isinstance(start_slot, torch.Tensor) and kernel("rope_cache_write", "rope_cache_write"):
+        q = cache.write_rotated(lp.index, q.transpose(1, 2), k.transpose(1, 2), v, cos, sin, start_slot)
+    else:
+        q, k = require("rope", "apply_rope")(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        cache.write(lp.index, k, v, start_slot)
     keys, values = cache.read(lp.index, batch, kv_length)
     out = cache_attention(q, keys, values, visible, lp.scaling, lp.softcap, lp.sinks)
     (y,) = project(out.transpose(1, 2).reshape(batch * length, -1), (attn.o_proj,), casts)

@@ -13,6 +13,12 @@ language model of a vision-language wrapper of the family record: the decode ste
   every other layer), q/k norms, sandwich norms, the attention sinks (gpt-oss: the module's ``sinks``,
   one logit a query head), which RoPE table it reads, and for a mixture of experts whether its MLP is
   the family's sparse block (``moe``: Qwen3-MoE may keep dense MLPs on some layers, ``mlp_only_layers``);
+* which norms the decode step runs fused with the residual add in front of them (:class:`FusedNorm`,
+  :mod:`notebookkit.kernels.add_rms_norm`): the layer's input and pre-MLP norms and the final norm, when
+  they are plain RMSNorm modules (:func:`~notebookkit.models.patching.patch_norms.is_rms_norm`, the epsilon
+  read as the patcher reads it, the flavour from the family's ``gemma_norm``), the family has no sandwich
+  norms (Gemma 2/3: a post-norm sits between the block and the add) and does not keep its norms on stock
+  code (gpt-oss multiplies by the weight in fp32 before rounding, a third flavour the kernel does not have);
 * the RoPE tables (:class:`RopeTables`): ``cos``/``sin`` ``[positions, head_dim]`` computed by the
   model's own rotary embedding for positions ``0 .. n - 1`` (Llama 3.1 scaling, Gemma 3's local base
   on sliding layers: whatever that module computes), gathered per row and step afterwards; a module
@@ -40,9 +46,11 @@ from notebookkit.families import Family, MoE, for_vision_model_type
 from ..common import architectures
 from ..common.decoder_layers import decoder_layers
 from ..patching.moe_routing import router_ready
+from ..patching.patch_norms import is_rms_norm, rms_norm_eps
 from ..patching.patch_moe import STACKED, is_moe_block, unwrap_experts
 
-__all__ = ["DecoderPlan", "LayerPlan", "RopeTables", "embedding_scale", "plan_for", "causal_lm_of"]
+__all__ = ["DecoderPlan", "FusedNorm", "LayerPlan", "RopeTables", "embedding_scale", "fused_norm", "plan_for",
+           "causal_lm_of"]
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -50,6 +58,27 @@ _DYNAMIC_ROPE = ("dynamic", "longrope")
 def causal_lm_of(model: nn.Module) -> nn.Module:
     """The Hugging Face ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@dataclass(frozen=True)
+class FusedNorm:
+    """An RMSNorm the decode step runs together with the residual add in front of it
+    (:func:`notebookkit.kernels.add_rms_norm.add_rms_norm`: ``s = h + a``, ``y = norm(s)`` in one kernel).
+
+    ``module`` is read at each call (its ``weight`` may be moved or reloaded); ``eps`` and ``gemma`` (the
+    ``(1 + w)`` flavour) are the ones the patcher gives the module's own forward."""
+
+    module: nn.Module
+    eps: float
+    gemma: bool
+
+
+def fused_norm(module: Optional[nn.Module], family: Family) -> Optional[FusedNorm]:
+    """``module`` as a :class:`FusedNorm` when the decode step may fuse it with its residual add, else ``None``
+    (module docstring: plain RMSNorm, no sandwich norms, norms not kept on stock code)."""
+    if module is None or family.sandwich_norm or "RMSNorm" in family.stock or not is_rms_norm(module):
+        return None
+    return FusedNorm(module=module, eps=rms_norm_eps(module), gemma=family.gemma_norm)
 
 
 @dataclass
@@ -71,6 +100,8 @@ class LayerPlan:
     activation: Optional[str]  # the gated MLP's fused activation ("swiglu", "geglu_tanh", ...), None if none
     moe: Optional[MoE] = None  # the family's sparse-block layout when this layer's MLP is one (else a dense MLP)
     sinks: Optional[torch.Tensor] = None  # [heads] learned logits in each softmax's denominator (gpt-oss)
+    input_norm: Optional[FusedNorm] = None  # input_layernorm, fused with the previous layer's MLP residual add
+    mlp_norm: Optional[FusedNorm] = None  # the pre-MLP norm, fused with the attention residual add
 
     @property
     def pre_mlp_norm(self) -> nn.Module:
@@ -128,6 +159,7 @@ class DecoderPlan:
     rope: RopeTables
     vocab_size: int
     windows: tuple[Optional[int], ...] = field(default=())
+    final_fused: Optional[FusedNorm] = None  # the final norm, fused with the last MLP residual add (T == 1 only)
 
     @property
     def kv_heads(self) -> int:
@@ -284,10 +316,13 @@ def plan_for(model: nn.Module) -> Union[DecoderPlan, str]:
             activation=None if sparse else architectures.activation_of(getattr(layer.mlp, "act_fn", None),
                                                                        causal_lm.config, family),
             moe=family.moe if sparse else None, sinks=sinks if isinstance(sinks, torch.Tensor) else None,
+            input_norm=fused_norm(getattr(layer, "input_layernorm", None), family),
+            mlp_norm=fused_norm(getattr(layer, "post_attention_layernorm", None), family),
         ))
     return DecoderPlan(
         family=family, embed=embed, embed_scale=embedding_scale(embed, family, int(config.hidden_size)),
         layers=plans, final_norm=backbone.norm, lm_head=lm_head,
         final_softcap=architectures.final_softcap(causal_lm.config, family), rope=RopeTables(sources),
         vocab_size=int(lm_head.weight.shape[0]), windows=tuple(sorted({p.window for p in plans}, key=lambda w: w or 0)),
+        final_fused=fused_norm(backbone.norm, family),
     )

@@ -13,6 +13,10 @@ same memory (:mod:`.graph_runner`), and a later, smaller request reuses the same
 
 Bytes: ``2 * n_layers * batch * Hkv * capacity * D * itemsize`` (:func:`kv_cache_bytes`).
 
+The decode step (one token a row, the slot a device tensor) writes with :meth:`StaticKVCache.write_rotated`:
+the keys' RoPE and both writes in one kernel (:mod:`notebookkit.kernels.rope_cache_write`); the prompt
+rotates with :func:`~notebookkit.kernels.rope.apply_rope` and writes with :meth:`StaticKVCache.write`.
+
 The buffers start as zeros rather than ``torch.empty``: slots no query may see are still read by the
 attention (masked to probability 0), and ``0 * NaN`` from uninitialised memory would be ``NaN``.
 """
@@ -22,6 +26,8 @@ from __future__ import annotations
 from typing import Union
 
 import torch
+
+from notebookkit.base_layers.kernel_ops import require
 
 __all__ = ["StaticKVCache", "kv_cache_bytes"]
 
@@ -83,6 +89,18 @@ class StaticKVCache:
         else:
             keys[:, :, start_slot:start_slot + length].copy_(key)
             values[:, :, start_slot:start_slot + length].copy_(value)
+
+    def write_rotated(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """The decode step's RoPE and cache write of ``layer`` in one kernel; returns the rotated ``query``.
+
+        ``query`` ``[B, Hq, 1, D]``, ``key``/``value`` ``[B, kv_heads, 1, D]`` (keys not yet rotated), ``cos``/
+        ``sin`` ``[B, 1, D]`` (the step's table rows), ``slot`` a one-element device tensor: the rotated keys and
+        the values land in slot ``slot`` of the first ``B`` rows
+        (:func:`notebookkit.kernels.rope_cache_write.rope_cache_write`, read on the device: graph-safe).
+        """
+        rope_cache_write = require("rope_cache_write", "rope_cache_write")
+        return rope_cache_write(query, key, value, cos, sin, self.keys[layer], self.values[layer], slot)
 
     def read(self, layer: int, batch: int, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the keys and values of ``layer``: the first ``batch`` rows, slots ``0 .. kv_length - 1``."""

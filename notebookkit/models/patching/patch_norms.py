@@ -25,12 +25,13 @@ def is_rms_norm(module: nn.Module) -> bool:
         type(module).__name__.endswith("RMSNorm")
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 1
-        and _eps_of(module) is not None
+        and rms_norm_eps(module) is not None
         and getattr(module, "with_scale", True) is not False
     )
 
 
-def _eps_of(module: nn.Module) -> Optional[float]:
+def rms_norm_eps(module: nn.Module) -> Optional[float]:
+    """The epsilon of an RMSNorm module (``variance_epsilon`` or ``eps``), ``None`` when it has neither."""
     for attr in ("variance_epsilon", "eps"):
         value = getattr(module, attr, None)
         if isinstance(value, (int, float)):
@@ -54,6 +55,6 @@ def patch_norms(model: nn.Module, gemma: bool) -> int:
     count = 0
     for module in model.modules():
         if is_rms_norm(module):
-            rebind(module, _make_forward(_eps_of(module), gemma), "rms_norm")
+            rebind(module, _make_forward(rms_norm_eps(module), gemma), "rms_norm")
             count += 1
     return count
