@@ -77,13 +77,13 @@ def _case(family: str, dtype: torch.dtype, nested: bool = True, seed: int = 0, d
                 biases=biases, dy=dy, activation="gpt_oss" if gpt else "swiglu")
 
 
-def _run(c, gate_up, down, triton: bool):
+def _run(c, gate_up, down, triton: bool, limit: float = 0.5):
     leaves = [t.detach().clone().requires_grad_() for t in (c["x"], c["w"], *c["factors"])]
     with use_triton(triton):
         y = moe_expert_mlp(leaves[0], c["idx"], leaves[1], gate_up, down, *c["biases"],
                            gate_up_lora=expert_lora(leaves[2], leaves[3], E, 2.0),
                            down_lora=expert_lora(leaves[4], leaves[5], E, 2.0),
-                           activation=c["activation"], alpha=1.702, limit=0.5)
+                           activation=c["activation"], alpha=1.702, limit=limit)
     y.backward(c["dy"])
     return {"y": y.detach(), **{n: t.grad for n, t in zip(["x", "topk_w", "A_gu", "B_gu", "A_d", "B_d"], leaves)}}
 
@@ -124,10 +124,18 @@ def test_nf4_experts_match_dequantise_then_reference(family, path, dtype, nested
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_nf4_experts_on_the_gpu(family, dtype):
     """The compiled kernels reading NF4 stacked experts (the T4's fp16 and bf16) against the reference path on the
-    weights they decode, forward and every gradient."""
+    weights they decode, forward and every gradient.
+
+    gpt-oss's clamps at the CPU cases' limit of 0.5 bind on a large share of these pre-activations, and bf16 has
+    7 bits below the leading one (a step of 2^-9 at 0.5): two correct sums in another order land on opposite
+    sides of the clamp for enough elements that the input gradient (zero where clamped) moves by percents (the
+    suite of session 24: 8.2% on ``x``, the forward and the fp16 case within bound). In bf16 the limit is gpt-oss's
+    own, 7, where these pre-activations (about unit scale) never reach it; the clamps' math is held to its bound in
+    fp16 here and in fp32 / fp16 on the CPU."""
     c = _case(family, dtype, device="cuda")
-    want = _run(c, c["gu_dense"], c["d_dense"], False)
-    got = _run(c, c["gu_q"], c["d_q"], True)
+    limit = 7.0 if dtype == torch.bfloat16 else 0.5
+    want = _run(c, c["gu_dense"], c["d_dense"], False, limit)
+    got = _run(c, c["gu_q"], c["d_q"], True, limit)
     for name, ref in want.items():
         assert ref.abs().sum() > 0, name
         assert_close(got[name], ref, dtype, name)
