@@ -122,28 +122,12 @@ def shape_config(shape: str, layers: int):
 def build_checkpoint(shape: str, layers: int) -> str:
     """Save a random-weight bf16 checkpoint of ``shape`` with ``layers`` layers (once), with a byte-level
     tokenizer, as ``train_step.build_checkpoint`` does for the dense shapes."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from train_step import save_random_checkpoint
 
     folder = checkpoint_dir(shape, layers)
     if os.path.exists(os.path.join(folder, "done")):
         return folder
-    config = shape_config(shape, layers)
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(folder)
-    open(os.path.join(folder, "done"), "w").close()
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return folder
+    return save_random_checkpoint(shape_config(shape, layers), folder)
 
 
 def model_folder(shape: str, layers: int, tiny: bool) -> str:

@@ -88,8 +88,7 @@ def checkpoint_dir(shape: str, layers: int | None = None) -> str:
 def build_checkpoint(shape: str, layers: int | None = None) -> str:
     """Save a random-weight bf16 checkpoint of ``shape`` (once) with a byte-level tokenizer;
     ``layers`` keeps only that many decoder layers (same widths)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig
 
     folder = checkpoint_dir(shape, layers)
     if os.path.exists(os.path.join(folder, "done")):
@@ -99,6 +98,15 @@ def build_checkpoint(shape: str, layers: int | None = None) -> str:
     if layers is not None:
         spec["num_hidden_layers"] = layers
     config = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec)
+    return save_random_checkpoint(config, folder)
+
+
+def save_random_checkpoint(config, folder: str) -> str:
+    """Save a random-weight bf16 model of ``config`` (seed 0, built on the GPU when there is one) and a byte-level
+    tokenizer into ``folder``, then mark it done; returns ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -28,12 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.rms_norm import rms_norm_reference
+from notebookkit.kernels.rms_norm import normalized_rows, row_tiles, rms_norm_reference
 from notebookkit.kernels.runtime import should_use_triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_launch"]
-
-_MAX_COLS = 65536
 
 
 @triton.jit
@@ -52,29 +50,8 @@ def _add_rms_norm_kernel(
     s = (h + a).to(S.dtype.element_ty)
     tl.store(S + rows64[:, None] * stride_s + cols[None, :], s, mask=mask)
 
-    x = s.to(tl.float32)
-    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    n = x * rstd[:, None]
-    if GEMMA:
-        y = n * (1.0 + w)[None, :]
-    else:
-        y = n.to(S.dtype.element_ty).to(tl.float32) * w[None, :]
+    y, _ = normalized_rows(s.to(tl.float32), W, cols, n_cols, eps, GEMMA, S.dtype.element_ty)
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
-def _tiles(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): a whole row per tile, about 4K elements per program."""
-    if n_cols > _MAX_COLS:
-        raise ValueError(
-            f"add_rms_norm: the normalised dimension has {n_cols} elements; the fused kernel keeps a whole row "
-            f"in registers and supports at most {_MAX_COLS}. Use add_rms_norm_reference for wider rows."
-        )
-    block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(4096 // block_n, triton.next_power_of_2(max(n_rows, 1))))
-    tile = block_m * block_n
-    num_warps = 1 if tile <= 256 else 2 if tile <= 1024 else 4 if tile <= 2048 else 8 if tile <= 8192 else 16
-    return block_m, block_n, num_warps
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +75,7 @@ def add_rms_norm_launch(
     n_rows = h2.shape[0]
     if n_rows == 0:
         return
-    block_m, block_n, num_warps = _tiles(n_rows, n_cols)
+    block_m, block_n, num_warps = row_tiles(n_rows, n_cols, "add_rms_norm")
     _add_rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
         h2, a2, weight.contiguous(), s2, y2, n_rows, n_cols, h2.stride(0), a2.stride(0), s2.stride(0), y2.stride(0),
         float(eps), GEMMA=bool(gemma), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,

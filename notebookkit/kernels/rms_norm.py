@@ -56,15 +56,23 @@ def _rms_norm_fwd_kernel(
     rows64 = rows.to(tl.int64)
 
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y, rstd = normalized_rows(x, W, cols, n_cols, eps, GEMMA, X.dtype.element_ty)
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def normalized_rows(x, W, cols, n_cols, eps, GEMMA: tl.constexpr, x_dtype: tl.constexpr):
+    """``(y, rstd)`` of the module docstring's forward for fp32 rows ``x`` ``[BLOCK_M, BLOCK_N]`` (masked columns
+    zero) whose input dtype is ``x_dtype``; also the norm half of :mod:`.add_rms_norm`."""
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     n = x * rstd[:, None]
     if GEMMA:
         y = n * (1.0 + w)[None, :]
     else:
-        y = n.to(X.dtype.element_ty).to(tl.float32) * w[None, :]
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+        y = n.to(x_dtype).to(tl.float32) * w[None, :]
+    return y, rstd
 
 
 @triton.jit
@@ -110,12 +118,13 @@ def _rms_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-def _blocks(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): a whole row per tile, ~4K elements per program."""
+def row_tiles(n_rows: int, n_cols: int, op: str = "rms_norm") -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of a row-wise norm kernel (this one, ``add_rms_norm``'s): a whole row
+    per tile, ~4K elements per program. ``op`` names the caller in the error for too wide a row."""
     if n_cols > _MAX_COLS:
         raise ValueError(
-            f"rms_norm: the normalised dimension has {n_cols} elements; the fused kernel keeps a whole "
-            f"row in registers and supports at most {_MAX_COLS}. Use rms_norm_reference for wider rows."
+            f"{op}: the normalised dimension has {n_cols} elements; the fused kernel keeps a whole "
+            f"row in registers and supports at most {_MAX_COLS}. Use {op}_reference for wider rows."
         )
     block_n = triton.next_power_of_2(n_cols)
     block_m = max(1, min(4096 // block_n, triton.next_power_of_2(max(n_rows, 1))))
@@ -136,7 +145,7 @@ def _bwd_launch(n_rows: int, n_cols: int, compute_dw: bool, device: torch.device
     (used by the tuning sweep only).
     """
     config = config or {}
-    block_m, block_n, num_warps = _blocks(n_rows, n_cols)
+    block_m, block_n, num_warps = row_tiles(n_rows, n_cols)
     if compute_dw:
         wide = block_n >= 1024
         block_m = max(1, min(8192 // block_n, triton.next_power_of_2(max(n_rows, 1))))
@@ -195,7 +204,7 @@ def rms_norm_forward(
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return out, rstd
-    block_m, block_n, num_warps = _blocks(n_rows, n_cols)
+    block_m, block_n, num_warps = row_tiles(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_m),)
     _rms_norm_fwd_kernel[grid](
         x2, weight, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
