@@ -165,10 +165,13 @@ def _with_casts(proj: LoRAProjection, dtype: torch.dtype, casts: Optional[Adapte
 def _adapter_inputs(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
                     casts: Optional[AdapterCasts]) -> list[Optional[torch.Tensor]]:
     """``U_i = X A_i^T`` of each projection's adapter (``None`` without one), from one product
-    ``X A_cat^T`` when two or more adapters share a rank (``A_cat`` kept by ``casts``); the products run in
-    :mod:`notebookkit.kernels.skinny_matmul` (one launch sized to these thin shapes, not cuBLAS's GEMV)."""
+    ``X A_cat^T`` when two or more adapters share a rank (``A_cat`` kept by ``casts``); for one row the products run
+    in :mod:`notebookkit.kernels.skinny_matmul` (one launch sized to these thin shapes, not cuBLAS's GEMV)."""
     dtype = x2d.dtype
-    product = kernel("skinny_matmul", "skinny_matmul") or (lambda x, a: x @ a.t())
+    # one row (batch-1 decode): the thin kernel (session 24's 8B step: 0.57 ms of GEMM where cuBLAS took 1.00);
+    # at batch 8 it walked K in dependent steps and cuBLAS was faster (1.01 against 1.19 ms)
+    skinny = kernel("skinny_matmul", "skinny_matmul") if x2d.shape[0] == 1 else None
+    product = skinny or (lambda x, a: x @ a.t())
     adapted = [p for p in projs if p.has_adapter]
     ranks = {p.rank for p in adapted}
     if len(adapted) >= 2 and len(ranks) == 1 and len({p.lora_A.dtype for p in adapted}) == 1:
