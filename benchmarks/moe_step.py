@@ -32,7 +32,8 @@ per row:
                          checkpointing, input gradients) is done here.
 
 Peak = ``torch.cuda.max_memory_allocated`` over the training steps (the weights resident); load peak =
-the same over loading (notebookkit places the 16-bit experts before quantising them). Predicted =
+the same over loading (notebookkit quantises each stacked expert weight as transformers reads it: the load
+peak shows what that leaves). Predicted =
 notebookkit's memory model for the model as set up (``notebookkit.memory.estimate_for_model``, the
 function the planner calls). A system that refuses the configuration while loading is a row with its
 message; a failure, a timeout or an OOM is a row too.
