@@ -764,3 +764,37 @@ def test_fp8_quality_fails_when_the_fp8_adapters_do_not_update(tiny_checkpoints,
     assert any("FP8 loss fell" in p for p in result["problems"])
     assert any("gap" in p for p in result["problems"])
     assert torch.isfinite(torch.tensor(result["runs"][1]["losses"])).all()
+
+
+# --------------------------------------------------------------------------- ptx_census
+
+PTX = """
+.visible .entry k(
+)
+{
+\tmov.u32 \t%r1, 0;
+$L__BB0_1:                              // %loop
+\tld.global.v4.b32 \t{%r2, %r3, %r4, %r5}, [%rd1];
+\t// begin inline asm
+\t{ .reg .b32 t; cvt.rn.bf16x2.f32 t, %f1, %f2; and.b32 %r6, t, 0xffff0000; shl.b32 %r7, t, 16; }
+\t// end inline asm
+\tfma.rn.f32 \t%f3, %f4, %f5, %f3;
+\t@%p1 bra \t$L__BB0_1;
+$L__BB0_2:
+\tst.global.b32 \t[%rd2], %r7;
+\tret;
+}
+"""
+
+
+def test_ptx_census_counts_the_loop_with_inline_asm_expanded():
+    import ptx_census
+
+    loop = ptx_census.hot_loop(PTX)
+    counts = ptx_census.opcodes(loop)
+    # the store and the mov outside the loop are not counted; the asm block counts its three instructions
+    assert counts == {"ld.global.v4.b32": 1, "cvt.rn.bf16x2.f32": 1, "and.b32": 1, "shl.b32": 1, "fma.rn.f32": 1,
+                      "bra": 1}
+    with pytest.raises(SystemExit, match="no loop"):
+        ptx_census.hot_loop(PTX.replace("@%p1 bra \t$L__BB0_1;", ""))
+    assert ptx_census.nf4_matvec_bytes_per_thread(dict(BLOCK_N=4, STEP_BLOCKS=16, BLOCKSIZE=64), {"num_warps": 4}) == 16
