@@ -247,7 +247,7 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
     forward = max(n * (I + H) * s, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
-    down_grads = shape.num_experts * r_d * sum(shape.expert_shapes()["down_proj"]) * s
+    down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
     phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads
     common = n * (2 * I + r_gu) * s + partials
     at_sum = common + n * H * s + N * H * 4 + rounded + down_grads  # the scattered dx rows and their sum
