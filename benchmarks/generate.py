@@ -569,12 +569,11 @@ def sweep_configs(m: int):
     from notebookkit.kernels.nf4_matvec import MatvecConfig
 
     configs = []
-    if m == 1:
-        for block_n in (1, 2, 4, 8, 16):
-            for tile in (1024, 2048, 4096):
-                step = tile // (32 * block_n)
-                if step >= 1:
-                    configs += [MatvecConfig(block_n, step, False, w) for w in (4, 8)]
+    if m == 1:  # the row kernel: rows a program, bytes of a program's tile a step, warps
+        for block_n in (2, 4, 8, 16):
+            for tile in (2048, 4096, 8192):
+                configs += [MatvecConfig(block_n, tile // (32 * block_n), False, w) for w in (4, 8)]
+        return configs
     for block_n in (16, 32, 64, 128):
         for step in (1, 2, 4):
             configs += [MatvecConfig(block_n, step, True, w) for w in (1, 2, 4, 8) if w * 16 <= block_n * 2]
@@ -596,12 +595,14 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
     copy_gbps = round(bench.copy_bandwidth_gbps(), 1)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
+    weights = {}
     for n, k in KERNEL_SHAPES:
         w = (torch.randn(n, k, device="cuda") * 0.02).to(dtype)
-        packed, qs = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        weights[n, k] = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
         del w
-        nbytes = sum(t.numel() * t.element_size() for t in (packed, qs.absmax, qs.state2.absmax, qs.state2.code))
-        for m in (1, 8):
+    for m in (1, 8):  # every shape at M = 1 first: a sweep cut short by its time limit still has them
+        for (n, k), (packed, qs) in weights.items():
+            nbytes = sum(t.numel() * t.element_size() for t in (packed, qs.absmax, qs.state2.absmax, qs.state2.code))
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = nf4_matvec_reference(x, (packed, qs))
             chosen = matvec_config(m, n, k, 64, sms)
@@ -630,8 +631,6 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
             if ours:
                 min(ours, key=lambda r: r["ms"])["fastest_config"] = True
             rows += shape_rows
-        del packed, qs
-        torch.cuda.empty_cache()
     for r in rows:
         r["copy_gbps"] = copy_gbps
     return rows

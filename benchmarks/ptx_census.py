@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.module} AOT_SPECS[{args.index}] sm_{args.cc}: {total} instructions in the loop")
     for name, n in counts.most_common(20):
         print(f"  {n:5d}  {name}")
-    if args.module == "nf4_matvec" and not constexprs.get("USE_DOT"):
+    if args.module == "nf4_matvec" and "BLOCK_M" not in constexprs:  # the row kernel (M = 1)
         per_thread = nf4_matvec_bytes_per_thread(constexprs, options)
         per_byte = total / per_thread
         print(f"{per_thread:g} weight bytes per thread a step: {per_byte:.1f} instructions per weight byte; "

@@ -1,54 +1,49 @@
 """NF4 matrix-vector product for decoding: ``y = x @ dequant(W)^T (+ b)`` for a few rows of ``x``,
 reading bitsandbytes' 4-bit bytes and block scales directly, never writing the dense weight.
 
-Math (``W`` is ``[N, K]``, ``x`` is ``[M, K]`` with ``M`` the decode batch, 1..16):
+Math (``W`` is ``[N, K]``, ``x`` is ``[M, K]`` with ``M`` the decode batch, 1..16; ``a[n, b]`` the fp32
+absmax of NF4 block ``b`` of row ``n``, plain or nested ``code2 * absmax2 + offset`` rounded twice as
+bitsandbytes does; ``c`` the dtype of ``x``, fp16, bf16 or fp32):
 
-    w[n, k] = c( NF4[code(n, k)] * absmax[block(n, k)] )        fp32 product, one rounding to c
-    y[m, n] = c( sum_k fp32(x[m, k]) * w[n, k]  +  b[n] )        fp32 accumulation, one rounding
+* one row (``M == 1``, the row kernel): the block scale multiplies a block's sum, the weight is never
+  rounded to ``c``::
 
-With a LoRA adapter given (``lora = (U, B, s)``, ``U = X A^T`` ``[M, r]`` already computed, ``B`` ``[N, r]``),
-its low-rank term joins the same fp32 sum before the one rounding (the decode path's projections then
-take one launch each instead of a matvec and an ``addmm``)::
+      y[n] = c( sum_b a[n, b] * sum_{k in b} NF4[code(n, k)] * fp32(x[k])  +  b[n] )
 
-    y[m, n] = c( sum_k fp32(x[m, k]) * w[n, k]  +  b[n]  +  s * sum_j fp32(U[m, j]) * B[n, j] )
+  which is closer to the exact product than dequantise-then-multiply (whose ``w`` is rounded to ``c``);
+* several rows (``M >= 2``, ``tl.dot`` on the tensor cores): ``w[n, k] = c(NF4[code(n, k)] * a[n, b])``,
+  bit for bit :func:`notebookkit.kernels.nf4.dequantize_nf4`, and
+  ``y[m, n] = c( sum_k fp32(x[m, k]) * w[n, k] + b[n] )``: the dequantise-then-multiply numbers up to the
+  order of the fp32 additions.
 
-``c`` is the dtype of ``x`` (fp16, bf16 or fp32): ``w`` is, bit for bit,
-``notebookkit.kernels.nf4.dequantize_nf4(W, out_dtype=x.dtype)`` (plain or nested absmax, the
-nested ``code2 * absmax2 + offset`` rounded twice as bitsandbytes does), so ``y`` is
-``x @ dequantize_nf4(W)^T + b`` up to the order of the fp32 additions: what the dequantise-then-
-matmul path computes. There is no backward: decoding runs without gradients.
+With a LoRA adapter given (``lora = (U, B, s)``, ``U = X A^T`` ``[M, r]`` already computed, ``B``
+``[N, r]``), ``s * sum_j fp32(U[m, j]) * B[n, j]`` joins the same fp32 sum before the one rounding (a
+decode projection is one launch). There is no backward: decoding runs without gradients.
 
 Layout (bitsandbytes' NF4, see :mod:`notebookkit.kernels.nf4`): the flat weight in row-major order,
 two 4-bit codes a byte (element ``2i`` in the high nibble), one scale per ``B`` consecutive elements
-(64). With ``K`` a multiple of ``B`` every row is ``K / B`` whole blocks of ``B / 2`` bytes; a
-program owns ``BLOCK_N`` whole rows of ``W`` (columns of ``y``: no split over ``K``, one launch, no
-workspace, the same result every run) and walks along them ``STEP_BLOCKS`` blocks at a time, a tile
-``[BLOCK_N, STEP_BLOCKS, B / 2]`` of bytes with one scale per ``(row, block)``. Byte ``t`` of a row
-holds the codes of columns ``2t`` (high nibble) and ``2t + 1`` (low nibble); ``x`` is read as 32-bit
-words (two 16-bit values; 64-bit for fp32), so word ``t`` is the pair ``(x[2t], x[2t + 1])`` that
-byte ``t`` multiplies: the same tile shape as the bytes, read where it is used.
+(64). With ``K`` a multiple of ``B`` every row is ``K / B`` whole blocks; a program owns ``BLOCK_N``
+whole rows of ``W`` (no split over ``K``, one launch, no workspace, the same result every run) and
+walks along them ``STEP_BLOCKS`` blocks at a time. ``x`` is read as 32-bit words of two 16-bit values
+(64-bit for fp32): word ``t`` is the pair ``(x[2t], x[2t + 1])`` that code byte ``t`` multiplies.
 
 The NF4 level of a code: on a GPU each lane of a warp holds ``NF4[lane % 16]`` and a warp shuffle
 (``shfl.sync.idx``, the lane from the low 5 bits of the index) fetches any level in one instruction,
 with no address arithmetic and no cache traffic; under the interpreter a load from the 16-entry
 table does the same.
 
-Two ways through the tile, picked by the launcher from ``(M, N, K)`` (:func:`matvec_config`):
-
-* ``use_dot=False`` (``M == 1``): fused multiply-adds into a per-thread accumulator of the tile's
-  shape, reduced once after the last step; few rows per program, so that ``N = 1024`` still gives
-  every SM of an H200 several programs. The rounding of ``w`` to bf16 / fp16 is one packed
-  conversion for two values on sm_80+.
-* ``use_dot=True`` (``M >= 2``): ``tl.dot`` on the tensor cores, ``[BLOCK_N, bytes] @ [bytes, 16]``
-  once for the high and once for the low nibbles, ``x`` padded to 16 rows with zeros; the cost per
-  weight byte does not grow with ``M``.
+The row kernel spends its instructions on the weights alone: it reads the codes as 32-bit words (8
+codes), shifts a word so that a nibble sits in the low bits and shuffles its level (the bit above the
+nibble picks lanes 16-31, which hold the same table), multiplies by the ``x`` value in fp32 and adds;
+per block one multiply by the scale. ``benchmarks/ptx_census.py`` counts the loop's instructions per
+weight byte (an H200 SM must retire about 8 per byte to read at the copy bandwidth).
 
 Weights whose rows are not whole NF4 blocks (``K % B != 0``: blocks straddle rows) are not run by
-the kernel: :func:`nf4_matvec_supported` says ``False`` and :func:`nf4_matvec` decodes the weight
-(``dequantize_nf4``) and multiplies, with the same numbers. Graph-safe: no host synchronisation,
-the only allocation is ``y`` (its size from the shapes). The kernel is compiled without FMA
-contraction (``enable_fp_fusion=False``: the nested absmax is a product and a sum, two roundings, as
-in bitsandbytes); the accumulation uses explicit ``tl.fma``.
+the kernels: :func:`nf4_matvec_supported` says ``False`` and :func:`nf4_matvec` decodes the weight
+(``dequantize_nf4``) and multiplies. Graph-safe: no host synchronisation, the only allocation is ``y``
+(its size from the shapes). The kernels compile without FMA contraction (``enable_fp_fusion=False``:
+the nested absmax is a product and a sum, two roundings, as in bitsandbytes); the accumulation uses
+explicit ``tl.fma``.
 """
 
 from __future__ import annotations
@@ -151,26 +146,6 @@ def _nf4_level(lane_level, table_ptr, code, LANE_TABLE: tl.constexpr):
 
 
 @triton.jit
-def _round_pair(a, b, X_KIND: tl.constexpr, PACKED: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """``a`` and ``b`` (fp32) rounded to nearest-even in x's dtype and widened back: one packed
-    conversion for both on sm_80+ (``PACKED``), else one each (by hand for bf16 under the
-    interpreter, whose cast truncates)."""
-    if X_KIND == 2 and PACKED:
-        a, b = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $2, $3; and.b32 $0, t, 0xffff0000; shl.b32 $1, t, 16; }",
-            "=r,=r,r,r", [a, b], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    elif X_KIND == 1 and PACKED:
-        a, b = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; .reg .b16 l, h; cvt.rn.f16x2.f32 t, $2, $3; mov.b32 {l, h}, t; "
-            "cvt.f32.f16 $0, h; cvt.f32.f16 $1, l; }",
-            "=r,=r,r,r", [a, b], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        a = _round_one(a, X_KIND, BF16_BY_HAND)
-        b = _round_one(b, X_KIND, BF16_BY_HAND)
-    return a, b
-
-
-@triton.jit
 def _round_one(v, X_KIND: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     if X_KIND == 1:
         v = v.to(tl.float16).to(tl.float32)
@@ -214,7 +189,88 @@ def _low_rank(u_ptr, lora_b_ptr, rows, row_ok, ms, m_ok, stride_u, rank, RANK: t
 
 
 @triton.jit
-def _nf4_matvec_kernel(
+def _nf4_matvec_row_kernel(
+    x_words_ptr,  # *i32 (fp16 / bf16 x) or *i64 (fp32 x): the one row of x as K / 2 words
+    code_words_ptr,  # *i32 NF4 bytes of W [N, K] read four at a time (8 codes a word)
+    absmax_ptr,  # *fp32 [n_blocks] (plain) or *u8 [n_blocks] (nested codes)
+    table_ptr,  # *fp32 [16] NF4 levels
+    code2_ptr,  # *fp32 [256] dynamic map (nested only)
+    absmax2_ptr,  # *fp32 second-level scales (nested only)
+    offset_ptr,  # *fp32 [1] mean offset (nested only)
+    bias_ptr,  # x's dtype [N] (HAS_BIAS only)
+    u_ptr,  # x's dtype, [1, rank]: x A^T of a LoRA adapter (HAS_LORA only)
+    lora_b_ptr,  # x's dtype, [N, rank] contiguous: its B (HAS_LORA only)
+    y_ptr,  # x's dtype, [N]
+    N,
+    blocks_per_row,  # K // BLOCKSIZE
+    rank,
+    lora_scale,  # fp32 s
+    BLOCKSIZE: tl.constexpr,
+    BLOCKSIZE2: tl.constexpr,
+    NESTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # rows of W per program
+    STEP_BLOCKS: tl.constexpr,  # NF4 blocks of a row per loop step
+    X_KIND: tl.constexpr,  # 0 fp32, 1 fp16, 2 bf16
+    MASKED: tl.constexpr,
+    LANE_TABLE: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    """One row of ``x``: ``y[n] = sum_b absmax[n, b] * sum_{k in b} NF4[code(n, k)] * x[k]`` in fp32.
+
+    The tile is ``[BLOCK_N, STEP_BLOCKS, BLOCKSIZE / 8]`` 32-bit words of codes. Byte ``i`` of a word
+    holds the codes of two neighbouring columns, the pair ``x`` word ``4 t + i`` multiplies (high nibble:
+    its low half); the level of a nibble comes from one warp shuffle with the word shifted so that the
+    nibble is in the low bits (the table sits in lanes 0-15 and 16-31, so the bit above the nibble does
+    not matter). The block scale multiplies a block's sum once, not each weight."""
+    WORDS: tl.constexpr = BLOCKSIZE // 8  # code words of an NF4 block
+    rows = program_rows(BLOCK_N, INT64)
+    row_ok = rows < N
+    first_block = rows * blocks_per_row
+    step_block = tl.arange(0, STEP_BLOCKS)
+    word_in_block = tl.arange(0, WORDS)
+    lane_level = _lane_level(table_ptr, LANE_TABLE)
+    acc = tl.zeros((BLOCK_N, STEP_BLOCKS), dtype=tl.float32)
+    for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
+        block_in_row = step * STEP_BLOCKS + step_block
+        col_ok = block_in_row < blocks_per_row
+        blocks = first_block[:, None] + block_in_row[None, :]  # [BLOCK_N, R]
+        ok = row_ok[:, None] & col_ok[None, :]
+        absmax = _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok, BLOCKSIZE2, NESTED, MASKED)
+        at = blocks[:, :, None] * WORDS + word_in_block[None, None, :]  # [BLOCK_N, R, WORDS]
+        if MASKED:
+            word = tl.load(code_words_ptr + at, mask=ok[:, :, None], other=0)
+        else:
+            word = tl.load(code_words_ptr + at)
+        # x's pair words in the tile's shape (a row index times 0): the rows of a thread share them
+        pair_at = (block_in_row[None, :, None] * WORDS + word_in_block[None, None, :] + 0 * rows[:, None, None]) * 4
+        part = tl.zeros((BLOCK_N, STEP_BLOCKS, WORDS), dtype=tl.float32)
+        for i in tl.static_range(4):
+            if MASKED:
+                pair = tl.load(x_words_ptr + pair_at + i, mask=col_ok[None, :, None], other=0)
+            else:
+                pair = tl.load(x_words_ptr + pair_at + i)
+            x_hi, x_lo = _x_pair(pair, X_KIND, tl.float32)
+            codes = word >> (8 * i)
+            part = tl.fma(_nf4_level(lane_level, table_ptr, codes >> 4, LANE_TABLE), x_hi, part)
+            part = tl.fma(_nf4_level(lane_level, table_ptr, codes, LANE_TABLE), x_lo, part)
+        acc = tl.fma(tl.sum(part, axis=2), absmax, acc)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        one = tl.arange(0, 1)
+        low_rank = _low_rank(u_ptr, lora_b_ptr, rows, row_ok, one, one < 1, 0, rank, RANK)
+        y = y + lora_scale * tl.sum(low_rank, axis=1)
+    y = _round_one(y, X_KIND, BF16_BY_HAND)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _nf4_matvec_dot_kernel(
     x_words_ptr,  # *i32 (fp16 / bf16 x) or *i64 (fp32 x): [M, K / 2] words, row stride stride_xw
     packed_ptr,  # *u8 NF4 bytes of W [N, K]
     absmax_ptr,  # *fp32 [n_blocks] (plain) or *u8 [n_blocks] (nested codes)
@@ -240,13 +296,11 @@ def _nf4_matvec_kernel(
     HAS_LORA: tl.constexpr,
     RANK: tl.constexpr,  # next power of two >= rank (HAS_LORA only)
     BLOCK_N: tl.constexpr,  # rows of W (columns of y) per program
-    BLOCK_M: tl.constexpr,  # 1 (fma) or 16 (dot)
+    BLOCK_M: tl.constexpr,  # MAX_ROWS: x padded with zeros to tl.dot's 16
     STEP_BLOCKS: tl.constexpr,  # NF4 blocks of a row per loop step
-    USE_DOT: tl.constexpr,
     X_KIND: tl.constexpr,  # 0 fp32, 1 fp16, 2 bf16
     MASKED: tl.constexpr,  # N % BLOCK_N or blocks_per_row % STEP_BLOCKS: bounds checks needed
     LANE_TABLE: tl.constexpr,  # NF4 levels by warp shuffle (GPU), else by table loads (interpreter)
-    PACKED: tl.constexpr,  # packed fp32 -> 16-bit conversions (sm_80+)
     BF16_BY_HAND: tl.constexpr,  # round to bf16 with integer ops (the interpreter truncates a cast)
     INT64: tl.constexpr,
 ):
@@ -259,10 +313,7 @@ def _nf4_matvec_kernel(
     ms = tl.arange(0, BLOCK_M)
     m_ok = ms < M
     lane_level = _lane_level(table_ptr, LANE_TABLE)
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, STEP_BLOCKS, HALF), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
 
     for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
         block_in_row = step * STEP_BLOCKS + step_block  # [R]
@@ -277,42 +328,25 @@ def _nf4_matvec_kernel(
             byte = tl.load(packed_ptr + at).to(tl.int32)
         hi = _nf4_level(lane_level, table_ptr, byte >> 4, LANE_TABLE) * absmax[:, :, None]
         lo = _nf4_level(lane_level, table_ptr, byte, LANE_TABLE) * absmax[:, :, None]
-        if USE_DOT:
-            STEP_BYTES: tl.constexpr = STEP_BLOCKS * HALF
-            dtype: tl.constexpr = y_ptr.dtype.element_ty
-            w_hi = tl.reshape(hi.to(dtype), (BLOCK_N, STEP_BYTES))
-            w_lo = tl.reshape(lo.to(dtype), (BLOCK_N, STEP_BYTES))
-            word_col = step * STEP_BYTES + tl.arange(0, STEP_BYTES)
-            word_at = x_words_ptr + ms[None, :] * stride_xw + word_col[:, None]  # [STEP_BYTES, BLOCK_M]
-            if MASKED:
-                word = tl.load(word_at, mask=(word_col < blocks_per_row * HALF)[:, None] & m_ok[None, :], other=0)
-            else:
-                word = tl.load(word_at, mask=m_ok[None, :], other=0)
-            x_even, x_odd = _x_pair(word, X_KIND, dtype)
-            if X_KIND == 0:
-                acc = tl.dot(w_hi, x_even, acc, input_precision="ieee")
-                acc = tl.dot(w_lo, x_odd, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w_hi, x_even, acc)
-                acc = tl.dot(w_lo, x_odd, acc)
+        STEP_BYTES: tl.constexpr = STEP_BLOCKS * HALF
+        dtype: tl.constexpr = y_ptr.dtype.element_ty
+        w_hi = tl.reshape(hi.to(dtype), (BLOCK_N, STEP_BYTES))
+        w_lo = tl.reshape(lo.to(dtype), (BLOCK_N, STEP_BYTES))
+        word_col = step * STEP_BYTES + tl.arange(0, STEP_BYTES)
+        word_at = x_words_ptr + ms[None, :] * stride_xw + word_col[:, None]  # [STEP_BYTES, BLOCK_M]
+        if MASKED:
+            word = tl.load(word_at, mask=(word_col < blocks_per_row * HALF)[:, None] & m_ok[None, :], other=0)
         else:
-            # the same [BLOCK_N, R, HALF] shape as the bytes (a row index times 0), so x arrives in
-            # their layout; every row of the tile reads the same words (from L1)
-            word_at = x_words_ptr + (block_in_row[None, :, None] * HALF + byte_in_block[None, None, :]
-                                     + 0 * rows[:, None, None])
-            if MASKED:
-                word = tl.load(word_at, mask=col_ok[None, :, None], other=0)
-            else:
-                word = tl.load(word_at)
-            x_even, x_odd = _x_pair(word, X_KIND, tl.float32)
-            hi, lo = _round_pair(hi, lo, X_KIND, PACKED, BF16_BY_HAND)
-            acc = tl.fma(hi, x_even, acc)
-            acc = tl.fma(lo, x_odd, acc)
+            word = tl.load(word_at, mask=m_ok[None, :], other=0)
+        x_even, x_odd = _x_pair(word, X_KIND, dtype)
+        if X_KIND == 0:
+            acc = tl.dot(w_hi, x_even, acc, input_precision="ieee")
+            acc = tl.dot(w_lo, x_odd, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w_hi, x_even, acc)
+            acc = tl.dot(w_lo, x_odd, acc)
 
-    if USE_DOT:
-        y = acc  # [BLOCK_N, BLOCK_M]
-    else:
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # [BLOCK_N, 1]
+    y = acc  # [BLOCK_N, BLOCK_M]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     if HAS_LORA:
@@ -349,8 +383,8 @@ class MatvecConfig:
             raise ValueError(f"MatvecConfig.num_stages must be at least 1, got {self.num_stages}.")
 
 
-# NF4 bytes of one program's tile per loop step: 16 per thread with 4 warps (one 128-bit load).
-_TILE_BYTES = 2048
+# NF4 bytes of one program's tile per loop step at M = 1: 32 per thread with 4 warps (two 128-bit loads).
+_ROW_TILE_BYTES = 4096
 
 
 def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 132) -> MatvecConfig:
@@ -371,10 +405,10 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
     row_blocks = triton.next_power_of_2(max(1, k // blocksize))
     if m <= 1:
         block_n = 1
-        while block_n < 4 and triton.cdiv(n, block_n * 2) >= 2 * sm_count:
+        while block_n < 8 and triton.cdiv(n, block_n * 2) >= sm_count:
             block_n *= 2
-        step_blocks = max(1, min(_TILE_BYTES // (block_n * half), row_blocks))
-        return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4 if block_n >= 4 else 8)
+        step_blocks = max(1, min(_ROW_TILE_BYTES // (block_n * half), row_blocks))
+        return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4)
     wide = triton.cdiv(n, 64) >= 2 * sm_count
     block_n, num_warps = (64, 4) if wide else (32, 2) if n >= 16 * sm_count else (16, 2)
     step_blocks = max(triton.cdiv(16, half), min(triton.cdiv(64, half), row_blocks))
@@ -548,7 +582,7 @@ def nf4_matvec(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*x.shape[:-1], n)
-    sm_count, capability = _device_facts(x.device)
+    sm_count, _ = _device_facts(x.device)
     if config is None:
         config = matvec_config(m, n, k, st.blocksize, sm_count)
     half = st.blocksize // 2
@@ -563,10 +597,9 @@ def nf4_matvec(
     blocks_per_row = k // st.blocksize
     on_gpu = x.is_cuda
     u, lora_b, scaling = _lora_operands(lora, m, y)
-    _nf4_matvec_kernel[(triton.cdiv(n, config.block_n),)](
-        words, packed, absmax, table, code2, absmax2, offset, bias.reshape(-1) if bias is not None else y,
-        u, lora_b, y,
-        m, n, blocks_per_row, words.stride(0), u.stride(0), lora_b.shape[-1], scaling,
+    if not config.use_dot and packed.data_ptr() % 4:  # bytes that cannot be read as words: the tile path
+        config = MatvecConfig(block_n=16, step_blocks=max(1, triton.cdiv(16, half)), use_dot=True, num_warps=2)
+    common = dict(
         BLOCKSIZE=st.blocksize,
         BLOCKSIZE2=st.blocksize2,
         NESTED=st.nested,
@@ -574,19 +607,27 @@ def nf4_matvec(
         HAS_LORA=lora is not None,
         RANK=triton.next_power_of_2(lora_b.shape[-1]),
         BLOCK_N=config.block_n,
-        BLOCK_M=MAX_ROWS if config.use_dot else 1,
         STEP_BLOCKS=config.step_blocks,
-        USE_DOT=config.use_dot,
         X_KIND=_X_KINDS[x.dtype],
         MASKED=bool(n % config.block_n or blocks_per_row % config.step_blocks),
         LANE_TABLE=on_gpu,
-        PACKED=on_gpu and capability >= 80,
         BF16_BY_HAND=not on_gpu and interpreter_on(),
         INT64=packed.numel() + half * config.block_n * config.step_blocks >= 2**31,
         num_warps=config.num_warps,
         enable_fp_fusion=False,
         **({} if config.num_stages is None else {"num_stages": config.num_stages}),
     )
+    bias_or_y = bias.reshape(-1) if bias is not None else y
+    grid = (triton.cdiv(n, config.block_n),)
+    if config.use_dot:
+        _nf4_matvec_dot_kernel[grid](
+            words, packed, absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y,
+            m, n, blocks_per_row, words.stride(0), u.stride(0), lora_b.shape[-1], scaling,
+            BLOCK_M=MAX_ROWS, **common)
+    else:
+        _nf4_matvec_row_kernel[grid](
+            words, packed.view(torch.int32), absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y,
+            n, blocks_per_row, lora_b.shape[-1], scaling, **common)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -609,33 +650,35 @@ def _lora_operands(lora: LoRATerm | None, m: int, y: torch.Tensor) -> tuple[torc
 
 def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """The Llama-3.1-8B decode configurations (K = 4096, M = 1 and 8) on a GPU, fp16 and bf16,
-    nested and plain absmax, with and without bias, with and without a LoRA term, masked and not. Packed conversions and the bf16
-    ``tl.dot`` need sm_80+: on a T4 (sm_75, fp16 only) the launcher passes ``PACKED=False``."""
+    nested and plain absmax, with and without bias, with and without a LoRA term, masked and not:
+    the row kernel for M = 1 (every target, the T4's sm_75 included) and the ``tl.dot`` kernel for
+    M = 8 (bf16 ``tl.dot`` needs sm_80+; a T4 runs fp16)."""
+    pointers = {"absmax_ptr": None, "table_ptr": "*fp32", "code2_ptr": "*fp32", "absmax2_ptr": "*fp32",
+                "offset_ptr": "*fp32"}
     specs = []
     for x_ty, kind in (("fp16", 1), ("bf16", 2)):
-        for m, nested, bias, masked, packed, lora in ((1, True, False, False, True, True),
-                                                      (1, False, True, True, False, False),
-                                                      (8, True, True, False, True, False),
-                                                      (8, False, False, True, False, True)):
+        for m, nested, bias, masked, lora in ((1, True, False, False, True), (1, False, True, True, False),
+                                              (8, True, True, False, False), (8, False, False, True, True)):
             config = matvec_config(m, 4096, 4096)
-            signature = {
-                "x_words_ptr": "*i32", "packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32",
-                "table_ptr": "*fp32", "code2_ptr": "*fp32", "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
-                "bias_ptr": f"*{x_ty}", "u_ptr": f"*{x_ty}", "lora_b_ptr": f"*{x_ty}", "y_ptr": f"*{x_ty}",
-                "M": "i32", "N": "i32", "blocks_per_row": "i32", "stride_xw": "i32", "stride_u": "i32", "rank": "i32",
-                "lora_scale": "fp32",
-            }
+            operands = {**pointers, "absmax_ptr": "*u8" if nested else "*fp32", "bias_ptr": f"*{x_ty}",
+                        "u_ptr": f"*{x_ty}", "lora_b_ptr": f"*{x_ty}", "y_ptr": f"*{x_ty}"}
             constexprs = {
                 "BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": nested, "HAS_BIAS": bias, "HAS_LORA": lora,
-                "RANK": 16, "BLOCK_N": config.block_n,
-                "BLOCK_M": MAX_ROWS if config.use_dot else 1, "STEP_BLOCKS": config.step_blocks,
-                "USE_DOT": config.use_dot, "X_KIND": kind, "MASKED": masked, "LANE_TABLE": True, "PACKED": packed,
-                "BF16_BY_HAND": False, "INT64": False,
+                "RANK": 16, "BLOCK_N": config.block_n, "STEP_BLOCKS": config.step_blocks, "X_KIND": kind,
+                "MASKED": masked, "LANE_TABLE": True, "BF16_BY_HAND": False, "INT64": False,
             }
             options: dict[str, Any] = {"num_warps": config.num_warps, "enable_fp_fusion": False}
-            if packed or (config.use_dot and x_ty == "bf16"):
+            if m == 1:
+                signature = {"x_words_ptr": "*i32", "code_words_ptr": "*i32", **operands,
+                             "N": "i32", "blocks_per_row": "i32", "rank": "i32", "lora_scale": "fp32"}
+                specs.append((_nf4_matvec_row_kernel, signature, constexprs, options))
+                continue
+            signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands, "M": "i32", "N": "i32",
+                         "blocks_per_row": "i32", "stride_xw": "i32", "stride_u": "i32", "rank": "i32",
+                         "lora_scale": "fp32"}
+            if x_ty == "bf16":
                 options["targets"] = [80, 86, 89, 90]
-            specs.append((_nf4_matvec_kernel, signature, constexprs, options))
+            specs.append((_nf4_matvec_dot_kernel, signature, {**constexprs, "BLOCK_M": MAX_ROWS}, options))
     return specs
 
 

@@ -174,7 +174,7 @@ def test_kernel_sweep_configs_and_report():
         configs = generate.sweep_configs(m)
         assert len(set(configs)) == len(configs) > 10
         assert all(c.use_dot for c in configs) == (m > 1)
-        assert all(c.block_n * c.step_blocks * 32 <= 4096 for c in configs if not c.use_dot)
+        assert all(c.block_n * c.step_blocks * 32 <= 8192 for c in configs if not c.use_dot)
     rows = [dict(shape="4096x4096", m=1, dtype="bf16", impl="nf4_matvec", config="cfg", nf4_bytes=8.9e6, ms=0.004,
                  gbps=2225.0, of_copy=0.523, rel_err=1e-3, status="ok", fastest_config=True, copy_gbps=4250.0),
             dict(shape="4096x4096", m=1, dtype="bf16", impl="bitsandbytes matmul_4bit", config="", nf4_bytes=8.9e6,
