@@ -32,10 +32,9 @@ The NF4 level of a code: on a GPU each lane of a warp holds ``NF4[lane % 16]`` a
 with no address arithmetic and no cache traffic; under the interpreter a load from the 16-entry
 table does the same.
 
-The row kernel spends its instructions on the weights alone: it reads the codes as 32-bit words (8
-codes), shifts a word so that a nibble sits in the low bits and shuffles its level (the bit above the
-nibble picks lanes 16-31, which hold the same table), multiplies by the ``x`` value in fp32 and adds;
-per block one multiply by the scale. ``benchmarks/ptx_census.py`` counts the loop's instructions per
+The row kernel spends few instructions a weight byte: two shuffles for its levels (the low nibble's
+straight from the byte: the bit above it picks lanes 16-31, which hold the same table), two fp32
+products with ``x`` and one multiply-add by the block's scale; no rounding of ``w``. ``benchmarks/ptx_census.py`` counts the loop's instructions per
 weight byte (an H200 SM must retire about 8 per byte to read at the copy bandwidth).
 
 Weights whose rows are not whole NF4 blocks (``K % B != 0``: blocks straddle rows) are not run by
@@ -191,7 +190,7 @@ def _low_rank(u_ptr, lora_b_ptr, rows, row_ok, ms, m_ok, stride_u, rank, RANK: t
 @triton.jit
 def _nf4_matvec_row_kernel(
     x_words_ptr,  # *i32 (fp16 / bf16 x) or *i64 (fp32 x): the one row of x as K / 2 words
-    code_words_ptr,  # *i32 NF4 bytes of W [N, K] read four at a time (8 codes a word)
+    packed_ptr,  # *u8 NF4 bytes of W [N, K]
     absmax_ptr,  # *fp32 [n_blocks] (plain) or *u8 [n_blocks] (nested codes)
     table_ptr,  # *fp32 [16] NF4 levels
     code2_ptr,  # *fp32 [256] dynamic map (nested only)
@@ -221,44 +220,45 @@ def _nf4_matvec_row_kernel(
 ):
     """One row of ``x``: ``y[n] = sum_b absmax[n, b] * sum_{k in b} NF4[code(n, k)] * x[k]`` in fp32.
 
-    The tile is ``[BLOCK_N, STEP_BLOCKS, BLOCKSIZE / 8]`` 32-bit words of codes. Byte ``i`` of a word
-    holds the codes of two neighbouring columns, the pair ``x`` word ``4 t + i`` multiplies (high nibble:
-    its low half); the level of a nibble comes from one warp shuffle with the word shifted so that the
-    nibble is in the low bits (the table sits in lanes 0-15 and 16-31, so the bit above the nibble does
-    not matter). The block scale multiplies a block's sum once, not each weight."""
-    WORDS: tl.constexpr = BLOCKSIZE // 8  # code words of an NF4 block
+    The tile is ``[BLOCK_N, STEP_BLOCKS, BLOCKSIZE / 2]`` code bytes with ``x``'s pair words in the same
+    shape: byte ``t`` of a row holds the codes of columns ``2t`` (high nibble) and ``2t + 1`` (low), the
+    pair word ``t`` holds ``(x[2t], x[2t + 1])``. A byte costs two shuffles (its levels), two products
+    in fp32 and one multiply-add by its block's scale into an accumulator of the tile's shape, summed
+    once after the last step; the weight is never rounded to ``x``'s dtype."""
+    HALF: tl.constexpr = BLOCKSIZE // 2  # bytes of an NF4 block
     rows = program_rows(BLOCK_N, INT64)
     row_ok = rows < N
     first_block = rows * blocks_per_row
     step_block = tl.arange(0, STEP_BLOCKS)
-    word_in_block = tl.arange(0, WORDS)
+    byte_in_block = tl.arange(0, HALF)
     lane_level = _lane_level(table_ptr, LANE_TABLE)
-    acc = tl.zeros((BLOCK_N, STEP_BLOCKS), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, STEP_BLOCKS, HALF), dtype=tl.float32)  # reduced once, after the loop
     for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
         block_in_row = step * STEP_BLOCKS + step_block
         col_ok = block_in_row < blocks_per_row
         blocks = first_block[:, None] + block_in_row[None, :]  # [BLOCK_N, R]
         ok = row_ok[:, None] & col_ok[None, :]
         absmax = _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok, BLOCKSIZE2, NESTED, MASKED)
-        at = blocks[:, :, None] * WORDS + word_in_block[None, None, :]  # [BLOCK_N, R, WORDS]
+        at = blocks[:, :, None] * HALF + byte_in_block[None, None, :]  # [BLOCK_N, R, HALF] byte index
         if MASKED:
-            word = tl.load(code_words_ptr + at, mask=ok[:, :, None], other=0)
+            byte = tl.load(packed_ptr + at, mask=ok[:, :, None], other=0).to(tl.int32)
         else:
-            word = tl.load(code_words_ptr + at)
-        # x's pair words in the tile's shape (a row index times 0): the rows of a thread share them
-        pair_at = (block_in_row[None, :, None] * WORDS + word_in_block[None, None, :] + 0 * rows[:, None, None]) * 4
-        part = tl.zeros((BLOCK_N, STEP_BLOCKS, WORDS), dtype=tl.float32)
-        for i in tl.static_range(4):
-            if MASKED:
-                pair = tl.load(x_words_ptr + pair_at + i, mask=col_ok[None, :, None], other=0)
-            else:
-                pair = tl.load(x_words_ptr + pair_at + i)
-            x_hi, x_lo = _x_pair(pair, X_KIND, tl.float32)
-            codes = word >> (8 * i)
-            part = tl.fma(_nf4_level(lane_level, table_ptr, codes >> 4, LANE_TABLE), x_hi, part)
-            part = tl.fma(_nf4_level(lane_level, table_ptr, codes, LANE_TABLE), x_lo, part)
-        acc = tl.fma(tl.sum(part, axis=2), absmax, acc)
-    y = tl.sum(acc, axis=1)
+            byte = tl.load(packed_ptr + at).to(tl.int32)
+        # x's pair words in the bytes' shape (a row index times 0): every row of the tile reads the same
+        # words (from L1), in the layout of the bytes they multiply
+        word_at = x_words_ptr + (block_in_row[None, :, None] * HALF + byte_in_block[None, None, :]
+                                 + 0 * rows[:, None, None])
+        if MASKED:
+            word = tl.load(word_at, mask=col_ok[None, :, None], other=0)
+        else:
+            word = tl.load(word_at)
+        x_hi, x_lo = _x_pair(word, X_KIND, tl.float32)
+        # the low nibble's shuffle reads the byte's low 5 bits: the bit above the nibble picks lanes
+        # 16-31, which hold the same table
+        part = _nf4_level(lane_level, table_ptr, byte, LANE_TABLE) * x_lo
+        part = tl.fma(_nf4_level(lane_level, table_ptr, byte >> 4, LANE_TABLE), x_hi, part)
+        acc = tl.fma(part, absmax[:, :, None], acc)  # a byte's two products times its block's scale
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_LORA:
@@ -383,15 +383,15 @@ class MatvecConfig:
             raise ValueError(f"MatvecConfig.num_stages must be at least 1, got {self.num_stages}.")
 
 
-# NF4 bytes of one program's tile per loop step at M = 1: 32 per thread with 4 warps (two 128-bit loads).
-_ROW_TILE_BYTES = 4096
+# NF4 bytes of one program's tile per loop step at M = 1: 16 per thread with 4 warps (one 128-bit load).
+_ROW_TILE_BYTES = 2048
 
 
 def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 132) -> MatvecConfig:
     """Block sizes for ``x [m, k] @ W[n, k]^T`` on a GPU with ``sm_count`` SMs.
 
     ``m == 1``: fused multiply-adds, the most rows per program up to 4 that still leave two programs
-    per SM, steps of ``_TILE_BYTES``, 4 warps (8 with fewer than 4 rows a program). ``m >= 2``:
+    per SM, steps of ``_ROW_TILE_BYTES``, 4 warps (8 with fewer than 4 rows a program). ``m >= 2``:
     ``tl.dot``, 32 rows and 2 warps per program (64 rows and 4 warps, one warpgroup MMA, once ``n``
     gives two programs per SM even so; 16 rows for ``n`` under ``16 sm_count``), steps of 64 bytes a
     row (at least 16: ``tl.dot``'s smallest inner size). Steps never exceed a row.
@@ -405,10 +405,10 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
     row_blocks = triton.next_power_of_2(max(1, k // blocksize))
     if m <= 1:
         block_n = 1
-        while block_n < 8 and triton.cdiv(n, block_n * 2) >= sm_count:
+        while block_n < 4 and triton.cdiv(n, block_n * 2) >= 2 * sm_count:
             block_n *= 2
         step_blocks = max(1, min(_ROW_TILE_BYTES // (block_n * half), row_blocks))
-        return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4)
+        return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4 if block_n >= 4 else 8)
     wide = triton.cdiv(n, 64) >= 2 * sm_count
     block_n, num_warps = (64, 4) if wide else (32, 2) if n >= 16 * sm_count else (16, 2)
     step_blocks = max(triton.cdiv(16, half), min(triton.cdiv(64, half), row_blocks))
@@ -597,8 +597,6 @@ def nf4_matvec(
     blocks_per_row = k // st.blocksize
     on_gpu = x.is_cuda
     u, lora_b, scaling = _lora_operands(lora, m, y)
-    if not config.use_dot and packed.data_ptr() % 4:  # bytes that cannot be read as words: the tile path
-        config = MatvecConfig(block_n=16, step_blocks=max(1, triton.cdiv(16, half)), use_dot=True, num_warps=2)
     common = dict(
         BLOCKSIZE=st.blocksize,
         BLOCKSIZE2=st.blocksize2,
@@ -626,7 +624,7 @@ def nf4_matvec(
             BLOCK_M=MAX_ROWS, **common)
     else:
         _nf4_matvec_row_kernel[grid](
-            words, packed.view(torch.int32), absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y,
+            words, packed, absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y,
             n, blocks_per_row, lora_b.shape[-1], scaling, **common)
     return y.reshape(*x.shape[:-1], n)
 
@@ -669,7 +667,7 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
             }
             options: dict[str, Any] = {"num_warps": config.num_warps, "enable_fp_fusion": False}
             if m == 1:
-                signature = {"x_words_ptr": "*i32", "code_words_ptr": "*i32", **operands,
+                signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands,
                              "N": "i32", "blocks_per_row": "i32", "rank": "i32", "lora_scale": "fp32"}
                 specs.append((_nf4_matvec_row_kernel, signature, constexprs, options))
                 continue
