@@ -113,14 +113,16 @@ test-fast: setup
 #   PYTHONPATH=$PWD/.site:$PWD make test-gpu-1   (and test-gpu-2; `make test-gpu` runs both)
 # Each half writes its log to runs/gpu-suite-<half>.log.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+# GPU test files of half 2's folders that run in half 1, the shorter one (s24: 252 s against 301 s)
+GPU_1_EXTRA := tests/export/test_moe_export_gpu.py
 GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -rfEs
 test-gpu: test-gpu-1 test-gpu-2
 
 test-gpu-1:
-	@mkdir -p runs; set -o pipefail; $(GPU_PYTEST) -n 8 --timeout 420 tests/kernels tests/models tests/memory $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-1.log
+	@mkdir -p runs; set -o pipefail; $(GPU_PYTEST) -n 8 --timeout 420 tests/kernels tests/models tests/memory $(GPU_1_EXTRA) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-1.log
 
 test-gpu-2:
-	@mkdir -p runs; set -o pipefail; $(GPU_PYTEST) -n 6 --timeout 540 tests/train tests/export tests/notebooks tests/benchmarks $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-2.log
+	@mkdir -p runs; set -o pipefail; $(GPU_PYTEST) -n 6 --timeout 540 tests/train tests/export tests/notebooks tests/benchmarks $(GPU_1_EXTRA:%=--ignore=%) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-2.log
 
 lock:
 	$(PIP) freeze --exclude-editable | grep -v '^-e ' > constraints/ci-cpu.txt

@@ -8,9 +8,10 @@ import torch
 from notebookkit import FastLanguageModel
 
 
-def lora_model(family: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
-    """A tiny model of ``family`` with LoRA on all seven projections and random non-zero B."""
-    return lora_model_from(f"notebookkit/tiny-{family}", load_in_4bit, seed, r)
+def lora_model(family: str, load_in_4bit: bool, seed: int = 0, r: int = 8, **load):
+    """A tiny model of ``family`` with LoRA on all seven projections and random non-zero B (``load``: more
+    arguments of ``from_pretrained``, e.g. ``dtype``, ``device_map``)."""
+    return lora_model_from(f"notebookkit/tiny-{family}", load_in_4bit, seed, r, **load)
 
 
 def _with_random_lora(model, seed: int, r: int, target_modules=None):
@@ -27,9 +28,9 @@ def _with_random_lora(model, seed: int, r: int, target_modules=None):
     return model
 
 
-def lora_model_from(name: str, load_in_4bit: bool, seed: int = 0, r: int = 8):
+def lora_model_from(name: str, load_in_4bit: bool, seed: int = 0, r: int = 8, **load):
     """The model ``name`` (a tiny default or a folder) with LoRA on all seven projections and random non-zero B."""
-    model, tokenizer = FastLanguageModel.from_pretrained(str(name), load_in_4bit=load_in_4bit, show_banner=False)
+    model, tokenizer = FastLanguageModel.from_pretrained(str(name), load_in_4bit=load_in_4bit, show_banner=False, **load)
     return _with_random_lora(model, seed, r), tokenizer
 
 

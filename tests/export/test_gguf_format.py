@@ -10,31 +10,9 @@ from notebookkit.export.checks import ExportError
 from notebookkit.export.gguf_arch import llama3_rope_factors, permute_for_llama_rope
 from notebookkit.export.gguf_file import normalize_quantization_methods
 from tests.export.conftest import lora_model
+from tests.export.gguf_reading import dense, read_gguf
 
 gguf = pytest.importorskip("gguf")
-
-
-def _read(path):
-    reader = gguf.GGUFReader(path)
-    tensors = {t.name: t for t in reader.tensors}
-    fields = reader.fields
-
-    def value(key):
-        f = fields[key]
-        if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
-            if f.types[-1] == gguf.GGUFValueType.STRING:
-                return [bytes(f.parts[i]).decode() for i in f.data]
-            return [f.parts[i].tolist()[0] for i in f.data]
-        if f.types[0] == gguf.GGUFValueType.STRING:
-            return bytes(f.parts[f.data[0]]).decode()
-        return f.parts[f.data[0]].tolist()[0]
-
-    return tensors, value
-
-
-def _dense(t) -> np.ndarray:
-    data = gguf.quants.dequantize(t.data, t.tensor_type)
-    return np.asarray(data, dtype=np.float32).reshape([int(s) for s in reversed(t.shape)])
 
 
 def test_permutation_moves_halves_to_adjacent_pairs():
@@ -68,7 +46,7 @@ def test_tensors_and_metadata(family, tmp_path):
     model, tokenizer = lora_model(family, load_in_4bit=family == "llama")
     result = model.save_pretrained_gguf(tmp_path, tokenizer, ["f32", "q8_0"], verbose=False)
     f32, q8 = (r.path for r in result)
-    tensors, value = _read(f32)
+    tensors, value = read_gguf(f32)
     config = model.get_base_model().config
     base = model.get_base_model().model
     assert value("general.architecture") == {"llama": "llama", "gemma2": "gemma2"}[family]
@@ -81,12 +59,12 @@ def test_tensors_and_metadata(family, tmp_path):
     merged = {t.name: t for t in plan_merged_tensors(model, torch.float32)}
     q_merged = merged["model.layers.0.self_attn.q_proj.weight"].make(torch.device("cpu"))
     expected = permute_for_llama_rope(q_merged, config.num_attention_heads) if family == "llama" else q_merged
-    np.testing.assert_array_equal(_dense(tensors["blk.0.attn_q.weight"]), expected.numpy())
+    np.testing.assert_array_equal(dense(tensors["blk.0.attn_q.weight"]), expected.numpy())
     # norms: F32, Gemma's stored as 1 + w
     norm = tensors["blk.0.attn_norm.weight"]
     assert norm.tensor_type == gguf.GGMLQuantizationType.F32
     w = base.layers[0].input_layernorm.weight.detach().float().numpy()
-    np.testing.assert_array_equal(_dense(norm), w + (1.0 if family == "gemma2" else 0.0))
+    np.testing.assert_array_equal(dense(norm), w + (1.0 if family == "gemma2" else 0.0))
     # tokenizer
     assert value("tokenizer.ggml.model") == "gpt2" and value("tokenizer.ggml.pre") == "gpt-2"
     tokens = value("tokenizer.ggml.tokens")
@@ -103,7 +81,7 @@ def test_tensors_and_metadata(family, tmp_path):
     else:
         assert value("gemma2.attn_logit_softcapping") == pytest.approx(50.0)
         assert value("gemma2.attention.sliding_window_pattern") == [True, False]
-    q8_tensors, _ = _read(q8)
+    q8_tensors, _ = read_gguf(q8)
     assert q8_tensors["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
     assert q8_tensors["blk.0.ffn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     modelfile = (tmp_path / "Modelfile").read_text()
@@ -125,13 +103,13 @@ def _decoded_in_hf_layout(path, config, hf_names) -> dict:
     """The file's tensors under ``hf_names``, decoded by this test alone: llama.cpp names from the ``gguf``
     package's table, q/k rows of the ``llama`` architecture put back by :func:`_hf_row_order`, Gemma's norms
     (stored as ``1 + w``) less 1."""
-    tensors, value = _read(path)
+    tensors, value = read_gguf(path)
     arch_name = value("general.architecture")
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     decoded = {}
     for name in hf_names:
-        values = _dense(tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))])
+        values = dense(tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))])
         if arch_name == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             values = _hf_row_order(values, config.head_dim)
         if arch_name.startswith("gemma") and name.endswith("norm.weight"):
@@ -146,7 +124,7 @@ def test_q_and_k_rows_decode_to_the_merged_hf_weights(tmp_path):
     computed here from the adapter's own tensors (GQA: 4 query heads, 2 KV heads)."""
     model, tokenizer = lora_model("llama", load_in_4bit=False)
     (result,) = model.save_pretrained_gguf(tmp_path, tokenizer, "f32", verbose=False)
-    tensors, _ = _read(result.path)
+    tensors, _ = read_gguf(result.path)
     config = model.get_base_model().config
     assert config.num_key_value_heads < config.num_attention_heads
     for i, layer in enumerate(model.get_base_model().model.layers):
@@ -155,7 +133,7 @@ def test_q_and_k_rows_decode_to_the_merged_hf_weights(tmp_path):
             proj = getattr(layer.self_attn, name)
             a, b = proj.lora_A["default"].weight.float(), proj.lora_B["default"].weight.float()
             merged = (proj.base_layer.weight.float() + proj.scaling["default"] * (b @ a)).detach().numpy()
-            stored = _dense(tensors[f"blk.{i}.attn_{short}.weight"])
+            stored = dense(tensors[f"blk.{i}.attn_{short}.weight"])
             decoded = _hf_row_order(stored, config.head_dim) if permuted else stored
             np.testing.assert_allclose(decoded, merged, rtol=1e-5, atol=1e-6, err_msg=f"layer {i} {name}")
 

@@ -15,7 +15,7 @@ from notebookkit.export.checks import ExportError
 from notebookkit.export.gguf_sentencepiece import merge_scores, sentencepiece_metadata, space_prefix_rule
 from tests.export.conftest import lora_model_from
 from tests.export.sentencepiece_models import VARIANTS, build_model_folder
-from tests.export.test_gguf_format import _read
+from tests.export.gguf_reading import read_gguf
 
 STRINGS = [
     "Hello world, the café ☕ costs 12 coins.\n\nNew  line",  # bytes for é and ☕, a double space, newlines
@@ -42,7 +42,7 @@ def _adapted(folder):
 def test_sentencepiece_metadata_as_written(variant, folders, tmp_path):
     model, tokenizer = _adapted(folders[variant])
     (result,) = model.save_pretrained_gguf(tmp_path, tokenizer, "f16", verbose=False)
-    tensors, value = _read(result.path)
+    tensors, value = read_gguf(result.path)
     arch = value("general.architecture")
     assert arch == {"llama2": "llama", "mistral": "llama", "gemma": "gemma"}[variant]
     assert value("tokenizer.ggml.model") == "llama" and value("tokenizer.ggml.pre") == "default"
