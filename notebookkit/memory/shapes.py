@@ -204,6 +204,9 @@ _MOE_ROWS = [
      None, (128, 8, 768, True)),
     ("openai/gpt-oss-20b",                     "gpt_oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 131072,
      None, (32, 4, 2880, False)),
+    # its 16-bit copy (the same config, no MXFP4 quantization_config): what load_in_4bit streams into NF4 experts
+    ("unsloth/gpt-oss-20b-BF16",               "gpt_oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 131072,
+     None, (32, 4, 2880, False)),
 ]
 
 KNOWN_MODELS: dict[str, ModelShape] = {row[0]: _shape(*row) for row in _ROWS + _MOE_ROWS}

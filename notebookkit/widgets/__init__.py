@@ -12,7 +12,7 @@ from __future__ import annotations
 from notebookkit._lazy import lazy_package
 
 __getattr__, __dir__, __all__ = lazy_package(__name__, {
-    "model_panel": ("ModelPanel", "ModelChoice", "compute_estimate"),
+    "model_panel": ("ModelPanel", "ModelChoice", "compute_estimate", "card_verdicts"),
     "lora_panel": ("LoRAPanel", "LoRAChoice"),
     "training_panel": ("TrainingPanel", "TrainingChoice"),
     "panels": ("ConfigPanels", "PanelValues", "link_estimate"),

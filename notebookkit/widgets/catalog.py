@@ -56,6 +56,7 @@ _CURATED = {
     "Mixture of experts": [
         ("Qwen/Qwen3-30B-A3B", "Qwen3 30B-A3B (128 experts, 8 active)"),
         ("openai/gpt-oss-20b", "gpt-oss 20B (32 experts, 4 active)"),
+        ("unsloth/gpt-oss-20b-BF16", "gpt-oss 20B, 16-bit copy (load_in_4bit: NF4 experts)"),
     ],
     "Vision-language": [
         *[(f.vision.tiny_name, f"{f.vision.tiny_name} (tiny VLM, random weights)")

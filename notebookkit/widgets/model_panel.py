@@ -13,6 +13,9 @@ panel asks :func:`notebookkit.memory.largest_lora_rank` what each quantised form
 (the largest LoRA rank, whether the input embedding must live in host RAM, the activation plan) or
 why it cannot: for a 70B on a 24 GiB card, 2-bit fits at a small rank with the embedding on the host
 and NF4 does not. Plans here leave the planner's margin on the step's own bytes (``margin_of="step"``).
+
+:func:`card_verdicts` gives the same verdict as text for one run on several cards (a T4, a 24 GB card) whatever
+GPU this machine has: what the chat SFT notebook prints for its GPU run.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from notebookkit.memory.base_weights import base_format_for, load_flags
 from notebookkit.memory.cards import GPUCard
 from notebookkit.memory.context import longest_sequence
 from notebookkit.memory.estimate import MemoryEstimate, estimate_training_memory
-from notebookkit.memory.planner import ActivationPlan, DoesNotFitError, plan_activations
+from notebookkit.memory.planner import DEFAULT_SAFETY_MARGIN, ActivationPlan, DoesNotFitError, plan_activations
 from notebookkit.memory.rank_fit import RankFit, largest_lora_rank
 from notebookkit.memory.vision_shapes import text_shape
 
@@ -301,6 +304,72 @@ def estimate_html(res: EstimateResult) -> str:
         f"{_count(params)} params, LoRA {_count(lora_params)} trainable; "
         f"{plan_text}</div>{extra}</div>"
     )
+
+
+@dataclass
+class CardVerdict:
+    """The model panel's verdict for one run on one GPU card, as one line of text (``str(verdict)``)."""
+
+    card: str
+    result: EstimateResult
+
+    @property
+    def fits(self) -> bool:
+        return self.result.fits
+
+    @property
+    def total(self) -> int | None:
+        """The predicted peak in bytes (None when the model could not be estimated)."""
+        return self.result.estimate.total if self.result.estimate is not None else None
+
+    def __str__(self) -> str:
+        res, est = self.result, self.result.estimate
+        if est is None:
+            return f"{res.budget_label}: cannot estimate ({res.message})"
+        plan = ", ".join(f"{v} {k}" for k, v in est.plan_counts().items() if v)
+        line = (f"{res.budget_label}: {_size(est.total)} of {_size(res.budget_bytes)} — "
+                f"{'fits' if res.fits else 'does not fit'} ({'auto plan' if res.plan else 'activations'}: {plan})")
+        if not res.fits and est.total <= res.budget_bytes:
+            line += (f"\n    under the card's size, but the planner keeps {DEFAULT_SAFETY_MARGIN:.0%} of what the step "
+                     "adds to the base weights free for the allocator's fragmentation")
+        if not res.fits:  # the planner's reasons: the parts, what takes the room, what to change
+            line += "".join(f"\n    {text.strip()}" for text in res.message.splitlines() if text.strip())
+        return line
+
+
+class CardVerdicts(list):
+    """One run's :class:`CardVerdict` on each card; ``str()`` is the run's settings, then a line a card."""
+
+    def __str__(self) -> str:
+        first = next((v.result.estimate for v in self if v.result.estimate is not None), None)
+        if first is None:  # the model itself cannot be estimated: the same reason for every card
+            return f"Memory estimate: {self[0].result.message}" if self else "Memory estimate: no card given"
+        return "\n".join([first.table().split("\n", 1)[0] + ":"] + [f"  {v}" for v in self])
+
+
+def card_verdicts(model_name: str, cards: tuple[str, ...] = ("t4", "l4"), *, load_in_4bit: bool = True,
+                  max_seq_length: int = 2048, dtype: str | None = None, r: int = 16,
+                  use_gradient_checkpointing: Any = "auto", batch_size: int = 1,
+                  optim: str = "adamw_8bit") -> CardVerdicts:
+    """Will this run train on a T4, on a 24 GB card? The model panel's verdict (:func:`compute_estimate`: the
+    memory model, and the activation planner for checkpointing ``"auto"``) for one run on each card of ``cards``
+    (names as :func:`notebookkit.memory.parse_card` reads them), whatever GPU this machine has or lacks.
+
+    ``dtype=None`` is each card's own (float16 on a T4, bfloat16 where the card has it); ``optim`` defaults to
+    the training panel's choice on a GPU. ``print()`` the result for a line a card::
+
+        print(card_verdicts("unsloth/gpt-oss-20b-BF16", r=8, max_seq_length=1024))
+    """
+    from .lora_panel import LoRAChoice
+    from .training_panel import TrainingChoice
+
+    lora = LoRAChoice(r=int(r), lora_alpha=int(r), use_gradient_checkpointing=use_gradient_checkpointing)
+    training = TrainingChoice(per_device_train_batch_size=int(batch_size), optim=optim)
+    return CardVerdicts(
+        CardVerdict(card, compute_estimate(ModelChoice(model_name=model_name, load_in_4bit=load_in_4bit, card=card,
+                                                       max_seq_length=int(max_seq_length), dtype=dtype),
+                                           lora, training))
+        for card in cards)
 
 
 class ModelPanel(Panel):

@@ -117,7 +117,8 @@ def test_resolve_seeds_torch():
 MACHINE_DEFAULTS = {
     "sft/chat_sft": dict(MODEL_NAME=("Qwen/Qwen3-0.6B", "notebookkit/tiny-llama"), LOAD_IN_4BIT=(True, False),
                          MAX_SEQ_LENGTH=(2048, 512), MAX_STEPS=(60, 24), CALIBRATION_STEPS=(30, 4),
-                         LEARNING_RATE=(2e-4, 2e-3), BATCH_SIZE=(4, 4), GRAD_ACCUM=(1, 1)),
+                         LEARNING_RATE=(2e-4, 2e-3), BATCH_SIZE=(4, 4), GRAD_ACCUM=(1, 1), LORA_R=(16, 16),
+                         MIN_LOSS_DROP=(0.2, 0.2)),  # MOE = True: tests/notebooks/test_chat_sft_moe.py
     "sft/alpaca_sft": dict(MODEL_NAME=("Qwen/Qwen3-0.6B", "notebookkit/tiny-llama"), LOAD_IN_4BIT=(True, False),
                            MAX_SEQ_LENGTH=(2048, 512), MAX_STEPS=(60, 24), CALIBRATION_STEPS=(30, 4),
                            LEARNING_RATE=(2e-4, 2e-3), BATCH_SIZE=(4, 4), GRAD_ACCUM=(1, 1)),
