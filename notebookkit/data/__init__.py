@@ -16,7 +16,7 @@ from notebookkit._lazy import lazy_package
 
 __getattr__, __dir__, __all__ = lazy_package(__name__, {
     "chat_templates": ("get_chat_template", "list_chat_templates", "apply_generation_eos",
-                       "guess_chat_template", "template_spec", "CHAT_TEMPLATES"),
+                       "guess_chat_template", "install_chat_template", "template_spec", "CHAT_TEMPLATES"),
     "sharegpt": ("standardize_sharegpt", "standardize_data_formats", "to_role_content", "alpaca_to_messages"),
     "responses_only": ("train_on_responses_only", "detect_markers", "MarkerNotFoundError"),
     "profile": ("profile_lengths", "LengthProfile", "round_up_length"),

@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from notebookkit.families import FAMILIES
+from notebookkit.families import FAMILIES, for_model_type
 
 __all__ = [
     "ChatTemplate",
@@ -312,6 +312,22 @@ def guess_chat_template(tokenizer: Any, model_name: str | None = None) -> str:
 def _token_id(tokenizer: Any, token: str) -> int | None:
     vocab = tokenizer.get_vocab()
     return vocab.get(token)
+
+
+def install_chat_template(tokenizer: Any, model: Any, name: str | None = None, model_name: str | None = None) -> str | None:
+    """A notebook's chat format for ``model``: ``name`` when given; for a family notebookkit writes no
+    format of (``Family.chat_template`` is ``None``: gpt-oss speaks OpenAI's harmony format) whose
+    tokenizer ships a template, that template, kept as it is (generation stops at its EOS); else the
+    guess of :func:`guess_chat_template`. The tokenizer is changed in place.
+
+    Returns the notebookkit format's name, or ``None`` when the tokenizer's own template was kept."""
+    family = for_model_type(getattr(getattr(model, "config", None), "model_type", None))
+    if name is None and family is not None and family.chat_template is None and tokenizer.chat_template:
+        apply_generation_eos(model, tokenizer)
+        return None
+    name = name or guess_chat_template(tokenizer, model_name)
+    get_chat_template(tokenizer, name, model=model)
+    return name
 
 
 def apply_generation_eos(model: Any, tokenizer: Any) -> list[int]:

@@ -129,12 +129,12 @@ panels
 # %%
 cfg = panels.value  # the panels' current values
 from notebookkit import FastLanguageModel
-from notebookkit.data import get_chat_template, guess_chat_template
+from notebookkit.data import install_chat_template
 
 model, tokenizer = FastLanguageModel.from_pretrained(**cfg.model.from_pretrained_kwargs())
-CHAT_TEMPLATE = CHAT_TEMPLATE or guess_chat_template(tokenizer, cfg.model.model_name)
-tokenizer = get_chat_template(tokenizer, CHAT_TEMPLATE, model=model)
-print(f"chat template: {CHAT_TEMPLATE}; generation stops at {tokenizer.eos_token!r}")
+# CHAT_TEMPLATE None: guessed, or the tokenizer's own for a family notebookkit writes no format of (gpt-oss)
+CHAT_TEMPLATE = install_chat_template(tokenizer, model, CHAT_TEMPLATE, cfg.model.model_name)
+print(f"chat template: {CHAT_TEMPLATE or 'the one its tokenizer ships'}; generation stops at {tokenizer.eos_token!r}")
 
 # %% [markdown]
 # ## 3. Add LoRA adapters

@@ -169,22 +169,15 @@ print(gpu_verdicts)
 # %%
 cfg = panels.value  # the panels' current values
 from notebookkit import FastLanguageModel
-from notebookkit.data import apply_generation_eos, get_chat_template, guess_chat_template
-from notebookkit.families import for_model_type
+from notebookkit.data import install_chat_template
 from notebookkit.train.distributed import local_device_map
 
 # device_map: under a multi-process launch each process loads the model onto its own GPU
 model, tokenizer = FastLanguageModel.from_pretrained(**cfg.model.from_pretrained_kwargs(),
                                                      device_map=local_device_map(DEVICE_MAP, LAUNCH))
-family = for_model_type(model.config.model_type)
-if CHAT_TEMPLATE is None and family is not None and family.chat_template is None and tokenizer.chat_template:
-    # a family notebookkit has no format of (gpt-oss speaks OpenAI's harmony): keep the template its tokenizer ships
-    apply_generation_eos(model, tokenizer)
-    print(f"chat template: the tokenizer's own ({family.name}); generation stops at {tokenizer.eos_token!r}")
-else:
-    CHAT_TEMPLATE = CHAT_TEMPLATE or guess_chat_template(tokenizer, cfg.model.model_name)
-    tokenizer = get_chat_template(tokenizer, CHAT_TEMPLATE, model=model)
-    print(f"chat template: {CHAT_TEMPLATE}; generation stops at {tokenizer.eos_token!r}")
+# CHAT_TEMPLATE None: guessed, or the tokenizer's own for a family notebookkit writes no format of (gpt-oss)
+CHAT_TEMPLATE = install_chat_template(tokenizer, model, CHAT_TEMPLATE, cfg.model.model_name)
+print(f"chat template: {CHAT_TEMPLATE or 'the one its tokenizer ships'}; generation stops at {tokenizer.eos_token!r}")
 
 # %% [markdown]
 # ## 3. Add LoRA adapters

@@ -141,3 +141,30 @@ def test_guess_chat_template_from_model_name():
     assert guess_chat_template(tok, "notebookkit/tiny-gemma3") == "gemma-3"
     assert guess_chat_template(tok, "notebookkit/tiny-mistral") == "mistral"
     assert guess_chat_template(tok, "meta-llama/Llama-3.2-1B-Instruct") == "llama-3.1"
+
+
+def test_install_chat_template_keeps_a_harmony_tokenizers_own():
+    """A notebook's template cell (``install_chat_template``): gpt-oss (no notebookkit format) keeps the
+    template its tokenizer ships and stops at its EOS; a name given, or a family with a format, installs one."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from notebookkit.data.chat_templates import install_chat_template
+
+    def model(model_type):
+        return SimpleNamespace(config=SimpleNamespace(model_type=model_type), generation_config=GenerationConfig())
+
+    own = "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    tok, gpt_oss = make_tokenizer(), model("gpt_oss")
+    tok.chat_template = own
+    assert install_chat_template(tok, gpt_oss) is None
+    assert tok.chat_template == own and tok.eos_token_id in [gpt_oss.generation_config.eos_token_id]
+    tok = make_tokenizer()
+    tok.chat_template = own
+    assert install_chat_template(tok, model("gpt_oss"), "chatml") == "chatml"
+    assert template_spec(tok).name == "chatml"
+    tok = make_tokenizer()
+    tok.chat_template = own
+    name = install_chat_template(tok, model("llama"), model_name="meta-llama/Llama-3.2-1B")
+    assert name in CHAT_TEMPLATES and template_spec(tok).jinja == CHAT_TEMPLATES[name].jinja

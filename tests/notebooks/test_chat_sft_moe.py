@@ -93,7 +93,7 @@ def test_moe_on_cpu_trains_the_tiny_moe_through_the_notebook(tmp_path, monkeypat
     assert run.ok, run.error
     out = run.stdout()
     for line in ("MODEL_NAME: notebookkit/tiny-gpt_oss", "MoE experts", "Memory estimate for unsloth/gpt-oss-20b-BF16",
-                 "Tesla T4 16GB:", "NVIDIA L4 24GB:", "chat template: the tokenizer's own (gpt_oss)",
+                 "Tesla T4 16GB:", "NVIDIA L4 24GB:", "chat template: the one its tokenizer ships",
                  "learning signal: OK"):
         assert line in out, f"{line!r} not in the notebook's output:\n{out[-4000:]}"
     assert (tmp_path / "out" / "lora_adapter" / "adapter_model.safetensors").is_file()
