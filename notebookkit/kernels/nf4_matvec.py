@@ -396,10 +396,10 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
     gives two programs per SM even so; 16 rows for ``n`` under ``16 sm_count``), steps of 64 bytes a
     row (at least 16: ``tl.dot``'s smallest inner size). Steps never exceed a row.
 
-    The sweep on an H200 (``benchmarks/generate.py --kernels --sweep``, session 24, bf16, the Llama-3.1-8B
-    shapes) put these first or within 1% of the first: M = 1 at 4096 x 4096 (4, 16), 7.8 us against
-    8.9 us for the 8 rows of the earlier rule; 14336 x 4096 (4, 16), 22.0 against 23.0 (16 rows);
-    1024 x 4096 (2, 32, 8 warps), 3.2 against 3.6; M = 8 at 1024 x 4096 16 rows, 16.2 against 18.4 us.
+    The sweep on an H200 (``benchmarks/generate.py --kernels --sweep``, bf16, the Llama-3.1-8B shapes) put
+    these first or within 3% of the first. Session 25, the row kernel: 4096 x 4096 (4, 16) 7.13 us (best
+    7.07), 14336 x 4096 (4, 16) 20.0 us (the best; session 24's kernel: 22.0), 4096 x 14336 20.1 (19.9),
+    1024 x 4096 (2, 32, 8 warps) 3.25 (3.16). Session 24, M = 8: 1024 x 4096 16 rows, 16.2 against 18.4 us.
     """
     half = max(1, blocksize // 2)
     row_blocks = triton.next_power_of_2(max(1, k // blocksize))
