@@ -188,6 +188,25 @@ def _low_rank(u_ptr, lora_b_ptr, rows, row_ok, ms, m_ok, stride_u, rank, RANK: t
 
 
 @triton.jit
+def _code_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_block, row_ok, step,
+               blocks_per_row, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, MASKED: tl.constexpr,
+               STEP_BLOCKS: tl.constexpr, HALF: tl.constexpr):
+    """Loop step ``step`` of a program's rows: ``(code bytes [BLOCK_N, R, HALF] as int32, their blocks'
+    fp32 scales [BLOCK_N, R], the step's blocks of a row [R], which of those exist [R])``."""
+    block_in_row = step * STEP_BLOCKS + tl.arange(0, STEP_BLOCKS)
+    col_ok = block_in_row < blocks_per_row
+    blocks = first_block[:, None] + block_in_row[None, :]  # [BLOCK_N, R]
+    ok = row_ok[:, None] & col_ok[None, :]
+    absmax = _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok, BLOCKSIZE2, NESTED, MASKED)
+    at = blocks[:, :, None] * HALF + tl.arange(0, HALF)[None, None, :]  # [BLOCK_N, R, HALF] byte index
+    if MASKED:
+        byte = tl.load(packed_ptr + at, mask=ok[:, :, None], other=0).to(tl.int32)
+    else:
+        byte = tl.load(packed_ptr + at).to(tl.int32)
+    return byte, absmax, block_in_row, col_ok
+
+
+@triton.jit
 def _nf4_matvec_row_kernel(
     x_words_ptr,  # *i32 (fp16 / bf16 x) or *i64 (fp32 x): the one row of x as K / 2 words
     packed_ptr,  # *u8 NF4 bytes of W [N, K]
@@ -229,21 +248,13 @@ def _nf4_matvec_row_kernel(
     rows = program_rows(BLOCK_N, INT64)
     row_ok = rows < N
     first_block = rows * blocks_per_row
-    step_block = tl.arange(0, STEP_BLOCKS)
     byte_in_block = tl.arange(0, HALF)
     lane_level = _lane_level(table_ptr, LANE_TABLE)
     acc = tl.zeros((BLOCK_N, STEP_BLOCKS, HALF), dtype=tl.float32)  # reduced once, after the loop
     for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
-        block_in_row = step * STEP_BLOCKS + step_block
-        col_ok = block_in_row < blocks_per_row
-        blocks = first_block[:, None] + block_in_row[None, :]  # [BLOCK_N, R]
-        ok = row_ok[:, None] & col_ok[None, :]
-        absmax = _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok, BLOCKSIZE2, NESTED, MASKED)
-        at = blocks[:, :, None] * HALF + byte_in_block[None, None, :]  # [BLOCK_N, R, HALF] byte index
-        if MASKED:
-            byte = tl.load(packed_ptr + at, mask=ok[:, :, None], other=0).to(tl.int32)
-        else:
-            byte = tl.load(packed_ptr + at).to(tl.int32)
+        byte, absmax, block_in_row, col_ok = _code_tile(
+            packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_block, row_ok, step, blocks_per_row,
+            BLOCKSIZE2, NESTED, MASKED, STEP_BLOCKS, HALF)
         # x's pair words in the bytes' shape (a row index times 0): every row of the tile reads the same
         # words (from L1), in the layout of the bytes they multiply
         word_at = x_words_ptr + (block_in_row[None, :, None] * HALF + byte_in_block[None, None, :]
@@ -308,24 +319,14 @@ def _nf4_matvec_dot_kernel(
     rows = program_rows(BLOCK_N, INT64)
     row_ok = rows < N
     first_block = rows * blocks_per_row  # [BLOCK_N] each row's first NF4 block
-    step_block = tl.arange(0, STEP_BLOCKS)
-    byte_in_block = tl.arange(0, HALF)
     ms = tl.arange(0, BLOCK_M)
     m_ok = ms < M
     lane_level = _lane_level(table_ptr, LANE_TABLE)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
 
     for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
-        block_in_row = step * STEP_BLOCKS + step_block  # [R]
-        col_ok = block_in_row < blocks_per_row
-        blocks = first_block[:, None] + block_in_row[None, :]  # [BLOCK_N, R]
-        ok = row_ok[:, None] & col_ok[None, :]
-        absmax = _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok, BLOCKSIZE2, NESTED, MASKED)
-        at = blocks[:, :, None] * HALF + byte_in_block[None, None, :]  # [BLOCK_N, R, HALF] byte index
-        if MASKED:
-            byte = tl.load(packed_ptr + at, mask=ok[:, :, None], other=0).to(tl.int32)
-        else:
-            byte = tl.load(packed_ptr + at).to(tl.int32)
+        byte, absmax, _, _ = _code_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_block, row_ok,
+                                        step, blocks_per_row, BLOCKSIZE2, NESTED, MASKED, STEP_BLOCKS, HALF)
         hi = _nf4_level(lane_level, table_ptr, byte >> 4, LANE_TABLE) * absmax[:, :, None]
         lo = _nf4_level(lane_level, table_ptr, byte, LANE_TABLE) * absmax[:, :, None]
         STEP_BYTES: tl.constexpr = STEP_BLOCKS * HALF
