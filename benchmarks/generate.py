@@ -573,6 +573,7 @@ def sweep_configs(m: int):
         for block_n in (2, 4, 8, 16):
             for tile in (2048, 4096, 8192):
                 configs += [MatvecConfig(block_n, tile // (32 * block_n), False, w) for w in (4, 8)]
+                configs.append(MatvecConfig(block_n, tile // (32 * block_n), False, 4, prefetch=True))
         return configs
     for block_n in (16, 32, 64, 128):
         for step in (1, 2, 4):

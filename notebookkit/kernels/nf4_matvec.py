@@ -233,6 +233,7 @@ def _nf4_matvec_row_kernel(
     STEP_BLOCKS: tl.constexpr,  # NF4 blocks of a row per loop step
     X_KIND: tl.constexpr,  # 0 fp32, 1 fp16, 2 bf16
     MASKED: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next step's tile before this step's arithmetic
     LANE_TABLE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INT64: tl.constexpr,
@@ -251,10 +252,21 @@ def _nf4_matvec_row_kernel(
     byte_in_block = tl.arange(0, HALF)
     lane_level = _lane_level(table_ptr, LANE_TABLE)
     acc = tl.zeros((BLOCK_N, STEP_BLOCKS, HALF), dtype=tl.float32)  # reduced once, after the loop
-    for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
-        byte, absmax, block_in_row, col_ok = _code_tile(
-            packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_block, row_ok, step, blocks_per_row,
+    steps = tl.cdiv(blocks_per_row, STEP_BLOCKS)
+    if PREFETCH:  # the first step's tile before the loop; each step then asks for the next one's
+        next_byte, next_absmax, next_blocks, next_ok = _code_tile(
+            packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_block, row_ok, 0, blocks_per_row,
             BLOCKSIZE2, NESTED, MASKED, STEP_BLOCKS, HALF)
+    for step in range(0, steps):
+        if PREFETCH:  # in flight while this step computes (the last step asks for its own tile again)
+            byte, absmax, block_in_row, col_ok = next_byte, next_absmax, next_blocks, next_ok
+            next_byte, next_absmax, next_blocks, next_ok = _code_tile(
+                packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_block, row_ok,
+                tl.minimum(step + 1, steps - 1), blocks_per_row, BLOCKSIZE2, NESTED, MASKED, STEP_BLOCKS, HALF)
+        else:
+            byte, absmax, block_in_row, col_ok = _code_tile(
+                packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_block, row_ok, step, blocks_per_row,
+                BLOCKSIZE2, NESTED, MASKED, STEP_BLOCKS, HALF)
         # x's pair words in the bytes' shape (a row index times 0): every row of the tile reads the same
         # words (from L1), in the layout of the bytes they multiply
         word_at = x_words_ptr + (block_in_row[None, :, None] * HALF + byte_in_block[None, None, :]
@@ -372,6 +384,7 @@ class MatvecConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int | None = None  # Triton's software pipelining depth; None: Triton's default
+    prefetch: bool = False  # the row kernel loads a step's tile one step ahead (two tiles in flight)
 
     def __post_init__(self):
         for name in ("block_n", "step_blocks", "num_warps"):
@@ -382,6 +395,8 @@ class MatvecConfig:
             raise ValueError(f"tl.dot needs block_n >= 16, got {self.block_n}.")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"MatvecConfig.num_stages must be at least 1, got {self.num_stages}.")
+        if self.prefetch and self.use_dot:
+            raise ValueError("MatvecConfig.prefetch is the row kernel's (use_dot=False).")
 
 
 # NF4 bytes of one program's tile per loop step at M = 1: 16 per thread with 4 warps (one 128-bit load).
@@ -626,7 +641,7 @@ def nf4_matvec(
     else:
         _nf4_matvec_row_kernel[grid](
             words, packed, absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y,
-            n, blocks_per_row, lora_b.shape[-1], scaling, **common)
+            n, blocks_per_row, lora_b.shape[-1], scaling, PREFETCH=config.prefetch, **common)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -670,7 +685,7 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
             if m == 1:
                 signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands,
                              "N": "i32", "blocks_per_row": "i32", "rank": "i32", "lora_scale": "fp32"}
-                specs.append((_nf4_matvec_row_kernel, signature, constexprs, options))
+                specs.append((_nf4_matvec_row_kernel, signature, {**constexprs, "PREFETCH": not nested}, options))
                 continue
             signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands, "M": "i32", "N": "i32",
                          "blocks_per_row": "i32", "stride_xw": "i32", "stride_u": "i32", "rank": "i32",

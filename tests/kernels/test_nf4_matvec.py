@@ -190,6 +190,8 @@ def test_lora_term_shapes_are_checked():
 CONFIGS = [
     MatvecConfig(block_n=4, step_blocks=2, use_dot=False, num_warps=2),  # 5 blocks a row: a partial last step
     MatvecConfig(block_n=16, step_blocks=8, use_dot=False),  # a step wider than the row
+    MatvecConfig(block_n=4, step_blocks=2, use_dot=False, prefetch=True),  # the next tile a step ahead, masked
+    MatvecConfig(block_n=2, step_blocks=1, use_dot=False, prefetch=True),  # one block a step: 4 or 5 steps
     MatvecConfig(block_n=16, step_blocks=1, use_dot=True, num_warps=1),
     MatvecConfig(block_n=32, step_blocks=2, use_dot=True, num_warps=2),
     MatvecConfig(block_n=64, step_blocks=4, use_dot=True),
@@ -197,7 +199,7 @@ CONFIGS = [
 
 
 def _config_id(c: MatvecConfig) -> str:
-    return f"n{c.block_n}-s{c.step_blocks}-{'dot' if c.use_dot else 'fma'}-w{c.num_warps}"
+    return f"n{c.block_n}-s{c.step_blocks}-{'dot' if c.use_dot else 'fma'}-w{c.num_warps}" + ("-prefetch" * c.prefetch)
 
 
 @needs_interpreter
@@ -366,6 +368,8 @@ def test_errors_speak_to_the_user():
         MatvecConfig(block_n=12, step_blocks=1, use_dot=False)
     with pytest.raises(ValueError, match="block_n >= 16"):
         MatvecConfig(block_n=8, step_blocks=1, use_dot=True)
+    with pytest.raises(ValueError, match="row kernel"):
+        MatvecConfig(block_n=16, step_blocks=1, use_dot=True, prefetch=True)
     if interpreter_on():
         with use_triton(True), pytest.raises(ValueError, match="one row of x"):
             nf4_matvec(torch.randn(2, 128).half(), (packed, qs), config=MatvecConfig(4, 1, use_dot=False))
@@ -434,7 +438,8 @@ def test_gpu_lora_term(m, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [MatvecConfig(8, 8, False), MatvecConfig(32, 2, True, 2), MatvecConfig(64, 2, True),
+@pytest.mark.parametrize("config", [MatvecConfig(8, 8, False), MatvecConfig(4, 16, False, prefetch=True),
+                                    MatvecConfig(32, 2, True, 2), MatvecConfig(64, 2, True),
                                     MatvecConfig(16, 4, True, 1)], ids=_config_id)
 def test_gpu_configs_plain_absmax(config):
     packed, qs = _nf4_weight(4096, 4096, torch.bfloat16, nested=False, device="cuda")
