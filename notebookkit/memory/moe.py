@@ -56,11 +56,14 @@ Generation (:mod:`notebookkit.memory.generation`: a decode step or a prefill of 
 (:mod:`notebookkit.models.generation.cached_forward`), so its working set is the block's input and residual
 ``2 N H s``, then the larger of the routing moment and the experts' forward moment:
     routing: the router logits ``N E s``, their fp32 copy ``4 N E`` (16-bit compute) and fp32 softmax
-    ``4 N E`` (``softmax_topk``), the top-k values and indices ``12 n`` and the normalised weights ``4 n``
-    (``softmax_topk`` with ``norm_topk_prob``; ``topk_softmax``: the softmax over the k);
-    experts: the routing's weights and indices ``12 n``, the sort of the pair ids (``16 n``: values and int64
-    order), the int32 order and fp32 weights ``8 n``, the block schedule's int64 temporaries and int32 tables
-    ``52 M``, plus the forward transients above (``h`` and the pairs' rows, or the rows, their fp32 sum and ``y``).
+    ``4 N E`` (``softmax_topk``), the top-k values and indices ``12 n`` and, with ``norm_topk_prob``, their
+    fp32 sum ``4 N`` and the normalised weights ``4 n`` (``topk_softmax``: the softmax over the k ``4 n``);
+    experts: the router logits ``N E s`` (held by the block until it returns), the routing's weights and
+    indices ``12 n``, the kernel's int32 permutation ``4 n``, expert offsets ``8 E`` and block schedule
+    ``12 M`` (the sort's int64 values and order and the schedule's int64 temporaries are freed by then), plus
+    the forward transients above (``h`` and the pairs' rows, or the rows, their fp32 sum and ``y``).
+    The same peak is DPO's reference forward of a sparse block (adapters off, no gradient, so no ``gu``):
+    measured on the CPU under the Triton interpreter, ``tests/memory/test_moe_memory.py``.
     NF4 experts are decoded in the kernel's tile loads: no dense copy. The expert adapters' ``x A^T`` /
     ``h A^T`` products (``n r s``) are left out, as LoRA's products are in the dense layers' working set,
     and so are the kept compute-dtype casts of fp32 expert adapters (``E s sum r_w (in_w + out_w)`` a
@@ -264,11 +267,11 @@ def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int) -> 
     blocks = math.ceil(n / BLOCK_M) + E
     logits = N * E * s + (N * E * 4 if s != 4 else 0)
     if family.moe.routing == "softmax_topk":
-        routing = logits + N * E * 4 + n * 12 + (n * 4 if shape.router_norm_topk else 0)
+        routing = logits + N * E * 4 + n * 12 + (n * 4 + N * 4 if shape.router_norm_topk else 0)
     else:
         routing = logits + n * 12 + n * 4
-    # the routing's weights and indices (12 n), the sort (16 n), the int32 order and fp32 weights (8 n), the schedule
-    experts = n * 12 + n * 16 + n * 8 + 52 * blocks
+    # the router logits (N E s), weights and indices (12 n), the kernel's int32 permutation, offsets and schedule
+    experts = N * E * s + n * 12 + n * 4 + 8 * E + 12 * blocks
     experts += sparse_block_working_sets(shape, tokens=N, s=s, ranks={})["forward"]
     return 2 * N * H * s + max(routing, experts)
 
