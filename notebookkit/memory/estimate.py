@@ -157,12 +157,17 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     attention with sinks and fp32 norms) and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
     rank-space products, the permutation and block schedule; the block's forward and backward working
     sets replace the dense MLP's. Offloading is not written for these models: ``"offload"`` layers
-    recompute (as ``use_gradient_checkpointing`` does). Not covered: ``lora_dropout > 0`` (PEFT refuses
-    dropout on the experts), DPO's reference pass, generation alongside training (refused; a generate
-    call's own bytes, the sparse block's decode working set included, are
-    :func:`~notebookkit.memory.generation.generation_memory`'s), 2-bit / ternary bases (the loader refuses
-    them), the routers' load-balancing loss's
-    ``L N E`` fp32 softmax when ``output_router_logits`` is on.
+    recompute (as ``use_gradient_checkpointing`` does). DPO's reference pass is one layer's no-grad working
+    set as for a dense model, the sparse block's being :func:`~notebookkit.memory.moe.sparse_block_generation_bytes`
+    (the reference forward runs the same routing and grouped kernel as generation, adapters off, nothing
+    saved); GRPO's generation alongside training is :mod:`notebookkit.memory.generation`'s, whose layer
+    working set counts the sparse block the same way. Not covered: ``lora_dropout > 0`` (refused: PEFT
+    refuses dropout on the experts), 2-bit / ternary bases (refused: the loader refuses them), the
+    routers' load-balancing loss when it is on (``output_router_logits``: its ``L N E`` fp32 softmax; in
+    DPO and GRPO TRL turns it on from the config's ``router_aux_loss_coef`` and then runs its own loss,
+    with ``[N, V]`` logits, instead of the chunked log-prob op counted here: a note says so; the estimate is
+    for ``router_aux_loss_coef=0.0``). gpt-oss's reference forward runs Hugging Face's eager attention with
+    sinks (:func:`~notebookkit.memory.moe.stock_attention_forward_bytes`), not the decode path's.
 
 Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
 the larger of the end-of-forward peak (inside the loss) and the backward peak, plus the CUDA context. What
@@ -943,12 +948,11 @@ def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, metho
     if fmt.quantised and fmt.load_flag != "load_in_4bit":
         raise ValueError(f"{what}: {fmt.label} bases do not hold its stacked experts (from_pretrained refuses "
                          "them too); estimate it with load_in_4bit=True or in 16-bit.")
-    if TRAINING_METHODS[method].reference_pass or TRAINING_METHODS[method].generates or generation is not None:
-        raise ValueError(f"{what}: the memory model covers its SFT and ORPO steps, not method={method!r} nor "
-                         "generation= alongside training (DPO's reference pass and GRPO's step are not combined with "
-                         "the experts' terms yet, #36; a generate call alone is: "
-                         "notebookkit.memory.generation_memory). "
-                         "Estimate method='sft' and keep a margin, or watch notebookkit.memory's meters.")
+    record = TRAINING_METHODS[method]
+    if record.reference_pass or record.generates:
+        notes.append(f"{record.label} on a mixture of experts: the estimate is the fused path's, which TRL leaves when "
+                     "its router load-balancing loss is on (its default for this family: the config's "
+                     f"router_aux_loss_coef); set {record.label}Config(router_aux_loss_coef=0.0) to train as estimated")
     if lora_dropout and lora_dropout > 0:
         raise ValueError(f"{what}: with lora_dropout={lora_dropout} PEFT refuses the experts' adapters (no dropout on "
                          "target_parameters) and the memory model has no formula for it; use lora_dropout=0.")
@@ -1122,8 +1126,9 @@ def _scored_len(completion_loss: bool, seq_len: int, completion_len: int | None)
 
 def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, fmt: BaseFormat, attention: str) -> _Part:
     """DPO's reference forward (no gradient) on top of the saved policy activations: one decoder layer's
-    no-grad working set for ``rows * seq_len`` tokens."""
-    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, fmt, attention, tiled_mlp=True))
+    no-grad working set for ``rows * seq_len`` tokens (a mixture of experts' sparse block as generation runs
+    it: :func:`~notebookkit.memory.moe.sparse_block_generation_bytes`)."""
+    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, fmt, attention, training_path=True))
 
 
 def _temporaries(

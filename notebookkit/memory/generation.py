@@ -135,20 +135,27 @@ def _as_format(base: BaseFormat | bool) -> BaseFormat:
 
 def layer_working_set(
     shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, base: BaseFormat | bool, attention: str,
-    tiled_mlp: bool = False,
+    training_path: bool = False,
 ) -> int:
     """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots
     (``base``: the format of the frozen projections, or ``load_in_4bit`` as a bool; NF4 adds its dense copy,
-    2-bit and ternary a dense chunk from 256 tokens on, :mod:`.base_weights`). ``tiled_mlp``: the MLP is
-    the training path's fused kernel, which runs a forward without autograd a tile of ``t`` tokens at a
-    time (:mod:`notebookkit.sequence_tiles`): ``3*t*I`` intermediates and the tile's output (``t*H``, when
-    there is more than one tile) instead of ``3*N*I``; generation's own MLP runs whole."""
+    2-bit and ternary a dense chunk from 256 tokens on, :mod:`.base_weights`). ``training_path``: the
+    training model's forward without autograd (DPO's reference pass), not generation's: a dense MLP is the
+    fused kernel, which runs a tile of ``t`` tokens at a time (:mod:`notebookkit.sequence_tiles`): ``3*t*I``
+    intermediates and the tile's output (``t*H``, when there is more than one tile) instead of ``3*N*I``
+    (generation's own MLP runs whole); gpt-oss's attention is Hugging Face's eager one with sinks
+    (:func:`notebookkit.memory.moe.stock_attention_forward_bytes`), not the decode path's grouped fp32 scores.
+    A mixture of experts' sparse block runs the same code on both paths; on the training path the layer's input
+    ``N*H*s`` and the mask are held through it, and gpt-oss's layer keeps the attention's weights returned
+    (``B*heads*T*(T+1)*s``) until the block returns (:mod:`notebookkit.memory.moe`, Reference forward)."""
     base = _as_format(base)
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
     attn = N * s * (2 * H + 2 * (dq + 2 * dk) + dq) + batch_size * queries * slots * s
-    sinks = bool(shape.num_experts) and moe_terms.stock_attention(shape)  # gpt-oss: the decode path's sink attention
-    if sinks:
+    sinks = bool(shape.num_experts) and moe_terms.stock_attention(shape)  # gpt-oss: attention with sinks
+    if sinks and training_path:
+        attn = moe_terms.stock_attention_forward_bytes(shape, batch_size=batch_size, seq_len=queries, s=s)
+    elif sinks:  # the decode path's
         attn += batch_size * shape.num_heads * queries * slots * (2 * s + 12)
         attn += batch_size * (shape.num_heads // shape.num_kv_heads) * queries * slots
     else:
@@ -158,8 +165,11 @@ def layer_working_set(
             attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
     if shape.num_experts:
         mlp = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s)
+        if training_path:  # the layer's input and the mask stay held; gpt-oss's layer keeps the attention weights
+            mlp += N * H * s + batch_size * queries * slots * s
+            mlp += batch_size * shape.num_heads * queries * (slots + 1) * s if sinks else 0
     else:
-        t = min(N, mlp_tile_rows(I, s)) if tiled_mlp and I else N
+        t = min(N, mlp_tile_rows(I, s)) if training_path and I else N
         mlp = N * s * 2 * H + t * s * (3 * I + (H if t < N else 0))
     return max(attn, mlp) + dense_copy_bytes(shape, base, s, N)
 

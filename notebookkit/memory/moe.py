@@ -51,16 +51,30 @@ Working sets of a sparse block (beyond what it saved)
     gpt-oss's attention backward: the dense eager terms with ``3 B heads T (T + 1) s`` for the
     probabilities' gradients and ``3 N dq s`` for dQ and the repeated dK, dV (not measured on a GPU yet).
 
+Reference forward of gpt-oss's attention (DPO: adapters off, no autograd, on the training path, so Hugging Face's
+eager attention with sinks rather than the decode path's; :func:`stock_attention_forward_bytes`): the layer's
+input ``N H s`` and additive mask ``B T^2 s``, then held through the attention: the normed input ``N H s``, q
+``N dq s``, k and v ``2 N dk s`` and (grouped heads) K and V repeated to every head ``2 N dq s``; on top the
+larger of the shift moment (the masked scores ``B nh T^2 s``, the scores with the sink column and their
+shifted copy ``2 B nh T (T + 1) s`` and the row max ``B nh T s``) and the output moment (the shifted scores
+and the probabilities ``2 B nh T (T + 1) s``, the attention output and its contiguous transpose ``2 N dq s``).
+Through the sparse block that follows, the layer's input ``N H s`` and the mask stay held, and gpt-oss's layer
+keeps the attention weights it returned, ``B nh T (T + 1) s`` (:func:`~notebookkit.memory.generation.layer_working_set`
+with ``training_path``). Measured byte for byte on the tiny gpt-oss in bf16 (``tests/memory/test_moe_memory.py``).
+
 Generation (:mod:`notebookkit.memory.generation`: a decode step or a prefill of ``N`` tokens, no autograd;
 :func:`sparse_block_generation_bytes`): the decode path's sparse block runs the same router and grouped kernel
 (:mod:`notebookkit.models.generation.cached_forward`), so its working set is the block's input and residual
 ``2 N H s``, then the larger of the routing moment and the experts' forward moment:
     routing: the router logits ``N E s``, their fp32 copy ``4 N E`` (16-bit compute) and fp32 softmax
-    ``4 N E`` (``softmax_topk``), the top-k values and indices ``12 n`` and the normalised weights ``4 n``
-    (``softmax_topk`` with ``norm_topk_prob``; ``topk_softmax``: the softmax over the k);
-    experts: the routing's weights and indices ``12 n``, the sort of the pair ids (``16 n``: values and int64
-    order), the int32 order and fp32 weights ``8 n``, the block schedule's int64 temporaries and int32 tables
-    ``52 M``, plus the forward transients above (``h`` and the pairs' rows, or the rows, their fp32 sum and ``y``).
+    ``4 N E`` (``softmax_topk``), the top-k values and indices ``12 n`` and, with ``norm_topk_prob``, their
+    fp32 sum ``4 N`` and the normalised weights ``4 n`` (``topk_softmax``: the softmax over the k ``4 n``);
+    experts: the router logits ``N E s`` (held by the block until it returns), the routing's weights and
+    indices ``12 n``, the kernel's int32 permutation ``4 n``, expert offsets ``8 E`` and block schedule
+    ``12 M`` (the sort's int64 values and order and the schedule's int64 temporaries are freed by then), plus
+    the forward transients above (``h`` and the pairs' rows, or the rows, their fp32 sum and ``y``).
+    The same peak is DPO's reference forward of a sparse block (adapters off, no gradient, so no ``gu``):
+    measured on the CPU under the Triton interpreter, ``tests/memory/test_moe_memory.py``.
     NF4 experts are decoded in the kernel's tile loads: no dense copy. The expert adapters' ``x A^T`` /
     ``h A^T`` products (``n r s``) are left out, as LoRA's products are in the dense layers' working set,
     and so are the kept compute-dtype casts of fp32 expert adapters (``E s sum r_w (in_w + out_w)`` a
@@ -81,7 +95,7 @@ __all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "explicit_expert_ranks"
            "expert_weight_bytes",
            "nf4_stacked_bytes",
            "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets",
-           "sparse_block_generation_bytes", "dense_part"]
+           "sparse_block_generation_bytes", "stock_attention_forward_bytes", "dense_part"]
 
 #: the grouped kernel's row block on CUDA (``kernels.moe_experts._config``; a test checks they agree)
 BLOCK_M = 64
@@ -264,13 +278,24 @@ def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int) -> 
     blocks = math.ceil(n / BLOCK_M) + E
     logits = N * E * s + (N * E * 4 if s != 4 else 0)
     if family.moe.routing == "softmax_topk":
-        routing = logits + N * E * 4 + n * 12 + (n * 4 if shape.router_norm_topk else 0)
+        routing = logits + N * E * 4 + n * 12 + (n * 4 + N * 4 if shape.router_norm_topk else 0)
     else:
         routing = logits + n * 12 + n * 4
-    # the routing's weights and indices (12 n), the sort (16 n), the int32 order and fp32 weights (8 n), the schedule
-    experts = n * 12 + n * 16 + n * 8 + 52 * blocks
+    # the router logits (N E s), weights and indices (12 n), the kernel's int32 permutation, offsets and schedule
+    experts = N * E * s + n * 12 + n * 4 + 8 * E + 12 * blocks
     experts += sparse_block_working_sets(shape, tokens=N, s=s, ranks={})["forward"]
     return 2 * N * H * s + max(routing, experts)
+
+
+def stock_attention_forward_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, s: int) -> int:
+    """gpt-oss's eager attention with sinks run without autograd on the training path (DPO's reference forward;
+    module docstring, Reference forward), with the layer's input and the additive mask."""
+    N, T, B = batch_size * seq_len, seq_len, batch_size
+    H, dq, dk, nh = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.num_heads
+    held = N * H * s + N * dq * s + 2 * N * dk * s + (2 * N * dq * s if nh != shape.num_kv_heads else 0)
+    scores, with_sink = B * nh * T * T * s, B * nh * T * (T + 1) * s
+    peak = max(scores + 2 * with_sink + B * nh * T * s, 2 * with_sink + 2 * N * dq * s)
+    return N * H * s + B * T * T * s + held + peak
 
 
 def stock_attention_working_set(shape: ModelShape, *, batch_size: int, seq_len: int, s: int) -> int:

@@ -219,3 +219,99 @@ def test_explicit_target_parameters_count_the_adapters_peft_makes(family, target
     named = estimate_training_memory(path, dtype=torch.float32, seq_len=T, lora_r=R,
                                      target_modules=["q_proj", "v_proj"], target_parameters=target_parameters)
     assert named.inputs["lora_params"] == sum(p.numel() for p in adapters)
+
+
+@pytest.mark.parametrize("family, dtype, top_k", [("qwen3_moe", torch.float32, 2), ("gpt_oss", torch.bfloat16, 2),
+                                                  ("gpt_oss", torch.bfloat16, 4)])
+def test_reference_forward_of_a_moe_layer_is_what_it_allocates(family, dtype, top_k, monkeypatch, one_thread):
+    """DPO's reference pass: the last decoder layer of a tiny MoE run again with its adapters off and no gradient
+    (the training path: gpt-oss's eager attention with sinks, the grouped kernel) under ``LiveBytes``, its input
+    and mask already there. The sparse block's peak is :func:`~notebookkit.memory.moe.sparse_block_generation_bytes`
+    byte for byte, gpt-oss's whole layer is the reference term (``layer_working_set(..., training_path=True)``,
+    the attention at 2 a token, the block at 4) byte for byte; Qwen3-MoE's fused attention is counted with the dense
+    formula, which holds more here (98,816 bytes measured, 131,072 predicted)."""
+    import notebookkit.kernels.moe_experts as kernel
+    from notebookkit import FastLanguageModel
+    from notebookkit.embedded.tiny import ensure_tiny_model
+    from notebookkit.memory.generation import layer_working_set
+
+    from .activation_probe import LiveBytes
+
+    cuda_tiles = kernel._config(torch.device("cuda"))
+    monkeypatch.setattr(kernel, "_config", lambda device: cuda_tiles)
+    path = str(ensure_tiny_model(f"notebookkit/tiny-{family}"))
+    model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=T, dtype=dtype, load_in_4bit=False,
+                                                 show_banner=False, num_experts_per_tok=top_k)
+    model = FastLanguageModel.get_peft_model(model, r=R, lora_alpha=R, use_gradient_checkpointing=False,
+                                             show_banner=False).train()
+    shape, s = model_shape(model.config), dtype.itemsize
+    assert shape.experts_per_token == top_k
+    layer = decoder_layers(model)[-1]
+    seen = {}
+    hook = layer.register_forward_pre_hook(lambda m, a, kw: seen.update(args=a, kwargs=kw), with_kwargs=True)
+    ids = torch.randint(0, shape.vocab_size, (B, T))
+    with cuda_like(release_launch_args=True), torch.no_grad(), model.disable_adapter():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))  # also compiles the kernels
+        hook.remove()
+        x = layer.post_attention_layernorm(seen["args"][0] if seen["args"] else seen["kwargs"]["hidden_states"])
+        peaks = {}
+        for part, run in (("block", lambda: layer.mlp(x)), ("layer", lambda: layer(*seen["args"], **seen["kwargs"]))):
+            probe = LiveBytes()
+            with probe:
+                out = run()
+            peaks[part] = probe.peak
+            del out
+    N, H = B * T, shape.hidden_size
+    block = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s)
+    assert peaks["block"] == block - 2 * N * H * s  # its input x and the residual were there already
+    reference = layer_working_set(shape, B, T, T, s, False, "auto", training_path=True)
+    # through the block the layer's input and mask stay held, and gpt-oss's layer keeps its attention weights
+    in_layer = block + N * H * s + B * T * T * s + (B * shape.num_heads * T * (T + 1) * s if family == "gpt_oss" else 0)
+    held = N * H * s + B * T * T * s  # the layer's input and mask were there already
+    if moe_terms.stock_attention(shape):
+        attention = moe_terms.stock_attention_forward_bytes(shape, batch_size=B, seq_len=T, s=s)
+        assert reference == max(attention, in_layer) == (attention if top_k == 2 else in_layer)
+        assert peaks["layer"] == reference - held, (peaks, top_k)
+    else:
+        assert in_layer - held <= peaks["layer"] <= reference - held, peaks
+
+
+@pytest.mark.parametrize("name", ["openai/gpt-oss-20b", "Qwen/Qwen3-30B-A3B"])
+def test_dpo_and_grpo_estimates_for_the_moe_shapes(name):
+    """DPO and GRPO estimate (no longer refused): DPO's step is ORPO's (the same rows and log-prob buffers) with the
+    reference pass's layer on top of the end-of-forward peak; GRPO holds generation as for a dense model; both say
+    that TRL's default router loss leaves the fused path."""
+    from notebookkit.memory import generation_memory
+    from notebookkit.memory.generation import layer_working_set
+
+    shape = model_shape(name)
+    kw = dict(load_in_4bit=True, dtype="float16", lora_r=8, seq_len=1024, batch_size=1, activation_plan="keep")
+    orpo = estimate_training_memory(name, method="orpo", **kw)
+    dpo = estimate_training_memory(name, method="dpo", **kw)
+    reference = layer_working_set(shape, 2, 1024, 1024, 2, True, "auto", training_path=True)
+    assert reference > moe_terms.sparse_block_generation_bytes(shape, tokens=2048, s=2)
+    over = lambda e: e.temporaries - e.cuda_context  # noqa: E731
+    assert over(dpo) == max(over(orpo), reference) and dpo.total - orpo.total == max(0, reference - over(orpo))
+    assert any("DPOConfig(router_aux_loss_coef=0.0)" in n for n in dpo.notes)
+    grpo = estimate_training_memory(name, method="grpo", completion_len=256, **kw)
+    held = generation_memory(shape, 1, 1024, 2, prompt_len=768, load_in_4bit=True).held
+    assert grpo.inputs["generation"]["keep_cache"] and grpo.generation >= held > 0
+    assert any("GRPOConfig(router_aux_loss_coef=0.0)" in n for n in grpo.notes)
+
+
+@pytest.mark.parametrize("method", ["dpo", "grpo"])
+def test_widget_verdict_for_moe_dpo_and_grpo(method):
+    """The model panel's verdict for gpt-oss-20b (NF4, r=8, 1,024 tokens, batch 1) on a T4 now has numbers for DPO
+    and GRPO; DPO's pairs hold more than SFT's single rows."""
+    from types import SimpleNamespace
+
+    from notebookkit.widgets.model_panel import ModelChoice, compute_estimate
+    from notebookkit.widgets.training_panel import TrainingChoice
+
+    model = ModelChoice(model_name="openai/gpt-oss-20b", card="t4", dtype="float16", load_in_4bit=True,
+                        max_seq_length=1024)
+    lora = SimpleNamespace(r=8, activation_mode="recompute")
+    sft = compute_estimate(model, lora, TrainingChoice(per_device_train_batch_size=1))
+    res = compute_estimate(model, lora, TrainingChoice(per_device_train_batch_size=1, method=method))
+    assert res.estimate.inputs["method"] == method and res.estimate.total > 0
+    assert (res.estimate.total > sft.estimate.total) if method == "dpo" else res.estimate.total >= sft.estimate.total
