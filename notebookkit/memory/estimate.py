@@ -949,10 +949,10 @@ def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, metho
         raise ValueError(f"{what}: {fmt.label} bases do not hold its stacked experts (from_pretrained refuses "
                          "them too); estimate it with load_in_4bit=True or in 16-bit.")
     record = TRAINING_METHODS[method]
-    if record.reference_pass or record.generates:
-        notes.append(f"{record.label} on a mixture of experts: the estimate is the fused path's, which TRL leaves when "
-                     "its router load-balancing loss is on (its default for this family: the config's "
-                     f"router_aux_loss_coef); set {record.label}Config(router_aux_loss_coef=0.0) to train as estimated")
+    notes.append(f"{record.label} on a mixture of experts: the estimate is notebookkit's fused loss path, which its "
+                 "trainers leave for TRL's own LM head when TRL's router load-balancing loss is on (TRL's default for "
+                 f"this family: the config's router_aux_loss_coef); set {record.label}Config(router_aux_loss_coef=0.0) "
+                 "to train as estimated")
     if lora_dropout and lora_dropout > 0:
         raise ValueError(f"{what}: with lora_dropout={lora_dropout} PEFT refuses the experts' adapters (no dropout on "
                          "target_parameters) and the memory model has no formula for it; use lora_dropout=0.")

@@ -297,6 +297,7 @@ def test_dpo_and_grpo_estimates_for_the_moe_shapes(name):
     held = generation_memory(shape, 1, 1024, 2, prompt_len=768, load_in_4bit=True).held
     assert grpo.inputs["generation"]["keep_cache"] and grpo.generation >= held > 0
     assert any("GRPOConfig(router_aux_loss_coef=0.0)" in n for n in grpo.notes)
+    assert any("SFTConfig(router_aux_loss_coef=0.0)" in n for n in estimate_training_memory(name, **kw).notes)
 
 
 @pytest.mark.parametrize("method", ["dpo", "grpo"])
