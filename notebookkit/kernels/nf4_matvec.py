@@ -34,8 +34,9 @@ table does the same.
 
 The row kernel spends few instructions a weight byte: two shuffles for its levels (the low nibble's
 straight from the byte: the bit above it picks lanes 16-31, which hold the same table), two fp32
-products with ``x`` and one multiply-add by the block's scale; no rounding of ``w``. ``benchmarks/ptx_census.py`` counts the loop's instructions per
-weight byte (an H200 SM must retire about 8 per byte to read at the copy bandwidth).
+products with ``x`` and one multiply-add by the block's scale; no rounding of ``w``.
+``benchmarks/ptx_census.py`` counts the loop's instructions per weight byte (at about 8 a byte,
+instruction issue alone would let an H200 SM read at the copy bandwidth).
 
 Weights whose rows are not whole NF4 blocks (``K % B != 0``: blocks straddle rows) are not run by
 the kernels: :func:`nf4_matvec_supported` says ``False`` and :func:`nf4_matvec` decodes the weight
@@ -68,7 +69,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # X_KIND of the kernel: how x's words hold two values, and the rounding of w and y
 _X_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _WORDS = {torch.float32: torch.int64, torch.float16: torch.int32, torch.bfloat16: torch.int32}
-_SM_COUNTS: dict[torch.device, tuple[int, int]] = {}
+_SM_COUNTS: dict[torch.device, int] = {}
 
 
 class LoRATerm(NamedTuple):
@@ -79,17 +80,13 @@ class LoRATerm(NamedTuple):
     scaling: float
 
 
-def _device_facts(device: torch.device) -> tuple[int, int]:
-    """(SM count, compute capability major * 10 + minor) of a CUDA device; an H200's for the interpreter."""
-    facts = _SM_COUNTS.get(device)
-    if facts is None:
-        if device.type == "cuda":
-            props = torch.cuda.get_device_properties(device)
-            facts = (props.multi_processor_count, props.major * 10 + props.minor)
-        else:
-            facts = (132, 90)
-        _SM_COUNTS[device] = facts
-    return facts
+def _sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device (an H200's 132 for the interpreter), read once a device."""
+    count = _SM_COUNTS.get(device)
+    if count is None:
+        count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        _SM_COUNTS[device] = count
+    return count
 
 
 # --------------------------------------------------------------------------------------------------
@@ -598,7 +595,7 @@ def nf4_matvec(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*x.shape[:-1], n)
-    sm_count, _ = _device_facts(x.device)
+    sm_count = _sm_count(x.device)
     if config is None:
         config = matvec_config(m, n, k, st.blocksize, sm_count)
     half = st.blocksize // 2
