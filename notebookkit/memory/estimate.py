@@ -163,10 +163,10 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     saved); GRPO's generation alongside training is :mod:`notebookkit.memory.generation`'s, whose layer
     working set counts the sparse block the same way. Not covered: ``lora_dropout > 0`` (refused: PEFT
     refuses dropout on the experts), 2-bit / ternary bases (refused: the loader refuses them), the
-    routers' load-balancing loss when it is on (``output_router_logits``: its ``L N E`` fp32 softmax; in
-    DPO and GRPO TRL turns it on from the config's ``router_aux_loss_coef`` and then runs its own loss,
-    with ``[N, V]`` logits, instead of the chunked log-prob op counted here: a note says so; the estimate is
-    for ``router_aux_loss_coef=0.0``). gpt-oss's reference forward runs Hugging Face's eager attention with
+    routers' load-balancing loss when it is on (``output_router_logits``: its ``L N E`` fp32 softmax; TRL
+    1.16 turns it on for SFT, DPO and GRPO alike from the config's ``router_aux_loss_coef``, and
+    notebookkit's trainers then hand the loss to TRL's own LM head instead of the fused one counted here:
+    every MoE estimate's notes say so; the estimate is for ``router_aux_loss_coef=0.0``). gpt-oss's reference forward runs Hugging Face's eager attention with
     sinks (:func:`~notebookkit.memory.moe.stock_attention_forward_bytes`), not the decode path's.
 
 Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
