@@ -92,9 +92,19 @@ Memory (per layer; ``b`` bytes an element of the compute dtype, ``N = T k`` pair
   token a layer, against ``k H b`` = 32 KiB for the output buffer alone;
 * backward transients: ``dgu`` (``2 N I b``), ``h`` again (``N I b``, with a down adapter), the ``[N, r]``
   products ``dy Bd`` and ``dgu Bgu``, the ``dx`` buffer (``N H b``), the ``<G, h>`` partials
-  (``4 N cdiv(I, BLOCK_N)`` bytes).
+  (``4 N cdiv(I, BLOCK_N)`` bytes);
+* NF4 experts (:class:`~notebookkit.kernels.nf4_stacked.NF4Stacked`) at training sizes: one decoded chunk of
+  experts at a time, held through the GEMM that reads it (:mod:`notebookkit.expert_chunks`: at most 128 MiB,
+  or one expert).
 
-Not measured on a GPU yet; bf16 is GPU-only (``tl.dot`` on bf16 is wrong under triton 3.9's interpreter).
+NF4 experts: with few rows an expert (a decode step) the weight-reading kernels decode the tiles in their
+loads; from :data:`~notebookkit.expert_chunks.MIN_ROWS_PER_EXPERT` rows an expert on average they decode a
+chunk of whole experts first and run the 16-bit kernels on it, once per chunk (each kernel's ``e_lo, e_hi``
+skip the other experts' blocks). On the H200 (``benchmarks/moe_kernels.py``, 2,048 tokens, forward + backward
+of one block) the decode in the loads took 103 ms at Qwen3-30B-A3B's shape and 234 ms at gpt-oss-20b's, the
+16-bit kernels 3.8 and 14.8 ms with the decode included.
+
+bf16 is GPU-only (``tl.dot`` on bf16 is wrong under triton 3.9's interpreter).
 """
 
 from __future__ import annotations
@@ -106,6 +116,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..expert_chunks import decodes_in_chunks, experts_per_chunk
 from .dequant_gemm import dot_acc
 from .nf4_stacked import NF4Stacked, load_weight_tile, weight_operands
 from .runtime import should_use_triton
@@ -324,16 +335,16 @@ def _moe_linear_kernel(
     w2_ptr, stride_w2e, stride_w2n, stride_w2k,
     bias_ptr, stride_be, route_ptr, out_ptr, stride_om,
     perm_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
-    n_out, k_in, rank, topk, lora_scale,
+    n_out, k_in, rank, topk, lora_scale, e_lo, e_hi,
     A_GATHER: tl.constexpr, SCATTER: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROUTE_SCALE: tl.constexpr, NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
     """out[o(p), n] = (A[a(p)] W_e^T + s A2[p] W2_e^T + bias_e)[n] (* w_p) for the sorted pairs ``p`` of a block of
     expert ``e``; ``a(p)`` = the pair's token (A_GATHER) or ``p``, ``o(p)`` = the pair's slot ``perm[p]``
-    (SCATTER) or ``p``."""
+    (SCATTER) or ``p``. Only the blocks of experts ``[e_lo, e_hi)`` run; ``W`` holds those experts from ``e_lo``."""
     e = tl.load(blk_expert_ptr + tl.program_id(0))
-    if e < 0:
+    if (e < e_lo) | (e >= e_hi):
         return
     e = e.to(tl.int64)
     rows, ok = _block_rows(blk_start_ptr, blk_end_ptr, BLOCK_M)
@@ -345,7 +356,7 @@ def _moe_linear_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _acc_rows_wt(acc, a_ptr, a_rows, stride_am, ok, w_ptr, e * stride_we, stride_wn, stride_wk, cols, col_ok,
+    acc = _acc_rows_wt(acc, a_ptr, a_rows, stride_am, ok, w_ptr, (e - e_lo) * stride_we, stride_wn, stride_wk, cols, col_ok,
                        k_in, q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr, NF4, NESTED, QBLOCK,
                        QBLOCK2, BLOCK_K, IEEE)
     if HAS_LORA:
@@ -374,15 +385,16 @@ def _moe_gate_up_kernel(
     b_ptr, stride_be, stride_bn, stride_bk,
     bias_ptr, stride_biase, h_ptr, stride_hm, gu_ptr, stride_gum,
     perm_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
-    inter, hidden, rank, topk, gu_step, up_off, lora_scale, alpha, limit,
+    inter, hidden, rank, topk, gu_step, up_off, lora_scale, alpha, limit, e_lo, e_hi,
     ACT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_GU: tl.constexpr,
     NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
     """h[p, n] = act(gate, up) of ``gu_p = x_t Wgu_e^T + s xa_p B_e^T + bias_e`` at gate row ``n gu_step`` and up row
-    ``n gu_step + up_off`` of ``Wgu_e`` (concatenated: ``(1, I)``; interleaved: ``(2, 1)``); SAVE_GU also stores gu."""
+    ``n gu_step + up_off`` of ``Wgu_e`` (concatenated: ``(1, I)``; interleaved: ``(2, 1)``); SAVE_GU also stores gu.
+    Only the blocks of experts ``[e_lo, e_hi)`` run; ``Wgu`` holds those experts from ``e_lo``."""
     e = tl.load(blk_expert_ptr + tl.program_id(0))
-    if e < 0:
+    if (e < e_lo) | (e >= e_hi):
         return
     e = e.to(tl.int64)
     rows, ok = _block_rows(blk_start_ptr, blk_end_ptr, BLOCK_M)
@@ -392,7 +404,7 @@ def _moe_gate_up_kernel(
     n_ok = n < inter
     gcol = n * gu_step
     ucol = gcol + up_off
-    w_base = e * stride_we
+    w_base = (e - e_lo) * stride_we
     rk = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -441,15 +453,16 @@ def _moe_down_grad_kernel(
     a_ptr, stride_ae, stride_an, stride_ak,
     gu_ptr, stride_gum, route_ptr, dgu_ptr, stride_dgum, h_ptr, stride_hm, part_ptr, stride_pm,
     perm_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
-    inter, hidden, rank, topk, gu_step, up_off, lora_scale, alpha, limit,
+    inter, hidden, rank, topk, gu_step, up_off, lora_scale, alpha, limit, e_lo, e_hi,
     ACT: tl.constexpr, HAS_LORA: tl.constexpr, STORE_H: tl.constexpr,
     NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
     """G = dy_t Wd_e + s dyb_p Ad_e on columns ``n`` of I, then the activation's backward at the saved gu with
-    ``dh = w_p G``: stores dgu (gu's layout), ``h`` (STORE_H) and ``part[p, tile] = <G, h>`` over the tile."""
+    ``dh = w_p G``: stores dgu (gu's layout), ``h`` (STORE_H) and ``part[p, tile] = <G, h>`` over the tile. Only
+    the blocks of experts ``[e_lo, e_hi)`` run; ``Wd`` holds those experts from ``e_lo``."""
     e = tl.load(blk_expert_ptr + tl.program_id(0))
-    if e < 0:
+    if (e < e_lo) | (e >= e_hi):
         return
     e = e.to(tl.int64)
     rows, ok = _block_rows(blk_start_ptr, blk_end_ptr, BLOCK_M)
@@ -458,7 +471,7 @@ def _moe_down_grad_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    g = _acc_rows_wt(g, dy_ptr, tok, stride_dym, ok, w_ptr, e * stride_we, stride_wn, stride_wk, n, n_ok, hidden,
+    g = _acc_rows_wt(g, dy_ptr, tok, stride_dym, ok, w_ptr, (e - e_lo) * stride_we, stride_wn, stride_wk, n, n_ok, hidden,
                      q_absmax_ptr, q_table_ptr, q_code2_ptr, q_absmax2_ptr, q_offset_ptr, NF4, NESTED, QBLOCK, QBLOCK2,
                      BLOCK_K, IEEE)
     if HAS_LORA:
@@ -534,14 +547,51 @@ class _Config(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    chunked: bool = False  # NF4 experts decoded a chunk of experts at a time (notebookkit.expert_chunks)
 
 
-def _config(device: torch.device) -> _Config:
-    """Not tuned on a GPU yet. Under the interpreter small tiles: the tests' tiny shapes then still take
-    several row blocks, column tiles and K steps."""
-    if device.type == "cuda":
-        return _Config(64, 64, 32, 4, 3)
-    return _Config(32, 32, 32, 1, 1)
+#: the configuration that decodes NF4 in the weight loads, and every kernel's on GPUs before sm_90
+_CUDA_CONFIG = _Config(64, 64, 32, 4, 3)
+#: 16-bit weights on sm_90, and with 256 or more rows an expert on average
+_SM90_CONFIG = _Config(64, 64, 64, 4, 4)
+_SM90_LONG_CONFIG = _Config(128, 64, 64, 4, 3)
+
+
+def _config(device: torch.device, pairs: int = 0, num_experts: int = 1, nf4: bool = False) -> _Config:
+    """The launch configuration of one call with ``pairs`` routed rows. NF4 experts are decoded in chunks when
+    :func:`~notebookkit.expert_chunks.decodes_in_chunks` says so, else in the weight loads.
+
+    On CUDA, weights decoded in the loads keep 64 x 64 tiles with K steps of 32 (larger tiles need more shared
+    memory than the H200 has with that decode). 16-bit weights, or NF4 decoded in chunks, on sm_90 take the H200
+    sweep's pick (``benchmarks/moe_kernels.py``, 2026-12-04): K steps of 64, and 128 rows a block when an expert
+    averages 256 rows or more (gpt-oss-20b's block at 2,048 tokens, forward + backward 14.8 ms against 19.1 with
+    the first configuration), else 64 rows and 4 stages (Qwen3-30B-A3B's: 3.8 ms against 4.5). Other GPUs keep
+    the first configuration (not measured). Under the interpreter small tiles: the tests' tiny shapes then still
+    take several row blocks, column tiles and K steps."""
+    chunked = nf4 and decodes_in_chunks(pairs, num_experts)
+    if device.type != "cuda":
+        return _Config(32, 32, 32, 1, 1, chunked)
+    if (nf4 and not chunked) or torch.cuda.get_device_capability(device) < (9, 0):
+        return _CUDA_CONFIG._replace(chunked=chunked)
+    return (_SM90_LONG_CONFIG if pairs >= 256 * num_experts else _SM90_CONFIG)._replace(chunked=chunked)
+
+
+def _expert_ranges(w: Any, cfg: _Config) -> list[tuple[int, int]]:
+    """The expert ranges ``[lo, hi)`` one weight-reading kernel is launched for: all experts at once, or with
+    ``cfg.chunked`` the chunks of :func:`~notebookkit.expert_chunks.experts_per_chunk`."""
+    E, n, k = w.shape
+    if not (cfg.chunked and isinstance(w, NF4Stacked)):
+        return [(0, E)]
+    per = experts_per_chunk(n * k * torch.empty((), dtype=w.dtype).element_size(), E)
+    return [(lo, min(E, lo + per)) for lo in range(0, E, per)]
+
+
+def _expert_operand(w: Any, lo: int, hi: int, cfg: _Config, dtype: torch.dtype) -> Any:
+    """The weight operand of experts ``[lo, hi)``: ``w`` itself, or with ``cfg.chunked`` those NF4 experts
+    decoded to ``dtype`` (:meth:`NF4Stacked.decode_experts`)."""
+    if cfg.chunked and isinstance(w, NF4Stacked):
+        return w.decode_experts(lo, hi, dtype)
+    return w
 
 
 def _rank_block(r: int) -> int:
@@ -591,25 +641,29 @@ def _linear(rt: _Routing, cfg: _Config, a: torch.Tensor, w: torch.Tensor, n_out:
             a_gather: bool = False, scatter: bool = False, lora: Optional[tuple] = None,
             bias: Optional[torch.Tensor] = None, route: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``_moe_linear_kernel`` with ``w`` an ``[E, n_out, K]`` view (any strides, or an :class:`NF4Stacked`) and
-    ``lora = (a2 [N, r], w2 [E, n_out, r] view, scale)``."""
+    ``lora = (a2 [N, r], w2 [E, n_out, r] view, scale)``; once per expert range of :func:`_expert_ranges`."""
     k_in = w.shape[2]
-    w_args, q_consts = weight_operands(w)
     if lora is not None:
         a2, w2, scale = lora
         rank = w2.shape[2]
     else:
-        a2, w2, scale, rank = a, w, 0.0, 1
+        a2, w2, scale, rank = a, a[None], 0.0, 1
     block_r = _rank_block(rank)
     block_n = block_r if n_out <= block_r else cfg.block_n
     dummy = route if route is not None else a
     grid = (rt.blk_expert.numel(), triton.cdiv(n_out, block_n))
-    _moe_linear_kernel[grid](
-        a, a.stride(0), a2, a2.stride(0), *w_args, w2, w2.stride(0), w2.stride(1), w2.stride(2), bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, dummy, out,
-        out.stride(0), rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end, n_out, k_in, rank, rt.topk, float(scale),
-        A_GATHER=a_gather, SCATTER=scatter, HAS_LORA=lora is not None, HAS_BIAS=bias is not None,
-        ROUTE_SCALE=route is not None, **q_consts, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        BLOCK_R=block_r, IEEE=a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        enable_fp_fusion=not q_consts["NESTED"])
+    for lo, hi in _expert_ranges(w, cfg):
+        operand = _expert_operand(w, lo, hi, cfg, a.dtype)
+        w_args, q_consts = weight_operands(operand)
+        _moe_linear_kernel[grid](
+            a, a.stride(0), a2, a2.stride(0), *w_args, w2, w2.stride(0), w2.stride(1), w2.stride(2),
+            bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, dummy, out,
+            out.stride(0), rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end, n_out, k_in, rank, rt.topk, float(scale),
+            lo, hi, A_GATHER=a_gather, SCATTER=scatter, HAS_LORA=lora is not None, HAS_BIAS=bias is not None,
+            ROUTE_SCALE=route is not None, **q_consts, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+            BLOCK_R=block_r, IEEE=a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=not q_consts["NESTED"])
+        del operand  # a decoded chunk is freed before the next is decoded
     return out
 
 
@@ -649,7 +703,7 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
         inter = two_i // 2
         k = topk_idx.shape[1]
         n = T * k
-        cfg = _config(x.device)
+        cfg = _config(x.device, n, E, isinstance(gate_up, NF4Stacked) or isinstance(down, NF4Stacked))
         x = x if x.stride(1) == 1 else x.contiguous()
         rt = _routing(topk_idx, E, cfg.block_m)
         route = topk_w.reshape(-1).to(torch.float32).contiguous()
@@ -662,19 +716,22 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
         h = x.new_empty((n, inter))
         rank_gu = gu_A.shape[1] if gu_A is not None else 1
         block_r = _rank_block(rank_gu)
-        w_args, q_consts = weight_operands(gate_up)
         b_gu = gu_B if gu_B is not None else x[None]  # unused: any 3-D view
         bias = gu_bias if gu_bias is not None else route
-        _moe_gate_up_kernel[(rt.blk_expert.numel(), triton.cdiv(inter, cfg.block_n))](
-            x, x.stride(0), xa if xa is not None else x, xa.stride(0) if xa is not None else 0, *w_args,
-            b_gu, b_gu.stride(0), b_gu.stride(1), b_gu.stride(2),
-            bias, bias.stride(0), h, h.stride(0), gu if gu is not None else h, gu.stride(0) if gu is not None else 0,
-            rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end,
-            inter, H, rank_gu, k, gu_step, up_off, float(gu_scale), float(alpha), float(limit),
-            ACT=act, HAS_LORA=gu_A is not None, HAS_BIAS=gu_bias is not None, SAVE_GU=gu is not None, **q_consts,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
-            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            enable_fp_fusion=not q_consts["NESTED"])
+        for lo, hi in _expert_ranges(gate_up, cfg):
+            operand = _expert_operand(gate_up, lo, hi, cfg, x.dtype)
+            w_args, q_consts = weight_operands(operand)
+            _moe_gate_up_kernel[(rt.blk_expert.numel(), triton.cdiv(inter, cfg.block_n))](
+                x, x.stride(0), xa if xa is not None else x, xa.stride(0) if xa is not None else 0, *w_args,
+                b_gu, b_gu.stride(0), b_gu.stride(1), b_gu.stride(2),
+                bias, bias.stride(0), h, h.stride(0), gu if gu is not None else h,
+                gu.stride(0) if gu is not None else 0, rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end,
+                inter, H, rank_gu, k, gu_step, up_off, float(gu_scale), float(alpha), float(limit), lo, hi,
+                ACT=act, HAS_LORA=gu_A is not None, HAS_BIAS=gu_bias is not None, SAVE_GU=gu is not None, **q_consts,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
+                IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                enable_fp_fusion=not q_consts["NESTED"])
+            del operand  # a decoded chunk is freed before the next is decoded
         if d_A is not None:
             ha = _linear(rt, cfg, h, d_A, d_A.shape[1], x.new_empty((n, d_A.shape[1])))
         buf = x.new_empty((n, H))
@@ -716,20 +773,24 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
         h = x.new_empty((n, inter)) if need_dA else None
         n_tiles = triton.cdiv(inter, cfg.block_n)
         part = torch.empty((n, n_tiles), dtype=torch.float32, device=x.device)
-        w_args, q_consts = weight_operands(down.transpose(1, 2))  # [E, I, H]: G = dy Wd as A W^T
+        down_t = down.transpose(1, 2)  # [E, I, H]: G = dy Wd as A W^T
         a_t = d_A.transpose(1, 2) if d_A is not None else dy[None]  # [E, I, r]; unused without adapter
         rank_d = d_A.shape[1] if d_A is not None else 1
-        _moe_down_grad_kernel[(rt.blk_expert.numel(), n_tiles)](
-            dy, dy.stride(0), dyb if dyb is not None else dy, dyb.stride(0) if dyb is not None else 0,
-            *w_args, a_t, a_t.stride(0), a_t.stride(1), a_t.stride(2),
-            gu, gu.stride(0), route, dgu, dgu.stride(0),
-            h if h is not None else dgu, h.stride(0) if h is not None else 0,
-            part, part.stride(0), rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end,
-            inter, H, rank_d, k, gu_step, up_off, float(d_scale), float(alpha), float(limit),
-            ACT=act, HAS_LORA=d_A is not None, STORE_H=h is not None, **q_consts,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=_rank_block(rank_d),
-            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            enable_fp_fusion=not q_consts["NESTED"])
+        for lo, hi in _expert_ranges(down_t, cfg):
+            operand = _expert_operand(down_t, lo, hi, cfg, x.dtype)
+            w_args, q_consts = weight_operands(operand)
+            _moe_down_grad_kernel[(rt.blk_expert.numel(), n_tiles)](
+                dy, dy.stride(0), dyb if dyb is not None else dy, dyb.stride(0) if dyb is not None else 0,
+                *w_args, a_t, a_t.stride(0), a_t.stride(1), a_t.stride(2),
+                gu, gu.stride(0), route, dgu, dgu.stride(0),
+                h if h is not None else dgu, h.stride(0) if h is not None else 0,
+                part, part.stride(0), rt.perm, rt.blk_expert, rt.blk_start, rt.blk_end,
+                inter, H, rank_d, k, gu_step, up_off, float(d_scale), float(alpha), float(limit), lo, hi,
+                ACT=act, HAS_LORA=d_A is not None, STORE_H=h is not None, **q_consts,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=_rank_block(rank_d),
+                IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                enable_fp_fusion=not q_consts["NESTED"])
+            del operand  # a decoded chunk is freed before the next is decoded
 
         d_topk_w = None
         if need_w:  # dw_p = <G_p, h_p> + <dy_t, bd_e>, back from sorted order to the pairs' slots
@@ -814,7 +875,7 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
     down projection and the SwiGLU gate/up and its backward; each of the three weight-reading kernels again
     with NF4 weights (nested absmax, fp fusion off) in those configurations (18 specs: the AOT test compiles
     each)."""
-    cfg = _config(torch.device("cuda"))
+    cfg = _CUDA_CONFIG
     tiles = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_R": 16, "IEEE": False}
     idx = {"perm_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32"}
 
@@ -839,7 +900,8 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
             linear = {"a_ptr": p, "stride_am": "i32", "a2_ptr": p, "stride_a2m": "i32", **weight(p, nf4), "w2_ptr": p,
                       **strides("stride_w2e", "stride_w2n", "stride_w2k"), "bias_ptr": p, "stride_be": "i32",
                       "route_ptr": "*fp32", "out_ptr": p, "stride_om": "i32", **idx,
-                      **strides("n_out", "k_in", "rank", "topk"), "lora_scale": "fp32"}
+                      **strides("n_out", "k_in", "rank", "topk"), "lora_scale": "fp32",
+                      **strides("e_lo", "e_hi")}
             variants = ((False, True, True, True, True),)  # the down projection (dx: the same without bias, w_p)
             if ty == "fp16" and not nf4:
                 variants += ((True, False, False, False, False),)  # x A^T, dy B
@@ -851,12 +913,12 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
             gate_up = {"x_ptr": p, "stride_xm": "i32", "xa_ptr": p, "stride_xam": "i32", **weight(p, nf4), "b_ptr": p,
                        **strides("stride_be", "stride_bn", "stride_bk"), "bias_ptr": p, "stride_biase": "i32",
                        "h_ptr": p, "stride_hm": "i32", "gu_ptr": p, "stride_gum": "i32", **idx, **strides(*consts),
-                       "lora_scale": "fp32", "alpha": "fp32", "limit": "fp32"}
+                       "lora_scale": "fp32", "alpha": "fp32", "limit": "fp32", **strides("e_lo", "e_hi")}
             down_grad = {"dy_ptr": p, "stride_dym": "i32", "dyb_ptr": p, "stride_dybm": "i32", **weight(p, nf4),
                          "a_ptr": p, **strides("stride_ae", "stride_an", "stride_ak"), "gu_ptr": p,
                          "stride_gum": "i32", "route_ptr": "*fp32", "dgu_ptr": p, "stride_dgum": "i32", "h_ptr": p,
                          "stride_hm": "i32", "part_ptr": "*fp32", "stride_pm": "i32", **idx, **strides(*consts),
-                         "lora_scale": "fp32", "alpha": "fp32", "limit": "fp32"}
+                         "lora_scale": "fp32", "alpha": "fp32", "limit": "fp32", **strides("e_lo", "e_hi")}
             for act, bias in ((0, False), (1, True)) if ty == "fp16" else ((0, False),):
                 specs.append((_moe_gate_up_kernel, gate_up, {"ACT": act, "HAS_LORA": True, "HAS_BIAS": bias,
                                                              "SAVE_GU": True, **quant, **tiles}, options))

@@ -27,13 +27,14 @@ Launch the kernels that call it with ``enable_fp_fusion=False`` when the absmax 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .nf4 import block_absmax, nf4_table, read_nf4_state
+from .nf4 import block_absmax, dequantize_nf4, nf4_table, read_nf4_state
 
 __all__ = ["NF4Stacked", "nf4_stacked", "load_weight_tile", "weight_operands"]
 
@@ -101,6 +102,29 @@ class NF4Stacked(NamedTuple):
         else:
             absmax = self.absmax[block].to(torch.float32)
         return (self.table[code] * absmax).to(dtype or self.dtype)
+
+    def decode_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Experts ``[lo, hi)`` decoded, an ``[hi - lo, N, K]`` view with this view's strides, by
+        :func:`~notebookkit.kernels.nf4.dequantize_nf4` (the Triton kernel on CUDA: fp32 product, one rounding,
+        the values :func:`load_weight_tile` gives). The experts are a flat range of the stored parameter; the
+        decoded range starts and ends on a whole group of block scales (``blocksize * blocksize2`` elements
+        when nested), so the sliced scales keep their indices; at most two groups more are decoded."""
+        se = self.strides[0]
+        total = self.packed.numel() * 2  # elements in the stored parameter, rounded up to whole bytes
+        group = self.blocksize * (self.blocksize2 if self.nested else 1)
+        start = lo * se // group * group
+        end = min(total, -(-hi * se // group) * group)
+        n_blocks = -(-(end - start) // self.blocksize)
+        first = start // self.blocksize
+        state = SimpleNamespace(shape=(end - start,), blocksize=self.blocksize, dtype=self.dtype, quant_type="nf4",
+                                absmax=self.absmax[first:first + n_blocks], offset=self.offset, state2=None)
+        if self.nested:
+            state.state2 = SimpleNamespace(code=self.code2, blocksize=self.blocksize2,
+                                           absmax=self.absmax2[first // self.blocksize2:
+                                                               -(-(first + n_blocks) // self.blocksize2)])
+        flat = dequantize_nf4(self.packed[start // 2:(end + 1) // 2], state, out_dtype=dtype)
+        _, n, k = self.shape
+        return flat.as_strided((hi - lo, n, k), self.strides, lo * se - start)
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The whole ``[E, N, K]`` view decoded (tests and stock-code fallbacks; the kernels never call it)."""

@@ -164,7 +164,7 @@ def layer_working_set(
         if resolve_attention(shape, attention) == "eager":
             attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
     if shape.num_experts:
-        mlp = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s)
+        mlp = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s, nf4=base.load_flag == "load_in_4bit")
         if training_path:  # the layer's input and the mask stay held; gpt-oss's layer keeps the attention weights
             mlp += N * H * s + batch_size * queries * slots * s
             mlp += batch_size * shape.num_heads * queries * (slots + 1) * s if sinks else 0

@@ -75,7 +75,9 @@ Generation (:mod:`notebookkit.memory.generation`: a decode step or a prefill of 
     the forward transients above (``h`` and the pairs' rows, or the rows, their fp32 sum and ``y``).
     The same peak is DPO's reference forward of a sparse block (adapters off, no gradient, so no ``gu``):
     measured on the CPU under the Triton interpreter, ``tests/memory/test_moe_memory.py``.
-    NF4 experts are decoded in the kernel's tile loads: no dense copy. The expert adapters' ``x A^T`` /
+    NF4 experts are decoded in the kernel's tile loads (no dense copy) when an expert has few rows; from
+    :data:`~notebookkit.expert_chunks.MIN_ROWS_PER_EXPERT` rows an expert on average, a chunk of them at a time
+    (:func:`expert_decode_chunk_bytes`, held through each GEMM, in training too). The expert adapters' ``x A^T`` /
     ``h A^T`` products (``n r s``) are left out, as LoRA's products are in the dense layers' working set,
     and so are the kept compute-dtype casts of fp32 expert adapters (``E s sum r_w (in_w + out_w)`` a
     layer, held between steps: the memory model's generation terms do not take the LoRA rank).
@@ -87,13 +89,14 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
+from notebookkit.expert_chunks import decodes_in_chunks, experts_per_chunk
 from notebookkit.families import Family, for_model_type
 
 from .shapes import ModelShape
 
 __all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "explicit_expert_ranks", "expert_lora_param_count",
            "expert_weight_bytes",
-           "nf4_stacked_bytes",
+           "nf4_stacked_bytes", "expert_decode_chunk_bytes", "router_loss_bytes",
            "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets",
            "sparse_block_generation_bytes", "stock_attention_forward_bytes", "dense_part"]
 
@@ -252,26 +255,48 @@ def stock_layer_saved_bytes(shape: ModelShape, *, batch_size: int, seq_len: int,
     return norms + attention + adapters + mlp_input
 
 
-def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int]) -> dict[str, int]:
+def expert_decode_chunk_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bool) -> int:
+    """The dense copy of one chunk of NF4 experts that a call of ``tokens`` tokens decodes before its GEMMs
+    (:mod:`notebookkit.expert_chunks`): the larger chunk of the two stacked weights; 0 for 16-bit experts or
+    a call that decodes in the kernel's weight loads."""
+    E = shape.num_experts
+    if not nf4 or not decodes_in_chunks(tokens * shape.experts_per_token, E):
+        return 0
+    sizes = [fan_in * fan_out * s for fan_in, fan_out in shape.expert_shapes().values()]
+    return max(experts_per_chunk(size, E) * size for size in sizes)
+
+
+def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
+                              nf4: bool = False) -> dict[str, int]:
     """Transient bytes of a sparse block beyond what it saved: ``{"forward": ..., "backward": ...}`` (the
-    incoming gradient ``dy`` not included)."""
+    incoming gradient ``dy`` not included); ``nf4``: the experts are NF4, so each GEMM may hold a decoded
+    chunk of them (:func:`expert_decode_chunk_bytes`)."""
     N, k, E, H, I = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     n = N * k
     r_gu, r_d = ranks.get("gate_up_proj", 0), ranks.get("down_proj", 0)
+    chunk = expert_decode_chunk_bytes(shape, tokens=N, s=s, nf4=nf4)
     rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
-    forward = max(n * (I + H) * s, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
+    forward = max(n * (I + H) * s + chunk, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
     down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
-    phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads
+    phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads + chunk
     common = n * (2 * I + r_gu) * s + partials
+    at_dx = common + n * H * s + down_grads + chunk  # the scattered dx rows, written a chunk of experts at a time
     at_sum = common + n * H * s + N * H * 4 + rounded + down_grads  # the scattered dx rows and their sum
     at_end = common + N * H * s + _factor_elems(shape, ranks) * s  # dx and every factor gradient
-    return {"forward": forward, "backward": max(phase_h, at_sum, at_end)}
+    return {"forward": forward, "backward": max(phase_h, at_dx, at_sum, at_end)}
 
 
-def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int) -> int:
+def router_loss_bytes(shape: ModelShape, *, tokens: int, s: int) -> int:
+    """The routers' load-balancing loss (``output_router_logits``): every layer's router logits ``N E s``,
+    returned by the model and held until the loss, and the fp32 softmax of each that autograd saves for the
+    loss's backward, ``N E 4`` (:mod:`notebookkit.models.patching.router_aux_loss`): ``L N E (s + 4)``."""
+    return shape.num_layers * tokens * shape.num_experts * (s + 4)
+
+
+def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bool = False) -> int:
     """A sparse block's peak in a decode step or a prefill of ``tokens`` tokens (no autograd; module docstring,
-    Generation)."""
+    Generation; ``nf4``: NF4 experts, decoded a chunk at a time from :mod:`notebookkit.expert_chunks`' rows)."""
     family = moe_family(shape)
     N, k, E, H = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size
     n = N * k
@@ -283,7 +308,7 @@ def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int) -> 
         routing = logits + n * 12 + n * 4
     # the router logits (N E s), weights and indices (12 n), the kernel's int32 permutation, offsets and schedule
     experts = N * E * s + n * 12 + n * 4 + 8 * E + 12 * blocks
-    experts += sparse_block_working_sets(shape, tokens=N, s=s, ranks={})["forward"]
+    experts += sparse_block_working_sets(shape, tokens=N, s=s, ranks={}, nf4=nf4)["forward"]
     return 2 * N * H * s + max(routing, experts)
 
 

@@ -54,7 +54,7 @@ def _quantised(stored: torch.Tensor, transposed: bool, nested: bool) -> tuple[NF
     return nf4_stacked(q.packed, state, transposed=transposed), (dense.transpose(1, 2) if transposed else dense)
 
 
-def _case(family: str, dtype: torch.dtype, nested: bool = True, seed: int = 0, device: str = "cpu"):
+def _case(family: str, dtype: torch.dtype, nested: bool = True, seed: int = 0, device: str = "cpu", T: int = T):
     g = torch.Generator().manual_seed(seed)
     gpt = family == "gpt_oss"
 
@@ -99,6 +99,39 @@ def test_decode_of_one_expert_is_the_format(one_thread):
             assert torch.equal(view.expert(3, torch.float16), dense[3].half())
 
 
+def test_decode_of_a_range_of_experts_is_the_format(one_thread):
+    """``NF4Stacked.decode_experts`` (the chunks a training-sized call decodes) equals the whole decode's experts
+    for ranges that start and end inside a group of block scales: 9 experts of 47 x 83 span three groups of
+    64 x 256 nested scales, and their blocks straddle experts."""
+    g = torch.Generator().manual_seed(11)
+    for nested in (True, False):
+        for transposed in (False, True):
+            view, dense = _quantised(torch.randn(9, 47, 83, generator=g) * 0.1, transposed, nested)
+            for lo, hi in ((0, 1), (2, 5), (4, 9), (8, 9), (0, 9)):
+                got = view.decode_experts(lo, hi, torch.float16)
+                assert got.shape == dense[lo:hi].shape and got.stride() == dense.stride()
+                assert torch.equal(got, dense[lo:hi].half()), (nested, transposed, lo, hi)
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype,nested", [(torch.float16, True), (torch.float32, False)], ids=["fp16-nested",
+                                                                                                 "fp32-plain"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_decoded_in_chunks_equal_the_decode_in_the_loads(family, dtype, nested, monkeypatch, one_thread):
+    """A training-sized call decodes its NF4 experts two at a time (here forced: 1 row an expert is enough, a
+    chunk holds two experts) and runs the 16-bit kernels on each chunk: forward and every gradient bit for bit
+    those of the decode in the weight loads (the same values, the same tiles)."""
+    from notebookkit import expert_chunks
+
+    c = _case(family, dtype, nested)
+    want = _run(c, c["gu_q"], c["d_q"], True)
+    monkeypatch.setattr(expert_chunks, "MIN_ROWS_PER_EXPERT", 1)
+    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", 2 * 2 * I * H * dtype.itemsize)
+    got = _run(c, c["gu_q"], c["d_q"], True)
+    for name, ref in want.items():
+        assert torch.equal(got[name], ref), name
+
+
 @pytest.mark.parametrize("path,dtype,nested", CASES)
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_nf4_experts_match_dequantise_then_reference(family, path, dtype, nested, one_thread):
@@ -120,9 +153,10 @@ def test_nf4_experts_match_dequantise_then_reference(family, path, dtype, nested
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [T, 1601], ids=["in-loads", "chunks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_nf4_experts_on_the_gpu(family, dtype):
+def test_nf4_experts_on_the_gpu(family, dtype, tokens, monkeypatch):
     """The compiled kernels reading NF4 stacked experts (the T4's fp16 and bf16) against the reference path on the
     weights they decode, forward and every gradient.
 
@@ -131,8 +165,15 @@ def test_nf4_experts_on_the_gpu(family, dtype):
     sides of the clamp for enough elements that the input gradient (zero where clamped) moves by percents (the
     suite of session 24: 8.2% on ``x``, the forward and the fp16 case within bound). In bf16 the limit is gpt-oss's
     own, 7, where these pre-activations (about unit scale) never reach it; the clamps' math is held to its bound in
-    fp16 here and in fp32 / fp16 on the CPU."""
-    c = _case(family, dtype, device="cuda")
+    fp16 here and in fp32 / fp16 on the CPU.
+
+    ``chunks``: 1,601 tokens, 640 rows an expert on average: the experts are decoded two at a time (the chunk
+    made small) and the 16-bit kernels run with sm_90's 128-row blocks."""
+    from notebookkit import expert_chunks
+
+    assert expert_chunks.decodes_in_chunks(tokens * K, E) == (tokens > T)
+    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", 2 * 2 * I * H * dtype.itemsize)
+    c = _case(family, dtype, device="cuda", T=tokens)
     limit = 7.0 if dtype == torch.bfloat16 else 0.5
     want = _run(c, c["gu_dense"], c["d_dense"], False, limit)
     got = _run(c, c["gu_q"], c["d_q"], True, limit)

@@ -1,0 +1,37 @@
+"""When the grouped expert kernels read NF4 experts decoded in chunks, and how large a chunk is: the rule the
+kernel (:mod:`notebookkit.kernels.moe_experts`) and the memory model (:mod:`notebookkit.memory.moe`) share.
+
+A stacked NF4 expert weight can be read two ways. Decoded in the kernel's weight loads (no dense copy), every
+row block of an expert decodes that expert's whole weight again, one gathered byte, block scale and level a
+weight: cheap when an expert has a few rows (a decode step), but at training sizes the GEMMs then run 20-30x
+slower than on a 16-bit weight (the H200, ``benchmarks/moe_kernels.py``: Qwen3-30B-A3B's block at 2,048 tokens,
+103 ms forward + backward against 3.8 ms). So a call with at least :data:`MIN_ROWS_PER_EXPERT` rows per expert
+on average decodes the weight first, a chunk of whole experts at a time (``dequantize_nf4``: the same values,
+one rounding from fp32), and runs the 16-bit kernel on each chunk. A chunk holds as many experts as fit
+:data:`DECODE_CHUNK_BYTES` in the compute dtype, at least one, so the dense copy never exceeds the larger of
+that and one expert.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DECODE_CHUNK_BYTES", "MIN_ROWS_PER_EXPERT", "decodes_in_chunks", "experts_per_chunk"]
+
+#: bytes of one chunk of decoded experts (a transient of the GEMM that reads it)
+DECODE_CHUNK_BYTES = 128 * 2**20
+#: average (token, expert) rows per expert from which NF4 experts are decoded in chunks
+MIN_ROWS_PER_EXPERT = 16
+
+
+def decodes_in_chunks(pairs: int, num_experts: int) -> bool:
+    """Whether a call with ``pairs`` routed (token, expert) rows over ``num_experts`` experts decodes its NF4
+    experts in chunks (``pairs >= MIN_ROWS_PER_EXPERT * num_experts``) rather than in the kernel's loads."""
+    return pairs >= MIN_ROWS_PER_EXPERT * num_experts
+
+
+def experts_per_chunk(expert_bytes: int, num_experts: int) -> int:
+    """Experts in one chunk: ``clamp(floor(DECODE_CHUNK_BYTES / expert_bytes), 1, num_experts)``, with
+    ``expert_bytes`` one expert's ``out x in`` weight in the compute dtype."""
+    if expert_bytes < 1 or num_experts < 1:
+        raise ValueError(f"experts_per_chunk: expert_bytes and num_experts must be >= 1 (got {expert_bytes}, "
+                         f"{num_experts}).")
+    return max(1, min(num_experts, DECODE_CHUNK_BYTES // expert_bytes))
