@@ -166,7 +166,8 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     routers' load-balancing loss when it is on (``output_router_logits``: its ``L N E`` fp32 softmax; TRL
     1.16 turns it on for SFT, DPO and GRPO alike from the config's ``router_aux_loss_coef``, and
     notebookkit's trainers then hand the loss to TRL's own LM head instead of the fused one counted here:
-    every MoE estimate's notes say so; the estimate is for ``router_aux_loss_coef=0.0``). gpt-oss's reference forward runs Hugging Face's eager attention with
+    every MoE estimate's notes say so; the estimate is for ``router_aux_loss_coef=0.0``; SFT keeps the fused
+    loss, its head adding the router loss, and counts :func:`~notebookkit.memory.moe.router_loss_bytes`). gpt-oss's reference forward runs Hugging Face's eager attention with
     sinks (:func:`~notebookkit.memory.moe.stock_attention_forward_bytes`), not the decode path's.
 
 Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
@@ -681,7 +682,8 @@ def backward_working_set(
         dense = backward_working_set(moe_terms.dense_part(shape), batch_size=batch_size, seq_len=seq_len,
                                      dtype_bytes=s, attention=attention, fp8_forward=fp8_forward, **flags)
         ranks = moe_terms.expert_lora_ranks(shape, lora_r, lora_targets(target_modules), target_parameters)
-        block_ws = moe_terms.sparse_block_working_sets(shape, tokens=N, s=s, ranks=ranks)
+        block_ws = moe_terms.sparse_block_working_sets(shape, tokens=N, s=s, ranks=ranks,
+                                                       nf4=fmt.load_flag == "load_in_4bit")
         block_saved = sum(moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks).values())
         mlp = N * shape.hidden_size * s + max(block_ws.values())
         if moe_terms.stock_attention(shape):
@@ -851,6 +853,10 @@ def estimate_training_memory(
                                     image_size=image_size, vision_lora=finetune_vision_layers,
                                     vision_lora_params=vision_lora_params)
     loss = _logits_and_loss(shape, rows * scored, s, fused_loss, loss_chunk_size, logprobs=record.logprob_loss)
+    if shape.num_experts and method == "sft":  # TRL's default router loss, on the fused path (notes)
+        router = moe_terms.router_loss_bytes(shape, tokens=rows * seq_len, s=s)
+        loss = _Part(loss.bytes + router, {**loss.details, "logits / loss: router logits and their fp32 "
+                                                           "softmax (load-balancing loss)": router}, loss.notes)
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
                                        lora_r=lora_r, target_modules=targets, target_parameters=target_parameters,
                                        attention=attention, fp8_forward=fp8_forward,
@@ -949,10 +955,15 @@ def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, metho
         raise ValueError(f"{what}: {fmt.label} bases do not hold its stacked experts (from_pretrained refuses "
                          "them too); estimate it with load_in_4bit=True or in 16-bit.")
     record = TRAINING_METHODS[method]
-    notes.append(f"{record.label} on a mixture of experts: the estimate is notebookkit's fused loss path, which its "
-                 "trainers leave for TRL's own LM head when TRL's router load-balancing loss is on (TRL's default for "
-                 f"this family: the config's router_aux_loss_coef); set {record.label}Config(router_aux_loss_coef=0.0) "
-                 "to train as estimated")
+    if method == "sft":
+        notes.append("SFT on a mixture of experts: TRL turns the router load-balancing loss on by default (the "
+                     "config's router_aux_loss_coef); notebookkit's fused loss adds it in the model's head, and the "
+                     "routers' logits and fp32 softmax it holds are counted")
+    else:
+        notes.append(f"{record.label} on a mixture of experts: the estimate is notebookkit's fused loss path, which "
+                     "its trainers leave for TRL's own LM head when TRL's router load-balancing loss is on (TRL's "
+                     "default for this family: the config's router_aux_loss_coef); set "
+                     f"{record.label}Config(router_aux_loss_coef=0.0) to train as estimated")
     if lora_dropout and lora_dropout > 0:
         raise ValueError(f"{what}: with lora_dropout={lora_dropout} PEFT refuses the experts' adapters (no dropout on "
                          "target_parameters) and the memory model has no formula for it; use lora_dropout=0.")

@@ -164,6 +164,7 @@ def fused_loss_blocker(trainer: Any) -> str | None:
     short reason for the banner line.
     """
     from ..base_layers.rebinding import patch_tag
+    from ..models.patching.patch_lm_head import adds_router_loss
 
     args = trainer.args
     loss_type = getattr(args, "loss_type", "nll")
@@ -173,8 +174,6 @@ def fused_loss_blocker(trainer: Any) -> str | None:
         return "a compute_loss_func is set (it needs the model's full logits)"
     if getattr(trainer, "label_smoother", None) is not None:
         return "label_smoothing_factor > 0 needs the full logits"
-    if getattr(trainer, "aux_loss_enabled", False):
-        return "the MoE router auxiliary loss is added by TRL's LM head"
     pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
     if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
         return "sequence / context parallelism shards the labels (TRL's path)"
@@ -183,6 +182,9 @@ def fused_loss_blocker(trainer: Any) -> str | None:
     if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
         return "prompt-learning adapters prepend virtual tokens (TRL's path)"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(trainer, "aux_loss_enabled", False) and not (adds_router_loss(base)
+                                                            and hasattr(trainer, "router_aux_loss_coef")):
+        return "the MoE router auxiliary loss is on and only TRL's LM head adds it for this model"
     if patch_tag(base) != "causal_lm":
         from ..models.common.banner import get_banner
 
@@ -216,7 +218,11 @@ def fused_sft_loss(trainer: Any, model: Any, inputs: dict[str, Any], num_items_i
     Equals TRL's ``SFTTrainer.compute_loss`` for ``loss_type="nll"``: the summed next-token
     negative log-likelihood over labels != -100, divided by ``num_items_in_batch`` when the Trainer
     passes it (else by the micro-batch's label count, at least 1), times the process count when
-    ``average_tokens_across_devices`` is on (DDP then averages the gradients back).
+    ``average_tokens_across_devices`` is on (DDP then averages the gradients back). A mixture of experts
+    whose router loss TRL turned on (``trainer.aux_loss_enabled``) adds, as TRL does,
+    ``router_aux_loss_coef * aux_loss / steps`` (``steps``: the accumulation steps when the Trainer passes
+    ``num_items_in_batch``, else 1; not scaled by the process count), computed in the model's head, and
+    logs ``aux_loss``.
     """
     import torch
 
@@ -227,6 +233,17 @@ def fused_sft_loss(trainer: Any, model: Any, inputs: dict[str, Any], num_items_i
         if not isinstance(n, torch.Tensor) and not n > 0:
             n = torch.tensor(0.0)  # no label in the whole step: 0 / 1, like TRL
         call["num_items_in_batch"] = n
+    processes = 1
+    if getattr(trainer.args, "average_tokens_across_devices", False) and num_items_in_batch is not None:
+        tp = trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
+        processes = trainer.accelerator.num_processes // tp
+    router_loss = getattr(trainer, "aux_loss_enabled", False)
+    if router_loss:
+        steps = 1
+        if num_items_in_batch is not None:
+            steps = getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps)
+        call["output_router_logits"] = True
+        call["aux_loss_weight"] = trainer.router_aux_loss_coef / steps / processes  # the loss is scaled back below
     outputs = model(**call)
     loss = getattr(outputs, "loss", None) if not isinstance(outputs, tuple) else outputs[0]
     if loss is None:
@@ -235,9 +252,12 @@ def fused_sft_loss(trainer: Any, model: Any, inputs: dict[str, Any], num_items_i
             "Build the trainer with fused_loss=False (TRL computes the loss itself) or reload the model with "
             "FastLanguageModel.from_pretrained."
         )
-    if getattr(trainer.args, "average_tokens_across_devices", False) and num_items_in_batch is not None:
-        tp = trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
-        loss = loss * (trainer.accelerator.num_processes // tp)
+    loss = loss * processes if processes != 1 else loss
+    if router_loss:
+        from .trl_compat import logged_metrics
+
+        aux = trainer.accelerator.gather_for_metrics(outputs.aux_loss.detach()).mean().item()
+        logged_metrics(trainer, "train")["aux_loss"].append(aux)
     _count_train_tokens(trainer, inputs)
     return loss
 

@@ -27,10 +27,13 @@ B, T, R = 2, 16, 8
 
 
 def test_block_m_is_the_kernels():
-    from notebookkit.kernels.moe_experts import _config
+    """The memory model's row block is the smallest the kernels use on CUDA (its schedule, ``cdiv(n, BLOCK_M) + E``
+    blocks, then bounds theirs) and its column tile every configuration's."""
+    from notebookkit.kernels import moe_experts
 
-    cfg = _config(torch.device("cuda"))
-    assert (moe_terms.BLOCK_M, moe_terms.BLOCK_N) == (cfg.block_m, cfg.block_n)
+    configs = [moe_experts._CUDA_CONFIG, moe_experts._SM90_CONFIG, moe_experts._SM90_LONG_CONFIG]
+    assert moe_terms.BLOCK_M == min(cfg.block_m for cfg in configs)
+    assert {cfg.block_n for cfg in configs} == {moe_terms.BLOCK_N}
 
 
 @pytest.mark.parametrize("family, dtype", [("qwen3_moe", torch.float32), ("gpt_oss", torch.bfloat16)])
@@ -40,8 +43,7 @@ def test_kept_moe_layer_saves_exactly_what_the_model_says(family, dtype, monkeyp
     from notebookkit.embedded.tiny import ensure_tiny_model
     from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 
-    cuda_tiles = kernel._config(torch.device("cuda"))
-    monkeypatch.setattr(kernel, "_config", lambda device: cuda_tiles)  # the row blocks a GPU schedules
+    monkeypatch.setattr(kernel, "_config", lambda *_: kernel._CUDA_CONFIG)  # the row blocks a GPU schedules
     path = str(ensure_tiny_model(f"notebookkit/tiny-{family}"))
     model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=T, dtype=dtype, load_in_4bit=False,
                                                  show_banner=False)
@@ -72,8 +74,8 @@ def test_kept_moe_layer_saves_exactly_what_the_model_says(family, dtype, monkeyp
 
 
 VERDICTS = {  # (model, card, dtype, load_in_4bit): what the panel's headline says, with its predicted peak
-    ("Qwen/Qwen3-30B-A3B", "t4", "float16", True): "26.59 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
-    ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16", True): "26.59 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
+    ("Qwen/Qwen3-30B-A3B", "t4", "float16", True): "26.67 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
+    ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16", True): "26.67 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
     ("openai/gpt-oss-20b", "t4", "float16", True): "18.79 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
     ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "21.93 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
     # 16-bit experts (before NF4 experts, load_in_4bit gave 45.21 GiB here: NF4 attention, 16-bit experts)
@@ -147,8 +149,7 @@ def test_sparse_block_working_sets_are_what_it_allocates(dtype, monkeypatch, one
 
     from .activation_probe import LiveBytes
 
-    cuda_tiles = kernel._config(torch.device("cuda"))
-    monkeypatch.setattr(kernel, "_config", lambda device: cuda_tiles)
+    monkeypatch.setattr(kernel, "_config", lambda *_: kernel._CUDA_CONFIG)
     tokens, H, I, E, k, r = 128, 64, 96, 8, 2, 4
     s = dtype.itemsize
     g = torch.Generator().manual_seed(0)
@@ -237,8 +238,7 @@ def test_reference_forward_of_a_moe_layer_is_what_it_allocates(family, dtype, to
 
     from .activation_probe import LiveBytes
 
-    cuda_tiles = kernel._config(torch.device("cuda"))
-    monkeypatch.setattr(kernel, "_config", lambda device: cuda_tiles)
+    monkeypatch.setattr(kernel, "_config", lambda *_: kernel._CUDA_CONFIG)
     path = str(ensure_tiny_model(f"notebookkit/tiny-{family}"))
     model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=T, dtype=dtype, load_in_4bit=False,
                                                  show_banner=False, num_experts_per_tok=top_k)
@@ -297,7 +297,10 @@ def test_dpo_and_grpo_estimates_for_the_moe_shapes(name):
     held = generation_memory(shape, 1, 1024, 2, prompt_len=768, load_in_4bit=True).held
     assert grpo.inputs["generation"]["keep_cache"] and grpo.generation >= held > 0
     assert any("GRPOConfig(router_aux_loss_coef=0.0)" in n for n in grpo.notes)
-    assert any("SFTConfig(router_aux_loss_coef=0.0)" in n for n in estimate_training_memory(name, **kw).notes)
+    sft = estimate_training_memory(name, **kw)  # SFT keeps the fused loss with TRL's router loss, and counts it
+    assert any("router load-balancing loss on by default" in n for n in sft.notes)
+    assert sft.details["logits / loss: router logits and their fp32 softmax (load-balancing loss)"] == \
+        shape.num_layers * kw.get("batch_size", 1) * kw["seq_len"] * shape.num_experts * (2 + 4)
 
 
 @pytest.mark.parametrize("method", ["dpo", "grpo"])

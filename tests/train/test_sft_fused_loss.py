@@ -224,6 +224,43 @@ def test_fused_loss_gradients_equal_trls(tmp_path, monkeypatch):
     assert float((g_ours - g_theirs).norm() / g_theirs.norm()) < 1e-5
 
 
+def test_moe_router_loss_stays_on_the_fused_path_and_equals_trls(tmp_path, monkeypatch):
+    """TRL turns a mixture of experts' router loss on by default (its coefficient from the config); the fused
+    path adds it in the model's head as TRL does, ``coef * aux / accumulation steps``: loss and every LoRA
+    gradient (attention and experts) equal TRL's own head, at a coefficient where the router loss moves both."""
+    from trl import SFTTrainer
+
+    from notebookkit.train.sft import make_sft_trainer
+
+    probe = Probe()
+    model, tok = _load(monkeypatch, probe, "qwen3_moe")
+    trainer = make_sft_trainer(model, tok, _prompt_completion(4), show_banner=False, router_aux_loss_coef=0.5,
+                               **_config(tmp_path, max_steps=1, gradient_accumulation_steps=2))
+    assert trainer.aux_loss_enabled and trainer.fused_loss_off is None
+    trainer.current_gradient_accumulation_steps = 2  # what the training loop sets for this step
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    n_items = (inputs["labels"][:, 1:] != -100).sum() * 2
+    trainer.model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(compute):
+        model.zero_grad(set_to_none=True)
+        loss = compute(trainer, model, dict(inputs), num_items_in_batch=n_items)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.reshape(-1) for p in params])
+
+    probe.reset()
+    ours, g_ours = grads(type(trainer).compute_loss)
+    assert probe.fused_calls == 1
+    theirs, g_theirs = grads(SFTTrainer.compute_loss)
+    trainer.router_aux_loss_coef, trainer.aux_loss_enabled = 0.0, False
+    without, g_without = grads(SFTTrainer.compute_loss)
+    assert _rel(ours, theirs) < 1e-5 and _rel(without, theirs) > 1e-3  # the router loss is a visible share
+    assert float((g_ours - g_theirs).norm() / g_theirs.norm()) < 1e-5
+    assert float((g_without - g_theirs).norm() / g_theirs.norm()) > 1e-3
+    assert trainer._metrics["train"]["aux_loss"]  # logged as TRL logs it
+
+
 def test_settings_that_need_trls_head_fall_back_and_say_so(tmp_path, monkeypatch, capsys):
     from notebookkit.train.sft import make_sft_trainer
 

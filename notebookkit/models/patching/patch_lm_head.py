@@ -21,7 +21,8 @@ Contract of the patched forward (documented for trainers):
 * A mixture-of-experts model (``moe=True``) with ``output_router_logits`` (the argument or the
   config's) gets the routers' load-balancing loss as Hugging Face adds it
   (:mod:`.router_aux_loss`): ``aux_loss`` and ``router_logits`` in the output, and
-  ``loss + router_aux_loss_coef * aux_loss`` when labels are given.
+  ``loss + router_aux_loss_coef * aux_loss`` when labels are given (``aux_loss_weight=`` replaces the
+  coefficient: TRL's SFT weighs the loss by its own coefficient over the accumulation steps).
 * In training, a batch longer than the ``max_seq_length`` given at load time raises a ``ValueError``
   that says how to fix it (checked in the backbone, so trainers that run their own LM head, like
   TRL's chunked one, are covered too); in inference it warns once.
@@ -204,6 +205,7 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float], moe
         return_dict: Optional[bool] = None,
         return_logits: bool = False,
         output_router_logits: Optional[bool] = None,
+        aux_loss_weight: Optional[float] = None,
         **kwargs: Any,
     ):
         cache = kwargs.pop("cache", None)
@@ -267,7 +269,8 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float], moe
                                                                  or config.num_local_experts),
                                       int(config.num_experts_per_tok), attention_mask)
             if loss is not None:  # Hugging Face's heads read the coefficient they copied from the config at init
-                coef = getattr(self, "router_aux_loss_coef", config.router_aux_loss_coef)
+                coef = aux_loss_weight if aux_loss_weight is not None else \
+                    getattr(self, "router_aux_loss_coef", config.router_aux_loss_coef)
                 loss = loss + float(coef) * aux.to(loss.device)
             extra = {"aux_loss": aux, "router_logits": outputs.router_logits}
         fields = {
@@ -283,6 +286,17 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float], moe
         return result
 
     return causal_lm_forward
+
+
+#: set on a model whose patched head adds the routers' load-balancing loss (a mixture of experts)
+ROUTER_LOSS_HEAD = "_notebookkit_router_loss_head"
+
+
+def adds_router_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s causal-LM forward is notebookkit's mixture-of-experts head: with
+    ``output_router_logits=True`` and labels its loss is ``loss + w * aux_loss``, ``w`` the
+    ``aux_loss_weight`` argument (default: the model's ``router_aux_loss_coef``)."""
+    return bool(getattr(model, ROUTER_LOSS_HEAD, False))
 
 
 def lm_head_ready(model: nn.Module) -> Optional[str]:
@@ -339,6 +353,7 @@ def patch_lm_head(model: nn.Module, final_softcap: Optional[float], moe: bool = 
     """Rebind the causal-LM forward of ``model`` (and its backbone's, for the length check); ``moe``: a
     mixture-of-experts model (its routers' load-balancing loss)."""
     rebind(model, make_causal_lm_forward(model, final_softcap, moe), "causal_lm")
+    object.__setattr__(model, ROUTER_LOSS_HEAD, moe)
     record_fused_lm_head(model, True)  # for the memory model: training computes no [N, V] logits
     object.__setattr__(model.model, LM_HEAD_OWNER, WeakOwner(model))  # weak: no reference cycle
     rebind(model.model, backbone_forward, "backbone")
