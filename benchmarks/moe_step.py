@@ -356,6 +356,8 @@ def run_system(args) -> dict:
             traceback.print_exc()
             kind = "out of memory in training" if is_out_of_memory(exc) else "failed in training"
             return row | dict(status=f"{kind}: {short(exc)}", host_rss_peak_gib=round(rss.peak / 2**30, 3))
+    if args.profile and device == "cuda":
+        profile_one_step(args, row, lambda: step(batches[-1]))
     median = statistics.median(step_s)
     tokens = args.batch * args.seq
     if device == "cuda":
@@ -376,6 +378,27 @@ def run_system(args) -> dict:
     if args.system == "notebookkit":
         row |= predicted(model, args.batch, args.seq, None if args.tiny else args.shape)
     return row
+
+
+def profile_one_step(args, row: dict, step) -> None:
+    """(child, ``--profile DIR``) One more step under ``torch.profiler``: where its GPU time goes, written as
+    ``DIR/profile-<shape>-<system>[-t4].md`` by ``profile_step.render_report`` (kernel categories, top kernels)."""
+    import torch
+
+    from profile_step import busy_us, device_kernels, profile_steps, render_report
+
+    prof, wall_ms = profile_steps([step])
+    kernels, intervals = device_kernels(prof.events())
+    name = f"profile-{args.shape}-{row['system']}{'-t4' if args.t4 else ''}.md"
+    facts = [("GPU", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"),
+             ("model", f"{args.shape} shape, {args.layers} layers, {args.quant}, {row['dtype']}"),
+             ("activation plan", str(row.get("plan")))]
+    text = render_report(f"One MoE training step of {row['system']}: {args.seq} tokens x {args.batch}", facts,
+                         wall_ms, busy_us(intervals) / 1e3, kernels, top=30)
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, name), "w") as fh:
+        fh.write(text)
+    print(text)
 
 
 # ------------------------------------------------------------------------------------------ parent
@@ -695,6 +718,7 @@ def main() -> None:
     ap.add_argument("--prepare", action="store_true", help="only build the --shape checkpoint")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--profile", default=None, help="(child) profile one more step, report in this folder")
     args = ap.parse_args()
     if args.tiny:
         args.quant = "none"
