@@ -43,6 +43,8 @@ LM_HEAD_OWNER = "_notebookkit_owner"
 ALL_ATTENTION_PATCHED = "_notebookkit_all_attention_patched"
 #: causal LM: the warning about inputs longer than ``max_seq_length`` was given once
 WARNED_LENGTH = "_notebookkit_warned_length"
+#: causal LM: its patched head adds the routers' load-balancing loss (a mixture of experts)
+ROUTER_LOSS_HEAD = "_notebookkit_router_loss_head"
 
 # ---- checkpointing, LoRA and precision (models/patching/, base_layers/) -----------------------------
 #: base model: the Trainer's ``gradient_checkpointing_enable`` re-applies notebookkit's plan

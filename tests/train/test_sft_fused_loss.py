@@ -193,6 +193,21 @@ def test_fused_loss_equals_trls_loss(tmp_path, monkeypatch, data, accumulation, 
         assert all(int(r[3]) == int(n_items) for r in records)
 
 
+def _loss_and_grads(trainer, inputs, n_items):
+    """``compute -> (loss, every trainable parameter's gradient, flat)`` of one micro-batch in training mode."""
+    model = trainer.model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(compute):
+        model.zero_grad(set_to_none=True)
+        loss = compute(trainer, model, dict(inputs), num_items_in_batch=n_items)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.reshape(-1) for p in params])
+
+    return grads
+
+
 def test_fused_loss_gradients_equal_trls(tmp_path, monkeypatch):
     from trl import SFTTrainer
 
@@ -205,15 +220,7 @@ def test_fused_loss_gradients_equal_trls(tmp_path, monkeypatch):
     )
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     n_items = (inputs["labels"][:, 1:] != -100).sum() + 3  # any N: both divide by it
-    trainer.model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grads(compute):
-        model.zero_grad(set_to_none=True)
-        loss = compute(trainer, model, dict(inputs), num_items_in_batch=n_items)
-        loss.backward()
-        return loss.detach(), torch.cat([p.grad.reshape(-1) for p in params])
-
+    grads = _loss_and_grads(trainer, inputs, n_items)
     probe.reset()
     ours, g_ours = grads(type(trainer).compute_loss)
     assert probe.fused_calls == 1
@@ -240,15 +247,7 @@ def test_moe_router_loss_stays_on_the_fused_path_and_equals_trls(tmp_path, monke
     trainer.current_gradient_accumulation_steps = 2  # what the training loop sets for this step
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     n_items = (inputs["labels"][:, 1:] != -100).sum() * 2
-    trainer.model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grads(compute):
-        model.zero_grad(set_to_none=True)
-        loss = compute(trainer, model, dict(inputs), num_items_in_batch=n_items)
-        loss.backward()
-        return loss.detach(), torch.cat([p.grad.reshape(-1) for p in params])
-
+    grads = _loss_and_grads(trainer, inputs, n_items)
     probe.reset()
     ours, g_ours = grads(type(trainer).compute_loss)
     assert probe.fused_calls == 1

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from notebookkit.base_layers.kernel_ops import kernel
 from notebookkit.base_layers.rebinding import WeakOwner, rebind
-from notebookkit.marks import ALL_ATTENTION_PATCHED, LM_HEAD_OWNER, WARNED_LENGTH
+from notebookkit.marks import ALL_ATTENTION_PATCHED, LM_HEAD_OWNER, ROUTER_LOSS_HEAD, WARNED_LENGTH
 from notebookkit.memory.model_setup import record_fused_lm_head
 
 from .checkpointing import fit_plan_to_batch
@@ -286,10 +286,6 @@ def make_causal_lm_forward(model: nn.Module, final_softcap: Optional[float], moe
         return result
 
     return causal_lm_forward
-
-
-#: set on a model whose patched head adds the routers' load-balancing loss (a mixture of experts)
-ROUTER_LOSS_HEAD = "_notebookkit_router_loss_head"
 
 
 def adds_router_loss(model: nn.Module) -> bool:
