@@ -116,12 +116,17 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 # GPU test files of half 2's folders that run in half 1, the shorter one (s24: 252 s against 301 s)
 GPU_1_EXTRA := tests/export/test_moe_export_gpu.py
 GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -rfEs
+# free disk the suite needs (scripts/check_free_disk.py says why), and the benchmark checkpoints that fill it
+GPU_DISK_GIB ?= 56
+GPU_DISK_CHECK := $(GPU_PY) scripts/check_free_disk.py $(GPU_DISK_GIB) $(HOME)/.cache/notebookkit/bench
 test-gpu: test-gpu-1 test-gpu-2
 
 test-gpu-1:
+	@$(GPU_DISK_CHECK)
 	@mkdir -p runs; set -o pipefail; $(GPU_PYTEST) -n 8 --timeout 420 tests/kernels tests/models tests/memory $(GPU_1_EXTRA) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-1.log
 
 test-gpu-2:
+	@$(GPU_DISK_CHECK)
 	@mkdir -p runs; set -o pipefail; $(GPU_PYTEST) -n 6 --timeout 540 tests/train tests/export tests/notebooks tests/benchmarks $(GPU_1_EXTRA:%=--ignore=%) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-2.log
 
 lock:
