@@ -15,12 +15,18 @@ that and one expert.
 
 from __future__ import annotations
 
-__all__ = ["DECODE_CHUNK_BYTES", "MIN_ROWS_PER_EXPERT", "decodes_in_chunks", "experts_per_chunk"]
+__all__ = ["DECODE_CHUNK_BYTES", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP", "decodes_in_chunks", "experts_per_chunk",
+           "decoded_range", "largest_decode"]
 
 #: bytes of one chunk of decoded experts (a transient of the GEMM that reads it)
 DECODE_CHUNK_BYTES = 128 * 2**20
 #: average (token, expert) rows per expert from which NF4 experts are decoded in chunks
 MIN_ROWS_PER_EXPERT = 16
+
+
+#: elements under one second-level scale of a nested NF4 weight (blocks of 64, 256 blocks a scale): a decoded
+#: range starts and ends on such a group, so the sliced scales keep their indices
+NF4_SCALE_GROUP = 64 * 256
 
 
 def decodes_in_chunks(pairs: int, num_experts: int) -> bool:
@@ -36,3 +42,18 @@ def experts_per_chunk(expert_bytes: int, num_experts: int) -> int:
         raise ValueError(f"experts_per_chunk: expert_bytes and num_experts must be >= 1 (got {expert_bytes}, "
                          f"{num_experts}).")
     return max(1, min(num_experts, DECODE_CHUNK_BYTES // expert_bytes))
+
+
+def decoded_range(lo: int, hi: int, expert_numel: int, total: int, group: int = NF4_SCALE_GROUP) -> tuple[int, int]:
+    """The flat elements ``[start, end)`` decoded for experts ``[lo, hi)`` of a stacked weight of ``total``
+    elements, ``expert_numel`` each: the experts' range widened to whole ``group``s (at most two groups more)."""
+    return lo * expert_numel // group * group, min(total, -(-hi * expert_numel // group) * group)
+
+
+def largest_decode(expert_numel: int, num_experts: int, expert_bytes: int, group: int = NF4_SCALE_GROUP) -> int:
+    """Elements of the largest range one call decodes, over its chunks (:func:`experts_per_chunk` experts each,
+    :func:`decoded_range`)."""
+    per = experts_per_chunk(expert_bytes, num_experts)
+    total = num_experts * expert_numel
+    return max(end - start for lo in range(0, num_experts, per)
+               for start, end in [decoded_range(lo, min(num_experts, lo + per), expert_numel, total, group)])

@@ -663,7 +663,7 @@ def _linear(rt: _Routing, cfg: _Config, a: torch.Tensor, w: torch.Tensor, n_out:
             ROUTE_SCALE=route is not None, **q_consts, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
             BLOCK_R=block_r, IEEE=a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=not q_consts["NESTED"])
-        del operand  # a decoded chunk is freed before the next is decoded
+        del operand, w_args  # a decoded chunk is freed before the next is decoded
     return out
 
 
@@ -731,7 +731,7 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
                 IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 enable_fp_fusion=not q_consts["NESTED"])
-            del operand  # a decoded chunk is freed before the next is decoded
+            del operand, w_args  # a decoded chunk is freed before the next is decoded
         if d_A is not None:
             ha = _linear(rt, cfg, h, d_A, d_A.shape[1], x.new_empty((n, d_A.shape[1])))
         buf = x.new_empty((n, H))
@@ -790,7 +790,7 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=_rank_block(rank_d),
                 IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 enable_fp_fusion=not q_consts["NESTED"])
-            del operand  # a decoded chunk is freed before the next is decoded
+            del operand, w_args  # a decoded chunk is freed before the next is decoded
 
         d_topk_w = None
         if need_w:  # dw_p = <G_p, h_p> + <dy_t, bd_e>, back from sorted order to the pairs' slots

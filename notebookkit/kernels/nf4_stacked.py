@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..expert_chunks import decoded_range
 from .nf4 import block_absmax, dequantize_nf4, nf4_table, read_nf4_state
 
 __all__ = ["NF4Stacked", "nf4_stacked", "load_weight_tile", "weight_operands"]
@@ -111,9 +112,7 @@ class NF4Stacked(NamedTuple):
         when nested), so the sliced scales keep their indices; at most two groups more are decoded."""
         se = self.strides[0]
         total = self.packed.numel() * 2  # elements in the stored parameter, rounded up to whole bytes
-        group = self.blocksize * (self.blocksize2 if self.nested else 1)
-        start = lo * se // group * group
-        end = min(total, -(-hi * se // group) * group)
+        start, end = decoded_range(lo, hi, se, total, self.blocksize * (self.blocksize2 if self.nested else 1))
         n_blocks = -(-(end - start) // self.blocksize)
         first = start // self.blocksize
         state = SimpleNamespace(shape=(end - start,), blocksize=self.blocksize, dtype=self.dtype, quant_type="nf4",

@@ -89,7 +89,7 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from notebookkit.expert_chunks import decodes_in_chunks, experts_per_chunk
+from notebookkit.expert_chunks import decodes_in_chunks, largest_decode
 from notebookkit.families import Family, for_model_type
 
 from .shapes import ModelShape
@@ -257,13 +257,14 @@ def stock_layer_saved_bytes(shape: ModelShape, *, batch_size: int, seq_len: int,
 
 def expert_decode_chunk_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bool) -> int:
     """The dense copy of one chunk of NF4 experts that a call of ``tokens`` tokens decodes before its GEMMs
-    (:mod:`notebookkit.expert_chunks`): the larger chunk of the two stacked weights; 0 for 16-bit experts or
-    a call that decodes in the kernel's weight loads."""
+    (:mod:`notebookkit.expert_chunks`: whole experts widened to whole groups of nested scales): the largest
+    over the chunks of both stacked weights; 0 for 16-bit experts or a call that decodes in the kernel's weight
+    loads."""
     E = shape.num_experts
     if not nf4 or not decodes_in_chunks(tokens * shape.experts_per_token, E):
         return 0
-    sizes = [fan_in * fan_out * s for fan_in, fan_out in shape.expert_shapes().values()]
-    return max(experts_per_chunk(size, E) * size for size in sizes)
+    sizes = [fan_in * fan_out for fan_in, fan_out in shape.expert_shapes().values()]
+    return max(largest_decode(size, E, size * s) for size in sizes) * s
 
 
 def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
@@ -274,17 +275,18 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     N, k, E, H, I = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     n = N * k
     r_gu, r_d = ranks.get("gate_up_proj", 0), ranks.get("down_proj", 0)
-    chunk = expert_decode_chunk_bytes(shape, tokens=N, s=s, nf4=nf4)
+    chunk = expert_decode_chunk_bytes(shape, tokens=N, s=s, nf4=nf4)  # held through each weight-reading kernel
     rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
     forward = max(n * (I + H) * s + chunk, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
     down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
-    phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads + chunk
+    in_kernel = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + 4 * n * math.ceil(I / BLOCK_N) + chunk
+    phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads
     common = n * (2 * I + r_gu) * s + partials
     at_dx = common + n * H * s + down_grads + chunk  # the scattered dx rows, written a chunk of experts at a time
     at_sum = common + n * H * s + N * H * 4 + rounded + down_grads  # the scattered dx rows and their sum
     at_end = common + N * H * s + _factor_elems(shape, ranks) * s  # dx and every factor gradient
-    return {"forward": forward, "backward": max(phase_h, at_dx, at_sum, at_end)}
+    return {"forward": forward, "backward": max(in_kernel, phase_h, at_dx, at_sum, at_end)}
 
 
 def router_loss_bytes(shape: ModelShape, *, tokens: int, s: int) -> int:

@@ -139,24 +139,34 @@ def test_nf4_experts_take_what_the_model_says(family, one_thread):
     assert held == sum(v for k, v in weights.items() if "experts" in k or "routers" in k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sparse_block_working_sets_are_what_it_allocates(dtype, monkeypatch, one_thread):
+@pytest.mark.parametrize("dtype, nf4", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["float32", "bfloat16", "bfloat16-nf4-chunks"])
+def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, monkeypatch, one_thread):
     """One grouped call (Qwen3-MoE layout, fp32 adapters at ranks 2r / r) under ``LiveBytes``, launch arguments
     released as a GPU would: what is alive after the forward is what it saved plus ``y``, and the forward's and
-    the backward's peaks above that are :func:`~notebookkit.memory.moe.sparse_block_working_sets`, byte for byte."""
+    the backward's peaks above that are :func:`~notebookkit.memory.moe.sparse_block_working_sets`, byte for byte.
+    ``nf4-chunks``: NF4 experts decoded three at a time (16 rows an expert, the chunk made small), the decoded
+    chunk counted by :func:`~notebookkit.memory.moe.expert_decode_chunk_bytes`."""
     import notebookkit.kernels.moe_experts as kernel
+    from notebookkit import expert_chunks
+    from notebookkit.export.nf4_quantize import quantize_nf4
+    from notebookkit.kernels.nf4_stacked import nf4_stacked
     from notebookkit.memory.shapes import ModelShape
 
     from .activation_probe import LiveBytes
 
-    monkeypatch.setattr(kernel, "_config", lambda *_: kernel._CUDA_CONFIG)
+    monkeypatch.setattr(kernel, "_config", lambda device, pairs=0, experts=1, quantised=False: kernel._CUDA_CONFIG
+                        ._replace(chunked=quantised and expert_chunks.decodes_in_chunks(pairs, experts)))
     tokens, H, I, E, k, r = 128, 64, 96, 8, 2, 4
     s = dtype.itemsize
+    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", 3 * 2 * I * H * s)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, H, generator=g).to(dtype).requires_grad_()
     w, idx = torch.softmax(torch.randn(tokens, E, generator=g), -1).topk(k, -1)
     w.requires_grad_()
     gate_up, down = (0.1 * torch.randn(E, 2 * I, H, generator=g)).to(dtype), (0.1 * torch.randn(E, H, I, generator=g)).to(dtype)
+    if nf4:
+        gate_up, down = (nf4_stacked(q.packed, q) for q in (quantize_nf4(gate_up), quantize_nf4(down)))
     factors = [(0.1 * torch.randn(*shape, generator=g)).requires_grad_()
                for shape in ((2 * r * E, H), (2 * I, 2 * r * E), (r * E, I), (H, r * E))]
     loras = kernel.expert_lora(*factors[:2], E, 1.0), kernel.expert_lora(*factors[2:], E, 1.0)
@@ -180,7 +190,8 @@ def test_sparse_block_working_sets_are_what_it_allocates(dtype, monkeypatch, one
                        expert_intermediate_size=I)
     ranks = {"gate_up_proj": 2 * r, "down_proj": r}
     saved = moe_terms.sparse_block_saved_bytes(shape, tokens=tokens, s=s, ranks=ranks)["experts"]
-    ws = moe_terms.sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks)
+    ws = moe_terms.sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks, nf4=nf4)
+    assert (moe_terms.expert_decode_chunk_bytes(shape, tokens=tokens, s=s, nf4=nf4) > 0) == nf4
     assert after_forward == saved + tokens * H * s  # what it saved for backward, and y
     assert forward_peak - (after_forward - tokens * H * s) == ws["forward"]  # beyond what it saved (y comes last)
     assert backward_peak - after_forward == ws["backward"]
