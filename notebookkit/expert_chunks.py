@@ -16,7 +16,7 @@ that and one expert.
 from __future__ import annotations
 
 __all__ = ["DECODE_CHUNK_BYTES", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP", "decodes_in_chunks", "experts_per_chunk",
-           "decoded_range", "largest_decode"]
+           "chunk_ranges", "decoded_range", "largest_decode"]
 
 #: bytes of one chunk of decoded experts (a transient of the GEMM that reads it)
 DECODE_CHUNK_BYTES = 128 * 2**20
@@ -44,6 +44,12 @@ def experts_per_chunk(expert_bytes: int, num_experts: int) -> int:
     return max(1, min(num_experts, DECODE_CHUNK_BYTES // expert_bytes))
 
 
+def chunk_ranges(num_experts: int, expert_bytes: int) -> list[tuple[int, int]]:
+    """The expert ranges ``[lo, hi)`` of one weight's chunks, :func:`experts_per_chunk` experts each."""
+    per = experts_per_chunk(expert_bytes, num_experts)
+    return [(lo, min(num_experts, lo + per)) for lo in range(0, num_experts, per)]
+
+
 def decoded_range(lo: int, hi: int, expert_numel: int, total: int, group: int = NF4_SCALE_GROUP) -> tuple[int, int]:
     """The flat elements ``[start, end)`` decoded for experts ``[lo, hi)`` of a stacked weight of ``total``
     elements, ``expert_numel`` each: the experts' range widened to whole ``group``s (at most two groups more)."""
@@ -53,7 +59,6 @@ def decoded_range(lo: int, hi: int, expert_numel: int, total: int, group: int = 
 def largest_decode(expert_numel: int, num_experts: int, expert_bytes: int, group: int = NF4_SCALE_GROUP) -> int:
     """Elements of the largest range one call decodes, over its chunks (:func:`experts_per_chunk` experts each,
     :func:`decoded_range`)."""
-    per = experts_per_chunk(expert_bytes, num_experts)
     total = num_experts * expert_numel
-    return max(end - start for lo in range(0, num_experts, per)
-               for start, end in [decoded_range(lo, min(num_experts, lo + per), expert_numel, total, group)])
+    return max(end - start for lo, hi in chunk_ranges(num_experts, expert_bytes)
+               for start, end in [decoded_range(lo, hi, expert_numel, total, group)])

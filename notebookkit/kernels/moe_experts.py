@@ -116,8 +116,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..expert_chunks import decodes_in_chunks, experts_per_chunk
+from ..expert_chunks import chunk_ranges, decodes_in_chunks
 from .dequant_gemm import dot_acc
+from .moe_experts_grouped import (act_bwd, act_fwd, expert_segments, grouped_mm_applies, moe_expert_mlp_grouped,
+                                  sum_slots)
 from .nf4_stacked import NF4Stacked, load_weight_tile, weight_operands
 from .runtime import should_use_triton
 
@@ -297,37 +299,6 @@ def _block_rows(blk_start_ptr, blk_end_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _act_fwd(g, u, ACT: tl.constexpr, alpha, limit):
-    if ACT == 0:
-        h = g * tl.sigmoid(g) * u
-    else:
-        gc = tl.minimum(g, limit)
-        uc = tl.minimum(tl.maximum(u, -limit), limit)
-        h = (uc + 1.0) * (gc * tl.sigmoid(alpha * gc))
-    return h
-
-
-@triton.jit
-def _act_bwd(g, u, dh, ACT: tl.constexpr, alpha, limit):
-    """``(h, dg, du)`` of the activation at ``(g, u)`` for the output gradient ``dh`` (fp32)."""
-    if ACT == 0:
-        sg = tl.sigmoid(g)
-        a = g * sg
-        h = a * u
-        dg = dh * u * sg * (1.0 + g * (1.0 - sg))
-        du = dh * a
-    else:
-        gc = tl.minimum(g, limit)
-        uc = tl.minimum(tl.maximum(u, -limit), limit)
-        sig = tl.sigmoid(alpha * gc)
-        glu = gc * sig
-        h = (uc + 1.0) * glu
-        dg = tl.where(g <= limit, dh * (uc + 1.0) * (sig + alpha * gc * sig * (1.0 - sig)), 0.0)
-        du = tl.where((u >= -limit) & (u <= limit), dh * glu, 0.0)
-    return h, dg, du
-
-
-@triton.jit
 def _moe_linear_kernel(
     a_ptr, stride_am, a2_ptr, stride_a2m,
     w_ptr, stride_we, stride_wn, stride_wk,
@@ -441,7 +412,7 @@ def _moe_gate_up_kernel(
     if SAVE_GU:
         tl.store(gu_ptr + rows[:, None] * stride_gum + gcol[None, :], gate, mask=mask)
         tl.store(gu_ptr + rows[:, None] * stride_gum + ucol[None, :], up, mask=mask)
-    h = _act_fwd(gate.to(tl.float32), up.to(tl.float32), ACT, alpha, limit)
+    h = act_fwd(gate.to(tl.float32), up.to(tl.float32), ACT, alpha, limit)
     tl.store(h_ptr + rows[:, None] * stride_hm + n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -486,7 +457,7 @@ def _moe_down_grad_kernel(
     gate = tl.load(gu_ptr + rows[:, None] * stride_gum + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + rows[:, None] * stride_gum + ucol[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(route_ptr + pair, mask=ok, other=0.0)
-    h, dg, du = _act_bwd(gate, up, g * w[:, None], ACT, alpha, limit)
+    h, dg, du = act_bwd(gate, up, g * w[:, None], ACT, alpha, limit)
     tl.store(dgu_ptr + rows[:, None] * stride_dgum + gcol[None, :], dg.to(dgu_ptr.dtype.element_ty), mask=mask)
     tl.store(dgu_ptr + rows[:, None] * stride_dgum + ucol[None, :], du.to(dgu_ptr.dtype.element_ty), mask=mask)
     if STORE_H:
@@ -582,8 +553,7 @@ def _expert_ranges(w: Any, cfg: _Config) -> list[tuple[int, int]]:
     E, n, k = w.shape
     if not (cfg.chunked and isinstance(w, NF4Stacked)):
         return [(0, E)]
-    per = experts_per_chunk(n * k * torch.empty((), dtype=w.dtype).element_size(), E)
-    return [(lo, min(E, lo + per)) for lo in range(0, E, per)]
+    return chunk_ranges(E, n * k * torch.empty((), dtype=w.dtype).element_size())
 
 
 def _expert_operand(w: Any, lo: int, hi: int, cfg: _Config, dtype: torch.dtype) -> Any:
@@ -615,17 +585,13 @@ def _routing(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> _Routing
     Nothing here reads the device from the host (the decode step runs it inside a CUDA graph): each
     expert's segment of the sorted ids comes from ``searchsorted``, not ``bincount`` (whose CUDA version
     reads the largest id on the host to size its output)."""
-    flat = topk_idx.reshape(-1).long()
-    n = flat.numel()
-    ordered, perm = torch.sort(flat, stable=True)
-    experts = torch.arange(num_experts, device=flat.device)
-    starts = torch.searchsorted(ordered, experts)
-    ends = torch.searchsorted(ordered, experts, right=True)
+    n = topk_idx.numel()
+    perm, _, starts, ends = expert_segments(topk_idx, num_experts)
     counts = ends - starts
     n_blk = (counts + block_m - 1) // block_m
     blk_cum = n_blk.cumsum(0)
     max_blocks = triton.cdiv(n, block_m) + num_experts
-    b = torch.arange(max_blocks, device=flat.device)
+    b = torch.arange(max_blocks, device=topk_idx.device)
     be = torch.searchsorted(blk_cum, b, right=True)
     valid = be < num_experts
     bec = be.clamp(max=num_experts - 1)
@@ -685,11 +651,6 @@ def _wgrad(rt: _Routing, cfg: _Config, l: torch.Tensor, r: torch.Tensor, m_size:
     return out
 
 
-def _sum_slots(buf: torch.Tensor, tokens: int, topk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_j buf[t k + j]`` in fp32, one rounding: the deterministic gather-sum of the pairs' rows."""
-    return buf.view(tokens, topk, buf.shape[1]).sum(1, dtype=torch.float32).to(dtype)
-
-
 class _MoEExpertMLPFunction(torch.autograd.Function):
     """Inputs: ``x, topk_idx, topk_w, gate_up [E, 2I, H], down [E, H, I], gate_up_bias, down_bias, gate_up A
     [E, r, H], B [E, 2I, r], down A [E, r, I], B [E, H, r]`` (factors in ``x``'s dtype, ``None`` without
@@ -738,7 +699,7 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
         _linear(rt, cfg, h, down, H, buf, scatter=True, lora=(ha, d_B, d_scale) if d_A is not None else None,
                 bias=d_bias, route=route)
         del h
-        y = _sum_slots(buf, T, k, x.dtype)
+        y = sum_slots(buf, T, k, x.dtype)
         if train:  # an NF4Stacked is no tensor: kept on ctx (its tensors are the frozen parameter's own)
             nf4 = tuple(w if isinstance(w, NF4Stacked) else None for w in (gate_up, down))
             ctx.save_for_backward(x, topk_idx, topk_w, *(None if q is not None else w for w, q in
@@ -814,7 +775,7 @@ class _MoEExpertMLPFunction(torch.autograd.Function):
             buf = x.new_empty((n, H))
             _linear(rt, cfg, dgu, gate_up.transpose(1, 2), H, buf, scatter=True,
                     lora=(dgub, gu_A.transpose(1, 2), gu_scale) if gu_A is not None else None)
-            dx = _sum_slots(buf, T, k, x.dtype)
+            dx = sum_slots(buf, T, k, x.dtype)
             del buf
         dB_gu = _wgrad(rt, cfg, dgu, xa, two_i, gu_B.shape[2], gu_scale, gu_B.dtype) if need_guB else None
         dA_gu = _wgrad(rt, cfg, dgub, x, gu_A.shape[1], H, gu_scale, gu_A.dtype, r_gather=True) if need_guA else None
@@ -846,7 +807,9 @@ def moe_expert_mlp(
 
     Returns:
         ``y [T, H]`` in ``x``'s dtype. CUDA tensors (or Triton forced under the interpreter) run the
-        grouped Triton kernels with the hand-derived backward; CPU tensors the reference.
+        grouped Triton kernels with the hand-derived backward, or, for bf16 training-sized calls on sm_90 and
+        newer, the same math on PyTorch's ``grouped_mm`` (:mod:`notebookkit.kernels.moe_experts_grouped`); CPU
+        tensors the reference.
     """
     interleaved = _check(x, topk_idx, topk_w, gate_up, down, gate_up_bias, down_bias, gate_up_lora, down_lora,
                          activation, interleaved)
@@ -861,6 +824,11 @@ def moe_expert_mlp(
     meta = (gate_up_lora.scaling if gate_up_lora is not None else 0.0,
             down_lora.scaling if down_lora is not None else 0.0,
             ACTIVATIONS[activation], interleaved, float(alpha), float(limit))
+    ranks = tuple(lora.A.shape[1] for lora in (gate_up_lora, down_lora) if lora is not None)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_w, *factors))
+    if training and grouped_mm_applies(x, topk_idx.numel(), gate_up.shape[0], (x.shape[1], down.shape[2], *ranks),
+                          (gate_up, down)):
+        return moe_expert_mlp_grouped(x, topk_idx, topk_w, gate_up, down, gate_up_bias, down_bias, *factors, meta)
     return _MoEExpertMLPFunction.apply(x, topk_idx, topk_w, gate_up, down, gate_up_bias, down_bias, *factors, meta)
 
 

@@ -213,6 +213,11 @@ _DTYPE_BYTES = {"float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2, "f
 ALL_TARGETS = list(PROJECTIONS)
 
 
+def _grouped_mm_flag(dtype: Any) -> bool | None:
+    """A bf16 step's experts may run on ``grouped_mm`` (None: count the larger path); other dtypes never do."""
+    return None if str(dtype).replace("torch.", "") in ("bfloat16", "bf16") else False
+
+
 def bytes_of_dtype(dtype: Any) -> int:
     if dtype is None:
         return 2
@@ -578,6 +583,7 @@ def layer_activation_bytes(
     kv_repeated: bool = False,
     padded: bool = False,
     target_parameters: Any = None,
+    grouped_mm: bool | None = None,
 ) -> int:
     """Bytes one decoder layer keeps on the GPU for backward in ``mode`` (see module docstring).
 
@@ -587,6 +593,9 @@ def layer_activation_bytes(
     to every query head and saves them (:mod:`notebookkit.memory.grouped_kv`: a padded batch on CUDA, a T4).
     ``padded``: the batch has a padding mask, which SDPA keeps as an additive ``[B, 1, T, T]`` mask.
     ``target_parameters``: a mixture of experts' stacked weights adapted by name (:func:`.moe.expert_lora_ranks`).
+    ``grouped_mm``: a mixture of experts' experts run on ``grouped_mm`` (True), on the Triton kernels (False), or
+    either, the larger of the two paths' terms counted (None: a bf16 step, :func:`.moe.grouped_mm_possible`; an
+    fp16 step, a T4's, never runs on ``grouped_mm``).
     """
     N = batch_size * seq_len
     s = dtype_bytes
@@ -600,7 +609,8 @@ def layer_activation_bytes(
     targets = lora_targets(target_modules)
     if shape.num_experts:  # the attention and norms, then the sparse block (notebookkit.memory.moe)
         ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets, target_parameters)
-        block = moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks, adapter_bytes=adapter_dtype_bytes)
+        block = moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks, adapter_bytes=adapter_dtype_bytes,
+                                                   grouped=grouped_mm)
         if moe_terms.stock_attention(shape):
             body = moe_terms.stock_layer_saved_bytes(
                 shape, batch_size=batch_size, seq_len=seq_len, s=s, lora_r=lora_r,
@@ -657,8 +667,10 @@ def backward_working_set(
     lora_r: int = 16,
     target_modules: Iterable[str] | None = None,
     target_parameters: Any = None,
+    grouped_mm: bool | None = None,
 ) -> dict[str, int]:
-    """Transient bytes of one decoder layer's backward on top of the saved activations.
+    """Transient bytes of one decoder layer's backward on top of the saved activations (``grouped_mm`` as
+    :func:`layer_activation_bytes`).
 
     ``{"mlp": ..., "attention": ..., "fp8_forward": ...}``: the high-water marks inside a layer's
     backward (see the module docstring, "Temporaries"). ``attention`` is relative to the MLP
@@ -683,8 +695,9 @@ def backward_working_set(
                                      dtype_bytes=s, attention=attention, fp8_forward=fp8_forward, **flags)
         ranks = moe_terms.expert_lora_ranks(shape, lora_r, lora_targets(target_modules), target_parameters)
         block_ws = moe_terms.sparse_block_working_sets(shape, tokens=N, s=s, ranks=ranks,
-                                                       nf4=fmt.load_flag == "load_in_4bit")
-        block_saved = sum(moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks).values())
+                                                       nf4=fmt.load_flag == "load_in_4bit", grouped=grouped_mm)
+        block_saved = sum(moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks,
+                                                             grouped=grouped_mm).values())
         mlp = N * shape.hidden_size * s + max(block_ws.values())
         if moe_terms.stock_attention(shape):
             freed = block_saved + N * (4 * shape.hidden_size + 4) + N * shape.hidden_size * s
@@ -844,7 +857,7 @@ def estimate_training_memory(
     acts = _activations(shape, plan, batch_size=rows, seq_len=seq_len, dtype_bytes=s, lora_r=lora_r,
                         target_modules=targets, lora_dropout=lora_dropout, attention=attention,
                         adapter_dtype_bytes=bytes_of_dtype(adapter_dtype), kv_repeated=kv_repeated, padded=padded,
-                        target_parameters=target_parameters)
+                        target_parameters=target_parameters, grouped_mm=_grouped_mm_flag(dtype))
     vision_inputs: dict[str, Any] = {}
     if vlm is not None:
         vision_inputs = _add_vision(vlm, base, adapters, acts, plan, rows=rows, seq_len=seq_len, s=s,
@@ -859,7 +872,7 @@ def estimate_training_memory(
                                                            "softmax (load-balancing loss)": router}, loss.notes)
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
                                        lora_r=lora_r, target_modules=targets, target_parameters=target_parameters,
-                                       attention=attention, fp8_forward=fp8_forward,
+                                       attention=attention, fp8_forward=fp8_forward, grouped_mm=_grouped_mm_flag(dtype),
                                        **({fmt.load_flag: True} if fmt.load_flag else {}))
     reference = _reference_pass(shape, rows, seq_len, s, fmt, attention) if record.reference_pass else _Part(0)
     temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes, reference.bytes)

@@ -89,7 +89,7 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from notebookkit.expert_chunks import decodes_in_chunks, largest_decode
+from notebookkit.expert_chunks import decodes_in_chunks, experts_per_chunk, largest_decode
 from notebookkit.families import Family, for_model_type
 
 from .shapes import ModelShape
@@ -97,7 +97,7 @@ from .shapes import ModelShape
 __all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "explicit_expert_ranks", "expert_lora_param_count",
            "expert_weight_bytes",
            "nf4_stacked_bytes", "expert_decode_chunk_bytes", "router_loss_bytes",
-           "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets",
+           "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets", "grouped_mm_possible",
            "sparse_block_generation_bytes", "stock_attention_forward_bytes", "dense_part"]
 
 #: the grouped kernel's row block on CUDA (``kernels.moe_experts._config``; a test checks they agree)
@@ -220,9 +220,32 @@ def _factor_elems(shape: ModelShape, ranks: dict[str, int]) -> int:
     return shape.num_experts * sum(rank * sum(dims[w]) for w, rank in ranks.items())
 
 
+def grouped_mm_possible(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int]) -> bool:
+    """Whether a training call of ``tokens`` tokens may run on ``grouped_mm``
+    (:func:`notebookkit.kernels.moe_experts_grouped.grouped_mm_applies` on a bf16 sm_90 card): 16-bit, 16 rows an
+    expert on average, hidden, intermediate and ranks multiples of 8. The card and the 16-bit kind (bf16 or fp16)
+    are not known here, so an estimate takes the larger of the two paths' terms where this holds."""
+    dims = (shape.hidden_size, shape.expert_intermediate_size, *ranks.values())
+    return s == 2 and decodes_in_chunks(tokens * shape.experts_per_token, shape.num_experts) and \
+        all(d % 8 == 0 for d in dims)
+
+
+def _paths(grouped: bool | None, shape: ModelShape, tokens: int, s: int, ranks: dict[str, int]) -> list[bool]:
+    if grouped is None:
+        return [False, True] if grouped_mm_possible(shape, tokens=tokens, s=s, ranks=ranks) else [False]
+    return [grouped]
+
+
 def sparse_block_saved_bytes(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
-                             adapter_bytes: int = 4) -> dict[str, int]:
-    """What one kept sparse block saves for backward (module docstring), ``{"router": ..., "experts": ...}``."""
+                             adapter_bytes: int = 4, grouped: bool | None = False) -> dict[str, int]:
+    """What one kept sparse block saves for backward (module docstring), ``{"router": ..., "experts": ...}``;
+    ``grouped``: on ``grouped_mm`` (True), the Triton kernels (False) or the larger of the two where a card may
+    run either (None, :func:`grouped_mm_possible`)."""
+    if len(paths := _paths(grouped, shape, tokens, s, ranks)) > 1:
+        both = [sparse_block_saved_bytes(shape, tokens=tokens, s=s, ranks=ranks, adapter_bytes=adapter_bytes,
+                                         grouped=g) for g in paths]
+        return {key: max(b[key] for b in both) for key in both[0]}
+    grouped = paths[0]
     family = moe_family(shape)
     N, k, E, I = tokens, shape.experts_per_token, shape.num_experts, shape.expert_intermediate_size
     n = N * k
@@ -230,7 +253,10 @@ def sparse_block_saved_bytes(shape: ModelShape, *, tokens: int, s: int, ranks: d
         router = N * E * 4 + n * (8 + 4) + (n * 4 + N * 4 if shape.router_norm_topk else 0)
     else:
         router = n * (8 + 4)
-    experts = n * 2 * I * s + n * s * sum(ranks.values()) + 4 * n + 8 * E + 12 * (math.ceil(n / BLOCK_M) + E)
+    if grouped:  # route, perm and expert ids per sorted row, grouped_mm's int32 offsets
+        experts = n * 2 * I * s + n * s * sum(ranks.values()) + 12 * n + 4 * E
+    else:
+        experts = n * 2 * I * s + n * s * sum(ranks.values()) + 4 * n + 8 * E + 12 * (math.ceil(n / BLOCK_M) + E)
     if ranks and adapter_bytes != s:
         experts += _factor_elems(shape, ranks) * s
     return {"router": router, "experts": experts}
@@ -268,15 +294,22 @@ def expert_decode_chunk_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bo
 
 
 def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
-                              nf4: bool = False) -> dict[str, int]:
+                              nf4: bool = False, grouped: bool | None = False) -> dict[str, int]:
     """Transient bytes of a sparse block beyond what it saved: ``{"forward": ..., "backward": ...}`` (the
     incoming gradient ``dy`` not included); ``nf4``: the experts are NF4, so each GEMM may hold a decoded
-    chunk of them (:func:`expert_decode_chunk_bytes`)."""
+    chunk of them (:func:`expert_decode_chunk_bytes`); ``grouped`` as :func:`sparse_block_saved_bytes`."""
+    if len(paths := _paths(grouped, shape, tokens, s, ranks)) > 1:
+        both = [sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks, nf4=nf4, grouped=g) for g in paths]
+        return {key: max(b[key] for b in both) for key in both[0]}
+    grouped = paths[0]
     N, k, E, H, I = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     n = N * k
     r_gu, r_d = ranks.get("gate_up_proj", 0), ranks.get("down_proj", 0)
     chunk = expert_decode_chunk_bytes(shape, tokens=N, s=s, nf4=nf4)  # held through each weight-reading kernel
     rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
+    if grouped:
+        return _grouped_working_sets(shape, n=n, N=N, s=s, r_gu=r_gu, r_d=r_d, chunk=chunk, rounded=rounded,
+                                     factor_bytes=_factor_elems(shape, ranks) * s)
     forward = max(n * (I + H) * s + chunk, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
     down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
@@ -287,6 +320,40 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     at_sum = common + n * H * s + N * H * 4 + rounded + down_grads  # the scattered dx rows and their sum
     at_end = common + N * H * s + _factor_elems(shape, ranks) * s  # dx and every factor gradient
     return {"forward": forward, "backward": max(in_kernel, phase_h, at_dx, at_sum, at_end)}
+
+
+def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: int, r_d: int, chunk: int,
+                          rounded: int, factor_bytes: int) -> dict[str, int]:
+    """:func:`sparse_block_working_sets` of :mod:`notebookkit.kernels.moe_experts_grouped` (module docstring of
+    that file: its order of allocations). With NF4 experts each chunk's GEMM also holds its rows' output before
+    they are copied into place: at most every row (``n out s``), the bound counted here."""
+    E, H, I = shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
+    rows = n * H * s  # xs, o, the pairs' slots, dys, dxs: one row of H per pair
+    b_copies = E * 2 * I * r_gu * s + E * H * r_d * s  # the adapters' B factors made contiguous
+    pending = n * (r_gu + r_d) * s  # saved products not yet made when the gate/up GEMM runs
+    res = (lambda out: n * out * s if chunk else 0)  # one chunk's rows before the copy (NF4)
+    # a chunk's grouped_mm offsets (int32, one an expert of the chunk), with the chunk of each weight
+    offs_gu, offs_d = (4 * experts_per_chunk(size * s, E) if chunk else 0 for size in (2 * I * H, H * I))
+    forward = max(b_copies + rows + chunk + res(2 * I) + offs_gu - pending,
+                  b_copies + rows + n * 2 * I * s - n * r_d * s if r_gu else 0,  # the gate/up adapter's product
+                  b_copies + n * I * s + rows + chunk + res(H) + offs_d,  # h, the down GEMM's output
+                  b_copies + 2 * rows if r_d else 0,  # o and the down adapter's product
+                  2 * rows, rows + N * H * 4 + rounded)  # o, the slots; the slots, their fp32 sum, y
+    part = 4 * n * math.ceil(I / min(1024, 2 ** math.ceil(math.log2(max(I, 16)))))
+    dyb, h = n * r_d * s, (n * I * s if r_d else 0)
+    d_grads = E * r_d * (H + I) * s
+    backward = max(
+        4 * n + rows,
+        rows + n * I * s + chunk + res(I) + offs_d,  # dys, G
+        rows + n * I * s + dyb + max(E * H * r_d * s, n * I * s) if r_d else 0,  # dy B, the adapter's product
+        rows + n * I * s + dyb + n * 2 * I * s + h + part,  # dgu, h, the <G, h> partials
+        rows + dyb + n * 2 * I * s + h + part + 8 * n,  # dw and its source
+        rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + 6 * n * r_d,  # the down adapter's gradients
+        n * 2 * I * s + 4 * n + d_grads + E * 2 * I * r_gu * s + n * r_gu * s,  # dgu B
+        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(chunk + res(H) + offs_gu, rows),  # dxs, its adapter's
+        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * 4 + rounded,  # the slots, their sum, dx
+        n * 2 * I * s + 4 * n + n * r_gu * s + N * H * s + factor_bytes + rows + E)  # every factor gradient, xs again
+    return {"forward": forward, "backward": backward}
 
 
 def router_loss_bytes(shape: ModelShape, *, tokens: int, s: int) -> int:
