@@ -36,7 +36,8 @@ def _case(family: str, dtype: torch.dtype, nf4: bool, tokens: int, device: str =
     logits[:, list(EMPTY)] = -1e9
     w, idx = torch.softmax(logits, -1).topk(K, -1)
     if family == "gpt_oss":  # stored [E, H, 2I] / [E, I, H], passed transposed; biases
-        gate_up, down = rnd(E, hidden, 2 * inter, scale=0.2).transpose(1, 2), rnd(E, inter, hidden, scale=0.2).transpose(1, 2)
+        ws = 0.2 * (H / hidden) ** 0.5  # pre-activations of unit scale: gpt-oss's own limit 7 never binds on the GPU
+        gate_up, down = rnd(E, hidden, 2 * inter, scale=ws).transpose(1, 2), rnd(E, inter, hidden, scale=ws).transpose(1, 2)
         biases = rnd(E, 2 * inter, scale=0.1).to(dtype), rnd(E, hidden, scale=0.1).to(dtype)
     else:
         gate_up, down = rnd(E, 2 * inter, hidden, scale=0.2), rnd(E, hidden, inter, scale=0.2)
