@@ -16,7 +16,7 @@ that and one expert.
 from __future__ import annotations
 
 __all__ = ["DECODE_CHUNK_BYTES", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP", "decodes_in_chunks", "experts_per_chunk",
-           "chunk_ranges", "decoded_range", "largest_decode"]
+           "chunk_ranges", "decoded_range", "largest_decode", "grouped_mm_sizes"]
 
 #: bytes of one chunk of decoded experts (a transient of the GEMM that reads it)
 DECODE_CHUNK_BYTES = 128 * 2**20
@@ -33,6 +33,13 @@ def decodes_in_chunks(pairs: int, num_experts: int) -> bool:
     """Whether a call with ``pairs`` routed (token, expert) rows over ``num_experts`` experts decodes its NF4
     experts in chunks (``pairs >= MIN_ROWS_PER_EXPERT * num_experts``) rather than in the kernel's loads."""
     return pairs >= MIN_ROWS_PER_EXPERT * num_experts
+
+
+def grouped_mm_sizes(pairs: int, num_experts: int, dims: tuple[int, ...]) -> bool:
+    """Whether a call's sizes suit the experts' ``grouped_mm`` path (:mod:`notebookkit.kernels.moe_experts_grouped`;
+    the dtype and the card are its own checks): training-sized (:func:`decodes_in_chunks`) and every dimension in
+    ``dims`` (hidden, intermediate, LoRA ranks) a multiple of 8, for ``grouped_mm``'s 16-byte strides in 16 bits."""
+    return decodes_in_chunks(pairs, num_experts) and all(d % 8 == 0 for d in dims)
 
 
 def experts_per_chunk(expert_bytes: int, num_experts: int) -> int:

@@ -38,10 +38,11 @@ time (:mod:`notebookkit.expert_chunks`), each chunk's ``gmm`` over its experts' 
 rows is not decoded. That needs the segment bounds on the host: one device-to-host copy of ``E + 1`` integers a
 call (so this path never runs under CUDA-graph capture).
 
-Memory (``b = 2`` bytes, ``n = T k``, ranks ``r_gu``, ``r_d``): what it saves is what the Triton path saves
-(``gu``, ``xa``, ``ha``, the routing); :func:`notebookkit.memory.moe.sparse_block_working_sets` counts its
-transients with ``grouped=True`` (the gathered ``xs`` and ``dys``, the adapters' full-width products, ``o``
-beside the pairs' slots).
+Memory (``n = T k``): it saves the Triton path's activations (``gu``, ``xa``, ``ha``) and its own bookkeeping
+(the fp32 routing weights, int32 ``perm`` and expert ids per sorted row, the int32 offsets: ``12 n + 4 E``
+bytes, no block schedule); :func:`notebookkit.memory.moe.sparse_block_saved_bytes` and
+:func:`~notebookkit.memory.moe.sparse_block_working_sets` count it with ``grouped=True`` (the transients: the
+gathered ``xs`` and ``dys``, the adapters' full-width products, ``o`` beside the pairs' slots).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..expert_chunks import chunk_ranges, decodes_in_chunks
+from ..expert_chunks import chunk_ranges, grouped_mm_sizes
 from .nf4_stacked import NF4Stacked
 
 __all__ = ["grouped_mm_applies", "moe_expert_mlp_grouped", "expert_segments", "act_fwd", "act_bwd", "sum_slots"]
@@ -78,7 +79,7 @@ def grouped_mm_applies(x: torch.Tensor, pairs: int, num_experts: int, dims: tupl
         return False
     if any(isinstance(w, torch.Tensor) and w.dtype != x.dtype for w in weights):
         return False
-    return decodes_in_chunks(pairs, num_experts) and all(d % 8 == 0 for d in dims)
+    return grouped_mm_sizes(pairs, num_experts, dims)
 
 
 class ExpertSegments(NamedTuple):

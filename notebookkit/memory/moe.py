@@ -89,7 +89,7 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from notebookkit.expert_chunks import decodes_in_chunks, experts_per_chunk, largest_decode
+from notebookkit.expert_chunks import decodes_in_chunks, experts_per_chunk, grouped_mm_sizes, largest_decode
 from notebookkit.families import Family, for_model_type
 
 from .shapes import ModelShape
@@ -226,8 +226,7 @@ def grouped_mm_possible(shape: ModelShape, *, tokens: int, s: int, ranks: dict[s
     expert on average, hidden, intermediate and ranks multiples of 8. The card and the 16-bit kind (bf16 or fp16)
     are not known here, so an estimate takes the larger of the two paths' terms where this holds."""
     dims = (shape.hidden_size, shape.expert_intermediate_size, *ranks.values())
-    return s == 2 and decodes_in_chunks(tokens * shape.experts_per_token, shape.num_experts) and \
-        all(d % 8 == 0 for d in dims)
+    return s == 2 and grouped_mm_sizes(tokens * shape.experts_per_token, shape.num_experts, dims)
 
 
 def _paths(grouped: bool | None, shape: ModelShape, tokens: int, s: int, ranks: dict[str, int]) -> list[bool]:
