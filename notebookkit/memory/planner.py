@@ -362,9 +362,16 @@ def plan_activations(
 
 
 def _explain(
-    shape: ModelShape, worst: MemoryEstimate, usable_for: Any, budget: int, source: str, with_context: bool,
+    shape: Any, worst: MemoryEstimate, usable_for: Any, budget: int, source: str, with_context: bool,
     kw: dict[str, Any], allow_offload: bool, host_blocked: MemoryEstimate | None, host_bytes: int,
 ) -> str:
+    """The does-not-fit message: what the step needs and the changes that would fit (each checked with the
+    estimate). ``shape`` is a :class:`ModelShape` or a vision-language :class:`VLMShape`, whose decoder
+    (``text_shape``) has the layer numbers and whose smaller alternatives are vision-language models too."""
+    from .vision_shapes import KNOWN_VLMS, text_shape
+
+    decoder = text_shape(shape)
+    vlm = decoder is not shape
     need = worst.total if with_context else worst.peak_allocated
     mode = "every layer offloaded" if allow_offload else "every layer recomputed"
     lines = [
@@ -373,12 +380,12 @@ def _explain(
         f"fragmentation: {readable_bytes(usable_for(worst))}).",
         "  " + ", ".join(f"{k} {readable_bytes(v)}" for k, v in worst.parts().items()),
     ]
-    if shape.num_experts:
+    if decoder.num_experts:
         experts = sum(v for k, v in worst.details.items() if k.startswith("base weights: experts"))
         nf4 = any(k.startswith("base weights: experts (NF4)") for k in worst.details)
         held = ("in NF4 (load_in_4bit)" if nf4 else
                 "in the compute dtype (load_in_4bit=True would hold them in NF4, about a quarter)")
-        lines.append(f"  Its {shape.num_experts} experts a layer take {readable_bytes(experts)} {held}, "
+        lines.append(f"  Its {decoder.num_experts} experts a layer take {readable_bytes(experts)} {held}, "
                      "and its layers recompute rather than offload.")
     if host_blocked is not None:
         lines.append(
@@ -400,13 +407,14 @@ def _explain(
     single: list[tuple[str, dict[str, Any]]] = []
     fmt = base_format_for(**{f: bool(kw.get(f)) for f in load_flags()})
     off = {f: False for f in load_flags()}
-    width = shape.hidden_size  # bytes per weight of a typical projection, to order the formats
+    width = decoder.hidden_size  # bytes per weight of a typical projection, to order the formats
     smaller_formats = [f for f in BASE_FORMATS.values()
-                       if f.quantised and f.bytes_per_weight(width) < fmt.bytes_per_weight(width, 2)]
+                       if f.quantised and f.bytes_per_weight(width) < fmt.bytes_per_weight(width, 2)
+                       and (not vlm or f.load_flag == "load_in_4bit")]  # FastVisionModel: 16-bit and NF4 bases
     if smaller_formats:  # one step down: the format of fewer bytes per weight nearest to this one
         down = max(smaller_formats, key=lambda f: f.bytes_per_weight(width))
         single.append((f"{down.load_flag}=True ({down.label} base)", dict(off, **{down.load_flag: True})))
-    if not kw.get("offload_embedding") and not shape.tie_word_embeddings:
+    if not kw.get("offload_embedding") and not decoder.tie_word_embeddings:
         single.append(("offload_embedding=True (input embedding in host RAM)", {"offload_embedding": True}))
     if kw.get("batch_size", 1) > 1:
         single.append(("batch_size=1 with more gradient_accumulation_steps", {"batch_size": 1}))
@@ -419,7 +427,7 @@ def _explain(
     # the largest smaller LoRA rank that fits (memory grows with the rank), with the embedding on the host if need be
     rank = int(kw.get("lora_r", 16))
     with_host = [({}, "")]
-    if not kw.get("offload_embedding") and not shape.tie_word_embeddings:
+    if not kw.get("offload_embedding") and not decoder.tie_word_embeddings:
         with_host.append(({"offload_embedding": True}, "offload_embedding=True with "))
     for extra, prefix in with_host:
         if rank <= 1 or not fits(**extra, lora_r=1):
@@ -448,7 +456,7 @@ def _explain(
         fixes.append(f"max_seq_length <= {lo // 32 * 32}" + (f" together with {how}" if how else ""))
     smaller = []
     seen: set[tuple] = set()
-    for name, other in KNOWN_MODELS.items():
+    for name, other in (KNOWN_VLMS if vlm else KNOWN_MODELS).items():
         key = (other.num_params, other.model_type)
         if key in seen:
             continue

@@ -143,6 +143,22 @@ def test_error_when_nothing_fits_says_what_to_change():
         plan_activations(LLAMA8B, "8GB", load_in_4bit=True, batch_size=1, seq_len=65536, host_memory_bytes=64 * GiB)
 
 
+def test_vision_model_that_does_not_fit_is_told_what_to_change():
+    """A VLM's message reads the decoder's numbers and offers what FastVisionModel loads: NF4 (not 2-bit), a
+    smaller vision-language model (not a text model)."""
+    vlm = dict(dtype="bfloat16", batch_size=4, seq_len=325, images_per_row=1, image_size=448,
+               finetune_vision_layers=True, host_memory_bytes=64 * GiB)
+    with pytest.raises(DoesNotFitError) as info:
+        plan_activations("Qwen/Qwen2.5-VL-7B-Instruct", "12GiB", load_in_4bit=False, **vlm)
+    msg = str(info.value)
+    assert "load_in_4bit=True" in msg and "google/gemma-3-4b-it" in msg
+    assert "Llama" not in msg and "load_in_2bit" not in msg
+    with pytest.raises(DoesNotFitError) as info:
+        plan_activations("Qwen/Qwen2.5-VL-7B-Instruct", "7.7GiB", load_in_4bit=True, **vlm)
+    msg = str(info.value)
+    assert "offload_embedding=True" in msg and "load_in_2bit" not in msg
+
+
 def test_host_memory_is_checked_for_offloading():
     with pytest.raises(DoesNotFitError, match="pinned host"):
         plan_activations(LLAMA8B, "9GiB", load_in_4bit=True, batch_size=2, seq_len=4096, host_memory_bytes=2**20)
