@@ -175,7 +175,7 @@ def load_unsloth(folder: str, quant: str, seq: int):
 
 
 def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str, max_memory: str | None = None,
-                     fp8: bool = False, offload_embedding: bool = False):
+                     fp8: bool = False, offload_embedding: bool = False, park_fraction: str | None = None):
     from notebookkit import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
@@ -183,11 +183,36 @@ def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointin
         offload_embedding=offload_embedding,
     )
     gc_mode: object = {"true": True, "false": False}.get(checkpointing, checkpointing)
-    return FastLanguageModel.get_peft_model(
+    model = FastLanguageModel.get_peft_model(
         model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=TARGETS,
         use_gradient_checkpointing=gc_mode, random_state=3407, planning_batch_size=batch, max_memory=max_memory,
         fp8_base_matmul=fp8,
     )
+    if park_fraction is not None:
+        park_offloaded_layers(model, park_fraction, batch, seq)
+    return model
+
+
+def park_offloaded_layers(model, fraction: str, batch: int, seq: int) -> None:
+    """Turn a share of the offloaded layers into ``"offload_mlp"`` (their MLPs' gate/up outputs parked in host
+    memory), spread as the planner spreads them: ``fraction`` a number, or ``"card"`` for the planner's own
+    share on this GPU (``notebookkit.memory.planner.parked_mlp_fraction``)."""
+    from notebookkit.memory.cards import detect_card
+    from notebookkit.memory.estimate import estimate_kwargs_from_model
+    from notebookkit.memory.model_setup import recorded_activation_plan
+    from notebookkit.memory.planner import park_offloaded_mlps, parked_mlp_fraction
+    from notebookkit.memory.shapes import model_shape
+    from notebookkit.models.patching.checkpointing import apply_checkpointing
+
+    base = model.get_base_model()
+    modes = recorded_activation_plan(base)
+    if fraction == "card":
+        kw = dict(estimate_kwargs_from_model(model), batch_size=batch, seq_len=seq)
+        share = parked_mlp_fraction(model_shape(model.config), kw, detect_card())[0]
+    else:
+        share = float(fraction)
+    apply_checkpointing(model, list(park_offloaded_mlps(tuple(modes), share)))
+    print(f"parked {share:.2f} of the offloaded layers: {plan_counts(model)}", flush=True)
 
 
 def predicted_peak(shape: str, quant: str, seq: int, batch: int, model) -> float | None:
@@ -230,7 +255,7 @@ def plan_counts(model) -> str:
         return "all keep"
     if isinstance(modes, str):
         return modes
-    return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "recompute", "offload") if modes.count(m))
+    return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "recompute", "offload", "offload_mlp") if modes.count(m))
 
 
 def training_step(model, optimizer):
@@ -265,6 +290,9 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="notebookkit: FP8 forward for the frozen base GEMMs")
     ap.add_argument("--offload-embedding", action="store_true",
                     help="notebookkit: the input embedding table in pinned host memory (untied models)")
+    ap.add_argument("--park-fraction", default=None,
+                    help='notebookkit: this share of the offloaded layers parks its MLP outputs ("offload_mlp"); '
+                         '"card": the planner\'s share for this GPU')
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
     args = ap.parse_args()
@@ -283,7 +311,7 @@ def main() -> None:
         model = load_unsloth(folder, args.quant, args.seq)
     elif args.system == "notebookkit":
         model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, args.max_memory, args.fp8,
-                                 args.offload_embedding)
+                                 args.offload_embedding, args.park_fraction)
     else:
         model = load_peers(args.system, folder, args.quant)
     load_s = time.time() - t0

@@ -53,11 +53,17 @@ holds ``[N, I]`` e and g (3.5 GiB each at 131,072 tokens of an 8B model) while t
 the backward holds ``[rows, I]`` tiles (:func:`notebookkit.sequence_tiles.mlp_tile_rows`: 9,216 rows for
 an 8B model in bf16; a batch of at most that many tokens is one tile). A forward without autograd (an
 offloaded layer's first pass, a reference model) runs a tile at a time as well.
+
+Parked gate/up outputs (``parked``, an :class:`ParkedTiles` store): the layer's first forward (without
+autograd) hands each tile's e and g to the store (which copies them to pinned host memory), and the
+deferred backward takes them back instead of computing them again, skipping the gate and up GEMMs of the
+recompute (a third of a Llama layer's recompute work). The tiles are those of the same ``tile_rows``, so
+e and g are the bits the recompute would have computed from the same input.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -65,6 +71,7 @@ from .geglu import geglu_backward_, geglu_forward, geglu_reference
 from .lora_projection import (
     LoRAProjection,
     accumulate_input_grad_,
+    adapter_group,
     adapter_grads,
     apply_in_compute_dtype,
     autograd_tensor_grads,
@@ -82,7 +89,7 @@ from .runtime import should_use_triton
 from .swiglu import swiglu_backward_, swiglu_forward, swiglu_reference
 from ..sequence_tiles import mlp_tile_rows
 
-__all__ = ["lora_mlp", "lora_mlp_reference", "LoRAMLPFunction", "ACTIVATIONS"]
+__all__ = ["lora_mlp", "lora_mlp_reference", "LoRAMLPFunction", "ParkedTiles", "ACTIVATIONS"]
 
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 
@@ -122,16 +129,30 @@ def _activation_ops(activation: str) -> tuple[Callable, Callable]:
 # --------------------------------------------------------------------------------------------------
 
 
+class ParkedTiles(Protocol):
+    """Where a layer's first forward leaves each tile's gate/up outputs for its backward (module docstring)."""
+
+    def put(self, e: torch.Tensor, g: torch.Tensor) -> None:
+        """Keep ``e`` and ``g`` of the next tile (in tile order); the caller does not use them again."""
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(e, g)`` of the next tile, in the order they were put, on the compute device and writable;
+        ``None`` when none is left (the backward then computes that tile's e and g)."""
+
+
 def _tiles(rows: int, tile_rows: int):
     """``(start, stop)`` of each tile of ``tile_rows`` tokens out of ``rows``."""
     return [(a, min(a + tile_rows, rows)) for a in range(0, rows, tile_rows)]
 
 
-def _mlp_rows(x2d, projs, activation, compute_output=True):
-    """``(Y or None, e, g, group)`` of the tokens ``x2d`` (the forward of the module docstring)."""
+def _mlp_rows(x2d, projs, activation, compute_output=True, parked=None):
+    """``(Y or None, e, g, group)`` of the tokens ``x2d`` (the forward of the module docstring); e and g go
+    to ``parked`` too when given."""
     gate, up, down = projs
     act_forward, _ = _activation_ops(activation)
     (e, g), group = shared_input_forward(x2d, (gate, up))
+    if parked is not None:
+        parked.put(e, g)
     if not compute_output:
         return None, e, g, group
     h = act_forward(e, g)
@@ -165,11 +186,11 @@ def _summed(total, grads):
 
 
 class LoRAMLPFunction(torch.autograd.Function):
-    """Autograd function of :func:`lora_mlp`: inputs ``x, projs, activation, compute_output, tile_rows,
+    """Autograd function of :func:`lora_mlp`: inputs ``x, projs, activation, compute_output, tile_rows, parked,
     *autograd_tensors(projs)``."""
 
     @staticmethod
-    def forward(ctx, x, projs, activation, compute_output, tile_rows, *tensors):
+    def forward(ctx, x, projs, activation, compute_output, tile_rows, parked, *tensors):
         x2d = flatten_tokens(x)
         if compute_output:
             y, e, g, group = _mlp_rows(x2d, projs, activation)
@@ -179,6 +200,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             group = None
             ctx.save_for_backward(x, *tensors)
         ctx.deferred = not compute_output
+        ctx.parked = parked if ctx.deferred else None  # e, g of the first forward (module docstring)
         ctx.tile_rows = tile_rows
         ctx.projs = projs  # the same projections in backward: their adapter casts are reused
         ctx.group = group  # and the same A_cat of gate and up
@@ -195,7 +217,8 @@ class LoRAMLPFunction(torch.autograd.Function):
             )
         ctx.consumed = True
         x = ctx.saved_tensors[0]
-        need_dx, _, _, _, _, *tensor_needs = ctx.needs_input_grad  # x, projs, activation, compute_output, tile_rows
+        need_dx, _, _, _, _, _, *tensor_needs = ctx.needs_input_grad  # x, projs, activation, compute_output,
+        # tile_rows, parked
         need_dA, need_dB = requested_adapter_grads(tensor_needs)
         with no_autocast(x.device.type):
             x2d, dy2d = flatten_tokens(x), flatten_tokens(dy).to(x.dtype)
@@ -207,24 +230,31 @@ class LoRAMLPFunction(torch.autograd.Function):
                 dx = torch.empty_like(x2d) if need_dx else None
                 grads = None
                 for a, b in _tiles(x2d.shape[0], ctx.tile_rows):
-                    _, e, g, group = _mlp_rows(x2d[a:b], ctx.projs, ctx.activation, compute_output=False)
+                    pair = ctx.parked.take() if ctx.parked is not None else None
+                    if pair is not None:
+                        (e, g), group = pair, adapter_group(ctx.projs[:2], x2d.dtype)
+                    else:
+                        _, e, g, group = _mlp_rows(x2d[a:b], ctx.projs, ctx.activation, compute_output=False)
                     dx_tile, tile_grads = _backward_rows(dy2d[a:b], x2d[a:b], e, g, ctx.projs, group,
                                                          ctx.activation, need_dx, need_dA, need_dB)
                     del e, g
                     if dx is not None:
                         dx[a:b].copy_(dx_tile)
                     grads = _summed(grads, tile_grads)
-        return (dx.view(x.shape) if dx is not None else None), None, None, None, None, *autograd_tensor_grads(grads)
+        ctx.parked = None
+        return (dx.view(x.shape) if dx is not None else None), None, None, None, None, None, \
+            *autograd_tensor_grads(grads)
 
 
-def _forward_without_grad(x, projs, activation, compute_output, tile_rows, *tensors):
-    """The forward a tile of tokens at a time, when nothing will be back-propagated (module docstring)."""
+def _forward_without_grad(x, projs, activation, compute_output, tile_rows, parked, *tensors):
+    """The forward a tile of tokens at a time, when nothing will be back-propagated (module docstring);
+    each tile's e and g go to ``parked`` when given."""
     x2d = flatten_tokens(x)
     if x2d.shape[0] <= tile_rows:
-        return _mlp_rows(x2d, projs, activation)[0].view(*x.shape[:-1], -1)
+        return _mlp_rows(x2d, projs, activation, parked=parked)[0].view(*x.shape[:-1], -1)
     y = x2d.new_empty(x2d.shape[0], projs[2].out_features)
     for a, b in _tiles(x2d.shape[0], tile_rows):
-        y[a:b] = _mlp_rows(x2d[a:b], projs, activation)[0]
+        y[a:b] = _mlp_rows(x2d[a:b], projs, activation, parked=parked)[0]
     return y.view(*x.shape[:-1], -1)
 
 
@@ -236,6 +266,7 @@ def lora_mlp(
     activation: str = "swiglu",
     compute_output: bool = True,
     tile_rows: int | None = None,
+    parked: ParkedTiles | None = None,
 ) -> torch.Tensor:
     """Gated MLP with LoRA on each projection: ``down(act(gate(x)) * up(x))``.
 
@@ -250,6 +281,9 @@ def lora_mlp(
             whose output value nobody reads: its backward then runs a tile of tokens at a time.
         tile_rows: tokens per tile of that backward and of a forward without autograd (default:
             :func:`notebookkit.sequence_tiles.mlp_tile_rows`, which the memory model reads too).
+        parked: a layer's gate/up outputs between its first forward and its backward (module docstring):
+            the forward without autograd puts each tile's ``(e, g)`` there, and the deferred backward
+            (``compute_output=False``) of the same layer's recompute takes them instead of computing them.
 
     Returns:
         ``[..., hidden]`` in the compute dtype (autocast dtype if autocast is on, else ``x.dtype``).
@@ -266,7 +300,8 @@ def lora_mlp(
     if tile_rows < 1:
         raise ValueError(f"lora_mlp: tile_rows must be >= 1 (got {tile_rows}).")
     forward = LoRAMLPFunction if torch.is_grad_enabled() or not compute_output else _forward_without_grad
-    return apply_in_compute_dtype(forward, x, (gate, up, down), activation, bool(compute_output), int(tile_rows))
+    return apply_in_compute_dtype(forward, x, (gate, up, down), activation, bool(compute_output), int(tile_rows),
+                                  parked)
 
 
 def lora_mlp_reference(

@@ -64,6 +64,11 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
                except the last decoder layer, whose input stays on the GPU when it is offloaded.
     Offloading adds two layer inputs in flight (the one fetched and the one prefetched; the last
     layer's input is one of them when it stays on the GPU).
+    offload_mlp: as offload, and a layer whose MLP is deferred (below) parks its gate/up outputs in pinned
+               host memory too (``2 * N * I * s`` there, the last layer excepted, which keeps its input on
+               the GPU and recomputes). On the GPU the previous layer's parked ``e, g`` are prefetched
+               while a layer's MLP backward runs on its own: one ``[t, 2 I]`` tile in flight (two when a
+               layer has several tiles), :func:`parked_mlp_bytes`.
 
 Logits / loss
     fused linear cross-entropy (default): the final norm's input and output and the gradient of the
@@ -195,7 +200,9 @@ from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 
 GiB = 1024**3
 
-MODES = ("keep", "recompute", "offload")
+MODES = ("keep", "recompute", "offload", "offload_mlp")
+#: the modes whose layer input goes to pinned host memory (offload_mlp: with its MLP's gate/up outputs)
+OFFLOADING = ("offload", "offload_mlp")
 METHODS = tuple(TRAINING_METHODS)
 
 _OPT_STATE_BYTES = {
@@ -251,7 +258,8 @@ def normalize_plan(plan: Any, num_layers: int) -> tuple[str, ...]:
     """Per-layer modes from a plan given as a mode name, a bool, a list, or an ``ActivationPlan``.
 
     ``False``/``"keep"`` keep everything; ``True``/``"recompute"`` recompute every layer;
-    ``"offload"`` (alias ``"unsloth"``) recomputes every layer from an input kept in host memory.
+    ``"offload"`` (alias ``"unsloth"``) recomputes every layer from an input kept in host memory;
+    ``"offload_mlp"`` also keeps each layer's MLP gate/up outputs there (their GEMMs are not recomputed).
     """
     modes = getattr(plan, "modes", None)
     if modes is not None:
@@ -264,7 +272,7 @@ def normalize_plan(plan: Any, num_layers: int) -> tuple[str, ...]:
         key = plan.lower()
         alias = {"keep": "keep", "none": "keep", "no": "keep", "off": "keep",
                  "recompute": "recompute", "checkpoint": "recompute", "true": "recompute", "full": "recompute",
-                 "offload": "offload", "unsloth": "offload", "cpu": "offload"}
+                 "offload": "offload", "unsloth": "offload", "cpu": "offload", "offload_mlp": "offload_mlp"}
         if key == "auto":
             raise ValueError(
                 "notebookkit.memory: activation_plan='auto' is decided by the planner: call "
@@ -600,7 +608,7 @@ def layer_activation_bytes(
     N = batch_size * seq_len
     s = dtype_bytes
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
-    if mode == "offload":
+    if mode in OFFLOADING:
         return 0
     if mode == "recompute":
         return N * H * s
@@ -980,8 +988,8 @@ def _moe_checks(shape: ModelShape, plan: tuple[str, ...], fmt: BaseFormat, metho
     if lora_dropout and lora_dropout > 0:
         raise ValueError(f"{what}: with lora_dropout={lora_dropout} PEFT refuses the experts' adapters (no dropout on "
                          "target_parameters) and the memory model has no formula for it; use lora_dropout=0.")
-    if "offload" in plan:
-        plan = tuple("recompute" if m == "offload" else m for m in plan)
+    if any(m in OFFLOADING for m in plan):
+        plan = tuple("recompute" if m in OFFLOADING else m for m in plan)
         notes.append("a mixture of experts recomputes its offloaded layers (offloading them is not written yet): "
                      "counted as recompute")
     ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets, target_parameters)
@@ -1091,24 +1099,44 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     by_mode = {m: layer_activation_bytes(shape, m, **layer_kw) for m in {"keep", *plan}}  # same for every layer
     keep_layer = by_mode["keep"]
     per_layer = [by_mode[m] for m in plan]
-    if plan and plan[-1] == "offload":
+    last_offloaded = bool(plan) and plan[-1] in OFFLOADING
+    if last_offloaded:
         per_layer[-1] = X  # the last layer's input is needed first in backward: it stays on the GPU
     counts = {m: plan.count(m) for m in MODES}
     details = {"activations: saved by kept layers": counts["keep"] * keep_layer}
     if counts["recompute"]:
         details["activations: inputs of recomputed layers"] = counts["recompute"] * X
-    if plan and plan[-1] == "offload":
+    if last_offloaded:
         details["activations: input of the last (offloaded) layer"] = X
     # One input being fetched and the next prefetched; an on-GPU last-layer input is one of them.
-    in_flight = (X if plan[-1] == "offload" else 2 * X) if counts["offload"] else 0
+    offloaded = counts["offload"] + counts["offload_mlp"]
+    in_flight = (X if last_offloaded else 2 * X) if offloaded else 0
     if in_flight:
         details["activations: offloaded inputs in flight"] = in_flight
     deferred = mlp_deferred(shape, layer_kw.get("lora_dropout", 0.0))
     N = layer_kw["batch_size"] * layer_kw["seq_len"]
     recomputed = keep_layer - (2 * N * shape.intermediate_size * layer_kw["dtype_bytes"] if deferred else 0)
-    return _Activations(sum(per_layer) + in_flight, details, per_layer=tuple(per_layer), keep_layer=keep_layer,
-                        layer_input=X, host_offload=counts["offload"] * X, recomputed_layer=recomputed,
-                        mlp_deferred=deferred)
+    parked_layers = counts["offload_mlp"] - (plan[-1] == "offload_mlp") if deferred else 0
+    parked = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"]) if parked_layers > 0 else (0, 0)
+    if parked[1]:
+        details["activations: parked MLP gate/up outputs in flight"] = parked[1]
+    return _Activations(sum(per_layer) + in_flight + parked[1], details, per_layer=tuple(per_layer),
+                        keep_layer=keep_layer, layer_input=X,
+                        host_offload=offloaded * X + max(parked_layers, 0) * parked[0],
+                        recomputed_layer=recomputed, mlp_deferred=deferred)
+
+
+def parked_mlp_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> tuple[int, int]:
+    """``(host bytes of one layer, device bytes in flight)`` of an ``"offload_mlp"`` layer's parked gate/up
+    outputs (``models.patching.checkpointing``): ``e, g`` of every token, ``2 N I s``, in pinned host memory;
+    on the GPU the next parked layer's first tile, prefetched while this one's MLP backward runs on its own
+    (a layer of several tiles also prefetches its next tile: two tiles), ``[rows, 2 I]`` each
+    (``rows = min(N, mlp_tile_rows)``). The forward copies one layer's ``e, g`` to the host while the next
+    layer runs (the next parked layer waits for it), no more than that backward moment holds."""
+    I, s = shape.intermediate_size, dtype_bytes
+    rows = min(tokens, mlp_tile_rows(I, s))
+    tiles_in_flight = 1 if tokens <= rows else 2
+    return 2 * tokens * I * s, tiles_in_flight * 2 * rows * I * s
 
 
 def mlp_deferred(shape: ModelShape, lora_dropout: float = 0.0) -> bool:

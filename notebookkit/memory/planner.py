@@ -19,6 +19,14 @@ extra time per layer: ``0 < recompute < offload``. With ``t_f`` the forward time
 ``t_down = N * 2 * H * I / rate`` is the down projection, which the recompute skips unless a
 post-MLP norm (Gemma 2/3) reads the MLP output (``t_down = 0`` there).
 
+Parked MLP outputs (``offload_mlp``): an offloaded layer may also leave its MLP's gate/up outputs in pinned
+host memory, which saves the recompute's gate and up GEMMs (``t_gu = 4 N H I / rate``) for ``2 N I s``
+more bytes over the host link; :func:`parked_mlp_fraction` says what share of the offloaded layers the
+link carries behind the forward (all of them on a T4, about a third on an H200), and a plan with that
+share parked (as many as the pinned host memory holds, spread evenly) is weighed beside the plain one,
+for the largest ``m`` that fits and for everything offloaded (a parked offload can cost less than a
+recompute). Its estimate counts the prefetched tile of ``e, g`` on the GPU.
+
 All layers of a model have the same shape, so a plan is fixed by how many layers keep (k) and
 recompute (m); the rest offload. For a vision-language model, any checkpointed decoder layer also
 checkpoints the vision blocks (Hugging Face's flag reaches them), which adds the tower's forward
@@ -47,7 +55,7 @@ until a GPU run measures it. Offloading also needs pinned host memory, checked a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from notebookkit.base_formats import BASE_FORMATS
 from notebookkit.training_methods import TRAINING_METHODS
@@ -55,7 +63,7 @@ from notebookkit.training_methods import TRAINING_METHODS
 from .base_weights import base_format_for, load_flags
 from .cards import GPUCard, detect_card, parse_card, parse_memory
 from .estimate import (MODES, MemoryEstimate, bytes_of_dtype, estimate_training_memory, lora_param_count, lora_targets,
-                       readable_bytes)
+                       parked_mlp_bytes, readable_bytes)
 from .moe import expert_lora_param_count, expert_lora_ranks
 from .shapes import KNOWN_MODELS, ModelShape, model_shape
 
@@ -76,7 +84,9 @@ class DoesNotFitError(ValueError):
 class ActivationPlan:
     """Per-layer activation modes and what they cost.
 
-    ``modes[i]`` is ``"keep"``, ``"recompute"`` or ``"offload"`` for decoder layer ``i``.
+    ``modes[i]`` is ``"keep"``, ``"recompute"`` or ``"offload"`` for decoder layer ``i`` (the planner does
+    not choose ``"offload_mlp"`` yet: it has no price for the host link's bandwidth against the recompute it
+    saves; a plan given by hand may use it).
     ``estimate`` is the memory estimate of this plan; ``budget_bytes`` what it had to fit in;
     ``host_bytes`` the pinned host memory the offloaded layers need; ``step_overhead`` the
     predicted extra step time as a fraction of a step with every layer kept.
@@ -109,7 +119,7 @@ class ActivationPlan:
         """One word for the whole plan: ``"none"`` (all kept), ``"recompute"`` (no offloading) or
         ``"offload"`` (some layers offloaded). Per-layer modes are in :attr:`modes`."""
         c = self.counts()
-        if c["offload"]:
+        if c["offload"] or c["offload_mlp"]:
             return "offload"
         return "recompute" if c["recompute"] else "none"
 
@@ -216,6 +226,46 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
     recompute = t_f if shape.sandwich_norms or shape.num_experts else t_f - N * 2 * shape.hidden_size * shape.intermediate_size / rate
     offload = recompute + max(0.0, copy - 0.7 * t_f) + max(0.0, copy - 0.7 * 3 * t_f) + 50e-6
     return t_f, recompute, offload
+
+
+def parked_mlp_fraction(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) -> tuple[float, float]:
+    """``(f, seconds)``: the share of offloaded layers that should also park their MLP's gate/up outputs in
+    host memory (``"offload_mlp"``), and the recompute seconds each one saves.
+
+    A parked layer's copy to the host, ``c_mlp = 2 N I s / B``, rides the side stream with the layer inputs
+    (``c_in = N H s / B``) behind the forward; it saves the gate and up GEMMs of the recompute,
+    ``t_gu = 4 N H I / rate``. Spread evenly, the copies keep up while ``c_in + f c_mlp <= 0.7 t_f`` (the
+    offload rule's share of a layer's forward), so ``f = (0.7 t_f - c_in) / c_mlp`` within ``[0, 1]``; 0
+    where no layer defers its MLP (a post-MLP norm reads its output, LoRA dropout, a mixture of experts).
+    On a T4 every offloaded layer parks (its copy is a fifth of its forward); on an H200 about a third
+    (45 GB/s against 750 TFLOP/s).
+    """
+    from .estimate import mlp_deferred
+
+    if not mlp_deferred(shape, kw.get("lora_dropout", 0.0)) or not shape.intermediate_size:
+        return 0.0, 0.0
+    N = kw.get("batch_size", 1) * kw.get("seq_len", 2048)
+    s = bytes_of_dtype(kw.get("dtype", "bfloat16"))
+    t_f, _, _ = _layer_costs(shape, kw, card)
+    rate = (card.tflops if card else 1.0) * 1e12 * (0.8 if _quantised(kw) else 1.0)
+    bw = (card.pcie_gbps if card else 10.0) * 1e9
+    c_in, c_mlp = N * shape.hidden_size * s / bw, 2 * N * shape.intermediate_size * s / bw
+    f = min(1.0, max(0.0, (0.7 * t_f - c_in) / c_mlp))
+    return f, 4 * N * shape.hidden_size * shape.intermediate_size / rate
+
+
+def park_offloaded_mlps(modes: Sequence[str], fraction: float, most: int | None = None) -> tuple[str, ...]:
+    """``modes`` with ``fraction`` of its offloaded layers (at most ``most``) turned into ``"offload_mlp"``,
+    spread evenly over them so that no run of parked copies outpaces the forward; the last layer, whose
+    input stays on the GPU, never parks."""
+    last = len(modes) - 1
+    offloaded = [i for i, m in enumerate(modes) if m == "offload" and i != last]
+    count = min(int(fraction * len(offloaded) + 1e-9), len(offloaded) if most is None else max(0, most))
+    out = list(modes)
+    for j, i in enumerate(offloaded):
+        if (j + 1) * count // len(offloaded) > j * count // len(offloaded):
+            out[i] = "offload_mlp"
+    return tuple(out)
 
 
 def _vision_recompute_seconds(shape: Any, kw: dict[str, Any], card: GPUCard | None) -> float:
@@ -326,7 +376,26 @@ def plan_activations(
     def est_for(k: int, m: int) -> MemoryEstimate:
         return estimate_training_memory(shape, activation_plan=_modes(L, k, m), **estimate_kwargs)
 
-    best: tuple[float, int, int, MemoryEstimate] | None = None
+    fraction, saved = parked_mlp_fraction(text, estimate_kwargs, card_obj) if allow_offload else (0.0, 0.0)
+
+    def parked_variant(k: int, m: int, cost: float) -> tuple[float, tuple[str, ...], MemoryEstimate] | None:
+        """The plan with the host link's share of its offloaded layers parking their MLPs (as many as the pinned
+        host memory left over holds), if it fits."""
+        if fraction <= 0 or L - k - m <= 1:
+            return None
+        unparked = est_for(k, m)
+        per_layer = parked_mlp_bytes(text, estimate_kwargs.get("batch_size", 1) * estimate_kwargs.get("seq_len", 2048),
+                                     bytes_of_dtype(estimate_kwargs.get("dtype", "bfloat16")))[0]
+        modes = park_offloaded_mlps(_modes(L, k, m), fraction,
+                                    most=max(0, host_memory_bytes - unparked.host_offload) // max(per_layer, 1))
+        if "offload_mlp" not in modes:
+            return None
+        est = estimate_training_memory(shape, activation_plan=modes, **estimate_kwargs)
+        if not fits(est) or est.host_offload > host_memory_bytes:
+            return None
+        return cost - modes.count("offload_mlp") * saved, modes, est
+
+    best: tuple[float, tuple[str, ...], MemoryEstimate] | None = None
     host_blocked: MemoryEstimate | None = None
     for k in range(L, -1, -1):
         lowest_m = 0 if allow_offload else L - k
@@ -342,8 +411,13 @@ def plan_activations(
                 host_blocked = host_blocked or est
                 break
             cost = m * c_rec + (L - k - m) * c_off + (c_vision if k < L else 0.0)
-            if best is None or cost < best[0] - 1e-12:
-                best = (cost, k, m, est)
+            candidates = [(cost, _modes(L, k, m), est), parked_variant(k, m, cost)]
+            if fraction > 0 and m > lowest_m:  # a parked offload can cost less than a recompute: all offloaded
+                candidates.append(parked_variant(k, lowest_m, lowest_m * c_rec + (L - k - lowest_m) * c_off
+                                                 + (c_vision if k < L else 0.0)))
+            for candidate in candidates:
+                if candidate is not None and (best is None or candidate[0] < best[0] - 1e-12):
+                    best = candidate
             break
         if best is not None and best[0] == 0.0:
             break
@@ -352,9 +426,9 @@ def plan_activations(
         message = _explain(shape, worst, usable_for, budget, source, with_context, estimate_kwargs, allow_offload,
                            host_blocked, host_memory_bytes) if explain else f"{shape.name} does not fit {readable_bytes(budget)}"
         raise DoesNotFitError(message, estimate=worst, budget_bytes=budget)
-    cost, k, m, est = best
+    cost, modes, est = best
     plan = ActivationPlan(
-        modes=_modes(L, k, m), budget_bytes=budget, budget_source=source, estimate=est,
+        modes=modes, budget_bytes=budget, budget_source=source, estimate=est,
         host_bytes=est.host_offload, step_overhead=cost / step if step else 0.0, extra_seconds=cost,
         card=card_obj,
     )

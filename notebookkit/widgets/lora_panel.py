@@ -20,6 +20,7 @@ CHECKPOINTING_OPTIONS: list[tuple[str, Any]] = [
     ("off: keep all activations (fastest, most memory)", False),
     ("recompute every layer", True),
     ("recompute + offload inputs to CPU (least memory)", "offload"),
+    ("offload inputs and MLP gate/up to CPU (less recompute, more host RAM)", "offload_mlp"),
 ]
 _CKPT_VALUES = [v for _, v in CHECKPOINTING_OPTIONS]
 
@@ -33,7 +34,8 @@ def _ckpt_value(v: Any) -> Any:
         return False
     if v not in _CKPT_VALUES:
         raise ValueError(
-            f"notebookkit: use_gradient_checkpointing={v!r} is not one of 'auto', True, False, 'offload' ('unsloth')."
+            f"notebookkit: use_gradient_checkpointing={v!r} is not one of 'auto', True, False, 'offload' ('unsloth'), "
+            "'offload_mlp'."
         )
     return v
 

@@ -289,6 +289,56 @@ def test_mlp_without_output_has_the_same_gradients(nf4, tile_rows, dtype, device
         p.check_grads(dtype, name)
 
 
+class _ListParking:
+    """A ParkedTiles store that keeps the tiles as they are (the checkpointing's copies them to the host)."""
+
+    def __init__(self):
+        self.tiles = []
+
+    def put(self, e, g):
+        self.tiles.append((e, g))
+
+    def take(self):
+        return self.tiles.pop(0) if self.tiles else None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nf4,tile_rows", [(False, None), (True, 5)], ids=["dense", "nf4-tiles-of-5"])
+def test_mlp_parked_gate_up_give_the_recompute_bits(nf4, tile_rows, dtype, device, monkeypatch):
+    """An offloaded layer's first forward (no grad) parks each tile's e, g; its recompute's deferred backward
+    takes them instead of running the gate/up GEMMs, with the gradients of the deferred recompute bit for bit."""
+    import notebookkit.kernels.lora_mlp as lora_mlp_module
+
+    gen = torch.Generator().manual_seed(13)
+    kw = dict(nf4=nf4, adapter=True, dtype=dtype, device=device, gen=gen)
+    gate, up, down = Pair(INTER, HIDDEN, **kw), Pair(INTER, HIDDEN, **kw), Pair(HIDDEN, INTER, **kw)
+    projs = (gate.proj, up.proj, down.proj)
+    x, _ = _x(dtype, device, gen, shape=(2, 19, HIDDEN))
+    dy = torch.randn(2, 19, HIDDEN, generator=gen).to(dtype).to(device)
+
+    def gradients(parked):
+        xi = x.detach().clone().requires_grad_()
+        for p in (gate, up, down):
+            p.A.grad = p.B.grad = None
+        y = lora_mlp(xi, *projs, "swiglu", compute_output=False, tile_rows=tile_rows, parked=parked)
+        y.backward(dy)
+        return [xi.grad] + [t.grad.clone() for p in (gate, up, down) for t in (p.A, p.B)]
+
+    recomputed = gradients(None)
+    store = _ListParking()
+    with torch.no_grad():
+        lora_mlp(x, *projs, "swiglu", tile_rows=tile_rows, parked=store)
+    assert len(store.tiles) == (1 if tile_rows is None else 8)  # 38 tokens in tiles of 5
+    calls = []
+    forward = lora_mlp_module.shared_input_forward
+    monkeypatch.setattr(lora_mlp_module, "shared_input_forward", lambda *a: calls.append(1) or forward(*a))
+    parked = gradients(store)
+    assert not calls and not store.tiles  # no gate/up product in the backward; every tile taken
+    for a, b in zip(parked, recomputed):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tile_rows", [None, 7])

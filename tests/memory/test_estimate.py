@@ -183,3 +183,23 @@ def test_fp8_forward_working_set_is_the_one_byte_copies_of_the_largest_product()
     plain = estimate_training_memory(TINY, activation_plan="recompute", **KW)
     fp8 = estimate_training_memory(TINY, activation_plan="recompute", fp8_forward=True, **KW)
     assert fp8.total >= plain.total and fp8.inputs["fp8_forward"] is True
+
+
+def test_offload_mlp_parks_gate_up_on_the_host():
+    """"offload_mlp": every offloaded layer but the last also keeps its MLP's e, g (2 N I values) in pinned host
+    memory; the GPU holds one more [tokens, 2 I] tile in flight (the previous layer's, prefetched), two tiles
+    when a layer's MLP backward has several. A post-MLP norm (Gemma 2) or LoRA dropout parks nothing."""
+    llama = "meta-llama/Llama-3.1-8B-Instruct"
+    I, L = 14336, 32
+    for batch, seq, tiles in [(2, 4096, 1), (1, 16384, 2)]:
+        kw = dict(load_in_4bit=True, dtype="bfloat16", batch_size=batch, seq_len=seq)
+        off = estimate_training_memory(llama, activation_plan="offload", **kw)
+        mlp = estimate_training_memory(llama, activation_plan="offload_mlp", **kw)
+        rows = min(batch * seq, 9216)  # sequence_tiles.mlp_tile_rows(14336, 2)
+        assert mlp.peak_allocated - off.peak_allocated == tiles * 2 * rows * I * 2
+        assert mlp.host_offload - off.host_offload == (L - 1) * 2 * batch * seq * I * 2
+    for model, extra in [("google/gemma-2-2b-it", {}), (llama, dict(lora_dropout=0.1))]:
+        kw = dict(load_in_4bit=True, dtype="bfloat16", batch_size=2, seq_len=1024, **extra)
+        off = estimate_training_memory(model, activation_plan="offload", **kw)
+        mlp = estimate_training_memory(model, activation_plan="offload_mlp", **kw)
+        assert (mlp.peak_allocated, mlp.host_offload) == (off.peak_allocated, off.host_offload)

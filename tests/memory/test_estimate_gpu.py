@@ -33,6 +33,8 @@ CASES = [
     ("llama-8b-2l", "keep", True, 2, 4096),
     ("llama-8b-2l", "offload", True, 1, 16384),
     ("llama-1b-4l", "offload-keep-last", False, 8, 2048),  # a planner-style mix: 3 offload, the last kept
+    ("llama-1b-4l", "offload_mlp", False, 8, 2048),  # 3 layers park their MLPs' e, g on the host
+    ("llama-8b-2l", "offload_mlp", True, 1, 16384),  # two MLP tiles: the next tile prefetched too
 ]
 
 
@@ -72,7 +74,8 @@ def _measure(folder, mode, load_in_4bit, batch, seq, steps=3):
     ids = torch.randint(3, SHAPES_VOCAB, (batch, seq), device="cuda")
     model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=seq, dtype=torch.bfloat16,
                                                  load_in_4bit=load_in_4bit, show_banner=False)
-    ckpt = {"keep": False, "recompute": True, "offload": "offload", "offload-keep-last": "offload"}[mode]
+    ckpt = {"keep": False, "recompute": True, "offload": "offload", "offload-keep-last": "offload",
+            "offload_mlp": "offload_mlp"}[mode]
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
                                              use_gradient_checkpointing=ckpt, show_banner=False)
     layers = model.config.num_hidden_layers

@@ -2,7 +2,8 @@
 
 import pytest
 
-from notebookkit.memory import DoesNotFitError, estimate_training_memory, parse_card, parse_memory, plan_activations
+from notebookkit.memory import (DoesNotFitError, estimate_training_memory, model_shape, parse_card, parse_memory,
+                                plan_activations)
 from notebookkit.memory.planner import DEFAULT_SAFETY_MARGIN
 
 GiB = 2**30
@@ -12,7 +13,7 @@ QLORA = dict(load_in_4bit=True, dtype="float16", batch_size=2, seq_len=4096, hos
 
 
 def _ordered(modes):
-    rank = {"offload": 0, "recompute": 1, "keep": 2}
+    rank = {"offload": 0, "offload_mlp": 0, "recompute": 1, "keep": 2}
     return [rank[m] for m in modes] == sorted(rank[m] for m in modes)
 
 
@@ -26,9 +27,12 @@ def test_big_budget_keeps_everything():
 
 def test_t4_budget_on_8b_offloads_and_fits():
     plan = plan_activations(LLAMA8B, "t4", **QLORA)
-    assert plan.counts()["offload"] > 0
+    counts = plan.counts()
+    assert counts["offload"] + counts["offload_mlp"] > 0
     assert plan.estimate.total <= parse_card("t4").memory_bytes * USABLE
-    assert plan.host_bytes == plan.counts()["offload"] * 2 * 4096 * 4096 * 2
+    # each offloaded layer's input, and the parked layers' gate/up outputs (module planner, offload_mlp)
+    assert plan.host_bytes == ((counts["offload"] + counts["offload_mlp"]) * 2 * 4096 * 4096 * 2
+                               + counts["offload_mlp"] * 2 * 2 * 4096 * 14336 * 2)
     assert _ordered(plan.modes)  # offloaded first, kept last
 
 
@@ -53,7 +57,7 @@ def test_prefers_keep_over_recompute_over_offload():
     full = estimate_training_memory(LLAMA8B, activation_plan="keep", **kw)
     # Enough for everything kept: nothing recomputed.
     plan = plan_activations(LLAMA8B, budget_bytes=int(full.total / USABLE) + 2**20, card="t4", **QLORA)
-    assert plan.counts() == {"keep": 32, "recompute": 0, "offload": 0}
+    assert plan.counts() == {"keep": 32, "recompute": 0, "offload": 0, "offload_mlp": 0}
     # Without offloading allowed, a budget between all-recompute and all-keep mixes keep and recompute.
     plan = plan_activations(LLAMA8B, budget_bytes=24 * GiB, card="t4", allow_offload=False, **QLORA)
     assert plan.counts()["offload"] == 0 and plan.counts()["recompute"] > 0 and plan.counts()["keep"] > 0
@@ -187,3 +191,32 @@ def test_plan_from_card_name_and_max_memory_agree():
     a = plan_activations(LLAMA8B, "t4", **QLORA)
     b = plan_activations(LLAMA8B, card="t4", **QLORA)
     assert a.modes == b.modes and "T4" in a.summary()
+
+
+def test_offloaded_layers_park_their_mlps_where_the_host_link_keeps_up():
+    """On a T4 every offloaded layer's gate/up copy hides behind its forward: the plan parks them (as many as the
+    pinned host memory holds) and is predicted faster; an H200 carries about a third; a post-MLP norm parks none."""
+    from notebookkit.memory.planner import park_offloaded_mlps, parked_mlp_fraction
+
+    kw = dict(load_in_4bit=True, dtype="float16", batch_size=1, seq_len=4096)
+    roomy = plan_activations(LLAMA8B, "t4", host_memory_bytes=10 * GiB, **kw)
+    tight = plan_activations(LLAMA8B, "t4", host_memory_bytes=3 * GiB, **kw)
+    none = plan_activations(LLAMA8B, "t4", host_memory_bytes=2**20, **kw)
+    assert "offload_mlp" not in none.modes
+    parked = [p.modes.count("offload_mlp") for p in (roomy, tight)]
+    assert parked[0] > parked[1] > 0
+    assert roomy.extra_seconds < tight.extra_seconds < none.extra_seconds
+    per_layer = 2 * 4096 * 14336 * 2
+    assert tight.host_bytes <= 3 * GiB and tight.host_bytes >= parked[1] * per_layer
+    for plan in (roomy, tight):
+        assert plan.estimate.peak_allocated <= parse_card("t4").memory_bytes * USABLE
+        assert plan.estimate.plan == plan.modes
+    shape = model_shape(LLAMA8B)
+    assert parked_mlp_fraction(shape, kw, parse_card("t4"))[0] == 1.0
+    assert 0.2 < parked_mlp_fraction(shape, dict(kw, batch_size=2), parse_card("h200"))[0] < 0.5
+    assert parked_mlp_fraction(model_shape("google/gemma-2-2b-it"), kw, parse_card("t4"))[0] == 0.0
+    # spread evenly over the offloaded layers, never the last layer (its input stays on the GPU)
+    o, p = "offload", "offload_mlp"
+    assert park_offloaded_mlps((o,) * 6, 0.5) == (o, o, p, o, p, o)
+    assert park_offloaded_mlps((o,) * 5, 1.0, most=2) == (o, p, o, p, o)
+    assert park_offloaded_mlps((o, o, "recompute", "keep"), 1.0) == (p, p, "recompute", "keep")

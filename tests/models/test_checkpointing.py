@@ -29,7 +29,7 @@ def _grads(model, x, labels):
 
 
 def test_mode_names():
-    assert normalize_mode("unsloth") == "offload"
+    assert normalize_mode("unsloth") == "offload" and normalize_mode("offload_mlp") == "offload_mlp"
     assert normalize_mode(True) == "recompute"
     assert normalize_mode(False) == "none"
     with pytest.raises(ValueError):
@@ -102,6 +102,35 @@ def test_recompute_skips_the_unread_down_projection(family, skipped, monkeypatch
     per_layer = 3 + (2 if skipped else 3)  # forward, then the recompute in backward
     assert len(calls) == per_layer * len(layers)
     assert forward_state.unread_output() is None and forward_state.current() is None  # nothing left behind
+
+
+@pytest.mark.parametrize("family,parks", [("llama", True), ("gemma2", False)])
+def test_offload_mlp_takes_the_parked_gate_up_with_the_recompute_bits(family, parks, monkeypatch):
+    """"offload_mlp": each layer's first forward parks its MLP's e, g (on a CPU kept as they are) and the
+    backward takes them instead of running gate and up again; loss and gradients are recompute's bit for bit.
+    A post-MLP norm (Gemma 2) reads the MLP output: the mode offloads the inputs only."""
+    import notebookkit.kernels.lora_mlp as lora_mlp_module
+
+    base = random_model(family, attention_dropout=0.0)
+    patch_model(base)
+    ref = _lora(base)
+    ref.train()
+    model = copy.deepcopy(ref)
+    apply_checkpointing(ref, True)
+    assert apply_checkpointing(model, "offload_mlp") == ("offload_mlp" if parks else "recompute")
+    x = torch.randint(0, 256, (2, 12))
+    loss_ref, g_ref = _grads(ref, x, x)
+    products = []  # gate/up products (the shared-input dispatch) during the step
+    real_shared = lora_mlp_module.shared_input_forward
+    monkeypatch.setattr(lora_mlp_module, "shared_input_forward",
+                        lambda x2d, projs: products.append(1) or real_shared(x2d, projs))
+    loss, g = _grads(model, x, x)
+    layers = len(model.get_base_model().model.layers)
+    assert len(products) == (1 if parks else 2) * layers  # the first forward only, or again in the recompute
+    assert torch.equal(loss, loss_ref)
+    for n in g_ref:
+        assert torch.equal(g[n], g_ref[n]), n
+    assert forward_state.parked_mlp() is None
 
 
 def test_offload_state_uses_its_buffer_pool_from_the_first_empty_state():
@@ -188,6 +217,40 @@ def test_without_a_pool_the_plain_pinned_copy_still_waits_before_it_is_freed(fak
     copy_.fetch()
     assert fake_cuda.host_waits == [copy_.ready]
 
+
+
+def test_parked_mlp_tiles_go_to_the_host_and_come_back_in_order_without_a_host_wait(fake_cuda):
+    """offload_mlp's store on CUDA: each tile's e and g copied to pooled pinned buffers; taking a tile waits on
+    the GPU for its copy back and starts the next tile's; the buffers go back to the pool."""
+    state: dict = {}
+    parked = ckpt._ParkedMLP(state, to_host=True)
+    tiles = [(torch.randn(3, 5), torch.randn(3, 5)) for _ in range(2)]
+    for e, g in tiles:
+        parked.put(e, g)
+    assert parked.stored is parked.tiles[-1][1].stored  # the last copy to the host: the next layer waits on it
+    parked.prefetch()
+    first_ready = [copy.ready for copy in parked.tiles[0]]
+    assert all(r is not None for r in first_ready) and parked.tiles[1][0].ready is None
+    for i, (e, g) in enumerate(tiles):
+        got = parked.take()
+        assert torch.equal(got[0], e) and torch.equal(got[1], g)
+        assert all(copy.ready is not None for copy in parked.tiles[0]) if i == 0 else not parked.tiles
+    assert parked.take() is None
+    assert fake_cuda.current.waited[:2] == first_ready and len(fake_cuda.current.waited) == 4
+    assert fake_cuda.host_waits == [] and fake_cuda.device_syncs == []
+    pool = ckpt._pool(state)
+    assert pool.in_use_bytes == 0 and pool.allocations == 4
+
+
+def test_a_parked_layer_waits_for_the_copies_of_the_one_two_before(fake_cuda):
+    """The third parked layer's stream waits for the first one's copies to the host (not the second's, which run
+    behind it): one layer's e, g in flight at most."""
+    state: dict = {}
+    stores = [ckpt._ParkedMLP(state, to_host=True) for _ in range(3)]
+    for store in stores:
+        ckpt._pace_parked_copies(state, store, fake_cuda.current)
+        store.put(torch.randn(2, 3), torch.randn(2, 3))
+    assert fake_cuda.current.waited == [stores[0].stored]
 
 
 def test_auto_plan_is_remade_for_a_larger_training_batch(monkeypatch, capsys):

@@ -250,7 +250,10 @@ def test_fp8_quality_script_fp8_tracks_16bit():
     assert result["verdict"] == "pass", result["problems"]
 
 
-def test_offload_matches_recompute_and_saves_memory(llama_1b_folder):
+@pytest.mark.parametrize("mode", ["offload", "offload_mlp"])
+def test_offload_matches_recompute_and_saves_memory(llama_1b_folder, mode):
+    """offload, and offload_mlp (whose backward takes the MLPs' gate/up outputs back from pinned host memory
+    instead of recomputing them): the gradients of recompute, at no more memory."""
     batch = _batches(1, batch=2, seq=1024)[0]
     # fp32: offload must do exactly the arithmetic of recompute; in bf16 the comparison would only
     # measure the run-to-run noise of the attention backward.
@@ -261,16 +264,17 @@ def test_offload_matches_recompute_and_saves_memory(llama_1b_folder):
     g_rec = {n: p.grad.float().clone() for n, p in ours.named_parameters() if p.requires_grad}
     ours.zero_grad(set_to_none=True)
     t_rec, m_rec = _one_step(ours, batch)
-    FastLanguageModel.for_training(ours, use_gradient_checkpointing="offload")
-    assert "offload" in str(ours.notebookkit_banner)
+    FastLanguageModel.for_training(ours, use_gradient_checkpointing=mode)
+    assert "pinned host memory" in str(ours.notebookkit_banner)
+    assert ("gate/up" in str(ours.notebookkit_banner)) == (mode == "offload_mlp")
     out = ours(**batch)
     out.loss.backward()
     g_off = {n: p.grad.float().clone() for n, p in ours.named_parameters() if p.requires_grad}
     ours.zero_grad(set_to_none=True)
     t_off, m_off = _one_step(ours, batch)
     worst = max(rel_err(g_off[n], g_rec[n]) for n in g_rec)
-    print(f"\n[gpu offload] grad rel diff vs recompute {worst:.2e}; recompute {t_rec*1e3:.1f} ms "
-          f"{m_rec/2**30:.2f} GiB, offload {t_off*1e3:.1f} ms {m_off/2**30:.2f} GiB")
+    print(f"\n[gpu {mode}] grad rel diff vs recompute {worst:.2e}; recompute {t_rec*1e3:.1f} ms "
+          f"{m_rec/2**30:.2f} GiB, {mode} {t_off*1e3:.1f} ms {m_off/2**30:.2f} GiB")
     assert worst < 1e-4  # same arithmetic; only reduction order inside attention may differ
     assert m_off <= m_rec
 

@@ -7,6 +7,15 @@
   memory on a side CUDA stream while the next layers compute, and copied back (prefetched one layer
   ahead) during the backward pass. Device activation memory is then about one layer's worth.
   On a CPU there is no device memory to save: it degrades to plain recompute, and the banner says so.
+* offload_mlp (a per-layer mode of a plan, or the whole model's): offload, and the fused MLP's gate/up
+  outputs ``e, g`` (``2 N I`` values a layer) go to pinned host memory too. The backward takes them back
+  (prefetched one layer ahead, beside the input) instead of recomputing the gate and up GEMMs: a third of
+  a Llama layer's recompute work, for ``2 N I s`` bytes each way over the host link. A layer whose MLP
+  output a post-MLP norm reads (Gemma 2/3), or a mixture of experts, offloads without parking. A parked
+  layer's forward waits (on the GPU) for the copies of the parked layer two before it, so at most one
+  layer's ``e, g`` are in flight to the host beside its own. On a CPU the input stays and ``e, g`` are kept
+  as they are. ``"auto"`` parks the share of the offloaded layers the host link carries
+  (:func:`notebookkit.memory.planner.parked_mlp_fraction`); ``"offload_mlp"`` by name parks them all.
 * auto: asks ``notebookkit.memory.planner`` for the fastest per-layer plan (keep / recompute /
   offload) that fits in free VRAM; without a GPU it picks no checkpointing (host memory is not the
   constraint, and recomputing costs time). A per-layer list of modes can also be passed directly.
@@ -38,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from notebookkit import compat
 from notebookkit.marks import CHECKPOINTING_GUARD
+from notebookkit.memory.estimate import MODES as LAYER_MODES, OFFLOADING
 from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 from notebookkit.memory.model_setup import (
     auto_plan_size,
@@ -52,7 +62,8 @@ from ..common.decoder_layers import decoder_layers as _decoder_layers
 
 Mode = Union[bool, str]
 _MODES = {False: "none", None: "none", "none": "none", True: "recompute", "recompute": "recompute",
-          "true": "recompute", "offload": "offload", "unsloth": "offload", "auto": "auto"}
+          "true": "recompute", "offload": "offload", "unsloth": "offload", "offload_mlp": "offload_mlp",
+          "auto": "auto"}
 
 
 def normalize_mode(value: Mode) -> str:
@@ -60,7 +71,8 @@ def normalize_mode(value: Mode) -> str:
     key = value.lower() if isinstance(value, str) else value
     if key not in _MODES:
         raise ValueError(
-            f"use_gradient_checkpointing={value!r} is not one of False, True, 'offload' (alias 'unsloth') or 'auto'."
+            f"use_gradient_checkpointing={value!r} is not one of False, True, 'offload' (alias 'unsloth'), "
+            "'offload_mlp' or 'auto'."
         )
     return _MODES[key]
 
@@ -172,6 +184,7 @@ class _HostCopy:
         self.stored: Optional[torch.cuda.Event] = None
         self.back: Optional[torch.Tensor] = None
         self.ready: Optional[torch.cuda.Event] = None
+        self.parked: Optional[_ParkedMLP] = None  # the same layer's MLP outputs, prefetched with this input
         self.pool = _pool(state)
         stream = _side_stream(x.device)
         if self.pool is not None:
@@ -185,7 +198,9 @@ class _HostCopy:
         x.record_stream(stream)
 
     def prefetch(self) -> None:
-        if self.back is not None:
+        if self.parked is not None:
+            self.parked.prefetch()
+        if self.back is not None or self.host is None:
             return
         stream = _side_stream(self.device)
         with torch.cuda.stream(stream):
@@ -222,6 +237,52 @@ class _HostCopy:
             pass
 
 
+class _ParkedMLP:
+    """One layer's fused-MLP gate/up outputs between its first forward and its backward
+    (``kernels.lora_mlp.ParkedTiles``, module docstring): on CUDA each tile's ``e`` and ``g`` are
+    :class:`_HostCopy` s in pinned host memory; on a CPU they are kept as they are."""
+
+    def __init__(self, state: dict, to_host: bool) -> None:
+        self.state = state
+        self.to_host = to_host
+        self.tiles: list = []
+
+    def put(self, e: torch.Tensor, g: torch.Tensor) -> None:
+        self.tiles.append((_HostCopy(e, self.state), _HostCopy(g, self.state)) if self.to_host else (e, g))
+
+    @property
+    def stored(self) -> Optional[torch.cuda.Event]:
+        """The event after the last copy to the host (copies run in order on one side stream)."""
+        last = self.tiles[-1][1] if self.tiles else None
+        return last.stored if isinstance(last, _HostCopy) else None
+
+    def prefetch(self) -> None:
+        """Start copying the first tile back (the others follow as the backward takes them)."""
+        if self.tiles and isinstance(self.tiles[0][0], _HostCopy):
+            for copy in self.tiles[0]:
+                copy.prefetch()
+
+    def take(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.tiles:
+            return None
+        e, g = self.tiles.pop(0)
+        if isinstance(e, _HostCopy):
+            e, g = e.fetch(), g.fetch()
+            self.prefetch()  # the next tile's copy overlaps this tile's backward
+        return e, g
+
+
+def _pace_parked_copies(state: dict, parked: _ParkedMLP, stream: Any) -> None:
+    """Before a parked layer's forward: ``stream`` waits (on the GPU) for the copies of the parked layer two
+    before it. The previous one's copies run behind this layer, so one layer's e, g at most are in flight
+    beside this layer's own, however far the host link falls behind."""
+    recent = state.setdefault("parked", [])  # the last two parked layers' stores, oldest first
+    before = recent[0]() if len(recent) == 2 else None
+    if before is not None and before.stored is not None:
+        stream.wait_event(before.stored)
+    recent[:] = recent[-1:] + [weakref.ref(parked)]
+
+
 def mlp_output_only_summed(base: nn.Module) -> bool:
     """Whether each decoder layer's MLP output goes straight into the residual sum (no post-MLP norm)."""
     spec = lookup(getattr(base, "config", None))
@@ -233,22 +294,27 @@ class _OffloadedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: Callable[[torch.Tensor], Any], state: dict, keep_on_device: bool, info: dict,
-                unused_in_recompute: Optional[nn.Module], x: torch.Tensor, _anchor: torch.Tensor):
+                unused_in_recompute: Optional[nn.Module], park_mlp: bool, x: torch.Tensor, _anchor: torch.Tensor):
         ctx.run = run
         ctx.forward_pass = forward_state.current()  # the recompute resumes it: this forward's LoRA views
         ctx.unused_in_recompute = unused_in_recompute
         ctx.state = state
         ctx.rng_cpu = torch.get_rng_state()
         ctx.rng_cuda = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
-        with torch.no_grad():
+        to_host = x.is_cuda and not keep_on_device
+        ctx.parked = _ParkedMLP(state, to_host) if park_mlp and (to_host or not x.is_cuda) else None
+        if ctx.parked is not None and x.is_cuda:
+            _pace_parked_copies(state, ctx.parked, torch.cuda.current_stream(x.device))
+        with torch.no_grad(), forward_state.parking(ctx.parked):
             out = run(x)
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         info["rest"] = tuple(out[1:]) if isinstance(out, (tuple, list)) else None
-        if keep_on_device or not x.is_cuda:
+        if not to_host:
             ctx.save_for_backward(x)
             ctx.host = None
         else:
             ctx.host = _HostCopy(x, state)
+            ctx.host.parked = ctx.parked
             chain = state.setdefault("chain", [])
             chain[:] = [r for r in chain if r() is not None]  # drop copies of graphs already freed
             chain.append(weakref.ref(ctx.host))
@@ -264,8 +330,10 @@ class _OffloadedLayer(torch.autograd.Function):
             if ctx.host in hosts:
                 i = hosts.index(ctx.host)
                 if i > 0 and hosts[i - 1] is not None:
-                    hosts[i - 1].prefetch()  # overlap the previous layer's copy with this recompute
+                    hosts[i - 1].prefetch()  # overlap the previous layer's copies with this layer's backward
                 chain.pop(i)
+            if ctx.parked is not None:
+                ctx.parked.prefetch()  # (already running when the layer above prefetched it)
             x = ctx.host.fetch()
             ctx.host = None
         x = x.detach().requires_grad_(True)
@@ -274,11 +342,13 @@ class _OffloadedLayer(torch.autograd.Function):
             torch.set_rng_state(ctx.rng_cpu)
             if ctx.rng_cuda is not None:
                 torch.cuda.set_rng_state(ctx.rng_cuda, x.device)
-            with torch.enable_grad(), forward_state.resumed(ctx.forward_pass, ctx.unused_in_recompute):
+            with torch.enable_grad(), forward_state.resumed(ctx.forward_pass, ctx.unused_in_recompute), \
+                    forward_state.parking(ctx.parked):
                 out = ctx.run(x)
+        ctx.parked = None  # the MLP's backward below holds it until it has taken every tile
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         torch.autograd.backward(hidden, grad_hidden)
-        return None, None, None, None, None, x.grad, None
+        return None, None, None, None, None, None, x.grad, None
 
 
 def offload_checkpoint(
@@ -287,16 +357,19 @@ def offload_checkpoint(
     keep_on_device: bool = False,
     state: Optional[dict] = None,
     unused_in_recompute: Optional[nn.Module] = None,
+    park_mlp: bool = False,
     **kwargs: Any,
 ):
     """Checkpoint function for one decoder layer; its input (first positional arg) goes to pinned
     host memory unless ``keep_on_device``. ``unused_in_recompute``: a module whose output the
-    backward's recompute of the layer does not read (:func:`forward_state.unread_output`)."""
+    backward's recompute of the layer does not read (:func:`forward_state.unread_output`);
+    ``park_mlp``: its fused MLP's gate/up outputs go to the host too (``"offload_mlp"``, module docstring)."""
     x, rest = args[0], args[1:]
     run = functools.partial(_call_first, function, rest, kwargs)
     anchor = torch.empty(0, requires_grad=True)
     info: dict = {}
-    hidden = _OffloadedLayer.apply(run, state if state is not None else {}, keep_on_device, info, unused_in_recompute, x, anchor)
+    hidden = _OffloadedLayer.apply(run, state if state is not None else {}, keep_on_device, info, unused_in_recompute,
+                                   park_mlp, x, anchor)
     # Decoder layers of recent transformers return a tensor; older ones a tuple (hidden, ...).
     return hidden if info.get("rest") is None else (hidden, *info["rest"])
 
@@ -321,8 +394,8 @@ def apply_checkpointing(
 ) -> str:
     """Configure gradient checkpointing on ``model`` (PEFT-wrapped or not); returns the mode applied.
 
-    ``value`` is ``False``/``True``/``"offload"``/``"unsloth"``/``"auto"``, or a per-layer list of
-    ``"keep"``/``"recompute"``/``"offload"`` (as ``notebookkit.memory`` plans it). ``seq_len`` and
+    ``value`` is ``False``/``True``/``"offload"``/``"unsloth"``/``"offload_mlp"``/``"auto"``, or a per-layer
+    list of ``"keep"``/``"recompute"``/``"offload"``/``"offload_mlp"`` (as ``notebookkit.memory`` plans it). ``seq_len`` and
     ``batch_size`` size the ``"auto"`` plan (default: the model's ``max_seq_length``, batch 1), with
     padded rows when ``padded`` (default: when the batch has more than one row: collators pad) and
     ``images_per_row`` images (a vision-language model; default 1); ``max_memory`` caps it (default:
@@ -347,9 +420,14 @@ def apply_checkpointing(
             record_auto_plan_size(base, None)
     if len(modes) != len(layers):
         raise ValueError(f"activation plan has {len(modes)} entries but the model has {len(layers)} decoder layers.")
-    bad = set(modes) - {"keep", "recompute", "offload"}
+    bad = set(modes) - set(LAYER_MODES)
     if bad:
-        raise ValueError(f"unknown activation modes {sorted(bad)}; use 'keep', 'recompute' or 'offload'.")
+        raise ValueError(f"unknown activation modes {sorted(bad)}; use one of {', '.join(map(repr, LAYER_MODES))}.")
+    skip_mlp_output = mlp_output_only_summed(base)
+    if "offload_mlp" in modes and not skip_mlp_output:
+        modes = ["offload" if m == "offload_mlp" else m for m in modes]
+        why = ("a post-MLP norm reads each MLP's output, so the recompute computes gate/up anyway: "
+               "offload_mlp offloads the layer inputs only")
     if "offload" in modes and _model_device(base).type != "cuda":
         modes = ["recompute" if m == "offload" else m for m in modes]
         why = "offload needs a CUDA device; on CPU it is plain recompute"
@@ -358,8 +436,8 @@ def apply_checkpointing(
     # does, notebookkit's offload_checkpoint (which runs it under no_grad) would drop the aux loss's gradient.
     spec = lookup(getattr(base, "config", None))
     moe = spec is not None and spec.moe is not None
-    if moe and "offload" in modes:
-        modes = ["recompute" if m == "offload" else m for m in modes]
+    if moe and any(m in OFFLOADING for m in modes):
+        modes = ["recompute" if m in OFFLOADING else m for m in modes]
         why = ("a mixture of experts recomputes with torch's checkpoint (the routers' logits keep their gradient "
                "for the load-balancing loss); offloading its layers is not written yet (#36)")
 
@@ -375,8 +453,7 @@ def apply_checkpointing(
 
     compat.enable_gradient_checkpointing(base, functools.partial(checkpoint, use_reentrant=False))
     state: dict = {}
-    last_offload = max((i for i, m in enumerate(modes) if m == "offload"), default=-1)
-    skip_mlp_output = mlp_output_only_summed(base)
+    last_offload = max((i for i, m in enumerate(modes) if m in OFFLOADING), default=-1)
     for i, (layer, m) in enumerate(zip(layers, modes)):
         layer.gradient_checkpointing = m != "keep"
         if m == "keep":
@@ -386,12 +463,13 @@ def apply_checkpointing(
             continue
         # Recompute keeps the input on the device; so does the last offloaded layer (its input is
         # needed first in the backward pass).
-        keep = m == "recompute" or i == len(layers) - 1 or (i == last_offload and all(x == "offload" for x in modes))
+        keep = m == "recompute" or i == len(layers) - 1 or (i == last_offload and all(x in OFFLOADING for x in modes))
         compat.set_layer_checkpoint_function(layer, functools.partial(
             offload_checkpoint, keep_on_device=keep, state=state,
             unused_in_recompute=getattr(layer, "mlp", None) if skip_mlp_output else None,
+            park_mlp=m == "offload_mlp",
         ))
-    mode = "offload" if "offload" in modes else "recompute"
+    mode = "offload_mlp" if "offload_mlp" in modes else "offload" if "offload" in modes else "recompute"
     record_activation_plan(base, modes)
     _guard_trainer_override(base)
     if getattr(base.config, "use_cache", False):
@@ -401,6 +479,8 @@ def apply_checkpointing(
         text = {
             "recompute": "recompute: layer inputs kept, activations recomputed in backward",
             "offload": "offload: layer inputs in pinned host memory via a side CUDA stream",
+            "offload_mlp": "offload: layer inputs and the MLPs' gate/up outputs in pinned host memory via a side "
+                           "CUDA stream (their GEMMs not recomputed)",
         }[mode]
         banner.feature("checkpointing", True, f"{text} [{counts}]" + (f" ({why})" if why else ""))
     return mode
@@ -408,7 +488,7 @@ def apply_checkpointing(
 
 def plan_counts(modes: list[str]) -> str:
     """``"27 keep, 1 recompute"``: how many layers run each mode."""
-    return ", ".join(f"{modes.count(k)} {k}" for k in ("keep", "recompute", "offload") if modes.count(k))
+    return ", ".join(f"{modes.count(k)} {k}" for k in LAYER_MODES if modes.count(k))
 
 
 def _guard_trainer_override(base: nn.Module) -> None:

@@ -68,10 +68,12 @@ class ForwardPass:
 
 
 class _Now(threading.local):
-    """What this thread runs now: a pass (or None) and a module whose output nobody reads."""
+    """What this thread runs now: a pass (or None), a module whose output nobody reads, and where the running
+    layer parks its MLP's gate/up outputs (or None)."""
 
     forward: Optional[ForwardPass] = None
     output_unused: Optional[Any] = None
+    parked_mlp: Optional[Any] = None
 
 
 _now = _Now()
@@ -85,6 +87,22 @@ def current() -> Optional[ForwardPass]:
 def unread_output() -> Optional[Any]:
     """The module whose output value the running recompute does not read (a patched MLP), or ``None``."""
     return _now.output_unused
+
+
+def parked_mlp() -> Optional[Any]:
+    """Where the running decoder layer's fused MLP parks its gate/up outputs for the layer's backward
+    (a ``kernels.lora_mlp.ParkedTiles``: the checkpointing's ``"offload_mlp"`` mode), or ``None``."""
+    return _now.parked_mlp
+
+
+@contextlib.contextmanager
+def parking(store: Optional[Any]) -> Iterator[None]:
+    """Scope of one decoder layer's forward (its first pass, or its recompute) whose MLP parks in ``store``."""
+    previous, _now.parked_mlp = _now.parked_mlp, store
+    try:
+        yield
+    finally:
+        _now.parked_mlp = previous
 
 
 @contextlib.contextmanager

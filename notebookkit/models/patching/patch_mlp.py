@@ -7,7 +7,9 @@
   dequantisation, base + low-rank matmuls, activation and its hand-written backward).
 * While a checkpointed layer recomputes its forward for the backward pass and nothing reads the
   MLP output (the recompute names it: :func:`notebookkit.models.patching.forward_state.unread_output`), the
-  fused block skips the down projection.
+  fused block skips the down projection. In a layer that parks its gate/up outputs
+  (:func:`~notebookkit.models.patching.forward_state.parked_mlp`, the ``"offload_mlp"`` mode), the first
+  forward leaves them in host memory and the backward takes them back instead of recomputing them.
 * Otherwise (trainable base weights, LoRA dropout, DoRA, 8-bit...) the projections run their own
   modules (stock PEFT / bitsandbytes) and only ``act(e) * g`` runs the fused activation kernel.
 """
@@ -49,7 +51,7 @@ def make_mlp_forward(activation: str):
             if parts is not None and all(p.bias is None for p in parts):
                 return lora_mlp(
                     x, parts[0].projection, parts[1].projection, parts[2].projection, activation=activation,
-                    compute_output=forward_state.unread_output() is not self,
+                    compute_output=forward_state.unread_output() is not self, parked=forward_state.parked_mlp(),
                 )
         return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
