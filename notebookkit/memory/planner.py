@@ -25,7 +25,8 @@ more bytes over the host link; :func:`parked_mlp_fraction` says what share of th
 link carries behind the forward (all of them on a T4, about a third on an H200), and a plan with that
 share parked (as many as the pinned host memory holds, spread evenly) is weighed beside the plain one,
 for the largest ``m`` that fits and for everything offloaded (a parked offload can cost less than a
-recompute). Its estimate counts the prefetched tile of ``e, g`` on the GPU.
+recompute), when asked (``park_mlps=True``; ``"auto"`` does not yet, see the argument). Its estimate
+counts the prefetched tile of ``e, g`` on the GPU.
 
 All layers of a model have the same shape, so a plan is fixed by how many layers keep (k) and
 recompute (m); the rest offload. For a vision-language model, any checkpointed decoder layer also
@@ -84,9 +85,8 @@ class DoesNotFitError(ValueError):
 class ActivationPlan:
     """Per-layer activation modes and what they cost.
 
-    ``modes[i]`` is ``"keep"``, ``"recompute"`` or ``"offload"`` for decoder layer ``i`` (the planner does
-    not choose ``"offload_mlp"`` yet: it has no price for the host link's bandwidth against the recompute it
-    saves; a plan given by hand may use it).
+    ``modes[i]`` is ``"keep"``, ``"recompute"``, ``"offload"`` or (asked for with ``park_mlps=True``)
+    ``"offload_mlp"`` for decoder layer ``i``.
     ``estimate`` is the memory estimate of this plan; ``budget_bytes`` what it had to fit in;
     ``host_bytes`` the pinned host memory the offloaded layers need; ``step_overhead`` the
     predicted extra step time as a fraction of a step with every layer kept.
@@ -304,6 +304,7 @@ def plan_activations(
     safety_margin: float | None = None,
     allow_offload: bool | None = None,
     margin_of: str = "budget",
+    park_mlps: bool = False,
     explain: bool = True,
     **estimate_kwargs: Any,
 ) -> ActivationPlan:
@@ -323,6 +324,12 @@ def plan_activations(
             for a mixture of experts (its layers recompute instead: offloading them is not written yet).
         margin_of: ``"budget"`` (the margin is a fraction of the whole budget) or ``"step"`` (of the budget
             less the frozen base weights, which are allocated once: module docstring).
+        park_mlps: also weigh plans whose offloaded layers park their MLPs' gate/up outputs (``"offload_mlp"``,
+            module docstring). Off by default, so ``"auto"`` does not choose it yet: on the H200 the parked
+            copies' ``record_stream`` blocks held the caching allocator's reserve at 22.2 GiB for a 7.9 GiB
+            allocated peak (the host enqueues layers ahead of the copies it would wait for), and under a
+            memory cap (a T4) that reserve would be freed by device syncs inside the step; a capped run has
+            not been measured.
         explain: False raises :class:`DoesNotFitError` without working out what to change (searches that
             probe many settings: :func:`~notebookkit.memory.largest_lora_rank`, :func:`~notebookkit.memory.longest_sequence`).
         **estimate_kwargs: ``load_in_4bit``, ``dtype``, ``lora_r``, ``target_modules``, ``optimizer``,
@@ -376,7 +383,7 @@ def plan_activations(
     def est_for(k: int, m: int) -> MemoryEstimate:
         return estimate_training_memory(shape, activation_plan=_modes(L, k, m), **estimate_kwargs)
 
-    fraction, saved = parked_mlp_fraction(text, estimate_kwargs, card_obj) if allow_offload else (0.0, 0.0)
+    fraction, saved = parked_mlp_fraction(text, estimate_kwargs, card_obj) if allow_offload and park_mlps else (0.0, 0.0)
 
     def parked_variant(k: int, m: int, cost: float) -> tuple[float, tuple[str, ...], MemoryEstimate] | None:
         """The plan with the host link's share of its offloaded layers parking their MLPs (as many as the pinned

@@ -20,7 +20,6 @@ CHECKPOINTING_OPTIONS: list[tuple[str, Any]] = [
     ("off: keep all activations (fastest, most memory)", False),
     ("recompute every layer", True),
     ("recompute + offload inputs to CPU (least memory)", "offload"),
-    ("offload inputs and MLP gate/up to CPU (less recompute, more host RAM)", "offload_mlp"),
 ]
 _CKPT_VALUES = [v for _, v in CHECKPOINTING_OPTIONS]
 
@@ -34,8 +33,7 @@ def _ckpt_value(v: Any) -> Any:
         return False
     if v not in _CKPT_VALUES:
         raise ValueError(
-            f"notebookkit: use_gradient_checkpointing={v!r} is not one of 'auto', True, False, 'offload' ('unsloth'), "
-            "'offload_mlp'."
+            f"notebookkit: use_gradient_checkpointing={v!r} is not one of 'auto', True, False, 'offload' ('unsloth')."
         )
     return v
 

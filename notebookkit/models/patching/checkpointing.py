@@ -14,8 +14,12 @@
   output a post-MLP norm reads (Gemma 2/3), or a mixture of experts, offloads without parking. A parked
   layer's forward waits (on the GPU) for the copies of the parked layer two before it, so at most one
   layer's ``e, g`` are in flight to the host beside its own. On a CPU the input stays and ``e, g`` are kept
-  as they are. ``"auto"`` parks the share of the offloaded layers the host link carries
-  (:func:`notebookkit.memory.planner.parked_mlp_fraction`); ``"offload_mlp"`` by name parks them all.
+  as they are. ``"offload_mlp"`` by name parks every offloaded layer; a per-layer plan may park some
+  (:func:`notebookkit.memory.planner.park_offloaded_mlps`, the share the host link carries:
+  :func:`~notebookkit.memory.planner.parked_mlp_fraction`). ``"auto"`` does not park yet: the copies'
+  ``record_stream`` blocks let the caching allocator's reserve grow far past the allocated peak
+  (22.2 GiB reserved for 7.9 GiB allocated, 8B NF4 2 x 4096 on the H200), which a capped card pays for
+  with device syncs inside the step.
 * auto: asks ``notebookkit.memory.planner`` for the fastest per-layer plan (keep / recompute /
   offload) that fits in free VRAM; without a GPU it picks no checkpointing (host memory is not the
   constraint, and recomputing costs time). A per-layer list of modes can also be passed directly.
