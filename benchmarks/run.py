@@ -39,7 +39,11 @@ CONFIGS: dict[str, tuple[str, str, int, int]] = {
     "8b-nf4-16384x1": ("llama-3.1-8b", "nf4", 16384, 1),
     "qwen3-4b-bf16-2048x4": ("qwen3-4b", "bf16", 2048, 4),
     "gemma2-2b-bf16-2048x4": ("gemma-2-2b", "bf16", 2048, 4),
+    "8b-nf4-4096x1-t4": ("llama-3.1-8b", "nf4", 4096, 1),
 }
+# A T4 emulated: its fp16 (autocast + GradScaler, as Trainer(fp16=True)) under a 15 GiB VRAM cap. notebookkit's
+# default "auto" then plans for the cap (torch.cuda.set_per_process_memory_fraction, which the planner reads).
+CONFIG_ARGS = {"8b-nf4-4096x1-t4": ["--dtype", "float16", "--memory-cap-gib", "15"]}
 # Long rows: fewer steps (warm-up, timed) so a full run fits in one device call.
 STEPS = {"8b-nf4-16384x1": (1, 3)}
 SYSTEMS = ["hf", "compile", "liger", "unsloth", "notebookkit", "notebookkit-offload"]
@@ -105,7 +109,7 @@ def run_row(config: str, system: str, steps: int, timeout: int, extra: list[str]
     warmup, steps = STEPS.get(config, (2, steps))
     cmd = [sys.executable, os.path.join(HERE, "train_step.py"), "--system", base_system, "--shape", shape,
            "--quant", quant, "--seq", str(seq), "--batch", str(batch), "--warmup", str(warmup), "--steps", str(steps),
-           *variant_args, *extra, *(["--save-lora-b", lora_b_path] if lora_b_path else [])]
+           *CONFIG_ARGS.get(config, []), *variant_args, *extra, *(["--save-lora-b", lora_b_path] if lora_b_path else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -128,7 +128,7 @@ def token_batches(shape: str, batch: int, seq: int, n: int, device: str = "cuda"
     return cycle_stream(n, batch, seq, SHAPES[shape]["vocab_size"], symbols=STREAM_SYMBOLS, seed=0, device=device)
 
 
-def load_peers(system: str, folder: str, quant: str):
+def load_peers(system: str, folder: str, quant: str, dtype: torch.dtype = torch.bfloat16):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -138,11 +138,11 @@ def load_peers(system: str, folder: str, quant: str):
 
         cfg = json.load(open(os.path.join(folder, "config.json")))
         _apply_liger_kernel(cfg["model_type"])
-    kwargs = dict(dtype=torch.bfloat16, device_map={"": 0}, attn_implementation="sdpa")
+    kwargs = dict(dtype=dtype, device_map={"": 0}, attn_implementation="sdpa")
     if quant == "nf4":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_compute_dtype=dtype,
         )
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     if quant == "nf4":
@@ -162,11 +162,11 @@ def load_peers(system: str, folder: str, quant: str):
     return model
 
 
-def load_unsloth(folder: str, quant: str, seq: int):
+def load_unsloth(folder: str, quant: str, seq: int, dtype: torch.dtype = torch.bfloat16):
     from unsloth import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
-        model_name=folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=(quant == "nf4")
+        model_name=folder, max_seq_length=seq, dtype=dtype, load_in_4bit=(quant == "nf4")
     )
     return FastLanguageModel.get_peft_model(
         model, r=16, lora_alpha=16, lora_dropout=0, bias="none", target_modules=TARGETS,
@@ -175,11 +175,12 @@ def load_unsloth(folder: str, quant: str, seq: int):
 
 
 def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str, max_memory: str | None = None,
-                     fp8: bool = False, offload_embedding: bool = False, park_fraction: str | None = None):
+                     fp8: bool = False, offload_embedding: bool = False, park_fraction: str | None = None,
+                     dtype: torch.dtype = torch.bfloat16):
     from notebookkit import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
-        folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=(quant == "nf4"),
+        folder, max_seq_length=seq, dtype=dtype, load_in_4bit=(quant == "nf4"),
         offload_embedding=offload_embedding,
     )
     gc_mode: object = {"true": True, "false": False}.get(checkpointing, checkpointing)
@@ -258,21 +259,50 @@ def plan_counts(model) -> str:
     return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "recompute", "offload", "offload_mlp") if modes.count(m))
 
 
-def training_step(model, optimizer):
+def training_step(model, optimizer, scaler=None):
     """The step every benchmark times: forward with labels, backward, optimizer step, ``zero_grad``.
 
     The returned function takes the token ids and returns the loss as a device tensor (reading it on
-    the host would wait for the GPU).
+    the host would wait for the GPU). With ``scaler`` (a ``torch.amp.GradScaler``: fp16, a T4's precision)
+    the step is what ``Trainer(fp16=True)`` runs: the forward under fp16 autocast, the scaled loss's
+    backward, ``scaler.step`` (which skips a step whose gradients overflowed: it reads the overflow flag on
+    the host, so an fp16 step waits for the GPU once, in every system alike) and ``scaler.update``; the scale
+    after each step goes to ``step.scales`` (a fall marks a skipped step).
     """
 
     def step(ids: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        optimizer.step()
+        if scaler is None:
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            optimizer.step()
+        else:
+            with torch.autocast(ids.device.type, dtype=torch.float16):
+                out = model(input_ids=ids, labels=ids)
+            scaler.scale(out.loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            step.scales.append(scaler.get_scale())  # a host read, as scaler.step's own overflow check is
         optimizer.zero_grad(set_to_none=True)
         return out.loss.detach()
 
+    step.scales = []
     return step
+
+
+def skipped_steps(scales: list) -> int:
+    """Steps the loss scaler skipped: each overflow halves the scale (``GradScaler``'s backoff)."""
+    values = [float(x) for x in scales]
+    return sum(1 for a, b in zip(values, values[1:]) if b < a) + (1 if values and values[0] < INITIAL_SCALE else 0)
+
+
+INITIAL_SCALE = 65536.0  # torch.amp.GradScaler's default init_scale
+
+
+def host_rss_peak_gib() -> float:
+    """This process's peak resident host memory (a T4 session has about 12.7 GB of it)."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)  # KiB -> GiB (Linux)
 
 
 def main() -> None:
@@ -286,7 +316,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--checkpointing", default="auto")
     ap.add_argument("--max-memory", default=None, help='notebookkit: VRAM cap for the "auto" plan, e.g. 10GiB')
-    ap.add_argument("--memory-cap-gib", type=float, default=None, help="enforce a VRAM cap (max-context search)")
+    ap.add_argument("--memory-cap-gib", type=float, default=None,
+                    help="enforce a VRAM cap (max-context search; 15 with --dtype float16 emulates a T4)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="compute dtype; float16 (a T4's) trains under autocast and a GradScaler, as Trainer(fp16=True)")
     ap.add_argument("--fp8", action="store_true", help="notebookkit: FP8 forward for the frozen base GEMMs")
     ap.add_argument("--offload-embedding", action="store_true",
                     help="notebookkit: the input embedding table in pinned host memory (untied models)")
@@ -306,14 +339,15 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
 
     torch.cuda.reset_peak_memory_stats()
+    dtype = getattr(torch, args.dtype)
     t0 = time.time()
     if args.system == "unsloth":
-        model = load_unsloth(folder, args.quant, args.seq)
+        model = load_unsloth(folder, args.quant, args.seq, dtype)
     elif args.system == "notebookkit":
         model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, args.max_memory, args.fp8,
-                                 args.offload_embedding, args.park_fraction)
+                                 args.offload_embedding, args.park_fraction, dtype)
     else:
-        model = load_peers(args.system, folder, args.quant)
+        model = load_peers(args.system, folder, args.quant, dtype)
     load_s = time.time() - t0
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -322,7 +356,8 @@ def main() -> None:
     lora_a_init_sum = sum(float(p.detach().double().sum()) for n, p in model.named_parameters() if "lora_A" in n)
     batches = token_batches(args.shape, args.batch, args.seq, args.warmup + args.steps)
 
-    step = training_step(model, optimizer)
+    scaler = torch.amp.GradScaler("cuda", init_scale=INITIAL_SCALE) if args.dtype == "float16" else None
+    step = training_step(model, optimizer, scaler)
     losses = [step(ids).item() for ids in batches[: args.warmup]]
     torch.cuda.synchronize()
     # CUDA events between timed steps (no host sync inside the window): per-step times, whose median
@@ -346,7 +381,8 @@ def main() -> None:
     if args.save_lora_b:
         torch.save(lora_b, args.save_lora_b)
     result = dict(
-        system=args.system, shape=args.shape, quant=args.quant, seq=args.seq, batch=args.batch,
+        system=args.system, shape=args.shape, quant=args.quant, seq=args.seq, batch=args.batch, dtype=args.dtype,
+        skipped_steps=skipped_steps(step.scales) if scaler is not None else None, host_rss_peak_gib=host_rss_peak_gib(),
         checkpointing=args.checkpointing if args.system == "notebookkit" else None,
         plan=plan_counts(model) if args.system == "notebookkit" else None,
         max_memory=args.max_memory, memory_cap_gib=args.memory_cap_gib,

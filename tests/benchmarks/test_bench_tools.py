@@ -798,3 +798,34 @@ def test_ptx_census_counts_the_loop_with_inline_asm_expanded():
     with pytest.raises(SystemExit, match="no loop"):
         ptx_census.hot_loop(PTX.replace("@%p1 bra \t$L__BB0_1;", ""))
     assert ptx_census.nf4_matvec_bytes_per_thread(dict(BLOCK_N=4, STEP_BLOCKS=16, BLOCKSIZE=64), {"num_warps": 4}) == 16
+
+
+def test_fp16_training_step_runs_under_a_loss_scaler_and_counts_skipped_steps():
+    """The T4 emulation's step (benchmarks/train_step.py --dtype float16): the scaled loss's backward and
+    GradScaler's step; an overflow halves the scale and counts as a skipped step (CPU, a one-linear model)."""
+    import torch
+
+    import run
+    import train_step
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, input_ids, labels):
+            return types.SimpleNamespace(loss=(self.w * self.w * input_ids.float()).sum())
+
+    model = Tiny()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=train_step.INITIAL_SCALE)
+    step = train_step.training_step(model, optimizer, scaler)
+    step(torch.tensor([1, 2, 3]))
+    assert model.w.grad is None and not torch.equal(model.w.detach(), torch.ones(3))  # stepped, grads cleared
+    with torch.no_grad():
+        model.w[0] = float("inf")  # the next gradient overflows: the scaler skips the step and halves its scale
+    step(torch.tensor([1, 2, 3]))
+    assert step.scales == [train_step.INITIAL_SCALE, train_step.INITIAL_SCALE / 2]
+    assert train_step.skipped_steps(step.scales) == 1 and train_step.skipped_steps(step.scales[:1]) == 0
+    assert train_step.skipped_steps([65536.0, 65536.0, 131072.0, 65536.0]) == 1  # a growth is no skip
+    assert run.CONFIG_ARGS["8b-nf4-4096x1-t4"] == ["--dtype", "float16", "--memory-cap-gib", "15"]

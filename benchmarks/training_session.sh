@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue #34's training tables, each part in one device call with the peer in the same call.
+#
+#   locally, once:  bash ../shared/tools/gpu_site.sh .site-unsloth --unsloth     (bitsandbytes, Unsloth, trl 1.15)
+#   device call:    OUT=$OUT bash benchmarks/training_session.sh train t4          carry: [".site-unsloth"]
+#                   OUT=$OUT bash benchmarks/training_session.sh vision-qwen      (a call of its own: ~6 minutes)
+#                   OUT=$OUT bash benchmarks/training_session.sh vision-gemma
+#
+# Parts:
+#   train         8B NF4 4096 x 2, exact math: offload, offload_mlp (every layer's gate/up parked), Unsloth (~5 min)
+#   t4            the same model under a T4 emulated (fp16 + GradScaler, 15 GiB cap): "auto", offload, Unsloth
+#   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean, Unsloth (checkpoint built first, untimed)
+#   vision-gemma  Gemma-3-4B NF4, 4 images of 896^2: the same
+# A part that would start after BUDGET_S seconds (default 540, under the device tool's 10 minutes a command) is
+# skipped with a line saying so. Results: $OUT/<part>/ (the scripts' JSON and markdown, one log a part); copy
+# them to benchmarks/results/. Remove the checkpoints with `rm -rf ~/.cache/notebookkit/bench` before the GPU suite.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/.site-unsloth:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+[ -d .site-unsloth ] || echo "no .site-unsloth here: the Unsloth rows will read 'not installed'"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+START=$(date +%s)
+left() { echo $(( ${BUDGET_S:-540} - ($(date +%s) - START) )); }
+for part in "$@"; do
+  if [ "$(left)" -le 60 ]; then echo "$part: skipped (budget spent)"; continue; fi
+  mkdir -p "$OUT/$part"
+  case "$part" in
+    train)
+      python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare >/dev/null
+      timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x2 --steps 5 --timeout 150 \
+        --systems notebookkit-offload,notebookkit-offload-mlp,unsloth ;;
+    t4)
+      python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare >/dev/null
+      timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x1-t4 --steps 5 --timeout 150 \
+        --systems notebookkit,notebookkit-offload,unsloth ;;
+    vision-qwen|vision-gemma)
+      shape=$([ "$part" = vision-qwen ] && echo qwen2.5-vl-7b || echo gemma-3-4b)
+      python3 benchmarks/vision_step.py --shape "$shape" --prepare >/dev/null
+      timeout "$(left)" python3 benchmarks/vision_step.py --shape "$shape" --steps 5 --timeout 240 --out "$OUT/$part" \
+        --systems notebookkit-lean,unsloth ;;
+    *) echo "unknown part $part (train, t4, vision-qwen, vision-gemma)"; continue ;;
+  esac > "$OUT/$part/$part.log" 2>&1
+  echo "$part: exit $? after $(( $(date +%s) - START )) s"; tail -12 "$OUT/$part/$part.log"
+done
