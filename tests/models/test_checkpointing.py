@@ -13,6 +13,7 @@ from notebookkit.kernels.testing import rel_err
 from notebookkit.memory import PinnedBufferPool
 from notebookkit.models.patching import checkpointing as ckpt
 from notebookkit import compat
+from notebookkit.models.common.banner import Banner
 from notebookkit.models.patching import forward_state
 from notebookkit.models import patch_model
 from notebookkit.models.patching.checkpointing import _HostCopy, apply_checkpointing, normalize_mode, offload_checkpoint
@@ -117,7 +118,9 @@ def test_offload_mlp_takes_the_parked_gate_up_with_the_recompute_bits(family, pa
     ref.train()
     model = copy.deepcopy(ref)
     apply_checkpointing(ref, True)
-    assert apply_checkpointing(model, "offload_mlp") == ("offload_mlp" if parks else "recompute")
+    banner = Banner()
+    assert apply_checkpointing(model, "offload_mlp", banner=banner) == ("offload_mlp" if parks else "recompute")
+    assert ("stay in memory" if parks else "plain recompute") in banner.features["checkpointing"][1]
     x = torch.randint(0, 256, (2, 12))
     loss_ref, g_ref = _grads(ref, x, x)
     products = []  # gate/up products (the shared-input dispatch) during the step

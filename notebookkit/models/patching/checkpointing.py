@@ -435,6 +435,8 @@ def apply_checkpointing(
     if "offload" in modes and _model_device(base).type != "cuda":
         modes = ["recompute" if m == "offload" else m for m in modes]
         why = "offload needs a CUDA device; on CPU it is plain recompute"
+    if "offload_mlp" in modes and _model_device(base).type != "cuda":
+        why = "on CPU the layer inputs and the MLPs' gate/up outputs stay in memory (no copies)"
     # A mixture of experts: the routers' logits leave each layer through Hugging Face's output hooks (the
     # load-balancing loss), so a layer's first forward must keep its graph: torch's non-reentrant checkpoint
     # does, notebookkit's offload_checkpoint (which runs it under no_grad) would drop the aux loss's gradient.
