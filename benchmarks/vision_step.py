@@ -453,31 +453,34 @@ def run_all(args) -> list[dict]:
     rows = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     for system in args.systems.split(","):
-        need = NEEDS.get(system)
-        if need and importlib.util.find_spec(need) is None:
-            rows.append({"system": system, "status": f"not installed ({need})"})
-            continue
-        start = time.time()
-        try:
-            proc = subprocess.run(child_command(system, args), capture_output=True, text=True, env=env,
-                                  timeout=args.timeout)
-        except subprocess.TimeoutExpired:  # a row that runs too long is reported, the others still are
-            rows.append({"system": system, "status": f"timed out after {args.timeout} s",
-                         "wall_s": round(time.time() - start, 1)})
-            print(f"{system}: timed out", flush=True)
-            continue
-        results = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode == 0 and results:
-            row = json.loads(results[-1])
-            row["status"] = "ok"
-        else:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            row = {"system": system, "status": f"failed (exit {proc.returncode}): " + " | ".join(tail)}
-        row["wall_s"] = round(time.time() - start, 1)
+        row = run_one(system, args, env)
         rows.append(row)
         print(f"{system}: {row['status']}" + (f", {row['s_step']} s/step, peak {row['peak_gib']} GiB"
                                                if row["status"] == "ok" else ""), flush=True)
+        print("ROW " + json.dumps(row), flush=True)  # the whole row in the log, should the run be cut short
     return rows
+
+
+def run_one(system: str, args, env: dict) -> dict:
+    """One system's row, from its own process: ok, not installed, timed out or failed (with its error's tail)."""
+    need = NEEDS.get(system)
+    if need and importlib.util.find_spec(need) is None:
+        return {"system": system, "status": f"not installed ({need})"}
+    start = time.time()
+    try:
+        proc = subprocess.run(child_command(system, args), capture_output=True, text=True, env=env,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # a row that runs too long is reported, the others still are
+        return {"system": system, "status": f"timed out after {args.timeout} s", "wall_s": round(time.time() - start, 1)}
+    results = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode == 0 and results:
+        row = json.loads(results[-1])
+        row["status"] = "ok"
+    else:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        row = {"system": system, "status": f"failed (exit {proc.returncode}): " + " | ".join(tail)}
+    row["wall_s"] = round(time.time() - start, 1)
+    return row
 
 
 def markdown(rows: list[dict], args) -> str:

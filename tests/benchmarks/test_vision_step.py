@@ -40,6 +40,9 @@ def test_vision_step_tiny_on_cpu(tmp_path):
     table = open(tmp_path / result.replace(".json", ".md")).read()
     assert "| notebookkit |" in table and "| hf |" in table and "| unsloth |" in table
     assert "predicted GiB" in table and f"| {ours['predicted_gib']:.2f} |" in table
+    # every row is in the log as it finishes (a run cut short by a device call's limit keeps the rows done)
+    logged = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    assert [r["system"] for r in logged] == systems.split(",") and logged[0]["s_step"] == ours["s_step"]
 
 
 def test_runs_split_over_calls_are_combined(tmp_path):
