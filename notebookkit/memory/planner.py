@@ -325,11 +325,11 @@ def plan_activations(
         margin_of: ``"budget"`` (the margin is a fraction of the whole budget) or ``"step"`` (of the budget
             less the frozen base weights, which are allocated once: module docstring).
         park_mlps: also weigh plans whose offloaded layers park their MLPs' gate/up outputs (``"offload_mlp"``,
-            module docstring). Off by default, so ``"auto"`` does not choose it yet: on the H200 the parked
-            copies' ``record_stream`` blocks held the caching allocator's reserve at 22.2 GiB for a 7.9 GiB
-            allocated peak (the host enqueues layers ahead of the copies it would wait for), and under a
-            memory cap (a T4) that reserve would be freed by device syncs inside the step; a capped run has
-            not been measured.
+            module docstring). Off by default, so ``"auto"`` does not choose it yet: on the H200 the caching
+            allocator's reserve reached 22.2 GiB for a 7.9 GiB allocated peak with every layer parked (most
+            likely the parked copies' ``record_stream`` blocks, which the host, enqueueing layers ahead, cannot
+            reuse yet; not traced), and under a memory cap (a T4) that reserve would be freed by device syncs
+            inside the step; a capped run has not been measured.
         explain: False raises :class:`DoesNotFitError` without working out what to change (searches that
             probe many settings: :func:`~notebookkit.memory.largest_lora_rank`, :func:`~notebookkit.memory.longest_sequence`).
         **estimate_kwargs: ``load_in_4bit``, ``dtype``, ``lora_r``, ``target_modules``, ``optimizer``,

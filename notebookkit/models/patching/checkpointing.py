@@ -16,9 +16,9 @@
   layer's ``e, g`` are in flight to the host beside its own. On a CPU the input stays and ``e, g`` are kept
   as they are. ``"offload_mlp"`` by name parks every offloaded layer; a per-layer plan may park some
   (:func:`notebookkit.memory.planner.park_offloaded_mlps`, the share the host link carries:
-  :func:`~notebookkit.memory.planner.parked_mlp_fraction`). ``"auto"`` does not park yet: the copies'
-  ``record_stream`` blocks let the caching allocator's reserve grow far past the allocated peak
-  (22.2 GiB reserved for 7.9 GiB allocated, 8B NF4 2 x 4096 on the H200), which a capped card pays for
+  :func:`~notebookkit.memory.planner.parked_mlp_fraction`). ``"auto"`` does not park yet: the caching allocator's
+  reserve grew far past the allocated peak (22.2 GiB reserved for 7.9 GiB allocated, 8B NF4 2 x 4096 on the
+  H200; most likely the copies' ``record_stream`` blocks, not yet traced), which a capped card would pay for
   with device syncs inside the step.
 * auto: asks ``notebookkit.memory.planner`` for the fastest per-layer plan (keep / recompute /
   offload) that fits in free VRAM; without a GPU it picks no checkpointing (host memory is not the
