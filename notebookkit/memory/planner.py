@@ -203,6 +203,13 @@ def _per_process_cap(torch: Any, total: int) -> int | None:
     return int(fraction * total) if fraction < 1.0 else None
 
 
+def _card_rates(kw: dict[str, Any], card: GPUCard | None) -> tuple[float, float]:
+    """``(matmul FLOP/s, host link bytes/s)`` of ``card`` for this setup: a quantised base runs at 0.8 of the
+    card's rate (dequantisation before (NF4) or inside (2-bit, ternary) each matmul)."""
+    rate = (card.tflops if card else 1.0) * 1e12 * (0.8 if _quantised(kw) else 1.0)
+    return rate, (card.pcie_gbps if card else 10.0) * 1e9
+
+
 def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) -> tuple[float, float, float]:
     """(forward seconds of one layer, extra seconds to recompute it, extra seconds to offload it)."""
     N = kw.get("batch_size", 1) * kw.get("seq_len", 2048)
@@ -215,11 +222,8 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
         experts = expert_lora_param_count(shape, ranks)
         lora_layer -= experts / shape.num_layers * (1 - shape.experts_per_token / shape.num_experts)
     flops = N * (2 * shape.active_linear_params_per_layer + 2 * lora_layer + 2 * T * shape.q_dim)
-    rate = (card.tflops if card else 1.0) * 1e12
-    if _quantised(kw):
-        rate *= 0.8  # dequantisation before (NF4) or inside (2-bit, ternary) each matmul
+    rate, bw = _card_rates(kw, card)
     t_f = flops / rate
-    bw = (card.pcie_gbps if card else 10.0) * 1e9
     copy = N * shape.hidden_size * s / bw
     # The recompute skips the down projection where nothing reads the MLP output (no post-MLP norm); a
     # mixture of experts reruns its whole layer (torch's checkpoint).
@@ -247,8 +251,7 @@ def parked_mlp_fraction(shape: ModelShape, kw: dict[str, Any], card: GPUCard | N
     N = kw.get("batch_size", 1) * kw.get("seq_len", 2048)
     s = bytes_of_dtype(kw.get("dtype", "bfloat16"))
     t_f, _, _ = _layer_costs(shape, kw, card)
-    rate = (card.tflops if card else 1.0) * 1e12 * (0.8 if _quantised(kw) else 1.0)
-    bw = (card.pcie_gbps if card else 10.0) * 1e9
+    rate, bw = _card_rates(kw, card)
     c_in, c_mlp = N * shape.hidden_size * s / bw, 2 * N * shape.intermediate_size * s / bw
     f = min(1.0, max(0.0, (0.7 * t_f - c_in) / c_mlp))
     return f, 4 * N * shape.hidden_size * shape.intermediate_size / rate
@@ -280,8 +283,7 @@ def _vision_recompute_seconds(shape: Any, kw: dict[str, Any], card: GPUCard | No
     rows = kw.get("batch_size", 1) * (method.rows_per_example if method is not None else 1)
     size = kw.get("image_size") if kw.get("image_size") is not None else (shape.default_image_size or 448)
     patches = rows * kw.get("images_per_row", 1) * shape.image_grid(size)[0]
-    rate = (card.tflops if card else 1.0) * 1e12 * (0.8 if _quantised(kw) else 1.0)
-    return patches * 2 * shape.vision.linear_params / rate
+    return patches * 2 * shape.vision.linear_params / _card_rates(kw, card)[0]
 
 
 def _quantised(kw: dict[str, Any]) -> bool:
@@ -384,23 +386,25 @@ def plan_activations(
         return estimate_training_memory(shape, activation_plan=_modes(L, k, m), **estimate_kwargs)
 
     fraction, saved = parked_mlp_fraction(text, estimate_kwargs, card_obj) if allow_offload and park_mlps else (0.0, 0.0)
+    parked_host = parked_mlp_bytes(text, estimate_kwargs.get("batch_size", 1) * estimate_kwargs.get("seq_len", 2048),
+                                   bytes_of_dtype(estimate_kwargs.get("dtype", "bfloat16")))[0] if fraction > 0 else 0
 
-    def parked_variant(k: int, m: int, cost: float) -> tuple[float, tuple[str, ...], MemoryEstimate] | None:
-        """The plan with the host link's share of its offloaded layers parking their MLPs (as many as the pinned
-        host memory left over holds), if it fits."""
+    def plan_cost(k: int, m: int) -> float:
+        return m * c_rec + (L - k - m) * c_off + (c_vision if k < L else 0.0)
+
+    def parked_variant(k: int, m: int, unparked: MemoryEstimate) -> tuple[float, tuple[str, ...], MemoryEstimate] | None:
+        """The plan ``(k, m)`` (estimated as ``unparked``) with the host link's share of its offloaded layers
+        parking their MLPs (as many as the pinned host memory left over holds), if it fits."""
         if fraction <= 0 or L - k - m <= 1:
             return None
-        unparked = est_for(k, m)
-        per_layer = parked_mlp_bytes(text, estimate_kwargs.get("batch_size", 1) * estimate_kwargs.get("seq_len", 2048),
-                                     bytes_of_dtype(estimate_kwargs.get("dtype", "bfloat16")))[0]
         modes = park_offloaded_mlps(_modes(L, k, m), fraction,
-                                    most=max(0, host_memory_bytes - unparked.host_offload) // max(per_layer, 1))
+                                    most=max(0, host_memory_bytes - unparked.host_offload) // max(parked_host, 1))
         if "offload_mlp" not in modes:
             return None
         est = estimate_training_memory(shape, activation_plan=modes, **estimate_kwargs)
         if not fits(est) or est.host_offload > host_memory_bytes:
             return None
-        return cost - modes.count("offload_mlp") * saved, modes, est
+        return plan_cost(k, m) - modes.count("offload_mlp") * saved, modes, est
 
     best: tuple[float, tuple[str, ...], MemoryEstimate] | None = None
     host_blocked: MemoryEstimate | None = None
@@ -417,11 +421,9 @@ def plan_activations(
             if est.host_offload > host_memory_bytes:
                 host_blocked = host_blocked or est
                 break
-            cost = m * c_rec + (L - k - m) * c_off + (c_vision if k < L else 0.0)
-            candidates = [(cost, _modes(L, k, m), est), parked_variant(k, m, cost)]
+            candidates = [(plan_cost(k, m), _modes(L, k, m), est), parked_variant(k, m, est)]
             if fraction > 0 and m > lowest_m:  # a parked offload can cost less than a recompute: all offloaded
-                candidates.append(parked_variant(k, lowest_m, lowest_m * c_rec + (L - k - lowest_m) * c_off
-                                                 + (c_vision if k < L else 0.0)))
+                candidates.append(parked_variant(k, lowest_m, est_for(k, lowest_m)))
             for candidate in candidates:
                 if candidate is not None and (best is None or candidate[0] < best[0] - 1e-12):
                     best = candidate
