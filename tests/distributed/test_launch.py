@@ -63,19 +63,26 @@ def test_accelerate_launch_runs_the_notebook_on_two_cpu_processes(tmp_path):
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(key, None)
-    out = tmp_path / "run"
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    # --tee 3 --log_dir: each rank's stdout and stderr also go to files of their own (the console copy
+    # interleaves the two ranks' writes, e.g. one rank's streamed reply inside the other's lines).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()),
+           "--main_process_port", str(_free_port()), "--tee", "3", "--log_dir", str(logs),
            str(NOTEBOOK), "--max_steps", "2", "--train_rows", "32", "--n_eval", "4", "--n_exact", "1",
            "--batch_size", "2", "--max_seq_length", "256", "--calibration_steps", "0",
            "--min_loss_drop", "-1", "--min_heldout_drop", "-1", "--output_dir", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    assert log.count("trained 2 steps in") == 2 and log.count(" on 2 processes") == 2, log[-6000:]
-    assert log.count("learning signal: OK") == 2, log[-6000:]
-    assert log.count("saved: [") == 1, "the adapter must be written by the first process only"
+    ranks = [sorted(logs.glob(f"*/attempt_*/{rank}/stdout.log")) for rank in (0, 1)]
+    assert all(len(found) == 1 for found in ranks), f"one stdout log a rank expected under {logs}: {ranks}"
+    stdout = [found[0].read_text() for found in ranks]
+    for rank, text in enumerate(stdout):
+        assert "trained 2 steps in" in text and " on 2 processes" in text, f"rank {rank}:\n{text[-4000:]}"
+        assert "learning signal: OK" in text, f"rank {rank}:\n{text[-4000:]}"
+    saves = [text.count("saved: [") for text in stdout]
+    assert saves == [1, 0], f"the adapter must be written by the first process only (saves by rank: {saves})"
     assert (out / "lora_adapter" / "adapter_config.json").is_file()
 
 
