@@ -8,7 +8,8 @@
 #
 # Parts:
 #   train         8B NF4 4096 x 2, exact math: offload, offload_mlp (every layer's gate/up parked), Unsloth (~5 min)
-#   t4            the same model under a T4 emulated (fp16 + GradScaler, 15 GiB cap): "auto", offload, Unsloth
+#   t4            the same model under a T4 emulated (fp16 + GradScaler, 15 GiB cap): "auto", "auto" with its offloaded
+#                 layers' MLPs parked, offload, offload_mlp, Unsloth
 #   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean, Unsloth (checkpoint built first, untimed)
 #   vision-gemma  Gemma-3-4B NF4, 4 images of 896^2: the same
 # A part that would start after BUDGET_S seconds (default 540, under the device tool's 10 minutes a command) is
@@ -32,7 +33,7 @@ for part in "$@"; do
     t4)
       python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x1-t4 --steps 5 --timeout 150 \
-        --systems notebookkit,notebookkit-offload,unsloth ;;
+        --systems notebookkit,notebookkit-park,notebookkit-offload,notebookkit-offload-mlp,unsloth ;;
     vision-qwen|vision-gemma)
       shape=$([ "$part" = vision-qwen ] && echo qwen2.5-vl-7b || echo gemma-3-4b)
       python3 benchmarks/vision_step.py --shape "$shape" --prepare >/dev/null

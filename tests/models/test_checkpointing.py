@@ -247,13 +247,19 @@ def test_parked_mlp_tiles_go_to_the_host_and_come_back_in_order_without_a_host_w
 
 def test_a_parked_layer_waits_for_the_copies_of_the_one_two_before(fake_cuda):
     """The third parked layer's stream waits for the first one's copies to the host (not the second's, which run
-    behind it): one layer's e, g in flight at most."""
+    behind it): one layer's e, g in flight at most; so does the host, so the allocator can hand the first
+    layer's freed blocks to the third (no reserve growing a layer at a time)."""
     state: dict = {}
-    stores = [ckpt._ParkedMLP(state, to_host=True) for _ in range(3)]
+    stores = [ckpt._ParkedMLP(state, to_host=True) for _ in range(4)]
     for store in stores:
         ckpt._pace_parked_copies(state, store, fake_cuda.current)
         store.put(torch.randn(2, 3), torch.randn(2, 3))
-    assert fake_cuda.current.waited == [stores[0].stored]
+    assert fake_cuda.current.waited == [stores[0].stored, stores[1].stored]
+    assert fake_cuda.host_waits == [stores[0].stored, stores[1].stored]
+    ends = [torch.cuda.Event() for _ in range(4)]
+    for end in ends:  # the backward: the host waits for the end of the parked layer two above
+        ckpt._pace_parked_backward(state, end)
+    assert fake_cuda.host_waits[2:] == ends[:2]
 
 
 def test_auto_plan_is_remade_for_a_larger_training_batch(monkeypatch, capsys):

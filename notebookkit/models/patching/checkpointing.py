@@ -277,14 +277,24 @@ class _ParkedMLP:
 
 
 def _pace_parked_copies(state: dict, parked: _ParkedMLP, stream: Any) -> None:
-    """Before a parked layer's forward: ``stream`` waits (on the GPU) for the copies of the parked layer two
-    before it. The previous one's copies run behind this layer, so one layer's e, g at most are in flight
-    beside this layer's own, however far the host link falls behind."""
+    """Before a parked layer's forward: wait for the copies to the host of the parked layer two before it,
+    on the GPU (``stream`` waits: one layer's ``e, g`` at most in flight beside this layer's own, however far
+    the host link falls behind) and on the host (the allocator's reserve, module docstring)."""
     recent = state.setdefault("parked", [])  # the last two parked layers' stores, oldest first
     before = recent[0]() if len(recent) == 2 else None
     if before is not None and before.stored is not None:
         stream.wait_event(before.stored)
+        before.stored.synchronize()
     recent[:] = recent[-1:] + [weakref.ref(parked)]
+
+
+def _pace_parked_backward(state: dict, done: torch.cuda.Event) -> None:
+    """After a parked layer's backward (``done`` recorded on its stream): the host waits for the backward of
+    the parked layer two above, whose tiles' blocks are then free (the allocator's reserve, module docstring)."""
+    recent = state.setdefault("parked_backward", [])  # the last two parked layers' ends, oldest first
+    if len(recent) == 2:
+        recent.pop(0).synchronize()
+    recent.append(done)
 
 
 def mlp_output_only_summed(base: nn.Module) -> bool:
@@ -349,9 +359,11 @@ class _OffloadedLayer(torch.autograd.Function):
             with torch.enable_grad(), forward_state.resumed(ctx.forward_pass, ctx.unused_in_recompute), \
                     forward_state.parking(ctx.parked):
                 out = ctx.run(x)
-        ctx.parked = None  # the MLP's backward below holds it until it has taken every tile
+        parked, ctx.parked = ctx.parked, None  # the MLP's backward below holds it until it has taken every tile
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         torch.autograd.backward(hidden, grad_hidden)
+        if parked is not None and x.is_cuda:  # its tiles' blocks are free once this layer's backward has run
+            _pace_parked_backward(ctx.state, _recorded_event(torch.cuda.current_stream(x.device)))
         return None, None, None, None, None, None, x.grad, None
 
 
