@@ -43,6 +43,9 @@ names:
   their head dimension.
 * ``sliding_window``: the config may set a sliding window on some layers; Hugging Face builds the
   per-layer masks and hands each attention the right one.
+* ``attention_sinks``: each attention module holds ``sinks``, a learned logit a query head that joins the
+  softmax's denominator and carries no value (gpt-oss): training runs it on
+  :mod:`notebookkit.kernels.attention_sinks`, decoding in :mod:`notebookkit.models.generation.cache_attention`.
 * ``fp16_overflow``: why the family's activations leave fp16's range (largest finite value 65504)
   with real checkpoints, or ``None``. Gemma 2 and 3 checkpoints carry residual-stream values of
   1e4-1e5; in fp16 they become inf. On a GPU without bf16 (a T4) ``dtype=None`` then picks fp32 and
@@ -56,7 +59,7 @@ names:
   layout, activation, routing rule), run on :mod:`notebookkit.kernels.moe_experts` by
   :mod:`notebookkit.models.patching.patch_moe`; ``None`` for a dense family.
 * ``stock``: parts of the decoder that stay on stock Hugging Face code, each with the reason the
-  banner prints (gpt-oss: attention sinks, norms that multiply the weight in fp32).
+  banner prints (gpt-oss: norms that multiply the weight in fp32).
 * ``vision``: the vision-language model whose language decoder is this family (Qwen2.5-VL for
   ``qwen2``, Gemma 3 4B+ for ``gemma3``), read by ``FastVisionModel``
   (:mod:`notebookkit.models.fast_vision_model`), the vision collator
@@ -271,6 +274,7 @@ class Family:
     default_attn_softcap: Optional[float] = None
     query_pre_attn_scalar: bool = False
     sliding_window: bool = False
+    attention_sinks: bool = False
     rope_style: str = "rotate_half"
     fp16_overflow: Optional[str] = None
     tied_embeddings: bool = False
@@ -354,8 +358,6 @@ _GPT_OSS = MoE(router="router", routing="topk_softmax", activation="gpt_oss", nu
                intermediate="intermediate_size", transposed=True, router_bias=True, expert_bias=True,
                returns_scores=True)
 _GPT_OSS_STOCK = {
-    "attention": "gpt-oss attention adds a learned per-head sink logit to the softmax's denominator, which the "
-                 "fused SDPA path does not express: it stays on Hugging Face's eager attention",
     "RMSNorm": "gpt-oss norms multiply by the weight in fp32 before rounding ((w * x * rstd).to(dtype), weights "
                "kept in fp32): they stay on Hugging Face's code",
 }
@@ -409,7 +411,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         chat_template_missing="gpt-oss speaks OpenAI's harmony format (<|start|>role<|channel|>...<|message|>...<|end|>), "
                               "which notebookkit's get_chat_template does not write yet (#36): keep the template "
                               "its tokenizer ships (do not call get_chat_template)",
-        tokenizer_template=tokenizer_templates.QWEN2, sliding_window=True, moe=_GPT_OSS, stock=_GPT_OSS_STOCK,
+        tokenizer_template=tokenizer_templates.QWEN2, sliding_window=True, attention_sinks=True, moe=_GPT_OSS,
+        stock=_GPT_OSS_STOCK,
         gguf=GGUFLayout("gpt-oss"),
         tiny=TinyRecipe(tie_word_embeddings=False, rope_theta=150000.0, config={
             "rms_norm_eps": 1e-5, **_TINY_MOE, "num_local_experts": 4, "intermediate_size": 96,

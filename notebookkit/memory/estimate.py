@@ -158,8 +158,8 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     projections follow the base format. The experts' adapters are
     PEFT's ``ParamWrapper`` pairs ``lora_A [r E, in]``, ``lora_B [out, r E]`` (Qwen3-MoE's gate_up at
     ``2 r`` when PEFT maps ``gate_proj`` + ``up_proj`` onto it; at ``r`` when ``target_parameters`` names
-    it). A kept layer saves its attention and norms (the fused ones, or gpt-oss's stock eager
-    attention with sinks and fp32 norms) and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
+    it). A kept layer saves its attention and norms (the fused ones; gpt-oss's attention with sinks and its
+    norms on Hugging Face's code, which save fp32 inputs) and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
     rank-space products, the permutation and block schedule; the block's forward and backward working
     sets replace the dense MLP's. Offloading is not written for these models: ``"offload"`` layers
     recompute (as ``use_gradient_checkpointing`` does). DPO's reference pass is one layer's no-grad working
@@ -172,8 +172,8 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     1.16 turns it on for SFT, DPO and GRPO alike from the config's ``router_aux_loss_coef``, and
     notebookkit's trainers then hand the loss to TRL's own LM head instead of the fused one counted here:
     every MoE estimate's notes say so; the estimate is for ``router_aux_loss_coef=0.0``; SFT keeps the fused
-    loss, its head adding the router loss, and counts :func:`~notebookkit.memory.moe.router_loss_bytes`). gpt-oss's reference forward runs Hugging Face's eager attention with
-    sinks (:func:`~notebookkit.memory.moe.stock_attention_forward_bytes`), not the decode path's.
+    loss, its head adding the router loss, and counts :func:`~notebookkit.memory.moe.router_loss_bytes`). gpt-oss's reference forward runs the training
+    path's attention with sinks (:mod:`notebookkit.kernels.attention_sinks`), not the decode path's.
 
 Peak: ``total = base_weights + adapters + activations + logits_loss + temporaries [+ generation]``:
 the larger of the end-of-forward peak (inside the loss) and the backward peak, plus the CUDA context. What
@@ -619,19 +619,14 @@ def layer_activation_bytes(
         ranks = moe_terms.expert_lora_ranks(shape, lora_r, targets, target_parameters)
         block = moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks, adapter_bytes=adapter_dtype_bytes,
                                                    grouped=grouped_mm)
-        if moe_terms.stock_attention(shape):
-            body = moe_terms.stock_layer_saved_bytes(
-                shape, batch_size=batch_size, seq_len=seq_len, s=s, lora_r=lora_r,
-                attention_targets=[t for t in targets if t in shape.projection_shapes()],
-                adapter_bytes=adapter_dtype_bytes)
-        else:
-            body = layer_activation_bytes(
-                moe_terms.dense_part(shape), "keep", batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
-                lora_r=lora_r, target_modules=[t for t in targets if t in shape.projection_shapes()],
-                lora_dropout=lora_dropout, attention=attention, adapter_dtype_bytes=adapter_dtype_bytes,
-                kv_repeated=kv_repeated, padded=padded)
+        body = layer_activation_bytes(
+            moe_terms.dense_part(shape), "keep", batch_size=batch_size, seq_len=seq_len, dtype_bytes=s,
+            lora_r=lora_r, target_modules=[t for t in targets if t in shape.projection_shapes()],
+            lora_dropout=lora_dropout, attention=attention, adapter_dtype_bytes=adapter_dtype_bytes,
+            kv_repeated=kv_repeated, padded=padded)
         return body + sum(block.values())
-    eager = resolve_attention(shape, attention) == "eager"
+    sinks = moe_terms.attention_sinks(shape)
+    eager = not sinks and resolve_attention(shape, attention) == "eager"
     elems = 4 * H + 2 * dq + 2 * dk + 2 * I
     fp32 = 2  # 1/rms of the two pre-norms
     if shape.qk_norm:
@@ -641,14 +636,19 @@ def layer_activation_bytes(
         elems += 2 * H
         fp32 += 2
     total = 0
-    if eager or kv_repeated:
+    if eager or (kv_repeated and not sinks):
         elems += 2 * (dq - dk)  # K, V repeated to every query head
     if eager:
         total += batch_size * shape.num_heads * seq_len * seq_len * (2 * s + 4) + batch_size * seq_len * seq_len
     else:
         fp32 += shape.num_heads  # log-sum-exp per query head
-        if padded:  # SDPA turns the boolean padding mask into an additive one in the compute dtype, and keeps it
+        if sinks:  # the attention with sinks keeps the layer's boolean mask (Hugging Face hands every layer one)
+            total += batch_size * seq_len * seq_len
+        elif padded:  # SDPA turns the boolean padding mask into an additive one in the compute dtype, and keeps it
             total += batch_size * seq_len * seq_len * s
+    if moe_terms.stock_norms(shape):  # Hugging Face's norms save their input in fp32, not the 16-bit one
+        elems -= 2 * H
+        total += N * 2 * H * 4
     total += N * (elems * s + fp32 * 4)
     if lora_dropout and lora_dropout > 0:  # the targeted groups run PEFT's code (module docstring)
         dims = shape.projection_shapes()
@@ -707,13 +707,7 @@ def backward_working_set(
         block_saved = sum(moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks,
                                                              grouped=grouped_mm).values())
         mlp = N * shape.hidden_size * s + max(block_ws.values())
-        if moe_terms.stock_attention(shape):
-            freed = block_saved + N * (4 * shape.hidden_size + 4) + N * shape.hidden_size * s
-            attn = moe_terms.stock_attention_working_set(shape, batch_size=batch_size, seq_len=seq_len, s=s) \
-                + dense_copy_bytes(shape, fmt, s, N) - freed
-        else:
-            attn = dense["attention"] - block_saved
-        return {"mlp": mlp, "attention": attn, "fp8_forward": dense["fp8_forward"]}
+        return {"mlp": mlp, "attention": dense["attention"] - block_saved, "fp8_forward": dense["fp8_forward"]}
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     dims = shape.projection_shapes()
     dequant = dense_copy_bytes(shape, fmt, s, N) + input_grad_buffer_bytes(shape, fmt, N, s)
@@ -724,7 +718,12 @@ def backward_working_set(
         + input_grad_buffer_bytes(shape, fmt, t, s)
     freed = N * (2 * I + 2 * H) * s + N * 8  # e, g, the MLP norm's input and output, 1/rms
     attn = N * H * s + N * dq * s  # gradient from above, gradient of the attention output
-    if resolve_attention(shape, attention) == "eager":
+    if moe_terms.attention_sinks(shape):  # kernels.attention_sinks: g dO, K/V repeated, the bias and g made again
+        gqa = 2 * N * dq * s if dk != dq else 0
+        T2 = batch_size * seq_len * seq_len
+        attn += N * dq * s + gqa + T2 * (s + 1) + N * shape.num_heads * 4
+        attn += N * dq * 4 + 3 * N * dq * s + N * shape.num_heads * 4  # the kernel: fp32 dQ, dQ/dK/dV, delta
+    elif resolve_attention(shape, attention) == "eager":
         attn += N * (dq + 2 * dq) * s + batch_size * shape.num_heads * seq_len * seq_len * (8 + 2 * s)
     else:
         gqa = 2 * N * dq * s if dk != dq else 0
@@ -1077,10 +1076,8 @@ def _adapters_and_optimizer(
     # A of grouped projections (q/k/v, gate/up) go into one A_cat per group instead, of the same size.
     # Adapters already in the compute dtype are not copied, except into those A_cat.
     # A mixture of experts: the expert adapters' casts are made by each layer's forward and saved with its
-    # activations (notebookkit.memory.moe); gpt-oss's attention adapters run PEFT's code, which casts inputs.
+    # activations (notebookkit.memory.moe).
     p_copied = p_lora - moe_terms.expert_lora_param_count(shape, ranks)
-    if moe_terms.stock_attention(shape):
-        p_copied = 0
     if a_bytes != s:
         casts_b = p_copied * s
     elif p_copied:

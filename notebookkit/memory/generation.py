@@ -143,18 +143,18 @@ def layer_working_set(
     training model's forward without autograd (DPO's reference pass), not generation's: a dense MLP is the
     fused kernel, which runs a tile of ``t`` tokens at a time (:mod:`notebookkit.sequence_tiles`): ``3*t*I``
     intermediates and the tile's output (``t*H``, when there is more than one tile) instead of ``3*N*I``
-    (generation's own MLP runs whole); gpt-oss's attention is Hugging Face's eager one with sinks
-    (:func:`notebookkit.memory.moe.stock_attention_forward_bytes`), not the decode path's grouped fp32 scores.
+    (generation's own MLP runs whole); gpt-oss's attention with sinks is the fused kernels'
+    (:mod:`notebookkit.kernels.attention_sinks`), not the decode path's grouped fp32 scores.
     A mixture of experts' sparse block runs the same code on both paths; on the training path the layer's input
-    ``N*H*s`` and the mask are held through it, and gpt-oss's layer keeps the attention's weights returned
-    (``B*heads*T*(T+1)*s``) until the block returns (:mod:`notebookkit.memory.moe`, Reference forward)."""
+    ``N*H*s`` and the mask are held through it (:mod:`notebookkit.memory.moe`, Reference forward)."""
     base = _as_format(base)
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
     attn = N * s * (2 * H + 2 * (dq + 2 * dk) + dq) + batch_size * queries * slots * s
-    sinks = bool(shape.num_experts) and moe_terms.stock_attention(shape)  # gpt-oss: attention with sinks
-    if sinks and training_path:
-        attn = moe_terms.stock_attention_forward_bytes(shape, batch_size=batch_size, seq_len=queries, s=s)
+    sinks = moe_terms.attention_sinks(shape)  # gpt-oss
+    if sinks and training_path:  # kernels.attention_sinks (memory.moe, Reference forward)
+        T2 = batch_size * queries * slots
+        attn += T2 * (2 + s) + (2 * N * dq * s if dk != dq else 0) + N * dq * s + 8 * batch_size * shape.num_heads * queries
     elif sinks:  # the decode path's
         attn += batch_size * shape.num_heads * queries * slots * (2 * s + 12)
         attn += batch_size * (shape.num_heads // shape.num_kv_heads) * queries * slots
@@ -165,9 +165,8 @@ def layer_working_set(
             attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
     if shape.num_experts:
         mlp = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s, nf4=base.load_flag == "load_in_4bit")
-        if training_path:  # the layer's input and the mask stay held; gpt-oss's layer keeps the attention weights
+        if training_path:  # the layer's input and the mask stay held
             mlp += N * H * s + batch_size * queries * slots * s
-            mlp += batch_size * shape.num_heads * queries * (slots + 1) * s if sinks else 0
     else:
         t = min(N, mlp_tile_rows(I, s)) if training_path and I else N
         mlp = N * s * 2 * H + t * s * (3 * I + (H if t < N else 0))

@@ -31,15 +31,10 @@ Saved for backward by a kept sparse block (the router in fp32, the grouped kerne
     permutation ``4 n``, expert offsets ``8 E``, the block schedule ``12 M``, and, when the adapters' dtype
     is not the compute dtype, their casts ``E s sum r_w (in_w + out_w)`` (made by every forward, so saved
     per kept layer); the block's input ``x`` is the MLP norm's output, counted with the layer.
-    Qwen3-MoE's attention and norms are the fused dense ones (:func:`~.estimate.layer_activation_bytes`
-    without the MLP). gpt-oss keeps Hugging Face's attention (sinks) and norms:
-    norms: ``N (4 H + 4)`` each (the fp32 input and ``1/rms``: the frozen weight's product saves no
-    normed value); attention: ``N dq s`` (q after RoPE; RoPE's products by the constant cos/sin save
-    nothing of q, k) ``+ 2 N dq s`` (K, V repeated to every head) ``+ 8 N heads`` (the row max's
-    indices) ``+ B heads T (T + 1) s`` (probabilities with the sink column); the frozen base linears
-    save no input, PEFT's adapters on q/k/v/o do: ``N r a`` each (``x A^T``) and their input in the
-    adapters' dtype, a cast ``N in a`` per adapter when ``a != s``, else the layer's own tensor once
-    (``N H s`` for q/k/v, ``N dq s`` for o); the MLP norm's output ``N H s`` is the sparse block's ``x``.
+    The attention and norms are the dense layers' (:func:`~.estimate.layer_activation_bytes` without the MLP):
+    Qwen3-MoE's fused ones; gpt-oss's attention with sinks (:mod:`notebookkit.kernels.attention_sinks`: q, k, v,
+    its output and log-sum-exp as SDPA's, and the layer's boolean mask ``B T^2``) and its norms on Hugging
+    Face's code, which save their input in fp32 (``4 N H`` each, not ``N H s``).
 
 Working sets of a sparse block (beyond what it saved)
     forward: ``h [n, I]`` and the pairs' output rows ``[n, H]``, or (``h`` freed) those rows, their fp32 sum
@@ -48,19 +43,12 @@ Working sets of a sparse block (beyond what it saved)
     adapter), the fp32 ``<G, h>`` partials ``4 n ceil(I / 64)``, ``dw`` and its source (``8 n``), the down adapter's
     gradients; then ``dgu``, ``dgu Bgu [n, r]``, the partials, the scattered input gradient ``[n, H]``, its
     fp32 sum and ``dx``; at the end ``dx`` and every factor gradient ``E s sum r_w (in_w + out_w)``.
-    gpt-oss's attention backward: the dense eager terms with ``3 B heads T (T + 1) s`` for the
-    probabilities' gradients and ``3 N dq s`` for dQ and the repeated dK, dV (not measured on a GPU yet).
 
-Reference forward of gpt-oss's attention (DPO: adapters off, no autograd, on the training path, so Hugging Face's
-eager attention with sinks rather than the decode path's; :func:`stock_attention_forward_bytes`): the layer's
-input ``N H s`` and additive mask ``B T^2 s``, then held through the attention: the normed input ``N H s``, q
-``N dq s``, k and v ``2 N dk s`` and (grouped heads) K and V repeated to every head ``2 N dq s``; on top the
-larger of the shift moment (the masked scores ``B nh T^2 s``, the scores with the sink column and their
-shifted copy ``2 B nh T (T + 1) s`` and the row max ``B nh T s``) and the output moment (the shifted scores
-and the probabilities ``2 B nh T (T + 1) s``, the attention output and its contiguous transpose ``2 N dq s``).
-Through the sparse block that follows, the layer's input ``N H s`` and the mask stay held, and gpt-oss's layer
-keeps the attention weights it returned, ``B nh T (T + 1) s`` (:func:`~notebookkit.memory.generation.layer_working_set`
-with ``training_path``). Measured byte for byte on the tiny gpt-oss in bf16 (``tests/memory/test_moe_memory.py``).
+Reference forward of a layer (DPO: adapters off, no autograd, on the training path;
+:func:`~notebookkit.memory.generation.layer_working_set` with ``training_path``): through the sparse block the layer's
+input ``N H s`` and its mask stay held. gpt-oss's attention with sinks on that path adds to the dense terms the
+boolean mask and its opened copy ``2 B T^2``, the additive bias ``B T^2 s``, K and V repeated to every head
+(``2 N dq s``), the kernel's output beside ``O^s`` (``N dq s``) and ``lse``, ``g`` (``8 B nh T``).
 
 Generation (:mod:`notebookkit.memory.generation`: a decode step or a prefill of ``N`` tokens, no autograd;
 :func:`sparse_block_generation_bytes`): the decode path's sparse block runs the same router and grouped kernel
@@ -97,8 +85,8 @@ from .shapes import ModelShape
 __all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "explicit_expert_ranks", "expert_lora_param_count",
            "expert_weight_bytes",
            "nf4_stacked_bytes", "expert_decode_chunk_bytes", "router_loss_bytes",
-           "sparse_block_saved_bytes", "stock_layer_saved_bytes", "sparse_block_working_sets", "grouped_mm_possible",
-           "sparse_block_generation_bytes", "stock_attention_forward_bytes", "dense_part"]
+           "sparse_block_saved_bytes", "sparse_block_working_sets", "grouped_mm_possible",
+           "sparse_block_generation_bytes", "attention_sinks", "stock_norms", "dense_part"]
 
 #: the grouped kernel's row block on CUDA (``kernels.moe_experts._config``; a test checks they agree)
 BLOCK_M = 64
@@ -117,10 +105,10 @@ def moe_family(shape: ModelShape) -> Family | None:
     return family
 
 
-def stock_attention(shape: ModelShape) -> bool:
-    """Whether the family's attention stays on Hugging Face's code (gpt-oss's sinks)."""
+def attention_sinks(shape: ModelShape) -> bool:
+    """Whether the family's attention has a sink logit a head (gpt-oss: :mod:`notebookkit.kernels.attention_sinks`)."""
     family = for_model_type(shape.model_type)
-    return family is not None and "attention" in family.stock
+    return family is not None and family.attention_sinks
 
 
 def stock_norms(shape: ModelShape) -> bool:
@@ -261,25 +249,6 @@ def sparse_block_saved_bytes(shape: ModelShape, *, tokens: int, s: int, ranks: d
     return {"router": router, "experts": experts}
 
 
-def stock_layer_saved_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, s: int, lora_r: int,
-                            attention_targets: Iterable[str], adapter_bytes: int = 4) -> int:
-    """A kept decoder layer's attention and norms on Hugging Face's code with PEFT's adapters (gpt-oss:
-    eager attention with sinks, fp32-weighted norms); the sparse block not included (module docstring)."""
-    N, T, B = batch_size * seq_len, seq_len, batch_size
-    H, dq, dk, nh = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.num_heads
-    dims = shape.projection_shapes()
-    repeated = dq if shape.num_heads != shape.num_kv_heads else dk
-    targets = set(attention_targets)
-    norms = 2 * N * (4 * H + 4)
-    attention = N * dq * s + 2 * N * repeated * s + 8 * N * nh + B * nh * T * (T + 1) * s
-    adapters = sum(N * lora_r * adapter_bytes + (N * dims[t][0] * adapter_bytes if adapter_bytes != s else 0)
-                   for t in targets)
-    if adapter_bytes == s:  # the adapters save the layer's own inputs: q/k/v's once, o's
-        adapters += (N * H * s if targets & {"q_proj", "k_proj", "v_proj"} else 0) + (N * dq * s if "o_proj" in targets else 0)
-    mlp_input = N * H * s  # the post-attention norm's output, the sparse block's x
-    return norms + attention + adapters + mlp_input
-
-
 def expert_decode_chunk_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bool) -> int:
     """The dense copy of one chunk of NF4 experts that a call of ``tokens`` tokens decodes before its GEMMs
     (:mod:`notebookkit.expert_chunks`: whole experts widened to whole groups of nested scales): the largest
@@ -378,24 +347,6 @@ def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int, nf4
     experts = N * E * s + n * 12 + n * 4 + 8 * E + 12 * blocks
     experts += sparse_block_working_sets(shape, tokens=N, s=s, ranks={}, nf4=nf4)["forward"]
     return 2 * N * H * s + max(routing, experts)
-
-
-def stock_attention_forward_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, s: int) -> int:
-    """gpt-oss's eager attention with sinks run without autograd on the training path (DPO's reference forward;
-    module docstring, Reference forward), with the layer's input and the additive mask."""
-    N, T, B = batch_size * seq_len, seq_len, batch_size
-    H, dq, dk, nh = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.num_heads
-    held = N * H * s + N * dq * s + 2 * N * dk * s + (2 * N * dq * s if nh != shape.num_kv_heads else 0)
-    scores, with_sink = B * nh * T * T * s, B * nh * T * (T + 1) * s
-    peak = max(scores + 2 * with_sink + B * nh * T * s, 2 * with_sink + 2 * N * dq * s)
-    return N * H * s + B * T * T * s + held + peak
-
-
-def stock_attention_working_set(shape: ModelShape, *, batch_size: int, seq_len: int, s: int) -> int:
-    """gpt-oss's eager attention backward (module docstring), before what the layer's MLP frees."""
-    N, T, B = batch_size * seq_len, seq_len, batch_size
-    H, dq, nh = shape.hidden_size, shape.q_dim, shape.num_heads
-    return N * H * s + N * dq * s + 3 * N * dq * s + 3 * B * nh * T * (T + 1) * s
 
 
 def describe(shape: ModelShape, ranks: dict[str, Any], nf4: bool = False) -> str:

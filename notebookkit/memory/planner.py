@@ -328,10 +328,10 @@ def plan_activations(
             less the frozen base weights, which are allocated once: module docstring).
         park_mlps: also weigh plans whose offloaded layers park their MLPs' gate/up outputs (``"offload_mlp"``,
             module docstring). Off by default, so ``"auto"`` does not choose it yet: on the H200 the caching
-            allocator's reserve reached 22.2 GiB for a 7.9 GiB allocated peak with every layer parked (most
-            likely the parked copies' ``record_stream`` blocks, which the host, enqueueing layers ahead, cannot
-            reuse yet; not traced), and under a memory cap (a T4) that reserve would be freed by device syncs
-            inside the step; a capped run has not been measured.
+            allocator's reserve reached 22.2 GiB for a 7.9 GiB allocated peak with every layer parked, and under
+            a memory cap (a T4) that reserve would be freed by device syncs inside the step. The host now keeps
+            two parked layers behind the GPU so the freed blocks can be reused (checkpointing's module
+            docstring); neither that nor a capped run has been measured yet.
         explain: False raises :class:`DoesNotFitError` without working out what to change (searches that
             probe many settings: :func:`~notebookkit.memory.largest_lora_rank`, :func:`~notebookkit.memory.longest_sequence`).
         **estimate_kwargs: ``load_in_4bit``, ``dtype``, ``lora_r``, ``target_modules``, ``optimizer``,

@@ -143,8 +143,8 @@ panels
 # cell below asks the same memory model about this notebook's run on a GPU, whatever machine runs it now:
 # the GPU model (`GPU_MODEL`, or `MOE_GPU_MODEL` with `MOE = True`) with the weight format, LoRA rank,
 # sequence length and batch size a GPU run takes from the parameters, on a free Colab / Kaggle T4 and on a
-# 24 GB card (an L4). With `MOE = True` the defaults are the ones the estimate fits on a T4; double the rank
-# or the sequence length and it says what to change.
+# 24 GB card (an L4). With `MOE = True` the defaults are ones the estimate fits on a T4; raise the rank or
+# the sequence length past what fits and it says what to change.
 
 # %%
 from notebookkit.widgets import card_verdicts

@@ -76,17 +76,21 @@ def test_kept_moe_layer_saves_exactly_what_the_model_says(family, dtype, monkeyp
 VERDICTS = {  # (model, card, dtype, load_in_4bit): what the panel's headline says, with its predicted peak
     ("Qwen/Qwen3-30B-A3B", "t4", "float16", True): "26.67 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
     ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16", True): "26.79 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",  # bf16: the larger of the Triton and grouped_mm paths (the estimate does not know the card)
-    ("openai/gpt-oss-20b", "t4", "float16", True): "18.79 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
-    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "21.93 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
+    # gpt-oss: attention with sinks on the fused kernels (Hugging Face's eager one gave 18.79, 21.93 and 46.06 GiB:
+    # its [B, heads, T, T + 1] probabilities and their gradients); 24 GB now keeps 20 layers where it kept fewer
+    ("openai/gpt-oss-20b", "t4", "float16", True): "15.12 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
+    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "22.42 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
     # 16-bit experts (before NF4 experts, load_in_4bit gave 45.21 GiB here: NF4 attention, 16-bit experts)
-    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "46.06 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
+    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "42.46 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
 }
 
 
 ADVICE = {  # what the panel says to change where it does not fit at the default rank 16
     ("Qwen/Qwen3-30B-A3B", "t4", "float16", True): "every layer recomputed",
     ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16", True): "NF4 (4-bit): fits with LoRA r≤10",
-    ("openai/gpt-oss-20b", "t4", "float16", True): "does not fit at any LoRA rank (about 16.09 GiB at r=1",
+    # (with Hugging Face's eager attention: "does not fit at any LoRA rank (about 16.09 GiB at r=1")
+    ("openai/gpt-oss-20b", "t4", "float16", True): "What to change: offload_embedding=True (input embedding in host RAM) "
+                                                   "(about 14.04 GiB)",
     ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "What to change: load_in_4bit=True (NF4 (4-bit) base)",
 }
 
@@ -282,15 +286,10 @@ def test_reference_forward_of_a_moe_layer_is_what_it_allocates(family, dtype, to
     block = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s)
     assert peaks["block"] == block - 2 * N * H * s  # its input x and the residual were there already
     reference = layer_working_set(shape, B, T, T, s, False, "auto", training_path=True)
-    # through the block the layer's input and mask stay held, and gpt-oss's layer keeps its attention weights
-    in_layer = block + N * H * s + B * T * T * s + (B * shape.num_heads * T * (T + 1) * s if family == "gpt_oss" else 0)
+    # through the block the layer's input and mask stay held
+    in_layer = block + N * H * s + B * T * T * s
     held = N * H * s + B * T * T * s  # the layer's input and mask were there already
-    if moe_terms.stock_attention(shape):
-        attention = moe_terms.stock_attention_forward_bytes(shape, batch_size=B, seq_len=T, s=s)
-        assert reference == max(attention, in_layer) == (attention if top_k == 2 else in_layer)
-        assert peaks["layer"] == reference - held, (peaks, top_k)
-    else:
-        assert in_layer - held <= peaks["layer"] <= reference - held, peaks
+    assert in_layer - held <= peaks["layer"] <= reference - held, peaks
 
 
 @pytest.mark.parametrize("name", ["openai/gpt-oss-20b", "Qwen/Qwen3-30B-A3B"])

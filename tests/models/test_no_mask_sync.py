@@ -120,7 +120,7 @@ def test_unpatched_attention_keeps_hf_masks(monkeypatch):
     """A model whose attention layers stay on Hugging Face's code never skips their masks."""
     from notebookkit.models.patching import patcher
 
-    monkeypatch.setattr(patcher, "attention_ready", lambda attn: "kept stock for this test")
+    monkeypatch.setattr(patcher, "attention_ready", lambda attn, sinks=False: "kept stock for this test")
     model = _lora(random_model("llama"))
     patch_model(model)
     backbone = model.get_base_model().model

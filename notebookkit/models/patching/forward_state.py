@@ -39,7 +39,8 @@ _ids = itertools.count(1)
 class ForwardPass:
     """One model forward (and the checkpointing recomputes of its layers); see the module docstring."""
 
-    __slots__ = ("id", "positions_are_defaults", "_positions", "_positions_version", "_packed", "__weakref__")
+    __slots__ = ("id", "positions_are_defaults", "_positions", "_positions_version", "_packed", "_tables",
+                 "__weakref__")
 
     def __init__(self, positions_are_defaults: bool = False) -> None:
         self.id = next(_ids)  # never reused, so nothing kept for one pass is taken for another
@@ -47,6 +48,16 @@ class ForwardPass:
         self._positions: Optional[weakref.ref] = None
         self._positions_version = -1
         self._packed: Optional[torch.Tensor] = None
+        self._tables: Optional[tuple] = None
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor,
+                    build: Callable[[torch.Tensor, torch.Tensor], tuple]) -> tuple:
+        """``build(cos, sin)``, once for the ``cos`` tensor the layers of this pass share (its recomputes too)."""
+        if self._tables is not None and self._tables[0]() is cos:
+            return self._tables[1]
+        tables = build(cos, sin)
+        self._tables = (weakref.ref(cos), tables)
+        return tables
 
     def packed_mask(
         self, position_ids: torch.Tensor, build: Callable[[torch.Tensor], Optional[torch.Tensor]]

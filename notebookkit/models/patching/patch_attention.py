@@ -7,6 +7,7 @@ For hidden states ``x`` of shape ``[B, T, H]`` the patched forward computes::
     Q, K    = Q * cos + rotate_half(Q) * sin, same for K             kernels.apply_rope
     K, V    = cache.update(K, V)                                     generation with a KV cache
     S       = scaling * Q K^T  (+ soft-cap c * tanh(S / c): Gemma2)  masked, softmax, times V
+              (+ a sink logit a head in the softmax's denominator: gpt-oss, kernels.attention_sinks)
     y       = O Wo^T (+ s A_o^T B_o)                                 kernels.lora_o (or o_proj)
 
 ``cos``/``sin`` come from the model's own rotary embedding, computed from ``position_ids`` (so they
@@ -16,7 +17,9 @@ causal forward (:func:`plain_causal_mask`), combined with a block-diagonal causa
 ``position_ids`` restart inside a row (packed batches), so packed examples never attend to each
 other; that mask is built once per forward (:func:`packed_mask_of_pass`). Scores go through
 ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient backends on GPU)
-except with a soft-cap, which SDPA cannot express: then an explicit fp32 softmax is used. Which SDPA
+except with a soft-cap, which SDPA cannot express: then an explicit fp32 softmax is used; with sinks,
+:mod:`notebookkit.kernels.attention_sinks` (PyTorch's fused kernels plus a scale per row). A rotary embedding
+that hands back half-width tables (gpt-oss) has them repeated to full width once a forward. Which SDPA
 backend runs is PyTorch's choice unless ``NOTEBOOKKIT_SDPA_BACKEND`` names one to try first
 (``cudnn``, ``flash`` or ``efficient``; the others stay as fall-backs).
 
@@ -35,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from notebookkit.base_layers.kernel_ops import kernel
+from notebookkit.base_layers.kernel_ops import kernel, require, why_missing
 from notebookkit.base_layers.rebinding import rebind
 from notebookkit.memory.grouped_kv import sdpa_repeats_kv
 
@@ -166,15 +169,20 @@ def attend(
     scaling: float,
     softcap: Optional[float] = None,
     dropout: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [B,Hq,T,D]`` over ``k, v [B,Hkv,S,D]``; ``mask`` boolean or None.
 
     ``mask=None`` means plain causal attention aligned to the end of the keys (a cache prefix
     before the queries is fully visible). Rows with no visible key (padding) attend to everything,
-    so they stay finite; their outputs are never used.
+    so they stay finite; their outputs are never used. ``sinks`` ``[Hq]``: a sink logit a query head
+    (gpt-oss), :mod:`notebookkit.kernels.attention_sinks` (its rows with no visible key give 0).
     """
     q_len, kv_len = q.shape[2], k.shape[2]
     n_rep = q.shape[1] // k.shape[1]
+    if sinks is not None:
+        attention_with_sinks = require("attention_sinks", "attention_with_sinks")
+        return attention_with_sinks(q, k, v, sinks, scaling, mask, is_causal=mask is None and q_len > 1)
     if mask is not None:
         mask = mask | ~mask.any(dim=-1, keepdim=True)
     if softcap is None:
@@ -207,8 +215,23 @@ def attend(
     return torch.matmul(probs, v)
 
 
-def make_attention_forward(softcap: Optional[float], qk_norm: bool):
-    """The patched forward of one decoder self-attention module."""
+def full_width_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables ``[..., head_dim]`` for the rotate-half kernel. A rotary embedding that hands back half-width
+    tables (gpt-oss: ``(x1 cos - x2 sin, x2 cos + x1 sin)`` on the two halves of a head) is the same rotation
+    with each table repeated to full width, made once a forward pass (:meth:`forward_state.ForwardPass.rope_tables`)."""
+    if cos.shape[-1] * 2 != head_dim:
+        return cos, sin
+    forward = forward_state.current()
+    return forward.rope_tables(cos, sin, _repeated_tables) if forward is not None else _repeated_tables(cos, sin)
+
+
+def _repeated_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def make_attention_forward(softcap: Optional[float], qk_norm: bool, sinks: bool = False):
+    """The patched forward of one decoder self-attention module (``sinks``: its ``sinks`` parameter, a
+    logit a query head, joins the softmax: gpt-oss)."""
     apply_rope = kernel("rope", "apply_rope")
     lora_qkv = kernel("lora_qkv", "lora_qkv")
     lora_o = kernel("lora_o", "lora_o")
@@ -250,7 +273,7 @@ def make_attention_forward(softcap: Optional[float], qk_norm: bool):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
 
         cos, sin = position_embeddings
-        q, k = apply_rope(q, k, cos, sin)
+        q, k = apply_rope(q, k, *full_width_tables(cos, sin, head_dim))
 
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
@@ -263,7 +286,8 @@ def make_attention_forward(softcap: Optional[float], qk_norm: bool):
             if packed is not None:
                 mask = packed if mask is None else mask & packed
         dropout = float(getattr(self, "attention_dropout", 0.0) or 0.0) if self.training else 0.0
-        out = attend(q, k, v, mask, float(self.scaling), softcap=softcap, dropout=dropout)
+        out = attend(q, k, v, mask, float(self.scaling), softcap=softcap, dropout=dropout,
+                     sinks=self.sinks if sinks else None)
         out = out.transpose(1, 2).reshape(bsz, q_len, -1)
 
         if lora_o is not None:
@@ -276,18 +300,22 @@ def make_attention_forward(softcap: Optional[float], qk_norm: bool):
     return attention_forward
 
 
-def attention_ready(module: nn.Module) -> Optional[str]:
+def attention_ready(module: nn.Module, sinks: bool = False) -> Optional[str]:
     """None when this attention module can be patched, else the reason it cannot."""
     if kernel("rope", "apply_rope") is None:
         return "notebookkit.kernels.rope is unavailable"
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx"):
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx") + (("sinks",) if sinks else ()):
         if not hasattr(module, name):
             return f"{type(module).__name__} has no {name}"
     if not math.isfinite(float(module.scaling)):
         return "non-finite attention scaling"
+    if sinks and (missing := why_missing("attention_sinks", "attention_with_sinks")):
+        return missing
+    if sinks and float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0:
+        return "attention dropout with sinks (the fused sink attention has no dropout)"
     return None
 
 
-def patch_attention(module: nn.Module, softcap: Optional[float], qk_norm: bool) -> None:
+def patch_attention(module: nn.Module, softcap: Optional[float], qk_norm: bool, sinks: bool = False) -> None:
     """Rebind one self-attention instance."""
-    rebind(module, make_attention_forward(softcap, qk_norm), "attention")
+    rebind(module, make_attention_forward(softcap, qk_norm, sinks), "attention")

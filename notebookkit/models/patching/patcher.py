@@ -159,19 +159,20 @@ def patch_attentions(causal_lm: nn.Module, layers: list[nn.Module], config: Any,
     else:
         for layer in layers:
             attn = getattr(layer, "self_attn", None)
-            reason = attention_ready(attn) if attn is not None else "no self_attn"
+            reason = attention_ready(attn, spec.attention_sinks) if attn is not None else "no self_attn"
             if reason is None and spec.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
                 reason = "q/k norms expected but not found"
             if reason is not None:
                 attn_reason = reason
                 continue
-            patch_attention(attn, softcap, spec.qk_norm)
+            patch_attention(attn, softcap, spec.qk_norm, spec.attention_sinks)
             attn_done += 1
     backbone = getattr(causal_lm, "model", None)
     if isinstance(backbone, nn.Module):
         object.__setattr__(backbone, ALL_ATTENTION_PATCHED, bool(layers) and attn_done == len(layers))
     if attn_done:
-        how = "eager fp32 softmax (attention soft-cap)" if softcap else "PyTorch SDPA"
+        how = ("eager fp32 softmax (attention soft-cap)" if softcap
+               else "fused attention with sinks (kernels.attention_sinks)" if spec.attention_sinks else "PyTorch SDPA")
         extra = ", q/k norm" if spec.qk_norm else ""
         banner.feature(
             "attention", True, f"{attn_done}/{len(layers)} layers: fused QKV/O + RoPE kernel{extra} + {how}; packed rows isolated"
