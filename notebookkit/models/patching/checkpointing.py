@@ -18,8 +18,16 @@
   (:func:`notebookkit.memory.planner.park_offloaded_mlps`, the share the host link carries:
   :func:`~notebookkit.memory.planner.parked_mlp_fraction`). ``"auto"`` does not park yet: the caching allocator's
   reserve grew far past the allocated peak (22.2 GiB reserved for 7.9 GiB allocated, 8B NF4 2 x 4096 on the
-  H200; most likely the copies' ``record_stream`` blocks, not yet traced), which a capped card would pay for
-  with device syncs inside the step.
+  H200), which a capped card would pay for with device syncs inside the step.
+
+  The allocator's reserve: a parked tile is freed while a copy on the side stream (forward) or the backward's
+  kernels (backward) may still read it, so the caching allocator holds its block until the GPU has passed that
+  point (``record_stream``); a host that queues every layer ahead of the GPU finds no block free and reserves
+  fresh ones, about ``2 N I s`` bytes a parked layer. So the host keeps two parked layers behind the GPU: before
+  a parked layer's forward it waits for the copies of the parked layer two before it
+  (:func:`_pace_parked_copies`), and after a parked layer's backward for the backward of the parked layer two
+  above (:func:`_pace_parked_backward`); it still queues a layer while the GPU runs the one before. (Session 29:
+  written and tested on the CPU; its effect on the reserve is not measured on a GPU yet.)
 * auto: asks ``notebookkit.memory.planner`` for the fastest per-layer plan (keep / recompute /
   offload) that fits in free VRAM; without a GPU it picks no checkpointing (host memory is not the
   constraint, and recomputing costs time). A per-layer list of modes can also be passed directly.
