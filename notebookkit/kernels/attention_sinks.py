@@ -86,27 +86,21 @@ def _repeat(x: torch.Tensor, rep: int) -> torch.Tensor:
 
 def _kernel_mask(mask: Optional[torch.Tensor], q: torch.Tensor, kv_length: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(the additive bias the kernel reads, ``[B, H, T, S]`` or ``None``; the rows that may attend no key,
-    ``[B, 1 or H, T]`` or ``None``). The bias is ``0`` / ``-inf`` in q's dtype, empty rows opened to every key;
-    on CUDA its rows start aligned (``_BIAS_ALIGNMENT``) and it is expanded over heads, as the kernel reads it."""
+    ``[B, 1 or H, T]`` or ``None``). The bias is ``0`` / ``-inf`` in q's dtype, empty rows opened to every key,
+    expanded over the heads as the kernel reads it."""
     if mask is None:
         return None, None
     empty = ~mask.any(dim=-1)
     opened = mask | empty[..., None]
-    batch, heads, length = q.shape[0], q.shape[1], q.shape[2]
-    if q.is_cuda:
-        padded = -(-kv_length // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT
-        store = torch.zeros(*opened.shape[:-1], padded, dtype=q.dtype, device=q.device)[..., :kv_length]
-    else:
-        store = torch.zeros(opened.shape, dtype=q.dtype, device=q.device)
-    bias = store.masked_fill_(~opened, float("-inf"))
-    return bias.expand(batch, heads, length, kv_length), empty
+    bias = _zeros_bias(opened.shape[:-1], kv_length, q).masked_fill_(~opened, float("-inf"))
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], kv_length), empty
 
 
-def _zero_bias(q: torch.Tensor, kv_length: int) -> torch.Tensor:
-    """An aligned all-zero bias (the CUDA backward takes a bias tensor, none given as zeros)."""
-    padded = -(-kv_length // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT
-    return torch.zeros(1, 1, 1, padded, dtype=q.dtype, device=q.device)[..., :kv_length].expand(
-        q.shape[0], q.shape[1], q.shape[2], kv_length)
+def _zeros_bias(rows: torch.Size, kv_length: int, q: torch.Tensor) -> torch.Tensor:
+    """A zero bias ``[*rows, kv_length]`` in q's dtype; on CUDA each row starts ``_BIAS_ALIGNMENT``-aligned (a
+    wider buffer, sliced), as the memory-efficient kernel reads it."""
+    width = -(-kv_length // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT if q.is_cuda else kv_length
+    return torch.zeros(*rows, width, dtype=q.dtype, device=q.device)[..., :kv_length]
 
 
 def _fused_forward(q, k, v, bias, is_causal: bool, scale: float):
@@ -123,7 +117,8 @@ def _fused_forward(q, k, v, bias, is_causal: bool, scale: float):
 def _fused_backward(d_out, q, k, v, out, lse, bias, seeds, is_causal: bool, scale: float):
     """(dq, dk, dv) of the kernel's own backward."""
     if q.is_cuda:
-        bias = _zero_bias(q, k.shape[2]) if bias is None else bias  # this backward takes a bias tensor
+        if bias is None:  # this backward takes a bias tensor: none is all zeros
+            bias = _zeros_bias((1, 1, 1), k.shape[2], q).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             d_out, q, k, v, bias, out, lse, *seeds, 0.0, [True, True, True, False], is_causal, scale=scale)
         return dq, dk, dv
