@@ -207,13 +207,16 @@ def expert_weights(model) -> dict:
 
 def plan_counts(model) -> str | None:
     """notebookkit's per-layer activation plan, e.g. '4 keep' or '1 keep, 3 recompute'."""
+    from notebookkit.memory.model_setup import recorded_activation_plan
+    from notebookkit.models.patching.checkpointing import plan_counts as count_modes
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    modes = getattr(base, "_notebookkit_checkpointing", None)
+    modes = recorded_activation_plan(base)
     if modes is None:
         return None
     if isinstance(modes, str):
         return "all keep" if modes == "none" else modes
-    return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "recompute", "offload") if modes.count(m))
+    return count_modes(modes)
 
 
 def predicted(model, batch: int, seq: int, shape: str | None) -> dict:

@@ -250,13 +250,14 @@ def versions(system: str) -> dict[str, str]:
 
 def plan_counts(model) -> str:
     """'32 keep' / '2 recompute, 30 offload': the per-layer activation plan the model runs."""
+    from notebookkit.memory.model_setup import recorded_activation_plan
+    from notebookkit.models.patching.checkpointing import plan_counts as count_modes
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    modes = getattr(base, "_notebookkit_checkpointing", "none")
+    modes = recorded_activation_plan(base) or "none"
     if modes == "none":
         return "all keep"
-    if isinstance(modes, str):
-        return modes
-    return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "recompute", "offload", "offload_mlp") if modes.count(m))
+    return modes if isinstance(modes, str) else count_modes(modes)
 
 
 def training_step(model, optimizer, scaler=None):

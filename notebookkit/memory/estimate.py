@@ -625,7 +625,7 @@ def layer_activation_bytes(
             lora_dropout=lora_dropout, attention=attention, adapter_dtype_bytes=adapter_dtype_bytes,
             kv_repeated=kv_repeated, padded=padded)
         return body + sum(block.values())
-    sinks = moe_terms.attention_sinks(shape)
+    sinks = shape.attention_sinks
     eager = not sinks and resolve_attention(shape, attention) == "eager"
     elems = 4 * H + 2 * dq + 2 * dk + 2 * I
     fp32 = 2  # 1/rms of the two pre-norms
@@ -646,7 +646,7 @@ def layer_activation_bytes(
             total += batch_size * seq_len * seq_len
         elif padded:  # SDPA turns the boolean padding mask into an additive one in the compute dtype, and keeps it
             total += batch_size * seq_len * seq_len * s
-    if moe_terms.stock_norms(shape):  # Hugging Face's norms save their input in fp32, not the 16-bit one
+    if shape.stock_norms:  # Hugging Face's norms save their input in fp32, not the 16-bit one
         elems -= 2 * H
         total += N * 2 * H * 4
     total += N * (elems * s + fp32 * 4)
@@ -718,15 +718,13 @@ def backward_working_set(
         + input_grad_buffer_bytes(shape, fmt, t, s)
     freed = N * (2 * I + 2 * H) * s + N * 8  # e, g, the MLP norm's input and output, 1/rms
     attn = N * H * s + N * dq * s  # gradient from above, gradient of the attention output
-    if moe_terms.attention_sinks(shape):  # kernels.attention_sinks: g dO, K/V repeated, the bias and g made again
-        gqa = 2 * N * dq * s if dk != dq else 0
-        T2 = batch_size * seq_len * seq_len
-        attn += N * dq * s + gqa + T2 * (s + 1) + N * shape.num_heads * 4
+    gqa = 2 * N * dq * s if dk != dq else 0  # K, V (or their gradients) over every query head
+    if shape.attention_sinks:  # kernels.attention_sinks: g dO, K/V repeated, the bias and g made again
+        attn += N * dq * s + gqa + batch_size * seq_len * seq_len * (s + 1) + N * shape.num_heads * 4
         attn += N * dq * 4 + 3 * N * dq * s + N * shape.num_heads * 4  # the kernel: fp32 dQ, dQ/dK/dV, delta
     elif resolve_attention(shape, attention) == "eager":
         attn += N * (dq + 2 * dq) * s + batch_size * shape.num_heads * seq_len * seq_len * (8 + 2 * s)
     else:
-        gqa = 2 * N * dq * s if dk != dq else 0
         attn += N * dq * 4 + gqa + N * (dq + 2 * dk) * s + N * shape.num_heads * 4
     attn += dequant
     fp8 = 0

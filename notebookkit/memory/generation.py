@@ -151,7 +151,7 @@ def layer_working_set(
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
     attn = N * s * (2 * H + 2 * (dq + 2 * dk) + dq) + batch_size * queries * slots * s
-    sinks = moe_terms.attention_sinks(shape)  # gpt-oss
+    sinks = shape.attention_sinks  # gpt-oss
     if sinks and training_path:  # kernels.attention_sinks (memory.moe, Reference forward)
         T2 = batch_size * queries * slots
         attn += T2 * (2 + s) + (2 * N * dq * s if dk != dq else 0) + N * dq * s + 8 * batch_size * shape.num_heads * queries

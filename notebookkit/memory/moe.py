@@ -86,7 +86,7 @@ __all__ = ["BLOCK_M", "moe_family", "expert_lora_ranks", "explicit_expert_ranks"
            "expert_weight_bytes",
            "nf4_stacked_bytes", "expert_decode_chunk_bytes", "router_loss_bytes",
            "sparse_block_saved_bytes", "sparse_block_working_sets", "grouped_mm_possible",
-           "sparse_block_generation_bytes", "attention_sinks", "stock_norms", "dense_part"]
+           "sparse_block_generation_bytes", "dense_part"]
 
 #: the grouped kernel's row block on CUDA (``kernels.moe_experts._config``; a test checks they agree)
 BLOCK_M = 64
@@ -103,18 +103,6 @@ def moe_family(shape: ModelShape) -> Family | None:
         raise ValueError(f"notebookkit.memory: {shape.name} has {shape.num_experts} experts but its model_type "
                          f"{shape.model_type!r} is not a mixture-of-experts family notebookkit knows (Qwen3-MoE, gpt-oss).")
     return family
-
-
-def attention_sinks(shape: ModelShape) -> bool:
-    """Whether the family's attention has a sink logit a head (gpt-oss: :mod:`notebookkit.kernels.attention_sinks`)."""
-    family = for_model_type(shape.model_type)
-    return family is not None and family.attention_sinks
-
-
-def stock_norms(shape: ModelShape) -> bool:
-    """Whether the family's RMSNorms stay on Hugging Face's code (gpt-oss's fp32 weight product)."""
-    family = for_model_type(shape.model_type)
-    return family is not None and "RMSNorm" in family.stock
 
 
 STACKED = ("gate_up_proj", "down_proj")

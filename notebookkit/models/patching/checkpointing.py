@@ -12,8 +12,8 @@
   (prefetched one layer ahead, beside the input) instead of recomputing the gate and up GEMMs: a third of
   a Llama layer's recompute work, for ``2 N I s`` bytes each way over the host link. A layer whose MLP
   output a post-MLP norm reads (Gemma 2/3), or a mixture of experts, offloads without parking. A parked
-  layer's forward waits (on the GPU) for the copies of the parked layer two before it, so at most one
-  layer's ``e, g`` are in flight to the host beside its own. On a CPU the input stays and ``e, g`` are kept
+  layer's forward waits for the copies of the parked layer two before it (on the GPU, so at most one
+  layer's ``e, g`` are in flight to the host beside its own; on the host too, below). On a CPU the input stays and ``e, g`` are kept
   as they are. ``"offload_mlp"`` by name parks every offloaded layer; a per-layer plan may park some
   (:func:`notebookkit.memory.planner.park_offloaded_mlps`, the share the host link carries:
   :func:`~notebookkit.memory.planner.parked_mlp_fraction`). ``"auto"`` does not park yet: the caching allocator's
