@@ -6,7 +6,8 @@ Half 2 of ``make test-gpu`` writes 8B-shaped checkpoints and merged exports (ten
 workers): on the H200 machine it ran out of space with 49 GiB free (session 26, the MoE benchmark
 checkpoints left from earlier calls) and with the 8B decode checkpoint left (session 25), and passed with
 64 GiB free. With less than ``GIB`` free here this exits 1 and lists the sizes of ``FOLDER``s (the
-benchmarks' random-weight checkpoints, rebuilt on demand), so the fix is one ``rm -rf``.
+benchmarks' random-weight checkpoints, rebuilt on demand; an earlier pytest run's temporary folders), so the fix is
+one ``rm -rf``.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def main() -> int:
           "and would fail with 'No space left on device'.", file=sys.stderr)
     for folder in sys.argv[2:]:
         if os.path.isdir(folder):
-            print(f"  {folder}: {folder_bytes(folder) / 2**30:.1f} GiB (random-weight benchmark checkpoints, "
-                  f"rebuilt on demand): rm -rf {folder}", file=sys.stderr)
+            what = ("an earlier pytest run's temporary folders" if "pytest-of-" in folder
+                    else "random-weight benchmark checkpoints, rebuilt on demand")
+            print(f"  {folder}: {folder_bytes(folder) / 2**30:.1f} GiB ({what}): rm -rf {folder}", file=sys.stderr)
     return 1
 
 
