@@ -84,7 +84,7 @@ def _try_liger(name: str):
 # --------------------------------------------------------------------------------------------------
 # Ops (items 1-3 of the kernel issue); other helpers append theirs to OPS below
 # --------------------------------------------------------------------------------------------------
-def _rms_norm_case(rows: int, cols: int, gemma: bool):
+def _rms_norm_case(rows: int, cols: int, flavour: str):
     def build(tokens, dtype, device):
         from notebookkit.kernels.rms_norm import rms_norm
 
@@ -96,12 +96,12 @@ def _rms_norm_case(rows: int, cols: int, gemma: bool):
         def eager(x, w):
             xf = x.float()
             n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
-            return (n * (1.0 + w.float())).to(x.dtype) if gemma else w * n.to(x.dtype)
+            return (n * (1.0 + w.float())).to(x.dtype) if flavour == "gemma" else w * n.to(x.dtype)
 
-        impls = {"notebookkit": lambda x, w: rms_norm(x, w, 1e-6, gemma), "eager": eager}
+        impls = {"notebookkit": lambda x, w: rms_norm(x, w, 1e-6, flavour), "eager": eager}
         liger = _try_liger("liger_rms_norm")
         if liger is not None:
-            impls["liger"] = lambda x, w: liger(x, w, 1e-6, 1.0 if gemma else 0.0, "gemma" if gemma else "llama")
+            impls["liger"] = lambda x, w: liger(x, w, 1e-6, 1.0 if flavour == "gemma" else 0.0, flavour)
         act = _nbytes(x)
         return Case([x, w], [dy], impls, bytes_fwd=2 * act, bytes_fwdbwd=5 * act, shape=f"[{n_rows}, {cols}]")
 
@@ -166,9 +166,9 @@ def _glu_case(kind: str):
 
 
 OPS: list[BenchOp] = [
-    BenchOp("rms_norm", "notebookkit.kernels.rms_norm", _rms_norm_case(1, HIDDEN, gemma=False), "Llama casting"),
-    BenchOp("rms_norm_gemma", "notebookkit.kernels.rms_norm", _rms_norm_case(1, HIDDEN, gemma=True), "(1 + w), fp32"),
-    BenchOp("qk_norm", "notebookkit.kernels.rms_norm", _rms_norm_case(N_Q_HEADS, HEAD_DIM, gemma=False),
+    BenchOp("rms_norm", "notebookkit.kernels.rms_norm", _rms_norm_case(1, HIDDEN, "llama"), "Llama casting"),
+    BenchOp("rms_norm_gemma", "notebookkit.kernels.rms_norm", _rms_norm_case(1, HIDDEN, "gemma"), "(1 + w), fp32"),
+    BenchOp("qk_norm", "notebookkit.kernels.rms_norm", _rms_norm_case(N_Q_HEADS, HEAD_DIM, "llama"),
             "per-head q norm (Qwen3)"),
     BenchOp("rope", "notebookkit.kernels.rope", _rope_build, "Q and K, GQA 32/8, strided views"),
     BenchOp("swiglu", "notebookkit.kernels.swiglu", _glu_case("swiglu")),

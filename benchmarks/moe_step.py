@@ -171,7 +171,7 @@ def load_system(system: str, folder: str, device: str, dtype, quant: str, seq: i
 
     family = for_model_type(AutoConfig.from_pretrained(folder).model_type)
     # gpt-oss's sinks are not expressible in SDPA: transformers refuses "sdpa" for it and runs eager
-    kwargs = dict(dtype=dtype, attn_implementation="eager" if family.stock else "sdpa")
+    kwargs = dict(dtype=dtype, attn_implementation="eager" if family.attention_sinks else "sdpa")
     if device == "cuda":
         kwargs["device_map"] = {"": 0}
     if quant == "nf4":

@@ -27,8 +27,10 @@ names:
 * ``activation``: gate activation of the gated MLP, ``down(act(gate(x)) * up(x))``:
   ``"swiglu"`` (SiLU), ``"geglu"`` (exact erf GELU) or ``"geglu_tanh"`` (tanh-approximated GELU).
   The config's own ``hidden_act`` / ``hidden_activation`` wins when it names one of these.
-* ``gemma_norm``: RMSNorm with a unit offset computed in fp32,
-  ``y = (x * rstd * (1 + w)).to(dtype)`` (Gemma), instead of ``y = (x * rstd).to(dtype) * w`` (Llama).
+* ``norm``: how RMSNorm meets its weight (:data:`notebookkit.kernels.rms_norm.NORM_FLAVOURS`): ``"llama"``
+  ``y = (x * rstd).to(dtype) * w``; ``"gemma"`` a unit offset in fp32, ``y = (x * rstd * (1 + w)).to(dtype)``;
+  ``"gpt_oss"`` the weight multiply in fp32, ``y = (w * x * rstd).to(dtype)``. ``gemma_norm`` says whether it is
+  Gemma's (the GGUF writer's norm shift, the tiny models' identity weights).
 * ``qk_norm``: RMSNorm over the head dimension applied to queries and keys before RoPE
   (Qwen3, Gemma3).
 * ``sandwich_norm``: extra norms after attention and after the MLP (Gemma2/3). The decoder layer
@@ -58,8 +60,6 @@ names:
 * ``moe``: the family's decoder MLP is a sparse mixture-of-experts block (:class:`MoE`: router, experts'
   layout, activation, routing rule), run on :mod:`notebookkit.kernels.moe_experts` by
   :mod:`notebookkit.models.patching.patch_moe`; ``None`` for a dense family.
-* ``stock``: parts of the decoder that stay on stock Hugging Face code, each with the reason the
-  banner prints (gpt-oss: norms that multiply the weight in fp32).
 * ``vision``: the vision-language model whose language decoder is this family (Qwen2.5-VL for
   ``qwen2``, Gemma 3 4B+ for ``gemma3``), read by ``FastVisionModel``
   (:mod:`notebookkit.models.fast_vision_model`), the vision collator
@@ -265,7 +265,7 @@ class Family:
     tokenizer_template: str  # the chat template the family's checkpoints ship (notebookkit.tokenizer_templates)
     tiny: TinyRecipe
     activation: str = "swiglu"
-    gemma_norm: bool = False
+    norm: str = "llama"
     qk_norm: bool = False
     sandwich_norm: bool = False
     scaled_embedding: bool = False
@@ -280,8 +280,6 @@ class Family:
     tied_embeddings: bool = False
     gguf: Optional[GGUFLayout] = None
     moe: Optional[MoE] = None
-    # parts left on stock Hugging Face code: banner name ("RMSNorm", "attention") -> the reason
-    stock: Mapping[str, str] = field(default_factory=dict, hash=False)
     chat_template_missing: str = ""
     # multimodal wrappers whose text model is this family: the memory model reads their shapes,
     # the patcher leaves them on stock code (never half-patched)
@@ -289,6 +287,11 @@ class Family:
     # the vision-language wrapper FastVisionModel fine-tunes with this family's decoder (one of the
     # multimodal_model_types), or None
     vision: Optional[Vision] = None
+
+    @property
+    def gemma_norm(self) -> bool:
+        """RMSNorm with the unit offset ``1 + w`` (Gemma): stored weights are ``w``, the identity is 0."""
+        return self.norm == "gemma"
 
     @property
     def tiny_name(self) -> str:
@@ -357,10 +360,6 @@ _QWEN3_MOE = MoE(router="gate", routing="softmax_topk", activation="swiglu", num
 _GPT_OSS = MoE(router="router", routing="topk_softmax", activation="gpt_oss", num_experts="num_local_experts",
                intermediate="intermediate_size", transposed=True, router_bias=True, expert_bias=True,
                returns_scores=True)
-_GPT_OSS_STOCK = {
-    "RMSNorm": "gpt-oss norms multiply by the weight in fp32 before rounding ((w * x * rstd).to(dtype), weights "
-               "kept in fp32): they stay on Hugging Face's code",
-}
 # Tiny MoE bodies: 8 experts (Qwen3-MoE) / 4 experts (gpt-oss), 2 a token, experts 96 wide
 _TINY_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.01}
 
@@ -412,7 +411,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                               "which notebookkit's get_chat_template does not write yet (#36): keep the template "
                               "its tokenizer ships (do not call get_chat_template)",
         tokenizer_template=tokenizer_templates.QWEN2, sliding_window=True, attention_sinks=True, moe=_GPT_OSS,
-        stock=_GPT_OSS_STOCK,
+        norm="gpt_oss",
         gguf=GGUFLayout("gpt-oss"),
         tiny=TinyRecipe(tie_word_embeddings=False, rope_theta=150000.0, config={
             "rms_norm_eps": 1e-5, **_TINY_MOE, "num_local_experts": 4, "intermediate_size": 96,
@@ -422,14 +421,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(
         "gemma", ("gemma",), "GemmaConfig", chat_template="gemma", tokens="gemma",
         tokenizer_template=tokenizer_templates.GEMMA, activation="geglu_tanh",
-        gemma_norm=True, scaled_embedding=True, tied_embeddings=True, gguf=GGUFLayout("gemma"),
+        norm="gemma", scaled_embedding=True, tied_embeddings=True, gguf=GGUFLayout("gemma"),
         tiny=TinyRecipe(rope_theta=10000.0,
                         config={"rms_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", **_GEMMA_TANH}),
     ),
     Family(
         "gemma2", ("gemma2",), "Gemma2Config", chat_template="gemma", tokens="gemma",
         tokenizer_template=tokenizer_templates.GEMMA, activation="geglu_tanh",
-        gemma_norm=True, sandwich_norm=True, scaled_embedding=True,
+        norm="gemma", sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
         default_attn_softcap=50.0, query_pre_attn_scalar=True, sliding_window=True, tied_embeddings=True,
         fp16_overflow=_GEMMA_FP16,
@@ -442,7 +441,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(
         "gemma3", ("gemma3_text",), "Gemma3TextConfig", chat_template="gemma-3", tokens="gemma",
         tokenizer_template=tokenizer_templates.GEMMA,
-        activation="geglu_tanh", gemma_norm=True, qk_norm=True, sandwich_norm=True, scaled_embedding=True,
+        activation="geglu_tanh", norm="gemma", qk_norm=True, sandwich_norm=True, scaled_embedding=True,
         attn_softcap_attr="attn_logit_softcapping", final_softcap_attr="final_logit_softcapping",
         query_pre_attn_scalar=True, sliding_window=True, multimodal_model_types=("gemma3",),
         vision=_GEMMA3_VISION, tied_embeddings=True, gguf=GGUFLayout("gemma3", sliding_pattern=True),

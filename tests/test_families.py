@@ -61,7 +61,7 @@ def test_lookup_by_model_type():
 @pytest.mark.parametrize("name", NAMES)
 def test_patcher_covers_every_layer(name):
     """The patched model runs every norm, MLP and attention fused (an MoE family: every sparse block and
-    its router; the parts the row keeps stock stay stock); the norm count checks the row's q/k-norm and
+    its router); the norm count checks the row's q/k-norm and
     sandwich-norm facts against the Hugging Face class."""
     from notebookkit.models.common.architectures import lookup
     from notebookkit.models.common.decoder_layers import decoder_layers
@@ -77,8 +77,8 @@ def test_patcher_covers_every_layer(name):
     mlp = "moe" if row.moe is not None else "mlp"
     assert counts[mlp] == layers
     assert counts.get("moe_router", 0) == (layers if row.moe is not None else 0)
-    assert counts.get("attention", 0) == (0 if "attention" in row.stock else layers)
-    norms = 0 if "RMSNorm" in row.stock else layers * (2 + 2 * row.sandwich_norm + 2 * row.qk_norm) + 1
+    assert counts.get("attention", 0) == layers
+    norms = layers * (2 + 2 * row.sandwich_norm + 2 * row.qk_norm) + 1
     assert counts.get("rms_norm", 0) == norms
 
 

@@ -1,4 +1,4 @@
-"""RMSNorm, fused forward and backward (Llama and Gemma flavours).
+"""RMSNorm, fused forward and backward (the Llama, Gemma and gpt-oss flavours).
 
 Math, per row ``x`` of length ``N`` (all reductions in fp32)::
 
@@ -7,14 +7,16 @@ Math, per row ``x`` of length ``N`` (all reductions in fp32)::
 
     Llama (HF ``LlamaRMSNorm``, also Mistral/Qwen2/Qwen3 and Qwen3/Gemma3 q/k norms):
         y = cast(n, x.dtype) * w                 the cast happens *before* the weight multiply
-    Gemma (HF ``GemmaRMSNorm``, ``gemma=True``):
+    Gemma (HF ``GemmaRMSNorm``, ``flavour="gemma"``):
         y = cast(n * (1 + w), x.dtype)           everything in fp32, one cast at the end
+    gpt-oss (HF ``GptOssRMSNorm``, ``flavour="gpt_oss"``; its norm weights are kept in fp32):
+        y = cast(n * w, x.dtype)                 the weight multiply in fp32, one cast at the end
 
-Backward, with ``a = w`` (Llama) or ``a = 1 + w`` (Gemma) and ``dn = dy * a``::
+Backward, with ``a = w`` (Llama, gpt-oss) or ``a = 1 + w`` (Gemma) and ``dn = dy * a``::
 
     dx = rstd * (dn - n * mean(dn * n))          per row
     dw = sum_rows(dy * cast(n, x.dtype))         Llama
-    dw = sum_rows(dy * n)                        Gemma
+    dw = sum_rows(dy * n)                        Gemma, gpt-oss
 
 ``dw`` is only computed when the weight requires grad: each program of the backward kernel walks a
 strided set of row tiles, keeps an fp32 partial sum of ``dw`` in registers and writes it to one row of
@@ -35,9 +37,27 @@ import triton.language as tl
 
 from notebookkit.kernels.runtime import mark_written, should_use_triton
 
-__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_forward", "rms_norm_backward"]
+__all__ = ["NORM_FLAVOURS", "rms_norm", "rms_norm_reference", "rms_norm_forward", "rms_norm_backward",
+           "flavour_flags", "normed_dtype"]
 
 _MAX_COLS = 65536
+
+# How each flavour meets the weight (module docstring): the kernels' (CAST_FIRST, UNIT_OFFSET)
+NORM_FLAVOURS = {"llama": (True, False), "gemma": (False, True), "gpt_oss": (False, False)}
+
+
+def flavour_flags(flavour: str) -> dict:
+    """The kernels' constexprs of an RMSNorm ``flavour`` (a key of :data:`NORM_FLAVOURS`)."""
+    if flavour not in NORM_FLAVOURS:
+        raise ValueError(f"rms_norm: unknown flavour {flavour!r}; choose one of {sorted(NORM_FLAVOURS)}.")
+    cast_first, unit_offset = NORM_FLAVOURS[flavour]
+    return {"CAST_FIRST": cast_first, "UNIT_OFFSET": unit_offset}
+
+
+def normed_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, flavour: str) -> torch.dtype:
+    """The output dtype, as Hugging Face's modules give it: Llama's ``cast(n) * w`` promotes to the weight's
+    dtype; the other flavours cast once at the end, to ``x``'s."""
+    return torch.promote_types(x_dtype, weight_dtype) if flavour_flags(flavour)["CAST_FIRST"] else x_dtype
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,7 +67,7 @@ _MAX_COLS = 65536
 def _rms_norm_fwd_kernel(
     X, W, Y, RSTD,
     n_rows, n_cols, stride_x, stride_y, eps,
-    GEMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAST_FIRST: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -56,22 +76,25 @@ def _rms_norm_fwd_kernel(
     rows64 = rows.to(tl.int64)
 
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y, rstd = normalized_rows(x, W, cols, n_cols, eps, GEMMA, X.dtype.element_ty)
+    y, rstd = normalized_rows(x, W, cols, n_cols, eps, CAST_FIRST, UNIT_OFFSET, X.dtype.element_ty)
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
 @triton.jit
-def normalized_rows(x, W, cols, n_cols, eps, GEMMA: tl.constexpr, x_dtype: tl.constexpr):
+def normalized_rows(x, W, cols, n_cols, eps, CAST_FIRST: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                    x_dtype: tl.constexpr):
     """``(y, rstd)`` of the module docstring's forward for fp32 rows ``x`` ``[BLOCK_M, BLOCK_N]`` (masked columns
     zero) whose input dtype is ``x_dtype``; also the norm half of :mod:`.add_rms_norm`."""
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        w = w + 1.0
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     n = x * rstd[:, None]
-    if GEMMA:
-        y = n * (1.0 + w)[None, :]
-    else:
+    if CAST_FIRST:
         y = n.to(x_dtype).to(tl.float32) * w[None, :]
+    else:
+        y = n * w[None, :]
     return y, rstd
 
 
@@ -79,7 +102,7 @@ def normalized_rows(x, W, cols, n_cols, eps, GEMMA: tl.constexpr, x_dtype: tl.co
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     n_rows, n_cols, n_tiles, stride_dy, stride_x, stride_dx,
-    GEMMA: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    CAST_FIRST: tl.constexpr, UNIT_OFFSET: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -87,7 +110,7 @@ def _rms_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if GEMMA:
+    if UNIT_OFFSET:
         w = w + 1.0
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
@@ -101,10 +124,10 @@ def _rms_norm_bwd_kernel(
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         n = x * rstd[:, None]
         if COMPUTE_DW:
-            if GEMMA:
-                dw_acc += tl.sum(dy * n, axis=0)
-            else:
+            if CAST_FIRST:
                 dw_acc += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            else:
+                dw_acc += tl.sum(dy * n, axis=0)
         if COMPUTE_DX:
             dn = dy * w[None, :]
             proj = tl.sum(dn * n, axis=1) / n_cols
@@ -183,22 +206,22 @@ def rms_norm_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float = 1e-6,
-    gemma: bool = False,
+    flavour: str = "llama",
     out: torch.Tensor | None = None,
     rstd: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Returns ``(y, rstd)``; ``y`` has ``x``'s shape, ``rstd`` is fp32 ``[rows]``.
 
     ``out``/``rstd`` may be given (any values, e.g. NaN) and are fully overwritten. The output dtype is
-    ``x.dtype`` for Gemma and ``torch.promote_types(x.dtype, weight.dtype)`` for Llama, as in HF.
+    :func:`normed_dtype`'s.
     """
+    flags = flavour_flags(flavour)
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     weight = weight.contiguous()
     n_rows = x2.shape[0]
-    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
     if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=normed_dtype(x.dtype, weight.dtype, flavour), device=x.device)
     y2 = out.view(-1, n_cols)
     if rstd is None:
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -208,7 +231,7 @@ def rms_norm_forward(
     grid = (triton.cdiv(n_rows, block_m),)
     _rms_norm_fwd_kernel[grid](
         x2, weight, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
-        GEMMA=gemma, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out, rstd
 
@@ -218,7 +241,7 @@ def rms_norm_backward(
     x: torch.Tensor,
     weight: torch.Tensor,
     rstd: torch.Tensor,
-    gemma: bool = False,
+    flavour: str = "llama",
     compute_dx: bool = True,
     compute_dw: bool = True,
     dx_out: torch.Tensor | None = None,
@@ -229,6 +252,7 @@ def rms_norm_backward(
     ``dx_out`` is where ``dx`` goes (``x``'s shape and dtype, rows with unit column stride); it may be
     ``dy`` itself (each tile reads its ``dy`` rows before writing ``dx``). ``dw`` has ``weight``'s dtype.
     """
+    flags = flavour_flags(flavour)
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     dy2 = _as_rows(dy)
@@ -253,7 +277,7 @@ def rms_norm_backward(
     _rms_norm_bwd_kernel[(n_progs,)](
         dy2, x2, weight, rstd, dx2, partial,
         n_rows, n_cols, n_tiles, dy2.stride(0), x2.stride(0), dx2.stride(0),
-        GEMMA=gemma, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw,
+        **flags, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     dw = partial.sum(0).to(weight.dtype) if compute_dw else None
@@ -262,11 +286,11 @@ def rms_norm_backward(
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, gemma, inplace_backward):
+    def forward(ctx, x, weight, eps, flavour, inplace_backward):
         x2 = _as_rows(x)
-        y, rstd = rms_norm_forward(x2, weight, eps, gemma)
+        y, rstd = rms_norm_forward(x2, weight, eps, flavour)
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.gemma = gemma
+        ctx.flavour = flavour
         ctx.inplace_backward = inplace_backward
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -282,7 +306,7 @@ class _RMSNormFunction(torch.autograd.Function):
         if need_dx and ctx.inplace_backward and dy2.dtype == x2.dtype and dy2.is_contiguous():
             dx_out = dy2
         dx, dw = rms_norm_backward(
-            dy2, x2, weight, rstd, ctx.gemma, compute_dx=need_dx, compute_dw=need_dw, dx_out=dx_out
+            dy2, x2, weight, rstd, ctx.flavour, compute_dx=need_dx, compute_dw=need_dw, dx_out=dx_out
         )
         if dx is not None:
             if dx_out is not None:
@@ -299,25 +323,27 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, flavour: str = "llama"
 ) -> torch.Tensor:
     """Plain-PyTorch RMSNorm with the same casting as the kernel (the CPU path and the test oracle).
 
     Reductions run in fp32 (in fp64 for fp64 inputs, so it doubles as a float64 oracle).
     """
+    flags = flavour_flags(flavour)
     acc = _acc_dtype(x.dtype)
     xf = x.to(acc)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:
-        return (xf * rstd * (1.0 + weight.to(acc))).to(x.dtype)
-    return weight * (xf * rstd).to(x.dtype)
+    if flags["CAST_FIRST"]:
+        return weight * (xf * rstd).to(x.dtype)
+    scale = weight.to(acc) + 1.0 if flags["UNIT_OFFSET"] else weight.to(acc)
+    return (xf * rstd * scale).to(x.dtype)
 
 
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float = 1e-6,
-    gemma: bool = False,
+    flavour: str = "llama",
     inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Root-mean-square normalisation over the last dimension, fused forward and backward.
@@ -327,8 +353,8 @@ def rms_norm(
             or per-head ``[B, T, H, head_dim]`` for Qwen3/Gemma3 q/k norms).
         weight: ``[N]`` scale (the norm module's ``weight``).
         eps: added to the mean square (``variance_epsilon`` / ``eps`` of the HF module).
-        gemma: ``False`` for Llama-style casting (``cast(n) * w``), ``True`` for Gemma's
-            ``cast(n * (1 + w))`` computed in fp32.
+        flavour: how the weight meets the normalised row ``n``: ``"llama"`` ``cast(n) * w``, ``"gemma"``
+            ``cast(n * (1 + w))`` in fp32, ``"gpt_oss"`` ``cast(n * w)`` in fp32.
         inplace_backward: let the backward write ``dx`` into the incoming gradient's buffer (no new
             activation-sized allocation). Only safe when this output's gradient is used by nothing
             else, e.g. a pre-norm feeding linear projections; leave ``False`` when the output is
@@ -336,7 +362,7 @@ def rms_norm(
 
     Returns:
         ``y`` with ``x``'s shape (dtype ``x.dtype``; for Llama the promotion of ``x`` and ``weight``
-        dtypes, exactly as HF). CUDA tensors run the Triton kernels, CPU tensors the PyTorch reference
+        dtypes, exactly as HF: :func:`normed_dtype`). CUDA tensors run the Triton kernels, CPU tensors the PyTorch reference
         (see ``notebookkit.kernels.runtime``).
     """
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -347,43 +373,46 @@ def rms_norm(
     if should_use_triton(x):
         if weight.device != x.device:
             raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}; move them together.")
-        return _RMSNormFunction.apply(x, weight, float(eps), bool(gemma), bool(inplace_backward))
-    return rms_norm_reference(x, weight, eps, gemma)
+        flavour_flags(flavour)  # an unknown flavour fails here, before the autograd function
+        return _RMSNormFunction.apply(x, weight, float(eps), flavour, bool(inplace_backward))
+    return rms_norm_reference(x, weight, eps, flavour)
 
 
 # --------------------------------------------------------------------------------------------------
 # Ahead-of-time compile specs (tests/kernels/test_aot_compile.py): (kernel, signature, constexprs, options)
 # --------------------------------------------------------------------------------------------------
 def _aot_specs() -> list:
-    def fwd(dt, gemma, block_m, block_n, warps):
+    def fwd(dt, flavour, block_m, block_n, warps, w_dt=None):
         return (
             _rms_norm_fwd_kernel,
-            {"X": f"*{dt}", "W": f"*{dt}", "Y": f"*{dt}", "RSTD": "*fp32", "n_rows": "i32",
+            {"X": f"*{dt}", "W": f"*{w_dt or dt}", "Y": f"*{dt}", "RSTD": "*fp32", "n_rows": "i32",
              "n_cols": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"},
-            {"GEMMA": gemma, "BLOCK_M": block_m, "BLOCK_N": block_n},
+            {**flavour_flags(flavour), "BLOCK_M": block_m, "BLOCK_N": block_n},
             {"num_warps": warps},
         )
 
-    def bwd(dt, gemma, dx, dw, block_m, block_n, warps):
+    def bwd(dt, flavour, dx, dw, block_m, block_n, warps, w_dt=None):
         return (
             _rms_norm_bwd_kernel,
-            {"DY": f"*{dt}", "X": f"*{dt}", "W": f"*{dt}", "RSTD": "*fp32", "DX": f"*{dt}",
+            {"DY": f"*{dt}", "X": f"*{dt}", "W": f"*{w_dt or dt}", "RSTD": "*fp32", "DX": f"*{dt}",
              "DW_PARTIAL": "*fp32", "n_rows": "i32", "n_cols": "i32", "n_tiles": "i32",
              "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32"},
-            {"GEMMA": gemma, "COMPUTE_DX": dx, "COMPUTE_DW": dw, "BLOCK_M": block_m, "BLOCK_N": block_n,
+            {**flavour_flags(flavour), "COMPUTE_DX": dx, "COMPUTE_DW": dw, "BLOCK_M": block_m, "BLOCK_N": block_n,
              "NUM_STAGES": 2},
             {"num_warps": warps},
         )
 
-    # one entry per code path, alternating dtypes (fp16 and bf16 both reach sm_75)
+    # one entry per code path, alternating dtypes (fp16 and bf16 both reach sm_75); gpt-oss's weights are fp32
     return [
-        fwd("fp16", False, 1, 4096, 8),
-        fwd("bf16", True, 1, 4096, 8),
-        fwd("fp16", False, 32, 128, 8),  # q/k norm shape (head_dim 128)
-        bwd("fp16", False, True, True, 1, 4096, 8),
-        bwd("bf16", True, True, True, 1, 4096, 8),
-        bwd("bf16", False, True, False, 32, 128, 8),
-        bwd("fp16", True, False, True, 32, 128, 8),
+        fwd("fp16", "llama", 1, 4096, 8),
+        fwd("bf16", "gemma", 1, 4096, 8),
+        fwd("fp16", "gpt_oss", 1, 4096, 8, w_dt="fp32"),
+        fwd("fp16", "llama", 32, 128, 8),  # q/k norm shape (head_dim 128)
+        bwd("fp16", "llama", True, True, 1, 4096, 8),
+        bwd("bf16", "gemma", True, True, 1, 4096, 8),
+        bwd("fp16", "gpt_oss", True, False, 1, 4096, 8, w_dt="fp32"),
+        bwd("bf16", "llama", True, False, 32, 128, 8),
+        bwd("fp16", "gemma", False, True, 32, 128, 8),
     ]
 
 

@@ -158,8 +158,8 @@ Mixtures of experts (Qwen3-MoE, gpt-oss: :mod:`notebookkit.memory.moe` has the f
     projections follow the base format. The experts' adapters are
     PEFT's ``ParamWrapper`` pairs ``lora_A [r E, in]``, ``lora_B [out, r E]`` (Qwen3-MoE's gate_up at
     ``2 r`` when PEFT maps ``gate_proj`` + ``up_proj`` onto it; at ``r`` when ``target_parameters`` names
-    it). A kept layer saves its attention and norms (the fused ones; gpt-oss's attention with sinks and its
-    norms on Hugging Face's code, which save fp32 inputs) and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
+    it). A kept layer saves its attention and norms (the fused ones, gpt-oss's attention with sinks among them)
+    and the sparse block's routing tensors, ``gu [N k, 2 I]``, the
     rank-space products, the permutation and block schedule; the block's forward and backward working
     sets replace the dense MLP's. Offloading is not written for these models: ``"offload"`` layers
     recompute (as ``use_gradient_checkpointing`` does). DPO's reference pass is one layer's no-grad working
@@ -646,9 +646,6 @@ def layer_activation_bytes(
             total += batch_size * seq_len * seq_len
         elif padded:  # SDPA turns the boolean padding mask into an additive one in the compute dtype, and keeps it
             total += batch_size * seq_len * seq_len * s
-    if shape.stock_norms:  # Hugging Face's norms save their input in fp32, not the 16-bit one
-        elems -= 2 * H
-        total += N * 2 * H * 4
     total += N * (elems * s + fp32 * 4)
     if lora_dropout and lora_dropout > 0:  # the targeted groups run PEFT's code (module docstring)
         dims = shape.projection_shapes()

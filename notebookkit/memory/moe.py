@@ -32,9 +32,8 @@ Saved for backward by a kept sparse block (the router in fp32, the grouped kerne
     is not the compute dtype, their casts ``E s sum r_w (in_w + out_w)`` (made by every forward, so saved
     per kept layer); the block's input ``x`` is the MLP norm's output, counted with the layer.
     The attention and norms are the dense layers' (:func:`~.estimate.layer_activation_bytes` without the MLP):
-    Qwen3-MoE's fused ones; gpt-oss's attention with sinks (:mod:`notebookkit.kernels.attention_sinks`: q, k, v,
-    its output and log-sum-exp as SDPA's, and the layer's boolean mask ``B T^2``) and its norms on Hugging
-    Face's code, which save their input in fp32 (``4 N H`` each, not ``N H s``).
+    the fused ones for both families; gpt-oss's attention with sinks (:mod:`notebookkit.kernels.attention_sinks`:
+    q, k, v, its output and log-sum-exp as SDPA's, and the layer's boolean mask ``B T^2``).
 
 Working sets of a sparse block (beyond what it saved)
     forward: ``h [n, I]`` and the pairs' output rows ``[n, H]``, or (``h`` freed) those rows, their fp32 sum

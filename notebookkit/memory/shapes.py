@@ -63,7 +63,6 @@ class ModelShape:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # extra post-attention / post-MLP norms (Gemma 2, Gemma 3)
     attention_sinks: bool = False  # a sink logit a head in the softmax (gpt-oss: kernels.attention_sinks)
-    stock_norms: bool = False  # norms on Hugging Face's code, which save their input in fp32 (gpt-oss)
     max_position_embeddings: int | None = None
     attn_softcap: bool = False  # attention logit soft-cap (Gemma 2): explicit softmax, T^2 scores kept
     num_experts: int = 0  # a mixture of experts: E experts a layer (0: a dense MLP)
@@ -171,7 +170,6 @@ def _shape(name, model_type, H, L, nh, nk, hd, I, V, tied, max_pos, attn_softcap
         qk_norm=family is not None and family.qk_norm,
         sandwich_norms=family is not None and family.sandwich_norm,
         attention_sinks=family is not None and family.attention_sinks,
-        stock_norms=family is not None and "RMSNorm" in family.stock,
         max_position_embeddings=max_pos, attn_softcap=bool(attn_softcap),
         **(dict(zip(("num_experts", "experts_per_token", "expert_intermediate_size", "router_norm_topk"), experts))
            if experts else {}),

@@ -2,8 +2,8 @@
 verdict for the two curated MoE shapes.
 
 * A kept decoder layer of the tiny Qwen3-MoE (fp32: the fused attention and norms, the fp32 router, the grouped
-  kernel's ``gu``, rank-space products, permutation and block schedule) and of the tiny gpt-oss (bf16: its stock
-  eager attention with sinks, fp32-weighted norms, PEFT's casts of the attention adapters' inputs, the kernel's
+  kernel's ``gu``, rank-space products, permutation and block schedule) and of the tiny gpt-oss (bf16: its fused
+  attention with sinks, its norms with fp32 weights, PEFT's casts of the attention adapters' inputs, the kernel's
   casts of the expert adapters) is run on the CUDA code path under the Triton interpreter (the kernel's CUDA
   tiles, ``BLOCK_M = 64``), every storage saved for backward counted once and compared byte for byte with
   ``layer_activation_bytes``; the LoRA count is PEFT's (``ParamWrapper``: ``lora_A [r E, in]``, ``lora_B
@@ -77,11 +77,12 @@ VERDICTS = {  # (model, card, dtype, load_in_4bit): what the panel's headline sa
     ("Qwen/Qwen3-30B-A3B", "t4", "float16", True): "26.67 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
     ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16", True): "26.79 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",  # bf16: the larger of the Triton and grouped_mm paths (the estimate does not know the card)
     # gpt-oss: attention with sinks on the fused kernels (Hugging Face's eager one gave 18.79, 21.93 and 46.06 GiB:
-    # its [B, heads, T, T + 1] probabilities and their gradients); 24 GB now keeps 20 layers where it kept fewer
-    ("openai/gpt-oss-20b", "t4", "float16", True): "15.12 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
-    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "22.42 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
+    # its [B, heads, T, T + 1] probabilities and their gradients); and its norms on the fused kernel (Hugging
+    # Face's saved fp32 inputs: 15.12, 22.42 and 42.46 GiB); 24 GB now keeps 23 of 24 layers
+    ("openai/gpt-oss-20b", "t4", "float16", True): "15.08 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
+    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "22.55 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
     # 16-bit experts (before NF4 experts, load_in_4bit gave 45.21 GiB here: NF4 attention, 16-bit experts)
-    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "42.46 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
+    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "42.41 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
 }
 
 
@@ -90,7 +91,7 @@ ADVICE = {  # what the panel says to change where it does not fit at the default
     ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16", True): "NF4 (4-bit): fits with LoRA r≤10",
     # (with Hugging Face's eager attention: "does not fit at any LoRA rank (about 16.09 GiB at r=1")
     ("openai/gpt-oss-20b", "t4", "float16", True): "What to change: offload_embedding=True (input embedding in host RAM) "
-                                                   "(about 14.04 GiB)",
+                                                   "(about 14.00 GiB)",
     ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "What to change: load_in_4bit=True (NF4 (4-bit) base)",
 }
 

@@ -23,8 +23,8 @@ Fused on the way (forward only: decoding runs without gradients), each a kernel 
 
 * residual add + the norm after it, ``h = h + a; x = norm(h)`` (:mod:`notebookkit.kernels.add_rms_norm`), for
   the attention residual with the pre-MLP norm and for the MLP residual with the next layer's input norm,
-  where the plan allows it (:class:`.decoder_plan.FusedNorm`: plain RMSNorms, no sandwich norms, not gpt-oss's
-  fp32-weight norms); the last layer's MLP residual with the final norm only when ``T == 1`` (a prompt
+  where the plan allows it (:class:`.decoder_plan.FusedNorm`: plain RMSNorms, no sandwich norms); the last
+  layer's MLP residual with the final norm only when ``T == 1`` (a prompt
   normalises only its last position, as before);
 * RoPE of q and k + the cache write of k and v, for the decode step (``T == 1``, device-tensor slot:
   :meth:`.static_cache.StaticKVCache.write_rotated`); the prompt keeps ``apply_rope`` and a slice copy.
@@ -174,7 +174,7 @@ def _add_and_norm(hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module,
     if add_rms_norm is None:
         hidden = hidden + delta
         return hidden, norm(hidden)
-    return add_rms_norm(hidden, delta, fused.module.weight, fused.eps, gemma=fused.gemma)
+    return add_rms_norm(hidden, delta, fused.module.weight, fused.eps, flavour=fused.flavour)
 
 
 def _embed(plan: DecoderPlan, input_ids: torch.Tensor) -> torch.Tensor:

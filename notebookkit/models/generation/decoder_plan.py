@@ -16,9 +16,8 @@ language model of a vision-language wrapper of the family record: the decode ste
 * which norms the decode step runs fused with the residual add in front of them (:class:`FusedNorm`,
   :mod:`notebookkit.kernels.add_rms_norm`): the layer's input and pre-MLP norms and the final norm, when
   they are plain RMSNorm modules (:func:`~notebookkit.models.patching.patch_norms.is_rms_norm`, the epsilon
-  read as the patcher reads it, the flavour from the family's ``gemma_norm``), the family has no sandwich
-  norms (Gemma 2/3: a post-norm sits between the block and the add) and does not keep its norms on stock
-  code (gpt-oss multiplies by the weight in fp32 before rounding, a third flavour the kernel does not have);
+  read as the patcher reads it, the flavour from the family's ``norm``) and the family has no sandwich
+  norms (Gemma 2/3: a post-norm sits between the block and the add);
 * the RoPE tables (:class:`RopeTables`): ``cos``/``sin`` ``[positions, head_dim]`` computed by the
   model's own rotary embedding for positions ``0 .. n - 1`` (Llama 3.1 scaling, Gemma 3's local base
   on sliding layers: whatever that module computes), gathered per row and step afterwards; a module
@@ -65,20 +64,20 @@ class FusedNorm:
     """An RMSNorm the decode step runs together with the residual add in front of it
     (:func:`notebookkit.kernels.add_rms_norm.add_rms_norm`: ``s = h + a``, ``y = norm(s)`` in one kernel).
 
-    ``module`` is read at each call (its ``weight`` may be moved or reloaded); ``eps`` and ``gemma`` (the
-    ``(1 + w)`` flavour) are the ones the patcher gives the module's own forward."""
+    ``module`` is read at each call (its ``weight`` may be moved or reloaded); ``eps`` and ``flavour``
+    (``Family.norm``) are the ones the patcher gives the module's own forward."""
 
     module: nn.Module
     eps: float
-    gemma: bool
+    flavour: str
 
 
 def fused_norm(module: Optional[nn.Module], family: Family) -> Optional[FusedNorm]:
     """``module`` as a :class:`FusedNorm` when the decode step may fuse it with its residual add, else ``None``
-    (module docstring: plain RMSNorm, no sandwich norms, norms not kept on stock code)."""
-    if module is None or family.sandwich_norm or "RMSNorm" in family.stock or not is_rms_norm(module):
+    (module docstring: plain RMSNorm, no sandwich norms)."""
+    if module is None or family.sandwich_norm or not is_rms_norm(module):
         return None
-    return FusedNorm(module=module, eps=rms_norm_eps(module), gemma=family.gemma_norm)
+    return FusedNorm(module=module, eps=rms_norm_eps(module), flavour=family.norm)
 
 
 @dataclass

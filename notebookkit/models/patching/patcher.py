@@ -93,14 +93,10 @@ def stays_stock(causal_lm: nn.Module, spec: Optional[Family], banner: Banner) ->
 
 
 def _patch_norms(causal_lm: nn.Module, spec: Family, banner: Banner) -> None:
-    """Every RMSNorm onto ``kernels.rms_norm`` (Llama or Gemma ``1 + w`` style)."""
-    if "RMSNorm" in spec.stock:
-        banner.feature("RMSNorm", False, spec.stock["RMSNorm"])
-        return
-    n_norms = patch_norms(causal_lm, gemma=spec.gemma_norm)
+    """Every RMSNorm onto ``kernels.rms_norm`` in the family's flavour (``Family.norm``)."""
+    n_norms = patch_norms(causal_lm, spec.norm)
     if n_norms:
-        style = "gemma (1 + w)" if spec.gemma_norm else "llama"
-        banner.feature("RMSNorm", True, f"{n_norms} norms on kernels.rms_norm ({style})")
+        banner.feature("RMSNorm", True, f"{n_norms} norms on kernels.rms_norm ({spec.norm})")
     else:
         banner.feature("RMSNorm", False, why_missing("rms_norm", "rms_norm") or "no RMSNorm modules found")
 
@@ -151,9 +147,7 @@ def patch_attentions(causal_lm: nn.Module, layers: list[nn.Module], config: Any,
     attn_impl = attention_implementation(text_config) or attention_implementation(config)
     softcap = architectures.attn_softcap(config, spec)
     attn_done, attn_reason = 0, None
-    if "attention" in spec.stock:
-        attn_reason = spec.stock["attention"]
-    elif attn_impl not in (None, "sdpa", "eager"):
+    if attn_impl not in (None, "sdpa", "eager"):
         # flash-attention / flex masks have other formats (2-D, BlockMask); leave those layers stock.
         attn_reason = f"attn_implementation={attn_impl!r} requested: attention stays on Hugging Face's {attn_impl}"
     else:

@@ -113,9 +113,8 @@ def patch_vision_model(model: nn.Module, banner: Optional[Banner] = None) -> Ban
     text_config = wrapper.config.get_text_config()
     layers = decoder_layers(wrapper)
 
-    n_norms = patch_norms(language, gemma=family.gemma_norm)
-    style = "gemma (1 + w)" if family.gemma_norm else "llama"
-    banner.feature("RMSNorm", n_norms > 0, f"{n_norms} decoder norms on kernels.rms_norm ({style})" if n_norms
+    n_norms = patch_norms(language, family.norm)
+    banner.feature("RMSNorm", n_norms > 0, f"{n_norms} decoder norms on kernels.rms_norm ({family.norm})" if n_norms
                    else "no RMSNorm modules found in the decoder")
     mlps = patch_mlps(layers, text_config, family, banner)
     problem = rope_table_problem(language) if vision.rope == "mrope" else None
@@ -164,7 +163,7 @@ def _patch_tower(wrapper: nn.Module, family: Family, banner: Banner) -> None:
         if seen & inner:  # the projector inside the tower (Qwen2.5-VL's merger): already walked
             continue
         seen |= inner
-        n_norms += patch_norms(part, gemma=family.gemma_norm)
+        n_norms += patch_norms(part, family.norm)
         for module in part.modules():
             if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 activation = architectures.activation_of(getattr(module, "act_fn", None))
