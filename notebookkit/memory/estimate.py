@@ -64,6 +64,10 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
                except the last decoder layer, whose input stays on the GPU when it is offloaded.
     Offloading adds two layer inputs in flight (the one fetched and the one prefetched; the last
     layer's input is one of them when it stays on the GPU).
+    Masks the layers share (gpt-oss only, :func:`shared_mask_bytes`): the attention with sinks saves a
+    boolean ``B * T^2`` mask made once per forward for each of Hugging Face's two masks (full layers,
+    sliding-window layers), whatever the modes; where a layer is recomputed, its checkpoint also holds
+    Hugging Face's own two masks (``B * T^2 * s`` each) until the backward.
     offload_mlp: as offload, and a layer whose MLP is deferred (below) parks its gate/up outputs in pinned
                host memory too (``2 * N * I * s`` there, the last layer excepted, which keeps its input on
                the GPU and recomputes). On the GPU the previous layer's parked ``e, g`` are prefetched
@@ -203,6 +207,8 @@ GiB = 1024**3
 MODES = ("keep", "recompute", "offload", "offload_mlp")
 #: the modes whose layer input goes to pinned host memory (offload_mlp: with its MLP's gate/up outputs)
 OFFLOADING = ("offload", "offload_mlp")
+# gpt-oss alternates sliding-window and full layers: Hugging Face builds one attention mask for each kind
+SINKS_MASK_KINDS = 2
 METHODS = tuple(TRAINING_METHODS)
 
 _OPT_STATE_BYTES = {
@@ -642,9 +648,9 @@ def layer_activation_bytes(
         total += batch_size * shape.num_heads * seq_len * seq_len * (2 * s + 4) + batch_size * seq_len * seq_len
     else:
         fp32 += shape.num_heads  # log-sum-exp per query head
-        if sinks:  # the attention with sinks keeps the layer's boolean mask (Hugging Face hands every layer one)
-            total += batch_size * seq_len * seq_len
-        elif padded:  # SDPA turns the boolean padding mask into an additive one in the compute dtype, and keeps it
+        # SDPA turns the boolean padding mask into an additive one in the compute dtype, and keeps it; the
+        # attention with sinks saves boolean masks the layers share (shared_mask_bytes)
+        if padded and not sinks:
             total += batch_size * seq_len * seq_len * s
     total += N * (elems * s + fp32 * 4)
     if lora_dropout and lora_dropout > 0:  # the targeted groups run PEFT's code (module docstring)
@@ -1096,6 +1102,8 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
         per_layer[-1] = X  # the last layer's input is needed first in backward: it stays on the GPU
     counts = {m: plan.count(m) for m in MODES}
     details = {"activations: saved by kept layers": counts["keep"] * keep_layer}
+    shared = shared_mask_bytes(shape, plan, layer_kw["batch_size"], layer_kw["seq_len"], layer_kw["dtype_bytes"])
+    details.update(shared)
     if counts["recompute"]:
         details["activations: inputs of recomputed layers"] = counts["recompute"] * X
     if last_offloaded:
@@ -1112,10 +1120,26 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     parked = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"]) if parked_layers > 0 else (0, 0)
     if parked[1]:
         details["activations: parked MLP gate/up outputs in flight"] = parked[1]
-    return _Activations(sum(per_layer) + in_flight + parked[1], details, per_layer=tuple(per_layer),
-                        keep_layer=keep_layer, layer_input=X,
+    total = sum(per_layer) + in_flight + parked[1] + sum(shared.values())
+    return _Activations(total, details, per_layer=tuple(per_layer), keep_layer=keep_layer, layer_input=X,
                         host_offload=offloaded * X + max(parked_layers, 0) * parked[0],
                         recomputed_layer=recomputed, mlp_deferred=deferred)
+
+
+def shared_mask_bytes(shape: ModelShape, plan: tuple[str, ...], batch_size: int, seq_len: int,
+                      dtype_bytes: int) -> dict[str, int]:
+    """The attention masks a training step holds for all its layers at once (gpt-oss; none for the other
+    families): the attention with sinks saves a boolean ``[B, 1, T, T]`` mask, made once per forward for each
+    mask Hugging Face hands its layers (``forward_state.ForwardPass.boolean_mask``: one for the full layers, one
+    for the sliding-window ones); and where a layer is recomputed, its checkpoint holds Hugging Face's own
+    masks (eager attention's, in the compute dtype) until the backward."""
+    if not shape.attention_sinks:
+        return {}
+    masks = SINKS_MASK_KINDS * batch_size * seq_len * seq_len
+    out = {"activations: boolean attention masks, one of each kind for every layer": masks}
+    if any(m != "keep" for m in plan):
+        out["activations: Hugging Face's attention masks, held by the checkpoints"] = masks * dtype_bytes
+    return out
 
 
 def parked_mlp_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> tuple[int, int]:

@@ -160,3 +160,21 @@ def test_what_does_not_cover_moe_says_so(family):
         estimate_training_memory(model.config, seq_len=64, lora_dropout=0.1)
     with pytest.raises(ValueError, match="2-bit and ternary bases do not cover mixture-of-experts"):
         FastLanguageModel.from_pretrained(tiny_folder(family), load_in_2bit=True, show_banner=False)
+
+
+def test_recomputed_gpt_oss_makes_each_boolean_mask_once(monkeypatch, one_thread):
+    """gpt-oss with every layer recomputed (torch's checkpoint, re-entering the forward pass:
+    ``checkpointing.checkpoint_in_pass``) turns each of Hugging Face's two masks (full, sliding window) into a
+    boolean one once in the whole step, its forward and its four recomputes: the layers share them."""
+    import notebookkit.models.patching.patch_attention as patch_attention
+    from notebookkit.models.patching.checkpointing import apply_checkpointing
+
+    model = random_model("gpt_oss", num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    patch_model(model)
+    assert apply_checkpointing(model, True) == "recompute"
+    made = []
+    as_bool = patch_attention._as_bool_mask
+    monkeypatch.setattr(patch_attention, "_as_bool_mask", lambda *args: made.append(args[0]) or as_bool(*args))
+    model.train()
+    model(**_batch()).loss.backward()
+    assert len(made) == 2 and made[0] is not made[1], len(made)

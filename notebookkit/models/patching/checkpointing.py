@@ -402,6 +402,19 @@ def _call_first(function, rest, kwargs, x):
     return function(x, *rest, **kwargs)
 
 
+def checkpoint_in_pass(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """torch's non-reentrant checkpoint of one layer (a mixture of experts' recompute), whose recompute re-enters
+    the forward pass of the layer's first forward (:func:`forward_state.resumed`), as :func:`offload_checkpoint`'s
+    does: it reuses what the pass shares (LoRA casts, the boolean attention masks) instead of making its own."""
+    forward = forward_state.current()
+
+    def run(*a: Any, **k: Any) -> Any:
+        with forward_state.resumed(forward):
+            return function(*a, **k)
+
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
 def _is_checkpointing(base: nn.Module) -> bool:
     return compat.is_checkpointing(base)
 
@@ -485,7 +498,7 @@ def apply_checkpointing(
         if m == "keep":
             continue
         if moe:
-            compat.set_layer_checkpoint_function(layer, functools.partial(checkpoint, use_reentrant=False))
+            compat.set_layer_checkpoint_function(layer, checkpoint_in_pass)
             continue
         # Recompute keeps the input on the device; so does the last offloaded layer (its input is
         # needed first in the backward pass).

@@ -10,7 +10,11 @@ The fused layers of one forward share a little state that no single layer owns:
   layers see are then taken as unpacked without reading them on the host (a read that waits for the
   GPU to finish the previous step).
 * the block-diagonal mask of packed rows (:meth:`ForwardPass.packed_mask`), built once for all the
-  layers: every layer of a forward receives the same ``position_ids`` tensor.
+  layers: every layer of a forward receives the same ``position_ids`` tensor;
+* the boolean form of Hugging Face's attention masks (:meth:`ForwardPass.boolean_mask`), made once for each
+  mask tensor: Hugging Face hands every layer of one attention type the same one (gpt-oss: one for its full
+  layers, one for its sliding-window layers), and the attention with sinks saves it for its backward, so
+  the layers share two masks instead of saving one each.
 
 The pass running now is held per thread (``threading.local``, as :mod:`notebookkit.kernels.runtime`
 holds its kernel choice), never in a process-wide variable: two threads forwarding at once (one
@@ -40,7 +44,7 @@ class ForwardPass:
     """One model forward (and the checkpointing recomputes of its layers); see the module docstring."""
 
     __slots__ = ("id", "positions_are_defaults", "_positions", "_positions_version", "_packed", "_tables",
-                 "__weakref__")
+                 "_masks", "__weakref__")
 
     def __init__(self, positions_are_defaults: bool = False) -> None:
         self.id = next(_ids)  # never reused, so nothing kept for one pass is taken for another
@@ -49,6 +53,7 @@ class ForwardPass:
         self._positions_version = -1
         self._packed: Optional[torch.Tensor] = None
         self._tables: Optional[tuple] = None
+        self._masks: dict = {}
 
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor,
                     build: Callable[[torch.Tensor, torch.Tensor], tuple]) -> tuple:
@@ -58,6 +63,18 @@ class ForwardPass:
         tables = build(cos, sin)
         self._tables = (weakref.ref(cos), tables)
         return tables
+
+    def boolean_mask(self, mask: torch.Tensor, lengths: tuple[int, int],
+                     build: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """``build()``, once for each ``mask`` tensor and ``(query, key) lengths`` the layers of this pass share
+        (its recomputes too); the same tensor changed in place is built anew."""
+        key = (id(mask), *lengths)
+        held = self._masks.get(key)
+        if held is not None and held[0]() is mask and held[1] == mask._version:
+            return held[2]
+        made = build()
+        self._masks[key] = (weakref.ref(mask), mask._version, made)
+        return made
 
     def packed_mask(
         self, position_ids: torch.Tensor, build: Callable[[torch.Tensor], Optional[torch.Tensor]]

@@ -107,6 +107,15 @@ def packed_causal_mask(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
 
 
+def boolean_mask_of_pass(mask: Optional[torch.Tensor], q_len: int, kv_len: int) -> Optional[torch.Tensor]:
+    """Hugging Face's layer mask as a boolean one (:func:`_as_bool_mask`), made once per mask tensor inside a
+    patched backbone's forward (:meth:`forward_state.ForwardPass.boolean_mask`); outside one, on every call."""
+    forward = forward_state.current()
+    if forward is None or not isinstance(mask, torch.Tensor):
+        return _as_bool_mask(mask, q_len, kv_len)
+    return forward.boolean_mask(mask, (q_len, kv_len), lambda: _as_bool_mask(mask, q_len, kv_len))
+
+
 def _as_bool_mask(mask: Optional[torch.Tensor], q_len: int, kv_len: int) -> Optional[torch.Tensor]:
     """Hugging Face's layer mask as a boolean ``[B, 1|H, q, kv]`` (True = may attend), or None."""
     if mask is None or not isinstance(mask, torch.Tensor):
@@ -279,7 +288,12 @@ def make_attention_forward(softcap: Optional[float], qk_norm: bool, sinks: bool 
             k, v = cache.update(k, v, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
 
         kv_len = k.shape[2]
-        mask = None if is_plain_causal(attention_mask) else _as_bool_mask(attention_mask, q_len, kv_len)
+        if is_plain_causal(attention_mask):
+            mask = None
+        elif sinks:  # saved for the backward: one per mask tensor for all the layers (forward_state)
+            mask = boolean_mask_of_pass(attention_mask, q_len, kv_len)
+        else:
+            mask = _as_bool_mask(attention_mask, q_len, kv_len)
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, torch.Tensor) and q_len == kv_len and q_len > 1:
             packed = packed_mask_of_pass(position_ids)
