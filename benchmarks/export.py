@@ -25,7 +25,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -68,33 +67,6 @@ def random_checkpoint(shape: str, root: Path) -> Path:
     return folder
 
 
-class RssSampler:
-    """Peak resident set size of this process, sampled on a thread."""
-
-    def __init__(self, every: float = 0.02) -> None:
-        import psutil
-
-        self.process, self.every = psutil.Process(), every
-        self.before = self.peak = self.process.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(self.every)
-
-    def __enter__(self):
-        self.before = self.peak = self.process.memory_info().rss
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-
 def load(system: str, checkpoint: Path):
     import torch
 
@@ -134,7 +106,9 @@ def child(system: str, setting: str, checkpoint: Path, out: Path) -> dict:
         torch.cuda.reset_peak_memory_stats()
     loaded = torch.cuda.memory_allocated() if cuda else 0
     start = time.perf_counter()
-    with RssSampler() as rss:
+    from notebookkit.memory.meters import HostMemorySampler
+
+    with HostMemorySampler(0.02) as rss:
         model.save_pretrained_merged(str(target), tokenizer, save_method="merged_16bit",
                                      maximum_memory_usage=0.5, max_shard_size="5GB")
         if cuda:
@@ -150,9 +124,10 @@ def child(system: str, setting: str, checkpoint: Path, out: Path) -> dict:
         "gpu_peak_gib": round(peak / 2**30, 3) if cuda else None,
         "gpu_budget_gib": round(budget / 2**30, 3) if cuda else None,
         "gpu_under_budget": bool(peak <= budget) if cuda else None,
-        "host_rss_before_gib": round(rss.before / 2**30, 3), "host_rss_peak_gib": round(rss.peak / 2**30, 3),
-        "host_rss_rise_gib": round((rss.peak - rss.before) / 2**30, 3),
-        "host_rss_within_target": bool(rss.peak - rss.before <= HOST_RSS_TARGET),
+        "host_rss_before_gib": round(rss.before / 2**30, 3), "host_rss_peak_gib": round(rss.peak_rss / 2**30, 3),
+        "host_rss_rise_gib": round((rss.peak_rss - rss.before) / 2**30, 3),
+        "host_anon_peak_gib": round(rss.peak_anon / 2**30, 3),
+        "host_rss_within_target": bool(rss.peak_rss - rss.before <= HOST_RSS_TARGET),
         "shards": [(n, round(s / 1e9, 3)) for n, s in shards], "total_gb": round(sum(s for _, s in shards) / 1e9, 3),
     }
     if system == "notebookkit" and cuda:  # the budget notebookkit's export computed (the cap must show in it)

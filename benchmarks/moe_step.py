@@ -41,7 +41,7 @@ message; a failure, a timeout or an OOM is a row too.
 T4 emulation (``--t4-shape``, default gpt-oss-20b): fp16 weights and autocast, ``torch.amp.GradScaler`` at
 its initial scale 65536, ``torch.cuda.set_per_process_memory_fraction`` for ``--t4-cap-gib`` (15), notebookkit
 planned for that cap; skipped steps (the scaler found inf/NaN and halved its scale) counted, host RSS
-sampled every 0.1 s, and the memory model's prediction for the full-depth model (recompute) beside.
+sampled every 0.1 s (resident and anonymous: ``notebookkit.memory.meters.process_memory``), and the memory model's prediction for the full-depth model (recompute) beside.
 
 Writes ``<out>/<date>-<device>-moe-step.json`` and ``.md`` after every row; the table is printed last.
 """
@@ -57,7 +57,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unsloth":
@@ -236,31 +235,6 @@ def predicted(model, batch: int, seq: int, shape: str | None) -> dict:
     return out
 
 
-class RssSampler:
-    """The process's peak resident host memory, read every ``interval_s`` on a daemon thread."""
-
-    def __init__(self, interval_s: float = 0.1) -> None:
-        from notebookkit.memory.meters import host_rss
-
-        self.read, self.interval_s = host_rss, interval_s
-        self.peak = self.read()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, self.read())
-
-    def __enter__(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.read())
-
-
 def short(exc: BaseException, limit: int = 400) -> str:
     text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -291,7 +265,9 @@ def run_system(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     row["versions"] = versions(args.system)
     folder = model_folder(args.shape, args.layers, args.tiny)
-    with RssSampler() as rss:
+    from notebookkit.memory.meters import HostMemorySampler
+
+    with HostMemorySampler() as rss:
         t0 = time.time()
         try:
             model = load_system(args.system, folder, device, dtype, args.quant, args.seq, args.batch, args.max_memory)
@@ -300,7 +276,8 @@ def run_system(args) -> dict:
 
             traceback.print_exc()
             kind = "out of memory at load" if is_out_of_memory(exc) else "refused at load"
-            return row | dict(status=f"{kind}: {short(exc)}", host_rss_peak_gib=round(rss.peak / 2**30, 3))
+            return row | dict(status=f"{kind}: {short(exc)}", host_rss_peak_gib=round(rss.peak_rss / 2**30, 3),
+                              host_anon_peak_gib=round(rss.peak_anon / 2**30, 3))
         row["load_s"] = round(time.time() - t0, 1)
         if device == "cuda":
             row["load_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
@@ -358,7 +335,8 @@ def run_system(args) -> dict:
 
             traceback.print_exc()
             kind = "out of memory in training" if is_out_of_memory(exc) else "failed in training"
-            return row | dict(status=f"{kind}: {short(exc)}", host_rss_peak_gib=round(rss.peak / 2**30, 3))
+            return row | dict(status=f"{kind}: {short(exc)}", host_rss_peak_gib=round(rss.peak_rss / 2**30, 3),
+                              host_anon_peak_gib=round(rss.peak_anon / 2**30, 3))
     if args.profile and device == "cuda":
         profile_one_step(args, row, lambda: step(batches[-1]))
     median = statistics.median(step_s)
@@ -372,7 +350,8 @@ def run_system(args) -> dict:
     row |= dict(
         status="ok", tok_s=round(tokens / median, 1), tok_s_mean=round(tokens * args.steps / elapsed, 1),
         step_ms=round(median * 1e3, 2), step_ms_all=[round(s * 1e3, 2) for s in step_s],
-        peak_gib=round(peak, 3), host_rss_peak_gib=round(rss.peak / 2**30, 3),
+        peak_gib=round(peak, 3), host_rss_peak_gib=round(rss.peak_rss / 2**30, 3),
+        host_anon_peak_gib=round(rss.peak_anon / 2**30, 3),
         losses=losses, loss_first=losses[0], loss_last=losses[-1], token_stream=f"cycle of {STREAM_SYMBOLS} ids",
     )
     if args.t4:
@@ -510,20 +489,26 @@ def step_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def host_memory_cell(row: dict) -> str:
+    """``resident (anonymous)`` peak host GiB of a row (rows written before session 30 have the first only)."""
+    anon = row.get("host_anon_peak_gib")
+    return _num(row.get("host_rss_peak_gib")) + (f" ({anon:.2f})" if anon is not None else "")
+
+
 def t4_table(rows: list[dict]) -> list[str]:
     lines = ["| system | tok/s | step ms | peak GiB | predicted GiB | full depth predicted GiB | load peak GiB "
-             "| host RSS peak GiB | skipped steps | first step at 65536 finite | activation plan | loss first → last "
+             "| host RSS peak GiB (anon) | skipped steps | first step at 65536 finite | activation plan | loss first → last "
              "| learning check | status |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("status") != "ok":
-            rss = _num(r.get("host_rss_peak_gib"))
+            rss = host_memory_cell(r)
             lines.append(f"| {r['system']} | – | – | – | – | – | – | {rss} | – | – | – | – | – | {r.get('status')} |")
             continue
         skipped = f"{r['skipped_steps']} of {len(r['scales'])}"
         lines.append(
             f"| {r['system']} | {r['tok_s']:,.0f} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | {_num(r.get('predicted_gib'))} "
-            f"| {_num(r.get('predicted_full_depth_gib'))} | {_num(r.get('load_peak_gib'))} | {r['host_rss_peak_gib']:.2f} "
+            f"| {_num(r.get('predicted_full_depth_gib'))} | {_num(r.get('load_peak_gib'))} | {host_memory_cell(r)} "
             f"| {skipped} | {'yes' if r['first_step_finite'] else 'NO'} | {r.get('plan') or '–'} "
             f"| {r['loss_first']:.4f} → {r['loss_last']:.4f} | {learning_verdict(r, None)} | ok |")
     return lines
@@ -575,7 +560,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                   "fp16 weights and autocast, `torch.amp.GradScaler` from 65536, "
                   "`torch.cuda.set_per_process_memory_fraction` for the cap (notebookkit planned with "
                   "`max_memory` = the cap); skipped = steps whose gradients held inf/NaN (the scale halved); host RSS "
-                  "sampled every 0.1 s; full depth predicted: the memory model for the published layer count "
+                  "sampled every 0.1 s, resident (anonymous: less the file-backed pages, such as the memory-mapped "
+                  "checkpoint's, which the system can drop); full depth predicted: the memory model for the published layer count "
                   "(recompute).", ""] + t4_table(t4)
     return "\n".join(lines) + "\n"
 

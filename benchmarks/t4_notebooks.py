@@ -130,39 +130,6 @@ def checkpoint(kind: str, root: Path) -> Path:
     return Path(build_checkpoint(kind, 448))
 
 
-class RssSampler:
-    """Peak RSS (and anonymous RSS) of this process's descendants (papermill's kernel), every 0.2 s: several
-    harnesses can run side by side and each counts only its own kernel."""
-
-    def __init__(self) -> None:
-        self.peak_rss, self.peak_anon = 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import psutil
-
-        me = psutil.Process()
-        while not self._stop.wait(0.2):
-            rss = anon = 0
-            for proc in me.children(recursive=True):
-                try:
-                    mem = proc.memory_info()
-                    rss += mem.rss
-                    anon += mem.rss - getattr(mem, "shared", 0)
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-            self.peak_rss, self.peak_anon = max(self.peak_rss, rss), max(self.peak_anon, anon)
-
-    def __enter__(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def _outputs_text(nb: dict) -> str:
     return "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"
                    for o in c.get("outputs", []) if o.get("output_type") == "stream")
@@ -184,7 +151,10 @@ def run_one(name: str, folder: Path, extra: dict, out: Path) -> dict:
     error = None
     start = time.perf_counter()
     try:
-        with RssSampler() as rss:  # the notebook's kernel
+        from notebookkit.memory.meters import HostMemorySampler
+
+        # the notebook's kernel (this process's descendants: several harnesses side by side count their own)
+        with HostMemorySampler(0.2, children=True) as rss:
             try:
                 papermill.execute_notebook(str(notebook_path(name)), str(executed), parameters=params, kernel_name="python3",
                                            cwd=str(ROOT), progress_bar=False, request_save_on_cell_execute=False,

@@ -299,6 +299,13 @@ def skipped_steps(scales: list) -> int:
 INITIAL_SCALE = 65536.0  # torch.amp.GradScaler's default init_scale
 
 
+def host_anon_peak_gib(host) -> float:
+    """The run's peak anonymous host memory so far (``meters.process_memory``: what a T4 session cannot page out;
+    memory-mapped checkpoint pages count in the resident peak only)."""
+    host.sample()
+    return round(host.peak_anon / 2**30, 3)
+
+
 def host_rss_peak_gib() -> float:
     """This process's peak resident host memory (a T4 session has about 12.7 GB of it)."""
     import resource
@@ -328,6 +335,9 @@ def main() -> None:
                     help='notebookkit: this share of the offloaded layers parks its MLP outputs ("offload_mlp"); '
                          '"card": the planner\'s share for this GPU')
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
+    from notebookkit.memory.meters import HostMemorySampler
+
+    host = HostMemorySampler().__enter__()  # host RAM over the whole run (a T4 session has about 12.7 GB)
     ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
     args = ap.parse_args()
 
@@ -384,6 +394,7 @@ def main() -> None:
     result = dict(
         system=args.system, shape=args.shape, quant=args.quant, seq=args.seq, batch=args.batch, dtype=args.dtype,
         skipped_steps=skipped_steps(step.scales) if scaler is not None else None, host_rss_peak_gib=host_rss_peak_gib(),
+        host_anon_peak_gib=host_anon_peak_gib(host),
         checkpointing=args.checkpointing if args.system == "notebookkit" else None,
         plan=plan_counts(model) if args.system == "notebookkit" else None,
         max_memory=args.max_memory, memory_cap_gib=args.memory_cap_gib,

@@ -101,6 +101,72 @@ def host_rss() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def process_memory(pid: int | str = "self") -> tuple[int, int]:
+    """``(resident, anonymous)`` bytes of a process (``/proc/<pid>/statm``): all its resident pages, and those
+    less the file-backed and shared ones. The second is what the system cannot take back under pressure, so
+    it is what runs a T4 session (about 12.7 GB of host RAM) out of memory; a checkpoint read through
+    ``mmap`` counts in the first only. Where ``/proc`` is missing both are the resident size."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            fields = f.read().split()
+        page = os.sysconf("SC_PAGE_SIZE")
+        resident, shared = int(fields[1]) * page, int(fields[2]) * page
+        return resident, resident - shared
+    except (OSError, ValueError, IndexError):
+        if pid != "self":
+            return 0, 0  # the process has ended (or another system): nothing of it to count
+        rss = host_rss()
+        return rss, rss
+
+
+class HostMemorySampler:
+    """Peak host memory over a ``with`` block, read every ``interval_s`` on a daemon thread: of this process,
+    or with ``children`` the sum over its descendants (a notebook's kernel under papermill; needs ``psutil``).
+
+    ``before``: resident bytes on entry; ``peak_rss`` / ``peak_anon``: the largest resident and anonymous sums
+    seen (:func:`process_memory`), the exit included."""
+
+    def __init__(self, interval_s: float = 0.1, children: bool = False) -> None:
+        import threading
+
+        self.interval_s, self.children = interval_s, children
+        self.before = self.peak_rss = self.peak_anon = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def read(self) -> tuple[int, int]:
+        """``(resident, anonymous)`` bytes now."""
+        if not self.children:
+            return process_memory()
+        import psutil
+
+        rss = anon = 0
+        for proc in psutil.Process().children(recursive=True):
+            r, a = process_memory(proc.pid)
+            rss, anon = rss + r, anon + a
+        return rss, anon
+
+    def sample(self) -> None:
+        """Read now and raise the peaks."""
+        rss, anon = self.read()
+        self.peak_rss, self.peak_anon = max(self.peak_rss, rss), max(self.peak_anon, anon)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "HostMemorySampler":
+        self.before = self.read()[0]
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
 def host_memory() -> HostMemory:
     """Process RSS and the machine's available / total RAM in bytes."""
     info = _meminfo()

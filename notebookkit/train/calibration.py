@@ -20,7 +20,6 @@ The first step is excluded from timing, not from the loss curve.
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -166,37 +165,26 @@ class _PeakMeter:
     def __enter__(self) -> "_PeakMeter":
         import torch
 
-        from ..memory.meters import host_rss
+        from ..memory.meters import HostMemorySampler
 
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            self.base = host_rss()
-            self._stop = threading.Event()
-            self._max = self.base
-
-            def sample() -> None:
-                while not self._stop.wait(0.02):
-                    self._max = max(self._max, host_rss())
-
-            self._thread = threading.Thread(target=sample, daemon=True)
-            self._thread.start()
+            self._host = HostMemorySampler(0.02).__enter__()
+            self.base = self._host.before
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import torch
 
-        from ..memory.meters import host_rss
-
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.base
         else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self._max, host_rss()) - self.base
+            self._host.__exit__(*exc)
+            self.peak = self._host.peak_rss - self.base
 
     @property
     def peak_gib(self) -> float:
