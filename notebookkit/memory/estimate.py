@@ -64,15 +64,15 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
                except the last decoder layer, whose input stays on the GPU when it is offloaded.
     Offloading adds two layer inputs in flight (the one fetched and the one prefetched; the last
     layer's input is one of them when it stays on the GPU).
-    Masks the layers share (gpt-oss only, :func:`shared_mask_bytes`): the attention with sinks saves a
-    boolean ``B * T^2`` mask made once per forward for each of Hugging Face's two masks (full layers,
-    sliding-window layers), whatever the modes; where a layer is recomputed, its checkpoint also holds
-    Hugging Face's own two masks (``B * T^2 * s`` each) until the backward.
     offload_mlp: as offload, and a layer whose MLP is deferred (below) parks its gate/up outputs in pinned
                host memory too (``2 * N * I * s`` there, the last layer excepted, which keeps its input on
                the GPU and recomputes). On the GPU the previous layer's parked ``e, g`` are prefetched
                while a layer's MLP backward runs on its own: one ``[t, 2 I]`` tile in flight (two when a
                layer has several tiles), :func:`parked_mlp_bytes`.
+    Masks the layers share (gpt-oss only, :func:`shared_mask_bytes`): the attention with sinks saves a
+    boolean ``B * T^2`` mask made once per forward for each of Hugging Face's two masks (full layers,
+    sliding-window layers), whatever the modes; where a layer is recomputed, its checkpoint also holds
+    Hugging Face's own two masks (``B * T^2 * s`` each) until the backward.
 
 Logits / loss
     fused linear cross-entropy (default): the final norm's input and output and the gradient of the
