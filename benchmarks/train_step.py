@@ -335,11 +335,11 @@ def main() -> None:
                     help='notebookkit: this share of the offloaded layers parks its MLP outputs ("offload_mlp"); '
                          '"card": the planner\'s share for this GPU')
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
+    ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
+    args = ap.parse_args()
     from notebookkit.memory.meters import HostMemorySampler
 
     host = HostMemorySampler().__enter__()  # host RAM over the whole run (a T4 session has about 12.7 GB)
-    ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
-    args = ap.parse_args()
 
     folder = build_checkpoint(args.shape)
     if args.prepare:

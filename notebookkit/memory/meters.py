@@ -114,7 +114,7 @@ def process_memory(pid: int | str = "self") -> tuple[int, int]:
         return resident, resident - shared
     except (OSError, ValueError, IndexError):
         if pid != "self":
-            return 0, 0  # the process has ended (or another system): nothing of it to count
+            return 0, 0  # the process has ended (or there is no /proc): nothing of it to count
         rss = host_rss()
         return rss, rss
 
