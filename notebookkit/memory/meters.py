@@ -85,27 +85,16 @@ def _meminfo() -> dict[str, int]:
 
 
 def host_rss() -> int:
-    """Resident memory of this process in bytes."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except Exception:
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    """Resident memory of this process in bytes (:func:`process_memory`'s first figure)."""
+    return process_memory()[0]
 
 
 def process_memory(pid: int | str = "self") -> tuple[int, int]:
     """``(resident, anonymous)`` bytes of a process (``/proc/<pid>/statm``): all its resident pages, and those
     less the file-backed and shared ones. The second is what the system cannot take back under pressure, so
     it is what runs a T4 session (about 12.7 GB of host RAM) out of memory; a checkpoint read through
-    ``mmap`` counts in the first only. Where ``/proc`` is missing both are the resident size."""
+    ``mmap`` counts in the first only. Where ``/proc`` is missing, this process's are both its resident size
+    (``psutil``, else the peak from ``resource``) and another process's are 0."""
     try:
         with open(f"/proc/{pid}/statm") as f:
             fields = f.read().split()
@@ -113,10 +102,18 @@ def process_memory(pid: int | str = "self") -> tuple[int, int]:
         resident, shared = int(fields[1]) * page, int(fields[2]) * page
         return resident, resident - shared
     except (OSError, ValueError, IndexError):
-        if pid != "self":
-            return 0, 0  # the process has ended (or there is no /proc): nothing of it to count
-        rss = host_rss()
-        return rss, rss
+        pass
+    if pid != "self":
+        return 0, 0  # the process has ended (or there is no /proc): nothing of it to count
+    try:
+        import psutil
+
+        rss = int(psutil.Process().memory_info().rss)
+    except Exception:
+        import resource
+
+        rss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return rss, rss
 
 
 class HostMemorySampler:
