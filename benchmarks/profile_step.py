@@ -18,7 +18,10 @@ shapes, no stacks). It writes
 * the 25 kernels with the most total time, with their launch counts.
 
     python benchmarks/profile_step.py --system notebookkit --shape llama-3.1-8b --quant nf4 \\
-        --seq 4096 --batch 2 [--checkpointing auto|offload|true|false] [--max-memory 8GiB] --out DIR
+        --seq 4096 --batch 2 [--checkpointing auto|offload|offload_mlp|true|false] [--max-memory 8GiB] --out DIR
+
+``--dtype float16 --memory-cap-gib 15`` profiles the T4 emulation of ``train_step.py`` (fp16 autocast and a
+GradScaler under a 15 GiB allocator cap, which "auto" plans for).
 
 ``--checkpointing`` and ``--max-memory`` (the budget the "auto" planner plans for; the allocator
 itself is not capped) apply to ``notebookkit``; the peers use their own gradient checkpointing as
@@ -284,14 +287,20 @@ def device_kernels(events) -> tuple[list[tuple[str, float, int]], list[tuple[flo
 
 def load_system(args):
     """Load ``args.system`` the way ``benchmarks/train_step.py`` does; returns (model, plan note)."""
+    import torch
     import train_step
 
     folder = train_step.build_checkpoint(args.shape)
+    if args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+    dtype = getattr(torch, args.dtype)
     if args.system == "unsloth":
-        return train_step.load_unsloth(folder, args.quant, args.seq), "unsloth offloaded checkpointing"
+        return train_step.load_unsloth(folder, args.quant, args.seq, dtype), "unsloth offloaded checkpointing"
     if args.system != "notebookkit":
-        return train_step.load_peers(args.system, folder, args.quant), "HF gradient checkpointing (all layers)"
-    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, fp8=args.fp8)
+        return train_step.load_peers(args.system, folder, args.quant, dtype), "HF gradient checkpointing (all layers)"
+    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, fp8=args.fp8,
+                                        dtype=dtype)
     if args.max_memory:
         import inspect
 
@@ -304,7 +313,7 @@ def load_system(args):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     plan = getattr(base, "_notebookkit_checkpointing", "?")
     if isinstance(plan, (list, tuple)):
-        plan = ", ".join(f"{plan.count(k)} {k}" for k in ("keep", "recompute", "offload") if plan.count(k))
+        plan = train_step.plan_counts(model)
     return model, f"notebookkit --checkpointing {args.checkpointing}: {plan}"
 
 
@@ -353,7 +362,8 @@ def run(args) -> str:
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4, fused=True)
     batches = train_step.token_batches(args.shape, args.batch, args.seq, args.warmup + args.steps)
-    step = train_step.training_step(model, optimizer)
+    scaler = torch.amp.GradScaler("cuda", init_scale=train_step.INITIAL_SCALE) if args.dtype == "float16" else None
+    step = train_step.training_step(model, optimizer, scaler)
 
     warm_ms = None
     for ids in batches[: args.warmup]:
@@ -378,6 +388,8 @@ def run(args) -> str:
         ("GPU", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"),
         ("activation plan", plan_note),
         ("max_memory given to the planner", args.max_memory or "–"),
+        ("dtype", f"{args.dtype}" + (" (autocast + GradScaler)" if scaler else "")
+         + (f", allocator capped at {args.memory_cap_gib} GiB" if args.memory_cap_gib else "")),
         ("peak allocated in the profiled step", f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"),
         ("last warm-up step without the profiler", f"{warm_ms:.1f} ms" if warm_ms else "–"),
         ("profiled steps", f"{args.steps}, back to back (no synchronisation between them)"),
@@ -400,6 +412,8 @@ def default_tag(args) -> str:
         parts.append(f"gc-{args.checkpointing}")
     if args.max_memory:
         parts.append(f"cap-{args.max_memory}")
+    if getattr(args, "dtype", "bfloat16") == "float16":
+        parts.append("fp16" + (f"-{args.memory_cap_gib:g}GiB" if args.memory_cap_gib else ""))
     if args.system == "notebookkit" and getattr(args, "fp8", False):
         parts.append("fp8")
     if getattr(args, "steps", 1) > 1:
@@ -417,10 +431,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="unprofiled steps before the profiled ones")
     ap.add_argument("--steps", type=int, default=1,
                     help="steps profiled back to back (>1 shows the steady state: the host may queue ahead)")
-    ap.add_argument("--checkpointing", default="auto", choices=["auto", "offload", "true", "false"],
+    ap.add_argument("--checkpointing", default="auto", choices=["auto", "offload", "offload_mlp", "true", "false"],
                     help="notebookkit only: use_gradient_checkpointing")
     ap.add_argument("--max-memory", default=None, help='notebookkit only: budget for the "auto" plan, e.g. 8GiB')
     ap.add_argument("--fp8", action="store_true", help="notebookkit only: FP8 forward for the frozen base GEMMs")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="float16 trains under autocast and a GradScaler (a T4's precision), as train_step.py")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="cap the allocator (15 with float16: a T4)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default=None, help="file-name suffix (default: from --checkpointing / --max-memory)")
     ap.add_argument("--trace", action="store_true", help="also save a Chrome trace next to the report")

@@ -54,8 +54,8 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # Variants of our system: (train_step --system, extra arguments). "notebookkit" is the default a user
 # gets ("auto": the planner fits free VRAM, so on a 139 GiB card it keeps every activation);
 # "notebookkit-offload-mlp" parks every offloaded layer's MLP gate/up outputs in host memory too, and
-# "notebookkit-offload-mlp-card" the share the planner prices for this GPU's host link, "notebookkit-park"
-# every offloaded layer of the "auto" plan;
+# "notebookkit-offload-mlp-card" the share the planner prices for this GPU's host link (what "auto" parks),
+# "notebookkit-park" every offloaded layer of the "auto" plan;
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
 # runs; "notebookkit-lean" adds offload_embedding=True (the input embedding table in host memory, untied
 # models); "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
@@ -70,6 +70,7 @@ VARIANTS = {
     "notebookkit-fp8": ("notebookkit", ["--fp8"]),
     "notebookkit-fp8-offload": ("notebookkit", ["--fp8", "--checkpointing", "offload"]),
     "notebookkit-lean": ("notebookkit", ["--checkpointing", "offload", "--offload-embedding"]),
+    "notebookkit-lean-mlp": ("notebookkit", ["--checkpointing", "offload_mlp", "--offload-embedding"]),
     "notebookkit-fp8-lean": ("notebookkit", ["--fp8", "--checkpointing", "offload", "--offload-embedding"]),
 }
 

@@ -7,9 +7,12 @@
 #                   OUT=$OUT bash benchmarks/training_session.sh vision-gemma
 #
 # Parts:
-#   train         8B NF4 4096 x 2, exact math: offload, offload_mlp (every layer's gate/up parked), Unsloth (~5 min)
-#   t4            the same model under a T4 emulated (fp16 + GradScaler, 15 GiB cap): "auto", "auto" with its offloaded
-#                 layers' MLPs parked, offload, offload_mlp, Unsloth
+#   train         8B NF4 4096 x 2, exact math: offload, offload with the planner's share of the layers' gate/up
+#                 parked, offload_mlp (every layer's parked), Unsloth (~3 min)
+#   t4            the same model under a T4 emulated (fp16 + GradScaler, 15 GiB cap): "auto" (the planner's share of
+#                 its offloaded layers parked), "auto" with every offloaded layer parked, offload_mlp with the
+#                 input embedding in host memory (the row under Unsloth's peak), Unsloth (~4 min)
+#   t4-profile    two profiled steps of the "auto" T4 row (benchmarks/profile_step.py)
 #   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean, Unsloth (checkpoint built first, untimed)
 #   vision-gemma  Gemma-3-4B NF4, 4 images of 896^2: the same
 # A part that would start after BUDGET_S seconds (default 540, under the device tool's 10 minutes a command) is
@@ -29,17 +32,20 @@ for part in "$@"; do
     train)
       python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x2 --steps 5 --timeout 150 \
-        --systems notebookkit-offload,notebookkit-offload-mlp,unsloth ;;
+        --systems notebookkit-offload,notebookkit-offload-mlp-card,notebookkit-offload-mlp,unsloth ;;
     t4)
       python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x1-t4 --steps 5 --timeout 150 \
-        --systems notebookkit,notebookkit-park,notebookkit-offload,notebookkit-offload-mlp,unsloth ;;
+        --systems notebookkit,notebookkit-park,notebookkit-lean-mlp,unsloth ;;
+    t4-profile)
+      timeout "$(left)" python3 benchmarks/profile_step.py --system notebookkit --shape llama-3.1-8b --seq 4096 --batch 1 \
+        --dtype float16 --memory-cap-gib 15 --steps 2 --out "$OUT/$part" ;;
     vision-qwen|vision-gemma)
       shape=$([ "$part" = vision-qwen ] && echo qwen2.5-vl-7b || echo gemma-3-4b)
       python3 benchmarks/vision_step.py --shape "$shape" --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/vision_step.py --shape "$shape" --steps 5 --timeout 240 --out "$OUT/$part" \
         --systems notebookkit-lean,unsloth ;;
-    *) echo "unknown part $part (train, t4, vision-qwen, vision-gemma)"; continue ;;
+    *) echo "unknown part $part (train, t4, t4-profile, vision-qwen, vision-gemma)"; continue ;;
   esac > "$OUT/$part/$part.log" 2>&1
   echo "$part: exit $? after $(( $(date +%s) - START )) s"; tail -12 "$OUT/$part/$part.log"
 done

@@ -51,7 +51,7 @@ CARDS: dict[str, GPUCard] = {
         GPUCard("a100-40gb", "NVIDIA A100 40GB", 40536 * MiB, True, 230.0, 22.0, (8, 0)),
         GPUCard("a100-80gb", "NVIDIA A100 80GB", 81100 * MiB, True, 230.0, 22.0, (8, 0)),
         GPUCard("h100", "NVIDIA H100 80GB", 81000 * MiB, True, 600.0, 45.0, (9, 0)),
-        GPUCard("h200", "NVIDIA H200 141GB", 143000 * MiB, True, 750.0, 45.0, (9, 0)),
+        GPUCard("h200", "NVIDIA H200 141GB", 143000 * MiB, True, 750.0, 55.0, (9, 0)),  # link: measured, 2026-11-29
     ]
 }
 

@@ -22,11 +22,11 @@ post-MLP norm (Gemma 2/3) reads the MLP output (``t_down = 0`` there).
 Parked MLP outputs (``offload_mlp``): an offloaded layer may also leave its MLP's gate/up outputs in pinned
 host memory, which saves the recompute's gate and up GEMMs (``t_gu = 4 N H I / rate``) for ``2 N I s``
 more bytes over the host link; :func:`parked_mlp_fraction` says what share of the offloaded layers the
-link carries behind the forward (all of them on a T4, about a third on an H200), and a plan with that
+link carries behind the forward (all of them on a T4, about two thirds on an H200), and a plan with that
 share parked (as many as the pinned host memory holds, spread evenly) is weighed beside the plain one,
 for the largest ``m`` that fits and for everything offloaded (a parked offload can cost less than a
-recompute), when asked (``park_mlps=True``; ``"auto"`` does not yet, see the argument). Its estimate
-counts the prefetched tile of ``e, g`` on the GPU.
+recompute). ``"auto"`` weighs them (``park_mlps=True``, the default). Its estimate counts the prefetched
+tile of ``e, g`` on the GPU.
 
 All layers of a model have the same shape, so a plan is fixed by how many layers keep (k) and
 recompute (m); the rest offload. For a vision-language model, any checkpointed decoder layer also
@@ -85,7 +85,7 @@ class DoesNotFitError(ValueError):
 class ActivationPlan:
     """Per-layer activation modes and what they cost.
 
-    ``modes[i]`` is ``"keep"``, ``"recompute"``, ``"offload"`` or (asked for with ``park_mlps=True``)
+    ``modes[i]`` is ``"keep"``, ``"recompute"``, ``"offload"`` or (parked where the host link keeps up)
     ``"offload_mlp"`` for decoder layer ``i``.
     ``estimate`` is the memory estimate of this plan; ``budget_bytes`` what it had to fit in;
     ``host_bytes`` the pinned host memory the offloaded layers need; ``step_overhead`` the
@@ -238,11 +238,12 @@ def parked_mlp_fraction(shape: ModelShape, kw: dict[str, Any], card: GPUCard | N
 
     A parked layer's copy to the host, ``c_mlp = 2 N I s / B``, rides the side stream with the layer inputs
     (``c_in = N H s / B``) behind the forward; it saves the gate and up GEMMs of the recompute,
-    ``t_gu = 4 N H I / rate``. Spread evenly, the copies keep up while ``c_in + f c_mlp <= 0.7 t_f`` (the
-    offload rule's share of a layer's forward), so ``f = (0.7 t_f - c_in) / c_mlp`` within ``[0, 1]``; 0
-    where no layer defers its MLP (a post-MLP norm reads its output, LoRA dropout, a mixture of experts).
-    On a T4 every offloaded layer parks (its copy is a fifth of its forward); on an H200 about a third
-    (45 GB/s against 750 TFLOP/s).
+    ``t_gu = 4 N H I / rate``. A parked layer's forward waits for the copies of the parked layer two before it
+    (checkpointing's host pacing), so spread evenly the copies keep up while ``c_in + f c_mlp <= t_f``:
+    ``f = (t_f - c_in) / c_mlp`` within ``[0, 1]``. Past that the forward would wait on the link ``c_mlp`` for each
+    more parked layer to save its ``t_gu``, a loss wherever ``f < 1`` (``t_f`` is about ``1.5 t_gu`` or more, so
+    ``f < 1`` means ``c_mlp > t_gu``). 0 where no layer defers its MLP (a post-MLP norm reads its output, LoRA
+    dropout, a mixture of experts). On a T4 every offloaded layer parks; on an H200 about two thirds.
     """
     from .estimate import mlp_deferred
 
@@ -253,7 +254,7 @@ def parked_mlp_fraction(shape: ModelShape, kw: dict[str, Any], card: GPUCard | N
     t_f, _, _ = _layer_costs(shape, kw, card)
     rate, bw = _card_rates(kw, card)
     c_in, c_mlp = N * shape.hidden_size * s / bw, 2 * N * shape.intermediate_size * s / bw
-    f = min(1.0, max(0.0, (0.7 * t_f - c_in) / c_mlp))
+    f = min(1.0, max(0.0, (t_f - c_in) / c_mlp))
     return f, 4 * N * shape.hidden_size * shape.intermediate_size / rate
 
 
@@ -306,7 +307,7 @@ def plan_activations(
     safety_margin: float | None = None,
     allow_offload: bool | None = None,
     margin_of: str = "budget",
-    park_mlps: bool = False,
+    park_mlps: bool = True,
     explain: bool = True,
     **estimate_kwargs: Any,
 ) -> ActivationPlan:
@@ -327,11 +328,9 @@ def plan_activations(
         margin_of: ``"budget"`` (the margin is a fraction of the whole budget) or ``"step"`` (of the budget
             less the frozen base weights, which are allocated once: module docstring).
         park_mlps: also weigh plans whose offloaded layers park their MLPs' gate/up outputs (``"offload_mlp"``,
-            module docstring). Off by default, so ``"auto"`` does not choose it yet: on the H200 the caching
-            allocator's reserve reached 22.2 GiB for a 7.9 GiB allocated peak with every layer parked, and under
-            a memory cap (a T4) that reserve would be freed by device syncs inside the step. The host now keeps
-            two parked layers behind the GPU so the freed blocks can be reused (checkpointing's module
-            docstring); neither that nor a capped run has been measured yet.
+            module docstring). On by default, so ``"auto"`` parks where the host link keeps up; False plans
+            without (the caching allocator's reserve, 22.2 GiB for a 7.9 GiB allocated peak on the H200 before
+            the host kept two parked layers behind the GPU, measured 10.4 GiB against plain offload's 9.7 after).
         explain: False raises :class:`DoesNotFitError` without working out what to change (searches that
             probe many settings: :func:`~notebookkit.memory.largest_lora_rank`, :func:`~notebookkit.memory.longest_sequence`).
         **estimate_kwargs: ``load_in_4bit``, ``dtype``, ``lora_r``, ``target_modules``, ``optimizer``,
