@@ -26,7 +26,10 @@ link carries behind the forward (all of them on a T4, about two thirds on an H20
 share parked (as many as the pinned host memory holds, spread evenly) is weighed beside the plain one,
 for the largest ``m`` that fits and for everything offloaded (a parked offload can cost less than a
 recompute). ``"auto"`` weighs them (``park_mlps=True``, the default). Its estimate counts the prefetched
-tile of ``e, g`` on the GPU.
+tile of ``e, g`` on the GPU, and its fit leaves room for two layers' ``e, g`` beside the allocated peak: freed
+blocks whose copies to the host may still be running, which the caching allocator cannot hand out yet (under a
+15 GiB cap the parked plans' reserve reached the cap, 1.4-1.6 GiB over their allocated peak, the plain plan's
+0.9 GiB).
 
 All layers of a model have the same shape, so a plan is fixed by how many layers keep (k) and
 recompute (m); the rest offload. For a vision-language model, any checkpointed decoder layer also
@@ -401,7 +404,9 @@ def plan_activations(
         if "offload_mlp" not in modes:
             return None
         est = estimate_training_memory(shape, activation_plan=modes, **estimate_kwargs)
-        if not fits(est) or est.host_offload > host_memory_bytes:
+        # The blocks of the two parked layers whose copies to the host may still run (the host pacing's depth):
+        # freed, but the caching allocator cannot hand them out until the side stream passes them.
+        if used(est) + 2 * parked_host > usable_for(est) or est.host_offload > host_memory_bytes:
             return None
         return plan_cost(k, m) - modes.count("offload_mlp") * saved, modes, est
 
