@@ -210,8 +210,8 @@ def test_offloaded_layers_park_their_mlps_where_the_host_link_keeps_up():
     assert roomy.extra_seconds < tight.extra_seconds < none.extra_seconds
     per_layer = 2 * 4096 * 14336 * 2
     assert tight.host_bytes <= 3 * GiB and tight.host_bytes >= parked[1] * per_layer
-    for plan in (roomy, tight):
-        assert plan.estimate.peak_allocated <= parse_card("t4").memory_bytes * USABLE
+    for plan in (roomy, tight):  # room for two parked layers' e, g whose copies may still run
+        assert plan.estimate.total + 2 * per_layer <= parse_card("t4").memory_bytes * USABLE
         assert plan.estimate.plan == plan.modes
     shape = model_shape(LLAMA8B)
     assert parked_mlp_fraction(shape, kw, parse_card("t4"))[0] == 1.0
