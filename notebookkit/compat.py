@@ -160,3 +160,20 @@ HF_INITIALIZED_MARK = "_is_hf_initialized"
 def carry_loaded_mark(source: Any, target: Any) -> None:
     """Give ``target`` the loaded-parameter mark of ``source`` (False when it has none)."""
     setattr(target, HF_INITIALIZED_MARK, getattr(source, HF_INITIALIZED_MARK, False))
+
+
+# ---- torch: the cache of freed pinned host memory ---------------------------------------------
+# Checked on torch 2.11 (``torch.cuda.graphs``) and 2.13: PyTorch's pinned-memory allocator keeps the page-locked
+# blocks of freed pinned tensors for later pinned allocations and hands them back to the system only in
+# ``torch._C._host_emptyCache()`` (the host twin of ``torch.cuda.empty_cache``; no public name in these
+# versions). Offloaded checkpointing frees its pinned buffers when training is done (checkpointing's
+# ``release_host_buffers``); without this call the pages would stay locked in the process.
+def empty_pinned_host_cache() -> bool:
+    """Hand PyTorch's cached page-locked host blocks back to the system; False where this torch cannot."""
+    import torch
+
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is None or not torch.cuda.is_available():
+        return False
+    empty()
+    return True

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from notebookkit.export_forms import GGUF_TYPES, gguf_aliases
+from notebookkit.models.patching.checkpointing import release_host_buffers
 
 from .checks import ExportError, check_output_folder, format_bytes, require_notebookkit_model
 from .gguf_experts import ExpertPart, add_moe_metadata, expert_parts, stored_in_f32
@@ -347,6 +348,7 @@ def save_pretrained_gguf(
         one :class:`ExportResult` per method, in the order asked.
     """
     base = require_notebookkit_model(model, "save_pretrained_gguf")
+    release_host_buffers(model)  # the merge wants host RAM, not offloading's pinned buffers of the last step
     methods = normalize_quantization_methods(quantization_method)
     family = gguf_family(decoder_config(base.config))
     if tokenizer is None:

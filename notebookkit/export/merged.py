@@ -23,6 +23,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
+from notebookkit.models.patching.checkpointing import release_host_buffers
+
 from .checks import SAVE_METHODS, ExportError, check_output_folder, check_save_method, format_bytes, refuse_mixture_of_experts
 from .checks import require_notebookkit_model
 from .checkpoint_layout import checkpoint_layout
@@ -99,6 +101,7 @@ def save_pretrained_merged(
     """
     base = require_notebookkit_model(model, "save_pretrained_merged")
     check_save_method(save_method)
+    release_host_buffers(model)  # the merge wants host RAM, not offloading's pinned buffers of the last step
     if save_method == "lora":
         return _save_lora(model, base, save_directory, tokenizer)
     out_dtype = _written_dtype(model, dtype)

@@ -164,6 +164,11 @@ class HostMemorySampler:
         self.sample()
 
 
+#: host RAM a new pinned buffer of offloading must leave available (``PinnedBufferPool``'s ``reserve_bytes``); the
+#: planner's pinned-memory budget leaves it out too
+HOST_RESERVE_BYTES = 2 * 1024**3
+
+
 def host_memory() -> HostMemory:
     """Process RSS and the machine's available / total RAM in bytes."""
     info = _meminfo()

@@ -27,6 +27,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from .meters import HOST_RESERVE_BYTES
+
 GiB = 1024**3
 
 
@@ -45,7 +47,7 @@ class PinnedBufferPool:
         pin: page-lock the buffers (default: when CUDA is available).
     """
 
-    def __init__(self, max_bytes: int | None = None, reserve_bytes: int = 2 * GiB,
+    def __init__(self, max_bytes: int | None = None, reserve_bytes: int = HOST_RESERVE_BYTES,
                  granularity: int = 2 * 2**20, pin: bool | None = None) -> None:
         self.max_bytes = max_bytes
         self.reserve_bytes = int(reserve_bytes)

@@ -29,7 +29,7 @@ recompute). ``"auto"`` weighs them (``park_mlps=True``, the default). Its estima
 tile of ``e, g`` on the GPU, and its fit leaves room for two layers' ``e, g`` beside the allocated peak: freed
 blocks whose copies to the host may still be running, which the caching allocator cannot hand out yet (under a
 15 GiB cap the parked plans' reserve reached the cap, 1.4-1.6 GiB over their allocated peak, the plain plan's
-0.9 GiB).
+0.9 GiB; with the room, 14.5 GiB reserved for 13.0 allocated).
 
 All layers of a model have the same shape, so a plan is fixed by how many layers keep (k) and
 recompute (m); the rest offload. For a vision-language model, any checkpointed decoder layer also
@@ -68,6 +68,7 @@ from .base_weights import base_format_for, load_flags
 from .cards import GPUCard, detect_card, parse_card, parse_memory
 from .estimate import (MODES, MemoryEstimate, bytes_of_dtype, estimate_training_memory, lora_param_count, lora_targets,
                        parked_mlp_bytes, readable_bytes)
+from .meters import HOST_RESERVE_BYTES
 from .moe import expert_lora_param_count, expert_lora_ranks
 from .shapes import KNOWN_MODELS, ModelShape, model_shape
 
@@ -323,7 +324,8 @@ def plan_activations(
             ``"a100-40gb"``, ``"h100"``) or bytes. Default: the free VRAM of this GPU.
         budget_bytes: the cap in bytes (same as an int ``max_memory``).
         card: the card for the speed model (and the budget when no cap is given); default: detected.
-        host_memory_bytes: pinned host memory offloading may use; default 80% of available RAM.
+        host_memory_bytes: pinned host memory offloading may use; default 80% of the available RAM above the
+            2 GiB the offload pool leaves free (:data:`~notebookkit.memory.meters.HOST_RESERVE_BYTES`).
         safety_margin: fraction of the budget left free for allocator fragmentation
             (default ``DEFAULT_SAFETY_MARGIN``).
         allow_offload: default True on a GPU or a named card, False when planning for the CPU; always False
@@ -372,7 +374,7 @@ def plan_activations(
     if host_memory_bytes is None:
         from .meters import host_memory
 
-        host_memory_bytes = int(0.8 * host_memory().available)
+        host_memory_bytes = int(0.8 * max(0, host_memory().available - HOST_RESERVE_BYTES))
 
     def used(est: MemoryEstimate) -> int:
         return est.total if with_context else est.peak_allocated

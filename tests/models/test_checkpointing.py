@@ -143,6 +143,33 @@ def test_offload_state_uses_its_buffer_pool_from_the_first_empty_state():
     assert ckpt._pool(state) is pool and ckpt._pool({"pool": False}) is None
 
 
+def test_pinned_buffers_go_back_to_the_host_when_training_is_done(tmp_path, monkeypatch):
+    """for_inference, the merged and GGUF exports and a re-plan drop the model's pooled pinned buffers and empty
+    PyTorch's cache of freed pinned memory (a T4 host has 12.7 GB; a parked 8B plan pins 4.5 GiB)."""
+    from notebookkit import FastLanguageModel
+
+    emptied = []
+    monkeypatch.setattr(compat, "empty_pinned_host_cache", lambda: emptied.append(True))
+    model, tokenizer = FastLanguageModel.from_pretrained("notebookkit/tiny-llama", show_banner=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, use_gradient_checkpointing="offload", show_banner=False)
+
+    def filled_pool() -> PinnedBufferPool:
+        """The model's offload pool as a training step leaves it: one buffer free for the next step."""
+        pool = ckpt._pool(ckpt._offload_states[model.get_base_model()])
+        pool.release(pool.acquire((1024,), torch.float32))
+        return pool
+
+    for done in (FastLanguageModel.for_inference,
+                 lambda m: m.save_pretrained_merged(tmp_path / "merged", tokenizer),
+                 lambda m: m.save_pretrained_gguf(tmp_path / "gguf", tokenizer, quantization_method="q8_0"),
+                 lambda m: apply_checkpointing(m, True)):
+        FastLanguageModel.for_training(model)
+        pool, count = filled_pool(), len(emptied)
+        assert pool.held_bytes >= 4096
+        done(model)
+        assert pool.held_bytes == 0 and len(emptied) == count + 1
+
+
 # ---- offloaded inputs: copies ordered by events, never by host waits (CUDA faked on CPU) ----------
 
 
@@ -243,6 +270,23 @@ def test_parked_mlp_tiles_go_to_the_host_and_come_back_in_order_without_a_host_w
     assert fake_cuda.host_waits == [] and fake_cuda.device_syncs == []
     pool = ckpt._pool(state)
     assert pool.in_use_bytes == 0 and pool.allocations == 4
+
+
+def test_parking_stops_with_one_warning_where_host_ram_runs_short(fake_cuda):
+    """A tile whose pinned copy the pool refuses (HostMemoryError) is not kept, nor is any later one of the run: the
+    backward gets the tiles kept before it, then None (it computes the rest again); one warning says so."""
+    tile = torch.randn(4, 8)
+    state = {"pool": PinnedBufferPool(max_bytes=3 * tile.numel() * 4, granularity=1)}  # room for e, g and one more
+    first = ckpt._ParkedMLP(state, to_host=True)
+    with pytest.warns(UserWarning, match="compute them again") as caught:
+        first.put(tile, tile + 1)
+        first.put(tile + 2, tile + 3)  # e fits, g does not: e's buffer goes back
+        later = ckpt._ParkedMLP(state, to_host=True)
+        later.put(tile, tile)
+    assert len(caught) == 1 and later.tiles == []
+    e, g = first.take()
+    assert torch.equal(e, tile) and torch.equal(g, tile + 1) and first.take() is None
+    assert state["pool"].in_use_bytes == 0
 
 
 def test_a_parked_layer_waits_for_the_copies_of_the_one_two_before(fake_cuda):

@@ -94,3 +94,12 @@ def test_bitsandbytes_cpu_kernel_notice_is_dropped_and_nothing_else():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert compat.BNB_CPU_KERNEL_NOTICE not in res.stderr, res.stderr
+
+
+@pytest.mark.gpu
+def test_pinned_host_cache_empties_on_a_cuda_build():
+    """On the GPU: this torch has ``torch._C._host_emptyCache`` (the CPU build here has none), and a freed pinned
+    block is handed back through it."""
+    block = torch.empty(2**20, dtype=torch.uint8, pin_memory=True)
+    del block
+    assert compat.empty_pinned_host_cache()

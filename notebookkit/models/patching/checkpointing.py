@@ -17,6 +17,9 @@
   as they are. ``"offload_mlp"`` by name parks every offloaded layer; a per-layer plan may park some
   (:func:`notebookkit.memory.planner.park_offloaded_mlps`, the share the host link carries:
   :func:`~notebookkit.memory.planner.parked_mlp_fraction`), and ``"auto"``'s plans do where the host link keeps up.
+  Where host RAM runs short for a parked copy, parking stops for the rest of the run with one warning and the
+  layers compute ``e, g`` again; ``for_inference``, the exports and a re-plan give the pinned buffers back
+  (:func:`release_host_buffers`).
 
   The allocator's reserve: a parked tile is freed while a copy on the side stream (forward) or the backward's
   kernels (backward) may still read it, so the caching allocator holds its block until the GPU has passed that
@@ -26,7 +29,8 @@
   (:func:`_pace_parked_copies`), and after a parked layer's backward for the backward of the parked layer two
   above (:func:`_pace_parked_backward`); it still queues a layer while the GPU runs the one before. Measured on the
   H200 (8B NF4, 2 x 4096, every layer parked): 10.4 GiB reserved for a 7.9 GiB allocated peak (22.2 GiB before the
-  pacing; plain offload 9.7 GiB), and under a 15 GiB cap (fp16, 4096 x 1) no step skipped or slowed.
+  pacing; plain offload 9.7 GiB). Under a 15 GiB cap (fp16, 4096 x 1) the reserve of a parked plan still reached
+  the cap, so the planner fits parked plans with room for two layers' ``e, g`` (then 14.5 GiB reserved for 13.0 allocated).
 * auto: asks ``notebookkit.memory.planner`` for the fastest per-layer plan (keep / recompute /
   offload / offload_mlp) that fits in free VRAM; without a GPU it picks no checkpointing (host memory is not the
   constraint, and recomputing costs time). A per-layer list of modes can also be passed directly.
@@ -49,6 +53,7 @@ quarter of the matmul work of a recomputed Llama layer.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -66,6 +71,7 @@ from notebookkit.memory.model_setup import (
     record_auto_plan_size,
     recorded_activation_plan,
 )
+from notebookkit.memory.offload import HostMemoryError
 
 from . import forward_state
 from ..common.architectures import lookup
@@ -156,6 +162,31 @@ def _side_stream(device: torch.device):
     if index not in _side_streams:
         _side_streams[index] = torch.cuda.Stream(device=index)
     return _side_streams[index]
+
+
+# Each checkpointed model's offload state (its pinned buffer pool), weakly keyed by the causal LM so that it goes
+# with the model: what release_host_buffers empties.
+_offload_states: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def release_host_buffers(model: nn.Module) -> int:
+    """Give back the pinned host memory the offloaded layers of ``model`` keep between training steps.
+
+    The pool (:class:`~notebookkit.memory.offload.PinnedBufferPool`) keeps the buffers of every offloaded layer's
+    input (``N H s``) and every parked layer's MLP outputs (``2 N I s``: 4.5 GiB for Llama-3.1-8B at 4,096 tokens
+    on a T4's plan) for the next step. A notebook host has little RAM (a T4 session about 12.7 GB), and generation
+    and export want it back: ``for_inference``, the exports and a re-plan drop the pool's free buffers and hand
+    PyTorch's cached page-locked blocks back to the system (:func:`notebookkit.compat.empty_pinned_host_cache`). The
+    next training step allocates them again, once. Returns the bytes of the buffers dropped.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    pool = _offload_states.get(base, {}).get("pool")
+    if not pool:  # none built (no offloaded layer ran, or no CUDA), or False: the pool could not be built
+        return 0
+    freed = pool.held_bytes - pool.in_use_bytes
+    pool.clear()
+    compat.empty_pinned_host_cache()
+    return freed
 
 
 def _pool(state: dict):
@@ -259,7 +290,23 @@ class _ParkedMLP:
         self.tiles: list = []
 
     def put(self, e: torch.Tensor, g: torch.Tensor) -> None:
-        self.tiles.append((_HostCopy(e, self.state), _HostCopy(g, self.state)) if self.to_host else (e, g))
+        """Keep a tile's ``e, g``; where host RAM runs short for their pinned copies, parking stops for the rest
+        of the run (said once) and the backward computes the tiles not kept again (``take`` returns None)."""
+        if not self.to_host:
+            self.tiles.append((e, g))
+            return
+        if self.state.get("parking_stopped"):
+            return
+        copies: list[_HostCopy] = []
+        try:
+            for t in (e, g):
+                copies.append(_HostCopy(t, self.state))
+        except HostMemoryError as err:  # an e copied already goes back to the pool as it is dropped (its __del__)
+            self.state["parking_stopped"] = True
+            warnings.warn(f"{err} Parking the MLPs' gate/up outputs in host memory stops here: the layers compute them "
+                          "again in the backward instead (the same gradients, a little slower).", stacklevel=2)
+            return
+        self.tiles.append(tuple(copies))
 
     @property
     def stored(self) -> Optional[torch.cuda.Event]:
@@ -479,6 +526,7 @@ def apply_checkpointing(
         why = ("a mixture of experts recomputes with torch's checkpoint (the routers' logits keep their gradient "
                "for the load-balancing loss); offloading its layers is not written yet (#36)")
 
+    release_host_buffers(base)  # a re-plan: the old plan's pinned buffers go (its layers' functions are replaced)
     if all(m == "keep" for m in modes) or not layers:
         if _is_checkpointing(base):
             disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
@@ -491,6 +539,7 @@ def apply_checkpointing(
 
     compat.enable_gradient_checkpointing(base, functools.partial(checkpoint, use_reentrant=False))
     state: dict = {}
+    _offload_states[base] = state
     last_offload = max((i for i, m in enumerate(modes) if m in OFFLOADING), default=-1)
     for i, (layer, m) in enumerate(zip(layers, modes)):
         layer.gradient_checkpointing = m != "keep"
