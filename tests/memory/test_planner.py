@@ -193,6 +193,17 @@ def test_plan_from_card_name_and_max_memory_agree():
     assert a.modes == b.modes and "T4" in a.summary()
 
 
+def test_pinned_budget_leaves_the_offload_pools_reserve_free(monkeypatch):
+    """By default offloading may pin 80% of the host RAM above the 2 GiB the pool keeps available: with 3 GiB
+    available an 8B plan for a T4 pins 0.47 GiB of layer inputs and parks no MLP output (counting the reserve in, it
+    would pin 2.3 GiB)."""
+    from notebookkit.memory import meters
+
+    monkeypatch.setattr(meters, "host_memory", lambda: meters.HostMemory(rss=0, available=3 * GiB, total=16 * GiB))
+    plan = plan_activations(LLAMA8B, "t4", load_in_4bit=True, dtype="float16", batch_size=1, seq_len=4096)
+    assert 0 < plan.host_bytes <= 0.8 * GiB
+
+
 def test_offloaded_layers_park_their_mlps_where_the_host_link_keeps_up():
     """On a T4 every offloaded layer's gate/up copy hides behind its forward, so the plan parks them (as many as
     the pinned host memory holds) and is predicted faster; an H200 carries about two thirds; a post-MLP norm
