@@ -25,7 +25,7 @@ if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unslo
 
 import torch
 
-from train_step import SHAPES, TARGETS, build_checkpoint  # this folder is on sys.path when run as a script
+from train_step import INITIAL_SCALE, SHAPES, TARGETS, build_checkpoint, skipped_flags  # this folder is on sys.path
 
 
 def load(system: str, folder: str, seq: int, batch: int, checkpointing: str):
@@ -108,7 +108,7 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-4)
-    scaler = torch.amp.GradScaler("cuda")
+    scaler = torch.amp.GradScaler("cuda", init_scale=INITIAL_SCALE)
     vocab = SHAPES[args.shape]["vocab_size"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = [torch.randint(3, vocab, (args.batch, args.seq), device="cuda", generator=gen) for _ in range(args.steps)]
@@ -118,7 +118,6 @@ def main() -> None:
     start = time.time()
     for i, ids in enumerate(batches):
         tracer = GradTrace(model) if (args.trace and i == 0) else None
-        before = scaler.get_scale()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = model(input_ids=ids, labels=ids).loss
         scaler.scale(loss).backward()
@@ -135,12 +134,12 @@ def main() -> None:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         losses.append(round(loss.item(), 5))
-        scales.append((before, scaler.get_scale()))
+        scales.append(scaler.get_scale())
     torch.cuda.synchronize()
     elapsed = time.time() - start
     result = dict(
         system=args.system, shape=args.shape, seq=args.seq, batch=args.batch, cap_gib=args.cap_gib,
-        scales=scales, skipped=[a > b for a, b in scales], losses=losses,
+        scales=scales, skipped=skipped_flags(scales), losses=losses,
         tok_s=round(args.batch * args.seq * args.steps / elapsed, 1),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
     )

@@ -247,7 +247,7 @@ def run_system(args) -> dict:
     import torch
 
     from learning_check import cycle_stream
-    from train_step import versions
+    from train_step import INITIAL_SCALE, skipped_flags, skipped_steps, versions
 
     device = "cpu" if args.tiny else "cuda"
     if device == "cpu":
@@ -287,15 +287,14 @@ def run_system(args) -> dict:
         params = [p for p in model.parameters() if p.requires_grad]
         row["trainable"] = sum(p.numel() for p in params)
         optimizer = torch.optim.AdamW(params, lr=args.lr, **({"fused": True} if device == "cuda" else {}))
-        scaler = torch.amp.GradScaler(device, enabled=args.t4)
+        scaler = torch.amp.GradScaler(device, init_scale=INITIAL_SCALE, enabled=args.t4)
         autocast = torch.autocast("cuda", dtype=torch.float16, enabled=args.t4 and device == "cuda")
         vocab = model.config.vocab_size
         batches = cycle_stream(args.warmup + args.steps, args.batch, args.seq, vocab, symbols=STREAM_SYMBOLS, seed=0,
                                device=device)
-        scales: list[tuple[float, float]] = []
+        scales: list[float] = []  # the loss scale after each step (T4 emulation)
 
         def step(ids):
-            before = scaler.get_scale() if args.t4 else None
             with autocast:
                 loss = model(input_ids=ids, labels=ids).loss
             scaler.scale(loss).backward()
@@ -303,7 +302,7 @@ def run_system(args) -> dict:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             if args.t4:
-                scales.append((before, scaler.get_scale()))
+                scales.append(scaler.get_scale())
             return loss.detach()
 
         try:
@@ -355,8 +354,8 @@ def run_system(args) -> dict:
         losses=losses, loss_first=losses[0], loss_last=losses[-1], token_stream=f"cycle of {STREAM_SYMBOLS} ids",
     )
     if args.t4:
-        row |= dict(scales=scales, skipped_steps=sum(after < before for before, after in scales),
-                    first_step_finite=bool(scales) and scales[0][1] >= scales[0][0])
+        row |= dict(scales=scales, skipped_steps=skipped_steps(scales),
+                    first_step_finite=bool(scales) and not skipped_flags(scales)[0])
     if args.system == "notebookkit":
         row |= predicted(model, args.batch, args.seq, None if args.tiny else args.shape)
     return row

@@ -290,10 +290,16 @@ def training_step(model, optimizer, scaler=None):
     return step
 
 
-def skipped_steps(scales: list) -> int:
-    """Steps the loss scaler skipped: each overflow halves the scale (``GradScaler``'s backoff)."""
+def skipped_flags(scales: list) -> list[bool]:
+    """Per step, whether the loss scaler skipped it: ``scales`` are the scales after each step (from
+    ``INITIAL_SCALE``), and an overflow halves the scale (``GradScaler``'s backoff)."""
     values = [float(x) for x in scales]
-    return sum(1 for a, b in zip(values, values[1:]) if b < a) + (1 if values and values[0] < INITIAL_SCALE else 0)
+    return [after < before for before, after in zip([INITIAL_SCALE] + values, values)]
+
+
+def skipped_steps(scales: list) -> int:
+    """Steps the loss scaler skipped (:func:`skipped_flags`)."""
+    return sum(skipped_flags(scales))
 
 
 INITIAL_SCALE = 65536.0  # torch.amp.GradScaler's default init_scale
