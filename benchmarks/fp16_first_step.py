@@ -25,7 +25,7 @@ if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unslo
 
 import torch
 
-from train_step import INITIAL_SCALE, SHAPES, TARGETS, build_checkpoint, skipped_flags  # this folder is on sys.path
+from train_step import INITIAL_SCALE, SHAPES, TARGETS, build_checkpoint, cap_gpu_memory, skipped_flags  # this folder is on sys.path
 
 
 def load(system: str, folder: str, seq: int, batch: int, checkpointing: str):
@@ -100,8 +100,7 @@ def main() -> None:
     args = ap.parse_args()
 
     folder = build_checkpoint(args.shape)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    cap_gpu_memory(args.cap_gib)
     torch.cuda.reset_peak_memory_stats()
     model = load(args.system, folder, args.seq, args.batch, args.checkpointing)
     model.train()

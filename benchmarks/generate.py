@@ -304,8 +304,7 @@ def run_child(args) -> None:
     device = "cuda" if torch.cuda.is_available() and shape != "tiny" else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     if cap and device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
+        train_step.cap_gpu_memory(cap)
     copy_gbps = copy_bandwidth_gbps() if device == "cuda" else None
     folder = checkpoint_folder(shape)
     batches = [int(b) for b in args.batches.split(",")]

@@ -13,6 +13,8 @@ next one yet (``profile_step.py`` counts those gaps). This script loads a system
 
     python benchmarks/host_profile.py --shape llama-3.2-1b --quant bf16 --seq 2048 --batch 8 \\
         --checkpointing offload --fp8 --out DIR
+    python benchmarks/host_profile.py --shape llama-3.1-8b --quant nf4 --seq 4096 --batch 1 \\
+        --checkpointing auto --dtype float16 --memory-cap-gib 15 --out DIR      # the T4 emulation
 
 Needs CUDA. cProfile slows Python down, so its times are larger than in a plain step; compare them
 with each other, not with the GPU's.
@@ -41,8 +43,11 @@ def main() -> None:
     ap.add_argument("--quant", default="bf16", choices=["nf4", "bf16"])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--checkpointing", default="offload", choices=["auto", "offload", "true", "false"])
+    ap.add_argument("--checkpointing", default="offload", choices=["auto", "offload", "offload_mlp", "true", "false"])
     ap.add_argument("--fp8", action="store_true", help="FP8 forward for the frozen base GEMMs")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="float16 trains under autocast and a GradScaler (a T4's precision), as train_step.py")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="cap the allocator (15 with float16: a T4)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
 
@@ -50,18 +55,24 @@ def main() -> None:
     import train_step
 
     folder = train_step.build_checkpoint(args.shape)
-    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, None, args.fp8)
+    if args.memory_cap_gib:
+        train_step.cap_gpu_memory(args.memory_cap_gib)
+    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, None, args.fp8,
+                                        dtype=getattr(torch, args.dtype))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
     batches = train_step.token_batches(args.shape, args.batch, args.seq, 8)
-    step = train_step.training_step(model, optimizer)
+    fp16 = args.dtype == "float16"
+    scaler = torch.amp.GradScaler("cuda", init_scale=train_step.INITIAL_SCALE) if fp16 else None
+    step = train_step.training_step(model, optimizer, scaler)
 
     for ids in batches[:2]:
         step(ids)
     torch.cuda.synchronize()
     lines: list[str] = [f"# host profile: notebookkit {args.shape} {args.quant} {args.seq}x{args.batch} "
-                        f"checkpointing={args.checkpointing} fp8={args.fp8}, {torch.cuda.get_device_name(0)}"]
+                        f"checkpointing={args.checkpointing} ({train_step.plan_counts(model)}) fp8={args.fp8} "
+                        f"dtype={args.dtype} cap={args.memory_cap_gib} GiB, {torch.cuda.get_device_name(0)}"]
 
     stacks: dict[str, int] = {}
 
@@ -103,7 +114,8 @@ def main() -> None:
     lines.append(f"== 3 steps without profiler: host done at {host * 1e3:.1f} ms, GPU done at {(time.time() - start) * 1e3:.1f} ms")
 
     os.makedirs(args.out, exist_ok=True)
-    name = f"host-profile-{args.shape}-{args.quant}-{args.seq}x{args.batch}-{args.checkpointing}{'-fp8' if args.fp8 else ''}.txt"
+    name = (f"host-profile-{args.shape}-{args.quant}-{args.seq}x{args.batch}-{args.checkpointing}{'-fp8' if args.fp8 else ''}"
+            f"{'-fp16' if fp16 else ''}{f'-{args.memory_cap_gib:g}GiB' if args.memory_cap_gib else ''}.txt")
     with open(os.path.join(args.out, name), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(line for line in lines if line.startswith("==")))

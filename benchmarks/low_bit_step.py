@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import (SHAPES, TARGETS, build_checkpoint, plan_counts, predicted_peak, token_batches,  # noqa: E402
+from train_step import (SHAPES, TARGETS, build_checkpoint, cap_gpu_memory, plan_counts, predicted_peak, token_batches,  # noqa: E402
                         training_step, versions)
 
 FLAGS = {"2bit": "load_in_2bit", "ternary": "load_in_ternary", "nf4": "load_in_4bit"}
@@ -135,8 +135,7 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
         if args.cap_gib:
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+            cap_gpu_memory(args.cap_gib)
         torch.cuda.reset_peak_memory_stats()
     base_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
 

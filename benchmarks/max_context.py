@@ -358,7 +358,6 @@ def child_main(args) -> None:
     print("warm-up step (compiles kernels, creates optimizer state):", file=sys.stderr, flush=True)
     if not prober(args.step)["fits"]:
         raise SystemExit(f"the warm-up step of {args.step} tokens ran out of memory without a cap")
-    total = torch.cuda.get_device_properties(0).total_memory
     print("READY " + json.dumps(dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, load_s=load_s,
                                      pid=os.getpid())), flush=True)
     for line in sys.stdin:
@@ -368,7 +367,7 @@ def child_main(args) -> None:
             print("PREDICTED " + json.dumps(dict(cap=request["predict"], seq=seq)), flush=True)
             continue
         cap = request["cap"]
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
+        train_step.cap_gpu_memory(cap)
         _release(optimizer)
         prober.replan = _replanner(model, cap) if args.system == "notebookkit" else None
         record = prober(int(request["seq"]))

@@ -247,7 +247,7 @@ def run_system(args) -> dict:
     import torch
 
     from learning_check import cycle_stream
-    from train_step import INITIAL_SCALE, skipped_flags, skipped_steps, versions
+    from train_step import INITIAL_SCALE, cap_gpu_memory, skipped_flags, skipped_steps, versions
 
     device = "cpu" if args.tiny else "cuda"
     if device == "cpu":
@@ -260,8 +260,7 @@ def run_system(args) -> dict:
     if device == "cuda":
         row["gpu"] = torch.cuda.get_device_name(0)
         if args.t4:
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.t4_cap_gib * 2**30 / total))
+            cap_gpu_memory(args.t4_cap_gib)
         torch.cuda.reset_peak_memory_stats()
     row["versions"] = versions(args.system)
     folder = model_folder(args.shape, args.layers, args.tiny)

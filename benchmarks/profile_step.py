@@ -292,8 +292,7 @@ def load_system(args):
 
     folder = train_step.build_checkpoint(args.shape)
     if args.memory_cap_gib:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+        train_step.cap_gpu_memory(args.memory_cap_gib)
     dtype = getattr(torch, args.dtype)
     if args.system == "unsloth":
         return train_step.load_unsloth(folder, args.quant, args.seq, dtype), "unsloth offloaded checkpointing"

@@ -290,6 +290,13 @@ def training_step(model, optimizer, scaler=None):
     return step
 
 
+def cap_gpu_memory(gib: float) -> None:
+    """Cap PyTorch's caching allocator at ``gib`` GiB of this card (``set_per_process_memory_fraction``): a smaller
+    card emulated (15 GiB: a T4), which notebookkit's planner reads as its budget."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
+
+
 def skipped_flags(scales: list) -> list[bool]:
     """Per step, whether the loss scaler skipped it: ``scales`` are the scales after each step (from
     ``INITIAL_SCALE``), and an overflow halves the scale (``GradScaler``'s backoff)."""
@@ -352,8 +359,7 @@ def main() -> None:
         print("prepared", folder)
         return
     if args.memory_cap_gib:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+        cap_gpu_memory(args.memory_cap_gib)
 
     torch.cuda.reset_peak_memory_stats()
     dtype = getattr(torch, args.dtype)
