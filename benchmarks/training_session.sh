@@ -13,6 +13,7 @@
 #                 its offloaded layers parked), "auto" with every offloaded layer parked, offload_mlp with the
 #                 input embedding in host memory (the row under Unsloth's peak), Unsloth (~4 min)
 #   t4-profile    two profiled steps of the "auto" T4 row (benchmarks/profile_step.py)
+#   t4-host       the "auto" T4 row's synchronising calls and host time (benchmarks/host_profile.py)
 #   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean, Unsloth (checkpoint built first, untimed)
 #   vision-gemma  Gemma-3-4B NF4, 4 images of 896^2: the same
 # A part that would start after BUDGET_S seconds (default 540, under the device tool's 10 minutes a command) is
@@ -40,12 +41,15 @@ for part in "$@"; do
     t4-profile)
       timeout "$(left)" python3 benchmarks/profile_step.py --system notebookkit --shape llama-3.1-8b --seq 4096 --batch 1 \
         --dtype float16 --memory-cap-gib 15 --steps 2 --out "$OUT/$part" ;;
+    t4-host)
+      timeout "$(left)" python3 benchmarks/host_profile.py --shape llama-3.1-8b --quant nf4 --seq 4096 --batch 1 \
+        --checkpointing auto --dtype float16 --memory-cap-gib 15 --out "$OUT/$part" ;;
     vision-qwen|vision-gemma)
       shape=$([ "$part" = vision-qwen ] && echo qwen2.5-vl-7b || echo gemma-3-4b)
       python3 benchmarks/vision_step.py --shape "$shape" --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/vision_step.py --shape "$shape" --steps 5 --timeout 240 --out "$OUT/$part" \
         --systems notebookkit-lean,unsloth ;;
-    *) echo "unknown part $part (train, t4, t4-profile, vision-qwen, vision-gemma)"; continue ;;
+    *) echo "unknown part $part (train, t4, t4-profile, t4-host, vision-qwen, vision-gemma)"; continue ;;
   esac > "$OUT/$part/$part.log" 2>&1
   echo "$part: exit $? after $(( $(date +%s) - START )) s"; tail -12 "$OUT/$part/$part.log"
 done
