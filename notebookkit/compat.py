@@ -163,11 +163,12 @@ def carry_loaded_mark(source: Any, target: Any) -> None:
 
 
 # ---- torch: the cache of freed pinned host memory ---------------------------------------------
-# Checked on torch 2.11 (``torch.cuda.graphs``) and 2.13: PyTorch's pinned-memory allocator keeps the page-locked
-# blocks of freed pinned tensors for later pinned allocations and hands them back to the system only in
-# ``torch._C._host_emptyCache()`` (the host twin of ``torch.cuda.empty_cache``; no public name in these
-# versions). Offloaded checkpointing frees its pinned buffers when training is done (checkpointing's
-# ``release_host_buffers``); without this call the pages would stay locked in the process.
+# Read in torch 2.13's source (``torch.cuda.graphs`` calls it; a CPU-only build has no such binding); on the GPU
+# machine's torch 2.11 checked by ``tests/models/test_compat.py``'s GPU case, not yet run. PyTorch's pinned-memory
+# allocator keeps the page-locked blocks of freed pinned tensors for later pinned allocations and hands them back
+# to the system only in ``torch._C._host_emptyCache()`` (the host twin of ``torch.cuda.empty_cache``; no public
+# name in these versions). Offloaded checkpointing frees its pinned buffers before an export and on a re-plan
+# (checkpointing's ``release_host_buffers``); without this call the pages would stay locked in the process.
 def empty_pinned_host_cache() -> bool:
     """Hand PyTorch's cached page-locked host blocks back to the system; False where this torch cannot."""
     import torch

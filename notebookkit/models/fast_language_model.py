@@ -10,7 +10,7 @@ from .common.banner import Banner, get_banner
 from .loading import arguments, loader
 from .lora_setup import (already_adapted, check_lora_arguments, describe_adapters, expert_targets, lora_config, note_setup,
                          wrap_with_lora)
-from .patching.checkpointing import apply_checkpointing, release_host_buffers
+from .patching.checkpointing import apply_checkpointing
 from .patching.lora_fast_path import describe_lora
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -149,7 +149,6 @@ class FastLanguageModel:
 
         arguments.require_model(model, "for_inference")
         model.eval()
-        release_host_buffers(model)  # training is done: offloading's pinned buffers go back to the host
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(base.config, "use_cache", None) is not None:
             base.config.use_cache = True

@@ -144,8 +144,9 @@ def test_offload_state_uses_its_buffer_pool_from_the_first_empty_state():
 
 
 def test_pinned_buffers_go_back_to_the_host_when_training_is_done(tmp_path, monkeypatch):
-    """for_inference, the merged and GGUF exports and a re-plan drop the model's pooled pinned buffers and empty
-    PyTorch's cache of freed pinned memory (a T4 host has 12.7 GB; a parked 8B plan pins 4.5 GiB)."""
+    """The merged and GGUF exports and a re-plan drop the model's pooled pinned buffers and empty PyTorch's cache of
+    freed pinned memory (a T4 host has 12.7 GB; a parked 8B plan pins 4.5 GiB); for_inference, which GRPO runs
+    every step, keeps them for the next training step."""
     from notebookkit import FastLanguageModel
 
     emptied = []
@@ -159,8 +160,12 @@ def test_pinned_buffers_go_back_to_the_host_when_training_is_done(tmp_path, monk
         pool.release(pool.acquire((1024,), torch.float32))
         return pool
 
-    for done in (FastLanguageModel.for_inference,
-                 lambda m: m.save_pretrained_merged(tmp_path / "merged", tokenizer),
+    FastLanguageModel.for_training(model)
+    pool = filled_pool()
+    held = pool.held_bytes
+    FastLanguageModel.for_inference(model)
+    assert pool.held_bytes == held and not emptied
+    for done in (lambda m: m.save_pretrained_merged(tmp_path / "merged", tokenizer),
                  lambda m: m.save_pretrained_gguf(tmp_path / "gguf", tokenizer, quantization_method="q8_0"),
                  lambda m: apply_checkpointing(m, True)):
         FastLanguageModel.for_training(model)

@@ -18,8 +18,7 @@
   (:func:`notebookkit.memory.planner.park_offloaded_mlps`, the share the host link carries:
   :func:`~notebookkit.memory.planner.parked_mlp_fraction`), and ``"auto"``'s plans do where the host link keeps up.
   Where host RAM runs short for a parked copy, parking stops for the rest of the run with one warning and the
-  layers compute ``e, g`` again; ``for_inference``, the exports and a re-plan give the pinned buffers back
-  (:func:`release_host_buffers`).
+  layers compute ``e, g`` again; the exports and a re-plan give the pinned buffers back (:func:`release_host_buffers`).
 
   The allocator's reserve: a parked tile is freed while a copy on the side stream (forward) or the backward's
   kernels (backward) may still read it, so the caching allocator holds its block until the GPU has passed that
@@ -174,10 +173,11 @@ def release_host_buffers(model: nn.Module) -> int:
 
     The pool (:class:`~notebookkit.memory.offload.PinnedBufferPool`) keeps the buffers of every offloaded layer's
     input (``N H s``) and every parked layer's MLP outputs (``2 N I s``: 4.5 GiB for Llama-3.1-8B at 4,096 tokens
-    on a T4's plan) for the next step. A notebook host has little RAM (a T4 session about 12.7 GB), and generation
-    and export want it back: ``for_inference``, the exports and a re-plan drop the pool's free buffers and hand
-    PyTorch's cached page-locked blocks back to the system (:func:`notebookkit.compat.empty_pinned_host_cache`). The
-    next training step allocates them again, once. Returns the bytes of the buffers dropped.
+    on a T4's plan) for the next step. A notebook host has little RAM (a T4 session about 12.7 GB), and an export
+    wants it back: the exports and a re-plan drop the pool's free buffers and hand PyTorch's cached page-locked blocks
+    back to the system (:func:`notebookkit.compat.empty_pinned_host_cache`); a later training step allocates them
+    again, once. ``for_inference`` keeps them: GRPO switches to it for every step's generation, and allocating
+    pinned memory again each step would cost a synchronising driver call a buffer. Returns the bytes dropped.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     pool = _offload_states.get(base, {}).get("pool")
