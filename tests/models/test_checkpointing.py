@@ -143,7 +143,7 @@ def test_offload_state_uses_its_buffer_pool_from_the_first_empty_state():
     assert ckpt._pool(state) is pool and ckpt._pool({"pool": False}) is None
 
 
-def test_pinned_buffers_go_back_to_the_host_when_training_is_done(tmp_path, monkeypatch):
+def test_pinned_buffers_go_back_to_the_host_before_an_export_and_on_a_replan(tmp_path, monkeypatch):
     """The merged and GGUF exports and a re-plan drop the model's pooled pinned buffers and empty PyTorch's cache of
     freed pinned memory (a T4 host has 12.7 GB; a parked 8B plan pins 4.5 GiB); for_inference, which GRPO runs
     every step, keeps them for the next training step."""
