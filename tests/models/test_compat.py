@@ -83,6 +83,7 @@ def test_bitsandbytes_cpu_kernel_notice_is_dropped_and_nothing_else():
     its CPU 4-bit kernel (printed on AVX512-BF16 CPUs without the ``kernels`` package); other records pass."""
     import logging
 
+    import notebookkit.models  # noqa: F401  (the import that adds the filter; the package is lazy, so a test run alone needs it)
     from notebookkit import compat
 
     logger = logging.getLogger(compat.BNB_CPU_OPS_LOGGER)
