@@ -70,8 +70,8 @@ class FastLanguageModel:
             use_gradient_checkpointing: ``False``, ``True`` (recompute), ``"offload"`` (alias
                 ``"unsloth"``: layer inputs parked in pinned host memory), ``"offload_mlp"`` (the MLPs'
                 gate/up outputs parked there too: less recompute, ``2 * tokens * intermediate_size``
-                16-bit values of host memory a layer; PyTorch's cache reserved well above the allocated
-                peak in its one GPU measurement, before the host pacing of ``checkpointing``) or ``"auto"`` (let ``notebookkit.memory`` pick the fastest plan that fits).
+                16-bit values of host memory a layer) or ``"auto"`` (let ``notebookkit.memory`` pick the
+                fastest plan that fits, parking MLP outputs where the host link keeps up).
             random_state: seed for the LoRA initialisation.
             use_rslora: rank-stabilised scaling ``alpha / sqrt(r)``.
             loftq_config: a ``peft.LoftQConfig`` (initialises from the quantisation residual).

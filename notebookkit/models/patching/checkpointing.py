@@ -70,7 +70,7 @@ from notebookkit.memory.model_setup import (
     record_auto_plan_size,
     recorded_activation_plan,
 )
-from notebookkit.memory.offload import HostMemoryError
+from notebookkit.memory.offload import HostMemoryError, PinnedBufferPool
 
 from . import forward_state
 from ..common.architectures import lookup
@@ -193,8 +193,6 @@ def _pool(state: dict):
     pool = state.get("pool")
     if pool is None:
         try:
-            from notebookkit.memory.offload import PinnedBufferPool
-
             pool = PinnedBufferPool()
         except Exception:  # noqa: BLE001 - plain pinned allocations then
             pool = False
