@@ -63,12 +63,13 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
     offload:   nothing on the GPU (the input lives in pinned host memory, ``N * H * s`` there),
                except the last decoder layer, whose input stays on the GPU when it is offloaded.
     Offloading adds two layer inputs in flight (the one fetched and the one prefetched; the last
-    layer's input is one of them when it stays on the GPU).
+    layer's input is one of them when it stays on the GPU) in the backward of the offloaded layers:
+    they join that phase's peak (the first recompute, under Temporaries), not the end of the forward's.
     offload_mlp: as offload, and a layer whose MLP is deferred (below) parks its gate/up outputs in pinned
                host memory too (``2 * N * I * s`` there, the last layer excepted, which keeps its input on
                the GPU and recomputes). On the GPU the previous layer's parked ``e, g`` are prefetched
                while a layer's MLP backward runs on its own: one ``[t, 2 I]`` tile in flight (two when a
-               layer has several tiles), :func:`parked_mlp_bytes`.
+               layer has several tiles), :func:`parked_mlp_bytes`, with the inputs in flight above.
     Masks the layers share (gpt-oss only, :func:`shared_mask_bytes`): the attention with sinks saves a
     boolean ``B * T^2`` mask made once per forward for each of Hugging Face's two masks (full layers,
     sliding-window layers), whatever the modes; where a layer is recomputed, its checkpoint also holds
@@ -98,7 +99,7 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
       which is the stored one); kept layers after the last recomputed one are gone by then (the
       backward runs from the last layer down and frees what each layer saved), so a plan that
       keeps the last layers peaks at the larger of "all saved + loss buffers" and "the rest
-      saved + one recompute";
+      saved + one recompute + the offloaded inputs and parked tiles in flight";
     - where the MLP output only enters the residual sum (no post-MLP norm) and the MLP runs the fused
       kernel (no LoRA dropout), the recompute defers the MLP (``kernels.lora_mlp``): the recomputed
       layer saves no e, g (``2*I`` per token less), and its MLP backward runs a tile of ``t`` tokens at
@@ -938,6 +939,7 @@ class _Activations(_Part):
     keep_layer: int = 0
     layer_input: int = 0
     host_offload: int = 0
+    in_flight: dict[str, float] = field(default_factory=dict)  # offloaded inputs / parked tiles in the backward
     recomputed_layer: int = 0  # what a recomputed layer saves again in the backward (keep_layer less a deferred MLP's e, g)
     mlp_deferred: bool = False
 
@@ -1108,22 +1110,24 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
         details["activations: inputs of recomputed layers"] = counts["recompute"] * X
     if last_offloaded:
         details["activations: input of the last (offloaded) layer"] = X
-    # One input being fetched and the next prefetched; an on-GPU last-layer input is one of them.
+    # In the backward of the offloaded layers: one input being fetched and the next prefetched (an on-GPU
+    # last-layer input is one of them), and a parked layer's gate/up tile prefetched. Not saved activations:
+    # they join the peak of that phase only (_temporaries), not the end of the forward's.
     offloaded = counts["offload"] + counts["offload_mlp"]
-    in_flight = (X if last_offloaded else 2 * X) if offloaded else 0
-    if in_flight:
-        details["activations: offloaded inputs in flight"] = in_flight
+    in_flight = {}
+    if offloaded:
+        in_flight["offloaded inputs in flight"] = X if last_offloaded else 2 * X
     deferred = mlp_deferred(shape, layer_kw.get("lora_dropout", 0.0))
     N = layer_kw["batch_size"] * layer_kw["seq_len"]
     recomputed = keep_layer - (2 * N * shape.intermediate_size * layer_kw["dtype_bytes"] if deferred else 0)
     parked_layers = counts["offload_mlp"] - (plan[-1] == "offload_mlp") if deferred else 0
     parked = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"]) if parked_layers > 0 else (0, 0)
     if parked[1]:
-        details["activations: parked MLP gate/up outputs in flight"] = parked[1]
-    total = sum(per_layer) + in_flight + parked[1] + sum(shared.values())
+        in_flight["parked MLP gate/up outputs in flight"] = parked[1]
+    total = sum(per_layer) + sum(shared.values())
     return _Activations(total, details, per_layer=tuple(per_layer), keep_layer=keep_layer, layer_input=X,
                         host_offload=offloaded * X + max(parked_layers, 0) * parked[0],
-                        recomputed_layer=recomputed, mlp_deferred=deferred)
+                        recomputed_layer=recomputed, mlp_deferred=deferred, in_flight=in_flight)
 
 
 def shared_mask_bytes(shape: ModelShape, plan: tuple[str, ...], batch_size: int, seq_len: int,
@@ -1211,7 +1215,14 @@ def _temporaries(
 
     * end of forward / kept layers' backward: everything saved + the loss buffers, or the last
       layer's backward working set once the loss buffers are freed (when that layer is kept);
-    * first recompute: what is still saved + the recomputed layer's activations + working set.
+    * first recompute: what is still saved + the recomputed layer's activations + working set + the
+      offloaded inputs and parked gate/up tiles in flight (``acts.in_flight``).
+
+    The buffers in flight join the first mark only while the forward's copies to the host may still
+    run: when fewer than two kept layers follow the last offloaded one (two kept layers' forwards outlast
+    the copy of one layer's input and parked outputs). Until session 32 they always did, and the T4
+    plan that keeps its last 16 layers was predicted 0.28 GiB higher for them (0.37 GiB above the
+    measured peak; 0.08 GiB now).
     """
     ws_max = max(working_set["mlp"], working_set["attention"], working_set["fp8_forward"])
     ws_recompute = max(working_set["mlp_deferred"], working_set["attention_after_deferred"],
@@ -1221,10 +1232,13 @@ def _temporaries(
     reference_end = activations + logits_loss + forward_extra
     end_of_forward = max(policy_end, reference_end)
     non_kept = [i for i, m in enumerate(plan) if m != "keep"]
+    in_flight = sum(acts.in_flight.values())
     if non_kept:
         kept_after = len(plan) - 1 - non_kept[-1]
         first_recompute = (activations - kept_after * keep_layer + (acts.recomputed_layer - acts.layer_input)
-                           + ws_recompute)
+                           + ws_recompute + in_flight)
+        if kept_after < 2:  # the forward's last copies to the host may not be done by its end
+            end_of_forward += in_flight
     else:
         first_recompute = 0
     over = max(end_of_forward, first_recompute) - activations - logits_loss

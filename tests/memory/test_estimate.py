@@ -74,9 +74,33 @@ def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
     assert q.temporaries == est.temporaries + 16384
     off = estimate_training_memory(TINY, activation_plan="offload", **KW)
     assert off.host_offload == 2 * 8192
-    # The last layer's input stays on the GPU; with the one being prefetched: two inputs.
+    # The last layer's input stays on the GPU (saved); in the backward of layer 0 the one being prefetched
+    # joins it: two inputs then, the second counted with that phase's temporaries.
     assert off.per_layer_activations == (0, 8192)
-    assert off.activations == 2 * 8192
+    assert off.activations == 8192
+    assert off.temporaries == 8192 + (91648 - 8192) + 32768 + 8192 - 8192 - 58368
+
+
+def test_inputs_in_flight_join_the_end_of_the_forward_only_when_its_copies_may_still_run():
+    # Plan (offload, keep, keep) of a 3-layer TINY: the end of the forward holds two kept layers' 2 * 91648 B
+    # and the loss buffers 58368 (241664). Layer 0's input and the one prefetched (16384) are in flight in
+    # layer 0's backward, after layers 1 and 2 freed theirs: recompute 91648 - 8192 + working set 32768
+    # + 16384 = 132608 < 241664, and its copy to the host ended while the two kept layers ran their
+    # forward: not part of the peak (until session 32 they were added to it).
+    est = estimate_training_memory({**TINY, "num_hidden_layers": 3}, activation_plan=["offload", "keep", "keep"], **KW)
+    assert est.activations == 2 * 91648 and est.temporaries == 0
+    assert est.total == est.base_weights + est.adapters + 2 * 91648 + 58368
+    # Plan (offload, keep): one kept layer's forward may not outlast layer 0's copy: counted at the end of the
+    # forward, 91648 + 58368 + 16384 = 166400 > the recompute of layer 0 (132608).
+    one = estimate_training_memory(TINY, activation_plan=["offload", "keep"], **KW)
+    assert one.activations == 91648 and one.temporaries == 16384
+    assert one.total == 180864 + 147456 + 91648 + 58368 + 16384
+    # Plan (keep, offload): layer 0's activations are still saved during layer 1's backward, whose input
+    # (kept on the GPU: the last layer) and the one prefetched for layer 0 are then in flight:
+    # 91648 + 8192 + (91648 - 8192) + 32768 = 216064 and 8192 more in flight beyond its saved input.
+    late = estimate_training_memory(TINY, activation_plan=["keep", "offload"], **KW)
+    assert late.activations == 91648 + 8192
+    assert late.temporaries == 91648 + 8192 + 83456 + 32768 + 8192 - late.activations - 58368
 
 
 def test_kept_last_layers_are_freed_before_the_first_recompute():
