@@ -9,7 +9,11 @@ next one yet (``profile_step.py`` counts those gaps). This script loads a system
 * a ``cProfile`` of three steps, sorted by own time and by cumulative time (launch overhead of
   Triton, casts, GEMM calls, the fused path's own Python),
 * three steps without the profiler: when the host had queued them against when the GPU finished
-  them. Close together means the host sets the pace.
+  them. Far apart, the GPU sets the pace. Close together says nothing on its own when a step waits
+  for the GPU inside it: an fp16 step does (``scaler.step`` reads the overflow flag on the host), and
+  so does a step whose host pacing waits for offload copies. Then ``profile_step.py`` tells: the GPU
+  busy time of a profiled step against the unprofiled step (session 32: the T4-emulation step,
+  which is both, was 98% busy: GPU-bound).
 
     python benchmarks/host_profile.py --shape llama-3.2-1b --quant bf16 --seq 2048 --batch 8 \\
         --checkpointing offload --fp8 --out DIR
@@ -111,7 +115,9 @@ def main() -> None:
         step(ids)
     host = time.time() - start
     torch.cuda.synchronize()
-    lines.append(f"== 3 steps without profiler: host done at {host * 1e3:.1f} ms, GPU done at {(time.time() - start) * 1e3:.1f} ms")
+    lines.append(f"== 3 steps without profiler: host done at {host * 1e3:.1f} ms, GPU done at {(time.time() - start) * 1e3:.1f} ms"
+                 + (" (each fp16 step reads the overflow flag on the host, so the two meet whoever sets the pace: "
+                    "profile_step.py's busy share tells)" if fp16 else ""))
 
     os.makedirs(args.out, exist_ok=True)
     name = (f"host-profile-{args.shape}-{args.quant}-{args.seq}x{args.batch}-{args.checkpointing}{'-fp8' if args.fp8 else ''}"

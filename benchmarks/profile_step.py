@@ -1,15 +1,19 @@
 """Where a training step spends its GPU time: a per-kernel breakdown from ``torch.profiler``.
 
-Loads one system exactly as ``benchmarks/train_step.py`` does, runs two warm-up steps, then
-profiles one step (forward with labels, backward, fused AdamW step, ``zero_grad``), or with
+Loads one system exactly as ``benchmarks/train_step.py`` does, runs four warm-up steps (timed one by
+one), then profiles one step (forward with labels, backward, fused AdamW step, ``zero_grad``), or with
 ``--steps K`` K steps back to back as a training loop runs them, with CUDA activity only (no
 shapes, no stacks). It writes
 ``<out>/profile-<shape>-<quant>-<seq>x<batch>-<system>[-tag].md`` (and the raw per-kernel totals as
 ``.json``) with:
 
-* the step's wall time (profiled, and the last warm-up step without the profiler),
+* the step's wall time (profiled, and each warm-up step without the profiler),
 * total GPU time (sum of kernel and copy durations), GPU busy time (the union of those intervals,
   so copies that overlap compute on a side stream count once) and the idle share ``1 - busy / wall``,
+* the GPU busy time of a profiled step against the median unprofiled step: the profiler slows the host
+  (so the idle share of a host-heavy step is partly its own) but hardly the kernels, so a share near
+  100% says the unprofiled step is GPU-bound (session 32: the T4-emulation step, 26.5% idle under the
+  profiler, was 98% busy without it),
 * the idle gaps split into those where the GPU waited for the host (the work that ended the gap
   was launched only after the GPU had run dry: launch overhead, Python, host syncs) and the rest,
   from the launch records of the trace (:func:`idle_gaps`),
@@ -209,8 +213,14 @@ def _cell(name: str, width: int = 110) -> str:
 
 
 def render_report(title: str, facts: Sequence[tuple[str, str]], wall_ms: float, busy_ms: float,
-                  kernels: Iterable[tuple[str, float, int]], top: int = 25, gaps: dict | None = None) -> str:
-    """The markdown report from a list of ``(kernel name, total_us, count)`` (``gaps``: :func:`idle_gaps`)."""
+                  kernels: Iterable[tuple[str, float, int]], top: int = 25, gaps: dict | None = None,
+                  steps: int = 1, unprofiled_ms: float | None = None) -> str:
+    """The markdown report from a list of ``(kernel name, total_us, count)`` (``gaps``: :func:`idle_gaps`).
+
+    ``unprofiled_ms``: the median step without the profiler. The profiler slows the host (it records every
+    launch) but hardly the GPU's kernels, so the GPU busy time of a profiled step against an unprofiled
+    step says whether the unprofiled step is GPU-bound: near 100%, the idle share of the profiled steps is
+    mostly the profiler's own host overhead, and launching less would not make the step faster."""
     merged = aggregate(kernels)
     gpu_ms = sum(t for _, t, _ in merged) / 1e3
     idle = max(0.0, wall_ms - busy_ms)
@@ -227,6 +237,13 @@ def render_report(title: str, facts: Sequence[tuple[str, str]], wall_ms: float, 
             f"- idle gaps of 5 µs or more: {gaps['host_wait_ms']:.1f} ms in {gaps['host_gaps']} gaps waiting for the "
             f"host (the next work was queued only after the GPU ran dry), {gaps['other_idle_ms']:.1f} ms in "
             f"{gaps['other_gaps']} gaps with work queued (stream or event waits)"
+        )
+    if unprofiled_ms:
+        busy_step = busy_ms / steps
+        lines.append(
+            f"- GPU busy per profiled step against the median step without the profiler: {busy_step:.1f} of "
+            f"{unprofiled_ms:.1f} ms = {busy_step / unprofiled_ms:.0%} (near 100%: the unprofiled step is GPU-bound, "
+            "and the idle time above is mostly the profiler's own host overhead)"
         )
     lines += [
         "",
@@ -364,13 +381,16 @@ def run(args) -> str:
     scaler = torch.amp.GradScaler("cuda", init_scale=train_step.INITIAL_SCALE) if args.dtype == "float16" else None
     step = train_step.training_step(model, optimizer, scaler)
 
-    warm_ms = None
+    warm_ms = []
     for ids in batches[: args.warmup]:
         torch.cuda.synchronize()
         started = time.perf_counter()
         step(ids)
         torch.cuda.synchronize()
-        warm_ms = (time.perf_counter() - started) * 1e3
+        warm_ms.append((time.perf_counter() - started) * 1e3)
+    # the first warm-up step compiles and allocates: the median of the others when there are any
+    settled = sorted(warm_ms[1:] or warm_ms)
+    unprofiled_ms = settled[len(settled) // 2]
     torch.cuda.reset_peak_memory_stats()
     prof, wall_ms = profile_steps([lambda ids=ids: step(ids) for ids in batches[args.warmup :]], args.with_cpu)
     kernels, intervals = device_kernels(prof.events())
@@ -390,13 +410,14 @@ def run(args) -> str:
         ("dtype", f"{args.dtype}" + (" (autocast + GradScaler)" if scaler else "")
          + (f", allocator capped at {args.memory_cap_gib} GiB" if args.memory_cap_gib else "")),
         ("peak allocated in the profiled step", f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"),
-        ("last warm-up step without the profiler", f"{warm_ms:.1f} ms" if warm_ms else "–"),
+        ("warm-up steps without the profiler", ", ".join(f"{ms:.1f}" for ms in warm_ms) + " ms"),
         ("profiled steps", f"{args.steps}, back to back (no synchronisation between them)"),
         ("tokens / s (profiled steps)", f"{args.steps * args.batch * args.seq / (wall_ms / 1e3):,.0f}"),
     ]
     what = "One training step" if args.steps == 1 else f"{args.steps} training steps"
     title = f"{what} of {args.system}: {args.shape} {args.quant}, {args.seq} tokens × {args.batch}"
-    text = render_report(title, facts, wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps)
+    text = render_report(title, facts, wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps, steps=args.steps,
+                         unprofiled_ms=unprofiled_ms if args.warmup > 1 else None)
     with open(path, "w") as fh:
         fh.write(text)
     with open(path[: -len(".md")] + ".json", "w") as fh:
@@ -427,7 +448,9 @@ def main() -> None:
     ap.add_argument("--quant", default="nf4", choices=["nf4", "bf16"])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2, help="unprofiled steps before the profiled ones")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="unprofiled steps before the profiled ones (the median of all but the first is the "
+                         "unprofiled step the report compares the GPU busy time with)")
     ap.add_argument("--steps", type=int, default=1,
                     help="steps profiled back to back (>1 shows the steady state: the host may queue ahead)")
     ap.add_argument("--checkpointing", default="auto", choices=["auto", "offload", "offload_mlp", "true", "false"],

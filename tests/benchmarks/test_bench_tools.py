@@ -829,3 +829,10 @@ def test_fp16_training_step_runs_under_a_loss_scaler_and_counts_skipped_steps():
     assert train_step.skipped_steps(step.scales) == 1 and train_step.skipped_steps(step.scales[:1]) == 0
     assert train_step.skipped_steps([65536.0, 65536.0, 131072.0, 65536.0]) == 1  # a growth is no skip
     assert run.CONFIG_ARGS["8b-nf4-4096x1-t4"] == ["--dtype", "float16", "--memory-cap-gib", "15"]
+
+
+def test_render_report_compares_the_busy_time_with_an_unprofiled_step():
+    text = profile_step.render_report("t", [], wall_ms=30.0, busy_ms=18.0, kernels=KERNELS, steps=2, unprofiled_ms=10.0)
+    assert "idle: 12.0 ms = 40.0% of the wall time" in text  # the profiled steps' share, profiler overhead included
+    assert "GPU busy per profiled step against the median step without the profiler: 9.0 of 10.0 ms = 90%" in text
+    assert "median step without the profiler" not in profile_step.render_report("t", [], 30.0, 18.0, KERNELS)
