@@ -164,7 +164,7 @@ def carry_loaded_mark(source: Any, target: Any) -> None:
 
 # ---- torch: the cache of freed pinned host memory ---------------------------------------------
 # Read in torch 2.13's source (``torch.cuda.graphs`` calls it; a CPU-only build has no such binding); on the GPU
-# machine's torch 2.11 checked by ``tests/models/test_compat.py``'s GPU case, not yet run. PyTorch's pinned-memory
+# machine's torch 2.11 checked by ``tests/models/test_compat.py``'s GPU case (passed in session 32). PyTorch's pinned-memory
 # allocator keeps the page-locked blocks of freed pinned tensors for later pinned allocations and hands them back
 # to the system only in ``torch._C._host_emptyCache()`` (the host twin of ``torch.cuda.empty_cache``; no public
 # name in these versions). Offloaded checkpointing frees its pinned buffers before an export and on a re-plan

@@ -939,7 +939,7 @@ class _Activations(_Part):
     keep_layer: int = 0
     layer_input: int = 0
     host_offload: int = 0
-    in_flight: dict[str, float] = field(default_factory=dict)  # offloaded inputs / parked tiles in the backward
+    in_flight: int = 0  # offloaded inputs and a parked gate/up tile, in the backward of the offloaded layers
     recomputed_layer: int = 0  # what a recomputed layer saves again in the backward (keep_layer less a deferred MLP's e, g)
     mlp_deferred: bool = False
 
@@ -1114,16 +1114,13 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     # last-layer input is one of them), and a parked layer's gate/up tile prefetched. Not saved activations:
     # they join the peak of that phase only (_temporaries), not the end of the forward's.
     offloaded = counts["offload"] + counts["offload_mlp"]
-    in_flight = {}
-    if offloaded:
-        in_flight["offloaded inputs in flight"] = X if last_offloaded else 2 * X
+    in_flight = (X if last_offloaded else 2 * X) if offloaded else 0
     deferred = mlp_deferred(shape, layer_kw.get("lora_dropout", 0.0))
     N = layer_kw["batch_size"] * layer_kw["seq_len"]
     recomputed = keep_layer - (2 * N * shape.intermediate_size * layer_kw["dtype_bytes"] if deferred else 0)
     parked_layers = counts["offload_mlp"] - (plan[-1] == "offload_mlp") if deferred else 0
     parked = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"]) if parked_layers > 0 else (0, 0)
-    if parked[1]:
-        in_flight["parked MLP gate/up outputs in flight"] = parked[1]
+    in_flight += parked[1]
     total = sum(per_layer) + sum(shared.values())
     return _Activations(total, details, per_layer=tuple(per_layer), keep_layer=keep_layer, layer_input=X,
                         host_offload=offloaded * X + max(parked_layers, 0) * parked[0],
@@ -1232,7 +1229,7 @@ def _temporaries(
     reference_end = activations + logits_loss + forward_extra
     end_of_forward = max(policy_end, reference_end)
     non_kept = [i for i, m in enumerate(plan) if m != "keep"]
-    in_flight = sum(acts.in_flight.values())
+    in_flight = acts.in_flight
     if non_kept:
         kept_after = len(plan) - 1 - non_kept[-1]
         first_recompute = (activations - kept_after * keep_layer + (acts.recomputed_layer - acts.layer_input)
