@@ -55,7 +55,8 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # gets ("auto": the planner fits free VRAM, so on a 139 GiB card it keeps every activation);
 # "notebookkit-offload-mlp" parks every offloaded layer's MLP gate/up outputs in host memory too, and
 # "notebookkit-offload-mlp-card" the share the planner prices for this GPU's host link (what "auto" parks),
-# "notebookkit-park" every offloaded layer of the "auto" plan;
+# "notebookkit-park" every offloaded layer of the "auto" plan; "notebookkit-spread" the "auto" plan with the
+# planner's layout="spread" (offloaded layers among the kept ones, more of them parked);
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
 # runs; "notebookkit-lean" adds offload_embedding=True (the input embedding table in host memory, untied
 # models); "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
@@ -67,6 +68,7 @@ VARIANTS = {
     "notebookkit-offload-mlp": ("notebookkit", ["--checkpointing", "offload_mlp"]),
     "notebookkit-offload-mlp-card": ("notebookkit", ["--checkpointing", "offload", "--park-fraction", "card"]),
     "notebookkit-park": ("notebookkit", ["--park-fraction", "1"]),
+    "notebookkit-spread": ("notebookkit", ["--spread"]),
     "notebookkit-fp8": ("notebookkit", ["--fp8"]),
     "notebookkit-fp8-offload": ("notebookkit", ["--fp8", "--checkpointing", "offload"]),
     "notebookkit-lean": ("notebookkit", ["--checkpointing", "offload", "--offload-embedding"]),

@@ -176,7 +176,7 @@ def load_unsloth(folder: str, quant: str, seq: int, dtype: torch.dtype = torch.b
 
 def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointing: str, max_memory: str | None = None,
                      fp8: bool = False, offload_embedding: bool = False, park_fraction: str | None = None,
-                     dtype: torch.dtype = torch.bfloat16):
+                     dtype: torch.dtype = torch.bfloat16, spread: bool = False):
     from notebookkit import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
@@ -189,9 +189,21 @@ def load_notebookkit(folder: str, quant: str, seq: int, batch: int, checkpointin
         use_gradient_checkpointing=gc_mode, random_state=3407, planning_batch_size=batch, max_memory=max_memory,
         fp8_base_matmul=fp8,
     )
+    if spread:
+        spread_offloaded_layers(model, batch, seq, max_memory)
     if park_fraction is not None:
         park_offloaded_layers(model, park_fraction, batch, seq)
     return model
+
+
+def spread_offloaded_layers(model, batch: int, seq: int, max_memory: str | None) -> None:
+    """Plan again as ``"auto"`` did, with the planner's ``layout="spread"`` (its offloaded layers among the kept
+    ones, the share of them parked that the host link carries so: ``notebookkit.memory.planner``)."""
+    from notebookkit.models.patching.checkpointing import apply_checkpointing, auto_plan
+
+    modes, why = auto_plan(model.get_base_model(), seq, batch, max_memory, padded=batch > 1, layout="spread")
+    apply_checkpointing(model, modes)
+    print(f"spread: {plan_counts(model)} ({why})", flush=True)
 
 
 def park_offloaded_layers(model, fraction: str, batch: int, seq: int) -> None:
@@ -347,6 +359,8 @@ def main() -> None:
     ap.add_argument("--park-fraction", default=None,
                     help='notebookkit: this share of the offloaded layers parks its MLP outputs ("offload_mlp"); '
                          '"card": the planner\'s share for this GPU')
+    ap.add_argument("--spread", action="store_true",
+                    help='notebookkit: plan "auto" with the planner\'s layout="spread" (offloaded layers among kept ones)')
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
     args = ap.parse_args()
@@ -368,7 +382,7 @@ def main() -> None:
         model = load_unsloth(folder, args.quant, args.seq, dtype)
     elif args.system == "notebookkit":
         model = load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, args.max_memory, args.fp8,
-                                 args.offload_embedding, args.park_fraction, dtype)
+                                 args.offload_embedding, args.park_fraction, dtype, args.spread)
     else:
         model = load_peers(args.system, folder, args.quant, dtype)
     load_s = time.time() - t0

@@ -35,8 +35,16 @@ All layers of a model have the same shape, so a plan is fixed by how many layers
 recompute (m); the rest offload. For a vision-language model, any checkpointed decoder layer also
 checkpoints the vision blocks (Hugging Face's flag reaches them), which adds the tower's forward
 once: ``patches * 2 * P_vision_linear / rate``. For every k (from L down) the largest m that fits is found; the
-plan with the least extra time wins, ties going to more kept layers. Offloaded layers are the
-first ones (their copies back have the most backward work to hide behind), kept layers the last.
+plan with the least extra time wins, ties going to more kept layers. Layouts (``layout=``):
+
+- ``"front"`` (the default): offloaded layers first (their copies back have the most backward work to hide
+  behind), then recomputed, then kept layers;
+- ``"spread"``: where at least two layers are kept, the offloaded ones spread evenly among the others up to
+  the last two kept layers (:func:`spread_offloaded`). Each one's copies to the host then ride behind the
+  forwards of the layers up to the next offloaded one, not only behind its own, so the link carries more
+  parked layers (the H200 at 4096 tokens under a 15 GiB cap: all 16 offloaded layers of the plan instead of 9
+  one after the other, about 4% less step work predicted); the two kept layers at the end outlast the last
+  copies. Not yet measured on a GPU, so not the default (``benchmarks/run.py``'s ``notebookkit-spread`` row).
 A mixture of experts is planned without offloading (its layers recompute instead); its ``P_layer`` counts
 the ``k`` experts a token runs, and its recompute reruns the whole layer.
 
@@ -236,18 +244,22 @@ def _layer_costs(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) ->
     return t_f, recompute, offload
 
 
-def parked_mlp_fraction(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None) -> tuple[float, float]:
+def parked_mlp_fraction(shape: ModelShape, kw: dict[str, Any], card: GPUCard | None,
+                        spacing: float = 1.0) -> tuple[float, float]:
     """``(f, seconds)``: the share of offloaded layers that should also park their MLP's gate/up outputs in
     host memory (``"offload_mlp"``), and the recompute seconds each one saves.
 
     A parked layer's copy to the host, ``c_mlp = 2 N I s / B``, rides the side stream with the layer inputs
     (``c_in = N H s / B``) behind the forward; it saves the gate and up GEMMs of the recompute,
     ``t_gu = 4 N H I / rate``. A parked layer's forward waits for the copies of the parked layer two before it
-    (checkpointing's host pacing), so spread evenly the copies keep up while ``c_in + f c_mlp <= t_f``:
-    ``f = (t_f - c_in) / c_mlp`` within ``[0, 1]``. Past that the forward would wait on the link ``c_mlp`` for each
-    more parked layer to save its ``t_gu``, a loss wherever ``f < 1`` (``t_f`` is about ``1.5 t_gu`` or more, so
-    ``f < 1`` means ``c_mlp > t_gu``). 0 where no layer defers its MLP (a post-MLP norm reads its output, LoRA
-    dropout, a mixture of experts). On a T4 every offloaded layer parks; on an H200 about two thirds.
+    (checkpointing's host pacing), so with the offloaded layers ``spacing`` layers apart (1: one after the other;
+    ``(L - 2) / offloaded`` spread among kept layers, :func:`spread_offloaded`) and the parked ones spread evenly
+    over them, the copies keep up while ``c_in + f c_mlp <= spacing * t_f``: ``f = (spacing t_f - c_in) / c_mlp``
+    within ``[0, 1]``. Past that the forward would wait on the link ``c_mlp`` for each more parked layer to save
+    its ``t_gu``, a loss wherever ``f < 1`` (``t_f`` is about ``1.5 t_gu`` or more, so ``f < 1`` means
+    ``c_mlp > t_gu``). 0 where no layer defers its MLP (a post-MLP norm reads its output, LoRA dropout, a mixture
+    of experts). On a T4 every offloaded layer parks; on an H200 about two thirds of a run of offloaded layers,
+    and all of them spread one in two layers.
     """
     from .estimate import mlp_deferred
 
@@ -258,7 +270,7 @@ def parked_mlp_fraction(shape: ModelShape, kw: dict[str, Any], card: GPUCard | N
     t_f, _, _ = _layer_costs(shape, kw, card)
     rate, bw = _card_rates(kw, card)
     c_in, c_mlp = N * shape.hidden_size * s / bw, 2 * N * shape.intermediate_size * s / bw
-    f = min(1.0, max(0.0, (t_f - c_in) / c_mlp))
+    f = min(1.0, max(0.0, (spacing * t_f - c_in) / c_mlp))
     return f, 4 * N * shape.hidden_size * shape.intermediate_size / rate
 
 
@@ -273,6 +285,31 @@ def park_offloaded_mlps(modes: Sequence[str], fraction: float, most: int | None 
     for j, i in enumerate(offloaded):
         if (j + 1) * count // len(offloaded) > j * count // len(offloaded):
             out[i] = "offload_mlp"
+    return tuple(out)
+
+
+#: kept layers a spread plan leaves at its end: their forwards cover the last offloaded layer's copies to the host
+SPREAD_TAIL = 2
+
+
+def spread_offloaded(modes: Sequence[str]) -> tuple[str, ...]:
+    """``modes`` with its offloaded layers spread evenly among the others, the last ``SPREAD_TAIL`` kept.
+
+    Offloaded first (``_modes``), the copies to the host of a run of offloaded layers have only their own
+    forwards to hide behind; spread, each has the forwards of the layers up to the next offloaded one
+    (``g = span / offloaded`` layers). The order of the other layers (recompute before keep) is kept. A plan
+    with fewer than ``SPREAD_TAIL`` kept layers, or nothing offloaded, is returned as it is."""
+    L = len(modes)
+    offloaded = [m for m in modes if m in ("offload", "offload_mlp")]
+    others = [m for m in modes if m not in ("offload", "offload_mlp")]
+    if not offloaded or others.count("keep") < SPREAD_TAIL:
+        return tuple(modes)
+    span = L - SPREAD_TAIL
+    n = len(offloaded)
+    at = {(2 * i * span + n) // (2 * n) for i in range(n)}  # round(i * span / n): the first at layer 0
+    out, o, r = [], iter(offloaded), iter(others)
+    for i in range(L):
+        out.append(next(o) if i in at else next(r))
     return tuple(out)
 
 
@@ -296,9 +333,24 @@ def _quantised(kw: dict[str, Any]) -> bool:
     return any(kw.get(flag) for flag in load_flags())
 
 
-def _modes(L: int, keep: int, recompute: int) -> tuple[str, ...]:
+#: how a plan orders its layers (module docstring)
+LAYOUTS = ("front", "spread")
+
+
+def _modes(L: int, keep: int, recompute: int, layout: str = "front") -> tuple[str, ...]:
+    """``keep`` kept, ``recompute`` recomputed and the other layers offloaded, in ``layout``: offloaded first, or
+    spread among the others where at least ``SPREAD_TAIL`` layers are kept (:func:`spread_offloaded`)."""
     off = L - keep - recompute
-    return ("offload",) * off + ("recompute",) * recompute + ("keep",) * keep
+    front = ("offload",) * off + ("recompute",) * recompute + ("keep",) * keep
+    return spread_offloaded(front) if layout == "spread" else front
+
+
+def offload_spacing(modes: Sequence[str]) -> float:
+    """Layers per offloaded layer over the span they are spread on (:func:`spread_offloaded`): the forwards that
+    each one's copies to the host ride behind. 1 for offloaded layers one after the other."""
+    at = [i for i, m in enumerate(modes) if m in ("offload", "offload_mlp")]
+    spread = len(at) > 1 and at[-1] - at[0] >= len(at)  # not one run of layers
+    return (len(modes) - SPREAD_TAIL) / len(at) if spread else 1.0
 
 
 def plan_activations(
@@ -312,6 +364,7 @@ def plan_activations(
     allow_offload: bool | None = None,
     margin_of: str = "budget",
     park_mlps: bool = True,
+    layout: str = "front",
     explain: bool = True,
     **estimate_kwargs: Any,
 ) -> ActivationPlan:
@@ -336,6 +389,7 @@ def plan_activations(
             module docstring). On by default, so ``"auto"`` parks where the host link keeps up; False plans
             without (the caching allocator's reserve, 22.2 GiB for a 7.9 GiB allocated peak on the H200 before
             the host kept two parked layers behind the GPU, measured 10.4 GiB against plain offload's 9.7 after).
+        layout: ``"front"`` (offloaded layers first) or ``"spread"`` (among the kept ones), module docstring.
         explain: False raises :class:`DoesNotFitError` without working out what to change (searches that
             probe many settings: :func:`~notebookkit.memory.largest_lora_rank`, :func:`~notebookkit.memory.longest_sequence`).
         **estimate_kwargs: ``load_in_4bit``, ``dtype``, ``lora_r``, ``target_modules``, ``optimizer``,
@@ -364,6 +418,8 @@ def plan_activations(
         safety_margin = DEFAULT_SAFETY_MARGIN
     if margin_of not in ("budget", "step"):
         raise ValueError(f"notebookkit.memory: margin_of={margin_of!r}; use 'budget' or 'step'.")
+    if layout not in LAYOUTS:
+        raise ValueError(f"notebookkit.memory: layout={layout!r}; use one of {', '.join(map(repr, LAYOUTS))}.")
     L = text.num_layers
 
     def usable_for(est: MemoryEstimate) -> int:
@@ -387,11 +443,12 @@ def plan_activations(
     step = 3 * L * t_f + 3 * c_vision
 
     def est_for(k: int, m: int) -> MemoryEstimate:
-        return estimate_training_memory(shape, activation_plan=_modes(L, k, m), **estimate_kwargs)
+        return estimate_training_memory(shape, activation_plan=_modes(L, k, m, layout), **estimate_kwargs)
 
-    fraction, saved = parked_mlp_fraction(text, estimate_kwargs, card_obj) if allow_offload and park_mlps else (0.0, 0.0)
+    saved = parked_mlp_fraction(text, estimate_kwargs, card_obj)[1] if allow_offload and park_mlps else 0.0
+    parks = saved > 0  # the layers defer their MLPs: a parked one saves its gate/up GEMMs
     parked_host = parked_mlp_bytes(text, estimate_kwargs.get("batch_size", 1) * estimate_kwargs.get("seq_len", 2048),
-                                   bytes_of_dtype(estimate_kwargs.get("dtype", "bfloat16")))[0] if fraction > 0 else 0
+                                   bytes_of_dtype(estimate_kwargs.get("dtype", "bfloat16")))[0] if parks else 0
 
     def plan_cost(k: int, m: int) -> float:
         return m * c_rec + (L - k - m) * c_off + (c_vision if k < L else 0.0)
@@ -399,9 +456,11 @@ def plan_activations(
     def parked_variant(k: int, m: int, unparked: MemoryEstimate) -> tuple[float, tuple[str, ...], MemoryEstimate] | None:
         """The plan ``(k, m)`` (estimated as ``unparked``) with the host link's share of its offloaded layers
         parking their MLPs (as many as the pinned host memory left over holds), if it fits."""
-        if fraction <= 0 or L - k - m <= 1:
+        if not parks or L - k - m <= 1:
             return None
-        modes = park_offloaded_mlps(_modes(L, k, m), fraction,
+        laid_out = _modes(L, k, m, layout)
+        share = parked_mlp_fraction(text, estimate_kwargs, card_obj, offload_spacing(laid_out))[0]
+        modes = park_offloaded_mlps(laid_out, share,
                                     most=max(0, host_memory_bytes - unparked.host_offload) // max(parked_host, 1))
         if "offload_mlp" not in modes:
             return None
@@ -427,8 +486,8 @@ def plan_activations(
             if est.host_offload > host_memory_bytes:
                 host_blocked = host_blocked or est
                 break
-            candidates = [(plan_cost(k, m), _modes(L, k, m), est), parked_variant(k, m, est)]
-            if fraction > 0 and m > lowest_m:  # a parked offload can cost less than a recompute: all offloaded
+            candidates = [(plan_cost(k, m), _modes(L, k, m, layout), est), parked_variant(k, m, est)]
+            if parks and m > lowest_m:  # a parked offload can cost less than a recompute: all offloaded
                 candidates.append(parked_variant(k, lowest_m, est_for(k, lowest_m)))
             for candidate in candidates:
                 if candidate is not None and (best is None or candidate[0] < best[0] - 1e-12):

@@ -34,6 +34,7 @@ CASES = [
     ("llama-8b-2l", "offload", True, 1, 16384),
     ("llama-1b-4l", "offload-keep-last", False, 8, 2048),  # a planner-style mix: 3 offload, the last kept
     ("llama-1b-4l", "offload_mlp", False, 8, 2048),  # 3 layers park their MLPs' e, g on the host
+    ("llama-1b-4l", "interleaved", False, 8, 2048),  # parked layers between kept ones (layout="spread")
     ("llama-8b-2l", "offload_mlp", True, 1, 16384),  # two MLP tiles: the next tile prefetched too
 ]
 
@@ -75,15 +76,16 @@ def _measure(folder, mode, load_in_4bit, batch, seq, steps=3):
     model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=seq, dtype=torch.bfloat16,
                                                  load_in_4bit=load_in_4bit, show_banner=False)
     ckpt = {"keep": False, "recompute": True, "offload": "offload", "offload-keep-last": "offload",
-            "offload_mlp": "offload_mlp"}[mode]
+            "offload_mlp": "offload_mlp", "interleaved": "offload_mlp"}[mode]
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias="none",
                                              use_gradient_checkpointing=ckpt, show_banner=False)
     layers = model.config.num_hidden_layers
     plan = (mode,) * layers
-    if mode == "offload-keep-last":
+    if mode in ("offload-keep-last", "interleaved"):
         from notebookkit.models.patching.checkpointing import apply_checkpointing
 
-        plan = ("offload",) * (layers - 1) + ("keep",)
+        plan = ("offload",) * (layers - 1) + ("keep",) if mode == "offload-keep-last" else \
+            ("offload_mlp", "keep") * (layers // 2)
         apply_checkpointing(model, list(plan))
     model.train()
     est = estimate_for_model(model, batch_size=batch, seq_len=seq, optimizer="adamw", cuda_context_bytes=0)

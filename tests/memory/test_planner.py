@@ -12,9 +12,18 @@ LLAMA8B = "meta-llama/Llama-3.1-8B-Instruct"
 QLORA = dict(load_in_4bit=True, dtype="float16", batch_size=2, seq_len=4096, host_memory_bytes=64 * GiB)
 
 
-def _ordered(modes):
-    rank = {"offload": 0, "offload_mlp": 0, "recompute": 1, "keep": 2}
-    return [rank[m] for m in modes] == sorted(rank[m] for m in modes)
+def _ordered(modes, layout="front"):
+    """Recomputed before kept layers; the offloaded ones first, or (``"spread"``, with two kept layers or more)
+    spread evenly from layer 0, in gaps that differ by one layer at most, up to the two kept layers at the end."""
+    offloading = ("offload", "offload_mlp")
+    others = [m for m in modes if m not in offloading]
+    if others != sorted(others, key=lambda m: m != "recompute"):
+        return False
+    at = [i for i, m in enumerate(modes) if m in offloading]
+    if not at or layout == "front" or others.count("keep") < 2:
+        return at == list(range(len(at)))
+    gaps = [b - a for a, b in zip(at, at[1:] + [len(modes) - 2])]
+    return at[0] == 0 and modes[-2:] == ("keep", "keep") and max(gaps) - min(gaps) <= 1
 
 
 def test_big_budget_keeps_everything():
@@ -36,11 +45,12 @@ def test_t4_budget_on_8b_offloads_and_fits():
     assert _ordered(plan.modes)  # offloaded first, kept last
 
 
+@pytest.mark.parametrize("layout", ["front", "spread"])
 @pytest.mark.parametrize("gib", [12, 16, 20, 24, 28, 32, 40])
-def test_budget_is_respected(gib):
-    plan = plan_activations(LLAMA8B, budget_bytes=gib * GiB, **QLORA)
+def test_budget_is_respected(gib, layout):
+    plan = plan_activations(LLAMA8B, budget_bytes=gib * GiB, layout=layout, **QLORA)
     assert plan.estimate.total <= gib * GiB * USABLE
-    assert _ordered(plan.modes)
+    assert _ordered(plan.modes, layout)
 
 
 def test_per_layer_costs_rank_keep_then_recompute_then_offload():
@@ -233,3 +243,34 @@ def test_offloaded_layers_park_their_mlps_where_the_host_link_keeps_up():
     assert park_offloaded_mlps((o,) * 6, 0.5) == (o, o, p, o, p, o)
     assert park_offloaded_mlps((o,) * 5, 1.0, most=2) == (o, p, o, p, o)
     assert park_offloaded_mlps((o, o, "recompute", "keep"), 1.0) == (p, p, "recompute", "keep")
+
+
+def test_spread_offloaded_layers_leave_two_kept_at_the_end_and_let_the_link_park_them_all():
+    """Spread among kept layers (``layout="spread"``), each offloaded layer's copies ride behind the forwards up to
+    the next one: the H200's link, which carries about half of a run of offloaded layers, then carries all of them
+    (the T4 emulation's plan, 4096 tokens in fp16 under a 15 GiB cap), and the plan is predicted faster than the
+    same layers offloaded first, at the same predicted peak."""
+    from notebookkit.memory.planner import offload_spacing, parked_mlp_fraction, spread_offloaded
+
+    o, p, r, k = "offload", "offload_mlp", "recompute", "keep"
+    assert spread_offloaded((o,) * 3 + (k,) * 5) == (o, k, o, k, o, k, k, k)
+    assert spread_offloaded((o, p, r, k, k, k)) == (o, r, p, k, k, k)
+    assert spread_offloaded((o,) * 4 + (r, k)) == (o,) * 4 + (r, k)  # one kept layer: as it is
+    assert spread_offloaded((r, k, k)) == (r, k, k)
+    assert offload_spacing((o, k, o, k, o, k, k, k)) == 2.0
+    assert offload_spacing((o, o, k, k)) == offload_spacing((o, k, k)) == 1.0
+    shape = model_shape(LLAMA8B)
+    kw = dict(load_in_4bit=True, dtype="float16", batch_size=1, seq_len=4096)
+    h200 = parse_card("h200")
+    assert parked_mlp_fraction(shape, kw, h200)[0] < 0.8 < parked_mlp_fraction(shape, kw, h200, spacing=1.875)[0]
+    plans = {layout: plan_activations(LLAMA8B, budget_bytes=15 * GiB, card=h200, host_memory_bytes=20 * GiB,
+                                      layout=layout, **kw) for layout in ("front", "spread")}
+    front, spread = plans["front"], plans["spread"]
+    assert _ordered(front.modes) and _ordered(spread.modes, "spread") and spread.modes[0] == p
+    counts = spread.counts()
+    assert counts["keep"] == front.counts()["keep"] and counts["offload"] == 0
+    assert counts["offload_mlp"] == len(spread) - counts["keep"] > front.counts()["offload_mlp"]
+    assert spread.extra_seconds < front.extra_seconds
+    assert spread.estimate.peak_allocated == front.estimate.peak_allocated
+    with pytest.raises(ValueError, match="layout"):
+        plan_activations(LLAMA8B, budget_bytes=15 * GiB, layout="middle", **kw)

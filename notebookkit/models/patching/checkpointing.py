@@ -95,15 +95,15 @@ def normalize_mode(value: Mode) -> str:
 
 def auto_plan(
     model: nn.Module, seq_len: Optional[int] = None, batch_size: Optional[int] = None, max_memory: Any = None,
-    padded: bool = False, images_per_row: Optional[int] = None,
+    padded: bool = False, images_per_row: Optional[int] = None, layout: str = "front",
 ) -> tuple[list[str] | str, str]:
     """(per-layer modes or a mode name, why) for ``"auto"``.
 
     On a GPU, ``notebookkit.memory.planner.plan_activations`` picks keep / recompute / offload per
     layer: the fastest plan predicted to fit in free VRAM, or in ``max_memory`` (``"16GB"``, a card
     name such as ``"t4"``, or bytes) when given, for ``batch_size`` rows (default 1) of ``seq_len``
-    tokens (``padded``: with a padding mask; ``images_per_row`` for a vision-language model). Without
-    a GPU it is no checkpointing.
+    tokens (``padded``: with a padding mask; ``images_per_row`` for a vision-language model), its layers in
+    ``layout`` (the planner's ``"front"`` or ``"spread"``). Without a GPU it is no checkpointing.
     """
     device = _model_device(model)
     if device.type != "cuda":
@@ -119,7 +119,7 @@ def auto_plan(
         if images_per_row is not None:
             kwargs["images_per_row"] = int(images_per_row)
         kwargs["kv_repeated"], kwargs["padded"] = kv_repeated(model, padded), padded
-        plan = plan_activations(model, max_memory=max_memory, **kwargs)
+        plan = plan_activations(model, max_memory=max_memory, layout=layout, **kwargs)
         return list(plan.modes), f"auto: {plan.summary()}"
     except DoesNotFitError:
         raise
