@@ -10,8 +10,9 @@
 #   train         8B NF4 4096 x 2, exact math: offload, offload with the planner's share of the layers' gate/up
 #                 parked, offload_mlp (every layer's parked), Unsloth (~3 min)
 #   t4            the same model under a T4 emulated (fp16 + GradScaler, 15 GiB cap): "auto" (the planner's share of
-#                 its offloaded layers parked), "auto" with every offloaded layer parked, offload_mlp with the
-#                 input embedding in host memory (the row under Unsloth's peak), Unsloth (~4 min)
+#                 its offloaded layers parked), "auto" planned with layout="spread" (the offloaded layers among the
+#                 kept ones, all of them parked), offload_mlp with the input embedding in host memory (the row
+#                 under Unsloth's peak), Unsloth (~4 min)
 #   t4-profile    two profiled steps of the "auto" T4 row (benchmarks/profile_step.py)
 #   t4-host       the "auto" T4 row's synchronising calls and host time (benchmarks/host_profile.py)
 #   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean, Unsloth (checkpoint built first, untimed)
@@ -37,7 +38,7 @@ for part in "$@"; do
     t4)
       python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x1-t4 --steps 5 --timeout 150 \
-        --systems notebookkit,notebookkit-park,notebookkit-lean-mlp,unsloth ;;
+        --systems notebookkit,notebookkit-spread,notebookkit-lean-mlp,unsloth ;;
     t4-profile)
       timeout "$(left)" python3 benchmarks/profile_step.py --system notebookkit --shape llama-3.1-8b --seq 4096 --batch 1 \
         --dtype float16 --memory-cap-gib 15 --steps 2 --out "$OUT/$part" ;;
