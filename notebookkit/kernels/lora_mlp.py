@@ -1,7 +1,8 @@
 """Gated LoRA MLP (gate / up / down projections around SwiGLU or GeGLU) as one autograd function.
 
-With ``X [N, hidden]``, each projection ``P(Z) = Z W_P^T + s_P (Z A_P^T) B_P^T`` (see
-:mod:`notebookkit.kernels.lora_projection`) and ``act`` = SiLU, exact GELU or tanh-GELU:
+With ``X [N, hidden]``, each projection ``P(Z) = Z W_P^T + s_P (Z A_P^T) B_P^T (+ b_P)`` (see
+:mod:`notebookkit.kernels.lora_projection`; the frozen biases ``b_P``, when given, of a vision tower's MLP add
+to e, g and Y and change nothing in the backward) and ``act`` = SiLU, exact GELU or tanh-GELU:
 
     forward     e = gate(X),   g = up(X),   h = act(e) * g,   Y = down(h)
                 (saves X, e, g and the adapters; h is recomputed in backward)
@@ -145,19 +146,25 @@ def _tiles(rows: int, tile_rows: int):
     return [(a, min(a + tile_rows, rows)) for a in range(0, rows, tile_rows)]
 
 
-def _mlp_rows(x2d, projs, activation, compute_output=True, parked=None):
-    """``(Y or None, e, g, group)`` of the tokens ``x2d`` (the forward of the module docstring); e and g go
-    to ``parked`` too when given."""
+def _add_bias_(t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``t += b`` in place (``b`` frozen, cast to ``t``'s dtype), or ``t`` as it is without a bias."""
+    return t if bias is None else t.add_(bias.to(t.dtype))
+
+
+def _mlp_rows(x2d, projs, activation, compute_output=True, parked=None, biases=(None, None, None)):
+    """``(Y or None, e, g, group)`` of the tokens ``x2d`` (the forward of the module docstring, with the frozen
+    ``biases`` of gate, up and down added to e, g and Y); e and g go to ``parked`` too when given."""
     gate, up, down = projs
     act_forward, _ = _activation_ops(activation)
     (e, g), group = shared_input_forward(x2d, (gate, up))
+    e, g = _add_bias_(e, biases[0]), _add_bias_(g, biases[1])
     if parked is not None:
         parked.put(e, g)
     if not compute_output:
         return None, e, g, group
     h = act_forward(e, g)
     A, B = down.adapters(x2d.dtype)
-    return projection_forward(h, down, A, B), e, g, group
+    return _add_bias_(projection_forward(h, down, A, B), biases[2]), e, g, group
 
 
 def _backward_rows(dy2d, x2d, e, g, projs, group, activation, need_dx, need_dA, need_dB):
@@ -187,13 +194,14 @@ def _summed(total, grads):
 
 class LoRAMLPFunction(torch.autograd.Function):
     """Autograd function of :func:`lora_mlp`: inputs ``x, projs, activation, compute_output, tile_rows, parked,
-    *autograd_tensors(projs)``."""
+    biases, *autograd_tensors(projs)``."""
 
     @staticmethod
-    def forward(ctx, x, projs, activation, compute_output, tile_rows, parked, *tensors):
+    def forward(ctx, x, projs, activation, compute_output, tile_rows, parked, biases, *tensors):
         x2d = flatten_tokens(x)
+        ctx.biases = biases  # frozen: no gradient, read again by a deferred backward's gate/up
         if compute_output:
-            y, e, g, group = _mlp_rows(x2d, projs, activation)
+            y, e, g, group = _mlp_rows(x2d, projs, activation, biases=biases)
             ctx.save_for_backward(x, e, g, *tensors)
         else:  # deferred (module docstring): the caller only back-propagates through Y
             y = x2d.new_zeros(1, projs[2].out_features).expand(x2d.shape[0], -1)  # no [N, H] of zeros
@@ -216,14 +224,15 @@ class LoRAMLPFunction(torch.autograd.Function):
                 "(retain_graph=True with a second backward is not supported). Run the forward again."
             )
         ctx.consumed = True
-        x = ctx.saved_tensors[0]
-        need_dx, _, _, _, _, _, *tensor_needs = ctx.needs_input_grad  # x, projs, activation, compute_output,
-        # tile_rows, parked
+        saved = ctx.saved_tensors  # read once: under torch's non-reentrant checkpoint a second read raises
+        x = saved[0]
+        need_dx, _, _, _, _, _, _, *tensor_needs = ctx.needs_input_grad  # x, projs, activation, compute_output,
+        # tile_rows, parked, biases
         need_dA, need_dB = requested_adapter_grads(tensor_needs)
         with no_autocast(x.device.type):
             x2d, dy2d = flatten_tokens(x), flatten_tokens(dy).to(x.dtype)
             if not ctx.deferred:
-                e, g = ctx.saved_tensors[1:3]
+                e, g = saved[1:3]
                 dx, grads = _backward_rows(dy2d, x2d, e, g, ctx.projs, ctx.group, ctx.activation,
                                            need_dx, need_dA, need_dB)
             else:
@@ -234,7 +243,8 @@ class LoRAMLPFunction(torch.autograd.Function):
                     if pair is not None:
                         (e, g), group = pair, adapter_group(ctx.projs[:2], x2d.dtype)
                     else:
-                        _, e, g, group = _mlp_rows(x2d[a:b], ctx.projs, ctx.activation, compute_output=False)
+                        _, e, g, group = _mlp_rows(x2d[a:b], ctx.projs, ctx.activation, compute_output=False,
+                                                   biases=ctx.biases)
                     dx_tile, tile_grads = _backward_rows(dy2d[a:b], x2d[a:b], e, g, ctx.projs, group,
                                                          ctx.activation, need_dx, need_dA, need_dB)
                     del e, g
@@ -242,19 +252,19 @@ class LoRAMLPFunction(torch.autograd.Function):
                         dx[a:b].copy_(dx_tile)
                     grads = _summed(grads, tile_grads)
         ctx.parked = None
-        return (dx.view(x.shape) if dx is not None else None), None, None, None, None, None, \
+        return (dx.view(x.shape) if dx is not None else None), None, None, None, None, None, None, \
             *autograd_tensor_grads(grads)
 
 
-def _forward_without_grad(x, projs, activation, compute_output, tile_rows, parked, *tensors):
+def _forward_without_grad(x, projs, activation, compute_output, tile_rows, parked, biases, *tensors):
     """The forward a tile of tokens at a time, when nothing will be back-propagated (module docstring);
     each tile's e and g go to ``parked`` when given."""
     x2d = flatten_tokens(x)
     if x2d.shape[0] <= tile_rows:
-        return _mlp_rows(x2d, projs, activation, parked=parked)[0].view(*x.shape[:-1], -1)
+        return _mlp_rows(x2d, projs, activation, parked=parked, biases=biases)[0].view(*x.shape[:-1], -1)
     y = x2d.new_empty(x2d.shape[0], projs[2].out_features)
     for a, b in _tiles(x2d.shape[0], tile_rows):
-        y[a:b] = _mlp_rows(x2d[a:b], projs, activation, parked=parked)[0]
+        y[a:b] = _mlp_rows(x2d[a:b], projs, activation, parked=parked, biases=biases)[0]
     return y.view(*x.shape[:-1], -1)
 
 
@@ -267,6 +277,7 @@ def lora_mlp(
     compute_output: bool = True,
     tile_rows: int | None = None,
     parked: ParkedTiles | None = None,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Gated MLP with LoRA on each projection: ``down(act(gate(x)) * up(x))``.
 
@@ -284,6 +295,8 @@ def lora_mlp(
         parked: a layer's gate/up outputs between its first forward and its backward (module docstring):
             the forward without autograd puts each tile's ``(e, g)`` there, and the deferred backward
             (``compute_output=False``) of the same layer's recompute takes them instead of computing them.
+        biases: the frozen base biases ``(b_gate, b_up, b_down)`` (any of them ``None``), added to e, g and Y
+            (a vision tower's MLP: Qwen2.5-VL's). They get no gradient, so the backward is the same.
 
     Returns:
         ``[..., hidden]`` in the compute dtype (autocast dtype if autocast is on, else ``x.dtype``).
@@ -299,9 +312,28 @@ def lora_mlp(
         tile_rows = mlp_tile_rows(up.out_features, compute_dtype(x).itemsize)
     if tile_rows < 1:
         raise ValueError(f"lora_mlp: tile_rows must be >= 1 (got {tile_rows}).")
+    biases = _frozen_biases(biases, (gate, up, down))
     forward = LoRAMLPFunction if torch.is_grad_enabled() or not compute_output else _forward_without_grad
     return apply_in_compute_dtype(forward, x, (gate, up, down), activation, bool(compute_output), int(tile_rows),
-                                  parked)
+                                  parked, biases)
+
+
+def _frozen_biases(biases, projs) -> tuple:
+    """``biases`` as a triple, checked: frozen, each of its projection's ``out_features``."""
+    if biases is None:
+        return (None, None, None)
+    if len(biases) != 3:
+        raise ValueError(f"lora_mlp: biases are (b_gate, b_up, b_down), got {len(biases)} of them.")
+    for name, bias, proj in zip(("gate", "up", "down"), biases, projs):
+        if bias is None:
+            continue
+        if bias.requires_grad:
+            raise ValueError(f"lora_mlp: the {name} bias requires grad, but the fused MLP adds frozen biases only; "
+                             "freeze it (bias='none' in LoraConfig) or run the MLP's own modules.")
+        if tuple(bias.shape) != (proj.out_features,):
+            raise ValueError(f"lora_mlp: the {name} bias has shape {tuple(bias.shape)}, expected "
+                             f"({proj.out_features},).")
+    return tuple(biases)
 
 
 def lora_mlp_reference(
@@ -310,10 +342,16 @@ def lora_mlp_reference(
     up: LoRAProjection,
     down: LoRAProjection,
     activation: str = "swiglu",
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch autograd composition of :func:`lora_mlp` (the test oracle)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
-    e = projection_reference(x, gate)
-    g = projection_reference(x, up)
-    return projection_reference(_torch_act(activation, e) * g, down)
+    b_gate, b_up, b_down = biases or (None, None, None)
+
+    def biased(y, bias):
+        return y if bias is None else y + bias.to(y.dtype)
+
+    e = biased(projection_reference(x, gate), b_gate)
+    g = biased(projection_reference(x, up), b_up)
+    return biased(projection_reference(_torch_act(activation, e) * g, down), b_down)

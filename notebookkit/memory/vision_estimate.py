@@ -27,11 +27,12 @@ Activations saved for backward (checked tensor by tensor: ``tests/memory/test_vi
     (:mod:`notebookkit.models.patching.patch_lora_linear`), which keep only its input (stock PEFT would also
     keep ``x A^T`` and, with fp32 adapters under a 16-bit model, an fp32 copy of ``x``).
 
-    * Qwen2.5-VL block (its attention on :mod:`notebookkit.models.vision.segment_attention`):
-      ``10*Hv + 3*Iv``: the two RMSNorms' inputs, the normed inputs of ``qkv`` and of gate/up,
-      the ``qkv`` output (V is a view of it), Q and K after RoPE, the attention output (which is
-      ``proj``'s input), e and g of the gated MLP and ``down``'s input; fp32: two ``1/rms`` and a
-      log-sum-exp per head. A window block whose
+    * Qwen2.5-VL block (its attention on :mod:`notebookkit.models.vision.segment_attention`, its MLP on the
+      fused ``kernels.lora_mlp`` with its frozen biases): ``10*Hv + 2*Iv``: the two RMSNorms' inputs, the
+      normed inputs of ``qkv`` and of gate/up, the ``qkv`` output (V is a view of it), Q and K after RoPE,
+      the attention output (which is ``proj``'s input), e and g of the gated MLP (``down``'s input is
+      recomputed from them in the backward; until session 33 the three projections ran apart and saved it:
+      ``3*Iv``); fp32: two ``1/rms`` and a log-sum-exp per head. A window block whose
       windows are not in order of decreasing length (a grid that is not a multiple of the window,
       with more than one row of windows or more than one image) gathers Q, K, V by window length
       and scatters the output back: it saves the gathered Q, K, V and the scattered output instead
@@ -103,7 +104,7 @@ def vision_activation_bytes(vlm: VLMShape, *, images: int, image_size: Any, s: i
     patches, tokens = vlm.image_grid(image_size)
     P, T, Hv, Iv = images * patches, images * tokens, v.hidden_size, v.intermediate_size
     if v.kind == "qwen2_5_vl":
-        block = P * (s * (10 * Hv + 3 * Iv) + 4 * (2 + v.num_heads))
+        block = P * (s * (10 * Hv + 2 * Iv) + 4 * (2 + v.num_heads))
         lengths = v.window_lengths(image_size) * images
         gathered = any(a < b for a, b in zip(lengths, lengths[1:]))  # windows gathered by length: 9*Hv
         fewer = (v.num_layers - v.full_attention_blocks) * P * Hv * s if gathered else 0

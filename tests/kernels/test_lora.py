@@ -611,3 +611,47 @@ def test_a_cat_built_once_and_rebuilt_after_an_update(adapter_dtype):
         pairs[1].A.mul_(2.0)
         pairs[1].A64.mul_(2.0)
     step(expect_cats=1)
+
+
+def _biases(dtype, device, gen, widths=(INTER, INTER, HIDDEN), present=(True, True, True)):
+    """Frozen biases of gate, up and down (a vision tower's MLP), and their float64 twins."""
+    made = [torch.randn(w, generator=gen).to(dtype) if p else None for w, p in zip(widths, present)]
+    return (tuple(None if b is None else b.to(device) for b in made),
+            tuple(None if b is None else b.double() for b in made))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nf4,present", [(False, (True, True, True)), (True, (True, False, True))],
+                         ids=["dense-all", "nf4-no-up-bias"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["forward", "deferred-tiles-of-5"])
+def test_lora_mlp_with_frozen_biases(deferred, nf4, present, dtype, device):
+    """Frozen biases (Qwen2.5-VL's vision MLPs) join e, g and Y; the gradients of x and the adapters match
+    float64, after a forward with autograd and after a deferred recompute (compute_output=False, tiles of 5:
+    its backward computes e, g again, biases included), and a forward without autograd in tiles gives Y."""
+    gen = torch.Generator().manual_seed(17)
+    kw = dict(nf4=nf4, adapter=True, dtype=dtype, device=device, gen=gen)
+    pairs = Pair(INTER, HIDDEN, **kw), Pair(INTER, HIDDEN, **kw), Pair(HIDDEN, INTER, **kw)
+    biases, biases64 = _biases(dtype, device, gen, present=present)
+    x, x64 = _x(dtype, device, gen, shape=(2, 19, HIDDEN))
+    y64 = lora_mlp_reference(x64, *(p.proj64 for p in pairs), "swiglu", biases=biases64)
+    with torch.no_grad():
+        assert_close(lora_mlp(x, *(p.proj for p in pairs), "swiglu", tile_rows=5, biases=biases), y64, dtype, "y")
+    y = lora_mlp(x, *(p.proj for p in pairs), "swiglu", compute_output=not deferred, tile_rows=5, biases=biases)
+    if not deferred:
+        assert_close(y, y64, dtype, "y")
+    _backward([y], [y64], gen)
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    for name, p in zip(("gate", "up", "down"), pairs):
+        p.check_grads(dtype, name)
+
+
+def test_lora_mlp_refuses_a_trainable_or_misshapen_bias():
+    gen = torch.Generator().manual_seed(18)
+    kw = dict(nf4=False, adapter=True, dtype=torch.float32, device="cpu", gen=gen)
+    gate, up, down = Pair(INTER, HIDDEN, **kw), Pair(INTER, HIDDEN, **kw), Pair(HIDDEN, INTER, **kw)
+    x = torch.randn(3, HIDDEN)
+    with pytest.raises(ValueError, match="requires grad"):
+        lora_mlp(x, gate.proj, up.proj, down.proj, biases=(torch.zeros(INTER, requires_grad=True), None, None))
+    with pytest.raises(ValueError, match="expected"):
+        lora_mlp(x, gate.proj, up.proj, down.proj, biases=(None, None, torch.zeros(INTER)))

@@ -4,7 +4,9 @@
 
 * When gate/up/down are all frozen linears (16-bit or NF4), with or without one active LoRA
   adapter of dropout 0 and no trainable bias, the whole block runs ``kernels.lora_mlp`` (fused
-  dequantisation, base + low-rank matmuls, activation and its hand-written backward).
+  dequantisation, base + low-rank matmuls, activation and its hand-written backward), frozen biases
+  included (Qwen2.5-VL's vision MLPs: one autograd function and one grouped gate/up product, where the
+  three projections, three bias adds and the activation were seven).
 * While a checkpointed layer recomputes its forward for the backward pass and nothing reads the
   MLP output (the recompute names it: :func:`notebookkit.models.patching.forward_state.unread_output`), the
   fused block skips the down projection. In a layer that parks its gate/up outputs
@@ -48,10 +50,12 @@ def make_mlp_forward(activation: str):
     def mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if lora_mlp is not None:
             parts, _ = views(self.gate_proj, self.up_proj, self.down_proj)
-            if parts is not None and all(p.bias is None for p in parts):
+            if parts is not None:
+                biases = tuple(p.bias for p in parts)  # frozen (views refuses trainable ones): a vision tower's MLP
                 return lora_mlp(
                     x, parts[0].projection, parts[1].projection, parts[2].projection, activation=activation,
                     compute_output=forward_state.unread_output() is not self, parked=forward_state.parked_mlp(),
+                    biases=biases if any(b is not None for b in biases) else None,
                 )
         return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 

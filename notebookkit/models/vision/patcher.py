@@ -14,10 +14,10 @@ What runs fused:
   on stock code, and the banner would say so);
 * the **LM head** in training with labels: the fused linear cross-entropy (:mod:`.lm_head`);
 * the **vision tower** where the same kernels apply: its RMSNorms (Qwen2.5-VL's blocks and merger,
-  Gemma 3's projector norm) and its gated SiLU MLPs (Qwen2.5-VL; they have biases, so the
-  projections run their own modules around the fused activation; once ``get_peft_model`` adapts
-  them, every adapted tower linear runs the LoRA projection kernels,
-  :mod:`notebookkit.models.patching.patch_lora_linear`);
+  Gemma 3's projector norm) and its gated SiLU MLPs (Qwen2.5-VL's, whose frozen biases the fused
+  ``kernels.lora_mlp`` adds inside: one autograd function a block, gate and up one grouped product);
+  the other adapted tower linears (attention, merger) run the LoRA projection kernels once
+  ``get_peft_model`` adapts them, :mod:`notebookkit.models.patching.patch_lora_linear`;
   Qwen2.5-VL's attention within windows and images on the RoPE kernel and one SDPA call per
   segment length (:mod:`.tower_attention`, instead of a Python loop over the windows).
   SigLIP's attention (already one batched call), LayerNorms and plain GELU MLPs stay stock.
@@ -174,7 +174,7 @@ def _patch_tower(wrapper: nn.Module, family: Family, banner: Banner) -> None:
             n_attentions += patch_segment_attentions(part)
     fused = [f"{n_norms} RMSNorms on kernels.rms_norm"] if n_norms else []
     if n_mlps:
-        fused.append(f"{n_mlps} gated MLPs on the fused activation (biased projections: their own modules)")
+        fused.append(f"{n_mlps} gated MLPs on the fused LoRA MLP (frozen biases added inside)")
     if n_attentions:
         fused.append(f"{n_attentions} window/image attentions on the RoPE kernel and one SDPA call per segment "
                      "length")
