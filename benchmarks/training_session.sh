@@ -15,7 +15,8 @@
 #                 under Unsloth's peak), Unsloth (~4 min)
 #   t4-profile    two profiled steps of the "auto" T4 row (benchmarks/profile_step.py)
 #   t4-host       the "auto" T4 row's synchronising calls and host time (benchmarks/host_profile.py)
-#   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean, Unsloth (checkpoint built first, untimed)
+#   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean planned under a 9 GiB cap (the fastest plan
+#                 at about Unsloth's 7.76 GiB peak), Unsloth, notebookkit-lean (checkpoint built first, untimed)
 #   vision-gemma  Gemma-3-4B NF4, 4 images of 896^2: the same
 # A part that would start after BUDGET_S seconds (default 540, under the device tool's 10 minutes a command) is
 # skipped with a line saying so. Results: $OUT/<part>/ (the scripts' JSON and markdown, one log a part); copy
@@ -49,7 +50,7 @@ for part in "$@"; do
       shape=$([ "$part" = vision-qwen ] && echo qwen2.5-vl-7b || echo gemma-3-4b)
       python3 benchmarks/vision_step.py --shape "$shape" --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/vision_step.py --shape "$shape" --steps 5 --timeout 240 --out "$OUT/$part" \
-        --systems notebookkit-lean,unsloth ;;
+        --systems notebookkit-lean-9GiB,unsloth,notebookkit-lean ;;
     *) echo "unknown part $part (train, t4, t4-profile, t4-host, vision-qwen, vision-gemma)"; continue ;;
   esac > "$OUT/$part/$part.log" 2>&1
   echo "$part: exit $? after $(( $(date +%s) - START )) s"; tail -12 "$OUT/$part/$part.log"

@@ -27,7 +27,10 @@ Systems (``--systems``, comma-separated):
   table in host memory too);
 * ``hf``                   the wrapper class + ``prepare_model_for_kbit_training`` (gradient checkpointing) + PEFT;
 * ``unsloth``              Unsloth's FastVisionModel with ``use_gradient_checkpointing="unsloth"``;
-* ``unsloth-lean``         the same with its ``offload_embedding=True``.
+* ``unsloth-lean``         the same with its ``offload_embedding=True``;
+* ``notebookkit-lean-<N>GiB`` (or ``notebookkit-<N>GiB``, ``notebookkit-offload-<N>GiB``): that row planned by
+  ``"auto"`` under ``max_memory="<N>GiB"`` (a cap counts the CUDA context, and the planner keeps an 8% margin):
+  the fastest plan at no more than a peer's peak.
 
 The parent writes ``<out>/<date>-<device>-vision-<shape>-<system>_<system>....json`` and ``.md`` and prints the
 table (one file per set of systems, so rows split over several runs do not overwrite each other). A
@@ -52,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from train_step import versions  # noqa: E402  (this folder: the package versions a row ran with)
+from train_step import plan_counts, versions  # noqa: E402  (this folder: the row's plan and package versions)
 
 from notebookkit.memory.vision_shapes import VLM_CONFIGS  # noqa: E402
 
@@ -61,6 +64,27 @@ from notebookkit.memory.vision_shapes import VLM_CONFIGS  # noqa: E402
 SHAPES: dict[str, dict] = VLM_CONFIGS
 SYSTEMS = ["notebookkit", "notebookkit-offload", "notebookkit-lean", "hf", "unsloth", "unsloth-lean"]
 NEEDS = {"unsloth": "unsloth", "unsloth-lean": "unsloth"}
+
+
+def capped(system: str) -> tuple[str, str | None]:
+    """``(system, max_memory)``: ``"notebookkit-lean-9GiB"`` is ``notebookkit-lean`` planned by ``"auto"`` under
+    ``max_memory="9GiB"`` (a row at no more than a peer's peak), as ``benchmarks/run.py``'s ``notebookkit-<N>GiB``."""
+    head, _, cap = system.rpartition("-")
+    if head in SYSTEMS and head.startswith("notebookkit") and cap.endswith("GiB"):
+        try:
+            float(cap[:-3])
+            return head, cap
+        except ValueError:
+            pass
+    return system, None
+
+
+def system_name(system: str) -> str:
+    """argparse type of ``--system``: one of SYSTEMS or a capped notebookkit row (:func:`capped`)."""
+    if system not in SYSTEMS and capped(system)[1] is None:
+        raise argparse.ArgumentTypeError(f"unknown system {system!r}: one of {', '.join(SYSTEMS)}, or "
+                                         "notebookkit[-offload|-lean]-<N>GiB")
+    return system
 R, ALPHA, SEED = 16, 16, 3407
 
 
@@ -229,7 +253,8 @@ def run_system(args) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    model, processor = load_system(args.system, folder, args.quant, args.seq, args.batch, device, args.max_memory,
+    system, cap = capped(args.system)
+    model, processor = load_system(system, folder, args.quant, args.seq, args.batch, device, cap or args.max_memory,
                                    args.dtype)
     load_s = time.time() - t0
     model.train()
@@ -291,7 +316,7 @@ def run_system(args) -> dict:
         peak_gib=round(peak, 3), reserved_gib=None if reserved is None else round(reserved, 3), predicted_gib=predicted,
         trainable=sum(p.numel() for p in params), load_s=round(load_s, 1), losses=losses,
         fused=None if banner is None else {k: on for k, (on, _) in banner.features.items()},
-        device=name, versions=versions(args.system),
+        device=name, versions=versions(system), plan=plan_counts(model) if system.startswith("notebookkit") else None,
     )
 
 
@@ -497,16 +522,17 @@ def markdown(rows: list[dict], args) -> str:
         "(median shown). Peak: allocated CUDA memory over the run (CPU: max RSS); predicted: notebookkit's memory "
         "model for the step as set up (allocated peak, CUDA context left out).",
         "",
-        "| system | s / step | x hf | peak GiB | predicted GiB | trainable | first loss | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| system | s / step | x hf | peak GiB | predicted GiB | decoder plan | trainable | first loss | status |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['system']} | | | | | | | {r['status']} |")
+            lines.append(f"| {r['system']} | | | | | | | | {r['status']} |")
             continue
         speed = f"{hf['s_step'] / r['s_step']:.2f}" if hf else ""
         predicted = "" if r.get("predicted_gib") is None else f"{r['predicted_gib']:.2f}"
-        lines.append(f"| {r['system']} | {r['s_step']:.3f} | {speed} | {r['peak_gib']:.2f} | {predicted} | {r['trainable']:,} | "
+        lines.append(f"| {r['system']} | {r['s_step']:.3f} | {speed} | {r['peak_gib']:.2f} | {predicted} | "
+                     f"{r.get('plan') or ''} | {r['trainable']:,} | "
                      f"{r['losses'][0]:.4f} | ok |")
     return "\n".join(lines) + "\n"
 
@@ -525,7 +551,8 @@ def combine_runs(prefix: str, args) -> str | None:
         for row in json.load(open(f))["rows"]:
             if row.get("status") == "ok" or row["system"] not in merged:
                 merged[row["system"]] = row
-    rows = [merged[s] for s in SYSTEMS if s in merged]
+    rows = sorted(merged.values(), key=lambda r: (SYSTEMS.index(capped(r["system"])[0])
+                                                   if capped(r["system"])[0] in SYSTEMS else len(SYSTEMS), r["system"]))
     table = markdown(rows, args)
     json.dump({"config": vars(args), "runs": files, "rows": rows}, open(prefix + "-all.json", "w"), indent=2)
     open(prefix + "-all.md", "w").write(table)
@@ -535,7 +562,7 @@ def combine_runs(prefix: str, args) -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--system", default=None, choices=SYSTEMS, help="(child) run one system in this process")
+    ap.add_argument("--system", default=None, type=system_name, help="(child) run one system in this process")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--shape", default="qwen2.5-vl-7b", choices=sorted(SHAPES))
     ap.add_argument("--quant", default="nf4", choices=["nf4", "none"], help="none: 16-bit weights (fp32 on CPU)")

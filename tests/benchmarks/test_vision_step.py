@@ -32,6 +32,7 @@ def test_vision_step_tiny_on_cpu(tmp_path):
     assert ours["image_tokens"] == hf["image_tokens"] == 2 * 16 and ours["trainable"] == hf["trainable"] > 0
     assert abs(ours["losses"][0] - hf["losses"][0]) <= 1e-4 * hf["losses"][0]
     assert ours["fused"]["fused CE loss"] and ours["fused"]["attention"] and hf["fused"] is None
+    assert ours["plan"] == "all keep" and hf["plan"] is None  # no checkpointing on the CPU
     assert all(r["s_step"] > 0 and r["peak_gib"] > 0 for r in (ours, hf))
     # the memory model's prediction beside the measurement, for notebookkit's rows only
     assert 0 < ours["predicted_gib"] < ours["peak_gib"] and hf["predicted_gib"] is None
@@ -55,7 +56,8 @@ def test_runs_split_over_calls_are_combined(tmp_path):
     prefix = str(tmp_path / "2026-12-01-GPU-vision-qwen2.5-vl-7b")
     row = dict(shape="qwen2.5-vl-7b", device="GPU", seq=300, image_tokens=1024, trainable=1, losses=[1.0], peak_gib=9.0)
     runs = [[dict(row, system="notebookkit", status="ok", s_step=1.0), dict(row, system="hf", status="ok", s_step=2.0)],
-            [dict(system="unsloth", status="failed (exit 1): boom"), dict(row, system="hf", status="ok", s_step=4.0)]]
+            [dict(system="unsloth", status="failed (exit 1): boom"), dict(row, system="hf", status="ok", s_step=4.0),
+             dict(row, system="notebookkit-lean-9GiB", status="ok", s_step=0.5, plan="12 keep, 16 offload")]]
     for i, rows in enumerate(runs):
         json.dump({"rows": rows}, open(f"{prefix}-run{i}.json", "w"))
         time.sleep(0.01)
@@ -64,4 +66,21 @@ def test_runs_split_over_calls_are_combined(tmp_path):
     merged = {r["system"]: r for r in json.load(open(prefix + "-all.json"))["rows"]}
     assert merged["hf"]["s_step"] == 4.0 and merged["unsloth"]["status"].startswith("failed")
     assert "| notebookkit | 1.000 | 4.00 |" in table and "boom" in table
+    assert "| notebookkit-lean-9GiB | 0.500 | 8.00 | 9.00 |  | 12 keep, 16 offload |" in table
+    assert list(merged) == ["notebookkit", "notebookkit-lean-9GiB", "hf", "unsloth"]  # capped rows beside their row
     assert vision_step.combine_runs(str(tmp_path / "other"), args) is None
+
+
+def test_capped_rows_name_the_planner_cap():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import argparse
+
+    import pytest
+    import vision_step
+
+    assert vision_step.capped("notebookkit-lean-9GiB") == ("notebookkit-lean", "9GiB")
+    assert vision_step.capped("notebookkit-7.5GiB") == ("notebookkit", "7.5GiB")
+    assert vision_step.capped("notebookkit-lean") == ("notebookkit-lean", None)
+    assert vision_step.capped("unsloth-9GiB") == ("unsloth-9GiB", None)  # only our rows take a cap
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown system"):
+        vision_step.system_name("notebookkit-lean-manyGiB")
