@@ -43,8 +43,9 @@ plan with the least extra time wins, ties going to more kept layers. Layouts (``
   the last two kept layers (:func:`spread_offloaded`). Each one's copies to the host then ride behind the
   forwards of the layers up to the next offloaded one, not only behind its own, so the link carries more
   parked layers (the H200 at 4096 tokens under a 15 GiB cap: all 16 offloaded layers of the plan instead of 9
-  one after the other, about 4% less step work predicted); the two kept layers at the end outlast the last
-  copies. Not yet measured on a GPU, so not the default (``benchmarks/run.py``'s ``notebookkit-spread`` row).
+  one after the other, 14.8 ms of extra work predicted instead of 26.0, about 3% of the step); the two kept
+  layers at the end outlast the last copies. Not yet measured on a GPU, so not the default
+  (``benchmarks/run.py``'s ``notebookkit-spread`` row).
 A mixture of experts is planned without offloading (its layers recompute instead); its ``P_layer`` counts
 the ``k`` experts a token runs, and its recompute reruns the whole layer.
 
@@ -74,8 +75,8 @@ from notebookkit.training_methods import TRAINING_METHODS
 
 from .base_weights import base_format_for, load_flags
 from .cards import GPUCard, detect_card, parse_card, parse_memory
-from .estimate import (MODES, MemoryEstimate, bytes_of_dtype, estimate_training_memory, lora_param_count, lora_targets,
-                       parked_mlp_bytes, readable_bytes)
+from .estimate import (MODES, OFFLOADING, MemoryEstimate, bytes_of_dtype, estimate_training_memory, lora_param_count,
+                       lora_targets, parked_mlp_bytes, readable_bytes)
 from .meters import HOST_RESERVE_BYTES
 from .moe import expert_lora_param_count, expert_lora_ranks
 from .shapes import KNOWN_MODELS, ModelShape, model_shape
@@ -300,8 +301,8 @@ def spread_offloaded(modes: Sequence[str]) -> tuple[str, ...]:
     (``g = span / offloaded`` layers). The order of the other layers (recompute before keep) is kept. A plan
     with fewer than ``SPREAD_TAIL`` kept layers, or nothing offloaded, is returned as it is."""
     L = len(modes)
-    offloaded = [m for m in modes if m in ("offload", "offload_mlp")]
-    others = [m for m in modes if m not in ("offload", "offload_mlp")]
+    offloaded = [m for m in modes if m in OFFLOADING]
+    others = [m for m in modes if m not in OFFLOADING]
     if not offloaded or others.count("keep") < SPREAD_TAIL:
         return tuple(modes)
     span = L - SPREAD_TAIL
@@ -348,7 +349,7 @@ def _modes(L: int, keep: int, recompute: int, layout: str = "front") -> tuple[st
 def offload_spacing(modes: Sequence[str]) -> float:
     """Layers per offloaded layer over the span they are spread on (:func:`spread_offloaded`): the forwards that
     each one's copies to the host ride behind. 1 for offloaded layers one after the other."""
-    at = [i for i, m in enumerate(modes) if m in ("offload", "offload_mlp")]
+    at = [i for i, m in enumerate(modes) if m in OFFLOADING]
     spread = len(at) > 1 and at[-1] - at[0] >= len(at)  # not one run of layers
     return (len(modes) - SPREAD_TAIL) / len(at) if spread else 1.0
 
