@@ -73,6 +73,39 @@ def test_checkpointed_grads_match(plan, family):
         assert rel_err(g[n], g_ref[n]) < 1e-5, n
 
 
+@pytest.mark.parametrize("plan", [True, "offload"])
+def test_a_first_layer_without_adapters_recomputes_without_an_input_gradient(plan):
+    """The first layer's input (the frozen embeddings' output) needs no gradient, so its recompute computes none
+    (the q/k/v input gradient a kept layer skips too); a layer with nothing to train there still back-propagates
+    nothing without error, and the other layers' gradients are those of no checkpointing."""
+    from peft import LoraConfig, get_peft_model
+
+    base = random_model("llama", attention_dropout=0.0)
+    patch_model(base)
+    torch.manual_seed(1)
+    ref = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                          lora_dropout=0.0, layers_to_transform=[1]))
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    ref.train()
+    model = copy.deepcopy(ref)
+    x = torch.randint(0, 256, (2, 12))
+    loss_ref, g_ref = _grads(ref, x, x)
+    apply_checkpointing(model, plan)
+    seen = []
+    hook = model.get_base_model().model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs.get("hidden_states", args[0] if args else None)).requires_grad),
+        with_kwargs=True)
+    loss, g = _grads(model, x, x)
+    hook.remove()
+    assert seen == [False, False]  # the first forward, then the recompute: no gradient asked of its input
+    assert torch.allclose(loss, loss_ref, rtol=1e-6) and g_ref
+    for n in g_ref:
+        assert rel_err(g[n], g_ref[n]) < 1e-5, n
+
+
 def test_trainer_cannot_silently_replace_our_mode():
     model = _lora(random_model("llama"))
     apply_checkpointing(model, ["recompute", "keep"])

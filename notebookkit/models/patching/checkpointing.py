@@ -402,7 +402,9 @@ class _OffloadedLayer(torch.autograd.Function):
                 ctx.parked.prefetch()  # (already running when the layer above prefetched it)
             x = ctx.host.fetch()
             ctx.host = None
-        x = x.detach().requires_grad_(True)
+        # The first layer's input (the frozen embeddings' output) needs no gradient: its q/k/v input gradient is
+        # then not computed, as in a kept layer.
+        x = x.detach().requires_grad_(ctx.needs_input_grad[6])
         devices = [x.device] if x.is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.rng_cpu)
@@ -413,7 +415,8 @@ class _OffloadedLayer(torch.autograd.Function):
                 out = ctx.run(x)
         parked, ctx.parked = ctx.parked, None  # the MLP's backward below holds it until it has taken every tile
         hidden = out[0] if isinstance(out, (tuple, list)) else out
-        torch.autograd.backward(hidden, grad_hidden)
+        if hidden.requires_grad:  # else nothing in the layer trains and its input needs no gradient
+            torch.autograd.backward(hidden, grad_hidden)
         if parked is not None and x.is_cuda:  # its tiles' blocks are free once this layer's backward has run
             _pace_parked_backward(ctx.state, _recorded_event(torch.cuda.current_stream(x.device)))
         return None, None, None, None, None, None, x.grad, None
