@@ -214,13 +214,15 @@ def _cell(name: str, width: int = 110) -> str:
 
 def render_report(title: str, facts: Sequence[tuple[str, str]], wall_ms: float, busy_ms: float,
                   kernels: Iterable[tuple[str, float, int]], top: int = 25, gaps: dict | None = None,
-                  steps: int = 1, unprofiled_ms: float | None = None) -> str:
+                  steps: int = 1, unprofiled_ms: float | None = None, compute_busy_ms: float | None = None) -> str:
     """The markdown report from a list of ``(kernel name, total_us, count)`` (``gaps``: :func:`idle_gaps`).
 
     ``unprofiled_ms``: the median step without the profiler. The profiler slows the host (it records every
     launch) but hardly the GPU's kernels, so the GPU busy time of a profiled step against an unprofiled
     step says whether the unprofiled step is GPU-bound: near 100%, the idle share of the profiled steps is
-    mostly the profiler's own host overhead, and launching less would not make the step faster."""
+    mostly the profiler's own host overhead, and launching less would not make the step faster.
+    ``compute_busy_ms``: the union of the kernels and memsets alone (:func:`compute_intervals`); the busy time
+    beyond it is time when only copies ran."""
     merged = aggregate(kernels)
     gpu_ms = sum(t for _, t, _ in merged) / 1e3
     idle = max(0.0, wall_ms - busy_ms)
@@ -232,6 +234,12 @@ def render_report(title: str, facts: Sequence[tuple[str, str]], wall_ms: float, 
         f"- GPU busy (union over streams): {busy_ms:.1f} ms; idle: {idle:.1f} ms = "
         f"{(idle / wall_ms if wall_ms else 0):.1%} of the wall time",
     ]
+    if compute_busy_ms is not None:
+        lines.append(
+            f"- compute busy (kernels and memsets, copies left out): {compute_busy_ms:.1f} ms; only copies ran for "
+            f"{max(0.0, busy_ms - compute_busy_ms):.1f} ms of the busy time (the compute waited on the host link, or "
+            "had nothing queued)"
+        )
     if gaps is not None:
         lines.append(
             f"- idle gaps of 5 µs or more: {gaps['host_wait_ms']:.1f} ms in {gaps['host_gaps']} gaps waiting for the "
@@ -280,6 +288,15 @@ def _interval(evt) -> tuple[float, float] | None:
     if span is not None:
         return float(span.start), float(span.end)
     return None
+
+
+def compute_intervals(events) -> list[tuple[float, float]]:
+    """The intervals of the device kernels and memsets, copies left out: their union is the time the GPU
+    computed, and the busy time beyond it the time only copies ran (the compute waiting on the host link, or
+    nothing queued but copies)."""
+    spans = (_interval(evt) for evt in events
+             if _is_device_event(evt) and not str(getattr(evt, "name", "")).startswith("Memcpy"))
+    return [span for span in spans if span is not None]
 
 
 def device_kernels(events) -> tuple[list[tuple[str, float, int]], list[tuple[float, float]]]:
@@ -417,7 +434,8 @@ def run(args) -> str:
     what = "One training step" if args.steps == 1 else f"{args.steps} training steps"
     title = f"{what} of {args.system}: {args.shape} {args.quant}, {args.seq} tokens × {args.batch}"
     text = render_report(title, facts, wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps, steps=args.steps,
-                         unprofiled_ms=unprofiled_ms if args.warmup > 1 else None)
+                         unprofiled_ms=unprofiled_ms if args.warmup > 1 else None,
+                         compute_busy_ms=busy_us(compute_intervals(prof.events())) / 1e3)
     with open(path, "w") as fh:
         fh.write(text)
     with open(path[: -len(".md")] + ".json", "w") as fh:

@@ -405,6 +405,10 @@ def test_device_kernels_from_fake_profiler_events():
     assert ("old_style", 7.0, 1) in kernels
     assert len(kernels) == 3
     assert profile_step.busy_us(intervals) == 25
+    # the copy alone ran from 20 to 25: the compute was busy 18 of the 25
+    assert profile_step.busy_us(profile_step.compute_intervals(events)) == 18
+    text = profile_step.render_report("t", [], 30.0, 25.0, kernels, compute_busy_ms=18.0)
+    assert "compute busy (kernels and memsets, copies left out): 18.0 ms; only copies ran for 7.0 ms" in text
 
 
 def test_report_name():
