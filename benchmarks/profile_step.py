@@ -333,7 +333,7 @@ def load_system(args):
     if args.system != "notebookkit":
         return train_step.load_peers(args.system, folder, args.quant, dtype), "HF gradient checkpointing (all layers)"
     model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, fp8=args.fp8,
-                                        dtype=dtype)
+                                        dtype=dtype, spread=args.spread)
     if args.max_memory:
         import inspect
 
@@ -454,6 +454,8 @@ def default_tag(args) -> str:
         parts.append("fp16" + (f"-{args.memory_cap_gib:g}GiB" if args.memory_cap_gib else ""))
     if args.system == "notebookkit" and getattr(args, "fp8", False):
         parts.append("fp8")
+    if args.system == "notebookkit" and getattr(args, "spread", False):
+        parts.append("spread")
     if getattr(args, "steps", 1) > 1:
         parts.append(f"{args.steps}steps")
     return "-".join(parts)
@@ -475,6 +477,8 @@ def main() -> None:
                     help="notebookkit only: use_gradient_checkpointing")
     ap.add_argument("--max-memory", default=None, help='notebookkit only: budget for the "auto" plan, e.g. 8GiB')
     ap.add_argument("--fp8", action="store_true", help="notebookkit only: FP8 forward for the frozen base GEMMs")
+    ap.add_argument("--spread", action="store_true",
+                    help='notebookkit only: plan "auto" with the planner\'s layout="spread"')
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="float16 trains under autocast and a GradScaler (a T4's precision), as train_step.py")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="cap the allocator (15 with float16: a T4)")

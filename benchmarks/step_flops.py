@@ -113,6 +113,8 @@ ROWS = [
      "1.17x (session 28; the link falls behind)"),
     ("1B bf16 2048x8, at <= Unsloth's peak (all offloaded)", "llama-3.2-1b", 8, 2048, ("front", 0, 16, 0),
      "not measured"),
+    ("1B bf16 2048x8, every layer parked (the H200's link carries about a third)", "llama-3.2-1b", 8, 2048,
+     ("front", 0, 0, 16), "not measured"),
 ]
 
 

@@ -13,7 +13,9 @@
 #                 its offloaded layers parked), "auto" planned with layout="spread" (the offloaded layers among the
 #                 kept ones, all of them parked), offload_mlp with the input embedding in host memory (the row
 #                 under Unsloth's peak), Unsloth (~4 min)
-#   t4-profile    two profiled steps of the "auto" T4 row (benchmarks/profile_step.py)
+#   t4-profile    two profiled steps of the T4 row: "auto", "auto" with layout="spread", and Unsloth
+#                 (benchmarks/profile_step.py: where each spends its GPU time; the front plan runs 11% under its
+#                 matmul ceiling, benchmarks/step_flops.py)
 #   t4-host       the "auto" T4 row's synchronising calls and host time (benchmarks/host_profile.py)
 #   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean planned under a 9 GiB cap (the fastest plan
 #                 at about Unsloth's 7.76 GiB peak), Unsloth, notebookkit-lean (checkpoint built first, untimed)
@@ -41,8 +43,10 @@ for part in "$@"; do
       timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x1-t4 --steps 5 --timeout 150 \
         --systems notebookkit,notebookkit-spread,notebookkit-lean-mlp,unsloth ;;
     t4-profile)
-      timeout "$(left)" python3 benchmarks/profile_step.py --system notebookkit --shape llama-3.1-8b --seq 4096 --batch 1 \
-        --dtype float16 --memory-cap-gib 15 --steps 2 --out "$OUT/$part" ;;
+      for extra in "--system notebookkit" "--system notebookkit --spread" "--system unsloth"; do
+        timeout "$(left)" python3 benchmarks/profile_step.py $extra --shape llama-3.1-8b --seq 4096 --batch 1 \
+          --dtype float16 --memory-cap-gib 15 --steps 2 --out "$OUT/$part"
+      done ;;
     t4-host)
       timeout "$(left)" python3 benchmarks/host_profile.py --shape llama-3.1-8b --quant nf4 --seq 4096 --batch 1 \
         --checkpointing auto --dtype float16 --memory-cap-gib 15 --out "$OUT/$part" ;;
