@@ -28,8 +28,10 @@ is ``pi_theta`` detached, so ``rho = 1`` and the gradient is ``-A_i * grad log p
   gets the cache's room, and the next generation allocates and captures it again) and kept when it
   keeps every layer (``keep_generation_cache=`` overrides; the memory model follows the same rule,
   :func:`~notebookkit.memory.generation.keeps_cache_between_steps`). Freeing has a price: on an H200
-  the 1B GRPO step of ``benchmarks/rl_step.py`` went from 1.58 s at 3.77 GiB to 2.26 s at 3.61 GiB,
-  because every decode graph is captured again and the training step allocates anew;
+  the 1B GRPO step of ``benchmarks/rl_step.py`` went from 1.58 s at 3.77 GiB to 2.26 s at 3.61 GiB
+  (session 13), because every cache-length bucket's decode graph was captured again (0.36 s) and the
+  training step allocates anew; a generation after a freed cache now captures one graph for its whole
+  request (:mod:`notebookkit.models.generation.generate`; not yet measured on a GPU);
 * time per optimizer step goes into the logs: ``time/generation`` (``model.generate``),
   ``time/scoring`` (decoding, reward functions, the old / reference log-probs) and ``time/training``
   (the loss's forward and backward), in seconds;

@@ -47,6 +47,9 @@ class GenerationState(DroppedOnCopy):
         self.runner = GraphRunner()
         self.casts = AdapterCasts()  # adapters in the compute dtype, read by the captured steps
         self.warned: set[str] = set()
+        # drop_cache freed the cache after a call: the next call, which starts without one, captures one graph
+        # for its whole request instead of every bucket's (generate's module docstring)
+        self.dropped = False
 
     def refresh(self, causal_lm: nn.Module) -> Union[DecoderPlan, str]:
         """The current plan of ``causal_lm`` (or why it has none), rebuilt and with the graphs dropped
@@ -107,18 +110,21 @@ def release(model: nn.Module) -> int:
 
 def drop_cache(model: nn.Module) -> int:
     """Free the KV cache, the decode buffers and the CUDA graphs of ``model`` (the plan, the adapter casts
-    and the RoPE tables stay); returns the KV-cache bytes freed. The next ``generate`` allocates and
-    captures them again. FastGRPOTrainer calls it after each generation when memory is short."""
-    return _free(model, GenerationState.drop_cache)
+    and the RoPE tables stay); returns the KV-cache bytes freed. The next ``generate`` allocates them again
+    and captures one decode graph for its whole request (not one a cache-length bucket: their graphs would
+    not outlive the call). FastGRPOTrainer calls it after each generation when memory is short."""
+    return _free(model, GenerationState.drop_cache, dropped=True)
 
 
-def _free(model: nn.Module, how) -> int:
-    """Apply ``how`` (a :class:`GenerationState` method) to ``model``'s state; the KV-cache bytes it held."""
+def _free(model: nn.Module, how, dropped: bool = False) -> int:
+    """Apply ``how`` (a :class:`GenerationState` method) to ``model``'s state; the KV-cache bytes it held.
+    ``dropped``: mark the state for one graph at the next call (:func:`drop_cache`)."""
     state = causal_lm_of(model).__dict__.get(_STATE)
     if state is None:
         return 0
     freed = state.cache.nbytes if state.cache is not None else 0
     how(state)
+    state.dropped = dropped and freed > 0
     return freed
 
 

@@ -255,6 +255,35 @@ def test_cache_is_reused_when_it_fits_and_grows_for_a_larger_batch():
     assert state.cache is not first and state.cache.batch == 5 and first.nbytes == 0
 
 
+def test_a_call_after_drop_cache_runs_one_decode_graph_for_its_whole_request(pair, monkeypatch):
+    """GRPO with memory short frees the cache after each generation (drop_cache): the next call, whose graphs
+    would not outlive it, runs one decode step shape (one graph on CUDA) for the whole request instead of one a
+    cache-length bucket, with the same tokens; a call that finds its cache kept uses the buckets again."""
+    from notebookkit.models.generation.state import drop_cache
+
+    _, fast = pair
+    state = generation_state(fast)
+    lengths = []
+    run = state.runner.run
+    monkeypatch.setattr(state.runner, "run", lambda key, *a: lengths.append(key[1]) or run(key, *a))
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(3))
+
+    def call():
+        lengths.clear()
+        out = fast.generate(input_ids=ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=PAD)
+        return out, sorted(set(lengths))
+
+    release(fast)
+    bucketed, buckets = call()
+    assert buckets == [16, 32, 64]  # the power-of-two buckets up to 11 + 30 = 41 slots (the cache has 256)
+    drop_cache(fast)
+    assert generation_state(fast).cache is None
+    single, one = call()
+    assert one == [48] and torch.equal(single, bucketed)  # 11 + 30 slots, rounded up to 16
+    kept, again = call()
+    assert again == buckets and torch.equal(kept, bucketed)
+
+
 def test_del_model_after_generation_frees_it_without_the_cycle_collector():
     fast = fast_copy(lora_model("gemma2"))
     ids, mask = left_padded_prompts()

@@ -11,7 +11,9 @@
   again only replays;
 * the captured steps read the adapters in place: an in-place update (an optimizer step, GRPO's
   for_training -> step -> for_inference) changes the next generation without a recapture;
-* release gives the cache's memory back.
+* release gives the cache's memory back;
+* a call after drop_cache (GRPO when memory is short) captures one graph for its whole request, with the
+  tokens of the bucketed graphs.
 """
 
 from __future__ import annotations
@@ -236,3 +238,19 @@ def test_sampling_inside_the_graph_follows_the_seed():
         runs.append(fast.generate(**kw))
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     assert generation_state(fast).runner.captures >= 1
+
+
+def test_a_call_after_drop_cache_captures_one_graph_with_the_same_tokens():
+    from notebookkit.models.generation.state import drop_cache
+
+    fast = fast_copy(lora_model("llama")).to("cuda", torch.bfloat16)
+    ids, mask = _cuda(*left_padded_prompts())
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+    bucketed = fast.generate(**kw)
+    for _ in range(2):  # GRPO's loop: generate, free the cache, generate again
+        drop_cache(fast)
+        runner = generation_state(fast).runner
+        assert len(runner) == 0  # the graphs went with the cache
+        captures, replays = runner.captures, runner.replays
+        assert torch.equal(fast.generate(**kw), bucketed)
+        assert (runner.captures - captures, runner.replays - replays, runner.failures) == (1, 39, 0)
