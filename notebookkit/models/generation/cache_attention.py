@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from ..patching.patch_attention import attend
 
-__all__ = ["slot_mask", "cache_attention", "sink_attention"]
+__all__ = ["slot_mask", "slot_bias", "cache_attention", "sink_attention"]
 
 
 def slot_mask(query_slots: torch.Tensor, kv_length: int, pad_lengths: torch.Tensor,
@@ -70,6 +70,15 @@ def slot_mask(query_slots: torch.Tensor, kv_length: int, pad_lengths: torch.Tens
     return visible[:, None]
 
 
+def slot_bias(visible: torch.Tensor, dtype: torch.dtype, rep: int) -> torch.Tensor:
+    """The additive form of a decode step's :func:`slot_mask` ``[B, 1, 1, S]`` (0 where visible, ``-inf``
+    elsewhere) in ``dtype``, for the ``rep`` query rows of a key/value head: ``[B, 1, rep, S]``, the tensor SDPA
+    makes of the boolean mask in every layer (one kernel a layer), made once a step and shared by the layers."""
+    batch, _, _, kv_length = visible.shape
+    bias = torch.zeros((batch, 1, rep, kv_length), dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, float("-inf"))
+
+
 def cache_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -81,11 +90,15 @@ def cache_attention(
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, T, D]`` over cached ``keys``/``values`` ``[B, Hkv, S, D]``.
 
-    ``visible``: the boolean ``[B, 1, T, S]`` mask of :func:`slot_mask`; ``scaling``: the score
+    ``visible``: the boolean ``[B, 1, T, S]`` mask of :func:`slot_mask`, or for a decode step (``T = 1``)
+    without soft-cap or sinks its additive form (:func:`slot_bias`); ``scaling``: the score
     scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5`` for Gemma 2/3); ``softcap``:
     ``c`` of ``c * tanh(S / c)`` on the scores, or ``None``; ``sinks``: ``[Hq]`` sink logits (gpt-oss,
     module docstring), or ``None``. Returns ``[B, Hq, T, D]``.
     """
+    if visible.dtype != torch.bool and (sinks is not None or softcap is not None or q.shape[2] > 1):
+        raise ValueError("cache_attention: an additive mask (slot_bias) is for a decode step without soft-cap or "
+                         "sinks; pass the boolean slot_mask.")
     if sinks is not None:
         return sink_attention(q, keys, values, visible, scaling, sinks, softcap)
     batch, heads, length, head_dim = q.shape
@@ -95,6 +108,8 @@ def cache_attention(
     rep = heads // kv_heads
     q = q.reshape(batch, kv_heads, rep, head_dim)
     mask = visible.expand(batch, 1, rep, kv_length)
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:  # SDPA takes an additive mask in the query's dtype
+        mask = mask.to(q.dtype)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     else:

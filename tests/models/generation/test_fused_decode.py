@@ -98,3 +98,44 @@ def test_which_norms_the_plan_fuses():
         if fused:
             assert plan.layers[0].mlp_norm.module is plan.layers[0].layer.post_attention_layernorm
             assert plan.final_fused.module is plan.final_norm and plan.final_fused.eps == 1e-6
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_a_decode_step_makes_its_additive_mask_once(family, monkeypatch):
+    """SDPA turns a boolean mask into its additive form in every layer (one kernel a layer); a decode step makes
+    that form once per window (slot_bias) and its SDPA layers share it, with the logits of the boolean mask.
+    Gemma 2's soft-capped attention reads the boolean mask (none made)."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    forward_module = sys.modules["notebookkit.models.generation.cached_forward"]  # the package exports the function
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fills = self.wheres = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.fills += name == "masked_fill_"
+            self.wheres += name == "where"
+            return func(*args, **(kwargs or {}))
+
+    model = fast_copy(lora_model(family))
+    plan = decoder_plan(model)
+    prompt, _ = left_padded_prompts()
+    pad = torch.tensor(PAD_LENGTHS)
+    cache = StaticKVCache(len(plan.layers), 3, plan.kv_heads, plan.head_dim, 32, torch.float32, "cpu")
+    token = torch.randint(0, 256, (3, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cached_forward(model, prompt, cache, 0, pad)
+        counter = Fills()
+        with counter:
+            logits = cached_forward(model, token, cache, torch.tensor([PROMPT]), pad, kv_length=32)
+        monkeypatch.setattr(forward_module, "slot_bias", lambda visible, dtype, rep: visible)  # boolean, as before
+        boolean = cached_forward(model, token, cache, torch.tensor([PROMPT]), pad, kv_length=32)
+    windows = {lp.window for lp in plan.layers if lp.softcap is None and lp.sinks is None}
+    assert counter.fills == len(windows) and (counter.wheres == 0 or not windows)
+    assert len(windows) == {"llama": 1, "mistral": 1, "gemma2": 0}[family]
+    assert torch.allclose(logits, boolean, rtol=1e-5, atol=1e-6)
