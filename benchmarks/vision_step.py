@@ -29,8 +29,8 @@ Systems (``--systems``, comma-separated):
 * ``unsloth``              Unsloth's FastVisionModel with ``use_gradient_checkpointing="unsloth"``;
 * ``unsloth-lean``         the same with its ``offload_embedding=True``;
 * ``notebookkit-lean-<N>GiB`` (or ``notebookkit-<N>GiB``, ``notebookkit-offload-<N>GiB``): that row planned by
-  ``"auto"`` under ``max_memory="<N>GiB"`` (a cap counts the CUDA context, and the planner keeps an 8% margin):
-  the fastest plan at no more than a peer's peak.
+  ``"auto"`` under ``max_memory="<N>GiB"`` for the batch's own rows and length (every step has that shape; a cap
+  counts the CUDA context, and the planner keeps an 8% margin): the fastest plan at no more than a peer's peak.
 
 The parent writes ``<out>/<date>-<device>-vision-<shape>-<system>_<system>....json`` and ``.md`` and prints the
 table (one file per set of systems, so rows split over several runs do not overwrite each other). A
@@ -262,6 +262,12 @@ def run_system(args) -> dict:
     collator = VisionDataCollator(base, processor, max_seq_length=args.seq)
     batch = collator(caption_rows(args.batch, args.image_size))
     batch = {k: v.to(device) for k, v in batch.items()}
+    if cap and device == "cuda":  # every step has this batch's shape: plan for it, as max_seq_length would
+        from notebookkit.models.patching.checkpointing import apply_checkpointing
+
+        rows, length = batch["input_ids"].shape
+        apply_checkpointing(model, "auto", seq_len=int(length), batch_size=int(rows), max_memory=cap,
+                            padded=bool((batch["attention_mask"] == 0).any()), images_per_row=1)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-4, **({"fused": True} if device == "cuda" else {}))
     # fp16 (a T4's precision): the loss scaler the Trainer uses under fp16=True; bf16 / fp32 need none
