@@ -247,9 +247,9 @@ def test_offloaded_layers_park_their_mlps_where_the_host_link_keeps_up():
 
 def test_spread_offloaded_layers_leave_two_kept_at_the_end_and_let_the_link_park_them_all():
     """Spread among kept layers (``layout="spread"``), each offloaded layer's copies ride behind the forwards up to
-    the next one: the H200's link, which carries about half of a run of offloaded layers, then carries all of them
-    (the T4 emulation's plan, 4096 tokens in fp16 under a 15 GiB cap), and the plan is predicted faster than the
-    same layers offloaded first, at the same predicted peak."""
+    the next one: the H200's link, which carries about three fifths of a run of offloaded layers, then carries all
+    of them (the T4 emulation's plan, 4096 tokens in fp16 under a 15 GiB cap), and the plan is predicted faster than
+    the same layers offloaded first, at the same predicted peak."""
     from notebookkit.memory.planner import offload_spacing, parked_mlp_fraction, spread_offloaded
 
     o, p, r, k = "offload", "offload_mlp", "recompute", "keep"
