@@ -208,6 +208,10 @@ GiB = 1024**3
 MODES = ("keep", "recompute", "offload", "offload_mlp")
 #: the modes whose layer input goes to pinned host memory (offload_mlp: with its MLP's gate/up outputs)
 OFFLOADING = ("offload", "offload_mlp")
+#: kept layers whose forwards outlast the copies to the host of the offloaded layer before them (its input and
+#: parked gate/up outputs): with fewer after the last offloaded layer, those copies may still run at the end of
+#: the forward (_temporaries); the planner's spread layout ends on this many kept layers
+KEPT_LAYERS_AFTER_COPIES = 2
 # gpt-oss alternates sliding-window and full layers: Hugging Face builds one attention mask for each kind
 SINKS_MASK_KINDS = 2
 METHODS = tuple(TRAINING_METHODS)
@@ -1234,7 +1238,7 @@ def _temporaries(
         kept_after = len(plan) - 1 - non_kept[-1]
         first_recompute = (activations - kept_after * keep_layer + (acts.recomputed_layer - acts.layer_input)
                            + ws_recompute + in_flight)
-        if kept_after < 2:  # the forward's last copies to the host may not be done by its end
+        if kept_after < KEPT_LAYERS_AFTER_COPIES:  # the forward's last copies to the host may still run
             end_of_forward += in_flight
     else:
         first_recompute = 0

@@ -383,6 +383,10 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def bucket_for(length: int, capacity: int) -> int:
     """Cache slots the decode step reads when slots ``0 .. length - 1`` are in use: the smallest power
     of two (at least ``MIN_BUCKET``) covering them, capped at ``capacity``."""
@@ -394,7 +398,7 @@ def cache_capacity(need: int, limit: int, current: int = 0) -> int:
     ``need`` rounded up to a multiple of ``CACHE_ROUNDING``, never less than the ``current`` cache's,
     at most ``limit`` (max_seq_length). The cache only grows while the model keeps it, so requests of
     slightly different lengths (GRPO's prompts) reuse one cache and its captured graphs."""
-    rounded = -(-need // CACHE_ROUNDING) * CACHE_ROUNDING
+    rounded = _round_up(need, CACHE_ROUNDING)
     return max(need, min(limit, max(rounded, current)))
 
 
@@ -527,7 +531,7 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
         if i % check_every == 0 and request.eos_ids and not bool(buffers.unfinished.any()):
             break
         slot = prompt + i - 1
-        kv_length = min(cache.capacity, -(-need // MIN_BUCKET) * MIN_BUCKET) if one_graph else \
+        kv_length = min(cache.capacity, _round_up(need, MIN_BUCKET)) if one_graph else \
             bucket_for(slot + 1, cache.capacity)
         key = (batch, kv_length, settings, request.eos_ids, request.pad_id, ban_eos, step_offsets is not None)
         state.runner.run(key, step(kv_length), cache.device, buffers.advanced())
