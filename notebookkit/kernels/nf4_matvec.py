@@ -38,6 +38,11 @@ products with ``x`` and one multiply-add by the block's scale; no rounding of ``
 ``benchmarks/ptx_census.py`` counts the loop's instructions per weight byte (at about 8 a byte,
 instruction issue alone would let an H200 SM read at the copy bandwidth).
 
+Several weights that read the same ``x`` (a decode layer's q/k/v, its gate/up) run in one launch of the row
+kernel (:func:`nf4_matvec_group`): each weight's rows are programs of their own, picked by one scalar test of
+the program id, so each output is the one-weight kernel's bits and a batch-1 decode layer launches 4 matvecs
+instead of 7.
+
 Weights whose rows are not whole NF4 blocks (``K % B != 0``: blocks straddle rows) are not run by
 the kernels: :func:`nf4_matvec_supported` says ``False`` and :func:`nf4_matvec` decodes the weight
 (``dequantize_nf4``) and multiplies. Graph-safe: no host synchronisation, the only allocation is ``y``
@@ -49,7 +54,7 @@ explicit ``tl.fma``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import triton
@@ -60,7 +65,8 @@ from .nf4 import (dequantize_nf4, dequantize_nf4_reference, nf4_kernel_operands,
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = [
-    "MAX_ROWS", "LoRATerm", "MatvecConfig", "matvec_config", "nf4_matvec", "nf4_matvec_reference", "nf4_matvec_supported",
+    "MAX_GROUP", "MAX_ROWS", "LoRATerm", "MatvecConfig", "matvec_config", "nf4_matvec", "nf4_matvec_group",
+    "nf4_matvec_reference", "nf4_matvec_supported",
     "AOT_SPECS",
 ]
 
@@ -204,38 +210,14 @@ def _code_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first
 
 
 @triton.jit
-def _nf4_matvec_row_kernel(
-    x_words_ptr,  # *i32 (fp16 / bf16 x) or *i64 (fp32 x): the one row of x as K / 2 words
-    packed_ptr,  # *u8 NF4 bytes of W [N, K]
-    absmax_ptr,  # *fp32 [n_blocks] (plain) or *u8 [n_blocks] (nested codes)
-    table_ptr,  # *fp32 [16] NF4 levels
-    code2_ptr,  # *fp32 [256] dynamic map (nested only)
-    absmax2_ptr,  # *fp32 second-level scales (nested only)
-    offset_ptr,  # *fp32 [1] mean offset (nested only)
-    bias_ptr,  # x's dtype [N] (HAS_BIAS only)
-    u_ptr,  # x's dtype, [1, rank]: x A^T of a LoRA adapter (HAS_LORA only)
-    lora_b_ptr,  # x's dtype, [N, rank] contiguous: its B (HAS_LORA only)
-    y_ptr,  # x's dtype, [N]
-    N,
-    blocks_per_row,  # K // BLOCKSIZE
-    rank,
-    lora_scale,  # fp32 s
-    BLOCKSIZE: tl.constexpr,
-    BLOCKSIZE2: tl.constexpr,
-    NESTED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    RANK: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # rows of W per program
-    STEP_BLOCKS: tl.constexpr,  # NF4 blocks of a row per loop step
-    X_KIND: tl.constexpr,  # 0 fp32, 1 fp16, 2 bf16
-    MASKED: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load the next step's tile before this step's arithmetic
-    LANE_TABLE: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
-    INT64: tl.constexpr,
-):
-    """One row of ``x``: ``y[n] = sum_b absmax[n, b] * sum_{k in b} NF4[code(n, k)] * x[k]`` in fp32.
+def _row_products(x_words_ptr, packed_ptr, absmax_ptr, table_ptr, code2_ptr, absmax2_ptr, offset_ptr, bias_ptr, u_ptr,
+                  lora_b_ptr, y_ptr, rows, N, blocks_per_row, rank, lora_scale, BLOCKSIZE: tl.constexpr,
+                  BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+                  RANK: tl.constexpr, BLOCK_N: tl.constexpr, STEP_BLOCKS: tl.constexpr, X_KIND: tl.constexpr,
+                  MASKED: tl.constexpr, PREFETCH: tl.constexpr, LANE_TABLE: tl.constexpr,
+                  BF16_BY_HAND: tl.constexpr):
+    """Rows ``rows`` of ``y`` for one row of ``x``: ``y[n] = sum_b absmax[n, b] * sum_{k in b} NF4[code(n, k)] * x[k]``
+    in fp32 (the body of :func:`_nf4_matvec_row_kernel` and :func:`_nf4_matvec_rows_group_kernel`).
 
     The tile is ``[BLOCK_N, STEP_BLOCKS, BLOCKSIZE / 2]`` code bytes with ``x``'s pair words in the same
     shape: byte ``t`` of a row holds the codes of columns ``2t`` (high nibble) and ``2t + 1`` (low), the
@@ -243,7 +225,6 @@ def _nf4_matvec_row_kernel(
     in fp32 and one multiply-add by its block's scale into an accumulator of the tile's shape, summed
     once after the last step; the weight is never rounded to ``x``'s dtype."""
     HALF: tl.constexpr = BLOCKSIZE // 2  # bytes of an NF4 block
-    rows = program_rows(BLOCK_N, INT64)
     row_ok = rows < N
     first_block = rows * blocks_per_row
     byte_in_block = tl.arange(0, HALF)
@@ -287,6 +268,94 @@ def _nf4_matvec_row_kernel(
         y = y + lora_scale * tl.sum(low_rank, axis=1)
     y = _round_one(y, X_KIND, BF16_BY_HAND)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _nf4_matvec_row_kernel(
+    x_words_ptr,  # *i32 (fp16 / bf16 x) or *i64 (fp32 x): the one row of x as K / 2 words
+    packed_ptr,  # *u8 NF4 bytes of W [N, K]
+    absmax_ptr,  # *fp32 [n_blocks] (plain) or *u8 [n_blocks] (nested codes)
+    table_ptr,  # *fp32 [16] NF4 levels
+    code2_ptr,  # *fp32 [256] dynamic map (nested only)
+    absmax2_ptr,  # *fp32 second-level scales (nested only)
+    offset_ptr,  # *fp32 [1] mean offset (nested only)
+    bias_ptr,  # x's dtype [N] (HAS_BIAS only)
+    u_ptr,  # x's dtype, [1, rank]: x A^T of a LoRA adapter (HAS_LORA only)
+    lora_b_ptr,  # x's dtype, [N, rank] contiguous: its B (HAS_LORA only)
+    y_ptr,  # x's dtype, [N]
+    N,
+    blocks_per_row,  # K // BLOCKSIZE
+    rank,
+    lora_scale,  # fp32 s
+    BLOCKSIZE: tl.constexpr,
+    BLOCKSIZE2: tl.constexpr,
+    NESTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # rows of W per program
+    STEP_BLOCKS: tl.constexpr,  # NF4 blocks of a row per loop step
+    X_KIND: tl.constexpr,  # 0 fp32, 1 fp16, 2 bf16
+    MASKED: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next step's tile before this step's arithmetic
+    LANE_TABLE: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    """One row of ``x``, one weight: program ``p`` computes rows ``[p BLOCK_N, (p + 1) BLOCK_N)`` of ``y``
+    (:func:`_row_products`)."""
+    _row_products(x_words_ptr, packed_ptr, absmax_ptr, table_ptr, code2_ptr, absmax2_ptr, offset_ptr, bias_ptr, u_ptr,
+                  lora_b_ptr, y_ptr, program_rows(BLOCK_N, INT64), N, blocks_per_row, rank, lora_scale, BLOCKSIZE,
+                  BLOCKSIZE2, NESTED, HAS_BIAS, HAS_LORA, RANK, BLOCK_N, STEP_BLOCKS, X_KIND, MASKED, PREFETCH,
+                  LANE_TABLE, BF16_BY_HAND)
+
+
+@triton.jit(do_not_specialize=["n_0", "rank_0", "n_1", "rank_1", "n_2", "rank_2", "first1", "first2"])
+def _nf4_matvec_rows_group_kernel(
+    x_words_ptr, table_ptr, blocks_per_row,
+    # segment 0, then 1 and 2 (SEGMENTS of them are read): the operands of _nf4_matvec_row_kernel for one weight
+    packed_0, absmax_0, code2_0, absmax2_0, offset_0, bias_0, u_0, lora_b_0, y_0, n_0, rank_0, scale_0,
+    packed_1, absmax_1, code2_1, absmax2_1, offset_1, bias_1, u_1, lora_b_1, y_1, n_1, rank_1, scale_1,
+    packed_2, absmax_2, code2_2, absmax2_2, offset_2, bias_2, u_2, lora_b_2, y_2, n_2, rank_2, scale_2,
+    first1,  # the first program of segment 1: cdiv(n_0, BLOCK_N)
+    first2,  # of segment 2: first1 + cdiv(n_1, BLOCK_N)
+    SEGMENTS: tl.constexpr,  # 2 or 3
+    BLOCKSIZE: tl.constexpr,
+    BLOCKSIZE2: tl.constexpr,
+    NESTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STEP_BLOCKS: tl.constexpr,
+    X_KIND: tl.constexpr,
+    MASKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LANE_TABLE: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    """One row of ``x``, two or three weights that read it (q/k/v, gate/up) in one launch: the programs
+    ``[0, first1)`` compute the first weight's ``y``, ``[first1, first2)`` the second's, the rest the third's,
+    each program as :func:`_nf4_matvec_row_kernel`'s (the same rows, the same sums: bit for bit its output at
+    the same ``BLOCK_N`` and ``STEP_BLOCKS``). Which weight is one scalar test of the program id."""
+    pid = tl.program_id(0)
+    packed, absmax, code2, absmax2, offset, bias = packed_0, absmax_0, code2_0, absmax2_0, offset_0, bias_0
+    u, lora_b, y, n, rank, scale, first = u_0, lora_b_0, y_0, n_0, rank_0, scale_0, pid * 0
+    if pid >= first1:
+        packed, absmax, code2, absmax2, offset, bias = packed_1, absmax_1, code2_1, absmax2_1, offset_1, bias_1
+        u, lora_b, y, n, rank, scale, first = u_1, lora_b_1, y_1, n_1, rank_1, scale_1, first1
+    if SEGMENTS == 3:
+        if pid >= first2:
+            packed, absmax, code2, absmax2, offset, bias = packed_2, absmax_2, code2_2, absmax2_2, offset_2, bias_2
+            u, lora_b, y, n, rank, scale, first = u_2, lora_b_2, y_2, n_2, rank_2, scale_2, first2
+    if INT64:
+        rows = (pid - first).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    else:
+        rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_products(x_words_ptr, packed, absmax, table_ptr, code2, absmax2, offset, bias, u, lora_b, y, rows, n,
+                  blocks_per_row, rank, scale, BLOCKSIZE, BLOCKSIZE2, NESTED, HAS_BIAS, HAS_LORA, RANK, BLOCK_N,
+                  STEP_BLOCKS, X_KIND, MASKED, PREFETCH, LANE_TABLE, BF16_BY_HAND)
 
 
 @triton.jit
@@ -642,6 +711,120 @@ def nf4_matvec(
     return y.reshape(*x.shape[:-1], n)
 
 
+#: weights one launch of the grouped row kernel takes (q, k and v)
+MAX_GROUP = 3
+
+
+def _group_why_not(x: torch.Tensor, parts: list, biases: Sequence, loras: Sequence) -> str | None:
+    """Why :func:`nf4_matvec_group` cannot run ``parts`` (``(packed, quant_state, state)`` each) in one launch
+    (None when it can): the row kernel's calls (one row of ``x``) whose weights share the operands' kinds."""
+    if len(parts) < 2:
+        return "fewer than two weights"
+    if x.numel() // max(1, x.shape[-1]) != 1:
+        return "more than one row of x (the grouped kernel is the row kernel's)"
+    for packed, quant_state, _ in parts:
+        why = _why_not(x, packed, quant_state)
+        if why is not None:
+            return why
+    states = [st for _, _, st in parts]
+    if len({(st.blocksize, st.blocksize2 if st.nested else 0, st.nested) for st in states}) != 1:
+        return "the weights' NF4 blocksizes or absmax kinds differ"
+    if len({b is None for b in biases}) != 1 or len({lo is None for lo in loras}) != 1:
+        return "some weights have a bias or a LoRA term and others not"
+    if loras[0] is not None and len({triton.next_power_of_2(lo[1].shape[-1]) for lo in loras}) != 1:
+        return "the LoRA ranks round to different powers of two"
+    return None
+
+
+def nf4_matvec_group(
+    x: torch.Tensor,
+    weights: Sequence[Any],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    *,
+    loras: Sequence[LoRATerm | None] | None = None,
+    config: MatvecConfig | None = None,
+) -> list[torch.Tensor]:
+    """``[x @ W_i^T + b_i (+ s_i U_i B_i^T)]`` for NF4 weights ``W_i`` that read the same ``x`` (a decode
+    layer's q/k/v, its gate/up): :func:`nf4_matvec` of each, in one launch of the row kernel per
+    :data:`MAX_GROUP` weights where it can take them all (one row of ``x``, every weight supported with the
+    same NF4 layout, biases and LoRA terms on all or none, ranks of one power of two), else one
+    :func:`nf4_matvec` each.
+
+    Every output is bit for bit what :func:`nf4_matvec` gives for that weight alone with the same
+    ``config``: each weight's rows are its own programs, their sums those of the one-weight kernel.
+    Without ``config``, :func:`matvec_config` chooses for the group's total rows (the launch is sized
+    by them). ``weights``, ``biases`` and ``loras`` as :func:`nf4_matvec`'s ``weight``, ``bias`` and
+    ``lora``, one per weight."""
+    count = len(weights)
+    biases = list(biases) if biases is not None else [None] * count
+    loras = list(loras) if loras is not None else [None] * count
+    if len(biases) != count or len(loras) != count:
+        raise ValueError(f"nf4_matvec_group: {count} weights, but {len(biases)} biases and {len(loras)} LoRA terms "
+                         "(give one per weight, None where a weight has none).")
+    parts = []
+    for weight in weights:
+        packed, quant_state = _weight_parts(weight, None)
+        parts.append((packed, quant_state, read_nf4_state(packed, quant_state)))
+    if count > MAX_GROUP:
+        return [y for lo in range(0, count, MAX_GROUP)
+                for y in nf4_matvec_group(x, weights[lo:lo + MAX_GROUP], biases[lo:lo + MAX_GROUP],
+                                          loras=loras[lo:lo + MAX_GROUP], config=config)]
+    if _group_why_not(x, parts, biases, loras) is not None:
+        return [nf4_matvec(x, (p, q), b, lora=lo, config=config) for (p, q, _), b, lo in zip(parts, biases, loras)]
+    k = x.shape[-1]
+    segments = []
+    for (packed, quant_state, st), bias, lora in zip(parts, biases, loras):
+        n, _ = _matrix_shape(st, "nf4_matvec_group")
+        if bias is not None and (bias.numel() != n or bias.device != x.device):
+            raise ValueError(f"nf4_matvec_group: a bias must have its weight's {n} elements on {x.device}, got "
+                             f"{tuple(bias.shape)} on {bias.device}.")
+        _check_lora(lora, x, n, "nf4_matvec_group")
+        segments.append((n, packed, st, bias, lora))
+    _check_x(x, k, "nf4_matvec_group")
+    total = sum(n for n, *_ in segments)
+    st = segments[0][2]
+    if config is None:
+        config = matvec_config(1, total, k, st.blocksize, _sm_count(x.device))
+    if config.use_dot:
+        raise ValueError("nf4_matvec_group runs the row kernel: give a MatvecConfig with use_dot=False.")
+    words = _as_words(x.reshape(1, k))
+    blocks_per_row = k // st.blocksize
+    args, firsts, outs = [], [0], []
+    for n, packed, st_i, bias, lora in segments:
+        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+        packed, absmax, table, code2, absmax2, offset = nf4_kernel_operands(packed, st_i)
+        u, lora_b, scaling = _lora_operands(lora, 1, y)
+        args += [packed, absmax, code2, absmax2, offset, bias.reshape(-1) if bias is not None else y, u, lora_b, y, n,
+                 lora_b.shape[-1], scaling]
+        firsts.append(firsts[-1] + triton.cdiv(n, config.block_n))
+        outs.append(y.reshape(*x.shape[:-1], n))
+    args += args[-12:] * (MAX_GROUP - count)  # the unused third segment: any operands of the right kinds
+    half = st.blocksize // 2
+    on_gpu = x.is_cuda
+    _nf4_matvec_rows_group_kernel[(firsts[count],)](
+        words, table, blocks_per_row, *args, firsts[1], firsts[2],
+        SEGMENTS=count,
+        BLOCKSIZE=st.blocksize,
+        BLOCKSIZE2=st.blocksize2,
+        NESTED=st.nested,
+        HAS_BIAS=biases[0] is not None,
+        HAS_LORA=loras[0] is not None,
+        RANK=triton.next_power_of_2(args[10]),
+        BLOCK_N=config.block_n,
+        STEP_BLOCKS=config.step_blocks,
+        X_KIND=_X_KINDS[x.dtype],
+        MASKED=bool(any(n % config.block_n for n, *_ in segments) or blocks_per_row % config.step_blocks),
+        PREFETCH=config.prefetch,
+        LANE_TABLE=on_gpu,
+        BF16_BY_HAND=not on_gpu and interpreter_on(),
+        INT64=max(p.numel() for _, p, *_ in segments) + half * config.block_n * config.step_blocks >= 2**31,
+        num_warps=config.num_warps,
+        enable_fp_fusion=False,
+        **({} if config.num_stages is None else {"num_stages": config.num_stages}),
+    )
+    return outs
+
+
 def _lora_operands(lora: LoRATerm | None, m: int, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``(U [m, r] with unit column stride, B [N, r] contiguous, s)`` for the kernel; without an adapter,
     ``y`` stands in for both pointers (never read) with rank 1."""
@@ -690,6 +873,23 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
             if x_ty == "bf16":
                 options["targets"] = [80, 86, 89, 90]
             specs.append((_nf4_matvec_dot_kernel, signature, {**constexprs, "BLOCK_M": MAX_ROWS}, options))
+        # the grouped row kernel: q/k/v (3 weights, 6144 rows) nested with LoRA; gate/up (2) plain with bias, masked
+        for segments, nested, bias, masked, lora in ((3, True, False, False, True), (2, False, True, True, False)):
+            config = matvec_config(1, 6144, 4096)
+            segment = {"packed": "*u8", "absmax": "*u8" if nested else "*fp32", "code2": "*fp32", "absmax2": "*fp32",
+                       "offset": "*fp32", "bias": f"*{x_ty}", "u": f"*{x_ty}", "lora_b": f"*{x_ty}", "y": f"*{x_ty}",
+                       "n": "i32", "rank": "i32", "scale": "fp32"}
+            signature = {"x_words_ptr": "*i32", "table_ptr": "*fp32", "blocks_per_row": "i32",
+                         **{f"{name}_{j}": ty for j in range(MAX_GROUP) for name, ty in segment.items()},
+                         "first1": "i32", "first2": "i32"}
+            constexprs = {
+                "SEGMENTS": segments, "BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": nested, "HAS_BIAS": bias,
+                "HAS_LORA": lora, "RANK": 16, "BLOCK_N": config.block_n, "STEP_BLOCKS": config.step_blocks,
+                "X_KIND": kind, "MASKED": masked, "PREFETCH": not nested, "LANE_TABLE": True, "BF16_BY_HAND": False,
+                "INT64": False,
+            }
+            specs.append((_nf4_matvec_rows_group_kernel, signature, constexprs,
+                          {"num_warps": config.num_warps, "enable_fp_fusion": False}))
     return specs
 
 

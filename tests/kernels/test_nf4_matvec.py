@@ -28,11 +28,13 @@ bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as bnbF  # noqa: E402
 
 from notebookkit.kernels.nf4_matvec import (  # noqa: E402
+    MAX_GROUP,
     MAX_ROWS,
     LoRATerm,
     MatvecConfig,
     matvec_config,
     nf4_matvec,
+    nf4_matvec_group,
     nf4_matvec_reference,
     nf4_matvec_supported,
 )
@@ -172,6 +174,86 @@ def test_lora_term_joins_the_sum(m, dtype, rank):
     # the term is really there: without it the output leaves the bound
     with pytest.raises(AssertionError, match="beyond the rounding bound"):
         assert_within_rounding(_kernel(x, packed, qs, bias), x, packed, qs, bias, lora=lora, exact_w=m == 1)
+
+
+def _group(ns, k, dtype, nested, with_bias, with_lora, seed=21, device="cpu", rank=8):
+    """Weights ``[n_i, k]`` that read one ``x [1, k]``, their biases and LoRA terms (``U_i`` the columns of one
+    ``X A_cat^T``, as a decode layer's q/k/v)."""
+    weights = [_nf4_weight(n, k, dtype, nested, seed=seed + i, device=device) for i, n in enumerate(ns)]
+    x, _ = _inputs(1, 1, k, dtype, False, seed=seed, device=device)
+    biases = [_inputs(1, n, k, dtype, True, seed=seed + 10 + i, device=device)[1] if with_bias else None
+              for i, n in enumerate(ns)]
+    g = torch.Generator().manual_seed(seed)
+    u_cat = torch.randn(1, len(ns) * rank, generator=g).to(dtype).to(device)
+    loras = [LoRATerm(u_cat[:, i * rank:(i + 1) * rank], (torch.randn(n, rank, generator=g) * 0.2).to(dtype).to(device),
+                      0.5 + i) if with_lora else None for i, n in enumerate(ns)]
+    return x, weights, biases, loras
+
+
+# (row counts of the weights, dtype, nested absmax, bias, LoRA): q/k/v-like triples and gate/up-like pairs, row
+# counts that do not divide into the programs' rows (masked), bf16 too (the row kernel has no tl.dot)
+GROUP_CASES = [((37, 16, 21), torch.float16, True, True, True), ((40, 40), torch.bfloat16, False, True, False),
+               ((8, 29, 13), torch.float32, False, False, True), ((33, 64), torch.float16, True, False, False)]
+GROUP_CONFIGS = [None, MatvecConfig(block_n=4, step_blocks=2, use_dot=False, num_warps=2),
+                 MatvecConfig(block_n=2, step_blocks=1, use_dot=False, prefetch=True)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("config", GROUP_CONFIGS, ids=lambda c: "auto" if c is None else _config_id(c))
+@pytest.mark.parametrize("ns,dtype,nested,with_bias,with_lora", GROUP_CASES,
+                         ids=[f"{len(c[0])}w-{str(c[1])[6:]}" for c in GROUP_CASES])
+def test_group_is_each_weight_alone_bit_for_bit(ns, dtype, nested, with_bias, with_lora, config):
+    """One launch for two or three weights: each output the bits of ``nf4_matvec`` on that weight alone at
+    the same tiling (and so inside the rounding bound of its definition)."""
+    k = 320
+    x, weights, biases, loras = _group(ns, k, dtype, nested, with_bias, with_lora)
+    with use_triton(True):
+        ys = nf4_matvec_group(x, weights, biases, loras=loras, config=config)
+        tiling = config or matvec_config(1, sum(ns), k)
+        alone = [nf4_matvec(x, w, b, lora=lo, config=tiling) for w, b, lo in zip(weights, biases, loras)]
+    assert [tuple(y.shape) for y in ys] == [(1, n) for n in ns]
+    for i, (y, y_alone) in enumerate(zip(ys, alone)):
+        assert torch.equal(y, y_alone), f"weight {i} of {len(ns)}: not the one-weight kernel's bits"
+        assert_within_rounding(y, x, *weights[i], biases[i], f"weight {i}", lora=loras[i], exact_w=True)
+
+
+@needs_interpreter
+def test_group_takes_one_launch_or_one_call_a_weight(monkeypatch):
+    """One kernel launch for up to MAX_GROUP weights (of four weights, the first three); one ``nf4_matvec`` a weight
+    where one launch cannot take them all (rows of x, mixed absmax kinds, a bias on some), with its outputs."""
+    import notebookkit.kernels.nf4_matvec as module
+
+    launches = []
+    real = module._nf4_matvec_rows_group_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(module, "_nf4_matvec_rows_group_kernel", Counting())
+    k = 192
+    x, weights, biases, loras = _group((24, 8, 8, 16), k, torch.float16, True, True, True, seed=31)
+    with use_triton(True):
+        ys = nf4_matvec_group(x, weights, biases, loras=loras)
+        rows = matvec_config(1, 24 + 8 + 8, k).block_n  # weights 0-2 in one launch, each its own programs; the
+        assert MAX_GROUP == 3 and launches == [(-(-24 // rows) + 2 * -(-8 // rows),)]  # fourth alone: one weight's kernel
+        for y, w, b, lo in zip(ys, weights, biases, loras):
+            assert_within_rounding(y, x, *w, b, "four weights", lora=lo, exact_w=True)
+        plain = _nf4_weight(8, k, torch.float16, nested=False, seed=5)
+        rows3 = _inputs(3, 1, k, torch.float16, False, seed=6)[0]
+        for what, args, kwargs in (
+                ("rows of x", (rows3, weights[:2]), {}),
+                ("absmax kinds", (x, [weights[0], plain]), {}),
+                ("a bias on one", (x, weights[:2], [biases[0], None]), {})):
+            launches.clear()
+            ys = nf4_matvec_group(*args, **kwargs)
+            assert not launches, what
+            biases_of = args[2] if len(args) > 2 else [None] * len(args[1])
+            for y, w, b in zip(ys, args[1], biases_of):
+                assert torch.equal(y, nf4_matvec(args[0], w, b)), what
+    with pytest.raises(ValueError, match="2 weights, but 1 biases"):
+        nf4_matvec_group(x, weights[:2], [None])
 
 
 def test_lora_term_shapes_are_checked():
@@ -446,6 +528,26 @@ def test_gpu_configs_plain_absmax(config):
     x, bias = _inputs(1, 4096, 4096, torch.bfloat16, True, device="cuda")
     y = nf4_matvec(x, (packed, qs), bias=bias, config=config)
     _assert_within_rounding_chunked(y, x, packed, qs, bias, str(config), exact_w=not config.use_dot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_group_of_the_8b_attention_and_mlp(dtype):
+    """Llama-3.1-8B's q/k/v (4096, 1024, 1024 rows) with LoRA and its gate/up (14336 x 2) in one launch each:
+    every output the one-weight kernel's bits at the same tiling, also when replayed from a CUDA graph."""
+    for ns, k, with_lora in (((4096, 1024, 1024), 4096, True), ((14336, 14336), 4096, False)):
+        x, weights, biases, loras = _group(ns, k, dtype, True, False, with_lora, device="cuda", rank=16)
+        tiling = matvec_config(1, sum(ns), k, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        alone = [nf4_matvec(x, w, lora=lo, config=tiling) for w, lo in zip(weights, loras)]
+        eager = nf4_matvec_group(x, weights, biases, loras=loras)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = nf4_matvec_group(x, weights, biases, loras=loras)
+        graph.replay()
+        torch.cuda.synchronize()
+        for y, y_graph, y_alone in zip(eager, captured, alone):
+            assert torch.equal(y, y_alone) and torch.equal(y_graph, y_alone), f"{ns} {dtype}"
 
 
 @pytest.mark.gpu

@@ -8,8 +8,10 @@ helpers of :mod:`notebookkit.kernels.lora_projection` without autograd
 one launch of that kernel: it reads the NF4 bytes directly instead of dequantising each whole weight per
 token, and adds the bias and the low-rank term ``s U B^T`` (``U = X A^T`` from one GEMM per group, over the
 group's ``A_cat`` kept between steps: :meth:`AdapterCasts.concatenated`) into the same fp32 sum before its
-one rounding. Per decoder layer that is 7 matvecs and 4 thin products (:mod:`~notebookkit.kernels.skinny_matmul`),
-where a matvec, an ``addmm`` per projection and a concatenation per group made 20.
+one rounding. For one row (batch-1 decode) the projections of a group share that launch
+(:func:`~notebookkit.kernels.nf4_matvec.nf4_matvec_group`: q/k/v one, gate/up one). Per decoder layer that is
+4 matvec launches and 4 thin products (:mod:`~notebookkit.kernels.skinny_matmul`) at batch 1 (7 matvecs at
+larger batches), where a matvec, an ``addmm`` per projection and a concatenation per group made 20.
 2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their whole weight: a decode
 batch of at most ``low_bit_matvec.MAX_ROWS`` rows reads their codes in
 :func:`notebookkit.kernels.low_bit_matvec.low_bit_matvec` (no ``tl.dot``), more rows go
@@ -192,15 +194,14 @@ def _nf4_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection], biase
     not take every projection (then the caller adds the low-rank parts itself)."""
     if not all(p.quantized for p in projs) or not _nf4_takes(x2d, projs):
         return None
-    matvec, _ = _nf4_kernels()
     dtype = x2d.dtype
-    outs = []
-    for p, bias, u in zip(projs, biases, _adapter_inputs(x2d, projs, casts)):
-        lora = None
-        if u is not None:
-            lora = (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
-        outs.append(matvec(x2d, (p.weight, p.quant_state), bias, lora=lora))
-    return outs
+    loras = [None if u is None else (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
+             for p, u in zip(projs, _adapter_inputs(x2d, projs, casts))]
+    group = kernel("nf4_matvec", "nf4_matvec_group")
+    if group is not None and len(projs) > 1:  # one launch for q/k/v, one for gate/up, where the kernel takes them
+        return group(x2d, [(p.weight, p.quant_state) for p in projs], list(biases), loras=loras)
+    matvec, _ = _nf4_kernels()
+    return [matvec(x2d, (p.weight, p.quant_state), bias, lora=lora) for p, bias, lora in zip(projs, biases, loras)]
 
 
 def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[AdapterCasts] = None) -> list[torch.Tensor]:

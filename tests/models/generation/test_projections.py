@@ -1,7 +1,8 @@
 """The decode path's NF4 projections with their LoRA terms inside the matvec (``projections.project``).
 
 On a GPU, ``project`` runs each NF4 projection as one launch of ``nf4_matvec`` that adds its bias and its
-adapter's ``s U B^T`` (``U = X A^T``, one GEMM per group over the ``A_cat`` kept in ``AdapterCasts``). Here the
+adapter's ``s U B^T`` (``U = X A^T``, one GEMM per group over the ``A_cat`` kept in ``AdapterCasts``); for one
+row of x the projections of a group share one launch (``nf4_matvec_group``). Here the
 kernel runs under the interpreter (``use_triton(True)``) and is held against the same function computed the
 other way, the CPU path (NF4 decoded, then the shared-input products of the training path), on the tiny
 default loaded in 4-bit with PEFT adapters: q/k/v (a group, one rank), o and down (alone), gate/up; ranks that
@@ -50,23 +51,37 @@ def _fused_and_reference(modules, x2d, casts):
     return fused, reference
 
 
-def _spy_lora_terms(monkeypatch) -> list:
-    """Records the LoRA term (or None) of every matvec launch of the decode projections."""
+KERNELS = ("_nf4_matvec_row_kernel", "_nf4_matvec_rows_group_kernel", "_nf4_matvec_dot_kernel")
+
+
+def _spy_launches(monkeypatch) -> list:
+    """Records ``(kernel name, programs, whether it adds a LoRA term)`` of every launch of the matvec's kernels."""
     seen = []
 
-    def spy(x, weight, bias=None, **kw):
-        seen.append(kw.get("lora"))
-        return nf4_matvec_module.nf4_matvec(x, weight, bias, **kw)
+    class Spied:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(nf4_matvec_module, name)
 
-    monkeypatch.setattr(projections, "_nf4_kernels", lambda: (spy, nf4_matvec_module.nf4_matvec_supported))
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((self.name, grid[0], kwargs["HAS_LORA"]))
+                return self.real[grid](*args, **kwargs)
+            return launch
+
+    for name in KERNELS:
+        monkeypatch.setattr(nf4_matvec_module, name, Spied(name))
     return seen
 
 
 @needs_interpreter
-@pytest.mark.parametrize("family,rows", [("llama", 1), ("qwen2", 3)], ids=["llama-M1", "qwen2-bias-M3"])
-def test_each_projection_is_one_matvec_with_its_lora_term(family, rows, monkeypatch):
+@pytest.mark.parametrize("family,rows", [("llama", 1), ("qwen2", 1), ("qwen2", 3)],
+                         ids=["llama-M1", "qwen2-bias-M1", "qwen2-bias-M3"])
+def test_each_group_is_one_launch_with_its_lora_terms(family, rows, monkeypatch):
+    """One row of x (batch-1 decode): a group (q/k/v, gate/up) is one launch of the grouped row kernel, a
+    projection alone (o, down) one of the row kernel; more rows: one ``tl.dot`` launch a projection. Every
+    launch adds its adapters' terms; the outputs are the CPU path's."""
     model, layer = _layer(family)
-    seen = _spy_lora_terms(monkeypatch)
+    seen = _spy_launches(monkeypatch)
     casts = AdapterCasts()
     x2d = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     assert (layer.self_attn.q_proj.base_layer.bias is not None) == (family == "qwen2")
@@ -75,7 +90,12 @@ def test_each_projection_is_one_matvec_with_its_lora_term(family, rows, monkeypa
         x = x2d if width == x2d.shape[1] else torch.randn(rows, width, generator=torch.Generator().manual_seed(4))
         seen.clear()
         fused, reference = _fused_and_reference(modules, x, casts)
-        assert len(seen) == len(modules) and all(term is not None for term in seen), name  # one launch each
+        if rows > 1:
+            expected = ["_nf4_matvec_dot_kernel"] * len(modules)
+        else:
+            expected = ["_nf4_matvec_rows_group_kernel" if len(modules) > 1 else "_nf4_matvec_row_kernel"]
+        assert [kernel for kernel, _, _ in seen] == expected, name
+        assert all(lora for _, _, lora in seen), name
         for got, want, module in zip(fused, reference, modules):
             assert got.shape == want.shape
             assert rel_err(got, want) <= 1e-5, f"{family} {name}: {rel_err(got, want):.2e}"
