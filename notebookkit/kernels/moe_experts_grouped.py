@@ -36,7 +36,9 @@ accumulator per output tile: the two paths agree to bf16 rounding, not bit for b
 NF4 experts (:class:`~notebookkit.kernels.nf4_stacked.NF4Stacked`) are decoded a chunk of whole experts at a
 time (:mod:`notebookkit.expert_chunks`), each chunk's ``gmm`` over its experts' rows; an expert range without
 rows is not decoded. That needs the segment bounds on the host: one device-to-host copy of ``E + 1`` integers a
-call (so this path never runs under CUDA-graph capture).
+call (so this path never runs under CUDA-graph capture). The host then writes every chunk's ``grouped_mm``
+offsets and sends them in one copy a GEMM, and knows whether any expert is without rows (the weight gradients'
+zero mask is skipped when none is).
 
 Memory (``n = T k``): it saves the Triton path's activations (``gu``, ``xa``, ``ha``) and its own bookkeeping
 (the fp32 routing weights, int32 ``perm`` and expert ids per sorted row, the int32 offsets: ``12 n + 4 E``
@@ -83,8 +85,9 @@ def grouped_mm_applies(x: torch.Tensor, pairs: int, num_experts: int, dims: tupl
 
 
 class ExpertSegments(NamedTuple):
-    """The pairs sorted by expert: ``perm [N]`` (the pair slot ``t k + j`` of each sorted row, stable),
-    ``expert [N]`` (the sorted expert ids), ``starts``/``ends [E]`` (each expert's sorted rows); int64."""
+    """The pairs sorted by expert: ``perm [N]`` (the pair slot ``t k + j`` of each sorted row, stable, int64),
+    ``expert [N]`` (the sorted expert ids, in the narrow key dtype of :func:`expert_segments`),
+    ``starts``/``ends [E]`` (each expert's sorted rows, int32)."""
 
     perm: torch.Tensor
     expert: torch.Tensor
@@ -94,12 +97,16 @@ class ExpertSegments(NamedTuple):
 
 def expert_segments(topk_idx: torch.Tensor, num_experts: int) -> ExpertSegments:
     """Sort the pairs by expert (stable: by token inside an expert); each expert's segment from
-    ``searchsorted`` (no host sync: ``bincount`` on CUDA reads its largest id on the host)."""
-    flat = topk_idx.reshape(-1).long()
+    ``searchsorted`` (no host sync: ``bincount`` on CUDA reads its largest id on the host to size its output).
+
+    The keys are sorted as uint8 (int16 past 256 experts): a radix sort on the GPU takes one pass per key byte,
+    and int64 ids made eight."""
+    key = torch.uint8 if num_experts <= 256 else torch.int16
+    flat = topk_idx.reshape(-1).to(key)
     ordered, perm = torch.sort(flat, stable=True)
-    experts = torch.arange(num_experts, device=flat.device)
-    return ExpertSegments(perm, ordered, torch.searchsorted(ordered, experts),
-                          torch.searchsorted(ordered, experts, right=True))
+    experts = torch.arange(num_experts, device=flat.device, dtype=key)
+    return ExpertSegments(perm, ordered, torch.searchsorted(ordered, experts, out_int32=True),
+                          torch.searchsorted(ordered, experts, right=True, out_int32=True))
 
 
 def sum_slots(buf: torch.Tensor, tokens: int, topk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -234,11 +241,26 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, sg: _Segments) -> torch.Tensor:
     return _grouped_mm(a, b, offs=sg.ends32)
 
 
+def _every_expert_has_rows(sg: _Segments) -> bool:
+    """Whether the host's segment bounds (NF4 experts) show that no expert is without rows (False when unknown)."""
+    return sg.bounds is not None and all(lo < hi for lo, hi in zip(sg.bounds, sg.bounds[1:]))
+
+
 def _gmm_t(l: torch.Tensor, r: torch.Tensor, sg: _Segments, scale: float) -> torch.Tensor:
     """``[E, P, Q]``: ``scale sum_{s in e} l_s^T r_s`` (``l [N, P]``, ``r [N, Q]``); an expert without rows gets
-    exact zeros (not whatever an empty reduction leaves)."""
+    exact zeros (not whatever an empty reduction leaves), unless the host's bounds show there is none."""
+    if _every_expert_has_rows(sg):
+        return _grouped_mm(l.t(), r, offs=sg.ends32).mul_(scale)
     empty = torch.diff(sg.ends32, prepend=sg.ends32.new_zeros(1)) == 0
     return _grouped_mm(l.t(), r, offs=sg.ends32).mul_(scale).masked_fill_(empty[:, None, None], 0.0)
+
+
+def _chunk_offsets(bounds: list[int], ranges: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The ``grouped_mm`` offsets of every chunk of a call (its experts' segment ends counted from the chunk's
+    first row), from the host's segment bounds, chunk after chunk in one int32 tensor: one copy to the device a
+    call, where a subtraction a chunk made one launch each."""
+    ends = [bounds[e + 1] - bounds[lo] for lo, hi in ranges for e in range(lo, hi)]
+    return torch.tensor(ends, dtype=torch.int32, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def _expert_gemm(a: torch.Tensor, w, sg: _Segments) -> torch.Tensor:
@@ -248,12 +270,16 @@ def _expert_gemm(a: torch.Tensor, w, sg: _Segments) -> torch.Tensor:
         return _grouped_mm(a, w.transpose(1, 2), offs=sg.ends32)
     E, n_out, n_in = w.shape
     out = a.new_empty((a.shape[0], n_out))
-    for lo, hi in chunk_ranges(E, n_out * n_in * a.element_size()):
-        r0, r1 = sg.bounds[lo], sg.bounds[hi]
-        if r0 == r1:
-            continue  # no rows for these experts: nothing decoded
+    bounds = sg.bounds
+    # experts without rows are not decoded
+    ranges = [(lo, hi) for lo, hi in chunk_ranges(E, n_out * n_in * a.element_size()) if bounds[lo] != bounds[hi]]
+    offsets = _chunk_offsets(bounds, ranges, a.device)
+    at = 0
+    for lo, hi in ranges:
+        r0, r1 = bounds[lo], bounds[hi]
         chunk = w.decode_experts(lo, hi, a.dtype)
-        out[r0:r1] = _grouped_mm(a[r0:r1], chunk.transpose(1, 2), offs=sg.ends32[lo:hi] - r0)
+        out[r0:r1] = _grouped_mm(a[r0:r1], chunk.transpose(1, 2), offs=offsets[at:at + hi - lo])
+        at += hi - lo
         del chunk
     return out
 

@@ -135,3 +135,26 @@ def test_grouped_path_on_the_gpu(family, nf4, monkeypatch):
         assert rel_err(got[name], ref) <= 2 * rel_err(triton_path[name], ref) + 1e-3, name
         if name[0] in "AB":
             assert all(torch.count_nonzero(_expert_rows(got[name], name, e)) == 0 for e in EMPTY), name
+
+
+@pytest.mark.parametrize("num_experts", [6, 256, 300], ids=lambda e: f"E{e}")
+def test_expert_segments_sort_narrow_keys(num_experts):
+    """The pairs sorted by expert on uint8 keys (int16 past 256 experts): the stable order and the segments of a
+    sort of the int64 ids, experts without rows included."""
+    g = torch.Generator().manual_seed(num_experts)
+    idx = torch.randint(0, num_experts - 1, (97, 4), generator=g)  # the last expert gets no row
+    seg = grouped.expert_segments(idx, num_experts)
+    order = torch.sort(idx.reshape(-1), stable=True)
+    assert torch.equal(seg.perm, order.indices) and torch.equal(seg.expert.long(), order.values)
+    counts = torch.bincount(idx.reshape(-1), minlength=num_experts)
+    assert torch.equal(seg.ends.long() - seg.starts.long(), counts) and int(seg.ends[-1]) == idx.numel()
+    assert seg.expert.dtype == (torch.uint8 if num_experts <= 256 else torch.int16)
+
+
+def test_the_zero_mask_is_skipped_where_the_host_bounds_show_every_expert_has_rows():
+    """The weight gradients' mask of experts without rows is made unless the host's NF4 bounds show every expert
+    has rows (no bounds: 16-bit experts, always made)."""
+    ends = torch.tensor([3, 5, 5, 9], dtype=torch.int32)
+    assert not grouped._every_expert_has_rows(grouped._Segments(None, None, ends, [0, 3, 5, 5, 9]))
+    assert not grouped._every_expert_has_rows(grouped._Segments(None, None, ends, None))
+    assert grouped._every_expert_has_rows(grouped._Segments(None, None, ends, [0, 3, 5, 7, 9]))
