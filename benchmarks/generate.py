@@ -35,7 +35,8 @@ the same process: ``batch x copy GB/s / weight bytes`` tokens/s (KV cache and ac
 ``--kernels``: ``nf4_matvec`` at the 8B layer shapes (M = 1 and 8) next to dequantise + matmul and
 bitsandbytes' ``matmul_4bit``, replayed from CUDA graphs (``benchmarks/kernels.py``'s timing): GB/s over the NF4 bytes and absmax, as a
 share of the copy bandwidth; ``--sweep`` adds a row per launch configuration (the fastest per shape
-is marked).
+is marked). The layer's groups at M = 1 (q/k/v, gate/up) follow: a launch a weight against
+``nf4_matvec_group``'s one launch, on distinct weights.
 
 Results: ``<out>/<date>-<gpu>-generate[-tag].json`` and ``.md`` (the markdown is printed last), with
 the GPU, versions and command; the ratio columns against HF and Unsloth, and the targets of issue 21
@@ -631,8 +632,51 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
             if ours:
                 min(ours, key=lambda r: r["ms"])["fastest_config"] = True
             rows += shape_rows
+    rows += group_rows(dtype, bench, copy_gbps)
     for r in rows:
         r["copy_gbps"] = copy_gbps
+    return rows
+
+
+# a batch-1 decode layer's projections that read one x: separate launches against nf4_matvec_group's one
+GROUP_SHAPES = {"q/k/v": [(4096, 4096), (1024, 4096), (1024, 4096)], "gate/up": [(14336, 4096), (14336, 4096)]}
+
+
+def group_rows(dtype, bench, copy_gbps: float, groups: dict = GROUP_SHAPES, device: str = "cuda") -> list[dict]:
+    """``nf4_matvec`` once a weight against ``nf4_matvec_group`` (one launch) for the 8B layer's groups at M = 1,
+    distinct weights (no reuse from L2 between them), both graph-replayed."""
+    import bitsandbytes.functional as bnbF
+    import torch
+
+    from notebookkit.kernels.nf4_matvec import nf4_matvec, nf4_matvec_group, nf4_matvec_reference
+    from notebookkit.kernels.testing import rel_err
+
+    rows = []
+    for name, shapes in groups.items():
+        weights = [bnbF.quantize_4bit((torch.randn(n, k, device=device) * 0.02).to(dtype), blocksize=64,
+                                      compress_statistics=True, quant_type="nf4") for n, k in shapes]
+        nbytes = sum(t.numel() * t.element_size() for packed, qs in weights
+                     for t in (packed, qs.absmax, qs.state2.absmax, qs.state2.code))
+        x = torch.randn(1, shapes[0][1], device=device, dtype=dtype)
+        ref = torch.cat([nf4_matvec_reference(x, w) for w in weights], dim=-1)
+        impls = {f"nf4_matvec x{len(shapes)} (a launch each)": lambda: [nf4_matvec(x, w) for w in weights],
+                 "nf4_matvec_group (one launch)": lambda: nf4_matvec_group(x, weights)}
+        for impl, fn in impls.items():
+            row = dict(shape=f"{name} " + "+".join(f"{n}" for n, _ in shapes) + f"x{shapes[0][1]}", m=1,
+                       impl=impl, config="", nf4_bytes=nbytes)
+            try:
+                err = rel_err(torch.cat(fn(), dim=-1), ref)
+                ms, row["timing"] = bench._bench(fn)
+                row.update(ms=round(ms, 5), gbps=round(nbytes / (ms * 1e-3) / 1e9, 1),
+                           of_copy=round(nbytes / (ms * 1e-3) / 1e9 / copy_gbps, 3), rel_err=err,
+                           status="ok" if err <= 2e-2 else "wrong")
+            except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
+                row.update(status=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            rows.append(row)
+            print("ROW " + json.dumps(row), flush=True)
+        del weights
     return rows
 
 
