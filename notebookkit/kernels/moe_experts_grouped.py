@@ -255,12 +255,21 @@ def _gmm_t(l: torch.Tensor, r: torch.Tensor, sg: _Segments, scale: float) -> tor
     return _grouped_mm(l.t(), r, offs=sg.ends32).mul_(scale).masked_fill_(empty[:, None, None], 0.0)
 
 
+#: each device's int32 buffer of chunk offsets, reused by every call (stream order keeps a call's GEMMs before the
+#: next call's copy into it): a few hundred bytes for the process, never a transient of a call
+_OFFSETS: dict[torch.device, torch.Tensor] = {}
+
+
 def _chunk_offsets(bounds: list[int], ranges: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """The ``grouped_mm`` offsets of every chunk of a call (its experts' segment ends counted from the chunk's
-    first row), from the host's segment bounds, chunk after chunk in one int32 tensor: one copy to the device a
-    call, where a subtraction a chunk made one launch each."""
+    first row), from the host's segment bounds, chunk after chunk in the device's offsets buffer: one copy to
+    the device a call, where a subtraction a chunk made one launch each."""
     ends = [bounds[e + 1] - bounds[lo] for lo, hi in ranges for e in range(lo, hi)]
-    return torch.tensor(ends, dtype=torch.int32, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    buffer = _OFFSETS.get(device)
+    if buffer is None or buffer.numel() < len(ends):
+        buffer = _OFFSETS[device] = torch.empty(max(256, len(ends)), dtype=torch.int32, device=device)
+    host = torch.tensor(ends, dtype=torch.int32, pin_memory=device.type == "cuda")
+    return buffer[:len(ends)].copy_(host, non_blocking=True)
 
 
 def _expert_gemm(a: torch.Tensor, w, sg: _Segments) -> torch.Tensor:

@@ -76,7 +76,7 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from notebookkit.expert_chunks import decodes_in_chunks, experts_per_chunk, grouped_mm_sizes, largest_decode
+from notebookkit.expert_chunks import decodes_in_chunks, grouped_mm_sizes, largest_decode
 from notebookkit.families import Family, for_model_type
 
 from .shapes import ModelShape
@@ -287,11 +287,10 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     b_copies = E * 2 * I * r_gu * s + E * H * r_d * s  # the adapters' B factors made contiguous
     pending = n * (r_gu + r_d) * s  # saved products not yet made when the gate/up GEMM runs
     res = (lambda out: n * out * s if chunk else 0)  # one chunk's rows before the copy (NF4)
-    # a chunk's grouped_mm offsets (int32, one an expert of the chunk), with the chunk of each weight
-    offs_gu, offs_d = (4 * experts_per_chunk(size * s, E) if chunk else 0 for size in (2 * I * H, H * I))
-    forward = max(b_copies + rows + chunk + res(2 * I) + offs_gu - pending,
+    # (the chunks' grouped_mm offsets live in a buffer kept for the process, moe_experts_grouped._OFFSETS)
+    forward = max(b_copies + rows + chunk + res(2 * I) - pending,
                   b_copies + rows + n * 2 * I * s - n * r_d * s if r_gu else 0,  # the gate/up adapter's product
-                  b_copies + n * I * s + rows + chunk + res(H) + offs_d,  # h, the down GEMM's output
+                  b_copies + n * I * s + rows + chunk + res(H),  # h, the down GEMM's output
                   b_copies + 2 * rows if r_d else 0,  # o and the down adapter's product
                   2 * rows, rows + N * H * 4 + rounded)  # o, the slots; the slots, their fp32 sum, y
     part = 4 * n * math.ceil(I / min(1024, 2 ** math.ceil(math.log2(max(I, 16)))))
@@ -299,13 +298,13 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     d_grads = E * r_d * (H + I) * s
     backward = max(
         4 * n + rows,
-        rows + n * I * s + chunk + res(I) + offs_d,  # dys, G
+        rows + n * I * s + chunk + res(I),  # dys, G
         rows + n * I * s + dyb + max(E * H * r_d * s, n * I * s) if r_d else 0,  # dy B, the adapter's product
         rows + n * I * s + dyb + n * 2 * I * s + h + part,  # dgu, h, the <G, h> partials
         rows + dyb + n * 2 * I * s + h + part + 8 * n,  # dw and its source
         rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + 6 * n * r_d,  # the down adapter's gradients
         n * 2 * I * s + 4 * n + d_grads + E * 2 * I * r_gu * s + n * r_gu * s,  # dgu B
-        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(chunk + res(H) + offs_gu, rows),  # dxs, its adapter's
+        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(chunk + res(H), rows),  # dxs, its adapter's
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * 4 + rounded,  # the slots, their sum, dx
         n * 2 * I * s + 4 * n + n * r_gu * s + N * H * s + factor_bytes + rows + E)  # every factor gradient, xs again
     return {"forward": forward, "backward": backward}

@@ -158,3 +158,16 @@ def test_the_zero_mask_is_skipped_where_the_host_bounds_show_every_expert_has_ro
     assert not grouped._every_expert_has_rows(grouped._Segments(None, None, ends, [0, 3, 5, 5, 9]))
     assert not grouped._every_expert_has_rows(grouped._Segments(None, None, ends, None))
     assert grouped._every_expert_has_rows(grouped._Segments(None, None, ends, [0, 3, 5, 7, 9]))
+
+
+def test_chunk_offsets_are_each_chunks_segment_ends_in_one_kept_buffer(monkeypatch):
+    """Each chunk's offsets count its experts' segment ends from the chunk's first row, chunk after chunk, written
+    into one buffer a device that later calls reuse (and that grows when a call needs more)."""
+    monkeypatch.setattr(grouped, "_OFFSETS", {})
+    bounds = [0, 3, 5, 5, 9, 12]  # five experts; the third has no rows
+    offs = grouped._chunk_offsets(bounds, [(0, 2), (3, 5)], torch.device("cpu"))
+    assert offs.tolist() == [3, 5, 4, 7]  # experts 0-1 from row 0; experts 3-4 from row 5
+    again = grouped._chunk_offsets(bounds, [(0, 5)], torch.device("cpu"))
+    assert again.tolist() == [3, 5, 5, 9, 12] and again.data_ptr() == offs.data_ptr()
+    wide = grouped._chunk_offsets(list(range(301)), [(0, 300)], torch.device("cpu"))
+    assert wide.tolist() == list(range(1, 301)) and grouped._OFFSETS[torch.device("cpu")].numel() == 300
