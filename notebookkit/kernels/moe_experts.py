@@ -818,16 +818,25 @@ def moe_expert_mlp(
                                         down_lora, activation, interleaved, alpha, limit)
     if x.dtype not in _DTYPES:
         raise ValueError(f"moe_expert_mlp: the Triton path takes float16, bfloat16 or float32, got {x.dtype}.")
-    factors = []
-    for lora in (gate_up_lora, down_lora):
-        factors += [None, None] if lora is None else [lora.A.to(x.dtype), lora.B.to(x.dtype)]
+    loras = [lora for lora in (gate_up_lora, down_lora) if lora is not None]
     meta = (gate_up_lora.scaling if gate_up_lora is not None else 0.0,
             down_lora.scaling if down_lora is not None else 0.0,
             ACTIVATIONS[activation], interleaved, float(alpha), float(limit))
-    ranks = tuple(lora.A.shape[1] for lora in (gate_up_lora, down_lora) if lora is not None)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_w, *factors))
-    if training and grouped_mm_applies(x, topk_idx.numel(), gate_up.shape[0], (x.shape[1], down.shape[2], *ranks),
-                          (gate_up, down)):
+    ranks = tuple(lora.A.shape[1] for lora in loras)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, *(f for lo in loras for f in lo[:2])))
+    grouped = training and grouped_mm_applies(x, topk_idx.numel(), gate_up.shape[0],
+                                              (x.shape[1], down.shape[2], *ranks), (gate_up, down))
+    factors = []
+    for lora in (gate_up_lora, down_lora):
+        if lora is None:
+            factors += [None, None]
+            continue
+        # grouped_mm reads B [E, out, r] contiguous: a cast writes it so (PEFT's B is a permuted view), sparing
+        # the grouped path a copy of it in the forward and another in the backward
+        contiguous = grouped and lora.B.dtype != x.dtype
+        factors += [lora.A.to(x.dtype),
+                    lora.B.to(x.dtype, memory_format=torch.contiguous_format) if contiguous else lora.B.to(x.dtype)]
+    if grouped:
         return moe_expert_mlp_grouped(x, topk_idx, topk_w, gate_up, down, gate_up_bias, down_bias, *factors, meta)
     return _MoEExpertMLPFunction.apply(x, topk_idx, topk_w, gate_up, down, gate_up_bias, down_bias, *factors, meta)
 

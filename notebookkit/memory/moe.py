@@ -249,12 +249,14 @@ def expert_decode_chunk_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bo
 
 
 def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
-                              nf4: bool = False, grouped: bool | None = False) -> dict[str, int]:
+                              nf4: bool = False, grouped: bool | None = False, adapter_bytes: int = 4) -> dict[str, int]:
     """Transient bytes of a sparse block beyond what it saved: ``{"forward": ..., "backward": ...}`` (the
     incoming gradient ``dy`` not included); ``nf4``: the experts are NF4, so each GEMM may hold a decoded
-    chunk of them (:func:`expert_decode_chunk_bytes`); ``grouped`` as :func:`sparse_block_saved_bytes`."""
+    chunk of them (:func:`expert_decode_chunk_bytes`); ``grouped`` and ``adapter_bytes`` (the LoRA factors'
+    element size) as :func:`sparse_block_saved_bytes`."""
     if len(paths := _paths(grouped, shape, tokens, s, ranks)) > 1:
-        both = [sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks, nf4=nf4, grouped=g) for g in paths]
+        both = [sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks, nf4=nf4, grouped=g,
+                                          adapter_bytes=adapter_bytes) for g in paths]
         return {key: max(b[key] for b in both) for key in both[0]}
     grouped = paths[0]
     N, k, E, H, I = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
@@ -264,7 +266,7 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
     if grouped:
         return _grouped_working_sets(shape, n=n, N=N, s=s, r_gu=r_gu, r_d=r_d, chunk=chunk, rounded=rounded,
-                                     factor_bytes=_factor_elems(shape, ranks) * s)
+                                     factor_bytes=_factor_elems(shape, ranks) * s, b_cast=adapter_bytes != s)
     forward = max(n * (I + H) * s + chunk, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
     down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
@@ -278,13 +280,16 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
 
 
 def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: int, r_d: int, chunk: int,
-                          rounded: int, factor_bytes: int) -> dict[str, int]:
+                          rounded: int, factor_bytes: int, b_cast: bool) -> dict[str, int]:
     """:func:`sparse_block_working_sets` of :mod:`notebookkit.kernels.moe_experts_grouped` (module docstring of
     that file: its order of allocations). With NF4 experts each chunk's GEMM also holds its rows' output before
-    they are copied into place: at most every row (``n out s``), the bound counted here."""
+    they are copied into place: at most every row (``n out s``), the bound counted here. ``b_cast``: the LoRA
+    factors are cast to the compute dtype, ``B`` written contiguous by its cast; else (factors already in it)
+    the block makes contiguous copies of PEFT's strided ``B`` views, in the forward and again in the backward."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     rows = n * H * s  # xs, o, the pairs' slots, dys, dxs: one row of H per pair
-    b_copies = E * 2 * I * r_gu * s + E * H * r_d * s  # the adapters' B factors made contiguous
+    b_gu, b_d = (0, 0) if b_cast else (E * 2 * I * r_gu * s, E * H * r_d * s)  # the B factors' contiguous copies
+    b_copies = b_gu + b_d
     pending = n * (r_gu + r_d) * s  # saved products not yet made when the gate/up GEMM runs
     res = (lambda out: n * out * s if chunk else 0)  # one chunk's rows before the copy (NF4)
     # (the chunks' grouped_mm offsets live in a buffer kept for the process, moe_experts_grouped._OFFSETS)
@@ -299,11 +304,11 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     backward = max(
         4 * n + rows,
         rows + n * I * s + chunk + res(I),  # dys, G
-        rows + n * I * s + dyb + max(E * H * r_d * s, n * I * s) if r_d else 0,  # dy B, the adapter's product
+        rows + n * I * s + dyb + max(b_d, n * I * s) if r_d else 0,  # dy B, the adapter's product
         rows + n * I * s + dyb + n * 2 * I * s + h + part,  # dgu, h, the <G, h> partials
         rows + dyb + n * 2 * I * s + h + part + 8 * n,  # dw and its source
         rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + 6 * n * r_d,  # the down adapter's gradients
-        n * 2 * I * s + 4 * n + d_grads + E * 2 * I * r_gu * s + n * r_gu * s,  # dgu B
+        n * 2 * I * s + 4 * n + d_grads + b_gu + n * r_gu * s,  # dgu B
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(chunk + res(H), rows),  # dxs, its adapter's
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * 4 + rounded,  # the slots, their sum, dx
         n * 2 * I * s + 4 * n + n * r_gu * s + N * H * s + factor_bytes + rows + E)  # every factor gradient, xs again

@@ -154,17 +154,20 @@ def test_nf4_experts_take_what_the_model_says(family, one_thread):
     assert held == sum(v for k, v in weights.items() if "experts" in k or "routers" in k)
 
 
-@pytest.mark.parametrize("dtype, nf4, grouped", [(torch.float32, False, False), (torch.bfloat16, False, False),
-                                                 (torch.bfloat16, True, False), (torch.bfloat16, False, True),
-                                                 (torch.bfloat16, True, True)],
-                         ids=["float32", "bfloat16", "bfloat16-nf4-chunks", "bfloat16-grouped-mm",
-                              "bfloat16-nf4-grouped-mm"])
-def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, monkeypatch, one_thread):
-    """One grouped call (Qwen3-MoE layout, fp32 adapters at ranks 2r / r) under ``LiveBytes``, launch arguments
-    released as a GPU would: what is alive after the forward is what it saved plus ``y``, and the forward's and
-    the backward's peaks above that are :func:`~notebookkit.memory.moe.sparse_block_working_sets`, byte for byte.
-    ``nf4-chunks``: NF4 experts decoded three at a time (16 rows an expert, the chunk made small), the decoded
-    chunk counted by :func:`~notebookkit.memory.moe.expert_decode_chunk_bytes`."""
+@pytest.mark.parametrize("dtype, nf4, grouped, adapters", [
+    (torch.float32, False, False, torch.float32), (torch.bfloat16, False, False, torch.float32),
+    (torch.bfloat16, True, False, torch.float32), (torch.bfloat16, False, True, torch.float32),
+    (torch.bfloat16, True, True, torch.float32), (torch.bfloat16, False, True, torch.bfloat16)],
+    ids=["float32", "bfloat16", "bfloat16-nf4-chunks", "bfloat16-grouped-mm", "bfloat16-nf4-grouped-mm",
+         "bfloat16-grouped-mm-bf16-adapters"])
+def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, adapters, monkeypatch, one_thread):
+    """One grouped call (Qwen3-MoE layout, adapters at ranks 2r / r, fp32 or in the compute dtype) under
+    ``LiveBytes``, launch arguments released as a GPU would: what is alive after the forward is what it saved plus
+    ``y``, and the forward's and the backward's peaks above that are
+    :func:`~notebookkit.memory.moe.sparse_block_working_sets`, byte for byte. ``nf4-chunks``: NF4 experts decoded
+    three at a time (16 rows an expert, the chunk made small), the decoded chunk counted by
+    :func:`~notebookkit.memory.moe.expert_decode_chunk_bytes`. ``bf16-adapters``: no cast, so the grouped path
+    copies PEFT's strided ``B`` views itself."""
     import notebookkit.kernels.moe_experts as kernel
     from notebookkit import expert_chunks
     from notebookkit.export.nf4_quantize import quantize_nf4
@@ -188,7 +191,7 @@ def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, mo
     gate_up, down = (0.1 * torch.randn(E, 2 * I, H, generator=g)).to(dtype), (0.1 * torch.randn(E, H, I, generator=g)).to(dtype)
     if nf4:
         gate_up, down = (nf4_stacked(q.packed, q) for q in (quantize_nf4(gate_up), quantize_nf4(down)))
-    factors = [(0.1 * torch.randn(*shape, generator=g)).requires_grad_()
+    factors = [(0.1 * torch.randn(*shape, generator=g)).to(adapters).requires_grad_()
                for shape in ((2 * r * E, H), (2 * I, 2 * r * E), (r * E, I), (H, r * E))]
     loras = kernel.expert_lora(*factors[:2], E, 1.0), kernel.expert_lora(*factors[2:], E, 1.0)
     dy = torch.randn(tokens, H, generator=g).to(dtype)
@@ -210,8 +213,11 @@ def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, mo
     shape = ModelShape("block", "qwen3_moe", H, 1, 4, 2, 16, 0, 100, False, num_experts=E, experts_per_token=k,
                        expert_intermediate_size=I)
     ranks = {"gate_up_proj": 2 * r, "down_proj": r}
-    saved = moe_terms.sparse_block_saved_bytes(shape, tokens=tokens, s=s, ranks=ranks, grouped=grouped)["experts"]
-    ws = moe_terms.sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks, nf4=nf4, grouped=grouped)
+    a = adapters.itemsize
+    saved = moe_terms.sparse_block_saved_bytes(shape, tokens=tokens, s=s, ranks=ranks, grouped=grouped,
+                                               adapter_bytes=a)["experts"]
+    ws = moe_terms.sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks, nf4=nf4, grouped=grouped,
+                                             adapter_bytes=a)
     assert (moe_terms.expert_decode_chunk_bytes(shape, tokens=tokens, s=s, nf4=nf4) > 0) == nf4
     assert after_forward == saved + tokens * H * s  # what it saved for backward, and y
     assert forward_peak - (after_forward - tokens * H * s) == ws["forward"]  # beyond what it saved (y comes last)
