@@ -24,9 +24,10 @@ Adapters on the stacked experts (PEFT ``target_parameters`` -> ``ParamWrapper``:
 only those (a PEFT model's own ranks are read off it by :func:`~.estimate.estimate_kwargs_from_model`).
 
 Saved for backward by a kept sparse block (the router in fp32, the grouped kernel's ``ctx``)
-    router ``softmax_topk`` (Qwen3-MoE): the fp32 softmax ``4 N E``, top-k indices ``8 n``, weights ``4 n``
-        [+ with ``norm_topk_prob``: the top-k values ``4 n`` and their sum ``4 N``];
-    router ``topk_softmax`` (gpt-oss): top-k indices ``8 n``, the fp32 softmax over them ``4 n``;
+    router ``softmax_topk`` without ``norm_topk_prob``: the fp32 softmax ``4 N E``, top-k indices ``8 n``,
+        weights ``4 n``;
+    router ``topk_softmax`` (gpt-oss; and Qwen3-MoE, whose ``norm_topk_prob`` makes its rule this one,
+        :mod:`notebookkit.models.patching.moe_routing`): top-k indices ``8 n``, the fp32 softmax over them ``4 n``;
     experts: ``gu [n, 2I]`` (``2 n I s``), ``x Agu^T`` and ``h Ad^T`` (``n r_w s`` an adapted weight), the
     permutation ``4 n``, expert offsets ``8 E``, the block schedule ``12 M``, and, when the adapters' dtype
     is not the compute dtype, their casts ``E s sum r_w (in_w + out_w)`` (made by every forward, so saved
@@ -54,8 +55,8 @@ Generation (:mod:`notebookkit.memory.generation`: a decode step or a prefill of 
 (:mod:`notebookkit.models.generation.cached_forward`), so its working set is the block's input and residual
 ``2 N H s``, then the larger of the routing moment and the experts' forward moment:
     routing: the router logits ``N E s``, their fp32 copy ``4 N E`` (16-bit compute) and fp32 softmax
-    ``4 N E`` (``softmax_topk``), the top-k values and indices ``12 n`` and, with ``norm_topk_prob``, their
-    fp32 sum ``4 N`` and the normalised weights ``4 n`` (``topk_softmax``: the softmax over the k ``4 n``);
+    ``4 N E`` (``softmax_topk`` without ``norm_topk_prob``), the top-k values and indices ``12 n``, and the
+    softmax over the k ``4 n`` (``topk_softmax``, which ``norm_topk_prob`` makes Qwen3-MoE's rule);
     experts: the router logits ``N E s`` (held by the block until it returns), the routing's weights and
     indices ``12 n``, the kernel's int32 permutation ``4 n``, expert offsets ``8 E`` and block schedule
     ``12 M`` (the sort's int64 values and order and the schedule's int64 temporaries are freed by then), plus
@@ -210,6 +211,12 @@ def _paths(grouped: bool | None, shape: ModelShape, tokens: int, s: int, ranks: 
     return [grouped]
 
 
+def _full_softmax(family, shape: ModelShape) -> bool:
+    """Whether the router takes the softmax over every expert (``softmax_topk`` without ``norm_topk_prob``; with
+    it, the rule is ``topk_softmax``'s, :mod:`notebookkit.models.patching.moe_routing`)."""
+    return family.moe.routing == "softmax_topk" and not shape.router_norm_topk
+
+
 def sparse_block_saved_bytes(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
                              adapter_bytes: int = 4, grouped: bool | None = False) -> dict[str, int]:
     """What one kept sparse block saves for backward (module docstring), ``{"router": ..., "experts": ...}``;
@@ -223,8 +230,8 @@ def sparse_block_saved_bytes(shape: ModelShape, *, tokens: int, s: int, ranks: d
     family = moe_family(shape)
     N, k, E, I = tokens, shape.experts_per_token, shape.num_experts, shape.expert_intermediate_size
     n = N * k
-    if family.moe.routing == "softmax_topk":
-        router = N * E * 4 + n * (8 + 4) + (n * 4 + N * 4 if shape.router_norm_topk else 0)
+    if _full_softmax(family, shape):
+        router = N * E * 4 + n * (8 + 4)
     else:
         router = n * (8 + 4)
     if grouped:  # route, perm and expert ids per sorted row, grouped_mm's int32 offsets
@@ -330,8 +337,8 @@ def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int, nf4
     n = N * k
     blocks = math.ceil(n / BLOCK_M) + E
     logits = N * E * s + (N * E * 4 if s != 4 else 0)
-    if family.moe.routing == "softmax_topk":
-        routing = logits + N * E * 4 + n * 12 + (n * 4 + N * 4 if shape.router_norm_topk else 0)
+    if _full_softmax(family, shape):
+        routing = logits + N * E * 4 + n * 12
     else:
         routing = logits + n * 12 + n * 4
     # the router logits (N E s), weights and indices (12 n), the kernel's int32 permutation, offsets and schedule

@@ -77,6 +77,7 @@ def test_kept_moe_layer_saves_exactly_what_the_model_says(family, dtype, monkeyp
         len(layers) - SINKS_MASK_KINDS)
     assert sum(saved[i].get("bool", 0) for i in range(len(layers))) == shared
     measured = saved[len(layers) - 1]
+    assert sum(measured.values()) == predicted, (family, dict(measured), predicted)
     # the kernel's int32 bookkeeping: the permutation, expert offsets and the block schedule
     n = B * T * shape.experts_per_token
     assert measured["int32"] == 4 * n + 8 * shape.num_experts + 12 * (-(-n // 64) + shape.num_experts)

@@ -8,6 +8,13 @@ linear computes them), everything after is fp32:
   divided by ``sum(w)`` when ``norm_topk_prob``;
 * ``"topk_softmax"`` (gpt-oss): ``idx`` the ``k`` largest ``z``; ``w = softmax(z[idx])``.
 
+With ``norm_topk_prob`` the two rules are one function: softmax is monotonic, so the ``k`` largest ``p`` are
+those of ``z``, and renormalising over them cancels the full softmax's denominator,
+``p_i / sum_{j in idx} p_j = exp(z_i) / sum_{j in idx} exp(z_j)``; the gradient reaches the chosen logits only
+either way. So such a router runs the second form: a softmax over ``k`` values, not ``E``, and nothing of size
+``[T, E]`` saved for its backward (the values agree to fp32 rounding; only logits that tie in fp32 could
+order differently).
+
 Hugging Face rounds ``w`` to the logits' dtype; here ``w`` stays fp32, the dtype the expert kernel
 applies it in (:mod:`notebookkit.kernels.moe_experts`). Gradients flow into ``z`` through ``w`` (autograd).
 The patched router returns ``(z, w, idx)`` as Hugging Face's does, so the logits it records for the
@@ -29,6 +36,8 @@ RULES = ("softmax_topk", "topk_softmax")
 
 def route(logits: torch.Tensor, top_k: int, rule: str, norm_topk_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w [T, k] fp32, idx [T, k])`` of router ``logits [T, E]`` by ``rule`` (see the module docstring)."""
+    if rule == "softmax_topk" and norm_topk_prob:  # the same function as "topk_softmax" (module docstring)
+        rule = "topk_softmax"
     if rule == "softmax_topk":
         probs = torch.softmax(logits.float(), dim=-1)
         weights, idx = torch.topk(probs, top_k, dim=-1)
