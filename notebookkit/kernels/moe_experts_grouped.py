@@ -295,7 +295,7 @@ def _expert_gemm(a: torch.Tensor, w, sg: _Segments) -> torch.Tensor:
 
 def _routed(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
     """``w_s a_s`` (fp32 product, one rounding to ``a``'s dtype) of a rank-sized ``[N, r]`` product."""
-    return a.to(torch.float32, copy=True).mul_(route[:, None]).to(a.dtype)
+    return (a * route[:, None]).to(a.dtype)  # a 16-bit a times fp32 weights: the product is taken in fp32
 
 
 def _to_slots(o: torch.Tensor, sg: _Segments, bias: Optional[torch.Tensor] = None,
