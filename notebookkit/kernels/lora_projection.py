@@ -468,6 +468,24 @@ def accumulate_input_grad_(
     return dx
 
 
+#: whether ``torch.mm`` writes an fp32 result from 16-bit CUDA operands in one GEMM (``out_dtype``); set False
+#: the first time a card refuses it
+_FP32_OUT = {"available": hasattr(torch.ops.aten.mm, "dtype")}
+
+
+def product_in(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``dtype``, an adapter's gradient: 16-bit CUDA operands into an fp32 adapter's gradient in one
+    GEMM (``torch.mm``'s ``out_dtype``: the fp32 sum is kept, never rounded to 16 bits, and no cast follows); else
+    the product in the operands' dtype, then a cast."""
+    if (dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16) and a.is_cuda
+            and _FP32_OUT["available"]):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError):  # a card or build without it: the product, then the cast
+            _FP32_OUT["available"] = False
+    return (a @ b).to(dtype)
+
+
 def adapter_grads(
     dy: torch.Tensor,
     inp: torch.Tensor,
@@ -477,15 +495,15 @@ def adapter_grads(
     need_dA: bool,
     need_dB: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``dA = U^T X`` and ``dB = s dY^T (X A^T)``, returned in the adapters' own dtypes."""
+    """``dA = U^T X`` and ``dB = s dY^T (X A^T)``, returned in the adapters' own dtypes (:func:`product_in`)."""
     if u is None:
         return None, None
     dA = dB = None
     if need_dA:
-        dA = (u.t() @ inp).to(proj.lora_A.dtype)
+        dA = product_in(u.t(), inp, proj.lora_A.dtype)
     if need_dB:
         xa = scale_(inp @ A.t(), proj.scaling)
-        dB = (dy.t() @ xa).to(proj.lora_B.dtype)
+        dB = product_in(dy.t(), xa, proj.lora_B.dtype)
     return dA, dB
 
 
@@ -594,14 +612,15 @@ def grouped_adapter_grads(
     """``(dA_P, dB_P)`` for every projection, in the adapters' own dtypes, from two GEMMs shared by
     the group: ``dA_cat = U_cat^T X`` (split by rows) and the recomputed ``X A_cat^T`` (split by
     columns) for ``dB_P = s_P dY_P^T (X A_P^T)``."""
-    dA_cat = u_cat.t() @ inp if any(need_dA) else None
+    a_dtype = group.projs[0].lora_A.dtype  # one dtype for the group's A (adapter_group)
+    dA_cat = product_in(u_cat.t(), inp, a_dtype) if any(need_dA) else None
     xa_cat = inp @ group.A_cat.t() if any(need_dB) else None
     grads = []
     for i, (dy, proj, cols) in enumerate(zip(dys, group.projs, group.columns)):
         dA = dA_cat[cols].to(proj.lora_A.dtype) if need_dA[i] else None
         dB = None
         if need_dB[i]:
-            dB = (dy.t() @ scale_(xa_cat[:, cols], proj.scaling)).to(proj.lora_B.dtype)
+            dB = product_in(dy.t(), scale_(xa_cat[:, cols], proj.scaling), proj.lora_B.dtype)
         grads.append((dA, dB))
     return grads
 

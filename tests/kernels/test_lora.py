@@ -655,3 +655,32 @@ def test_lora_mlp_refuses_a_trainable_or_misshapen_bias():
         lora_mlp(x, gate.proj, up.proj, down.proj, biases=(torch.zeros(INTER, requires_grad=True), None, None))
     with pytest.raises(ValueError, match="expected"):
         lora_mlp(x, gate.proj, up.proj, down.proj, biases=(None, None, torch.zeros(INTER)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_an_fp32_adapters_gradient_keeps_the_fp32_sum(device, dtype, monkeypatch):
+    """``product_in``: 16-bit operands, an fp32 adapter. On CUDA one GEMM writes the fp32 sum (``torch.mm``'s
+    ``out_dtype``), closer to the float64 product than the 16-bit product cast up (its rounding error, one unit of
+    16-bit a element, is gone); on the CPU, and where a card refuses it, the product then the cast, as before."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(16, 777, generator=g).to(dtype).to(device)
+    b = torch.randn(777, 24, generator=g).to(dtype).to(device)
+    exact = a.double() @ b.double()
+    got = lora_projection.product_in(a, b, torch.float32)
+    cast = (a @ b).to(torch.float32)
+    assert got.dtype == torch.float32
+    if device == "cpu":
+        assert torch.equal(got, cast)
+        return
+    assert lora_projection._FP32_OUT["available"], "this torch has no mm out_dtype on CUDA"
+    err, err_cast = (got.double() - exact).abs().max(), (cast.double() - exact).abs().max()
+    assert err < 0.25 * err_cast, (float(err), float(err_cast))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("not on this card")
+
+    monkeypatch.setitem(lora_projection._FP32_OUT, "available", True)
+    monkeypatch.setattr(torch, "mm", refuse)
+    assert torch.equal(lora_projection.product_in(a, b, torch.float32), cast)  # fell back to the product and cast
+    assert not lora_projection._FP32_OUT["available"]
