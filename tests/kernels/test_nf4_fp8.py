@@ -14,6 +14,7 @@ from notebookkit.kernels import fp8_matmul, nf4_fp8  # noqa: E402
 from notebookkit.kernels.nf4 import dequantize_nf4_reference  # noqa: E402
 from notebookkit.kernels.nf4_fp8 import quantize_nf4_rowwise_fp8, quantize_nf4_rowwise_fp8_reference  # noqa: E402
 from notebookkit.kernels.runtime import interpreter_on, use_triton  # noqa: E402
+from tests.kernel_launches import spy_launches  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICES = [
@@ -108,15 +109,7 @@ def test_quantize_into_row_slices_of_one_buffer(cols, dtype, triton_path):
 
 def test_fallbacks_give_the_same_result(monkeypatch):
     """Rows that are not whole blocks, rows longer than one program, and plain CPU use the two-step route."""
-    calls = []
-    original = nf4_fp8._nf4_to_fp8_rowwise_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return original[grid]
-
-    monkeypatch.setattr(nf4_fp8, "_nf4_to_fp8_rowwise_kernel", Spy())
+    calls = spy_launches(monkeypatch, nf4_fp8, "_nf4_to_fp8_rowwise_kernel")
     packed, qs = _quantized((6, 96), torch.float32, False, "cpu")  # 96 = 1.5 blocks per row
     with use_triton(True):
         _assert_same(quantize_nf4_rowwise_fp8(packed, qs, torch.float32),

@@ -40,6 +40,7 @@ from notebookkit.kernels.nf4_matvec import (  # noqa: E402
 )
 from notebookkit.kernels.runtime import interpreter_on, use_triton  # noqa: E402
 from notebookkit.kernels.testing import TOLERANCE, rel_err  # noqa: E402
+from tests.kernel_launches import spy_launches  # noqa: E402
 from tests.nf4_format import decode_nf4_by_definition  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
@@ -223,21 +224,14 @@ def test_group_takes_one_launch_or_one_call_a_weight(monkeypatch):
     where one launch cannot take them all (rows of x, mixed absmax kinds, a bias on some), with its outputs."""
     import notebookkit.kernels.nf4_matvec as module
 
-    launches = []
-    real = module._nf4_matvec_rows_group_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(module, "_nf4_matvec_rows_group_kernel", Counting())
+    launches = spy_launches(monkeypatch, module, "_nf4_matvec_rows_group_kernel")
     k = 192
     x, weights, biases, loras = _group((24, 8, 8, 16), k, torch.float16, True, True, True, seed=31)
     with use_triton(True):
         ys = nf4_matvec_group(x, weights, biases, loras=loras)
-        rows = matvec_config(1, 24 + 8 + 8, k).block_n  # weights 0-2 in one launch, each its own programs; the
-        assert MAX_GROUP == 3 and launches == [(-(-24 // rows) + 2 * -(-8 // rows),)]  # fourth alone: one weight's kernel
+        # weights 0-2 in one launch, each its own programs; the fourth alone runs the one-weight kernel
+        rows = matvec_config(1, 24 + 8 + 8, k).block_n
+        assert MAX_GROUP == 3 and [grid for _, grid, _ in launches] == [(-(-24 // rows) + 2 * -(-8 // rows),)]
         for y, w, b, lo in zip(ys, weights, biases, loras):
             assert_within_rounding(y, x, *w, b, "four weights", lora=lo, exact_w=True)
         plain = _nf4_weight(8, k, torch.float16, nested=False, seed=5)

@@ -21,6 +21,7 @@ from notebookkit.kernels.runtime import interpreter_on, use_triton
 from notebookkit.kernels.testing import rel_err
 from notebookkit.models.generation import projections
 from notebookkit.models.generation.projections import AdapterCasts, project
+from tests.kernel_launches import spy_launches
 
 pytest.importorskip("bitsandbytes")
 needs_interpreter = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
@@ -54,25 +55,6 @@ def _fused_and_reference(modules, x2d, casts):
 KERNELS = ("_nf4_matvec_row_kernel", "_nf4_matvec_rows_group_kernel", "_nf4_matvec_dot_kernel")
 
 
-def _spy_launches(monkeypatch) -> list:
-    """Records ``(kernel name, programs, whether it adds a LoRA term)`` of every launch of the matvec's kernels."""
-    seen = []
-
-    class Spied:
-        def __init__(self, name):
-            self.name, self.real = name, getattr(nf4_matvec_module, name)
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append((self.name, grid[0], kwargs["HAS_LORA"]))
-                return self.real[grid](*args, **kwargs)
-            return launch
-
-    for name in KERNELS:
-        monkeypatch.setattr(nf4_matvec_module, name, Spied(name))
-    return seen
-
-
 @needs_interpreter
 @pytest.mark.parametrize("family,rows", [("llama", 1), ("qwen2", 1), ("qwen2", 3)],
                          ids=["llama-M1", "qwen2-bias-M1", "qwen2-bias-M3"])
@@ -81,7 +63,7 @@ def test_each_group_is_one_launch_with_its_lora_terms(family, rows, monkeypatch)
     projection alone (o, down) one of the row kernel; more rows: one ``tl.dot`` launch a projection. Every
     launch adds its adapters' terms; the outputs are the CPU path's."""
     model, layer = _layer(family)
-    seen = _spy_launches(monkeypatch)
+    seen = spy_launches(monkeypatch, nf4_matvec_module, *KERNELS)
     casts = AdapterCasts()
     x2d = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     assert (layer.self_attn.q_proj.base_layer.bias is not None) == (family == "qwen2")
@@ -95,7 +77,7 @@ def test_each_group_is_one_launch_with_its_lora_terms(family, rows, monkeypatch)
         else:
             expected = ["_nf4_matvec_rows_group_kernel" if len(modules) > 1 else "_nf4_matvec_row_kernel"]
         assert [kernel for kernel, _, _ in seen] == expected, name
-        assert all(lora for _, _, lora in seen), name
+        assert all(kwargs["HAS_LORA"] for _, _, kwargs in seen), name
         for got, want, module in zip(fused, reference, modules):
             assert got.shape == want.shape
             assert rel_err(got, want) <= 1e-5, f"{family} {name}: {rel_err(got, want):.2e}"
