@@ -578,29 +578,68 @@ class _Routing(NamedTuple):
     topk: int
 
 
+@triton.jit
+def _block_schedule_kernel(starts_ptr, ends_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr, num_experts, num_blocks,
+                           block_m, E_POW2: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Row blocks ``[pid BLOCK_B, (pid + 1) BLOCK_B)`` of the schedule (:func:`_block_schedule_reference`'s
+    arithmetic, in int32): with ``c_e = cdiv(ends_e - starts_e, block_m)`` and ``C_e = sum_{j <= e} c_j``, block
+    ``b`` belongs to expert ``e = #{j : C_j <= b}``, covers rows ``[starts_e + (b - C_e + c_e) block_m, ends_e)``;
+    past the last block (``e = E``): expert -1, rows 0, 0. Every program reads the ``E`` segment bounds (a few
+    hundred bytes) and takes ``C``, the expert and its bounds by masked sums over ``[BLOCK_B, E]``."""
+    es = tl.arange(0, E_POW2)
+    e_ok = es < num_experts
+    starts = tl.load(starts_ptr + es, mask=e_ok, other=0)
+    ends = tl.load(ends_ptr + es, mask=e_ok, other=0)
+    blocks = (ends - starts + block_m - 1) // block_m  # 0 past the last expert
+    cum = tl.cumsum(blocks, axis=0)
+    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    e = tl.sum((cum[None, :] <= b[:, None]).to(tl.int32), axis=1)  # searchsorted(C, b, right=True)
+    valid = e < num_experts
+    owner = es[None, :] == tl.minimum(e, num_experts - 1)[:, None]  # [BLOCK_B, E_POW2]: one True a row
+    first = tl.sum(tl.where(es[None, :] < e[:, None], blocks[None, :], 0), axis=1)  # C_e - c_e
+    start = tl.sum(tl.where(owner, starts[None, :], 0), axis=1) + (b - first) * block_m
+    end = tl.sum(tl.where(owner, ends[None, :], 0), axis=1)
+    ok = b < num_blocks
+    tl.store(blk_expert_ptr + b, tl.where(valid, e, -1), mask=ok)
+    tl.store(blk_start_ptr + b, tl.where(valid, start, 0), mask=ok)
+    tl.store(blk_end_ptr + b, tl.where(valid, end, 0), mask=ok)
+
+
+_SCHEDULE_BLOCK_B = 16  # row blocks a program of the schedule kernel ([16, E] tiles: 16 values a thread at E = 128)
+
+
+def _block_schedule_reference(starts: torch.Tensor, ends: torch.Tensor, num_blocks: int,
+                              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(blk_expert, blk_start, blk_end)`` (int32, ``[num_blocks]``) of each expert's sorted rows ``[starts_e,
+    ends_e)`` cut into blocks of ``block_m`` rows (plain PyTorch: the kernel's oracle)."""
+    num_experts = starts.numel()
+    n_blk = (ends - starts + block_m - 1) // block_m
+    blk_cum = n_blk.cumsum(0)
+    b = torch.arange(num_blocks, device=starts.device)
+    be = torch.searchsorted(blk_cum, b, right=True)
+    valid = be < num_experts
+    bec = be.clamp(max=num_experts - 1)
+    blk_start = starts[bec] + (b - (blk_cum[bec] - n_blk[bec])) * block_m
+    i32 = torch.int32
+    return (torch.where(valid, be, -1).to(i32), torch.where(valid, blk_start, 0).to(i32),
+            torch.where(valid, ends[bec], 0).to(i32))
+
+
 def _routing(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> _Routing:
     """Sort the pairs by expert (stable: by token inside an expert) and cut each expert's rows into blocks of
     ``block_m``: at most ``cdiv(N, block_m) + E`` blocks, so the grid is known without reading the counts.
 
     Nothing here reads the device from the host (the decode step runs it inside a CUDA graph): each
     expert's segment of the sorted ids comes from ``searchsorted``, not ``bincount`` (whose CUDA version
-    reads the largest id on the host to size its output)."""
-    n = topk_idx.numel()
+    reads the largest id on the host to size its output). The block schedule is one launch
+    (:func:`_block_schedule_kernel`), where its tensor arithmetic made about twenty."""
     perm, _, starts, ends = expert_segments(topk_idx, num_experts)
-    counts = ends - starts
-    n_blk = (counts + block_m - 1) // block_m
-    blk_cum = n_blk.cumsum(0)
-    max_blocks = triton.cdiv(n, block_m) + num_experts
-    b = torch.arange(max_blocks, device=topk_idx.device)
-    be = torch.searchsorted(blk_cum, b, right=True)
-    valid = be < num_experts
-    bec = be.clamp(max=num_experts - 1)
-    blk_start = starts[bec] + (b - (blk_cum[bec] - n_blk[bec])) * block_m
-    blk_end = ends[bec]
-    i32 = torch.int32
-    return _Routing(perm.to(i32), starts.to(i32), ends.to(i32), torch.where(valid, be, -1).to(i32),
-                    torch.where(valid, blk_start, 0).to(i32), torch.where(valid, blk_end, 0).to(i32),
-                    topk_idx.shape[1])
+    num_blocks = triton.cdiv(topk_idx.numel(), block_m) + num_experts
+    schedule = [torch.empty(num_blocks, dtype=torch.int32, device=topk_idx.device) for _ in range(3)]
+    _block_schedule_kernel[(triton.cdiv(num_blocks, _SCHEDULE_BLOCK_B),)](
+        starts, ends, *schedule, num_experts, num_blocks, block_m,
+        E_POW2=triton.next_power_of_2(num_experts), BLOCK_B=_SCHEDULE_BLOCK_B)
+    return _Routing(perm.to(torch.int32), starts, ends, *schedule, topk_idx.shape[1])
 
 
 def _linear(rt: _Routing, cfg: _Config, a: torch.Tensor, w: torch.Tensor, n_out: int, out: torch.Tensor, *,
@@ -850,8 +889,8 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
     """The GPU configuration, rank 16: in fp16 (sm_75+) every kernel, both activations (Qwen3-MoE: SwiGLU,
     adapters; gpt-oss: clamped, interleaved, biases); in bf16 (sm_80+: sm_75 has no bf16 ``tl.dot``) the
     down projection and the SwiGLU gate/up and its backward; each of the three weight-reading kernels again
-    with NF4 weights (nested absmax, fp fusion off) in those configurations (18 specs: the AOT test compiles
-    each)."""
+    with NF4 weights (nested absmax, fp fusion off) in those configurations; and the routing's block schedule
+    (19 specs: the AOT test compiles each)."""
     cfg = _CUDA_CONFIG
     tiles = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_R": 16, "IEEE": False}
     idx = {"perm_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32"}
@@ -909,6 +948,9 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
                                                      "BLOCK_M": cfg.block_m, "BLOCK_N": 16, "BLOCK_K": cfg.block_k,
                                                      "IEEE": False}, {"num_warps": cfg.num_warps,
                                                                       "num_stages": cfg.num_stages}))
+    schedule = {"starts_ptr": "*i32", "ends_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32",
+                "blk_end_ptr": "*i32", "num_experts": "i32", "num_blocks": "i32", "block_m": "i32"}
+    specs.append((_block_schedule_kernel, schedule, {"E_POW2": 128, "BLOCK_B": _SCHEDULE_BLOCK_B}))
     return specs
 
 

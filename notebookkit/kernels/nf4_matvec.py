@@ -720,7 +720,7 @@ def _group_why_not(x: torch.Tensor, parts: list, biases: Sequence, loras: Sequen
     (None when it can): the row kernel's calls (one row of ``x``) whose weights share the operands' kinds."""
     if len(parts) < 2:
         return "fewer than two weights"
-    if x.numel() // max(1, x.shape[-1]) != 1:
+    if x.dim() == 0 or x.numel() // max(1, x.shape[-1]) != 1:
         return "more than one row of x (the grouped kernel is the row kernel's)"
     for packed, quant_state, _ in parts:
         why = _why_not(x, packed, quant_state)

@@ -240,3 +240,24 @@ def test_matches_hugging_face_experts_cuda(family, dtype):
     assert set(got) == set(want) and len(want) == 6
     for name in want:
         assert_close(got[name], want[name], dtype, name)
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("num_experts,pairs,block_m", [(6, 67, 32), (128, 16 * 8, 64), (32, 4096, 64), (3, 5, 32)],
+                         ids=["E6", "E128-decode", "E32-train", "E3-few"])
+def test_block_schedule_kernel_is_the_reference(num_experts, pairs, block_m):
+    """The block schedule in one launch equals the tensor arithmetic it replaced, int for int: experts without rows
+    (no block), experts of more rows than a block (several), the blocks past the last (expert -1)."""
+    import notebookkit.kernels.moe_experts as kernel
+    from notebookkit.kernels.moe_experts_grouped import expert_segments
+
+    g = torch.Generator().manual_seed(num_experts + pairs)
+    idx = torch.randint(0, max(1, num_experts - 2), (pairs, 1), generator=g)  # the last two experts get no rows
+    idx[: pairs // 3] = 1  # one expert with many rows
+    _, _, starts, ends = expert_segments(idx, num_experts)
+    with use_triton(True):
+        rt = kernel._routing(idx, num_experts, block_m)
+    want = kernel._block_schedule_reference(starts.long(), ends.long(), rt.blk_expert.numel(), block_m)
+    for got, ref, name in zip((rt.blk_expert, rt.blk_start, rt.blk_end), want, ("expert", "start", "end")):
+        assert got.dtype == torch.int32 and torch.equal(got, ref), name
+    assert (rt.blk_expert == -1).any() and int((rt.blk_expert == 1).sum()) >= (pairs // 3) // block_m
