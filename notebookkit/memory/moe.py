@@ -59,7 +59,7 @@ Generation (:mod:`notebookkit.memory.generation`: a decode step or a prefill of 
     softmax over the k ``4 n`` (``topk_softmax``, which ``norm_topk_prob`` makes Qwen3-MoE's rule);
     experts: the router logits ``N E s`` (held by the block until it returns), the routing's weights and
     indices ``12 n``, the kernel's int32 permutation ``4 n``, expert offsets ``8 E`` and block schedule
-    ``12 M`` (the sort's int64 values and order and the schedule's int64 temporaries are freed by then), plus
+    ``12 M`` (the sort's keys and order are freed by then; the schedule is one kernel's, without temporaries), plus
     the forward transients above (``h`` and the pairs' rows, or the rows, their fp32 sum and ``y``).
     The same peak is DPO's reference forward of a sparse block (adapters off, no gradient, so no ``gu``):
     measured on the CPU under the Triton interpreter, ``tests/memory/test_moe_memory.py``.
