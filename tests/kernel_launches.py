@@ -8,7 +8,8 @@ from typing import Any
 
 
 def spy_launches(monkeypatch: Any, module: ModuleType, *names: str) -> list[tuple[str, tuple, dict]]:
-    """``[(kernel name, grid, keyword arguments)]`` of the launches of ``module``'s kernels ``names``, filled as they run."""
+    """``[(kernel name, grid, keyword arguments)]`` of the launches of ``module``'s kernels ``names``, filled as
+    they run."""
     seen: list[tuple[str, tuple, dict]] = []
 
     class Spied:

@@ -617,7 +617,7 @@ def grouped_adapter_grads(
     xa_cat = inp @ group.A_cat.t() if any(need_dB) else None
     grads = []
     for i, (dy, proj, cols) in enumerate(zip(dys, group.projs, group.columns)):
-        dA = dA_cat[cols].to(proj.lora_A.dtype) if need_dA[i] else None
+        dA = dA_cat[cols] if need_dA[i] else None  # already in the group's A dtype
         dB = None
         if need_dB[i]:
             dB = product_in(dy.t(), scale_(xa_cat[:, cols], proj.scaling), proj.lora_B.dtype)

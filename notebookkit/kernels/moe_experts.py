@@ -862,7 +862,8 @@ def moe_expert_mlp(
             down_lora.scaling if down_lora is not None else 0.0,
             ACTIVATIONS[activation], interleaved, float(alpha), float(limit))
     ranks = tuple(lora.A.shape[1] for lora in loras)
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, *(f for lo in loras for f in lo[:2])))
+    factors_of = [t for lora in loras for t in (lora.A, lora.B)]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, *factors_of))
     grouped = training and grouped_mm_applies(x, topk_idx.numel(), gate_up.shape[0],
                                               (x.shape[1], down.shape[2], *ranks), (gate_up, down))
     factors = []
