@@ -60,7 +60,8 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
 # runs; "notebookkit-lean" adds offload_embedding=True (the input embedding table in host memory, untied
 # models); "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
-# "notebookkit-fp8-<N>GiB" does the same with the FP8 forward.
+# "notebookkit-fp8-<N>GiB" does the same with the FP8 forward. A "+expandable" suffix on any of ours runs it with
+# PyTorch's expandable_segments allocator (what Unsloth sets on import): reserved memory near the allocated peak.
 VARIANTS = {
     "notebookkit": ("notebookkit", []),
     "notebookkit-offload": ("notebookkit", ["--checkpointing", "offload"]),
@@ -79,6 +80,9 @@ VARIANTS = {
 
 def resolve_system(system: str) -> tuple[str, list[str]]:
     """(train_step system, extra arguments) for a system name of the table."""
+    if system.startswith("notebookkit") and system.endswith("+expandable"):
+        base, args = resolve_system(system[: -len("+expandable")])
+        return base, [*args, "--expandable-segments"]
     if system in VARIANTS:
         return VARIANTS[system]
     if system.startswith("notebookkit-fp8-") and system.endswith("GiB"):

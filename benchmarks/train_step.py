@@ -361,6 +361,9 @@ def main() -> None:
                          '"card": the planner\'s share for this GPU')
     ap.add_argument("--spread", action="store_true",
                     help='notebookkit: plan "auto" with the planner\'s layout="spread" (offloaded layers among kept ones)')
+    ap.add_argument("--expandable-segments", action="store_true",
+                    help="the caching allocator grows segments in place (PyTorch's expandable_segments; Unsloth sets it"
+                         " on import), so reserved memory stays near the allocated peak")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
     args = ap.parse_args()
@@ -372,6 +375,8 @@ def main() -> None:
     if args.prepare:
         print("prepared", folder)
         return
+    if args.expandable_segments:  # before the first CUDA allocation: later segments only would expand
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     if args.memory_cap_gib:
         cap_gpu_memory(args.memory_cap_gib)
 

@@ -468,6 +468,8 @@ def test_system_names_resolve_to_train_step_arguments():
     assert run.resolve_system("notebookkit-10GiB") == ("notebookkit", ["--max-memory", "10GiB"])
     assert run.resolve_system("notebookkit-fp8-4.79GiB") == ("notebookkit", ["--fp8", "--max-memory", "4.79GiB"])
     assert run.resolve_system("unsloth") == ("unsloth", [])
+    assert run.resolve_system("notebookkit-16GiB+expandable") == (
+        "notebookkit", ["--max-memory", "16GiB", "--expandable-segments"])
 
 
 def test_a_failed_row_reports_the_head_of_its_error_message():
