@@ -60,8 +60,9 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
 # runs; "notebookkit-lean" adds offload_embedding=True (the input embedding table in host memory, untied
 # models); "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
-# "notebookkit-fp8-<N>GiB" does the same with the FP8 forward. A "+expandable" suffix on any of ours runs it with
-# PyTorch's expandable_segments allocator (what Unsloth sets on import): reserved memory near the allocated peak.
+# "notebookkit-fp8-<N>GiB" does the same with the FP8 forward. Suffixes on any system (SUFFIXES): "+expandable"
+# runs it with PyTorch's expandable_segments allocator (what Unsloth sets on import), "+nogc" with Python's garbage
+# collector off during the timed steps.
 VARIANTS = {
     "notebookkit": ("notebookkit", []),
     "notebookkit-offload": ("notebookkit", ["--checkpointing", "offload"]),
@@ -77,12 +78,15 @@ VARIANTS = {
     "notebookkit-fp8-lean": ("notebookkit", ["--fp8", "--checkpointing", "offload", "--offload-embedding"]),
 }
 
+SUFFIXES = {"+expandable": "--expandable-segments", "+nogc": "--no-gc"}
+
 
 def resolve_system(system: str) -> tuple[str, list[str]]:
     """(train_step system, extra arguments) for a system name of the table."""
-    if system.startswith("notebookkit") and system.endswith("+expandable"):
-        base, args = resolve_system(system[: -len("+expandable")])
-        return base, [*args, "--expandable-segments"]
+    for suffix, flag in SUFFIXES.items():
+        if system.endswith(suffix):
+            base, args = resolve_system(system[: -len(suffix)])
+            return base, [*args, flag]
     if system in VARIANTS:
         return VARIANTS[system]
     if system.startswith("notebookkit-fp8-") and system.endswith("GiB"):
@@ -200,7 +204,19 @@ def markdown(rows: list[dict]) -> str:
         )
     if any(r.get("quant") == "nf4" and r.get("status") == "ok" for r in rows):
         lines += ["", NF4_HF_NOTE]
-    return "\n".join(lines)
+    return "\n".join(lines + step_lines(rows))
+
+
+def step_lines(rows: list[dict]) -> list[str]:
+    """Each timed step of the rows that recorded their host waits (``host_waits``): the GPU's step time, then the
+    host's waits on the GPU and its garbage-collector pauses in that step, in ms."""
+    out = []
+    for r in rows:
+        if r.get("status") == "ok" and r.get("step_host"):
+            cells = [f"{t:.3f} s (waits {h['sync_s'] * 1e3:.0f} ms in {h['syncs']}, gc {h['gc_s'] * 1e3:.1f} ms)"
+                     for t, h in zip(r["step_s"], r["step_host"])]
+            out.append(f"- {r['config']} {r['system']}{' (gc off)' if r.get('no_gc') else ''}: " + "; ".join(cells))
+    return ["", "Per timed step: the step's GPU time (host waits on the GPU, garbage-collector pauses):", *out] if out else []
 
 
 def compare_lora_with_hf(rows: list[dict], paths: dict[str, str]) -> None:
@@ -307,8 +323,9 @@ def main() -> None:
         config_rows, paths = [], {}
         os.makedirs(lora_dir, exist_ok=True)
         for system in args.systems.split(","):
-            grace = 0 if system in started else FIRST_ROW_GRACE_S.get(system, 0)
-            started.add(system)
+            base = resolve_system(system)[0]  # the first row of a system compiles its patches
+            grace = 0 if base in started else FIRST_ROW_GRACE_S.get(base, 0)
+            started.add(base)
             paths[system] = os.path.join(lora_dir, f"{config}-{system}.pt")
             row = run_row(config, system, args.steps, args.timeout + grace, extra, lora_b_path=paths[system])
             config_rows.append(row)

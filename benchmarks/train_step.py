@@ -27,6 +27,7 @@ VRAM, every step's loss, and the LoRA matrices' summary (``--save-lora-b`` also 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -37,6 +38,7 @@ if "--system" in sys.argv and sys.argv[sys.argv.index("--system") + 1] == "unslo
 
 import torch
 from gpu_monitor import GpuSampler  # this folder is on sys.path: run as a script, or by run.py / profile_step.py
+from host_waits import HostWaits
 from learning_check import cycle_stream, lora_snapshot
 
 SHAPES: dict[str, dict] = {
@@ -364,6 +366,9 @@ def main() -> None:
     ap.add_argument("--expandable-segments", action="store_true",
                     help="the caching allocator grows segments in place (PyTorch's expandable_segments; Unsloth sets it"
                          " on import), so reserved memory stays near the allocated peak")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="Python's cyclic garbage collector off during the timed steps (gc.freeze after the warm-up, then"
+                         " gc.disable): does a collection's pause idle the GPU?")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
     args = ap.parse_args()
@@ -406,16 +411,24 @@ def main() -> None:
     # shows a one-off stall (a JIT compile, a first cuBLAS call) that the mean over the window hides.
     # host_enqueue_s: when the CPU had queued every timed step; far below the window, the CPU ran
     # ahead of the GPU; close to it, the GPU waited for the host (launch overhead or host syncs).
+    # step_host: each timed step's host time, its host waits on the GPU and its garbage collections (host_waits).
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-    with GpuSampler.for_device(0) as sampler:
+    if args.no_gc:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    with GpuSampler.for_device(0) as sampler, HostWaits() as waits:
         start = time.time()
         marks[0].record()
         for i, ids in enumerate(batches[args.warmup :]):
-            losses.append(step(ids))
+            with waits.step():
+                losses.append(step(ids))
             marks[i + 1].record()
         host_enqueue_s = time.time() - start
         torch.cuda.synchronize()
         elapsed = time.time() - start
+    if args.no_gc:
+        gc.enable()
     step_s = [round(a.elapsed_time(b) / 1000, 4) for a, b in zip(marks, marks[1:])]
     tokens = args.batch * args.seq * args.steps
     losses = [round(float(x), 5) for x in losses]
@@ -430,7 +443,7 @@ def main() -> None:
         plan=plan_counts(model) if args.system == "notebookkit" else None,
         max_memory=args.max_memory, memory_cap_gib=args.memory_cap_gib,
         tok_s=round(tokens / elapsed, 1), s_step=round(elapsed / args.steps, 4), step_s=step_s,
-        host_enqueue_s=round(host_enqueue_s, 4), gpu_clocks=sampler.summary(),
+        host_enqueue_s=round(host_enqueue_s, 4), gpu_clocks=sampler.summary(), step_host=waits.steps, no_gc=args.no_gc,
         tok_s_median=round(args.batch * args.seq / sorted(step_s)[len(step_s) // 2], 1),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
         reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),

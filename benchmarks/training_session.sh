@@ -12,7 +12,10 @@
 #   t4            the same model under a T4 emulated (fp16 + GradScaler, 15 GiB cap): "auto" (the planner's share of
 #                 its offloaded layers parked), "auto" planned with layout="spread" (the offloaded layers among the
 #                 kept ones, all of them parked), offload_mlp with the input embedding in host memory (the row
-#                 under Unsloth's peak), Unsloth (~4 min); T4_SYSTEMS=a,b,... runs other rows
+#                 under Unsloth's peak), Unsloth (~4 min); T4_SYSTEMS=a,b,... runs other rows, T4_STEPS=N times N
+#                 steps. Session 35's question (its steps swing between ~0.30 and ~0.355 s, Unsloth's do not):
+#                 T4_STEPS=10 T4_SYSTEMS=notebookkit,notebookkit+nogc,notebookkit-spread,notebookkit-spread+nogc,unsloth
+#                 (each step's host waits and gc pauses are in the table: benchmarks/host_waits.py)
 #   t4-profile    two profiled steps of the T4 row: "auto", "auto" with layout="spread", and Unsloth
 #                 (benchmarks/profile_step.py: where each spends its GPU time; the front plan runs 11% under its
 #                 matmul ceiling, benchmarks/step_flops.py)
@@ -40,7 +43,7 @@ for part in "$@"; do
         --systems notebookkit-offload,notebookkit-offload-mlp-card,notebookkit-offload-mlp,unsloth ;;
     t4)
       python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare >/dev/null
-      timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x1-t4 --steps 5 --timeout 150 \
+      timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x1-t4 --steps "${T4_STEPS:-5}" --timeout 150 \
         --systems "${T4_SYSTEMS:-notebookkit,notebookkit-spread,notebookkit-lean-mlp,unsloth}" ;;
     t4-profile)
       for extra in "--system notebookkit" "--system notebookkit --spread" "--system unsloth"; do

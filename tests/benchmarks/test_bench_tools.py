@@ -468,6 +468,8 @@ def test_system_names_resolve_to_train_step_arguments():
     assert run.resolve_system("notebookkit-10GiB") == ("notebookkit", ["--max-memory", "10GiB"])
     assert run.resolve_system("notebookkit-fp8-4.79GiB") == ("notebookkit", ["--fp8", "--max-memory", "4.79GiB"])
     assert run.resolve_system("unsloth") == ("unsloth", [])
+    assert run.resolve_system("notebookkit-spread+nogc") == ("notebookkit", ["--spread", "--no-gc"])
+    assert run.resolve_system("unsloth+nogc") == ("unsloth", ["--no-gc"])
     assert run.resolve_system("notebookkit-16GiB+expandable") == (
         "notebookkit", ["--max-memory", "16GiB", "--expandable-segments"])
 
@@ -842,3 +844,42 @@ def test_render_report_compares_the_busy_time_with_an_unprofiled_step():
     assert "idle: 12.0 ms = 40.0% of the wall time" in text  # the profiled steps' share, profiler overhead included
     assert "GPU busy per profiled step against the median step without the profiler: 9.0 of 10.0 ms = 90%" in text
     assert "median step without the profiler" not in profile_step.render_report("t", [], 30.0, 18.0, KERNELS)
+
+
+def test_host_waits_times_each_steps_waits_and_collections_and_undoes_its_patches():
+    import gc
+    import time
+    import types
+
+    import host_waits
+
+    def wait(seconds):
+        time.sleep(seconds)
+        return seconds
+
+    owner = types.SimpleNamespace(wait=wait)
+    waits = host_waits.HostWaits([(owner, "wait")])
+    with waits:
+        with waits.step():
+            owner.wait(0.02)
+            owner.wait(0.01)
+        with waits.step():
+            gc.collect()  # a generation-2 collection, inside the step
+        owner.wait(0.0)  # between steps: not counted
+    assert owner.wait is wait and waits._on_gc not in gc.callbacks  # undone
+    first, second = waits.steps
+    assert first["syncs"] == 2 and 0.03 <= first["sync_s"] <= first["host_s"]
+    assert first["gcs"] == [0, 0, 0] and first["gc_s"] == 0.0
+    assert second["syncs"] == 0 and second["gcs"] == [0, 0, 1] and 0.0 < second["gc_s"] <= second["host_s"] + 1e-4
+
+
+def test_the_table_lists_each_steps_host_waits_where_a_row_recorded_them():
+    import run
+
+    row = dict(config="8b-nf4-4096x1-t4", system="notebookkit-spread", status="ok", step_s=[0.301, 0.355],
+               step_host=[dict(sync_s=0.012, syncs=30, gc_s=0.0), dict(sync_s=0.0604, syncs=30, gc_s=0.0021)])
+    assert run.step_lines([row, dict(row, system="unsloth", step_host=None)]) == [
+        "", "Per timed step: the step's GPU time (host waits on the GPU, garbage-collector pauses):",
+        "- 8b-nf4-4096x1-t4 notebookkit-spread: 0.301 s (waits 12 ms in 30, gc 0.0 ms); "
+        "0.355 s (waits 60 ms in 30, gc 2.1 ms)"]
+    assert run.step_lines([dict(row, step_host=None)]) == []
