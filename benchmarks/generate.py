@@ -246,7 +246,7 @@ def profile_call(model, ids, new: int, device: str, pad_id: int) -> dict:
     gaps = None
     if device == "cuda":
         try:
-            gaps = profile_step.trace_gaps(prof)
+            gaps = profile_step.trace_facts(prof)[0]
         except Exception as exc:  # noqa: BLE001 - the gap split is extra information
             print(f"(no idle-gap analysis: {exc})", file=sys.stderr)
     return dict(wall_ms=wall_s * 1e3, kernels=kernels, busy_ms=profile_step.busy_us(intervals) / 1e3,

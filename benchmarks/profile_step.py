@@ -368,10 +368,31 @@ def profile_steps(steps: Sequence[Callable[[], None]], with_cpu: bool = False):
     return prof, wall_ms
 
 
-def trace_gaps(prof, keep_as: str | None = None) -> dict | None:
-    """:func:`idle_gaps` of a finished profile, read from its Chrome trace (None without launch records).
+def host_link_rates(trace_events: Iterable[dict], min_bytes: int = 1 << 20) -> dict[str, dict]:
+    """Per copy direction (``"DtoH"``, ``"HtoD"``), from a Chrome trace's copies of at least ``min_bytes``: how many,
+    GB moved, ms, and each copy's rate in GB/s (10th percentile, median, 90th). A host link that slows down now and
+    then shows as a wide spread; offloaded checkpointing's copies run on a side stream, so the step waits on them
+    only where the link falls behind the compute."""
+    rates: dict[str, list[tuple[float, float]]] = {}
+    for e in trace_events:
+        name, args = str(e.get("name", "")), e.get("args") or {}
+        if e.get("ph") != "X" or e.get("cat") != "gpu_memcpy" or int(args.get("bytes", 0)) < min_bytes:
+            continue
+        direction = next((d for d in ("DtoH", "HtoD") if d in name), None)
+        if direction is not None and float(e.get("dur", 0.0)) > 0:
+            rates.setdefault(direction, []).append((float(args["bytes"]), float(e["dur"])))
+    out = {}
+    for direction, copies in sorted(rates.items()):
+        per_copy = sorted(b / (d * 1e3) for b, d in copies)  # bytes / µs / 1e3 = GB/s
+        pick = lambda q: per_copy[min(len(per_copy) - 1, int(q * len(per_copy)))]  # noqa: E731
+        out[direction] = dict(copies=len(copies), gb=sum(b for b, _ in copies) / 1e9,
+                              ms=sum(d for _, d in copies) / 1e3, p10=pick(0.1), median=pick(0.5), p90=pick(0.9))
+    return out
 
-    The trace is exported once: to ``keep_as`` when the caller wants to keep it, else to a temporary file.
+
+def trace_facts(prof, keep_as: str | None = None) -> tuple[dict | None, dict[str, dict]]:
+    """:func:`idle_gaps` (None without launch records) and :func:`host_link_rates` of a finished profile, read
+    from its Chrome trace, exported once: to ``keep_as`` when the caller wants to keep it, else to a temporary file.
     """
     import tempfile
 
@@ -381,7 +402,7 @@ def trace_gaps(prof, keep_as: str | None = None) -> dict | None:
         with open(path) as fh:
             events = json.load(fh).get("traceEvents", [])
     device, launches = trace_device_and_launches(events)
-    return idle_gaps(device, launches) if device and launches else None
+    return (idle_gaps(device, launches) if device and launches else None), host_link_rates(events)
 
 
 def run(args) -> str:
@@ -414,10 +435,10 @@ def run(args) -> str:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, report_name(args.shape, args.quant, args.seq, args.batch, args.system, args.tag))
     try:
-        gaps = trace_gaps(prof, keep_as=path[: -len(".md")] + ".trace.json" if args.trace else None)
+        gaps, link = trace_facts(prof, keep_as=path[: -len(".md")] + ".trace.json" if args.trace else None)
     except Exception as exc:  # noqa: BLE001 - the gap split is extra information, never fatal
         print(f"(no idle-gap analysis: {exc})", file=sys.stderr)
-        gaps = None
+        gaps, link = None, {}
     if not kernels:
         print("WARNING: the profiler recorded no GPU kernels; try again with --with-cpu.", file=sys.stderr)
     facts = [
@@ -430,6 +451,9 @@ def run(args) -> str:
         ("warm-up steps without the profiler", ", ".join(f"{ms:.1f}" for ms in warm_ms) + " ms"),
         ("profiled steps", f"{args.steps}, back to back (no synchronisation between them)"),
         ("tokens / s (profiled steps)", f"{args.steps * args.batch * args.seq / (wall_ms / 1e3):,.0f}"),
+        *[(f"host link {d}, copies of 1 MiB or more", f"{r['copies']} copies, {r['gb']:.2f} GB in {r['ms']:.1f} ms; "
+           f"GB/s a copy: {r['p10']:.1f} (10th percentile), {r['median']:.1f} (median), {r['p90']:.1f} (90th)")
+          for d, r in link.items()],
     ]
     what = "One training step" if args.steps == 1 else f"{args.steps} training steps"
     title = f"{what} of {args.system}: {args.shape} {args.quant}, {args.seq} tokens × {args.batch}"

@@ -18,7 +18,8 @@
 #                 (each step's host waits and gc pauses are in the table: benchmarks/host_waits.py)
 #   t4-profile    two profiled steps of the T4 row: "auto", "auto" with layout="spread", and Unsloth
 #                 (benchmarks/profile_step.py: where each spends its GPU time; the front plan runs 11% under its
-#                 matmul ceiling, benchmarks/step_flops.py)
+#                 matmul ceiling, benchmarks/step_flops.py; the host link's rate a copy, per direction, tells a
+#                 link that slows now and then); T4_PROFILE_STEPS=N profiles N steps
 #   t4-host       the "auto" T4 row's synchronising calls and host time (benchmarks/host_profile.py)
 #   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean planned under a 9 GiB cap (the fastest plan
 #                 at about Unsloth's 7.76 GiB peak), Unsloth, notebookkit-lean (checkpoint built first, untimed)
@@ -48,7 +49,7 @@ for part in "$@"; do
     t4-profile)
       for extra in "--system notebookkit" "--system notebookkit --spread" "--system unsloth"; do
         timeout "$(left)" python3 benchmarks/profile_step.py $extra --shape llama-3.1-8b --seq 4096 --batch 1 \
-          --dtype float16 --memory-cap-gib 15 --steps 2 --out "$OUT/$part"
+          --dtype float16 --memory-cap-gib 15 --steps "${T4_PROFILE_STEPS:-2}" --out "$OUT/$part"
       done ;;
     t4-host)
       timeout "$(left)" python3 benchmarks/host_profile.py --shape llama-3.1-8b --quant nf4 --seq 4096 --batch 1 \

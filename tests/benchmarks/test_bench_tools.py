@@ -369,13 +369,31 @@ def test_several_profiled_steps_get_their_own_report_name():
     assert profile_step.default_tag(args) == "gc-offload-fp8"
 
 
-def test_trace_gaps_reads_a_real_profiler_trace():
+def test_trace_facts_reads_a_real_profiler_trace():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.ones(8, 8) @ torch.ones(8, 8)
-    assert profile_step.trace_gaps(prof) is None  # CPU only: no device work, no launches, no gap split
+    # CPU only: no device work, no launches, no gap split, no copies
+    assert profile_step.trace_facts(prof) == (None, {})
+
+
+def test_host_link_rates_per_direction_from_the_copies_of_a_trace():
+    def copy(name, mib, dur_us, cat="gpu_memcpy"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": 0, "dur": dur_us, "args": {"bytes": mib << 20}}
+
+    trace = [copy("Memcpy DtoH (Device -> Pinned)", 200, 4000), copy("Memcpy DtoH (Device -> Pinned)", 200, 8000),
+             copy("Memcpy DtoH (Device -> Pinned)", 200, 4100), copy("Memcpy HtoD (Pinned -> Device)", 32, 640),
+             copy("Memcpy HtoD (Pinned -> Device)", 0, 5),                 # under 1 MiB: left out
+             copy("Memcpy DtoD (Device -> Device)", 64, 10),               # not the host link
+             copy("void kernel", 64, 10, cat="kernel")]
+    rates = profile_step.host_link_rates(trace)
+    assert set(rates) == {"DtoH", "HtoD"}
+    d2h = rates["DtoH"]
+    assert d2h["copies"] == 3 and abs(d2h["gb"] - 3 * 200 * 2**20 / 1e9) < 1e-9 and d2h["ms"] == 16.1
+    assert round(d2h["p10"], 1) == 26.2 and round(d2h["median"], 1) == 51.2 and round(d2h["p90"], 1) == 52.4
+    assert rates["HtoD"]["copies"] == 1 and round(rates["HtoD"]["median"], 1) == 52.4
 
 
 def test_render_report_escapes_long_and_piped_names():
