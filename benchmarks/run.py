@@ -56,7 +56,8 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # "notebookkit-offload-mlp" parks every offloaded layer's MLP gate/up outputs in host memory too, and
 # "notebookkit-offload-mlp-card" the share the planner prices for this GPU's host link (what "auto" parks),
 # "notebookkit-park" every offloaded layer of the "auto" plan; "notebookkit-spread" the "auto" plan with the
-# planner's layout="spread" (offloaded layers among the kept ones, more of them parked);
+# planner's layout="spread" (offloaded layers among the kept ones, more of them parked), "-park0.75" with three
+# in four of them parked (less traffic on the host link than the planner's share);
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
 # runs; "notebookkit-lean" adds offload_embedding=True (the input embedding table in host memory, untied
 # models); "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
@@ -71,6 +72,7 @@ VARIANTS = {
     "notebookkit-offload-mlp-card": ("notebookkit", ["--checkpointing", "offload", "--park-fraction", "card"]),
     "notebookkit-park": ("notebookkit", ["--park-fraction", "1"]),
     "notebookkit-spread": ("notebookkit", ["--spread"]),
+    "notebookkit-spread-park0.75": ("notebookkit", ["--spread", "--park-fraction", "0.75"]),
     "notebookkit-fp8": ("notebookkit", ["--fp8"]),
     "notebookkit-fp8-offload": ("notebookkit", ["--fp8", "--checkpointing", "offload"]),
     "notebookkit-lean": ("notebookkit", ["--checkpointing", "offload", "--offload-embedding"]),

@@ -209,9 +209,9 @@ def spread_offloaded_layers(model, batch: int, seq: int, max_memory: str | None)
 
 
 def park_offloaded_layers(model, fraction: str, batch: int, seq: int) -> None:
-    """Turn a share of the offloaded layers into ``"offload_mlp"`` (their MLPs' gate/up outputs parked in host
-    memory), spread as the planner spreads them: ``fraction`` a number, or ``"card"`` for the planner's own
-    share on this GPU (``notebookkit.memory.planner.parked_mlp_fraction``)."""
+    """Park a share of the offloaded layers (``"offload_mlp"``: their MLPs' gate/up outputs in host memory), spread
+    as the planner spreads them, whatever the plan parked before: ``fraction`` a number, or ``"card"`` for the
+    planner's own share on this GPU (``notebookkit.memory.planner.parked_mlp_fraction``)."""
     from notebookkit.memory.cards import detect_card
     from notebookkit.memory.estimate import estimate_kwargs_from_model
     from notebookkit.memory.model_setup import recorded_activation_plan
@@ -226,7 +226,8 @@ def park_offloaded_layers(model, fraction: str, batch: int, seq: int) -> None:
         share = parked_mlp_fraction(model_shape(model.config), kw, detect_card())[0]
     else:
         share = float(fraction)
-    apply_checkpointing(model, list(park_offloaded_mlps(tuple(modes), share)))
+    unparked = tuple("offload" if m == "offload_mlp" else m for m in modes)
+    apply_checkpointing(model, list(park_offloaded_mlps(unparked, share)))
     print(f"parked {share:.2f} of the offloaded layers: {plan_counts(model)}", flush=True)
 
 

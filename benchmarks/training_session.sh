@@ -14,8 +14,9 @@
 #                 kept ones, all of them parked), offload_mlp with the input embedding in host memory (the row
 #                 under Unsloth's peak), Unsloth (~4 min); T4_SYSTEMS=a,b,... runs other rows, T4_STEPS=N times N
 #                 steps. Session 35's question (its steps swing between ~0.30 and ~0.355 s, Unsloth's do not):
-#                 T4_STEPS=10 T4_SYSTEMS=notebookkit,notebookkit+nogc,notebookkit-spread,notebookkit-spread+nogc,unsloth
-#                 (each step's host waits and gc pauses are in the table: benchmarks/host_waits.py)
+#                 T4_STEPS=10 T4_SYSTEMS=notebookkit,notebookkit+nogc,notebookkit-spread,notebookkit-spread+nogc,
+#                 notebookkit-spread-park0.75,unsloth (each step's host waits and gc pauses are in the table:
+#                 benchmarks/host_waits.py; park0.75 puts less on the host link than the planner's share)
 #   t4-profile    two profiled steps of the T4 row: "auto", "auto" with layout="spread", and Unsloth
 #                 (benchmarks/profile_step.py: where each spends its GPU time; the front plan runs 11% under its
 #                 matmul ceiling, benchmarks/step_flops.py; the host link's rate a copy, per direction, tells a
