@@ -574,6 +574,8 @@ def sweep_configs(m: int):
             for tile in (2048, 4096, 8192):
                 configs += [MatvecConfig(block_n, tile // (32 * block_n), False, w) for w in (4, 8)]
                 configs.append(MatvecConfig(block_n, tile // (32 * block_n), False, 4, prefetch=True))
+        # the four rows of a program in each thread (x unpacked once for them): steps of 16-64 blocks
+        configs += [MatvecConfig(4, step, False, w, rows_in_thread=True) for step in (16, 32, 64) for w in (2, 4, 8)]
         return configs
     for block_n in (16, 32, 64, 128):
         for step in (1, 2, 4):
@@ -588,7 +590,7 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
     import torch.nn.functional as F
 
     from notebookkit.kernels.nf4 import dequantize_nf4
-    from notebookkit.kernels.nf4_matvec import matvec_config, nf4_matvec, nf4_matvec_reference
+    from notebookkit.kernels.nf4_matvec import ROWS_IN_THREAD_CONFIG, matvec_config, nf4_matvec, nf4_matvec_reference
     from notebookkit.kernels.testing import rel_err
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -610,9 +612,12 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
             impls = {"nf4_matvec": (lambda: nf4_matvec(x, (packed, qs)), str(chosen)),
                      "dequantise + matmul": (lambda: F.linear(x, dequantize_nf4(packed, qs, out_dtype=dtype)), "")}
             impls["bitsandbytes matmul_4bit"] = (lambda: bnb.matmul_4bit(x, packed.t(), quant_state=qs), "")
+            if m == 1:  # the rows-in-thread body, not yet the default: timed beside the chosen config
+                impls["nf4_matvec rows-in-thread"] = (
+                    lambda: nf4_matvec(x, (packed, qs), config=ROWS_IN_THREAD_CONFIG), str(ROWS_IN_THREAD_CONFIG))
             if sweep:
                 for cfg in sweep_configs(m):
-                    if cfg != chosen:
+                    if cfg not in (chosen, ROWS_IN_THREAD_CONFIG):
                         impls[f"nf4_matvec {cfg}"] = (lambda cfg=cfg: nf4_matvec(x, (packed, qs), config=cfg), str(cfg))
             shape_rows = []
             for name, (fn, cfg) in impls.items():
@@ -648,7 +653,7 @@ def group_rows(dtype, bench, copy_gbps: float, groups: dict = GROUP_SHAPES, devi
     import bitsandbytes.functional as bnbF
     import torch
 
-    from notebookkit.kernels.nf4_matvec import nf4_matvec, nf4_matvec_group, nf4_matvec_reference
+    from notebookkit.kernels.nf4_matvec import ROWS_IN_THREAD_CONFIG, nf4_matvec, nf4_matvec_group, nf4_matvec_reference
     from notebookkit.kernels.testing import rel_err
 
     rows = []
@@ -660,7 +665,8 @@ def group_rows(dtype, bench, copy_gbps: float, groups: dict = GROUP_SHAPES, devi
         x = torch.randn(1, shapes[0][1], device=device, dtype=dtype)
         ref = torch.cat([nf4_matvec_reference(x, w) for w in weights], dim=-1)
         impls = {f"nf4_matvec x{len(shapes)} (a launch each)": lambda: [nf4_matvec(x, w) for w in weights],
-                 "nf4_matvec_group (one launch)": lambda: nf4_matvec_group(x, weights)}
+                 "nf4_matvec_group (one launch)": lambda: nf4_matvec_group(x, weights),
+                 "nf4_matvec_group rows-in-thread": lambda: nf4_matvec_group(x, weights, config=ROWS_IN_THREAD_CONFIG)}
         for impl, fn in impls.items():
             row = dict(shape=f"{name} " + "+".join(f"{n}" for n, _ in shapes) + f"x{shapes[0][1]}", m=1,
                        impl=impl, config="", nf4_bytes=nbytes)

@@ -36,7 +36,12 @@ The row kernel spends few instructions a weight byte: two shuffles for its level
 straight from the byte: the bit above it picks lanes 16-31, which hold the same table), two fp32
 products with ``x`` and one multiply-add by the block's scale; no rounding of ``w``.
 ``benchmarks/ptx_census.py`` counts the loop's instructions per weight byte (at about 8 a byte,
-instruction issue alone would let an H200 SM read at the copy bandwidth).
+instruction issue alone would let an H200 SM read at the copy bandwidth). A tile ``[rows, ...]`` puts each
+row in other threads, so every thread unpacks ``x`` for its own row; with ``MatvecConfig.rows_in_thread``
+(:data:`ROWS_IN_THREAD_CONFIG`) a thread holds the program's four rows at the same columns and unpacks ``x``
+once for them (:func:`_row_products_in_thread`): 10.2 PTX instructions a byte against 14.4 (fp16, nested, LoRA;
+bf16 9.7 against 12.4), 167 registers on sm_75 without spills. Not yet timed on a GPU, so not
+:func:`matvec_config`'s choice.
 
 Several weights that read the same ``x`` (a decode layer's q/k/v, its gate/up) run in one launch of the row
 kernel (:func:`nf4_matvec_group`): each weight's rows are programs of their own, picked by one scalar test of
@@ -65,7 +70,8 @@ from .nf4 import (dequantize_nf4, dequantize_nf4_reference, nf4_kernel_operands,
 from .runtime import interpreter_on, should_use_triton
 
 __all__ = [
-    "MAX_GROUP", "MAX_ROWS", "LoRATerm", "MatvecConfig", "matvec_config", "nf4_matvec", "nf4_matvec_group",
+    "MAX_GROUP", "MAX_ROWS", "ROWS_IN_THREAD_CONFIG", "LoRATerm", "MatvecConfig", "matvec_config", "nf4_matvec",
+    "nf4_matvec_group",
     "nf4_matvec_reference", "nf4_matvec_supported",
     "AOT_SPECS",
 ]
@@ -259,7 +265,77 @@ def _row_products(x_words_ptr, packed_ptr, absmax_ptr, table_ptr, code2_ptr, abs
         part = _nf4_level(lane_level, table_ptr, byte, LANE_TABLE) * x_lo
         part = tl.fma(_nf4_level(lane_level, table_ptr, byte >> 4, LANE_TABLE), x_hi, part)
         acc = tl.fma(part, absmax[:, :, None], acc)  # a byte's two products times its block's scale
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    _store_rows(tl.sum(tl.sum(acc, axis=2), axis=1), rows, row_ok, bias_ptr, u_ptr, lora_b_ptr, y_ptr, rank,
+                lora_scale, HAS_BIAS, HAS_LORA, RANK, X_KIND, BF16_BY_HAND)
+
+
+@triton.jit
+def _row_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, row, N, block_in_row, col_ok,
+              blocks_per_row, byte_in_block, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, MASKED: tl.constexpr,
+              HALF: tl.constexpr):
+    """One row's loop step for :func:`_row_products_in_thread`: ``(code bytes [R, HALF] as int32, the blocks'
+    fp32 scales [R])`` of row ``row`` (a scalar; rows past ``N`` read nothing when ``MASKED``)."""
+    blocks = row * blocks_per_row + block_in_row
+    ok = col_ok & (block_in_row * 0 + row < N)  # the row test as a vector (a scalar mask trips the interpreter)
+    absmax = _block_scale(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blocks, ok, BLOCKSIZE2, NESTED, MASKED)
+    at = blocks[:, None] * HALF + byte_in_block[None, :]
+    if MASKED:
+        byte = tl.load(packed_ptr + at, mask=ok[:, None], other=0).to(tl.int32)
+    else:
+        byte = tl.load(packed_ptr + at).to(tl.int32)
+    return byte, absmax
+
+
+@triton.jit
+def _row_products_in_thread(x_words_ptr, packed_ptr, absmax_ptr, table_ptr, code2_ptr, absmax2_ptr, offset_ptr,
+                            bias_ptr, u_ptr, lora_b_ptr, y_ptr, first_row, N, blocks_per_row, rank, lora_scale,
+                            BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr,
+                            STEP_BLOCKS: tl.constexpr, X_KIND: tl.constexpr, MASKED: tl.constexpr,
+                            LANE_TABLE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """Rows ``first_row + [0, 4)`` of ``y`` as :func:`_row_products` computes them, with the four rows held in
+    each thread: the tile is ``[STEP_BLOCKS, BLOCKSIZE / 2, 2, 2]``, the last two dimensions the rows (joined with
+    ``tl.join``, whose new dimension stays in one thread). Each thread then unpacks ``x``'s words once for the four
+    rows' bytes at the same columns, where a tile ``[rows, ...]`` spreads the rows over threads and each unpacks
+    them again: the PTX census of the loop (sm_90, fp16, nested, LoRA) is 10.2 instructions a weight byte at 64
+    blocks a step against the row-per-thread tile's 14.4 (``cvt.f32.f16`` 2 a byte to 0.5). Each row's sum is
+    the same products in the same fp32 accumulator element as there; the final reduction's order may differ."""
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    byte_in_block = tl.arange(0, HALF)
+    lane_level = _lane_level(table_ptr, LANE_TABLE)
+    acc = tl.zeros((STEP_BLOCKS, HALF, 2, 2), dtype=tl.float32)
+    for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
+        block_in_row = step * STEP_BLOCKS + tl.arange(0, STEP_BLOCKS)
+        col_ok = block_in_row < blocks_per_row
+        b0, a0 = _row_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_row, N, block_in_row,
+                           col_ok, blocks_per_row, byte_in_block, BLOCKSIZE2, NESTED, MASKED, HALF)
+        b1, a1 = _row_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_row + 1, N, block_in_row,
+                           col_ok, blocks_per_row, byte_in_block, BLOCKSIZE2, NESTED, MASKED, HALF)
+        b2, a2 = _row_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_row + 2, N, block_in_row,
+                           col_ok, blocks_per_row, byte_in_block, BLOCKSIZE2, NESTED, MASKED, HALF)
+        b3, a3 = _row_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_row + 3, N, block_in_row,
+                           col_ok, blocks_per_row, byte_in_block, BLOCKSIZE2, NESTED, MASKED, HALF)
+        # [..., k, j] holds row 2 k + j: join(join(r0, r2), join(r1, r3)) puts r0, r2 at j = 0 and r1, r3 at j = 1
+        byte = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+        absmax = tl.join(tl.join(a0, a2), tl.join(a1, a3))
+        word_at = x_words_ptr + block_in_row[:, None] * HALF + byte_in_block[None, :]
+        if MASKED:
+            word = tl.load(word_at, mask=col_ok[:, None], other=0)
+        else:
+            word = tl.load(word_at)
+        x_hi, x_lo = _x_pair(word, X_KIND, tl.float32)  # once for the four rows
+        part = _nf4_level(lane_level, table_ptr, byte, LANE_TABLE) * x_lo[:, :, None, None]
+        part = tl.fma(_nf4_level(lane_level, table_ptr, byte >> 4, LANE_TABLE), x_hi[:, :, None, None], part)
+        acc = tl.fma(part, absmax[:, None, :, :], acc)
+    rows = first_row + tl.arange(0, 4)
+    _store_rows(tl.reshape(tl.sum(tl.sum(acc, axis=1), axis=0), (4,)), rows, rows < N, bias_ptr, u_ptr, lora_b_ptr,
+                y_ptr, rank, lora_scale, HAS_BIAS, HAS_LORA, RANK, X_KIND, BF16_BY_HAND)
+
+
+@triton.jit
+def _store_rows(y, rows, row_ok, bias_ptr, u_ptr, lora_b_ptr, y_ptr, rank, lora_scale, HAS_BIAS: tl.constexpr,
+                HAS_LORA: tl.constexpr, RANK: tl.constexpr, X_KIND: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """``y[rows] = round(y + b[rows] + s (U B^T)[rows])``: the row kernels' epilogue (fp32 ``y`` of the rows)."""
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_LORA:
@@ -301,13 +377,24 @@ def _nf4_matvec_row_kernel(
     LANE_TABLE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INT64: tl.constexpr,
+    ROWS_IN_THREAD: tl.constexpr,  # BLOCK_N == 4 rows held in each thread (_row_products_in_thread)
 ):
     """One row of ``x``, one weight: program ``p`` computes rows ``[p BLOCK_N, (p + 1) BLOCK_N)`` of ``y``
-    (:func:`_row_products`)."""
-    _row_products(x_words_ptr, packed_ptr, absmax_ptr, table_ptr, code2_ptr, absmax2_ptr, offset_ptr, bias_ptr, u_ptr,
-                  lora_b_ptr, y_ptr, program_rows(BLOCK_N, INT64), N, blocks_per_row, rank, lora_scale, BLOCKSIZE,
-                  BLOCKSIZE2, NESTED, HAS_BIAS, HAS_LORA, RANK, BLOCK_N, STEP_BLOCKS, X_KIND, MASKED, PREFETCH,
-                  LANE_TABLE, BF16_BY_HAND)
+    (:func:`_row_products`, or :func:`_row_products_in_thread`)."""
+    if ROWS_IN_THREAD:
+        if INT64:
+            first_row = tl.program_id(0).to(tl.int64) * BLOCK_N
+        else:
+            first_row = tl.program_id(0) * BLOCK_N
+        _row_products_in_thread(x_words_ptr, packed_ptr, absmax_ptr, table_ptr, code2_ptr, absmax2_ptr, offset_ptr,
+                                bias_ptr, u_ptr, lora_b_ptr, y_ptr, first_row, N, blocks_per_row, rank, lora_scale,
+                                BLOCKSIZE, BLOCKSIZE2, NESTED, HAS_BIAS, HAS_LORA, RANK, STEP_BLOCKS, X_KIND, MASKED,
+                                LANE_TABLE, BF16_BY_HAND)
+    else:
+        _row_products(x_words_ptr, packed_ptr, absmax_ptr, table_ptr, code2_ptr, absmax2_ptr, offset_ptr, bias_ptr,
+                      u_ptr, lora_b_ptr, y_ptr, program_rows(BLOCK_N, INT64), N, blocks_per_row, rank, lora_scale,
+                      BLOCKSIZE, BLOCKSIZE2, NESTED, HAS_BIAS, HAS_LORA, RANK, BLOCK_N, STEP_BLOCKS, X_KIND, MASKED,
+                      PREFETCH, LANE_TABLE, BF16_BY_HAND)
 
 
 @triton.jit(do_not_specialize=["n_0", "rank_0", "n_1", "rank_1", "n_2", "rank_2", "first1", "first2"])
@@ -334,6 +421,7 @@ def _nf4_matvec_rows_group_kernel(
     LANE_TABLE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INT64: tl.constexpr,
+    ROWS_IN_THREAD: tl.constexpr,
 ):
     """One row of ``x``, two or three weights that read it (q/k/v, gate/up) in one launch: the programs
     ``[0, first1)`` compute the first weight's ``y``, ``[first1, first2)`` the second's, the rest the third's,
@@ -350,12 +438,18 @@ def _nf4_matvec_rows_group_kernel(
             packed, absmax, code2, absmax2, offset, bias = packed_2, absmax_2, code2_2, absmax2_2, offset_2, bias_2
             u, lora_b, y, n, rank, scale, first = u_2, lora_b_2, y_2, n_2, rank_2, scale_2, first2
     if INT64:
-        rows = (pid - first).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        first_row = (pid - first).to(tl.int64) * BLOCK_N
     else:
-        rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _row_products(x_words_ptr, packed, absmax, table_ptr, code2, absmax2, offset, bias, u, lora_b, y, rows, n,
-                  blocks_per_row, rank, scale, BLOCKSIZE, BLOCKSIZE2, NESTED, HAS_BIAS, HAS_LORA, RANK, BLOCK_N,
-                  STEP_BLOCKS, X_KIND, MASKED, PREFETCH, LANE_TABLE, BF16_BY_HAND)
+        first_row = (pid - first) * BLOCK_N
+    if ROWS_IN_THREAD:
+        _row_products_in_thread(x_words_ptr, packed, absmax, table_ptr, code2, absmax2, offset, bias, u, lora_b, y,
+                                first_row, n, blocks_per_row, rank, scale, BLOCKSIZE, BLOCKSIZE2, NESTED, HAS_BIAS,
+                                HAS_LORA, RANK, STEP_BLOCKS, X_KIND, MASKED, LANE_TABLE, BF16_BY_HAND)
+    else:
+        _row_products(x_words_ptr, packed, absmax, table_ptr, code2, absmax2, offset, bias, u, lora_b, y,
+                      first_row + tl.arange(0, BLOCK_N), n, blocks_per_row, rank, scale, BLOCKSIZE, BLOCKSIZE2, NESTED,
+                      HAS_BIAS, HAS_LORA, RANK, BLOCK_N, STEP_BLOCKS, X_KIND, MASKED, PREFETCH, LANE_TABLE,
+                      BF16_BY_HAND)
 
 
 @triton.jit
@@ -451,6 +545,7 @@ class MatvecConfig:
     num_warps: int = 4
     num_stages: int | None = None  # Triton's software pipelining depth; None: Triton's default
     prefetch: bool = False  # the row kernel loads a step's tile one step ahead (two tiles in flight)
+    rows_in_thread: bool = False  # the row kernel's four rows a program held in each thread (_row_products_in_thread)
 
     def __post_init__(self):
         for name in ("block_n", "step_blocks", "num_warps"):
@@ -463,10 +558,15 @@ class MatvecConfig:
             raise ValueError(f"MatvecConfig.num_stages must be at least 1, got {self.num_stages}.")
         if self.prefetch and self.use_dot:
             raise ValueError("MatvecConfig.prefetch is the row kernel's (use_dot=False).")
+        if self.rows_in_thread and (self.use_dot or self.prefetch or self.block_n != 4):
+            raise ValueError("MatvecConfig.rows_in_thread is the row kernel's with block_n=4, without prefetch.")
 
 
 # NF4 bytes of one program's tile per loop step at M = 1: 16 per thread with 4 warps (one 128-bit load).
 _ROW_TILE_BYTES = 2048
+#: the rows-in-thread body's launch (16 bytes of each of its 4 rows a thread a step, 4 warps): not yet measured on a
+#: GPU, so not matvec_config's choice; the sweep (benchmarks/generate.py --kernels --sweep) times it
+ROWS_IN_THREAD_CONFIG = MatvecConfig(block_n=4, step_blocks=64, use_dot=False, num_warps=4, rows_in_thread=True)
 
 
 def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 132) -> MatvecConfig:
@@ -707,7 +807,8 @@ def nf4_matvec(
     else:
         _nf4_matvec_row_kernel[grid](
             words, packed, absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y,
-            n, blocks_per_row, lora_b.shape[-1], scaling, PREFETCH=config.prefetch, **common)
+            n, blocks_per_row, lora_b.shape[-1], scaling, PREFETCH=config.prefetch,
+            ROWS_IN_THREAD=config.rows_in_thread, **common)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -815,6 +916,7 @@ def nf4_matvec_group(
         X_KIND=_X_KINDS[x.dtype],
         MASKED=bool(any(n % config.block_n for n, *_ in segments) or blocks_per_row % config.step_blocks),
         PREFETCH=config.prefetch,
+        ROWS_IN_THREAD=config.rows_in_thread,
         LANE_TABLE=on_gpu,
         BF16_BY_HAND=not on_gpu and interpreter_on(),
         INT64=max(p.numel() for _, p, *_ in segments) + half * config.block_n * config.step_blocks >= 2**31,
@@ -865,7 +967,8 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
             if m == 1:
                 signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands,
                              "N": "i32", "blocks_per_row": "i32", "rank": "i32", "lora_scale": "fp32"}
-                specs.append((_nf4_matvec_row_kernel, signature, {**constexprs, "PREFETCH": not nested}, options))
+                specs.append((_nf4_matvec_row_kernel, signature,
+                              {**constexprs, "PREFETCH": not nested, "ROWS_IN_THREAD": False}, options))
                 continue
             signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands, "M": "i32", "N": "i32",
                          "blocks_per_row": "i32", "stride_xw": "i32", "stride_u": "i32", "rank": "i32",
@@ -886,10 +989,17 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
                 "SEGMENTS": segments, "BLOCKSIZE": 64, "BLOCKSIZE2": 256, "NESTED": nested, "HAS_BIAS": bias,
                 "HAS_LORA": lora, "RANK": 16, "BLOCK_N": config.block_n, "STEP_BLOCKS": config.step_blocks,
                 "X_KIND": kind, "MASKED": masked, "PREFETCH": not nested, "LANE_TABLE": True, "BF16_BY_HAND": False,
-                "INT64": False,
+                "INT64": False, "ROWS_IN_THREAD": False,
             }
             specs.append((_nf4_matvec_rows_group_kernel, signature, constexprs,
                           {"num_warps": config.num_warps, "enable_fp_fusion": False}))
+    # the rows-in-thread body (ROWS_IN_THREAD_CONFIG), after the specs above so that their indices stay: the row
+    # kernel nested with LoRA, the grouped one plain with bias and masked, fp16 and bf16
+    for spec in [sp for sp in specs if (sp[0] is _nf4_matvec_row_kernel) == sp[2]["NESTED"] and "ROWS_IN_THREAD" in sp[2]]:
+        kernel, signature, constexprs, options = spec
+        specs.append((kernel, signature, {**constexprs, "ROWS_IN_THREAD": True, "PREFETCH": False, "BLOCK_N": 4,
+                                          "STEP_BLOCKS": ROWS_IN_THREAD_CONFIG.step_blocks},
+                      {**options, "num_warps": ROWS_IN_THREAD_CONFIG.num_warps}))
     return specs
 
 

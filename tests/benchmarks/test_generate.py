@@ -196,14 +196,15 @@ def test_benchmarks_kernels_module_loads_under_its_other_name():
 @pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
 def test_group_rows_time_both_ways_and_check_the_outputs():
     """``--kernels``' group rows on the CPU (tiny shapes, the kernels under the interpreter, a fake timer): a row
-    for the separate launches and one for the grouped launch, each checked against the reference and its
-    bandwidth from the group's NF4 bytes."""
+    for the separate launches and one for each grouped launch (the default tiling, rows in thread), each checked
+    against the reference and its bandwidth from the group's NF4 bytes."""
     pytest.importorskip("bitsandbytes")
     from notebookkit.kernels.runtime import use_triton
 
     bench = types.SimpleNamespace(_bench=lambda fn: (fn(), (0.5, "fake"))[1])
     with use_triton(True):
         rows = generate.group_rows(torch.float16, bench, 100.0, {"q/k/v": [(40, 128), (8, 128), (8, 128)]}, "cpu")
-    assert [r["impl"] for r in rows] == ["nf4_matvec x3 (a launch each)", "nf4_matvec_group (one launch)"]
+    assert [r["impl"] for r in rows] == ["nf4_matvec x3 (a launch each)", "nf4_matvec_group (one launch)",
+                                         "nf4_matvec_group rows-in-thread"]
     assert all(r["status"] == "ok" and r["rel_err"] <= 2e-2 and r["shape"] == "q/k/v 40+8+8x128" for r in rows)
-    assert rows[0]["nf4_bytes"] == rows[1]["nf4_bytes"] > 56 * 128 // 2 and rows[0]["gbps"] == rows[1]["gbps"]
+    assert rows[0]["nf4_bytes"] == rows[2]["nf4_bytes"] > 56 * 128 // 2 and rows[0]["gbps"] == rows[2]["gbps"]

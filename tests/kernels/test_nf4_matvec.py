@@ -32,6 +32,7 @@ from notebookkit.kernels.nf4_matvec import (  # noqa: E402
     MAX_ROWS,
     LoRATerm,
     MatvecConfig,
+    ROWS_IN_THREAD_CONFIG,
     matvec_config,
     nf4_matvec,
     nf4_matvec_group,
@@ -196,7 +197,8 @@ def _group(ns, k, dtype, nested, with_bias, with_lora, seed=21, device="cpu", ra
 GROUP_CASES = [((37, 16, 21), torch.float16, True, True, True), ((40, 40), torch.bfloat16, False, True, False),
                ((8, 29, 13), torch.float32, False, False, True), ((33, 64), torch.float16, True, False, False)]
 GROUP_CONFIGS = [None, MatvecConfig(block_n=4, step_blocks=2, use_dot=False, num_warps=2),
-                 MatvecConfig(block_n=2, step_blocks=1, use_dot=False, prefetch=True)]
+                 MatvecConfig(block_n=2, step_blocks=1, use_dot=False, prefetch=True),
+                 MatvecConfig(block_n=4, step_blocks=4, use_dot=False, rows_in_thread=True)]
 
 
 @needs_interpreter
@@ -268,6 +270,8 @@ CONFIGS = [
     MatvecConfig(block_n=16, step_blocks=8, use_dot=False),  # a step wider than the row
     MatvecConfig(block_n=4, step_blocks=2, use_dot=False, prefetch=True),  # the next tile a step ahead, masked
     MatvecConfig(block_n=2, step_blocks=1, use_dot=False, prefetch=True),  # one block a step: 4 or 5 steps
+    MatvecConfig(block_n=4, step_blocks=2, use_dot=False, num_warps=2, rows_in_thread=True),  # masked rows, steps
+    MatvecConfig(block_n=4, step_blocks=8, use_dot=False, rows_in_thread=True),  # a step wider than the row
     MatvecConfig(block_n=16, step_blocks=1, use_dot=True, num_warps=1),
     MatvecConfig(block_n=32, step_blocks=2, use_dot=True, num_warps=2),
     MatvecConfig(block_n=64, step_blocks=4, use_dot=True),
@@ -275,7 +279,8 @@ CONFIGS = [
 
 
 def _config_id(c: MatvecConfig) -> str:
-    return f"n{c.block_n}-s{c.step_blocks}-{'dot' if c.use_dot else 'fma'}-w{c.num_warps}" + ("-prefetch" * c.prefetch)
+    return (f"n{c.block_n}-s{c.step_blocks}-{'dot' if c.use_dot else 'fma'}-w{c.num_warps}" + ("-prefetch" * c.prefetch)
+            + ("-rows-in-thread" * c.rows_in_thread))
 
 
 @needs_interpreter
@@ -446,6 +451,8 @@ def test_errors_speak_to_the_user():
         MatvecConfig(block_n=8, step_blocks=1, use_dot=True)
     with pytest.raises(ValueError, match="row kernel"):
         MatvecConfig(block_n=16, step_blocks=1, use_dot=True, prefetch=True)
+    with pytest.raises(ValueError, match="rows_in_thread is the row kernel's with block_n=4"):
+        MatvecConfig(block_n=2, step_blocks=1, use_dot=False, rows_in_thread=True)
     if interpreter_on():
         with use_triton(True), pytest.raises(ValueError, match="one row of x"):
             nf4_matvec(torch.randn(2, 128).half(), (packed, qs), config=MatvecConfig(4, 1, use_dot=False))
@@ -516,7 +523,7 @@ def test_gpu_lora_term(m, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [MatvecConfig(8, 8, False), MatvecConfig(4, 16, False, prefetch=True),
                                     MatvecConfig(32, 2, True, 2), MatvecConfig(64, 2, True),
-                                    MatvecConfig(16, 4, True, 1)], ids=_config_id)
+                                    MatvecConfig(16, 4, True, 1), ROWS_IN_THREAD_CONFIG], ids=_config_id)
 def test_gpu_configs_plain_absmax(config):
     packed, qs = _nf4_weight(4096, 4096, torch.bfloat16, nested=False, device="cuda")
     x, bias = _inputs(1, 4096, 4096, torch.bfloat16, True, device="cuda")
@@ -526,22 +533,28 @@ def test_gpu_configs_plain_absmax(config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_group_of_the_8b_attention_and_mlp(dtype):
+@pytest.mark.parametrize("config", [None, ROWS_IN_THREAD_CONFIG], ids=["auto", "rows-in-thread"])
+def test_gpu_group_of_the_8b_attention_and_mlp(dtype, config):
     """Llama-3.1-8B's q/k/v (4096, 1024, 1024 rows) with LoRA and its gate/up (14336 x 2) in one launch each:
-    every output the one-weight kernel's bits at the same tiling, also when replayed from a CUDA graph."""
+    every output the one-weight kernel's bits at the same tiling, also when replayed from a CUDA graph, and
+    within the rounding bound of the definition."""
     for ns, k, with_lora in (((4096, 1024, 1024), 4096, True), ((14336, 14336), 4096, False)):
         x, weights, biases, loras = _group(ns, k, dtype, True, False, with_lora, device="cuda", rank=16)
-        tiling = matvec_config(1, sum(ns), k, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        tiling = config or matvec_config(1, sum(ns), k,
+                                         sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
         alone = [nf4_matvec(x, w, lora=lo, config=tiling) for w, lo in zip(weights, loras)]
-        eager = nf4_matvec_group(x, weights, biases, loras=loras)
+        eager = nf4_matvec_group(x, weights, biases, loras=loras, config=config)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = nf4_matvec_group(x, weights, biases, loras=loras)
+            captured = nf4_matvec_group(x, weights, biases, loras=loras, config=config)
         graph.replay()
         torch.cuda.synchronize()
         for y, y_graph, y_alone in zip(eager, captured, alone):
             assert torch.equal(y, y_alone) and torch.equal(y_graph, y_alone), f"{ns} {dtype}"
+        if with_lora:  # k_proj's 1024 rows (nested absmax, LoRA): the definition's rounding bound
+            assert_within_rounding(eager[1], x, *weights[1], None, f"k_proj {dtype} {config}", lora=loras[1],
+                                   exact_w=True)
 
 
 @pytest.mark.gpu
