@@ -995,8 +995,10 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
                           {"num_warps": config.num_warps, "enable_fp_fusion": False}))
     # the rows-in-thread body (ROWS_IN_THREAD_CONFIG), after the specs above so that their indices stay: the row
     # kernel nested with LoRA, the grouped one plain with bias and masked, fp16 and bf16
-    for spec in [sp for sp in specs if (sp[0] is _nf4_matvec_row_kernel) == sp[2]["NESTED"] and "ROWS_IN_THREAD" in sp[2]]:
-        kernel, signature, constexprs, options = spec
+    row_specs = [sp for sp in specs if sp[0] is not _nf4_matvec_dot_kernel]
+    for kernel, signature, constexprs, options in row_specs:
+        if (kernel is _nf4_matvec_row_kernel) != constexprs["NESTED"]:
+            continue
         specs.append((kernel, signature, {**constexprs, "ROWS_IN_THREAD": True, "PREFETCH": False, "BLOCK_N": 4,
                                           "STEP_BLOCKS": ROWS_IN_THREAD_CONFIG.step_blocks},
                       {**options, "num_warps": ROWS_IN_THREAD_CONFIG.num_warps}))
