@@ -39,8 +39,8 @@ products with ``x`` and one multiply-add by the block's scale; no rounding of ``
 instruction issue alone would let an H200 SM read at the copy bandwidth). A tile ``[rows, ...]`` puts each
 row in other threads, so every thread unpacks ``x`` for its own row; with ``MatvecConfig.rows_in_thread``
 (:data:`ROWS_IN_THREAD_CONFIG`) a thread holds the program's four rows at the same columns and unpacks ``x``
-once for them (:func:`_row_products_in_thread`): 10.2 PTX instructions a byte against 14.4 (fp16, nested, LoRA;
-bf16 9.7 against 12.4), 167 registers on sm_75 without spills. Not yet timed on a GPU, so not
+once for them (:func:`_row_products_in_thread`): 9.2 SASS instructions a byte on sm_90 against 12.2 (fp16, nested,
+LoRA; bf16 9.2 against 11.2), 167 registers on sm_75 without spills. Not yet timed on a GPU, so not
 :func:`matvec_config`'s choice.
 
 Several weights that read the same ``x`` (a decode layer's q/k/v, its gate/up) run in one launch of the row
@@ -297,8 +297,8 @@ def _row_products_in_thread(x_words_ptr, packed_ptr, absmax_ptr, table_ptr, code
     each thread: the tile is ``[STEP_BLOCKS, BLOCKSIZE / 2, 2, 2]``, the last two dimensions the rows (joined with
     ``tl.join``, whose new dimension stays in one thread). Each thread then unpacks ``x``'s words once for the four
     rows' bytes at the same columns, where a tile ``[rows, ...]`` spreads the rows over threads and each unpacks
-    them again: the PTX census of the loop (sm_90, fp16, nested, LoRA) is 10.2 instructions a weight byte at 64
-    blocks a step against the row-per-thread tile's 14.4 (``cvt.f32.f16`` 2 a byte to 0.5). Each row's sum is
+    them again: the loop's SASS (sm_90, fp16, nested, LoRA) is 9.2 instructions a weight byte at 64 blocks a step
+    against the row-per-thread tile's 12.2 (``x``'s conversions 2 a byte to 0.5). Each row's sum is
     the same products in the same fp32 accumulator element as there; the final reduction's order may differ."""
     HALF: tl.constexpr = BLOCKSIZE // 2
     byte_in_block = tl.arange(0, HALF)

@@ -826,6 +826,31 @@ def test_ptx_census_counts_the_loop_with_inline_asm_expanded():
     assert ptx_census.nf4_matvec_bytes_per_thread(dict(BLOCK_N=4, STEP_BLOCKS=16, BLOCKSIZE=64), {"num_warps": 4}) == 16
 
 
+SASS = """
+        /*0120*/              @!P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0130*/                   LDG.E.128.CONSTANT R4, desc[UR6][R2.64] ;
+        /*0140*/                   SHFL.IDX PT, R9, R8, R4, 0x1f ;
+        /*0150*/              @!P1 FFMA R10, R9, R11, R10 ;
+        /*0160*/                   FFMA R10, R9, R12, R10 ;
+        /*0170*/               @P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0180*/                   STG.E desc[UR6][R2.64], R10 ;
+.L_x_2:
+        /*0190*/                   BRA `(.L_x_2);
+"""
+
+
+def test_sass_census_counts_the_loop_without_predicates_or_modifiers():
+    import ptx_census
+
+    loop = ptx_census.sass_hot_loop(SASS)
+    # the forward branch before the loop, the store after it and the trailing self-branch are not counted
+    assert ptx_census.sass_opcodes(loop) == {"LDG": 1, "SHFL": 1, "FFMA": 2, "BRA": 1}
+    with pytest.raises(SystemExit, match="no loop"):
+        ptx_census.sass_hot_loop(SASS.replace("@P0 BRA `(.L_x_1) ;", "NOP ;").replace("BRA `(.L_x_2);", "EXIT ;"))
+
+
 def test_fp16_training_step_runs_under_a_loss_scaler_and_counts_skipped_steps():
     """The T4 emulation's step (benchmarks/train_step.py --dtype float16): the scaled loss's backward and
     GradScaler's step; an overflow halves the scale and counts as a skipped step (CPU, a one-linear model)."""
