@@ -6,6 +6,8 @@
 #   new[N]      generate.py's 8b-nf4 rows of notebookkit from this tree (batch 1 and 8, profile, bound), tag newN
 #   old[N]      the same from the tree in .ab/old (locally: mkdir -p .ab/old && git archive REV | tar -x -C .ab/old)
 #   t4[N]       the fp16 rows under a 15 GiB cap (T4 emulation) from this tree
+#   rit[N]      new[N]'s rows with NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1 (the matvec's rows-in-thread body where a
+#               program gets 4 rows); alternate with new[N] for an A/B in one call
 #   sweep       nf4_matvec's launch configurations at the 8B shapes (generate.py --kernels --sweep), bf16, for at
 #               most SWEEP_S seconds (400): each row is printed as it is measured (ROW lines of sweep.log)
 #   tests       the GPU tests of the decode path (matvec, graph replay, greedy agreement) and of the NF4 experts
@@ -26,6 +28,7 @@ for step in "$@"; do
     new*)  rows "$PWD" "$step" 8b-nf4 ;;
     old*)  rows "$PWD/.ab/old" "$step" 8b-nf4 ;;
     t4*)   rows "$PWD" "$step" 8b-nf4-fp16-15gib ;;
+    rit*)  NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1 rows "$PWD" "$step" 8b-nf4 ;;
     sweep) timeout "${SWEEP_S:-400}" python3 benchmarks/generate.py --kernels --sweep --out "$OUT" --tag sweep \
              > "$OUT/sweep.log" 2>&1; grep -c "^ROW" "$OUT/sweep.log"; grep -E "^\| " "$OUT/sweep.log" | head -n 60 ;;
     tests) timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/kernels/test_nf4_matvec.py \

@@ -41,7 +41,7 @@ row in other threads, so every thread unpacks ``x`` for its own row; with ``Matv
 (:data:`ROWS_IN_THREAD_CONFIG`) a thread holds the program's four rows at the same columns and unpacks ``x``
 once for them (:func:`_row_products_in_thread`): 9.2 SASS instructions a byte on sm_90 against 12.2 (fp16, nested,
 LoRA; bf16 9.2 against 11.2), 167 registers on sm_75 without spills. Not yet timed on a GPU, so not
-:func:`matvec_config`'s choice.
+:func:`matvec_config`'s choice unless ``NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1`` (an A/B switch).
 
 Several weights that read the same ``x`` (a decode layer's q/k/v, its gate/up) run in one launch of the row
 kernel (:func:`nf4_matvec_group`): each weight's rows are programs of their own, picked by one scalar test of
@@ -58,7 +58,8 @@ explicit ``tl.fma``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -567,6 +568,8 @@ _ROW_TILE_BYTES = 2048
 #: the rows-in-thread body's launch (16 bytes of each of its 4 rows a thread a step, 4 warps): not yet measured on a
 #: GPU, so not matvec_config's choice; the sweep (benchmarks/generate.py --kernels --sweep) times it
 ROWS_IN_THREAD_CONFIG = MatvecConfig(block_n=4, step_blocks=64, use_dot=False, num_warps=4, rows_in_thread=True)
+#: "1" makes matvec_config choose the rows-in-thread body where it gives a program 4 rows (an A/B switch)
+ROWS_IN_THREAD_ENV = "NOTEBOOKKIT_NF4_ROWS_IN_THREAD"
 
 
 def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 132) -> MatvecConfig:
@@ -582,6 +585,10 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
     these first or within 3% of the first. Session 25, the row kernel: 4096 x 4096 (4, 16) 7.13 us (best
     7.07), 14336 x 4096 (4, 16) 20.0 us (the best; session 24's kernel: 22.0), 4096 x 14336 20.1 (19.9),
     1024 x 4096 (2, 32, 8 warps) 3.25 (3.16). Session 24, M = 8: 1024 x 4096 16 rows, 16.2 against 18.4 us.
+
+    With ``NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1`` in the environment, a one-row call that gets 4 rows a program runs the
+    rows-in-thread body instead (:data:`ROWS_IN_THREAD_CONFIG`, its steps no longer than a row): an A/B switch for
+    whole decode steps until a GPU says which is faster.
     """
     half = max(1, blocksize // 2)
     row_blocks = triton.next_power_of_2(max(1, k // blocksize))
@@ -589,6 +596,8 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
         block_n = 1
         while block_n < 4 and triton.cdiv(n, block_n * 2) >= 2 * sm_count:
             block_n *= 2
+        if block_n == 4 and os.environ.get(ROWS_IN_THREAD_ENV, "0") == "1":
+            return replace(ROWS_IN_THREAD_CONFIG, step_blocks=min(ROWS_IN_THREAD_CONFIG.step_blocks, row_blocks))
         step_blocks = max(1, min(_ROW_TILE_BYTES // (block_n * half), row_blocks))
         return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4 if block_n >= 4 else 8)
     wide = triton.cdiv(n, 64) >= 2 * sm_count

@@ -419,8 +419,12 @@ def test_supported_never_raises():
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (37, 320)])
-def test_matvec_config_choices(n, k):
+def test_matvec_config_choices(n, k, monkeypatch):
     one = matvec_config(1, n, k, 64, sm_count=132)
+    monkeypatch.setenv("NOTEBOOKKIT_NF4_ROWS_IN_THREAD", "1")  # the A/B switch: where a program gets 4 rows
+    switched = matvec_config(1, n, k, 64, sm_count=132)
+    assert switched.rows_in_thread == (one.block_n == 4) and switched.step_blocks * 64 <= triton_next_pow2(k)
+    monkeypatch.delenv("NOTEBOOKKIT_NF4_ROWS_IN_THREAD")
     assert not one.use_dot
     assert one.step_blocks * 64 <= triton_next_pow2(k)
     if n >= 2 * 132:
