@@ -218,7 +218,9 @@ def step_lines(rows: list[dict]) -> list[str]:
             cells = [f"{t:.3f} s (waits {h['sync_s'] * 1e3:.0f} ms in {h['syncs']}, gc {h['gc_s'] * 1e3:.1f} ms)"
                      for t, h in zip(r["step_s"], r["step_host"])]
             out.append(f"- {r['config']} {r['system']}{' (gc off)' if r.get('no_gc') else ''}: " + "; ".join(cells))
-    return ["", "Per timed step: the step's GPU time (host waits on the GPU, garbage-collector pauses):", *out] if out else []
+    if not out:
+        return []
+    return ["", "Per timed step: the step's GPU time (host waits on the GPU, garbage-collector pauses):", *out]
 
 
 def compare_lora_with_hf(rows: list[dict], paths: dict[str, str]) -> None:

@@ -368,8 +368,8 @@ def main() -> None:
                     help="the caching allocator grows segments in place (PyTorch's expandable_segments; Unsloth sets it"
                          " on import), so reserved memory stays near the allocated peak")
     ap.add_argument("--no-gc", action="store_true",
-                    help="Python's cyclic garbage collector off during the timed steps (gc.freeze after the warm-up, then"
-                         " gc.disable): does a collection's pause idle the GPU?")
+                    help="Python's cyclic garbage collector off during the timed steps (gc.freeze after the"
+                         " warm-up, then gc.disable): does a collection's pause idle the GPU?")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     ap.add_argument("--save-lora-b", default=None, help="write the final lora_B matrices (the update) to this .pt file")
     args = ap.parse_args()
