@@ -195,7 +195,8 @@ def _nf4_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection], biase
     if not all(p.quantized for p in projs) or not _nf4_takes(x2d, projs):
         return None
     dtype = x2d.dtype
-    loras = [None if u is None else (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
+    loras = [None if u is None else
+             (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
              for p, u in zip(projs, _adapter_inputs(x2d, projs, casts))]
     group = kernel("nf4_matvec", "nf4_matvec_group")
     if group is not None and len(projs) > 1:  # one launch for q/k/v, one for gate/up, where the kernel takes them
