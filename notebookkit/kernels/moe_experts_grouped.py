@@ -249,11 +249,11 @@ def _every_expert_has_rows(sg: _Segments) -> bool:
 def _gmm_t(l: torch.Tensor, r: torch.Tensor, sg: _Segments, scale: float) -> torch.Tensor:
     """``[E, P, Q]``: ``scale sum_{s in e} l_s^T r_s`` (``l [N, P]``, ``r [N, Q]``); an expert without rows gets
     exact zeros (not whatever an empty reduction leaves), unless the host's bounds show there is none."""
-    out = _grouped_mm(l.t(), r, offs=sg.ends32).mul_(scale)
     if _every_expert_has_rows(sg):
-        return out
+        return _grouped_mm(l.t(), r, offs=sg.ends32).mul_(scale)
+    # the empty mask before the product: its temporaries are gone when the [E, P, Q] result is allocated
     empty = torch.diff(sg.ends32, prepend=sg.ends32.new_zeros(1)) == 0
-    return out.masked_fill_(empty[:, None, None], 0.0)
+    return _grouped_mm(l.t(), r, offs=sg.ends32).mul_(scale).masked_fill_(empty[:, None, None], 0.0)
 
 
 #: each device's int32 buffer of chunk offsets, reused by every call (stream order keeps a call's GEMMs before the
