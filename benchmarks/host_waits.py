@@ -12,14 +12,26 @@ milliseconds at the wrong moment idles the GPU. This records, per step:
   ``torch.cuda.Stream.synchronize``, ``torch.cuda.synchronize``; ``.item()`` and the scaler's read are not
   counted, they are one a step in every system);
 * ``gc_s`` / ``gcs``: the time in and the number of collections of Python's cyclic garbage collector
-  (``gc.callbacks``), by generation.
+  (``gc.callbacks``), by generation;
+* ``read_s``: the time in the step's reads of a value the GPU computes (``GradScaler.get_scale``: the fp16 step's
+  end waits there for the GPU to finish the step);
+* ``counts``: what the step added to the caching allocators' counters (``torch.cuda.memory_stats``:
+  ``num_alloc_retries``, a request that found no free block under the cap and freed the cache with a synchronising
+  ``cudaFree``; ``num_device_alloc`` / ``num_device_free``, ``cudaMalloc`` / ``cudaFree`` calls; ``num_sync_all_streams``;
+  ``torch.cuda.host_memory_stats``: ``num_host_alloc`` / ``num_host_free``, pinned blocks made or given back), only
+  those that moved.
+
+Session 36 read the first three in call 4: the slow steps had no host wait at any of the 30 pacing points, so
+either the host issued the step slower, or it waited somewhere these do not see (a ``cudaFree`` of the allocator,
+the end of the step). ``read_s`` and ``counts`` tell those apart.
 
     waits = HostWaits()
     with waits:                      # patches the three waits and adds the gc callback; both undone on exit
         for ids in batches:
             with waits.step():
                 step(ids)
-    waits.steps  # [{'host_s': 0.31, 'sync_s': 0.012, 'syncs': 30, 'gc_s': 0.0, 'gcs': [0, 0, 0]}, ...]
+    waits.steps  # [{'host_s': 0.31, 'sync_s': 0.012, 'syncs': 30, 'gc_s': 0.0, 'gcs': [0, 0, 0], 'read_s': 0.0,
+                 #   'counts': {}}, ...]
 
 Plain Python; tested on the CPU with stand-in wait functions.
 """
@@ -30,21 +42,43 @@ import contextlib
 import functools
 import gc
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+#: torch.cuda.memory_stats() counters a step's ``counts`` reports, then torch.cuda.host_memory_stats()'s
+DEVICE_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+HOST_COUNTERS = ("num_host_alloc", "num_host_free")
+
+
+def cuda_counters() -> dict[str, int]:
+    """The allocators' cumulative counters of :data:`DEVICE_COUNTERS` and :data:`HOST_COUNTERS` (absent ones
+    left out: older PyTorch)."""
+    import torch
+
+    device = torch.cuda.memory_stats()
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    out = {k: int(device[k]) for k in DEVICE_COUNTERS if k in device}
+    out.update({k: int(host[k]) for k in HOST_COUNTERS if k in host})
+    return out
 
 
 class HostWaits:
-    """Per-step host time, host waits on the GPU and garbage-collector pauses (module docstring)."""
+    """Per-step host time, host waits on the GPU, reads at the step's end, garbage-collector pauses and the
+    allocators' counters (module docstring)."""
 
-    def __init__(self, waits: list[tuple[Any, str]] | None = None) -> None:
-        """``waits``: (owner, attribute name) of each wait function to time; default the three CUDA waits."""
+    def __init__(self, waits: list[tuple[Any, str]] | None = None, reads: list[tuple[Any, str]] | None = None,
+                 counters: Callable[[], dict[str, int]] | None = None) -> None:
+        """``waits``: (owner, attribute name) of each wait function to time; ``reads``: the same for the reads of
+        a GPU value; ``counters``: a function giving cumulative counters. Without ``waits``: the three CUDA waits,
+        ``GradScaler.get_scale`` (unless ``reads`` is given) and :func:`cuda_counters` (unless ``counters`` is)."""
         self.waits = waits
+        self.reads = reads
+        self.counters = counters
         self.steps: list[dict[str, Any]] = []
         self._current: dict[str, Any] | None = None
         self._undo: list[tuple[Any, str, Any]] = []
         self._gc_started: float | None = None
 
-    def _timed(self, wait: Any) -> Any:
+    def _timed(self, wait: Any, seconds: str, count: str | None) -> Any:
         @functools.wraps(wait)
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
@@ -52,8 +86,9 @@ class HostWaits:
                 return wait(*args, **kwargs)
             finally:
                 if self._current is not None:
-                    self._current["sync_s"] += time.perf_counter() - start
-                    self._current["syncs"] += 1
+                    self._current[seconds] += time.perf_counter() - start
+                    if count:
+                        self._current[count] += 1
 
         return timed
 
@@ -65,15 +100,18 @@ class HostWaits:
             self._current["gcs"][info.get("generation", 2)] += 1
 
     def __enter__(self) -> "HostWaits":
-        waits = self.waits
-        if waits is None:
+        waits, reads = self.waits, self.reads or []
+        if waits is None:  # the CUDA defaults
             import torch
 
             waits = [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda, "synchronize")]
-        for owner, name in waits:
-            original = getattr(owner, name)
-            self._undo.append((owner, name, original))
-            setattr(owner, name, self._timed(original))
+            reads = self.reads if self.reads is not None else [(torch.amp.GradScaler, "get_scale")]
+            self.counters = self.counters or cuda_counters
+        for patched, seconds, count in ((waits, "sync_s", "syncs"), (reads, "read_s", None)):
+            for owner, name in patched:
+                original = getattr(owner, name)
+                self._undo.append((owner, name, original))
+                setattr(owner, name, self._timed(original, seconds, count))
         gc.callbacks.append(self._on_gc)
         return self
 
@@ -85,12 +123,15 @@ class HostWaits:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Record one step's host time, waits and collections."""
-        self._current = dict(host_s=0.0, sync_s=0.0, syncs=0, gc_s=0.0, gcs=[0, 0, 0])
+        """Record one step's host time, waits, reads, collections and counters (read outside the timed part)."""
+        before = self.counters() if self.counters else {}
+        self._current = dict(host_s=0.0, sync_s=0.0, syncs=0, gc_s=0.0, gcs=[0, 0, 0], read_s=0.0)
         start = time.perf_counter()
         try:
             yield
         finally:
             self._current["host_s"] = time.perf_counter() - start
+            after = self.counters() if self.counters else {}
+            self._current["counts"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
             self.steps.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in self._current.items()})
             self._current = None

@@ -211,16 +211,26 @@ def markdown(rows: list[dict]) -> str:
 
 def step_lines(rows: list[dict]) -> list[str]:
     """Each timed step of the rows that recorded their host waits (``host_waits``): the GPU's step time, then the
-    host's waits on the GPU and its garbage-collector pauses in that step, in ms."""
+    host's waits on the GPU, its read at the step's end (rows that recorded it), its garbage-collector pauses in
+    that step, in ms, and the allocator counters the step moved."""
     out = []
     for r in rows:
         if r.get("status") == "ok" and r.get("step_host"):
-            cells = [f"{t:.3f} s (waits {h['sync_s'] * 1e3:.0f} ms in {h['syncs']}, gc {h['gc_s'] * 1e3:.1f} ms)"
-                     for t, h in zip(r["step_s"], r["step_host"])]
+            cells = [f"{t:.3f} s ({_step_host_cell(h)})" for t, h in zip(r["step_s"], r["step_host"])]
             out.append(f"- {r['config']} {r['system']}{' (gc off)' if r.get('no_gc') else ''}: " + "; ".join(cells))
     if not out:
         return []
-    return ["", "Per timed step: the step's GPU time (host waits on the GPU, garbage-collector pauses):", *out]
+    return ["", "Per timed step: the step's GPU time (host waits on the GPU, the read at the step's end, "
+            "garbage-collector pauses, allocator counters):", *out]
+
+
+def _step_host_cell(h: dict) -> str:
+    parts = [f"waits {h['sync_s'] * 1e3:.0f} ms in {h['syncs']}"]
+    if "read_s" in h:
+        parts.append(f"end read {h['read_s'] * 1e3:.0f} ms")
+    parts.append(f"gc {h['gc_s'] * 1e3:.1f} ms")
+    parts += [f"{name} {n}" for name, n in sorted(h.get("counts", {}).items())]
+    return ", ".join(parts)
 
 
 def compare_lora_with_hf(rows: list[dict], paths: dict[str, str]) -> None:

@@ -900,29 +900,37 @@ def test_host_waits_times_each_steps_waits_and_collections_and_undoes_its_patche
         time.sleep(seconds)
         return seconds
 
-    owner = types.SimpleNamespace(wait=wait)
-    waits = host_waits.HostWaits([(owner, "wait")])
+    counter = {"num_alloc_retries": 3, "num_device_free": 5}  # cumulative: a step reports what it added
+    owner = types.SimpleNamespace(wait=wait, read=wait)
+    waits = host_waits.HostWaits([(owner, "wait")], reads=[(owner, "read")], counters=lambda: dict(counter))
     with waits:
         with waits.step():
             owner.wait(0.02)
             owner.wait(0.01)
+            owner.read(0.015)
+            counter["num_alloc_retries"] += 2  # a step that freed the allocator's cache twice
         with waits.step():
             gc.collect()  # a generation-2 collection, inside the step
         owner.wait(0.0)  # between steps: not counted
-    assert owner.wait is wait and waits._on_gc not in gc.callbacks  # undone
+    assert owner.wait is wait and owner.read is wait and waits._on_gc not in gc.callbacks  # undone
     first, second = waits.steps
-    assert first["syncs"] == 2 and 0.03 <= first["sync_s"] <= first["host_s"]
-    assert first["gcs"] == [0, 0, 0] and first["gc_s"] == 0.0
+    assert first["syncs"] == 2 and 0.03 <= first["sync_s"] < 0.045 and 0.015 <= first["read_s"] < 0.03
+    assert first["sync_s"] + first["read_s"] <= first["host_s"]
+    assert first["gcs"] == [0, 0, 0] and first["gc_s"] == 0.0 and first["counts"] == {"num_alloc_retries": 2}
     assert second["syncs"] == 0 and second["gcs"] == [0, 0, 1] and 0.0 < second["gc_s"] <= second["host_s"] + 1e-4
+    assert second["read_s"] == 0.0 and second["counts"] == {}
 
 
 def test_the_table_lists_each_steps_host_waits_where_a_row_recorded_them():
     import run
 
     row = dict(config="8b-nf4-4096x1-t4", system="notebookkit-spread", status="ok", step_s=[0.301, 0.355],
-               step_host=[dict(sync_s=0.012, syncs=30, gc_s=0.0), dict(sync_s=0.0604, syncs=30, gc_s=0.0021)])
+               step_host=[dict(sync_s=0.012, syncs=30, gc_s=0.0),  # session 35's rows: no read, no counters
+                          dict(sync_s=0.0604, syncs=30, gc_s=0.0021, read_s=0.0318,
+                               counts={"num_device_free": 3, "num_alloc_retries": 1})])
     assert run.step_lines([row, dict(row, system="unsloth", step_host=None)]) == [
-        "", "Per timed step: the step's GPU time (host waits on the GPU, garbage-collector pauses):",
+        "", "Per timed step: the step's GPU time (host waits on the GPU, the read at the step's end, "
+        "garbage-collector pauses, allocator counters):",
         "- 8b-nf4-4096x1-t4 notebookkit-spread: 0.301 s (waits 12 ms in 30, gc 0.0 ms); "
-        "0.355 s (waits 60 ms in 30, gc 2.1 ms)"]
+        "0.355 s (waits 60 ms in 30, end read 32 ms, gc 2.1 ms, num_alloc_retries 1, num_device_free 3)"]
     assert run.step_lines([dict(row, step_host=None)]) == []
