@@ -61,7 +61,8 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # "notebookkit-offload" is the memory-lean mode (layer inputs in pinned host memory), the mode Unsloth
 # runs; "notebookkit-lean" adds offload_embedding=True (the input embedding table in host memory, untied
 # models); "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
-# "notebookkit-fp8-<N>GiB" does the same with the FP8 forward. Suffixes on any system (SUFFIXES): "+expandable"
+# "notebookkit-fp8-<N>GiB" does the same with the FP8 forward, "notebookkit-spread-<N>GiB" with layout="spread"
+# (a plan further under the T4's 15 GiB cap: headroom for the caching allocator, see host_waits' counters). Suffixes on any system (SUFFIXES): "+expandable"
 # runs it with PyTorch's expandable_segments allocator (what Unsloth sets on import), "+nogc" with Python's garbage
 # collector off during the timed steps.
 VARIANTS = {
@@ -93,6 +94,8 @@ def resolve_system(system: str) -> tuple[str, list[str]]:
         return VARIANTS[system]
     if system.startswith("notebookkit-fp8-") and system.endswith("GiB"):
         return "notebookkit", ["--fp8", "--max-memory", system[len("notebookkit-fp8-"):]]
+    if system.startswith("notebookkit-spread-") and system.endswith("GiB"):
+        return "notebookkit", ["--spread", "--max-memory", system[len("notebookkit-spread-"):]]
     if system.startswith("notebookkit-") and system.endswith("GiB"):
         return "notebookkit", ["--max-memory", system[len("notebookkit-"):]]
     return system, []

@@ -13,10 +13,12 @@
 #                 its offloaded layers parked), "auto" planned with layout="spread" (the offloaded layers among the
 #                 kept ones, all of them parked), offload_mlp with the input embedding in host memory (the row
 #                 under Unsloth's peak), Unsloth (~4 min); T4_SYSTEMS=a,b,... runs other rows, T4_STEPS=N times N
-#                 steps. Session 35's question (its steps swing between ~0.30 and ~0.355 s, Unsloth's do not):
-#                 T4_STEPS=10 T4_SYSTEMS=notebookkit,notebookkit+nogc,notebookkit-spread,notebookkit-spread+nogc,
-#                 notebookkit-spread-park0.75,unsloth (each step's host waits and gc pauses are in the table:
-#                 benchmarks/host_waits.py; park0.75 puts less on the host link than the planner's share)
+#                 steps. Session 36 found the slow steps (~0.35-0.42 s against ~0.30) with no host wait at any
+#                 pacing point and no garbage collection to speak of: the host issued them slower, or waited where
+#                 those do not look (the allocator freeing its cache under the cap). The next question:
+#                 T4_STEPS=10 T4_SYSTEMS=notebookkit-spread,notebookkit-spread-14GiB,notebookkit-spread+expandable,unsloth
+#                 (each step's end read and allocator counters are in the table: benchmarks/host_waits.py; a
+#                 num_alloc_retries in the slow steps only says the allocator; -14GiB plans with a GiB of headroom)
 #   t4-profile    two profiled steps of the T4 row: "auto", "auto" with layout="spread", and Unsloth
 #                 (benchmarks/profile_step.py: where each spends its GPU time; the front plan runs 11% under its
 #                 matmul ceiling, benchmarks/step_flops.py; the host link's rate a copy, per direction, tells a
