@@ -6,8 +6,9 @@ backward (six casts per adapted projection per step, each a launch). Now the pat
 forward pass, the recompute re-enters it, and the views (with their casts) are reused: each
 adapter is read into the compute dtype once per step, and each projection's view is built once.
 Projections sharing an input (q/k/v, gate/up) read their ``A`` into one concatenated ``A_cat``
-(``lora_projection.adapter_group``) instead of casting each. The steps still train the updated
-adapters: the casts follow the optimizer's in-place updates.
+(``lora_projection.adapter_group``) instead of casting each. From the second pass on, all of a pass's casts are
+made in one batch, one ``_foreach_copy_`` into one buffer (``models.patching.adapter_casts``). The steps still
+train the updated adapters: the casts follow the optimizer's in-place updates.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ def test_adapters_cast_once_and_views_built_once_per_step(checkpointing, monkeyp
     opt = torch.optim.AdamW(adapters, lr=1e-2)
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 
-    casts, builds, concats = [], [], []
+    casts, builds, concats, batched = [], [], [], []
     real_to = torch.Tensor.to
     real_view = lora_fast_path.projection_view
     real_concat = lora_projection.concat_adapters
+    real_foreach_copy = torch._foreach_copy_
 
     def spy_to(self, *args, **kwargs):
         out = real_to(self, *args, **kwargs)
@@ -70,20 +72,30 @@ def test_adapters_cast_once_and_views_built_once_per_step(checkpointing, monkeyp
         concats.append([A.data_ptr() for A in As])
         return real_concat(As, dtype)
 
+    def spy_foreach_copy(copies, sources):
+        batched.append([t.data_ptr() for t in sources if t.data_ptr() in ptrs])
+        return real_foreach_copy(copies, sources)
+
     monkeypatch.setattr(torch.Tensor, "to", spy_to)
     monkeypatch.setattr(lora_fast_path, "projection_view", spy_view)
     monkeypatch.setattr(lora_projection, "concat_adapters", spy_concat)
-    for _ in range(2):
-        casts.clear(), builds.clear(), concats.clear()
+    monkeypatch.setattr(torch, "_foreach_copy_", spy_foreach_copy)
+    for step in range(3):
+        casts.clear(), builds.clear(), concats.clear(), batched.clear()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        # Per layer, 7 adapted projections: one A_cat for q/k/v and one for gate/up; the Bs of those
-        # five and A, B of o and down cast once (before grouping: 14 casts); each view built once.
-        assert len(concats) == 2 * n_layers, f"{len(concats)} A_cat builds in one step"
-        assert len(casts) == (5 + 2 * 2) * n_layers, f"{len(casts)} adapter casts in one step"
-        assert sorted(casts + [p for group in concats for p in group]) == sorted(ptrs)  # each adapter once
         assert len(builds) == 7 * n_layers, f"{len(builds)} view builds in one step"
+        if step == 0:
+            # Per layer, 7 adapted projections: one A_cat for q/k/v and one for gate/up; the Bs of those
+            # five and A, B of o and down cast once (before grouping: 14 casts).
+            assert len(concats) == 2 * n_layers, f"{len(concats)} A_cat builds in one step"
+            assert len(casts) == (5 + 2 * 2) * n_layers, f"{len(casts)} adapter casts in one step"
+            assert sorted(casts + [p for group in concats for p in group]) == sorted(ptrs)  # each adapter once
+            assert batched == []
+        else:  # the pass casts in one batch what the previous pass cast (adapter_casts): every adapter once
+            assert concats == [] and casts == [], f"{len(concats)} A_cat builds, {len(casts)} casts one at a time"
+            assert len(batched) == 1 and sorted(batched[0]) == sorted(ptrs)
 
 
 def test_steps_follow_the_optimizer_updates():
@@ -160,3 +172,50 @@ def test_kept_copies_are_what_the_memory_model_counts(adapter_dtype):
             kept.update({t.data_ptr(): t.numel() * t.element_size() for t in tensors})
     est = estimate_training_memory(model.config, dtype="bfloat16", lora_r=4, adapter_dtype=str(adapter_dtype))
     assert sum(kept.values()) == est.details.get("adapters + optimizer: compute-dtype copies", 0) > 0
+
+
+def _without_batches(monkeypatch_context):
+    """No pass makes a batch (``adapter_casts``): every cast one at a time, as before batching."""
+    monkeypatch_context.setattr(lora_fast_path, "pass_casts", lambda forward: None)
+
+
+def test_batched_casts_train_as_one_at_a_time_with_a_reference_pass_and_two_forwards():
+    """DPO's and GRPO's pattern (a pass with the adapters disabled between the policy forward and its backward) and
+    two forwards before one backward give the same losses and adapters, bit for bit, with the casts batched as
+    without; from the second step on the policy's pass batches every adapter's cast."""
+    model = _bf16_lora_model("llama", "offload")
+    twin = copy.deepcopy(model)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    ptrs = {p.data_ptr() for p in _adapters(model)}
+    batched = []
+    real_foreach_copy = torch._foreach_copy_
+
+    def spy_foreach_copy(copies, sources):
+        batched.append({t.data_ptr() for t in sources} & ptrs)
+        return real_foreach_copy(copies, sources)
+
+    def train(m):
+        opt = torch.optim.AdamW(_adapters(m), lr=5e-2)
+        losses = []
+        for _ in range(3):
+            batched.clear()
+            policy = m(input_ids=ids, labels=ids).loss
+            with torch.no_grad(), m.disable_adapter():
+                reference = m(input_ids=ids, labels=ids).loss
+            again = m(input_ids=ids[:, :16], labels=ids[:, :16]).loss  # a second forward before the backward
+            (policy - reference + again).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(policy.item())
+        return losses, [p.detach().clone() for p in _adapters(m)], list(batched)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "_foreach_copy_", spy_foreach_copy)
+        losses, weights, last_batches = train(model)
+        _without_batches(mp)
+        twin_losses, twin_weights, twin_batches = train(twin)
+    assert last_batches and all(b == ptrs for b in last_batches)  # each pass with adapters: all of them at once
+    assert twin_batches == []
+    assert losses[0] != losses[-1] and losses == twin_losses
+    for a, b in zip(weights, twin_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -5,6 +5,8 @@ The fused layers of one forward share a little state that no single layer owns:
 * ``id``: which LoRA views this pass may reuse. :func:`notebookkit.models.patching.lora_fast_path.views`
   builds a module group's views (and adapter casts) once per pass; the recompute of a checkpointed
   layer reuses them.
+* ``owner`` and ``casts``: the module that opened the pass, and the adapter casts the pass makes in one batch
+  from what the owner's previous pass cast (:mod:`.adapter_casts`).
 * ``positions_are_defaults``: the caller passed no ``position_ids``, so the ones Hugging Face makes
   are ``arange`` (plus the cache offset), one segment per row. The first positions the attention
   layers see are then taken as unpacked without reading them on the host (a read that waits for the
@@ -43,12 +45,14 @@ _ids = itertools.count(1)
 class ForwardPass:
     """One model forward (and the checkpointing recomputes of its layers); see the module docstring."""
 
-    __slots__ = ("id", "positions_are_defaults", "_positions", "_positions_version", "_packed", "_tables",
-                 "_masks", "__weakref__")
+    __slots__ = ("id", "positions_are_defaults", "owner", "casts", "_positions", "_positions_version", "_packed",
+                 "_tables", "_masks", "__weakref__")
 
-    def __init__(self, positions_are_defaults: bool = False) -> None:
+    def __init__(self, positions_are_defaults: bool = False, owner: Any = None) -> None:
         self.id = next(_ids)  # never reused, so nothing kept for one pass is taken for another
         self.positions_are_defaults = bool(positions_are_defaults)
+        self.owner = owner  # the patched backbone running it: whose previous pass's adapter casts it batches
+        self.casts: Optional[Any] = None  # its adapter_casts.PassCasts, made at its first fused layer
         self._positions: Optional[weakref.ref] = None
         self._positions_version = -1
         self._packed: Optional[torch.Tensor] = None
@@ -143,10 +147,11 @@ def _entered(forward: Optional[ForwardPass], unused: Optional[Any]) -> Iterator[
         _now.forward, _now.output_unused = previous
 
 
-def forward_pass(default_positions: bool = False) -> contextlib.AbstractContextManager[ForwardPass]:
+def forward_pass(default_positions: bool = False, owner: Any = None) -> contextlib.AbstractContextManager[ForwardPass]:
     """Scope of one new model forward on this thread; ``default_positions``: the caller passed no
-    ``position_ids``. The enclosing pass (if any) is restored on exit."""
-    return _entered(ForwardPass(default_positions), None)
+    ``position_ids``; ``owner``: the module running it (:mod:`.adapter_casts` batches its adapter casts). The
+    enclosing pass (if any) is restored on exit."""
+    return _entered(ForwardPass(default_positions, owner), None)
 
 
 def resumed(

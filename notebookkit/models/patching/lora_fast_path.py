@@ -30,7 +30,8 @@ patched backbone opens one per model forward; checkpointing resumes it for the r
 recompute, so the recompute and the backward reuse the forward's adapter casts. Outside a pass,
 views are built on every call.
 A pass id is never reused, so nothing outlives the pass it was built for: a model changed between
-two steps (merged, another adapter, eval mode, new weights) gets new views at its next forward.
+two steps (merged, another adapter, eval mode, new weights) gets new views at its next forward. The views'
+adapter casts of a pass opened by a patched backbone are made in one batch (:mod:`.adapter_casts`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from notebookkit.marks import LORA_VIEWS, PATCH_TAG
 from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
 
 from . import forward_state
+from .adapter_casts import pass_casts
 from .lora_parts import lora_parts
 from ..common.decoder_layers import decoder_layers as _decoder_layers
 
@@ -202,6 +204,9 @@ def views(*modules: nn.Module, training: Optional[bool] = None) -> tuple[Optiona
             and kept.ids == tuple(map(id, modules))):
         return kept.result
     result = _build_views(modules, training)
+    casts = pass_casts(forward)
+    if casts is not None:
+        casts.fill(result[0])  # this pass's adapter casts, made in one batch (adapter_casts)
     modules[0].__dict__[_VIEWS_KEPT] = _KeptViews(forward.id, training, tuple(map(id, modules)), result)
     return result
 

@@ -155,7 +155,7 @@ def backbone_forward(self: nn.Module, *args: Any, **kwargs: Any):
     caller_gave_positions = kwargs.get("position_ids") is not None or len(args) >= 3
     if not caller_gave_positions and plainly_causal(self, args, kwargs, ref):
         kwargs["attention_mask"] = plain_causal_mask(ref.device)
-    with forward_pass(default_positions=not caller_gave_positions):
+    with forward_pass(default_positions=not caller_gave_positions, owner=self):
         return type(self).forward(self, *args, **kwargs)
 
 

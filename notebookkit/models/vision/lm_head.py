@@ -91,7 +91,7 @@ def make_vision_lm_forward(model: nn.Module, final_softcap: Optional[float]):
         if isinstance(ref, torch.Tensor) and ref.dim() >= 2:
             check_training_length(self, ref.shape[1])
         kwargs["use_cache"] = False
-        with forward_pass(default_positions=kwargs.get("position_ids") is None):
+        with forward_pass(default_positions=kwargs.get("position_ids") is None, owner=self.model):
             outputs = self.model(**kwargs)
         hidden = outputs[0]
         targets = shift_labels.reshape(-1) if shift_labels is not None else shifted_labels(labels)
