@@ -5,8 +5,9 @@ kernels compute in the compute dtype, so every pass casts them: a projection's `
 alone) with :meth:`~notebookkit.kernels.lora_projection.LoRAProjection.adapters`, a group's ``A`` into its
 ``A_cat`` with :func:`~notebookkit.kernels.lora_projection.adapter_group`. For a Llama layer that is eleven small
 copy kernels a pass (q/k/v's ``A_cat`` and three ``B``, o's ``A`` and ``B``, gate/up's ``A_cat`` and two ``B``,
-down's ``A`` and ``B``): 352 launches a step of an 8B model. Session 36 found that step host-bound on an H200 (the
-T4-emulation row), where each launch costs the host its issue time.
+down's ``A`` and ``B``): 352 launches a step of an 8B model. Where a step is host-bound on a fast card (session 30's
+mixture-of-experts steps on an H200; perhaps session 36's T4-emulation row), each launch costs the host its issue
+time.
 
 A model's pass needs the casts its previous pass made: the same factors (changed in place by the optimizer step)
 into the same dtypes. So the first fused layer of a pass that has an adapter makes them all at once::
@@ -105,15 +106,16 @@ class PassCasts:
             self._add(batches, factors, copies, dtype)
         for factor, dtype in singles:
             self._add(batches, (factor,), [torch.empty(factor.shape, dtype=dtype, device=factor.device)], dtype)
-        for copies, sources in batches.values():
-            torch._foreach_copy_(copies, sources)
+        for targets, sources in batches.values():
+            torch._foreach_copy_(targets, sources)
 
     def _add(self, batches: dict, factors: tuple[torch.Tensor, ...], copies: list[torch.Tensor],
              dtype: torch.dtype) -> None:
-        copies_of, sources = batches.setdefault((factors[0].device, factors[0].dtype, dtype), ([], []))
+        """Put ``factors`` and their ``copies`` in the batch of their (device, source dtype, dtype)."""
+        targets, sources = batches.setdefault((factors[0].device, factors[0].dtype, dtype), ([], []))
         for factor, copy in zip(factors, copies):
             self.made[id(factor)] = (factor, factor._version, copy)
-            copies_of.append(copy)
+            targets.append(copy)
             sources.append(factor.detach())
 
     def fill(self, views: Optional[list[Any]]) -> None:
