@@ -9,8 +9,8 @@ milliseconds at the wrong moment idles the GPU. This records, per step:
 
 * ``host_s``: the step's host time (``time.perf_counter`` around the call);
 * ``sync_s`` / ``syncs``: the time in and the number of host waits on the GPU (``torch.cuda.Event.synchronize``,
-  ``torch.cuda.Stream.synchronize``, ``torch.cuda.synchronize``; ``.item()`` and the scaler's read are not
-  counted, they are one a step in every system);
+  ``torch.cuda.Stream.synchronize``, ``torch.cuda.synchronize``; ``.item()`` is not counted, and the scaler's
+  read is counted apart, below);
 * ``gc_s`` / ``gcs``: the time in and the number of collections of Python's cyclic garbage collector
   (``gc.callbacks``), by generation;
 * ``read_s``: the time in the step's reads of a value the GPU computes (``GradScaler.get_scale``: the fp16 step's
@@ -55,7 +55,10 @@ def cuda_counters() -> dict[str, int]:
     import torch
 
     device = torch.cuda.memory_stats()
-    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    try:
+        host = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):  # older PyTorch, or no pinned allocator: a diagnostic, never a failure
+        host = {}
     out = {k: int(device[k]) for k in DEVICE_COUNTERS if k in device}
     out.update({k: int(host[k]) for k in HOST_COUNTERS if k in host})
     return out

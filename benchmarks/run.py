@@ -62,9 +62,9 @@ FIRST_ROW_GRACE_S = {"unsloth": 120, "compile": 60}
 # runs; "notebookkit-lean" adds offload_embedding=True (the input embedding table in host memory, untied
 # models); "notebookkit-<N>GiB" asks the planner for the fastest plan under a cap of N GiB, and
 # "notebookkit-fp8-<N>GiB" does the same with the FP8 forward, "notebookkit-spread-<N>GiB" with layout="spread"
-# (a plan further under the T4's 15 GiB cap: headroom for the caching allocator, see host_waits' counters). Suffixes on any system (SUFFIXES): "+expandable"
-# runs it with PyTorch's expandable_segments allocator (what Unsloth sets on import), "+nogc" with Python's garbage
-# collector off during the timed steps.
+# (a plan further under the T4's 15 GiB cap: headroom for the caching allocator, see host_waits' counters).
+# Suffixes on any system (SUFFIXES): "+expandable" runs it with PyTorch's expandable_segments allocator (what
+# Unsloth sets on import), "+nogc" with Python's garbage collector off during the timed steps.
 VARIANTS = {
     "notebookkit": ("notebookkit", []),
     "notebookkit-offload": ("notebookkit", ["--checkpointing", "offload"]),
