@@ -612,7 +612,7 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
             impls = {"nf4_matvec": (lambda: nf4_matvec(x, (packed, qs)), str(chosen)),
                      "dequantise + matmul": (lambda: F.linear(x, dequantize_nf4(packed, qs, out_dtype=dtype)), "")}
             impls["bitsandbytes matmul_4bit"] = (lambda: bnb.matmul_4bit(x, packed.t(), quant_state=qs), "")
-            if m == 1:  # the rows-in-thread body, not yet the default: timed beside the chosen config
+            if m == 1:  # the rows-in-thread body (opt-in: slower in session 36), timed beside the chosen config
                 impls["nf4_matvec rows-in-thread"] = (
                     lambda: nf4_matvec(x, (packed, qs), config=ROWS_IN_THREAD_CONFIG), str(ROWS_IN_THREAD_CONFIG))
             if sweep:

@@ -40,8 +40,10 @@ instruction issue alone would let an H200 SM read at the copy bandwidth). A tile
 row in other threads, so every thread unpacks ``x`` for its own row; with ``MatvecConfig.rows_in_thread``
 (:data:`ROWS_IN_THREAD_CONFIG`) a thread holds the program's four rows at the same columns and unpacks ``x``
 once for them (:func:`_row_products_in_thread`): 9.2 SASS instructions a byte on sm_90 against 12.2 (fp16, nested,
-LoRA; bf16 9.2 against 11.2), 167 registers on sm_75 without spills. Not yet timed on a GPU, so not
-:func:`matvec_config`'s choice unless ``NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1`` (an A/B switch).
+LoRA; bf16 9.2 against 11.2), 167 registers on sm_75 without spills. Timed on an H200 (session 36, bf16) it is
+slower at five of the seven 8B shapes (the LM head 187 against 157 us): the loop is bound by memory latency, not by
+instructions, and fewer loads stay in flight at that register count. So it is not :func:`matvec_config`'s choice
+unless ``NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1`` (an A/B switch); the sweep keeps timing it.
 
 Several weights that read the same ``x`` (a decode layer's q/k/v, its gate/up) run in one launch of the row
 kernel (:func:`nf4_matvec_group`): each weight's rows are programs of their own, picked by one scalar test of
@@ -565,8 +567,8 @@ class MatvecConfig:
 
 # NF4 bytes of one program's tile per loop step at M = 1: 16 per thread with 4 warps (one 128-bit load).
 _ROW_TILE_BYTES = 2048
-#: the rows-in-thread body's launch (16 bytes of each of its 4 rows a thread a step, 4 warps): not yet measured on a
-#: GPU, so not matvec_config's choice; the sweep (benchmarks/generate.py --kernels --sweep) times it
+#: the rows-in-thread body's launch (16 bytes of each of its 4 rows a thread a step, 4 warps): slower than
+#: matvec_config's choice on an H200 (session 36), so not chosen; the sweep (generate.py --kernels --sweep) times it
 ROWS_IN_THREAD_CONFIG = MatvecConfig(block_n=4, step_blocks=64, use_dot=False, num_warps=4, rows_in_thread=True)
 #: "1" makes matvec_config choose the rows-in-thread body where it gives a program 4 rows (an A/B switch)
 ROWS_IN_THREAD_ENV = "NOTEBOOKKIT_NF4_ROWS_IN_THREAD"
@@ -588,7 +590,7 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
 
     With ``NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1`` in the environment, a one-row call that gets 4 rows a program runs the
     rows-in-thread body instead (:data:`ROWS_IN_THREAD_CONFIG`, its steps no longer than a row): an A/B switch for
-    whole decode steps until a GPU says which is faster.
+    whole decode steps (the kernel alone was slower on an H200, session 36).
     """
     half = max(1, blocksize // 2)
     row_blocks = triton.next_power_of_2(max(1, k // blocksize))
