@@ -5,15 +5,16 @@ With ``X [N, hidden]``, each projection ``P(Z) = Z W_P^T + s_P (Z A_P^T) B_P^T (
 to e, g and Y and change nothing in the backward) and ``act`` = SiLU, exact GELU or tanh-GELU:
 
     forward     e = gate(X),   g = up(X),   h = act(e) * g,   Y = down(h)
-                (saves X, e, g and the adapters; h is recomputed in backward)
+                (saves X, e, g, gate and up's XA = s X A^T and the adapters; h is recomputed in backward)
 
     backward    U_d  = s_d (dY B_d)
                 dh   = dY W_d + U_d A_d
                 h, de, dg = act(e) g,  dh act'(e) g,  dh act(e)     (written over dh, e, g in place)
-                dA_d = U_d^T h,        dB_d = s_d dY^T (h A_d^T)
+                dA_d = U_d^T h,        dB_d = dY^T (s_d h A_d^T)    (from the rebuilt h: the same bits
+                                                                    whether the MLP was kept or deferred)
                 U_g  = s_g (de B_g),   U_u = s_u (dg B_u)
                 dX   = de W_g + dg W_u + U_g A_g + U_u A_u          (one buffer, addmm_)
-                dA_g = U_g^T X,  dB_g = s_g de^T (X A_g^T);  same for up with dg
+                dA_g = U_g^T X,  dB_g = de^T XA_g;  same for up with dg
 
 gate and up read the same X and run through the shared-input dispatch of q/k/v
 (:func:`notebookkit.kernels.lora_projection.shared_input_forward` and ``shared_input_backward``):
@@ -21,14 +22,16 @@ when both have adapters of one rank, their low-rank GEMMs are grouped
 (:func:`notebookkit.kernels.lora_projection.adapter_group`), with ``A_cat = cat(A_g, A_u)`` ``[2r, in]``
 built once and kept while neither ``A`` changes:
 
-    forward     XA_cat = X A_cat^T;   e = X W_g^T + s_g XA_cat[:, :r] B_g^T,   g likewise with [:, r:]
+    forward     XA_cat = [s_g X A_g^T | s_u X A_u^T] (one GEMM, saved);   e = X W_g^T + XA_cat[:, :r] B_g^T,
+                g likewise with [:, r:]
     backward    U_cat  = [s_g (de B_g) | s_u (dg B_u)]               [N, 2r], one buffer
                 dX     = de W_g + dg W_u + U_cat A_cat               (one addmm_ for both adapters)
                 dA_cat = U_cat^T X                                   (rows: dA_g, dA_u)
-                XA_cat = X A_cat^T (recomputed);  dB_g = s_g de^T XA_cat[:, :r],  dB_u likewise
+                dB_g   = de^T XA_cat[:, :r],  dB_u likewise
 
-That is 23 GEMM calls per forward + backward instead of 27 (fewer host launches; the down
-projection reads h and stays alone).
+That is 22 GEMM calls per forward + backward instead of 25 (fewer host launches; the down
+projection reads h and stays alone). A deferred MLP (below) saves no XA_cat: its backward makes it
+with e and g, a tile at a time.
 
 The activation backward comes from :mod:`notebookkit.kernels.swiglu` / :mod:`notebookkit.kernels.geglu`
 (in-place Triton kernels on CUDA).
@@ -64,12 +67,13 @@ e and g are the bits the recompute would have computed from the same input.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
 from .geglu import geglu_backward_, geglu_forward, geglu_reference
 from .lora_projection import (
+    AdapterGroup,
     LoRAProjection,
     accumulate_input_grad_,
     adapter_group,
@@ -79,6 +83,7 @@ from .lora_projection import (
     compute_dtype,
     flatten_tokens,
     lora_rank_grad,
+    low_rank_input,
     no_autocast,
     projection_forward,
     projection_reference,
@@ -151,25 +156,39 @@ def _add_bias_(t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return t if bias is None else t.add_(bias.to(t.dtype))
 
 
-def _mlp_rows(x2d, projs, activation, compute_output=True, parked=None, biases=(None, None, None)):
-    """``(Y or None, e, g, group)`` of the tokens ``x2d`` (the forward of the module docstring, with the frozen
-    ``biases`` of gate, up and down added to e, g and Y); e and g go to ``parked`` too when given."""
+class MLPRows(NamedTuple):
+    """What :func:`_mlp_rows` computes for a run of tokens: the output (None without it), the gate and up
+    outputs, and the gate/up adapter group and rank-space inputs (:func:`shared_input_forward`'s)."""
+
+    y: torch.Tensor | None
+    e: torch.Tensor
+    g: torch.Tensor
+    group: AdapterGroup | None
+    low_rank: list[torch.Tensor | None]
+
+
+def _mlp_rows(x2d, projs, activation, compute_output=True, parked=None, biases=(None, None, None)) -> MLPRows:
+    """The forward of the module docstring for the tokens ``x2d`` (with the frozen ``biases`` of gate, up and
+    down added to e, g and Y); e and g go to ``parked`` too when given."""
     gate, up, down = projs
     act_forward, _ = _activation_ops(activation)
-    (e, g), group = shared_input_forward(x2d, (gate, up))
+    (e, g), group, low_rank = shared_input_forward(x2d, (gate, up))
     e, g = _add_bias_(e, biases[0]), _add_bias_(g, biases[1])
     if parked is not None:
         parked.put(e, g)
     if not compute_output:
-        return None, e, g, group
+        return MLPRows(None, e, g, group, low_rank)
     h = act_forward(e, g)
     A, B = down.adapters(x2d.dtype)
-    return _add_bias_(projection_forward(h, down, A, B), biases[2]), e, g, group
+    return MLPRows(_add_bias_(projection_forward(h, down, low_rank_input(h, down, A), B), biases[2]), e, g, group,
+                   low_rank)
 
 
-def _backward_rows(dy2d, x2d, e, g, projs, group, activation, need_dx, need_dA, need_dB):
+def _backward_rows(dy2d, x2d, e, g, projs, group, activation, need_dx, need_dA, need_dB, low_rank=None):
     """``(dX, [(dA, dB) of gate, up, down])`` of the tokens ``x2d`` from ``dY`` (the backward of the module
-    docstring; overwrites ``e`` and ``g``)."""
+    docstring; overwrites ``e`` and ``g``). ``low_rank``: gate and up's rank-space inputs from the forward
+    (:class:`MLPRows`), computed again when None. The down projection's ``s_d h A_d^T`` is computed from the
+    ``h`` the backward rebuilds, as a deferred MLP must: kept or deferred, the same bits."""
     gate, up, down = projs
     _, act_backward_ = _activation_ops(activation)
     A_d, B_d = down.adapters(x2d.dtype)
@@ -179,7 +198,7 @@ def _backward_rows(dy2d, x2d, e, g, projs, group, activation, need_dx, need_dA, 
     down_grads = adapter_grads(dy2d, h, u_d, down, A_d, need_dA[2], need_dB[2])
     del h, dh, u_d
     dx, (gate_grads, up_grads) = shared_input_backward(
-        [de, dg], x2d, (gate, up), group, need_dx, need_dA[:2], need_dB[:2],
+        [de, dg], x2d, (gate, up), group, need_dx, need_dA[:2], need_dB[:2], low_rank,
     )
     return dx, [gate_grads, up_grads, down_grads]
 
@@ -201,8 +220,9 @@ class LoRAMLPFunction(torch.autograd.Function):
         x2d = flatten_tokens(x)
         ctx.biases = biases  # frozen: no gradient, read again by a deferred backward's gate/up
         if compute_output:
-            y, e, g, group = _mlp_rows(x2d, projs, activation, biases=biases)
-            ctx.save_for_backward(x, e, g, *tensors)
+            y, e, g, group, low_rank = _mlp_rows(x2d, projs, activation, biases=biases)
+            ctx.save_for_backward(x, e, g, *low_rank, *tensors)
+            ctx.low_rank_count = len(low_rank)
         else:  # deferred (module docstring): the caller only back-propagates through Y
             y = x2d.new_zeros(1, projs[2].out_features).expand(x2d.shape[0], -1)  # no [N, H] of zeros
             group = None
@@ -233,20 +253,21 @@ class LoRAMLPFunction(torch.autograd.Function):
             x2d, dy2d = flatten_tokens(x), flatten_tokens(dy).to(x.dtype)
             if not ctx.deferred:
                 e, g = saved[1:3]
+                low_rank = saved[3:3 + ctx.low_rank_count]
                 dx, grads = _backward_rows(dy2d, x2d, e, g, ctx.projs, ctx.group, ctx.activation,
-                                           need_dx, need_dA, need_dB)
+                                           need_dx, need_dA, need_dB, low_rank)
             else:
                 dx = torch.empty_like(x2d) if need_dx else None
                 grads = None
                 for a, b in _tiles(x2d.shape[0], ctx.tile_rows):
                     pair = ctx.parked.take() if ctx.parked is not None else None
-                    if pair is not None:
-                        (e, g), group = pair, adapter_group(ctx.projs[:2], x2d.dtype)
+                    if pair is not None:  # parked e, g: the rank-space inputs are computed in the backward
+                        (e, g), group, low_rank = pair, adapter_group(ctx.projs[:2], x2d.dtype), None
                     else:
-                        _, e, g, group = _mlp_rows(x2d[a:b], ctx.projs, ctx.activation, compute_output=False,
-                                                   biases=ctx.biases)
+                        _, e, g, group, low_rank = _mlp_rows(x2d[a:b], ctx.projs, ctx.activation,
+                                                             compute_output=False, biases=ctx.biases)
                     dx_tile, tile_grads = _backward_rows(dy2d[a:b], x2d[a:b], e, g, ctx.projs, group,
-                                                         ctx.activation, need_dx, need_dA, need_dB)
+                                                         ctx.activation, need_dx, need_dA, need_dB, low_rank)
                     del e, g
                     if dx is not None:
                         dx[a:b].copy_(dx_tile)
@@ -261,10 +282,10 @@ def _forward_without_grad(x, projs, activation, compute_output, tile_rows, parke
     each tile's e and g go to ``parked`` when given."""
     x2d = flatten_tokens(x)
     if x2d.shape[0] <= tile_rows:
-        return _mlp_rows(x2d, projs, activation, parked=parked, biases=biases)[0].view(*x.shape[:-1], -1)
+        return _mlp_rows(x2d, projs, activation, parked=parked, biases=biases).y.view(*x.shape[:-1], -1)
     y = x2d.new_empty(x2d.shape[0], projs[2].out_features)
     for a, b in _tiles(x2d.shape[0], tile_rows):
-        y[a:b] = _mlp_rows(x2d[a:b], projs, activation, parked=parked, biases=biases)[0]
+        y[a:b] = _mlp_rows(x2d[a:b], projs, activation, parked=parked, biases=biases).y
     return y.view(*x.shape[:-1], -1)
 
 

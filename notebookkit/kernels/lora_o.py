@@ -1,11 +1,11 @@
 """LoRA attention output projection ``o_proj``: the shared-input LoRA autograd function of
 :mod:`notebookkit.kernels.lora_projection` (the one of q/k/v) with one projection.
 
-    forward     Y  = X W^T + s (X A^T) B^T                       (saves X, A, B only)
+    forward     XA = s (X A^T),   Y = X W^T + XA B^T               (saves X, XA [N, r], A, B)
 
     backward    U  = s (dY B)                                     [N, r]
                 dX = dY W + U A                                   (W re-dequantised if NF4)
-                dA = U^T X,    dB = s dY^T (X A^T)
+                dA = U^T X,    dB = dY^T XA
 
 The base weight ``W`` (16-bit or NF4) is frozen. See :mod:`notebookkit.kernels.lora_projection`
 for the dtype rules (compute in the autocast dtype or ``x.dtype``; adapter grads in the adapters'

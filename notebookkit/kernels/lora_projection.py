@@ -12,29 +12,35 @@ its own. The autograd functions take each projection's tensors in one layout
 For an input ``X [N, in]`` (tokens flattened), base weight ``W [out, in]``, adapter
 ``A [r, in]``, ``B [out, r]`` and scaling ``s`` (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA):
 
-    forward     Y  = X W^T + s (X A^T) B^T
+    forward     XA = s (X A^T)                   [N, r], saved for the backward
+                Y  = X W^T + XA B^T
 
     backward    U  = s (dY B)                    [N, r]   (rank order: B A is never formed)
                 dX = dY W + U A                  accumulated in place (``addmm_``) into one buffer
                 dA = U^T X                       [r, in]
-                dB = s dY^T (X A^T)              [out, r]
+                dB = dY^T XA                     [out, r]
+
+The scaling ``s`` is the ``alpha`` of the GEMM that makes ``XA`` and ``U`` (:func:`scaled_mm`: applied in
+fp32 before the product's one rounding), never a multiply of its own. ``XA`` costs ``N r`` values a
+projection to keep (at r = 16, under 0.2% of what a Llama-3.1-8B layer saves) and spares the backward
+its GEMM, which reads all of ``X`` again.
 
 Projections that read the same input (q, k, v; gate and up) and have adapters of one rank share
 their rank-space GEMMs (:func:`adapter_group`). With ``A_cat = cat(A_1, ..., A_n)`` ``[n r, in]``
 and ``P_i`` owning columns ``i r .. (i+1) r`` of the ``[N, n r]`` products:
 
-    forward     XA_cat = X A_cat^T                              one GEMM instead of n
-                Y_i    = X W_i^T + s_i XA_cat[:, P_i] B_i^T      (addmm_, per projection)
+    forward     XA_cat[:, P_i] = s_i X A_i^T                    one GEMM instead of n, saved
+                Y_i    = X W_i^T + XA_cat[:, P_i] B_i^T         (addmm_, per projection)
 
     backward    U_cat[:, P_i] = s_i (dY_i B_i)                  written into one [N, n r] buffer
                 dX     = sum_i dY_i W_i + U_cat A_cat           one addmm_ for the low-rank part
                 dA_cat = U_cat^T X                              one GEMM; dA_i = its rows P_i
-                XA_cat = X A_cat^T (recomputed, one GEMM);      dB_i = s_i dY_i^T XA_cat[:, P_i]
+                dB_i   = dY_i^T XA_cat[:, P_i]
 
 Why: the products are those of one projection at a time (the rounding can differ in the last
-bits, e.g. dX adds the low-rank terms inside one GEMM), with 4 GEMM calls fewer per forward +
-backward for each projection of a group after its first (``lora_qkv``: 19 instead of 27;
-``lora_mlp``: 23 instead of 27). Each call costs host time however thin its ``[N, r]`` product,
+bits, e.g. dX adds the low-rank terms inside one GEMM), with 3 GEMM calls fewer per forward +
+backward for each projection of a group after its first (``lora_qkv``: 18 instead of 24;
+``lora_mlp``: 22 instead of 25). Each call costs host time however thin its ``[N, r]`` product,
 and the GPU of a training step waits part of the step for the host's launches. ``A_cat`` is
 built once and kept while no ``A`` changes, like the adapter casts. A group with a projection
 without adapter, or with ranks that differ, runs one projection at a time. With adapters in the
@@ -99,6 +105,8 @@ __all__ = [
     "apply_in_compute_dtype",
     "shared_input_lora",
     "projection_forward",
+    "scaled_mm",
+    "low_rank_input",
     "lora_rank_grad",
     "accumulate_input_grad_",
     "adapter_grads",
@@ -109,6 +117,7 @@ __all__ = [
     "AdapterGroup",
     "adapter_group",
     "concat_adapters",
+    "grouped_low_rank_input",
     "grouped_projection_forward",
     "grouped_rank_grad",
     "accumulate_grouped_input_grad_",
@@ -325,11 +334,26 @@ def flatten_tokens(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * (a @ b)`` as one GEMM: ``scaling`` is the GEMM's ``alpha`` (fp32, applied before the one
+    rounding), not a multiply of its own; at ``scaling == 1`` (``lora_alpha == r``) the plain product."""
+    if scaling == 1.0:
+        return a @ b
+    # beta=0: the empty buffer is not read. (Not mm(out=): that refuses a create_graph backward.)
+    return a.new_empty(a.shape[0], b.shape[1]).addmm_(a, b, beta=0, alpha=scaling)
+
+
 def scale_(t: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``t *= scaling`` in place, skipped when ``scaling`` is 1 (``lora_alpha == r``, the common setting):
-    multiplying by 1 changes no bit, and the skipped kernel is one launch per use of each adapter,
-    about 28 a decoder layer per training step."""
+    """``t *= scaling`` in place, skipped when ``scaling`` is 1: the columns of a group's ``X A_cat^T`` when its
+    projections' scalings differ (:func:`grouped_low_rank_input`; otherwise the GEMM's alpha scales them)."""
     return t if scaling == 1.0 else t.mul_(scaling)
+
+
+def low_rank_input(x2d: torch.Tensor, proj: LoRAProjection, A: torch.Tensor | None) -> torch.Tensor | None:
+    """``XA = s (X A^T)`` ``[N, r]`` (``A`` in ``x2d``'s dtype), or None without adapter: what the forward
+    multiplies by ``B^T`` and what ``dB = dY^T XA`` reads in the backward (saved by the autograd functions, not
+    computed again)."""
+    return None if A is None else scaled_mm(x2d, A.t(), proj.scaling)
 
 
 def quantize_shared_input(x2d: torch.Tensor, *projs: LoRAProjection) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -421,12 +445,13 @@ def group_base_outputs(
 def projection_forward(
     x2d: torch.Tensor,
     proj: LoRAProjection,
-    A: torch.Tensor | None,
+    xa: torch.Tensor | None,
     B: torch.Tensor | None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     base: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``Y = X W^T + s (X A^T) B^T`` for ``X [N, in]``, with ``A``/``B`` already in ``x2d.dtype``.
+    """``Y = X W^T + XA B^T`` for ``X [N, in]``, with ``XA = s (X A^T)`` from :func:`low_rank_input` (None
+    without adapter) and ``B`` in ``x2d.dtype``.
 
     With ``proj.fp8_forward`` the base part ``X W^T`` runs in FP8 (``fp8_matmul_quantized`` of ``X``
     and ``W`` quantised rowwise; ``x_fp8`` is ``X`` already quantised by
@@ -441,8 +466,7 @@ def projection_forward(
         y = fp8_matmul_quantized(x_q, proj.base_weight_fp8(x2d.dtype), x2d.dtype)
     else:
         y = proj.base_product(x2d)
-    if A is not None:
-        xa = scale_(x2d @ A.t(), proj.scaling)
+    if xa is not None:
         y.addmm_(xa, B.t())
     return y
 
@@ -451,7 +475,7 @@ def lora_rank_grad(dy: torch.Tensor, proj: LoRAProjection, B: torch.Tensor | Non
     """``U = s (dY B)`` ``[N, r]``, the rank-space gradient shared by dX and dA (None without adapter)."""
     if B is None:
         return None
-    return scale_(dy @ B, proj.scaling)
+    return scaled_mm(dy, B, proj.scaling)
 
 
 def accumulate_input_grad_(
@@ -494,15 +518,19 @@ def adapter_grads(
     A: torch.Tensor | None,
     need_dA: bool,
     need_dB: bool,
+    xa: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``dA = U^T X`` and ``dB = s dY^T (X A^T)``, returned in the adapters' own dtypes (:func:`product_in`)."""
+    """``dA = U^T X`` and ``dB = dY^T XA``, returned in the adapters' own dtypes (:func:`product_in`). ``xa``:
+    the forward's ``s (X A^T)`` (:func:`low_rank_input`), computed here only when not given (a forward that
+    saved none, such as a deferred MLP's down projection, whose input the backward rebuilds)."""
     if u is None:
         return None, None
     dA = dB = None
     if need_dA:
         dA = product_in(u.t(), inp, proj.lora_A.dtype)
     if need_dB:
-        xa = scale_(inp @ A.t(), proj.scaling)
+        if xa is None:
+            xa = low_rank_input(inp, proj, A)
         dB = product_in(dy.t(), xa, proj.lora_B.dtype)
     return dA, dB
 
@@ -564,31 +592,41 @@ def concat_adapters(As: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.T
     return torch.cat([A.detach() for A in As], out=A_cat)
 
 
+def grouped_low_rank_input(x2d: torch.Tensor, group: AdapterGroup) -> torch.Tensor:
+    """``XA_cat = X A_cat^T`` ``[N, n r]`` with column block ``P_i`` scaled by ``s_i``: one GEMM, its alpha the
+    scaling when the group's projections share one (the usual case), else each block scaled after it."""
+    scalings = {proj.scaling for proj in group.projs}
+    if len(scalings) == 1:
+        return scaled_mm(x2d, group.A_cat.t(), scalings.pop())
+    xa_cat = x2d @ group.A_cat.t()
+    for proj, cols in zip(group.projs, group.columns):
+        scale_(xa_cat[:, cols], proj.scaling)
+    return xa_cat
+
+
 def grouped_projection_forward(
     x2d: torch.Tensor,
     group: AdapterGroup,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     bases: list[torch.Tensor | None] | None = None,
+    xa_cat: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """``Y_P = X W_P^T + s_P (X A_P^T) B_P^T`` for every projection of ``group``, with all ``X A_P^T``
-    from one GEMM ``X A_cat^T`` (the base part as in :func:`projection_forward`, or given in
-    ``bases``, from :func:`group_base_outputs`)."""
-    xa_cat = x2d @ group.A_cat.t()
-    outs = []
+    """``Y_P = X W_P^T + XA_cat[:, P] B_P^T`` for every projection of ``group``, with every ``s_P X A_P^T``
+    from one GEMM (``xa_cat``: :func:`grouped_low_rank_input`, computed here when not given; the base part as
+    in :func:`projection_forward`, or given in ``bases``, from :func:`group_base_outputs`)."""
+    if xa_cat is None:
+        xa_cat = grouped_low_rank_input(x2d, group)
     bases = bases if bases is not None else [None] * len(group.projs)
-    for proj, B, cols, base in zip(group.projs, group.Bs, group.columns, bases):
-        y = projection_forward(x2d, proj, None, None, x_fp8, base)
-        y.addmm_(scale_(xa_cat[:, cols], proj.scaling), B.t())
-        outs.append(y)
-    return outs
+    return [projection_forward(x2d, proj, xa_cat[:, cols], B, x_fp8, base)
+            for proj, B, cols, base in zip(group.projs, group.Bs, group.columns, bases)]
 
 
 def grouped_rank_grad(dys: list[torch.Tensor], group: AdapterGroup) -> torch.Tensor:
-    """``U_cat`` ``[N, n r]``: each ``U_P = s_P (dY_P B_P)`` written into its columns."""
+    """``U_cat`` ``[N, n r]``: each ``U_P = s_P (dY_P B_P)`` written into its columns (``s_P`` the GEMM's alpha)."""
     u_cat = dys[0].new_empty(dys[0].shape[0], group.A_cat.shape[0])
     for dy, proj, B, cols in zip(dys, group.projs, group.Bs, group.columns):
         # beta=0: the empty buffer is not read. (Not mm(out=): that refuses a create_graph backward.)
-        scale_(u_cat[:, cols].addmm_(dy, B, beta=0), proj.scaling)
+        u_cat[:, cols].addmm_(dy, B, beta=0, alpha=proj.scaling)
     return u_cat
 
 
@@ -608,19 +646,19 @@ def grouped_adapter_grads(
     group: AdapterGroup,
     need_dA: list[bool],
     need_dB: list[bool],
+    xa_cat: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """``(dA_P, dB_P)`` for every projection, in the adapters' own dtypes, from two GEMMs shared by
-    the group: ``dA_cat = U_cat^T X`` (split by rows) and the recomputed ``X A_cat^T`` (split by
-    columns) for ``dB_P = s_P dY_P^T (X A_P^T)``."""
+    """``(dA_P, dB_P)`` for every projection, in the adapters' own dtypes, from GEMMs shared by the group:
+    ``dA_cat = U_cat^T X`` (split by rows) and ``dB_P = dY_P^T XA_cat[:, P]``. ``xa_cat``: the forward's
+    (:func:`grouped_low_rank_input`), computed here only when not given."""
     a_dtype = group.projs[0].lora_A.dtype  # one dtype for the group's A (adapter_group)
     dA_cat = product_in(u_cat.t(), inp, a_dtype) if any(need_dA) else None
-    xa_cat = inp @ group.A_cat.t() if any(need_dB) else None
+    if any(need_dB) and xa_cat is None:
+        xa_cat = grouped_low_rank_input(inp, group)
     grads = []
     for i, (dy, proj, cols) in enumerate(zip(dys, group.projs, group.columns)):
         dA = dA_cat[cols] if need_dA[i] else None  # already in the group's A dtype
-        dB = None
-        if need_dB[i]:
-            dB = product_in(dy.t(), scale_(xa_cat[:, cols], proj.scaling), proj.lora_B.dtype)
+        dB = product_in(dy.t(), xa_cat[:, cols], proj.lora_B.dtype) if need_dB[i] else None
         grads.append((dA, dB))
     return grads
 
@@ -665,7 +703,7 @@ def autograd_tensor_grads(
 
 def shared_input_forward(
     x2d: torch.Tensor, projs: Sequence[LoRAProjection]
-) -> tuple[list[torch.Tensor], AdapterGroup | None]:
+) -> tuple[list[torch.Tensor], AdapterGroup | None, list[torch.Tensor | None]]:
     """``Y_i = X W_i^T + s_i (X A_i^T) B_i^T`` for projections that all read ``X [N, in]``, in
     ``x2d``'s dtype (the compute dtype).
 
@@ -673,9 +711,10 @@ def shared_input_forward(
     (:func:`quantize_shared_input`) and the base products are one FP8 product when
     :func:`fp8_group_applies`; adapters of one rank share ``X A_cat^T`` (:func:`adapter_group`,
     :func:`grouped_projection_forward`). Otherwise each projection runs :func:`projection_forward`
-    (a single projection, ``o``, is the case of one). Returns the outputs ``[N, out_i]`` and the
-    adapter group (``None`` when the projections ran one at a time), which
-    :func:`shared_input_backward` takes.
+    (a single projection, ``o``, is the case of one). Returns ``(outputs [N, out_i], group, low_rank)``:
+    the adapter group (``None`` when the projections ran one at a time) and the rank-space inputs
+    ``s_i X A_i^T`` (``[XA_cat]`` with a group, else one per projection, ``None`` without adapter), which
+    :func:`shared_input_backward` takes (saved, so the backward does not compute them again).
     """
     projs = tuple(projs)
     dtype = x2d.dtype
@@ -683,9 +722,15 @@ def shared_input_forward(
     bases = group_base_outputs(x2d, projs, x_fp8)
     group = adapter_group(projs, dtype)
     if group is not None:
-        return grouped_projection_forward(x2d, group, x_fp8, bases), group
-    ys = [projection_forward(x2d, proj, *proj.adapters(dtype), x_fp8, base) for proj, base in zip(projs, bases)]
-    return ys, None
+        xa_cat = grouped_low_rank_input(x2d, group)
+        return grouped_projection_forward(x2d, group, x_fp8, bases, xa_cat), group, [xa_cat]
+    ys, low_rank = [], []
+    for proj, base in zip(projs, bases):
+        A, B = proj.adapters(dtype)
+        xa = low_rank_input(x2d, proj, A)
+        ys.append(projection_forward(x2d, proj, xa, B, x_fp8, base))
+        low_rank.append(xa)
+    return ys, None, low_rank
 
 
 def shared_input_backward(
@@ -696,29 +741,33 @@ def shared_input_backward(
     need_dx: bool,
     need_dA: Sequence[bool],
     need_dB: Sequence[bool],
+    low_rank: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
-    """The backward of :func:`shared_input_forward`: with ``U_i = s_i (dY_i B_i)`` ``[N, r]``::
+    """The backward of :func:`shared_input_forward`: with ``U_i = s_i (dY_i B_i)`` ``[N, r]`` and the
+    forward's ``XA_i = s_i X A_i^T``::
 
         dX   = sum_i (dY_i W_i + U_i A_i)      (one buffer, addmm_; each W re-dequantised just before use)
         dA_i = U_i^T X  = s_i (dY_i B_i)^T X
-        dB_i = s_i dY_i^T (X A_i^T)            (X A_i^T recomputed)
+        dB_i = dY_i^T XA_i
 
-    ``dys``: the output gradients ``[N, out_i]`` in ``x2d``'s dtype; ``group``: what the forward
-    returned (with a group, the rank-space products are one GEMM each, see :class:`AdapterGroup`);
-    ``need_dA`` / ``need_dB``: one flag per projection. Returns ``dX`` (``None`` unless ``need_dx``)
-    and ``(dA_i, dB_i)`` per projection in the adapters' own dtypes (``None`` where not asked or
-    without adapter).
+    ``dys``: the output gradients ``[N, out_i]`` in ``x2d``'s dtype; ``group`` and ``low_rank``: what the
+    forward returned (with a group, the rank-space products are one GEMM each, see :class:`AdapterGroup`;
+    ``low_rank`` None: the rank-space inputs are computed again); ``need_dA`` / ``need_dB``: one flag per
+    projection. Returns ``dX`` (``None`` unless ``need_dx``) and ``(dA_i, dB_i)`` per projection in the
+    adapters' own dtypes (``None`` where not asked or without adapter).
     """
     if group is not None:
         u_cat = grouped_rank_grad(dys, group) if need_dx or any(need_dA) else None
-        adapter_grad_pairs = grouped_adapter_grads(dys, x2d, u_cat, group, need_dA, need_dB)
+        adapter_grad_pairs = grouped_adapter_grads(dys, x2d, u_cat, group, need_dA, need_dB,
+                                                   low_rank[0] if low_rank else None)
         dx = accumulate_grouped_input_grad_(None, dys, group, u_cat) if need_dx else None
         return dx, adapter_grad_pairs
     dx, adapter_grad_pairs = None, []
-    for proj, dy, dA_needed, dB_needed in zip(projs, dys, need_dA, need_dB):
+    for i, (proj, dy, dA_needed, dB_needed) in enumerate(zip(projs, dys, need_dA, need_dB)):
         A, B = proj.adapters(x2d.dtype)
         u = lora_rank_grad(dy, proj, B)
-        adapter_grad_pairs.append(adapter_grads(dy, x2d, u, proj, A, dA_needed, dB_needed))
+        adapter_grad_pairs.append(adapter_grads(dy, x2d, u, proj, A, dA_needed, dB_needed,
+                                                low_rank[i] if low_rank else None))
         if need_dx:
             dx = accumulate_input_grad_(dx, dy, proj, u, A)
     return dx, adapter_grad_pairs
@@ -726,25 +775,28 @@ def shared_input_backward(
 
 class SharedInputLoRAFunction(torch.autograd.Function):
     """Autograd function of :func:`shared_input_lora` (q/k/v, and o alone): inputs ``x, projs,
-    *autograd_tensors(projs)``; outputs one tensor per projection."""
+    *autograd_tensors(projs)``; outputs one tensor per projection. Saves ``x`` and the rank-space inputs
+    ``s X A^T`` (``[N, r]`` each, ``[N, n r]`` for a group)."""
 
     @staticmethod
     def forward(ctx, x, projs, *tensors):
-        ys, group = shared_input_forward(flatten_tokens(x), projs)
-        ctx.save_for_backward(x, *tensors)
+        ys, group, low_rank = shared_input_forward(flatten_tokens(x), projs)
+        ctx.save_for_backward(x, *low_rank, *tensors)
+        ctx.low_rank_count = len(low_rank)
         ctx.projs = projs  # the same projections in backward: their adapter casts are reused
         ctx.group = group  # and the same A_cat
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, *_ = ctx.saved_tensors  # unpacked also to check that no saved tensor changed in place
+        x, *rest = ctx.saved_tensors  # unpacked also to check that no saved tensor changed in place
+        low_rank = rest[:ctx.low_rank_count]
         need_dx, _, *tensor_needs = ctx.needs_input_grad  # x, projs, *autograd_tensors(projs)
         need_dA, need_dB = requested_adapter_grads(tensor_needs)
         with no_autocast(x.device.type):
             dys = [flatten_tokens(g).to(x.dtype) for g in grads]
             dx, adapter_grad_pairs = shared_input_backward(
-                dys, flatten_tokens(x), ctx.projs, ctx.group, need_dx, need_dA, need_dB
+                dys, flatten_tokens(x), ctx.projs, ctx.group, need_dx, need_dA, need_dB, low_rank
             )
         return (dx.view(x.shape) if dx is not None else None), None, *autograd_tensor_grads(adapter_grad_pairs)
 

@@ -6,20 +6,21 @@ For ``P`` in ``{q, k, v}`` with base ``W_P``, adapter ``A_P [r, in]``, ``B_P [ou
 and ``A_cat = cat(A_q, A_k, A_v)`` ``[3r, in]`` (built once, kept while no ``A`` changes) whose
 columns ``P`` of a ``[N, 3r]`` product belong to projection ``P``:
 
-    forward     XA_cat = X A_cat^T                                 one GEMM for the three adapters
-                P  = X W_P^T + s_P XA_cat[:, P] B_P^T              (saves X; A_cat and the casts are reused)
+    forward     XA_cat[:, P] = s_P X A_P^T                         one GEMM for the three adapters
+                P  = X W_P^T + XA_cat[:, P] B_P^T                  (saves X and XA_cat; A_cat and the
+                                                                    casts are reused)
 
     backward    U_cat[:, P] = s_P (dP B_P)                         [N, 3r], one buffer
                 dX  = dQ W_q + dK W_k + dV W_v + U_cat A_cat
                       (one buffer, accumulated with addmm_; each W re-dequantised just before use)
                 dA_cat = U_cat^T X                                 one GEMM, split by rows into dA_P
-                XA_cat = X A_cat^T (recomputed),   dB_P = s_P dP^T XA_cat[:, P]
+                dB_P = dP^T XA_cat[:, P]
 
-Why: four times, three thin GEMM calls become one (``X A^T`` in the forward and again in the
-backward, ``U A``, ``U^T X``): 19 GEMM calls per forward + backward instead of 27, so fewer host
-launches per layer (see :mod:`notebookkit.kernels.lora_projection`). When a projection has no
-adapter or the ranks differ, each projection runs alone: ``P = X W_P^T + s_P (X A_P^T) B_P^T``,
-``U_P = s_P dP B_P``, ``dX += dP W_P + U_P A_P``, ``dA_P = U_P^T X``, ``dB_P = s_P dP^T (X A_P^T)``.
+Why: three times, three thin GEMM calls become one (``X A^T``, ``U A``, ``U^T X``): 18 GEMM calls per
+forward + backward instead of 24, so fewer host launches per layer (see
+:mod:`notebookkit.kernels.lora_projection`). When a projection has no adapter or the ranks differ, each
+projection runs alone: ``XA_P = s_P X A_P^T`` (saved), ``P = X W_P^T + XA_P B_P^T``, ``U_P = s_P dP B_P``,
+``dX += dP W_P + U_P A_P``, ``dA_P = U_P^T X``, ``dB_P = dP^T XA_P``.
 Both ways are the shared-input dispatch of gate/up and o as well
 (:func:`notebookkit.kernels.lora_projection.shared_input_forward` and ``shared_input_backward``).
 

@@ -250,10 +250,15 @@ def _gmm_t(l: torch.Tensor, r: torch.Tensor, sg: _Segments, scale: float) -> tor
     """``[E, P, Q]``: ``scale sum_{s in e} l_s^T r_s`` (``l [N, P]``, ``r [N, Q]``); an expert without rows gets
     exact zeros (not whatever an empty reduction leaves), unless the host's bounds show there is none."""
     if _every_expert_has_rows(sg):
-        return _grouped_mm(l.t(), r, offs=sg.ends32).mul_(scale)
+        return _scaled(_grouped_mm(l.t(), r, offs=sg.ends32), scale)
     # the empty mask before the product: its temporaries are gone when the [E, P, Q] result is allocated
     empty = torch.diff(sg.ends32, prepend=sg.ends32.new_zeros(1)) == 0
-    return _grouped_mm(l.t(), r, offs=sg.ends32).mul_(scale).masked_fill_(empty[:, None, None], 0.0)
+    return _scaled(_grouped_mm(l.t(), r, offs=sg.ends32), scale).masked_fill_(empty[:, None, None], 0.0)
+
+
+def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+    """``t *= scale`` in place, skipped at ``scale == 1`` (``lora_alpha == r``): no bit changes, one launch fewer."""
+    return t if scale == 1.0 else t.mul_(scale)
 
 
 #: each device's int32 buffer of chunk offsets, reused by every call (stream order keeps a call's GEMMs before the

@@ -41,8 +41,9 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
                ``lora_qkv``) + ``dq + 2*dk`` (Q, K after RoPE and V, saved by SDPA) + ``dq`` (the
                attention output, saved by SDPA and by ``lora_o`` as one storage) + ``H`` (residual =
                input of the MLP norm) + ``H`` (normed input of gate/up) + ``2*I`` (e, g of the gated
-               MLP; the product is recomputed in backward); the LoRA kernels save no ``x A^T``
-               (recomputed in backward) [+ ``dq + dk`` pre-norm q, k on Qwen3/Gemma 3] [+ ``2*H``
+               MLP; the product is recomputed in backward) + ``r`` per targeted projection but down (the
+               rank-space inputs ``s x A^T`` the LoRA kernels save, :func:`saved_low_rank_bytes`; down's is
+               computed again) [+ ``dq + dk`` pre-norm q, k on Qwen3/Gemma 3] [+ ``2*H``
                inputs of the post-norms on Gemma 2/3] [+ ``2*(dq - dk)`` with ``kv_repeated``: K and V
                repeated to every query head before SDPA, :mod:`.grouped_kv`] [+ ``B * T^2`` per layer for a
                padded batch: SDPA's additive copy of the padding mask]; plus fp32 per token: the norms' ``1/rms``
@@ -301,6 +302,20 @@ def normalize_plan(plan: Any, num_layers: int) -> tuple[str, ...]:
     if bad:
         raise ValueError(f"notebookkit.memory: unknown activation modes {sorted(set(bad))}; use {MODES}.")
     return tuple(modes)
+
+
+#: the projections whose fused autograd function saves its rank-space input ``s X A^T`` ``[N, r]`` for the backward
+#: (``lora_qkv``, ``lora_o``, ``lora_mlp``'s gate and up); the down projection computes its own again from the
+#: ``h`` its backward rebuilds
+SAVED_LOW_RANK = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+
+
+def saved_low_rank_bytes(tokens: int, lora_r: int, dtype_bytes: int, targets: Iterable[str],
+                         names: Iterable[str] = SAVED_LOW_RANK) -> int:
+    """Bytes of the rank-space inputs ``s X A^T`` the fused LoRA functions save: ``tokens * r * s`` for each
+    targeted projection among ``names``."""
+    targets = set(targets)
+    return tokens * lora_r * dtype_bytes * sum(name in targets for name in names)
 
 
 def lora_targets(target_modules: Any) -> list[str]:
@@ -606,8 +621,8 @@ def layer_activation_bytes(
 ) -> int:
     """Bytes one decoder layer keeps on the GPU for backward in ``mode`` (see module docstring).
 
-    ``lora_r`` does not change what the fused kernels save (``x A^T`` is recomputed in backward);
-    with ``lora_dropout > 0`` PEFT's adapters save ``x A^T``, and their inputs in the adapters' dtype
+    ``lora_r`` sizes the rank-space inputs ``s x A^T`` the fused kernels save (:func:`saved_low_rank_bytes`);
+    with ``lora_dropout > 0`` PEFT's adapters save ``x A^T`` instead, and their inputs in the adapters' dtype
     (``adapter_dtype_bytes``: 4 for PEFT's fp32 adapters). ``kv_repeated``: SDPA is handed K/V repeated
     to every query head and saves them (:mod:`notebookkit.memory.grouped_kv`: a padded batch on CUDA, a T4).
     ``padded``: the batch has a padding mask, which SDPA keeps as an additive ``[B, 1, T, T]`` mask.
@@ -658,6 +673,8 @@ def layer_activation_bytes(
         if padded and not sinks:
             total += batch_size * seq_len * seq_len * s
     total += N * (elems * s + fp32 * 4)
+    if not lora_dropout:
+        total += saved_low_rank_bytes(N, lora_r, s, targets)
     if lora_dropout and lora_dropout > 0:  # the targeted groups run PEFT's code (module docstring)
         dims = shape.projection_shapes()
         a = adapter_dtype_bytes
@@ -1046,7 +1063,7 @@ def _add_vision(vlm: Any, base: _Part, adapters: _Part, acts: _Activations, plan
         adapters.bytes += value
     checkpointed = any(m != "keep" for m in plan)
     saved = ve.vision_activation_bytes(vlm, images=images, image_size=size, s=s,
-                                       vision_lora=vision_lora, checkpointed=checkpointed)
+                                       vision_lora=vision_lora, checkpointed=checkpointed, lora_r=lora_r)
     if images:
         saved.update(ve.decoder_mask_bytes(vlm, rows=rows, seq_len=seq_len, s=s, any_kept="keep" in plan))
     for key, value in saved.items():
@@ -1121,7 +1138,11 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     in_flight = (X if last_offloaded else 2 * X) if offloaded else 0
     deferred = mlp_deferred(shape, layer_kw.get("lora_dropout", 0.0))
     N = layer_kw["batch_size"] * layer_kw["seq_len"]
-    recomputed = keep_layer - (2 * N * shape.intermediate_size * layer_kw["dtype_bytes"] if deferred else 0)
+    # a deferred MLP saves neither e, g nor gate/up's rank-space inputs: its backward makes them a tile at a time
+    gate_up_low_rank = saved_low_rank_bytes(N, layer_kw.get("lora_r", 16), layer_kw["dtype_bytes"],
+                                            lora_targets(layer_kw.get("target_modules")), ("gate_proj", "up_proj"))
+    recomputed = keep_layer - (2 * N * shape.intermediate_size * layer_kw["dtype_bytes"] + gate_up_low_rank
+                               if deferred else 0)
     parked_layers = counts["offload_mlp"] - (plan[-1] == "offload_mlp") if deferred else 0
     parked = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"]) if parked_layers > 0 else (0, 0)
     in_flight += parked[1]

@@ -24,24 +24,27 @@ Activations saved for backward (checked tensor by tensor: ``tests/memory/test_vi
     With them, per patch, in ``s``-byte elements, plus fp32 values:
 
     Every adapted linear of the tower and the projector runs the LoRA projection kernels
-    (:mod:`notebookkit.models.patching.patch_lora_linear`), which keep only its input (stock PEFT would also
-    keep ``x A^T`` and, with fp32 adapters under a 16-bit model, an fp32 copy of ``x``).
+    (:mod:`notebookkit.models.patching.patch_lora_linear`), which keep its input and its rank-space input
+    ``s x A^T`` (``r`` per row; stock PEFT would keep ``x A^T`` as well and, with fp32 adapters under a
+    16-bit model, an fp32 copy of ``x``); a gated MLP on ``kernels.lora_mlp`` keeps gate and up's, not down's.
 
     * Qwen2.5-VL block (its attention on :mod:`notebookkit.models.vision.segment_attention`, its MLP on the
       fused ``kernels.lora_mlp`` with its frozen biases): ``10*Hv + 2*Iv``: the two RMSNorms' inputs, the
       normed inputs of ``qkv`` and of gate/up, the ``qkv`` output (V is a view of it), Q and K after RoPE,
       the attention output (which is ``proj``'s input), e and g of the gated MLP (``down``'s input is
       recomputed from them in the backward; until session 33 the three projections ran apart and saved it:
-      ``3*Iv``); fp32: two ``1/rms`` and a log-sum-exp per head. A window block whose
+      ``3*Iv``), and ``4*r`` (the rank-space inputs of qkv, proj, gate and up); fp32: two ``1/rms`` and a
+      log-sum-exp per head. A window block whose
       windows are not in order of decreasing length (a grid that is not a multiple of the window,
       with more than one row of windows or more than one image) gathers Q, K, V by window length
       and scatters the output back: it saves the gathered Q, K, V and the scattered output instead
       of the ``qkv`` output, Q and K: ``9*Hv`` in place of the ``10*Hv``.
       Once per tower: RoPE's cos/sin, ``2 * Hv/heads`` fp32. The merger: ``3*Hv`` (its norm's
-      input, its first linear's input, the GELU's input) and one fp32 ``1/rms`` per patch.
-    * SigLIP block (Gemma 3): ``8*Hv + 2*Iv``: the two LayerNorms' inputs, the normed input of
+      input, its first linear's input, the GELU's input) and one fp32 ``1/rms`` per patch, and its two
+      linears' rank-space inputs, ``2*r`` per merged row (``merge^2`` patches a row).
+    * SigLIP block (Gemma 3): ``8*Hv + 2*Iv + 6*r``: the two LayerNorms' inputs, the normed input of
       q/k/v and of fc1, Q, K, V, the attention output, fc1's output (the GELU's input) and fc2's
-      input; fp32: mean and 1/std of each LayerNorm and a
+      input, and its six linears' rank-space inputs; fp32: mean and 1/std of each LayerNorm and a
       log-sum-exp per head; the first block's first LayerNorm saves nothing (its input, the frozen
       patch and position embeddings, needs no gradient). After the blocks: the post-LayerNorm's input (``Hv``, 2 fp32) and the
       average pool's input (``Hv``) per patch, the projector norm's input (``Hv``, 1 fp32) per image
@@ -96,22 +99,23 @@ def vision_weight_bytes(vlm: VLMShape, s: int, fmt: BaseFormat, double_quant: bo
 
 
 def vision_activation_bytes(vlm: VLMShape, *, images: int, image_size: Any, s: int,
-                            vision_lora: bool, checkpointed: bool) -> dict[str, int]:
-    """``{detail: bytes}`` the tower and projector keep for backward (module docstring)."""
+                            vision_lora: bool, checkpointed: bool, lora_r: int = 16) -> dict[str, int]:
+    """``{detail: bytes}`` the tower and projector keep for backward (module docstring), ``lora_r`` the
+    tower adapters' rank."""
     if not vision_lora or images == 0:
         return {}
     v = vlm.vision
     patches, tokens = vlm.image_grid(image_size)
     P, T, Hv, Iv = images * patches, images * tokens, v.hidden_size, v.intermediate_size
     if v.kind == "qwen2_5_vl":
-        block = P * (s * (10 * Hv + 2 * Iv) + 4 * (2 + v.num_heads))
+        block = P * (s * (10 * Hv + 2 * Iv + 4 * lora_r) + 4 * (2 + v.num_heads))
         lengths = v.window_lengths(image_size) * images
         gathered = any(a < b for a, b in zip(lengths, lengths[1:]))  # windows gathered by length: 9*Hv
         fewer = (v.num_layers - v.full_attention_blocks) * P * Hv * s if gathered else 0
         once = P * 2 * (Hv // v.num_heads) * 4  # RoPE cos / sin, fp32
-        after = P * (3 * Hv * s + 4)
+        after = P * (3 * Hv * s + 4) + 2 * (P // v.merge**2) * lora_r * s
     else:
-        block = P * (s * (8 * Hv + 2 * Iv) + 4 * (4 + v.num_heads))
+        block = P * (s * (8 * Hv + 2 * Iv + 6 * lora_r) + 4 * (4 + v.num_heads))
         once = -P * (Hv * s + 8)  # the first LayerNorm reads the frozen embeddings: it saves nothing
         fewer = 0
         after = P * (2 * Hv * s + 8) + T * (Hv * s + 4)

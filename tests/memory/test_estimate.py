@@ -24,11 +24,12 @@ def test_tiny_config_matches_hand_computed_sizes_keep():
     assert est.inputs["lora_params"] == 8192
     assert est.details["adapters + optimizer: compute-dtype copies"] == 16384
     assert est.adapters == 131072 + 16384 == 147456
-    # Keep, per token (what the fused kernels save; x A^T is recomputed): 4H + 2dq + 2dk + 2I =
-    # 256 + 128 + 64 + 256 = 704 bf16 values = 1408 B, plus fp32 (2 norm rstd + 4 heads of lse) = 24 B
-    # -> 1432 B; N = 2*32 = 64 tokens -> 91648 per layer, 183296 for two.
-    assert est.per_layer_activations == (91648, 91648)
-    assert est.activations == 183296
+    # Keep, per token (what the fused kernels save): 4H + 2dq + 2dk + 2I = 256 + 128 + 64 + 256 = 704 bf16
+    # values, plus the rank-space inputs s x A^T of q, k, v, o, gate and up (r = 4 each, down's is computed
+    # again): 24 -> 728 bf16 values = 1456 B, plus fp32 (2 norm rstd + 4 heads of lse) = 24 B -> 1480 B;
+    # N = 2*32 = 64 tokens -> 94720 per layer, 189440 for two.
+    assert est.per_layer_activations == (94720, 94720)
+    assert est.activations == 189440
     # Fused loss: the kernel's chunk is max(512, 64/ceil(256/64)) rows capped at N = 64 rows of
     # 256 bf16 logits = 32768 B; final-norm input and output + hidden grad 3*64*64*2 = 24576, plus
     # 16 B per token (fp32 row losses and 1/rms, int64 shifted labels) = 1024 -> 58368.
@@ -37,7 +38,7 @@ def test_tiny_config_matches_hand_computed_sizes_keep():
     # Backward of the last layer: gradient from above 8192 + dY W_down 64*128*2 = 16384 + dX 8192 =
     # 32768 (the attention moment is lower) < 58368: nothing beyond the loss buffers.
     assert est.temporaries == 0
-    assert est.total == 180864 + 147456 + 183296 + 58368 == 569984
+    assert est.total == 180864 + 147456 + 189440 + 58368 == 576128
     assert est.peak_allocated == est.total
 
 
@@ -62,10 +63,11 @@ def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
     est = estimate_training_memory(TINY, activation_plan="recompute", **KW)
     # Layer inputs only: 64 tokens * 64 * 2 B = 8192 per layer.
     assert est.activations == 2 * 8192
-    # Backward: the recomputed layer's 91648 less its (stored) input 8192, plus 32768 (above) =
-    # 116224; minus the loss buffers 58368 -> 57856.
-    assert est.temporaries == 116224 - 58368
-    assert est.total == 180864 + 147456 + 16384 + 58368 + 57856
+    # Backward: the recomputed layer's 94720 less its (stored) input 8192 and gate/up's rank-space inputs
+    # 64 * 2 * 4 * 2 = 1024 (its MLP is deferred: they are made in the backward's tiles), plus 32768 (above)
+    # = 118272; minus the loss buffers 58368 -> 59904.
+    assert est.temporaries == 118272 - 58368
+    assert est.total == 180864 + 147456 + 16384 + 58368 + 59904
     q = estimate_training_memory(TINY, activation_plan="recompute", load_in_4bit=True, **KW)
     # NF4: 73728 * (1/2 + 1/64 + 4/(64*256)) = 36864 + 1152 + 18 = 38034; the rest stays bf16:
     # (16384 + 256 + 64) * 2 = 33408.
@@ -78,45 +80,45 @@ def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
     # joins it: two inputs then, the second counted with that phase's temporaries.
     assert off.per_layer_activations == (0, 8192)
     assert off.activations == 8192
-    assert off.temporaries == 8192 + (91648 - 8192) + 32768 + 8192 - 8192 - 58368
+    assert off.temporaries == 8192 + (94720 - 1024 - 8192) + 32768 + 8192 - 8192 - 58368
 
 
 def test_inputs_in_flight_join_the_end_of_the_forward_only_when_its_copies_may_still_run():
-    # Plan (offload, keep, keep) of a 3-layer TINY: the end of the forward holds two kept layers' 2 * 91648 B
-    # and the loss buffers 58368 (241664). Layer 0's input and the one prefetched (16384) are in flight in
-    # layer 0's backward, after layers 1 and 2 freed theirs: recompute 91648 - 8192 + working set 32768
-    # + 16384 = 132608 < 241664, and its copy to the host ended while the two kept layers ran their
+    # Plan (offload, keep, keep) of a 3-layer TINY: the end of the forward holds two kept layers' 2 * 94720 B
+    # and the loss buffers 58368 (247808). Layer 0's input and the one prefetched (16384) are in flight in
+    # layer 0's backward, after layers 1 and 2 freed theirs: recompute 94720 - 1024 - 8192 + working set 32768
+    # + 16384 = 134656 < 247808, and its copy to the host ended while the two kept layers ran their
     # forward: not part of the peak (until session 32 they were added to it).
     est = estimate_training_memory({**TINY, "num_hidden_layers": 3}, activation_plan=["offload", "keep", "keep"], **KW)
-    assert est.activations == 2 * 91648 and est.temporaries == 0
-    assert est.total == est.base_weights + est.adapters + 2 * 91648 + 58368
+    assert est.activations == 2 * 94720 and est.temporaries == 0
+    assert est.total == est.base_weights + est.adapters + 2 * 94720 + 58368
     # Plan (offload, keep): one kept layer's forward may not outlast layer 0's copy: counted at the end of the
-    # forward, 91648 + 58368 + 16384 = 166400 > the recompute of layer 0 (132608).
+    # forward, 94720 + 58368 + 16384 = 169472 > the recompute of layer 0 (134656).
     one = estimate_training_memory(TINY, activation_plan=["offload", "keep"], **KW)
-    assert one.activations == 91648 and one.temporaries == 16384
-    assert one.total == 180864 + 147456 + 91648 + 58368 + 16384
+    assert one.activations == 94720 and one.temporaries == 16384
+    assert one.total == 180864 + 147456 + 94720 + 58368 + 16384
     # Plan (keep, offload): layer 0's activations are still saved during layer 1's backward, whose input
     # (kept on the GPU: the last layer) and the one prefetched for layer 0 are then in flight:
-    # 91648 + 8192 + (91648 - 8192) + 32768 = 216064 and 8192 more in flight beyond its saved input.
+    # 94720 + 8192 + (94720 - 1024 - 8192) + 32768 = 221184 and 8192 more in flight beyond its saved input.
     late = estimate_training_memory(TINY, activation_plan=["keep", "offload"], **KW)
-    assert late.activations == 91648 + 8192
-    assert late.temporaries == 91648 + 8192 + 83456 + 32768 + 8192 - late.activations - 58368
+    assert late.activations == 94720 + 8192
+    assert late.temporaries == 94720 + 8192 + 85504 + 32768 + 8192 - late.activations - 58368
 
 
 def test_kept_last_layers_are_freed_before_the_first_recompute():
     # The backward runs from the last layer down. Plan (recompute, keep): the kept layer 1 has freed
-    # its 91648 B before layer 0 is recomputed, so the peak is the end of the forward: saved 8192 +
-    # 91648 = 99840 plus the loss buffers 58368 (the kept layer's backward working set, 32768, is
-    # smaller). The recompute of layer 0 needs only 8192 + (91648 - 8192) + 32768 = 124416 < 158208.
+    # its 94720 B before layer 0 is recomputed, so the peak is the end of the forward: saved 8192 +
+    # 94720 = 102912 plus the loss buffers 58368 (the kept layer's backward working set, 32768, is
+    # smaller). The recompute of layer 0 needs only 8192 + (94720 - 1024 - 8192) + 32768 = 126464 < 161280.
     late = estimate_training_memory(TINY, activation_plan=["recompute", "keep"], **KW)
-    assert late.activations == 99840
+    assert late.activations == 102912
     assert late.temporaries == 0
-    assert late.total == 180864 + 147456 + 99840 + 58368 == 486528
+    assert late.total == 180864 + 147456 + 102912 + 58368 == 489600
     # Plan (keep, recompute): layer 0's activations are still saved while layer 1 is recomputed:
-    # 99840 + 83456 + 32768 = 216064, i.e. 57856 beyond the saved activations and loss buffers.
+    # 102912 + 85504 + 32768 = 221184, i.e. 59904 beyond the saved activations and loss buffers.
     early = estimate_training_memory(TINY, activation_plan=["keep", "recompute"], **KW)
-    assert early.temporaries == 216064 - 99840 - 58368 == 57856
-    assert early.total == late.total + 57856
+    assert early.temporaries == 221184 - 102912 - 58368 == 59904
+    assert early.total == late.total + 59904
     # The H200 rows of such a plan, and a measured CPU step: tests/models/test_mixed_plan.py.
 
 

@@ -90,8 +90,8 @@ VERDICTS = {  # (model, card, dtype, load_in_4bit): what the panel's headline sa
     # its [B, heads, T, T + 1] probabilities and their gradients); and its norms on the fused kernel (Hugging
     # Face's saved fp32 inputs: 15.12, 22.42 and 42.46 GiB); its boolean masks shared by the layers (one a layer:
     # 15.08, 22.55 and 42.41 GiB, without Hugging Face's masks that the recompute's checkpoints hold)
-    ("openai/gpt-oss-20b", "t4", "float16", True): "15.11 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
-    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "22.42 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
+    ("openai/gpt-oss-20b", "t4", "float16", True): "15.12 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
+    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "22.43 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
     # 16-bit experts (before NF4 experts, load_in_4bit gave 45.21 GiB here: NF4 attention, 16-bit experts)
     ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "42.45 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
 }

@@ -47,6 +47,7 @@ from notebookkit.kernels.lora_projection import (
     adapter_group,
     concat_adapters,
     grouped_projection_forward,
+    low_rank_input,
     projection_forward,
     shared_input_forward,
 )
@@ -220,11 +221,12 @@ def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[Ada
     projs = tuple(_with_casts(v.projection, x2d.dtype, casts) for v in found)
     bases = _nf4_bases(x2d, projs)
     if bases is None:
-        outs, _ = shared_input_forward(x2d, projs)
+        outs = shared_input_forward(x2d, projs)[0]
     else:
         group = adapter_group(projs, x2d.dtype)
         if group is not None:
             outs = grouped_projection_forward(x2d, group, None, bases)
         else:
-            outs = [projection_forward(x2d, p, *p.adapters(x2d.dtype), None, base) for p, base in zip(projs, bases)]
+            outs = [projection_forward(x2d, p, low_rank_input(x2d, p, A), B, None, base)
+                    for p, base in zip(projs, bases) for A, B in [p.adapters(x2d.dtype)]]
     return [y if v.bias is None else y + v.bias for y, v in zip(outs, found)]
