@@ -9,9 +9,11 @@ LoRA of rank ``r`` on the projections ``(in_p, out_p)`` of a layer (``P = sum in
 ``R = sum r (in_p + out_p)`` adapter weights), the LM head ``H x V`` frozen, in multiply-adds times 2:
 
     forward      2 N (P + R)  +  attention 2 N T dq                       (causal: half of 4 N T dq)
-    backward     2 N P  (dX only: frozen bases)  +  2 N sum r (2 out_p + 3 in_p)  +  2.5 x attention
-                 (the LoRA backward: U = dY B, dX += U A, dA = U^T X, dB = dY^T (X A^T) with X A^T
-                 recomputed, as kernels.lora_projection does; FlashAttention's backward is 5 matmuls to 2),
+    backward     2 N P  (dX only: frozen bases)  +  2 N sum r (2 out_p + 2 in_p)  +  2.5 x attention
+                 (the LoRA backward: U = dY B, dX += U A, dA = U^T X, dB = dY^T (s X A^T) with s X A^T saved
+                 by the forward, as kernels.lora_projection does; FlashAttention's backward is 5 matmuls to 2),
+                 + 2 N r in_p where X A^T is made again in the backward: the down projection's (from the h
+                 the backward rebuilds) and, in a layer whose parked e, g skip the recompute, gate's and up's;
                  less the first layer's q/k/v input gradient (its input, the frozen embeddings', needs none)
     LM head      4 N H V    (the fused cross-entropy: logits and dX chunk by chunk, no dW)
     recompute    per layer and mode: keep 0; recompute / offload the forward less the down projection (base and
@@ -84,7 +86,11 @@ def step_work(shape: ModelShape, *, batch_size: int, seq_len: int, plan, r: int 
     N = batch_size * seq_len
     lin, attn = layer_forward(shape, N, seq_len, r, targets)
     adapted = _projections(shape, targets)
-    lora_bwd = sum(2 * N * r * (2 * o + 3 * i) for i, o in adapted.values())
+    lora_bwd = sum(2 * N * r * (2 * o + 2 * i) for i, o in adapted.values())
+
+    def made_again(names) -> float:  # X A^T of these projections, made again in the backward
+        return sum(2 * N * r * i for name, (i, o) in adapted.items() if name in names)
+
     base_bwd = sum(2 * N * i * o for i, o in shape.projection_shapes().values())
     # the first layer's input (the frozen embeddings' output) needs no gradient: no q/k/v input gradient there
     first = sum(2 * N * i * o for name, (i, o) in shape.projection_shapes().items() if name in QKV) + \
@@ -97,7 +103,8 @@ def step_work(shape: ModelShape, *, batch_size: int, seq_len: int, plan, r: int 
         projections, attention = layer_forward(shape, N, seq_len, r, targets, skip)
         recompute, recomputed_attention = recompute + projections, recomputed_attention + attention
     L = len(plan)
-    return StepWork(forward=L * lin, backward=L * (base_bwd + lora_bwd) - first, recompute=recompute,
+    backward = L * (base_bwd + lora_bwd + made_again(DOWN)) + plan.count("offload_mlp") * made_again(GATE_UP) - first
+    return StepWork(forward=L * lin, backward=backward, recompute=recompute,
                     attention=L * 3.5 * attn + recomputed_attention,
                     lm_head=4.0 * N * shape.hidden_size * shape.vocab_size)
 
