@@ -16,7 +16,9 @@ On a GPU a few ops launch more than one kernel (``grouped_mm``: a preparation ke
 a key byte) and a host-to-device copy counts where the CPU sees none, so the numbers compare designs, not GPU
 traces. ``train``: one LoRA step (forward and backward, the second step; LoRA r=8 on the family's default targets,
 no checkpointing), ``--grouped-mm`` takes the experts' ``grouped_mm`` path (bf16 sm_90's; CPU's loop).
-``decode``: one decode step (the model's ``cached_forward`` for one new token, sampling left out), NF4 base.
+``decode``: one decode step (the model's ``cached_forward`` for one new token, sampling left out), NF4 base
+(``--16bit``: the 16-bit base, GRPO's generation). ``--lora-alpha``: LoRA's alpha at r = 8 (the default 16 scales
+the adapters by 2; 8 is the benchmarks' alpha = r).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def count_launches(fn: Callable[[], Any]) -> tuple[Any, Launches]:
     return result, launches
 
 
-def train_step(model_name: str, dtype: torch.dtype, grouped_mm: bool, tokens: int = 128) -> tuple[Launches, int]:
+def train_step(model_name: str, dtype: torch.dtype, grouped_mm: bool, tokens: int = 128,
+               lora_alpha: float = 16.0) -> tuple[Launches, int]:
     """The launches of one LoRA training step (the second) and the model's decoder layer count."""
     from notebookkit import FastLanguageModel
     from notebookkit.kernels.runtime import use_triton
@@ -103,7 +106,7 @@ def train_step(model_name: str, dtype: torch.dtype, grouped_mm: bool, tokens: in
         experts.grouped_mm_applies = lambda *args, **kwargs: True
     model, _ = FastLanguageModel.from_pretrained(model_name, load_in_4bit=True, dtype=dtype, max_seq_length=2 * tokens,
                                                  show_banner=False)
-    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False,
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=lora_alpha, use_gradient_checkpointing=False,
                                              show_banner=False)
     ids = torch.randint(5, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
 
@@ -117,7 +120,8 @@ def train_step(model_name: str, dtype: torch.dtype, grouped_mm: bool, tokens: in
     return launches, model.config.num_hidden_layers
 
 
-def decode_step(model_name: str, dtype: torch.dtype) -> tuple[Launches, int]:
+def decode_step(model_name: str, dtype: torch.dtype, load_in_4bit: bool = True,
+                lora_alpha: float = 16.0) -> tuple[Launches, int]:
     """The launches of one decode step (the second of a ``generate`` call: ``cached_forward`` for one token)."""
     import importlib
 
@@ -125,8 +129,9 @@ def decode_step(model_name: str, dtype: torch.dtype) -> tuple[Launches, int]:
     from notebookkit.kernels.runtime import use_triton
 
     generation = importlib.import_module("notebookkit.models.generation.generate")  # the module, not its function
-    model, tokenizer = FastLanguageModel.from_pretrained(model_name, load_in_4bit=True, dtype=dtype, show_banner=False)
-    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, show_banner=False,
+    model, tokenizer = FastLanguageModel.from_pretrained(model_name, load_in_4bit=load_in_4bit, dtype=dtype,
+                                                         show_banner=False)
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=lora_alpha, show_banner=False,
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                              "up_proj", "down_proj"])
     FastLanguageModel.for_inference(model)
@@ -165,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="notebookkit/tiny-llama")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--grouped-mm", action="store_true", help="train: the experts on grouped_mm's path")
+    ap.add_argument("--lora-alpha", type=float, default=16.0,
+                    help="LoRA alpha at r = 8 (16: scaling 2; 8: scaling 1, the benchmarks' alpha = r)")
+    ap.add_argument("--16bit", dest="sixteen_bit", action="store_true", help="decode: a 16-bit base, not NF4")
     args = ap.parse_args(argv)
     from notebookkit.kernels.runtime import interpreter_on
 
@@ -173,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     if args.mode == "train":
-        launches, layers = train_step(args.model, dtype, args.grouped_mm)
-        what = f"one training step of {args.model} ({args.dtype}{', grouped_mm' if args.grouped_mm else ''})"
+        launches, layers = train_step(args.model, dtype, args.grouped_mm, lora_alpha=args.lora_alpha)
+        what = (f"one training step of {args.model} ({args.dtype}{', grouped_mm' if args.grouped_mm else ''}, "
+                f"lora_alpha {args.lora_alpha:g} at r = 8)")
     else:
-        launches, layers = decode_step(args.model, dtype)
-        what = f"one decode step of {args.model} ({args.dtype}, NF4)"
+        launches, layers = decode_step(args.model, dtype, not args.sixteen_bit, lora_alpha=args.lora_alpha)
+        what = f"one decode step of {args.model} ({args.dtype}, {'16-bit' if args.sixteen_bit else 'NF4'})"
     print(report(what, launches, layers))
     return 0
 
