@@ -28,7 +28,9 @@ adapter per token saved: about a fifth of a decode step's kernels). An adapter c
 counters do not see every update: bitsandbytes' 8-bit optimizers (the notebooks' ``adamw_8bit``) write
 the parameters in their own kernels and leave the counter as it was, so each ``generate`` call
 re-casts every kept adapter once (``refresh(every=True)``: one small copy per adapter per call).
-``A_cat`` of a group is built inside the step (one concatenation per group).
+A group's ``A_cat`` is kept the same way (:meth:`AdapterCasts.concatenated`), for 16-bit bases as well (the
+training path's :func:`~notebookkit.kernels.lora_projection.adapter_group` finds it kept on the group's first
+projection), so no step concatenates.
 
 A projection that the fused path cannot take (DoRA, several adapters, 8-bit, ...) runs its own module.
 """
@@ -165,6 +167,19 @@ def _with_casts(proj: LoRAProjection, dtype: torch.dtype, casts: Optional[Adapte
                           proj.scaling)
 
 
+def _kept_group(projs: Sequence[LoRAProjection], originals: Sequence[LoRAProjection], dtype: torch.dtype,
+                casts: AdapterCasts) -> None:
+    """Hand a group's ``A_cat`` kept by ``casts`` (:meth:`AdapterCasts.concatenated`) to the first of ``projs``
+    (the projections of this step, adapters read through ``casts``), where :func:`adapter_group` looks for it:
+    otherwise every step concatenates the group's ``A`` again (a launch a group, inside a captured step too)."""
+    if len(projs) < 2 or not all(p.has_adapter for p in projs) or len({p.rank for p in projs}) != 1 \
+            or len({o.lora_A.dtype for o in originals}) != 1:
+        return  # not a group (adapter_group runs the projections one at a time)
+    factors = tuple(p.lora_A for p in projs)
+    a_cat = casts.concatenated(tuple(o.lora_A for o in originals), dtype)
+    projs[0]._group_cast = (dtype, factors, tuple(f._version for f in factors), a_cat)
+
+
 def _adapter_inputs(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
                     casts: Optional[AdapterCasts]) -> list[Optional[torch.Tensor]]:
     """``U_i = X A_i^T`` of each projection's adapter (``None`` without one), from one product
@@ -219,6 +234,8 @@ def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[Ada
     if fused is not None:
         return fused
     projs = tuple(_with_casts(v.projection, x2d.dtype, casts) for v in found)
+    if casts is not None:
+        _kept_group(projs, [v.projection for v in found], x2d.dtype, casts)
     bases = _nf4_bases(x2d, projs)
     if bases is None:
         outs = shared_input_forward(x2d, projs)[0]

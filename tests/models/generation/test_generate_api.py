@@ -331,8 +331,8 @@ def test_weights_changed_in_place_are_read_by_the_next_generation():
 
 
 def test_fp32_adapters_of_a_16_bit_model_are_cast_once_and_recast_after_an_update():
-    """PEFT keeps adapters in fp32 next to 16-bit weights: the decode path keeps one bf16 cast of each
-    (the captured steps read it) and re-casts, in place, those an optimizer step changed."""
+    """PEFT keeps adapters in fp32 next to 16-bit weights: the decode path keeps one bf16 cast of each and
+    each group's A_cat (the captured steps read them) and re-casts, in place, those an optimizer step changed."""
     fast = fast_copy(lora_model("llama")).to(torch.bfloat16)
     for name, p in fast.named_parameters():
         if "lora_" in name:
@@ -340,14 +340,18 @@ def test_fp32_adapters_of_a_16_bit_model_are_cast_once_and_recast_after_an_updat
     ids, mask = left_padded_prompts()
     before = fast.generate(input_ids=ids, attention_mask=mask, **_greedy())
     casts = generation_state(fast).casts
-    assert len(casts) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    assert len(casts) == 2 * 7 * 2 + 2 * 2  # A and B of 7 projections, and the A_cat of q/k/v and gate/up, in 2 layers
     kept = [entry[2] for entry in casts._kept.values()]
+    joined = [entry[2] for entry in casts._joined.values()]
     with torch.no_grad():
         for name, p in fast.named_parameters():
             if "lora_B" in name:
                 p.mul_(-4.0)
+            if "lora_A" in name:  # the groups' A_cat too
+                p.mul_(1.5)
     after = fast.generate(input_ids=ids, attention_mask=mask, **_greedy())
     assert all(entry[2] is old for entry, old in zip(casts._kept.values(), kept))  # same buffers, new values
+    assert all(entry[2] is old for entry, old in zip(casts._joined.values(), joined))
     fresh = copy.deepcopy(fast)  # no state: casts made anew from the updated adapters
     assert torch.equal(after, fresh.generate(input_ids=ids, attention_mask=mask, **_greedy()))
     assert not torch.equal(after, before)
