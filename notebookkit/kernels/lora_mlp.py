@@ -82,6 +82,7 @@ from .lora_projection import (
     autograd_tensor_grads,
     compute_dtype,
     flatten_tokens,
+    frozen_biases,
     lora_rank_grad,
     low_rank_input,
     no_autocast,
@@ -151,11 +152,6 @@ def _tiles(rows: int, tile_rows: int):
     return [(a, min(a + tile_rows, rows)) for a in range(0, rows, tile_rows)]
 
 
-def _add_bias_(t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``t += b`` in place (``b`` frozen, cast to ``t``'s dtype), or ``t`` as it is without a bias."""
-    return t if bias is None else t.add_(bias.to(t.dtype))
-
-
 class MLPRows(NamedTuple):
     """What :func:`_mlp_rows` computes for a run of tokens: the output (None without it), the gate and up
     outputs, and the gate/up adapter group and rank-space inputs (:func:`shared_input_forward`'s)."""
@@ -172,16 +168,15 @@ def _mlp_rows(x2d, projs, activation, compute_output=True, parked=None, biases=(
     down added to e, g and Y); e and g go to ``parked`` too when given."""
     gate, up, down = projs
     act_forward, _ = _activation_ops(activation)
-    (e, g), group, low_rank = shared_input_forward(x2d, (gate, up))
-    e, g = _add_bias_(e, biases[0]), _add_bias_(g, biases[1])
+    (e, g), group, low_rank = shared_input_forward(x2d, (gate, up), biases[:2])
     if parked is not None:
         parked.put(e, g)
     if not compute_output:
         return MLPRows(None, e, g, group, low_rank)
     h = act_forward(e, g)
     A, B = down.adapters(x2d.dtype)
-    return MLPRows(_add_bias_(projection_forward(h, down, low_rank_input(h, down, A), B), biases[2]), e, g, group,
-                   low_rank)
+    y = projection_forward(h, down, low_rank_input(h, down, A), B, bias=biases[2])
+    return MLPRows(y, e, g, group, low_rank)
 
 
 def _backward_rows(dy2d, x2d, e, g, projs, group, activation, need_dx, need_dA, need_dB, low_rank=None):
@@ -333,28 +328,10 @@ def lora_mlp(
         tile_rows = mlp_tile_rows(up.out_features, compute_dtype(x).itemsize)
     if tile_rows < 1:
         raise ValueError(f"lora_mlp: tile_rows must be >= 1 (got {tile_rows}).")
-    biases = _frozen_biases(biases, (gate, up, down))
+    biases = frozen_biases(biases, (gate, up, down), "lora_mlp", ("gate", "up", "down"))
     forward = LoRAMLPFunction if torch.is_grad_enabled() or not compute_output else _forward_without_grad
     return apply_in_compute_dtype(forward, x, (gate, up, down), activation, bool(compute_output), int(tile_rows),
                                   parked, biases)
-
-
-def _frozen_biases(biases, projs) -> tuple:
-    """``biases`` as a triple, checked: frozen, each of its projection's ``out_features``."""
-    if biases is None:
-        return (None, None, None)
-    if len(biases) != 3:
-        raise ValueError(f"lora_mlp: biases are (b_gate, b_up, b_down), got {len(biases)} of them.")
-    for name, bias, proj in zip(("gate", "up", "down"), biases, projs):
-        if bias is None:
-            continue
-        if bias.requires_grad:
-            raise ValueError(f"lora_mlp: the {name} bias requires grad, but the fused MLP adds frozen biases only; "
-                             "freeze it (bias='none' in LoraConfig) or run the MLP's own modules.")
-        if tuple(bias.shape) != (proj.out_features,):
-            raise ValueError(f"lora_mlp: the {name} bias has shape {tuple(bias.shape)}, expected "
-                             f"({proj.out_features},).")
-    return tuple(biases)
 
 
 def lora_mlp_reference(

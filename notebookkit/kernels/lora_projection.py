@@ -104,6 +104,7 @@ __all__ = [
     "SharedInputLoRAFunction",
     "apply_in_compute_dtype",
     "shared_input_lora",
+    "frozen_biases",
     "projection_forward",
     "scaled_mm",
     "low_rank_input",
@@ -247,13 +248,15 @@ class LoRAProjection:
             return quantize_nf4_rowwise_fp8(self.weight, self.quant_state, dtype, out=out)
         return quantize_rowwise_fp8(self.base_weight(dtype), out=out)
 
-    def base_product(self, x2d: torch.Tensor) -> torch.Tensor:
-        """``X W^T`` ``[N, out]`` in ``x2d``'s dtype: a low-bit base through its dequantise-in-the-GEMM
-        kernel, others through the dense (or freshly dequantised NF4) weight."""
+    def base_product(self, x2d: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``X W^T (+ b)`` ``[N, out]`` in ``x2d``'s dtype: a low-bit base through its dequantise-in-the-GEMM
+        kernel, others through the dense (or freshly dequantised NF4) weight, where the frozen ``bias`` (in
+        ``x2d``'s dtype) is the GEMM's added input (``addmm``, as ``nn.Linear`` does: no launch of its own)."""
         if self.low_bit:
-            return LOW_BIT_PRODUCTS[type(self.quant_state)][1](x2d, self.quant_state)
+            y = LOW_BIT_PRODUCTS[type(self.quant_state)][1](x2d, self.quant_state)
+            return y if bias is None else y.add_(bias)
         W = self.base_weight(x2d.dtype)
-        return x2d @ W.t()
+        return x2d @ W.t() if bias is None else torch.addmm(bias, x2d, W.t())
 
     def add_base_input_grad_(self, dx: torch.Tensor | None, dy: torch.Tensor) -> torch.Tensor:
         """``dX (+)= dY W`` (``dx`` None: a new tensor); a low-bit base through its input-gradient kernel."""
@@ -449,9 +452,11 @@ def projection_forward(
     B: torch.Tensor | None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     base: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``Y = X W^T + XA B^T`` for ``X [N, in]``, with ``XA = s (X A^T)`` from :func:`low_rank_input` (None
-    without adapter) and ``B`` in ``x2d.dtype``.
+    """``Y = X W^T (+ b) + XA B^T`` for ``X [N, in]``, with ``XA = s (X A^T)`` from :func:`low_rank_input` (None
+    without adapter), ``B`` in ``x2d.dtype`` and ``bias`` a frozen bias (:func:`frozen_biases`), added by the
+    base GEMM where it is one (:meth:`LoRAProjection.base_product`).
 
     With ``proj.fp8_forward`` the base part ``X W^T`` runs in FP8 (``fp8_matmul_quantized`` of ``X``
     and ``W`` quantised rowwise; ``x_fp8`` is ``X`` already quantised by
@@ -459,13 +464,14 @@ def projection_forward(
     column slice of a group's product, :func:`group_base_outputs`); the low-rank term is added into
     it in place and it is returned.
     """
-    if base is not None:
-        y = base
-    elif proj.fp8_forward and x2d.numel():
-        x_q = x_fp8 if x_fp8 is not None else quantize_rowwise_fp8(x2d)
-        y = fp8_matmul_quantized(x_q, proj.base_weight_fp8(x2d.dtype), x2d.dtype)
+    bias = None if bias is None else bias.to(x2d.dtype)
+    if base is not None or (proj.fp8_forward and x2d.numel()):
+        if base is None:
+            x_q = x_fp8 if x_fp8 is not None else quantize_rowwise_fp8(x2d)
+            base = fp8_matmul_quantized(x_q, proj.base_weight_fp8(x2d.dtype), x2d.dtype)
+        y = base if bias is None else base.add_(bias)
     else:
-        y = proj.base_product(x2d)
+        y = proj.base_product(x2d, bias)
     if xa is not None:
         y.addmm_(xa, B.t())
     return y
@@ -610,15 +616,18 @@ def grouped_projection_forward(
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     bases: list[torch.Tensor | None] | None = None,
     xa_cat: torch.Tensor | None = None,
+    biases: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """``Y_P = X W_P^T + XA_cat[:, P] B_P^T`` for every projection of ``group``, with every ``s_P X A_P^T``
     from one GEMM (``xa_cat``: :func:`grouped_low_rank_input`, computed here when not given; the base part as
-    in :func:`projection_forward`, or given in ``bases``, from :func:`group_base_outputs`)."""
+    in :func:`projection_forward`, or given in ``bases``, from :func:`group_base_outputs`; ``biases``: the
+    projections' frozen biases, or None)."""
     if xa_cat is None:
         xa_cat = grouped_low_rank_input(x2d, group)
     bases = bases if bases is not None else [None] * len(group.projs)
-    return [projection_forward(x2d, proj, xa_cat[:, cols], B, x_fp8, base)
-            for proj, B, cols, base in zip(group.projs, group.Bs, group.columns, bases)]
+    biases = biases if biases is not None else [None] * len(group.projs)
+    return [projection_forward(x2d, proj, xa_cat[:, cols], B, x_fp8, base, bias)
+            for proj, B, cols, base, bias in zip(group.projs, group.Bs, group.columns, bases, biases)]
 
 
 def grouped_rank_grad(dys: list[torch.Tensor], group: AdapterGroup) -> torch.Tensor:
@@ -702,10 +711,11 @@ def autograd_tensor_grads(
 
 
 def shared_input_forward(
-    x2d: torch.Tensor, projs: Sequence[LoRAProjection]
+    x2d: torch.Tensor, projs: Sequence[LoRAProjection], biases: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[list[torch.Tensor], AdapterGroup | None, list[torch.Tensor | None]]:
-    """``Y_i = X W_i^T + s_i (X A_i^T) B_i^T`` for projections that all read ``X [N, in]``, in
-    ``x2d``'s dtype (the compute dtype).
+    """``Y_i = X W_i^T (+ b_i) + s_i (X A_i^T) B_i^T`` for projections that all read ``X [N, in]``, in
+    ``x2d``'s dtype (the compute dtype); ``biases``: one frozen bias a projection (or None), which the base
+    GEMM adds (:meth:`LoRAProjection.base_product`).
 
     The projections are run together where they can be: with FP8 forward, ``X`` is quantised once
     (:func:`quantize_shared_input`) and the base products are one FP8 product when
@@ -721,14 +731,15 @@ def shared_input_forward(
     x_fp8 = quantize_shared_input(x2d, *projs)
     bases = group_base_outputs(x2d, projs, x_fp8)
     group = adapter_group(projs, dtype)
+    biases = biases if biases is not None else [None] * len(projs)
     if group is not None:
         xa_cat = grouped_low_rank_input(x2d, group)
-        return grouped_projection_forward(x2d, group, x_fp8, bases, xa_cat), group, [xa_cat]
+        return grouped_projection_forward(x2d, group, x_fp8, bases, xa_cat, biases), group, [xa_cat]
     ys, low_rank = [], []
-    for proj, base in zip(projs, bases):
+    for proj, base, bias in zip(projs, bases, biases):
         A, B = proj.adapters(dtype)
         xa = low_rank_input(x2d, proj, A)
-        ys.append(projection_forward(x2d, proj, xa, B, x_fp8, base))
+        ys.append(projection_forward(x2d, proj, xa, B, x_fp8, base, bias))
         low_rank.append(xa)
     return ys, None, low_rank
 
@@ -774,13 +785,13 @@ def shared_input_backward(
 
 
 class SharedInputLoRAFunction(torch.autograd.Function):
-    """Autograd function of :func:`shared_input_lora` (q/k/v, and o alone): inputs ``x, projs,
+    """Autograd function of :func:`shared_input_lora` (q/k/v, and o alone): inputs ``x, projs, biases,
     *autograd_tensors(projs)``; outputs one tensor per projection. Saves ``x`` and the rank-space inputs
-    ``s X A^T`` (``[N, r]`` each, ``[N, n r]`` for a group)."""
+    ``s X A^T`` (``[N, r]`` each, ``[N, n r]`` for a group); the frozen biases change nothing in the backward."""
 
     @staticmethod
-    def forward(ctx, x, projs, *tensors):
-        ys, group, low_rank = shared_input_forward(flatten_tokens(x), projs)
+    def forward(ctx, x, projs, biases, *tensors):
+        ys, group, low_rank = shared_input_forward(flatten_tokens(x), projs, biases)
         ctx.save_for_backward(x, *low_rank, *tensors)
         ctx.low_rank_count = len(low_rank)
         ctx.projs = projs  # the same projections in backward: their adapter casts are reused
@@ -791,14 +802,15 @@ class SharedInputLoRAFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *rest = ctx.saved_tensors  # unpacked also to check that no saved tensor changed in place
         low_rank = rest[:ctx.low_rank_count]
-        need_dx, _, *tensor_needs = ctx.needs_input_grad  # x, projs, *autograd_tensors(projs)
+        need_dx, _, _, *tensor_needs = ctx.needs_input_grad  # x, projs, biases, *autograd_tensors(projs)
         need_dA, need_dB = requested_adapter_grads(tensor_needs)
         with no_autocast(x.device.type):
             dys = [flatten_tokens(g).to(x.dtype) for g in grads]
             dx, adapter_grad_pairs = shared_input_backward(
                 dys, flatten_tokens(x), ctx.projs, ctx.group, need_dx, need_dA, need_dB, low_rank
             )
-        return (dx.view(x.shape) if dx is not None else None), None, *autograd_tensor_grads(adapter_grad_pairs)
+        return (dx.view(x.shape) if dx is not None else None), None, None, \
+            *autograd_tensor_grads(adapter_grad_pairs)
 
 
 def apply_in_compute_dtype(
@@ -819,15 +831,39 @@ def apply_in_compute_dtype(
         return call(x, projs, *args, *autograd_tensors(projs))
 
 
-def shared_input_lora(x: torch.Tensor, projs: Sequence[LoRAProjection]) -> tuple[torch.Tensor, ...]:
-    """``x W_i^T + s_i (x A_i^T) B_i^T`` for projections that all read ``x [..., in]``, with autograd.
+def shared_input_lora(x: torch.Tensor, projs: Sequence[LoRAProjection],
+                      biases: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
+    """``x W_i^T (+ b_i) + s_i (x A_i^T) B_i^T`` for projections that all read ``x [..., in]``, with autograd.
 
     Returns one ``[..., out_i]`` tensor per projection in the compute dtype (the autocast dtype if
     autocast is on, else ``x.dtype``). Gradients flow to ``x`` and to every ``lora_A`` / ``lora_B``
-    (:func:`shared_input_backward`); base weights are frozen. ``lora_qkv`` and ``lora_o`` are this
+    (:func:`shared_input_backward`); base weights are frozen, and so are the ``biases`` (one a projection, or
+    None: a vision tower's linears have them), which the base GEMMs add. ``lora_qkv`` and ``lora_o`` are this
     function with three projections and with one.
     """
-    return apply_in_compute_dtype(SharedInputLoRAFunction, x, tuple(projs))
+    projs = tuple(projs)
+    return apply_in_compute_dtype(SharedInputLoRAFunction, x, projs, frozen_biases(biases, projs, "shared_input_lora"))
+
+
+def frozen_biases(biases: Sequence[torch.Tensor | None] | None, projs: Sequence[LoRAProjection], who: str,
+                  names: Sequence[str] | None = None) -> tuple[torch.Tensor | None, ...]:
+    """``biases`` as one entry a projection (``None`` for none), checked: frozen, each of its projection's
+    ``out_features`` (``names`` name the projections in the messages)."""
+    if biases is None:
+        return (None,) * len(projs)
+    names = names or [f"projection {i}" for i in range(len(projs))]
+    if len(biases) != len(projs):
+        raise ValueError(f"{who}: biases are ({', '.join(f'b_{n}' for n in names)}), got {len(biases)} of them.")
+    for name, bias, proj in zip(names, biases, projs):
+        if bias is None:
+            continue
+        if bias.requires_grad:
+            raise ValueError(f"{who}: the {name} bias requires grad, but the fused path adds frozen biases only; "
+                             "freeze it (bias='none' in LoraConfig) or run the layer's own modules.")
+        if tuple(bias.shape) != (proj.out_features,):
+            raise ValueError(f"{who}: the {name} bias has shape {tuple(bias.shape)}, expected "
+                             f"({proj.out_features},).")
+    return tuple(biases)
 
 
 # --------------------------------------------------------------------------------------------------

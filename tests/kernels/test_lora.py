@@ -12,7 +12,7 @@ import torch
 from notebookkit.kernels.lora_mlp import lora_mlp, lora_mlp_reference
 from notebookkit.kernels.lora_o import lora_o, lora_o_reference
 from notebookkit.kernels import lora_projection
-from notebookkit.kernels.lora_projection import LoRAProjection, adapter_group
+from notebookkit.kernels.lora_projection import LoRAProjection, adapter_group, projection_reference
 from notebookkit.kernels.lora_qkv import lora_qkv, lora_qkv_reference
 from notebookkit.kernels.nf4 import dequantize_nf4_reference
 from notebookkit.kernels.runtime import interpreter_on, use_triton
@@ -670,6 +670,69 @@ def test_lora_mlp_with_frozen_biases(deferred, nf4, present, dtype, device):
     assert_close(x.grad, x64.grad, dtype, "dx")
     for name, p in zip(("gate", "up", "down"), pairs):
         p.check_grads(dtype, name)
+
+
+class _CountAdds:
+    """Counts aten ``add`` / ``add_`` calls under it."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.calls = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.calls += func.overloadpacket.__name__ in ("add", "add_")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_frozen_biases_are_added_by_the_base_gemms(nf4):
+    """A vision tower's biased linears: the bias is the base GEMM's added input (``addmm``), not an ``add`` launch
+    of its own, in ``lora_mlp`` (gate, up, down) and ``shared_input_lora`` (one or several projections): their
+    forwards make as many ``add`` calls with biases as without (none on a dense base; the CPU's NF4 decode makes
+    some of its own); the outputs and gradients match float64."""
+    from notebookkit.kernels.lora_projection import shared_input_lora
+
+    gen = torch.Generator().manual_seed(19)
+    dtype = torch.float32
+    kw = dict(nf4=nf4, adapter=True, dtype=dtype, device="cpu", gen=gen)
+    mlp = Pair(INTER, HIDDEN, **kw), Pair(INTER, HIDDEN, **kw), Pair(HIDDEN, INTER, **kw)
+    biases, biases64 = _biases(dtype, "cpu", gen)
+    x, x64 = _x(dtype, "cpu", gen, shape=(2, 19, HIDDEN))
+    with torch.no_grad(), _CountAdds() as unbiased:
+        lora_mlp(x, *(p.proj for p in mlp), "swiglu")
+    with _CountAdds() as count:
+        y = lora_mlp(x, *(p.proj for p in mlp), "swiglu", biases=biases)
+    assert count.calls == unbiased.calls == (3 if nf4 else 0)
+    y64 = lora_mlp_reference(x64, *(p.proj64 for p in mlp), "swiglu", biases=biases64)
+    assert_close(y, y64, dtype, "mlp y")
+
+    qkv = [Pair(o, HIDDEN, **kw) for o in (INTER, 40, 40)]
+    b = [torch.randn(o, generator=gen) for o in (INTER, 40, 40)]
+    with torch.no_grad(), _CountAdds() as unbiased:
+        shared_input_lora(x, [p.proj for p in qkv])
+    with _CountAdds() as count:
+        outs = shared_input_lora(x, [p.proj for p in qkv], (b[0], None, b[2]))
+    assert count.calls == unbiased.calls == (3 if nf4 else 0)
+    outs64 = [projection_reference(x64, p.proj64) + (0 if bias is None else bias.double())
+              for p, bias in zip(qkv, (b[0], None, b[2]))]
+    for name, out, out64 in zip("qkv", outs, outs64):
+        assert_close(out, out64, dtype, name)
+    _backward([y, *outs], [y64, *outs64], gen)
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    for name, p in zip(("gate", "up", "down", "q", "k", "v"), (*mlp, *qkv)):
+        p.check_grads(dtype, name)
+    with pytest.raises(ValueError, match="requires grad"):
+        shared_input_lora(x, [qkv[0].proj], (torch.zeros(INTER, requires_grad=True),))
 
 
 def test_lora_mlp_refuses_a_trainable_or_misshapen_bias():

@@ -128,9 +128,9 @@ def test_recompute_skips_the_unread_down_projection(family, skipped, monkeypatch
     calls = []  # one entry per projection computed (gate and up through the shared-input dispatch)
     real_down = lora_mlp_module.projection_forward
     real_shared = lora_mlp_module.shared_input_forward
-    monkeypatch.setattr(lora_mlp_module, "projection_forward", lambda *a: calls.append(1) or real_down(*a))
+    monkeypatch.setattr(lora_mlp_module, "projection_forward", lambda *a, **k: calls.append(1) or real_down(*a, **k))
     monkeypatch.setattr(lora_mlp_module, "shared_input_forward",
-                        lambda x2d, projs: calls.extend([1] * len(projs)) or real_shared(x2d, projs))
+                        lambda x2d, projs, *rest: calls.extend([1] * len(projs)) or real_shared(x2d, projs, *rest))
     x = torch.randint(0, 256, (2, 12))
     model(input_ids=x, labels=x).loss.backward()
     per_layer = 3 + (2 if skipped else 3)  # forward, then the recompute in backward
@@ -159,7 +159,7 @@ def test_offload_mlp_takes_the_parked_gate_up_with_the_recompute_bits(family, pa
     products = []  # gate/up products (the shared-input dispatch) during the step
     real_shared = lora_mlp_module.shared_input_forward
     monkeypatch.setattr(lora_mlp_module, "shared_input_forward",
-                        lambda x2d, projs: products.append(1) or real_shared(x2d, projs))
+                        lambda x2d, projs, *rest: products.append(1) or real_shared(x2d, projs, *rest))
     loss, g = _grads(model, x, x)
     layers = len(model.get_base_model().model.layers)
     assert len(products) == (1 if parks else 2) * layers  # the first forward only, or again in the recompute

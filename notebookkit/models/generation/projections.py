@@ -236,14 +236,12 @@ def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[Ada
     projs = tuple(_with_casts(v.projection, x2d.dtype, casts) for v in found)
     if casts is not None:
         _kept_group(projs, [v.projection for v in found], x2d.dtype, casts)
+    biases = [v.bias for v in found]  # added by the base GEMMs (or into a matvec's output), not after
     bases = _nf4_bases(x2d, projs)
     if bases is None:
-        outs = shared_input_forward(x2d, projs)[0]
-    else:
-        group = adapter_group(projs, x2d.dtype)
-        if group is not None:
-            outs = grouped_projection_forward(x2d, group, None, bases)
-        else:
-            outs = [projection_forward(x2d, p, low_rank_input(x2d, p, A), B, None, base)
-                    for p, base in zip(projs, bases) for A, B in [p.adapters(x2d.dtype)]]
-    return [y if v.bias is None else y + v.bias for y, v in zip(outs, found)]
+        return shared_input_forward(x2d, projs, biases)[0]
+    group = adapter_group(projs, x2d.dtype)
+    if group is not None:
+        return grouped_projection_forward(x2d, group, None, bases, biases=biases)
+    return [projection_forward(x2d, p, low_rank_input(x2d, p, A), B, None, base, bias)
+            for p, base, bias in zip(projs, bases, biases) for A, B in [p.adapters(x2d.dtype)]]

@@ -2,7 +2,7 @@
 
 For a frozen base weight ``W`` (16-bit or NF4), a frozen bias ``b`` and one active adapter::
 
-    y = x W^T + s (x A^T) B^T + b           kernels.lora_projection.shared_input_lora, then + b
+    y = x W^T + b + s (x A^T) B^T           kernels.lora_projection.shared_input_lora (b added by the base GEMM)
 
 Stock PEFT computes the low-rank term in the adapters' dtype. With fp32 adapters under a 16-bit
 model (PEFT's default) it casts ``x`` to fp32 in every adapted linear, keeps that copy for the
@@ -47,8 +47,8 @@ def _make_forward(shared_input_lora):
         if parts is None:  # PEFT's own forward when the kernels cannot take the layer now
             return type(self).forward(self, x, *args, **kwargs)
         view = parts[0]
-        (y,) = shared_input_lora(x, (view.projection,))
-        return y if view.bias is None else y + view.bias
+        (y,) = shared_input_lora(x, (view.projection,), (view.bias,))
+        return y
 
     return lora_linear_forward
 
