@@ -21,18 +21,19 @@ from .lora_projection import LoRAProjection, projection_reference, shared_input_
 __all__ = ["lora_o", "lora_o_reference"]
 
 
-def lora_o(x: torch.Tensor, o: LoRAProjection) -> torch.Tensor:
-    """Attention output projection with LoRA: ``x W^T + s (x A^T) B^T`` for ``x [..., in]``.
+def lora_o(x: torch.Tensor, o: LoRAProjection, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention output projection with LoRA: ``x W^T (+ b) + s (x A^T) B^T`` for ``x [..., in]``.
 
     Args:
         x: attention output, ``[..., in_features]``.
         o: the ``o_proj`` layer as a :class:`LoRAProjection` (16-bit or NF4 base, adapter or none).
+        bias: its frozen bias, or None (added by the base GEMM).
 
     Returns:
         ``[..., out_features]`` in the compute dtype (autocast dtype if autocast is on, else
         ``x.dtype``). Gradients flow to ``x``, ``o.lora_A`` and ``o.lora_B``; the base weight is frozen.
     """
-    (y,) = shared_input_lora(x, (o,))  # the shared-input dispatch with one projection: never a group
+    (y,) = shared_input_lora(x, (o,), (bias,))  # the shared-input dispatch with one projection: never a group
     return y
 
 

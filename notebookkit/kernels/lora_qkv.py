@@ -46,16 +46,18 @@ __all__ = ["lora_qkv", "lora_qkv_reference"]
 
 
 def lora_qkv(
-    x: torch.Tensor, q: LoRAProjection, k: LoRAProjection, v: LoRAProjection
+    x: torch.Tensor, q: LoRAProjection, k: LoRAProjection, v: LoRAProjection,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Query, key and value projections with LoRA, sharing the input ``x [..., hidden]``.
 
-    Each projection is ``x W^T + s (x A^T) B^T`` (16-bit or NF4 base; adapter optional per
-    projection). Returns ``(Q, K, V)`` shaped ``[..., out_q]``, ``[..., out_k]``, ``[..., out_v]``
+    Each projection is ``x W^T (+ b) + s (x A^T) B^T`` (16-bit or NF4 base; adapter optional per
+    projection; ``biases``: frozen ``(b_q, b_k, b_v)``, any of them None, as Qwen2's, added by the base
+    GEMMs). Returns ``(Q, K, V)`` shaped ``[..., out_q]``, ``[..., out_k]``, ``[..., out_v]``
     in the compute dtype (autocast dtype if autocast is on, else ``x.dtype``). Gradients flow to
-    ``x`` and to every ``lora_A`` / ``lora_B``; base weights are frozen.
+    ``x`` and to every ``lora_A`` / ``lora_B``; base weights and biases are frozen.
     """
-    return shared_input_lora(x, (q, k, v))
+    return shared_input_lora(x, (q, k, v), biases)
 
 
 def lora_qkv_reference(

@@ -264,10 +264,8 @@ def make_attention_forward(softcap: Optional[float], qk_norm: bool, sinks: bool 
         if lora_qkv is not None:
             parts, _ = views(self.q_proj, self.k_proj, self.v_proj)
             if parts is not None:
-                q, k, v = lora_qkv(hidden_states, parts[0].projection, parts[1].projection, parts[2].projection)
-                q = q if parts[0].bias is None else q + parts[0].bias
-                k = k if parts[1].bias is None else k + parts[1].bias
-                v = v if parts[2].bias is None else v + parts[2].bias
+                q, k, v = lora_qkv(hidden_states, parts[0].projection, parts[1].projection, parts[2].projection,
+                                   biases=tuple(part.bias for part in parts))
         if q is None:
             q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
 
@@ -307,8 +305,7 @@ def make_attention_forward(softcap: Optional[float], qk_norm: bool, sinks: bool 
         if lora_o is not None:
             parts, _ = views(self.o_proj)
             if parts is not None:
-                y = lora_o(out, parts[0].projection)
-                return (y if parts[0].bias is None else y + parts[0].bias), None
+                return lora_o(out, parts[0].projection, parts[0].bias), None
         return self.o_proj(out), None
 
     return attention_forward
