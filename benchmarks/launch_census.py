@@ -4,6 +4,7 @@ card, a decode step) costs about its launches, and this counts them without a GP
     TRITON_INTERPRET=1 python benchmarks/launch_census.py train --model notebookkit/tiny-qwen3_moe --dtype bfloat16
     TRITON_INTERPRET=1 python benchmarks/launch_census.py train --model notebookkit/tiny-qwen3_moe --grouped-mm
     TRITON_INTERPRET=1 python benchmarks/launch_census.py decode --model notebookkit/tiny-llama
+    TRITON_INTERPRET=1 python benchmarks/launch_census.py vision --model notebookkit/tiny-qwen2.5-vl --dtype bfloat16
 
 notebookkit's Triton kernels are forced on (``use_triton(True)``: the interpreter runs them), so the step takes
 the path it takes on a GPU. One launch is counted for:
@@ -17,7 +18,8 @@ a key byte) and a host-to-device copy counts where the CPU sees none, so the num
 traces. ``train``: one LoRA step (forward and backward, the second step; LoRA r=8 on the family's default targets,
 no checkpointing), ``--grouped-mm`` takes the experts' ``grouped_mm`` path (bf16 sm_90's; CPU's loop).
 ``decode``: one decode step (the model's ``cached_forward`` for one new token, sampling left out), NF4 base
-(``--16bit``: the 16-bit base, GRPO's generation). ``--lora-alpha``: LoRA's alpha at r = 8 (the default 16 scales
+(``--16bit``: the 16-bit base, GRPO's generation). ``vision``: one training step of a vision-language model, NF4,
+LoRA on both towers, checkpointing on, two captioned images (the layer count is the decoder's). ``--lora-alpha``: LoRA's alpha at r = 8 (the default 16 scales
 the adapters by 2; 8 is the benchmarks' alpha = r).
 """
 
@@ -156,6 +158,32 @@ def decode_step(model_name: str, dtype: torch.dtype, load_in_4bit: bool = True,
     return seen["launches"], model.config.num_hidden_layers
 
 
+def vision_step(model_name: str, dtype: torch.dtype, lora_alpha: float = 16.0) -> tuple[Launches, int]:
+    """The launches of one training step (the second) of a vision-language model: LoRA r = 8 on both towers,
+    checkpointing on (the lean plan's tower runs its blocks again in the backward), two bundled captioned images;
+    and the decoder's layer count."""
+    from notebookkit import FastVisionModel
+    from notebookkit.data import VisionDataCollator
+    from notebookkit.embedded.bundled import load_bundled
+    from notebookkit.kernels.runtime import use_triton
+
+    model, processor = FastVisionModel.from_pretrained(model_name, dtype=dtype, load_in_4bit=True, show_banner=False)
+    model = FastVisionModel.get_peft_model(model, r=8, lora_alpha=lora_alpha, finetune_vision_layers=True,
+                                           use_gradient_checkpointing=True, show_banner=False).train()
+    rows = load_bundled("captions")
+    batch = VisionDataCollator(model.get_base_model(), processor, max_seq_length=256)([rows[0], rows[1]])
+
+    def step():
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    with use_triton(True):
+        step()
+        _, launches = count_launches(step)
+    config = model.get_base_model().config
+    return launches, getattr(config, "text_config", config).num_hidden_layers
+
+
 def report(what: str, launches: Launches, layers: int) -> str:
     lines = [f"{what}: {launches.total} launches ({sum(launches.aten.values())} aten, "
              f"{sum(launches.triton.values())} Triton), {launches.total / layers:.1f} a decoder layer ({layers})",
@@ -166,7 +194,7 @@ def report(what: str, launches: Launches, layers: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["train", "decode"])
+    ap.add_argument("mode", choices=["train", "decode", "vision"])
     ap.add_argument("--model", default="notebookkit/tiny-llama")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--grouped-mm", action="store_true", help="train: the experts on grouped_mm's path")
@@ -184,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         launches, layers = train_step(args.model, dtype, args.grouped_mm, lora_alpha=args.lora_alpha)
         what = (f"one training step of {args.model} ({args.dtype}{', grouped_mm' if args.grouped_mm else ''}, "
                 f"lora_alpha {args.lora_alpha:g} at r = 8)")
+    elif args.mode == "vision":
+        launches, layers = vision_step(args.model, dtype, lora_alpha=args.lora_alpha)
+        what = f"one vision-language training step of {args.model} ({args.dtype}, NF4, both towers adapted)"
     else:
         launches, layers = decode_step(args.model, dtype, not args.sixteen_bit, lora_alpha=args.lora_alpha)
         what = f"one decode step of {args.model} ({args.dtype}, {'16-bit' if args.sixteen_bit else 'NF4'})"

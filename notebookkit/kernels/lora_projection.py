@@ -20,7 +20,7 @@ For an input ``X [N, in]`` (tokens flattened), base weight ``W [out, in]``, adap
                 dA = U^T X                       [r, in]
                 dB = dY^T XA                     [out, r]
 
-The scaling ``s`` is the ``alpha`` of the GEMM that makes ``XA`` and ``U`` (:func:`scaled_mm`: applied in
+The scaling ``s`` is the ``alpha`` of the GEMM that makes ``XA`` and ``U`` (:func:`scaled_product`: applied in
 fp32 before the product's one rounding), never a multiply of its own. ``XA`` costs ``N r`` values a
 projection to keep (at r = 16, under 0.2% of what a Llama-3.1-8B layer saves) and spares the backward
 its GEMM, which reads all of ``X`` again.
@@ -106,7 +106,7 @@ __all__ = [
     "shared_input_lora",
     "frozen_biases",
     "projection_forward",
-    "scaled_mm",
+    "scaled_product",
     "low_rank_input",
     "lora_rank_grad",
     "accumulate_input_grad_",
@@ -337,7 +337,7 @@ def flatten_tokens(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+def scaled_product(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """``scaling * (a @ b)`` as one GEMM: ``scaling`` is the GEMM's ``alpha`` (fp32, applied before the one
     rounding), not a multiply of its own; at ``scaling == 1`` (``lora_alpha == r``) the plain product."""
     if scaling == 1.0:
@@ -356,7 +356,7 @@ def low_rank_input(x2d: torch.Tensor, proj: LoRAProjection, A: torch.Tensor | No
     """``XA = s (X A^T)`` ``[N, r]`` (``A`` in ``x2d``'s dtype), or None without adapter: what the forward
     multiplies by ``B^T`` and what ``dB = dY^T XA`` reads in the backward (saved by the autograd functions, not
     computed again)."""
-    return None if A is None else scaled_mm(x2d, A.t(), proj.scaling)
+    return None if A is None else scaled_product(x2d, A.t(), proj.scaling)
 
 
 def quantize_shared_input(x2d: torch.Tensor, *projs: LoRAProjection) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -481,7 +481,7 @@ def lora_rank_grad(dy: torch.Tensor, proj: LoRAProjection, B: torch.Tensor | Non
     """``U = s (dY B)`` ``[N, r]``, the rank-space gradient shared by dX and dA (None without adapter)."""
     if B is None:
         return None
-    return scaled_mm(dy, B, proj.scaling)
+    return scaled_product(dy, B, proj.scaling)
 
 
 def accumulate_input_grad_(
@@ -603,7 +603,7 @@ def grouped_low_rank_input(x2d: torch.Tensor, group: AdapterGroup) -> torch.Tens
     scaling when the group's projections share one (the usual case), else each block scaled after it."""
     scalings = {proj.scaling for proj in group.projs}
     if len(scalings) == 1:
-        return scaled_mm(x2d, group.A_cat.t(), scalings.pop())
+        return scaled_product(x2d, group.A_cat.t(), scalings.pop())
     xa_cat = x2d @ group.A_cat.t()
     for proj, cols in zip(group.projs, group.columns):
         scale_(xa_cat[:, cols], proj.scaling)

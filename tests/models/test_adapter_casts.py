@@ -219,3 +219,52 @@ def test_batched_casts_train_as_one_at_a_time_with_a_reference_pass_and_two_forw
     assert losses[0] != losses[-1] and losses == twin_losses
     for a, b in zip(weights, twin_weights):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _vision_step_casts(monkeypatch, reuse: bool):
+    """Two training steps of the tiny Qwen2.5-VL (bf16, fp32 adapters on both towers, Hugging Face's checkpointing
+    of the tower's blocks): the adapter casts made one at a time in the second, and its gradients."""
+    from notebookkit import FastVisionModel
+    from notebookkit.data import VisionDataCollator
+    from notebookkit.embedded.bundled import load_bundled
+    from notebookkit.models.patching import adapter_casts
+
+    if not reuse:
+        monkeypatch.setattr(lora_fast_path, "reuse_latest_copies", lambda views: None)
+    model, processor = FastVisionModel.from_pretrained("notebookkit/tiny-qwen2.5-vl", dtype=torch.bfloat16,
+                                                       load_in_4bit=False, show_banner=False)
+    model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=4, finetune_vision_layers=True,
+                                           use_gradient_checkpointing=True, random_state=0, show_banner=False).train()
+    rows = load_bundled("captions")
+    batch = VisionDataCollator(model.get_base_model(), processor, max_seq_length=256)([rows[0], rows[1]])
+    adapters = _adapters(model)
+    ptrs = {p.data_ptr() for p in adapters}
+    casts = []
+    real_to = torch.Tensor.to
+
+    def spy_to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if self.data_ptr() in ptrs and out.dtype == torch.bfloat16:
+            casts.append(self.data_ptr())
+        return out
+
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "to", spy_to)
+        model(**batch).loss.backward()
+    adapter_casts._last_batch = None  # the next model's test starts from no batch
+    return casts, [p.grad.clone() for p in adapters]
+
+
+def test_a_vision_towers_recompute_reads_the_passs_copies(monkeypatch):
+    """Hugging Face's checkpointing runs the tower's blocks again in the backward, after the forward pass ended:
+    their adapted linears read the copies of the pass's batch (adapter_casts.reuse_latest_copies) and cast
+    nothing one at a time; the gradients are those of casting each again."""
+    casts, grads = _vision_step_casts(monkeypatch, reuse=True)
+    assert casts == [], f"{len(casts)} adapter casts one at a time in the second step"
+    with monkeypatch.context() as m:
+        plain_casts, plain = _vision_step_casts(m, reuse=False)
+    assert plain_casts  # the recompute cast its adapters again without the reuse
+    for a, b in zip(grads, plain):
+        assert torch.equal(a, b)

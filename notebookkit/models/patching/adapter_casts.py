@@ -36,10 +36,12 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["PassCasts", "pass_casts"]
+__all__ = ["PassCasts", "pass_casts", "reuse_latest_copies"]
 
 #: each pass owner's (a patched backbone) latest :class:`PassCasts`: what its next pass will batch
 _latest: "weakref.WeakKeyDictionary[Any, PassCasts]" = weakref.WeakKeyDictionary()
+#: the pass that made a batch last, whatever its owner: what views built outside any pass read (reuse_latest_copies)
+_last_batch: Optional["weakref.ReferenceType[PassCasts]"] = None
 
 
 class PassCasts:
@@ -67,6 +69,8 @@ class PassCasts:
         previous.release()  # its copies are freed before the new ones are made
         if not _capturing():
             self._make(singles, groups)
+            global _last_batch
+            _last_batch = weakref.ref(self)
 
     def plan(self) -> tuple[list[tuple[torch.Tensor, torch.dtype]], list[tuple[tuple[torch.Tensor, ...], torch.dtype]]]:
         """``(factors, groups)`` this pass cast: each factor with its dtype, each group's ``A`` factors with the
@@ -129,6 +133,11 @@ class PassCasts:
         self.views.append(views)
         if not self.started:
             self.start()
+        self.prefill(projs)
+
+    def prefill(self, projs: list[Any]) -> None:
+        """Give each of ``projs`` the copies this pass made for its factors: a kept copy only where its factor is
+        the same tensor at the same version (a group's ``A_cat`` where the group's ``A`` are the same tensors)."""
         if not self.made:
             return
         for proj in projs:
@@ -142,6 +151,21 @@ class PassCasts:
                 kept = self.groups.get(tuple(map(id, factors)))
                 if kept is not None and all(a is b for a, b in zip(kept[0], factors)):
                     projs[start]._group_cast = (kept[2].dtype, factors, kept[1], kept[2])
+
+
+def reuse_latest_copies(views: Optional[list[Any]]) -> None:
+    """Give projection views built outside any forward pass the copies the latest batch made for their factors.
+
+    Hugging Face's checkpointing of a vision tower's blocks runs their forward again in the backward, after the
+    pass has ended: without this, each adapted linear there casts its factors again, one launch each (a
+    Qwen2.5-VL-7B tower, about 290 a step). Only while autograd records (a recompute; never a decode step, whose
+    captured graphs must not read copies that the next pass frees) and outside a graph capture; the copies are
+    checked as in :meth:`PassCasts.prefill`, so a view of another model, or of an adapter changed since, casts as
+    before."""
+    casts = _last_batch() if _last_batch is not None else None
+    if casts is None or not views or not torch.is_grad_enabled() or _capturing():
+        return
+    casts.prefill([v.projection for v in views])
 
 
 def pass_casts(forward: Any) -> Optional[PassCasts]:

@@ -49,7 +49,7 @@ from notebookkit.marks import LORA_VIEWS, PATCH_TAG
 from notebookkit.memory.model_setup import fp8_forward, set_fp8_forward
 
 from . import forward_state
-from .adapter_casts import pass_casts
+from .adapter_casts import pass_casts, reuse_latest_copies
 from .lora_parts import lora_parts
 from ..common.decoder_layers import decoder_layers as _decoder_layers
 
@@ -197,8 +197,10 @@ def views(*modules: nn.Module, training: Optional[bool] = None) -> tuple[Optiona
     views, not theirs, and build their own: slower, never wrong.
     """
     forward = forward_state.current()
-    if forward is None:
-        return _build_views(modules, training)
+    if forward is None:  # e.g. Hugging Face's checkpointing recomputing a vision block in the backward
+        result = _build_views(modules, training)
+        reuse_latest_copies(result[0])  # the latest pass's adapter copies, where still valid
+        return result
     kept = modules[0].__dict__.get(_VIEWS_KEPT)
     if (kept is not None and kept.pass_id == forward.id and kept.training == training
             and kept.ids == tuple(map(id, modules))):
