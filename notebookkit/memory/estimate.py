@@ -673,16 +673,16 @@ def layer_activation_bytes(
         if padded and not sinks:
             total += batch_size * seq_len * seq_len * s
     total += N * (elems * s + fp32 * 4)
-    if not lora_dropout:
-        total += saved_low_rank_bytes(N, lora_r, s, targets)
-    if lora_dropout and lora_dropout > 0:  # the targeted groups run PEFT's code (module docstring)
-        dims = shape.projection_shapes()
-        a = adapter_dtype_bytes
-        total += N * sum(dims[t][0] * (a + 1) + lora_r * a for t in targets)
-        normed_inputs = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"))
-        total -= N * H * s * sum(any(t in targets for t in group) for group in normed_inputs)
-        if eager and "o_proj" in targets:  # an explicit softmax saves no output: only lora_o kept it
-            total -= N * dq * s
+    if not (lora_dropout and lora_dropout > 0):  # the fused kernels, with the rank-space inputs they save
+        return total + saved_low_rank_bytes(N, lora_r, s, targets)
+    # LoRA dropout: the targeted groups run PEFT's code (module docstring)
+    dims = shape.projection_shapes()
+    a = adapter_dtype_bytes
+    total += N * sum(dims[t][0] * (a + 1) + lora_r * a for t in targets)
+    normed_inputs = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"))
+    total -= N * H * s * sum(any(t in targets for t in group) for group in normed_inputs)
+    if eager and "o_proj" in targets:  # an explicit softmax saves no output: only lora_o kept it
+        total -= N * dq * s
     return total
 
 

@@ -370,8 +370,11 @@ def test_mlp_tile_rows_rule():
         lora_mlp(torch.randn(3, HIDDEN), p, p, q, tile_rows=0)
 
 
-class _CountMultiplies:
-    """Counts aten ``mul_`` calls under it (an in-place ``* scaling`` is one launch each)."""
+class _CountCalls:
+    """Counts the aten calls of the op names given (each a kernel launch) under it."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = set(names)
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -381,7 +384,7 @@ class _CountMultiplies:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counter.calls += func.overloadpacket.__name__ == "mul_"
+                counter.calls += func.overloadpacket.__name__ in counter.names
                 return func(*args, **(kwargs or {}))
 
         self.mode = Mode()
@@ -401,7 +404,7 @@ def test_the_scaling_is_the_gemms_alpha(alpha):
     dtype = torch.float32
     pair = Pair(HIDDEN, INTER, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen, alpha=alpha)
     x, x64 = _x(dtype, "cpu", gen, shape=(1, TOKENS, INTER))
-    with _CountMultiplies() as count:
+    with _CountCalls("mul_") as count:
         y = lora_o(x, pair.proj)
         _backward([y], [lora_o_reference(x64, pair.proj64)], gen)
     assert count.calls == 0
@@ -412,7 +415,7 @@ def test_the_scaling_is_the_gemms_alpha(alpha):
         pairs = [Pair(o, HIDDEN, nf4=False, adapter=True, dtype=dtype, device="cpu", gen=gen, alpha=alpha)
                  for o in (INTER, 40, 40)] if case == "scaling_one" else _group_pairs(case, dtype, "cpu", gen)
         x, x64 = _x(dtype, "cpu", gen, shape=(2, 19, HIDDEN))
-        with _CountMultiplies() as count:
+        with _CountCalls("mul_") as count:
             outs = lora_qkv(x, *(p.proj for p in pairs))
             _backward(outs, lora_qkv_reference(x64, *(p.proj64 for p in pairs)), gen)
         assert count.calls == multiplies, (case, count.calls)
@@ -672,28 +675,6 @@ def test_lora_mlp_with_frozen_biases(deferred, nf4, present, dtype, device):
         p.check_grads(dtype, name)
 
 
-class _CountAdds:
-    """Counts aten ``add`` / ``add_`` calls under it."""
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-        self.calls = 0
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counter.calls += func.overloadpacket.__name__ in ("add", "add_")
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
-
-
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
 def test_frozen_biases_are_added_by_the_base_gemms(nf4):
     """A vision tower's biased linears: the bias is the base GEMM's added input (``addmm``), not an ``add`` launch
@@ -708,9 +689,9 @@ def test_frozen_biases_are_added_by_the_base_gemms(nf4):
     mlp = Pair(INTER, HIDDEN, **kw), Pair(INTER, HIDDEN, **kw), Pair(HIDDEN, INTER, **kw)
     biases, biases64 = _biases(dtype, "cpu", gen)
     x, x64 = _x(dtype, "cpu", gen, shape=(2, 19, HIDDEN))
-    with torch.no_grad(), _CountAdds() as unbiased:
+    with torch.no_grad(), _CountCalls("add", "add_") as unbiased:
         lora_mlp(x, *(p.proj for p in mlp), "swiglu")
-    with _CountAdds() as count:
+    with _CountCalls("add", "add_") as count:
         y = lora_mlp(x, *(p.proj for p in mlp), "swiglu", biases=biases)
     assert count.calls == unbiased.calls == (3 if nf4 else 0)
     y64 = lora_mlp_reference(x64, *(p.proj64 for p in mlp), "swiglu", biases=biases64)
@@ -718,9 +699,9 @@ def test_frozen_biases_are_added_by_the_base_gemms(nf4):
 
     qkv = [Pair(o, HIDDEN, **kw) for o in (INTER, 40, 40)]
     b = [torch.randn(o, generator=gen) for o in (INTER, 40, 40)]
-    with torch.no_grad(), _CountAdds() as unbiased:
+    with torch.no_grad(), _CountCalls("add", "add_") as unbiased:
         shared_input_lora(x, [p.proj for p in qkv])
-    with _CountAdds() as count:
+    with _CountCalls("add", "add_") as count:
         outs = shared_input_lora(x, [p.proj for p in qkv], (b[0], None, b[2]))
     assert count.calls == unbiased.calls == (3 if nf4 else 0)
     outs64 = [projection_reference(x64, p.proj64) + (0 if bias is None else bias.double())
