@@ -347,8 +347,9 @@ def scaled_product(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Te
 
 
 def scale_(t: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``t *= scaling`` in place, skipped when ``scaling`` is 1: the columns of a group's ``X A_cat^T`` when its
-    projections' scalings differ (:func:`grouped_low_rank_input`; otherwise the GEMM's alpha scales them)."""
+    """``t *= scaling`` in place, skipped when ``scaling`` is 1 (no bit changes, one launch fewer): where no GEMM's
+    alpha can take it, such as the columns of a group's ``X A_cat^T`` when its projections' scalings differ
+    (:func:`grouped_low_rank_input`) and the experts' ``grouped_mm`` weight gradients."""
     return t if scaling == 1.0 else t.mul_(scaling)
 
 

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from ..expert_chunks import chunk_ranges, grouped_mm_sizes
+from .lora_projection import scale_
 from .nf4_stacked import NF4Stacked
 
 __all__ = ["grouped_mm_applies", "moe_expert_mlp_grouped", "expert_segments", "act_fwd", "act_bwd", "sum_slots"]
@@ -250,15 +251,10 @@ def _gmm_t(l: torch.Tensor, r: torch.Tensor, sg: _Segments, scale: float) -> tor
     """``[E, P, Q]``: ``scale sum_{s in e} l_s^T r_s`` (``l [N, P]``, ``r [N, Q]``); an expert without rows gets
     exact zeros (not whatever an empty reduction leaves), unless the host's bounds show there is none."""
     if _every_expert_has_rows(sg):
-        return _scaled(_grouped_mm(l.t(), r, offs=sg.ends32), scale)
+        return scale_(_grouped_mm(l.t(), r, offs=sg.ends32), scale)
     # the empty mask before the product: its temporaries are gone when the [E, P, Q] result is allocated
     empty = torch.diff(sg.ends32, prepend=sg.ends32.new_zeros(1)) == 0
-    return _scaled(_grouped_mm(l.t(), r, offs=sg.ends32), scale).masked_fill_(empty[:, None, None], 0.0)
-
-
-def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
-    """``t *= scale`` in place, skipped at ``scale == 1`` (``lora_alpha == r``): no bit changes, one launch fewer."""
-    return t if scale == 1.0 else t.mul_(scale)
+    return scale_(_grouped_mm(l.t(), r, offs=sg.ends32), scale).masked_fill_(empty[:, None, None], 0.0)
 
 
 #: each device's int32 buffer of chunk offsets, reused by every call (stream order keeps a call's GEMMs before the
