@@ -76,10 +76,11 @@ def _expert_rows(grad: torch.Tensor, name: str, e: int) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("nf4", [False, True], ids=["16-bit", "nf4-chunks"])
+@pytest.mark.parametrize("nf4, per_chunk", [(False, 2), (True, 2), (True, E)],
+                         ids=["16-bit", "nf4-chunks", "nf4-one-chunk"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_grouped_path_matches_the_reference(family, nf4, monkeypatch, one_thread):
-    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", 2 * 2 * I * H * 4)  # two experts a chunk
+def test_grouped_path_matches_the_reference(family, nf4, per_chunk, monkeypatch, one_thread):
+    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", per_chunk * 2 * I * H * 4)  # experts a chunk (gate_up)
     decoded = []
     real = NF4Stacked.decode_experts
     monkeypatch.setattr(NF4Stacked, "decode_experts",
@@ -97,8 +98,9 @@ def test_grouped_path_matches_the_reference(family, nf4, monkeypatch, one_thread
         if name[0] in "AB":  # the expert without rows: exact zeros, not an empty reduction's leftovers
             assert all(torch.count_nonzero(_expert_rows(got[name], name, e)) == 0 for e in EMPTY), name
     # NF4, each chunk once per GEMM that reads its weight (forward, and backward's G or dx): gate_up two experts a
-    # chunk, [2, 4) never decoded; down (half the size) four, [0, 4) and [4, 6)
-    assert sorted(decoded) == ([(0, 2)] * 2 + [(0, 4)] * 2 + [(4, 6)] * 4 if nf4 else [])
+    # chunk, [2, 4) never decoded; down (half the size) four, [0, 4) and [4, 6); or every expert in one chunk
+    chunks = [(0, 2)] * 2 + [(0, 4)] * 2 + [(4, 6)] * 4 if per_chunk == 2 else [(0, E)] * 4
+    assert sorted(decoded) == (chunks if nf4 else [])
 
 
 def test_grouped_mm_is_not_chosen_off_hopper_or_in_fp16(monkeypatch):
