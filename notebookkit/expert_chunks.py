@@ -8,18 +8,33 @@ slower than on a 16-bit weight (the H200, ``benchmarks/moe_kernels.py``: Qwen3-3
 103 ms forward + backward, 5.7 ms decoded in chunks, 3.5 ms on 16-bit experts). So a call with at least
 :data:`MIN_ROWS_PER_EXPERT` rows per expert on average decodes the weight first, a chunk of whole experts at a
 time (``dequantize_nf4``: the same values, one rounding from fp32), and runs the 16-bit kernel on each chunk.
-The threshold of 16 rows is a choice, not measured. A chunk holds as many experts as fit
-:data:`DECODE_CHUNK_BYTES` in the compute dtype, at least one, so the dense copy never exceeds the larger of
-that and one expert.
+The threshold of 16 rows is a choice, not measured. A chunk holds as many experts as fit the chunk budget in
+the compute dtype, at least one, so the dense copy never exceeds the larger of the budget and one expert.
+
+The budget grows with the card (:func:`decode_chunk_bytes`): each chunk costs a decode launch, a ``grouped_mm``
+(two launches) and a copy into the output, four times a layer (the forward's gate/up and down, the backward's
+two input gradients). Qwen3-30B-A3B's gate/up experts are 805 MB in bf16: seven chunks at 128 MiB, three at
+320 MiB (an 80 GiB card), two on an H200 (558 MiB). On a fast card, where a mixture-of-experts step waits on the host's
+launches (the H200: the GPU idle about two thirds of the step, ``benchmarks/results/*moe-s30.md``), fewer
+chunks are fewer launches; on a small card, where every MiB counts and the GPU is the bound, the budget stays
+at :data:`DECODE_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
 
-__all__ = ["DECODE_CHUNK_BYTES", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP", "decodes_in_chunks", "experts_per_chunk",
-           "chunk_ranges", "decoded_range", "largest_decode", "grouped_mm_sizes"]
+import functools
 
-#: bytes of one chunk of decoded experts (a transient of the GEMM that reads it)
+__all__ = ["DECODE_CHUNK_BYTES", "MAX_DECODE_CHUNK_BYTES", "CARD_SHARE", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP",
+           "decode_chunk_bytes", "process_card_bytes", "decodes_in_chunks", "experts_per_chunk", "chunk_ranges", "decoded_range",
+           "largest_decode", "grouped_mm_sizes"]
+
+#: bytes of one chunk of decoded experts (a transient of the GEMM that reads it) on a card of up to 32 GiB, and
+#: where the card is not known
 DECODE_CHUNK_BYTES = 128 * 2**20
+#: the largest chunk budget, a card of 256 GiB or more
+MAX_DECODE_CHUNK_BYTES = 2**30
+#: the card's memory over the chunk budget between the two (a card of up to 32 GiB keeps the least)
+CARD_SHARE = 256
 #: average (token, expert) rows per expert from which NF4 experts are decoded in chunks
 MIN_ROWS_PER_EXPERT = 16
 
@@ -27,6 +42,40 @@ MIN_ROWS_PER_EXPERT = 16
 #: elements under one second-level scale of a nested NF4 weight (blocks of 64, 256 blocks a scale): a decoded
 #: range starts and ends on such a group, so the sliced scales keep their indices
 NF4_SCALE_GROUP = 64 * 256
+
+
+def decode_chunk_bytes(card_bytes: int | None) -> int:
+    """The chunk budget on a card whose process may use ``card_bytes`` (its memory, or the allocator's cap where
+    one is set; ``None``: not known): ``clamp(card_bytes / CARD_SHARE, DECODE_CHUNK_BYTES,
+    MAX_DECODE_CHUNK_BYTES)``: 128 MiB up to 32 GiB (a T4, a 24 GiB card: where memory is tightest and the
+    GPU, not the host, bounds the step), 160 MiB on 40 GiB, 320 MiB on 80 GiB, 558 MiB on an H200's
+    143,000 MiB, 1 GiB from 256 GiB."""
+    if card_bytes is None:
+        return DECODE_CHUNK_BYTES
+    return max(DECODE_CHUNK_BYTES, min(MAX_DECODE_CHUNK_BYTES, int(card_bytes) // CARD_SHARE))
+
+
+def process_card_bytes(device) -> int | None:
+    """The memory this process may use on ``device``: the card's, or the caching allocator's cap where
+    ``torch.cuda.set_per_process_memory_fraction`` set one (a T4 emulated on a larger card gets a T4's chunks);
+    ``None`` off CUDA."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    total = _card_total(index)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = float(getter(index)) if getter is not None else 1.0
+    return int(fraction * total) if fraction < 1.0 else total
+
+
+@functools.lru_cache(maxsize=None)
+def _card_total(index: int) -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(index).total_memory)
 
 
 def decodes_in_chunks(pairs: int, num_experts: int) -> bool:
@@ -42,18 +91,20 @@ def grouped_mm_sizes(pairs: int, num_experts: int, dims: tuple[int, ...]) -> boo
     return decodes_in_chunks(pairs, num_experts) and all(d % 8 == 0 for d in dims)
 
 
-def experts_per_chunk(expert_bytes: int, num_experts: int) -> int:
-    """Experts in one chunk: ``clamp(floor(DECODE_CHUNK_BYTES / expert_bytes), 1, num_experts)``, with
-    ``expert_bytes`` one expert's ``out x in`` weight in the compute dtype."""
+def experts_per_chunk(expert_bytes: int, num_experts: int, chunk_bytes: int | None = None) -> int:
+    """Experts in one chunk: ``clamp(floor(chunk_bytes / expert_bytes), 1, num_experts)``, with ``expert_bytes``
+    one expert's ``out x in`` weight in the compute dtype and ``chunk_bytes`` the budget
+    (:func:`decode_chunk_bytes`; ``None``: :data:`DECODE_CHUNK_BYTES`)."""
     if expert_bytes < 1 or num_experts < 1:
         raise ValueError(f"experts_per_chunk: expert_bytes and num_experts must be >= 1 (got {expert_bytes}, "
                          f"{num_experts}).")
-    return max(1, min(num_experts, DECODE_CHUNK_BYTES // expert_bytes))
+    budget = DECODE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    return max(1, min(num_experts, budget // expert_bytes))
 
 
-def chunk_ranges(num_experts: int, expert_bytes: int) -> list[tuple[int, int]]:
+def chunk_ranges(num_experts: int, expert_bytes: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
     """The expert ranges ``[lo, hi)`` of one weight's chunks, :func:`experts_per_chunk` experts each."""
-    per = experts_per_chunk(expert_bytes, num_experts)
+    per = experts_per_chunk(expert_bytes, num_experts, chunk_bytes)
     return [(lo, min(num_experts, lo + per)) for lo in range(0, num_experts, per)]
 
 
@@ -63,9 +114,10 @@ def decoded_range(lo: int, hi: int, expert_numel: int, total: int, group: int = 
     return lo * expert_numel // group * group, min(total, -(-hi * expert_numel // group) * group)
 
 
-def largest_decode(expert_numel: int, num_experts: int, expert_bytes: int, group: int = NF4_SCALE_GROUP) -> int:
+def largest_decode(expert_numel: int, num_experts: int, expert_bytes: int, group: int = NF4_SCALE_GROUP,
+                   chunk_bytes: int | None = None) -> int:
     """Elements of the largest range one call decodes, over its chunks (:func:`experts_per_chunk` experts each,
     :func:`decoded_range`)."""
     total = num_experts * expert_numel
-    return max(end - start for lo, hi in chunk_ranges(num_experts, expert_bytes)
+    return max(end - start for lo, hi in chunk_ranges(num_experts, expert_bytes, chunk_bytes)
                for start, end in [decoded_range(lo, hi, expert_numel, total, group)])

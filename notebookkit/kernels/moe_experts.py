@@ -553,7 +553,7 @@ def _expert_ranges(w: Any, cfg: _Config) -> list[tuple[int, int]]:
     E, n, k = w.shape
     if not (cfg.chunked and isinstance(w, NF4Stacked)):
         return [(0, E)]
-    return chunk_ranges(E, n * k * torch.empty((), dtype=w.dtype).element_size())
+    return chunk_ranges(E, n * k * torch.empty((), dtype=w.dtype).element_size(), w.chunk_bytes)
 
 
 def _expert_operand(w: Any, lo: int, hi: int, cfg: _Config, dtype: torch.dtype) -> Any:

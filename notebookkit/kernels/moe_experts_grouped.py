@@ -276,19 +276,18 @@ def _chunk_offsets(bounds: list[int], ranges: list[tuple[int, int]], device: tor
 
 def _expert_gemm(a: torch.Tensor, w, sg: _Segments) -> torch.Tensor:
     """``a_s W_{e(s)}^T`` for every sorted row (``[N, out]``), ``w`` an ``[E, out, in]`` view: a tensor (one
-    ``grouped_mm``), or NF4 experts decoded a chunk at a time, each chunk's ``grouped_mm`` over its rows into the
-    output (a single chunk with rows: its ``grouped_mm``'s result is the output, no copy)."""
+    ``grouped_mm``), or NF4 experts decoded a chunk at a time (``w.chunk_bytes``), each chunk's ``grouped_mm``
+    over its rows copied into the output; every expert in one chunk: that chunk's ``grouped_mm`` is the output."""
     if not isinstance(w, NF4Stacked):
         return _grouped_mm(a, w.transpose(1, 2), offs=sg.ends32)
     E, n_out, n_in = w.shape
+    chunks = chunk_ranges(E, n_out * n_in * a.element_size(), w.chunk_bytes)
+    if len(chunks) == 1:
+        return _grouped_mm(a, w.decode_experts(0, E, a.dtype).transpose(1, 2), offs=sg.ends32)
     out = a.new_empty((a.shape[0], n_out))
     bounds = sg.bounds
-    # experts without rows are not decoded
-    ranges = [(lo, hi) for lo, hi in chunk_ranges(E, n_out * n_in * a.element_size()) if bounds[lo] != bounds[hi]]
+    ranges = [(lo, hi) for lo, hi in chunks if bounds[lo] != bounds[hi]]  # experts without rows are not decoded
     offsets = _chunk_offsets(bounds, ranges, a.device)
-    if len(ranges) == 1:  # every routed row in one chunk (the others have none): its product is the output
-        lo, hi = ranges[0]
-        return _grouped_mm(a, w.decode_experts(lo, hi, a.dtype).transpose(1, 2), offs=offsets)
     at = 0
     for lo, hi in ranges:
         r0, r1 = bounds[lo], bounds[hi]

@@ -57,6 +57,7 @@ class NF4Stacked(NamedTuple):
     shape: tuple[int, int, int]
     strides: tuple[int, int, int]
     dtype: torch.dtype  # the dtype the weight was quantised from (the model's compute dtype)
+    chunk_bytes: Optional[int] = None  # the budget of one decoded chunk (notebookkit.expert_chunks; None: the least)
 
     # the few tensor-like members moe_expert_mlp's checks read
     requires_grad = False
@@ -130,9 +131,12 @@ class NF4Stacked(NamedTuple):
         return torch.stack([self.expert(e, dtype) for e in range(self.shape[0])])
 
 
-def nf4_stacked(packed: torch.Tensor, quant_state: Any, transposed: bool = False) -> NF4Stacked:
+def nf4_stacked(packed: torch.Tensor, quant_state: Any, transposed: bool = False,
+                chunk_bytes: Optional[int] = None) -> NF4Stacked:
     """The :class:`NF4Stacked` of a 3-D weight quantised as one NF4 tensor (``quant_state.shape`` 3-D): the
-    stored ``[E, N, K]``, or with ``transposed`` the stored ``[E, K, N]`` seen as ``[E, N, K]`` (gpt-oss)."""
+    stored ``[E, N, K]``, or with ``transposed`` the stored ``[E, K, N]`` seen as ``[E, N, K]`` (gpt-oss);
+    ``chunk_bytes``: the budget of one chunk the training-sized calls decode
+    (:func:`~notebookkit.expert_chunks.decode_chunk_bytes`; ``None``: the least)."""
     if packed.dtype != torch.uint8:
         packed = packed.view(torch.uint8)
     st = read_nf4_state(packed, quant_state)
@@ -142,7 +146,7 @@ def nf4_stacked(packed: torch.Tensor, quant_state: Any, transposed: bool = False
     e, a, b = st.shape
     view = NF4Stacked(packed.reshape(-1).contiguous(), st.absmax.contiguous(), st.code2, st.absmax2, st.offset,
                       nf4_table(packed.device), st.blocksize,
-                      st.blocksize2, (e, a, b), (a * b, b, 1), st.dtype)
+                      st.blocksize2, (e, a, b), (a * b, b, 1), st.dtype, chunk_bytes)
     return view.transpose(1, 2) if transposed else view
 
 

@@ -194,6 +194,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from notebookkit.base_formats import BASE_FORMATS, BaseFormat
+from notebookkit.expert_chunks import decode_chunk_bytes, process_card_bytes
+from notebookkit.families import for_model_type
 from notebookkit.sequence_tiles import mlp_tile_rows
 from notebookkit.training_methods import TRAINING_METHODS
 
@@ -503,6 +505,9 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
     if any(fp8_forward(m) for m in getattr(model, "modules", lambda: [])()):
         out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
+    chunk = expert_chunk_budget(base)
+    if chunk is not None:  # a mixture of experts on a GPU: its NF4 experts decode in chunks this card allows
+        out["expert_chunk_bytes"] = chunk
     held = held_decode_cache(base)
     if held is not None:  # generate's cache stays allocated through training: its share joins the estimate
         rows, slots = held
@@ -512,6 +517,17 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     if is_vlm(model):
         out.update(vision_kwargs_from_model(model))
     return out
+
+
+def expert_chunk_budget(model: Any) -> int | None:
+    """The budget of one chunk of NF4 experts decoded at a time on the GPU holding ``model`` (a mixture of
+    experts; :func:`~notebookkit.expert_chunks.decode_chunk_bytes` of this process's share of the card, the
+    kernels' own rule), or ``None``: a dense model, or no parameter on a GPU."""
+    spec = for_model_type(getattr(getattr(model, "config", None), "model_type", None))
+    if spec is None or spec.moe is None:
+        return None
+    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    return None if device is None else decode_chunk_bytes(process_card_bytes(device))
 
 
 def stacked_expert_ranks(model: Any, adapter: str) -> dict[str, int]:
@@ -701,9 +717,10 @@ def backward_working_set(
     target_modules: Iterable[str] | None = None,
     target_parameters: Any = None,
     grouped_mm: bool | None = None,
+    expert_chunk_bytes: int | None = None,
 ) -> dict[str, int]:
     """Transient bytes of one decoder layer's backward on top of the saved activations (``grouped_mm`` as
-    :func:`layer_activation_bytes`).
+    :func:`layer_activation_bytes`; ``expert_chunk_bytes`` as :func:`estimate_training_memory`).
 
     ``{"mlp": ..., "attention": ..., "fp8_forward": ...}``: the high-water marks inside a layer's
     backward (see the module docstring, "Temporaries"). ``attention`` is relative to the MLP
@@ -728,7 +745,8 @@ def backward_working_set(
                                      dtype_bytes=s, attention=attention, fp8_forward=fp8_forward, **flags)
         ranks = moe_terms.expert_lora_ranks(shape, lora_r, lora_targets(target_modules), target_parameters)
         block_ws = moe_terms.sparse_block_working_sets(shape, tokens=N, s=s, ranks=ranks,
-                                                       nf4=fmt.load_flag == "load_in_4bit", grouped=grouped_mm)
+                                                       nf4=fmt.load_flag == "load_in_4bit", grouped=grouped_mm,
+                                                       chunk_bytes=expert_chunk_bytes)
         block_saved = sum(moe_terms.sparse_block_saved_bytes(shape, tokens=N, s=s, ranks=ranks,
                                                              grouped=grouped_mm).values())
         mlp = N * shape.hidden_size * s + max(block_ws.values())
@@ -794,6 +812,7 @@ def estimate_training_memory(
     load_in_2bit: bool = False,
     load_in_ternary: bool = False,
     target_parameters: Any = None,
+    expert_chunk_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Estimate peak GPU memory of one LoRA/QLoRA training step, broken down by part.
 
@@ -809,6 +828,9 @@ def estimate_training_memory(
             PEFT's ``LoraConfig`` take them (``["mlp.experts.gate_up_proj", ...]``: each at ``lora_r``), or
             ``{name: rank}`` (``estimate_for_model`` reads PEFT's ranks off the model); given, they replace the
             expert adapters the MLP names of ``target_modules`` would make (:mod:`notebookkit.memory.moe`).
+        expert_chunk_bytes: a mixture of experts' budget for one chunk of NF4 experts decoded at a time, which
+            grows with the card (:func:`notebookkit.expert_chunks.decode_chunk_bytes` of the card's memory;
+            ``estimate_for_model`` and the planner take the GPU's); default the least, a T4's 128 MiB.
         optimizer: ``"adamw"`` (any fp32 AdamW), ``"adamw_8bit"`` / ``"paged_adamw_8bit"``, ``"lion"``,
             ``"lion_8bit"``, ``"adafactor"``, ``"sgd"`` (Trainer ``optim`` names work).
         batch_size, seq_len: tokens per micro-batch are ``batch_size * seq_len`` (use the padded
@@ -903,13 +925,16 @@ def estimate_training_memory(
     working_set = backward_working_set(shape, batch_size=rows, seq_len=seq_len, dtype_bytes=s,
                                        lora_r=lora_r, target_modules=targets, target_parameters=target_parameters,
                                        attention=attention, fp8_forward=fp8_forward, grouped_mm=_grouped_mm_flag(dtype),
+                                       expert_chunk_bytes=expert_chunk_bytes,
                                        **({fmt.load_flag: True} if fmt.load_flag else {}))
-    reference = _reference_pass(shape, rows, seq_len, s, fmt, attention) if record.reference_pass else _Part(0)
+    reference = (_reference_pass(shape, rows, seq_len, s, fmt, attention, expert_chunk_bytes)
+                 if record.reference_pass else _Part(0))
     temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes, reference.bytes)
     gen_bytes, gen_details = 0, {}
     if generation is not None:
         transients = acts.bytes + loss.bytes + temporaries.bytes - cuda_context_bytes
-        gen_bytes, gen_details = generation_term(generation, shape, s, fmt, attention, transients)
+        gen_bytes, gen_details = generation_term(generation, shape, s, fmt, attention, transients,
+                                                 expert_chunk_bytes)
 
     notes = list(loss.notes) + moe_notes
     if lora_dropout and lora_dropout > 0:
@@ -1218,11 +1243,13 @@ def _scored_len(completion_loss: bool, seq_len: int, completion_len: int | None)
     return int(completion_len)
 
 
-def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, fmt: BaseFormat, attention: str) -> _Part:
+def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, fmt: BaseFormat, attention: str,
+                    expert_chunk_bytes: int | None = None) -> _Part:
     """DPO's reference forward (no gradient) on top of the saved policy activations: one decoder layer's
     no-grad working set for ``rows * seq_len`` tokens (a mixture of experts' sparse block as generation runs
     it: :func:`~notebookkit.memory.moe.sparse_block_generation_bytes`)."""
-    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, fmt, attention, training_path=True))
+    return _Part(layer_working_set(shape, rows, seq_len, seq_len, s, fmt, attention, training_path=True,
+                                   expert_chunk_bytes=expert_chunk_bytes))
 
 
 def _temporaries(

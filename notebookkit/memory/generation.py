@@ -135,7 +135,7 @@ def _as_format(base: BaseFormat | bool) -> BaseFormat:
 
 def layer_working_set(
     shape: ModelShape, batch_size: int, queries: int, slots: int, s: int, base: BaseFormat | bool, attention: str,
-    training_path: bool = False,
+    training_path: bool = False, expert_chunk_bytes: int | None = None,
 ) -> int:
     """One decoder layer's peak without autograd: ``queries`` tokens per row over ``slots`` cache slots
     (``base``: the format of the frozen projections, or ``load_in_4bit`` as a bool; NF4 adds its dense copy,
@@ -145,8 +145,9 @@ def layer_working_set(
     intermediates and the tile's output (``t*H``, when there is more than one tile) instead of ``3*N*I``
     (generation's own MLP runs whole); gpt-oss's attention with sinks is the fused kernels'
     (:mod:`notebookkit.kernels.attention_sinks`), not the decode path's grouped fp32 scores.
-    A mixture of experts' sparse block runs the same code on both paths; on the training path the layer's input
-    ``N*H*s`` and the mask are held through it (:mod:`notebookkit.memory.moe`, Reference forward)."""
+    A mixture of experts' sparse block runs the same code on both paths (NF4 experts decoded in chunks of
+    ``expert_chunk_bytes`` from prefill sizes on); on the training path the layer's input ``N*H*s`` and the mask
+    are held through it (:mod:`notebookkit.memory.moe`, Reference forward)."""
     base = _as_format(base)
     H, I, dq, dk = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     N = batch_size * queries
@@ -164,7 +165,8 @@ def layer_working_set(
         if resolve_attention(shape, attention) == "eager":
             attn += batch_size * shape.num_heads * queries * slots * (2 * s + 4)
     if shape.num_experts:
-        mlp = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s, nf4=base.load_flag == "load_in_4bit")
+        mlp = moe_terms.sparse_block_generation_bytes(shape, tokens=N, s=s, nf4=base.load_flag == "load_in_4bit",
+                                                      chunk_bytes=expert_chunk_bytes)
         if training_path:  # the layer's input and the mask stay held
             mlp += N * H * s + batch_size * queries * slots * s
     else:
@@ -184,6 +186,7 @@ def generation_memory(
     attention: str = "auto",
     load_in_2bit: bool = False,
     load_in_ternary: bool = False,
+    expert_chunk_bytes: int | None = None,
 ) -> GenerationMemory:
     """What generating ``batch_size`` rows of up to ``max_len`` tokens (prompt + new) needs on the device.
 
@@ -196,7 +199,7 @@ def generation_memory(
         load_in_4bit, load_in_2bit, load_in_ternary: the base format (``from_pretrained``'s flags): NF4
             adds one dequantised projection to the working sets; 2-bit and ternary dequantise inside the
             GEMM and the decode matvec, which write only their outputs (:mod:`.base_weights`).
-        attention: as for :func:`~notebookkit.memory.estimate.estimate_training_memory`.
+        attention, expert_chunk_bytes: as for :func:`~notebookkit.memory.estimate.estimate_training_memory`.
     """
     if batch_size < 1 or max_len < 1:
         raise ValueError(
@@ -211,8 +214,10 @@ def generation_memory(
     base = base_format_for(load_in_4bit=load_in_4bit, load_in_2bit=load_in_2bit, load_in_ternary=load_in_ternary)
     s, V = dtype_bytes, shape.vocab_size
     sampling = batch_size * V * (s + SAMPLING_BYTES_PER_LOGIT)
-    decode = max(layer_working_set(shape, batch_size, 1, max_len, s, base, attention), sampling)
-    prefill = layer_working_set(shape, batch_size, T, max_len, s, base, attention) + batch_size * V * s
+    decode = max(layer_working_set(shape, batch_size, 1, max_len, s, base, attention,
+                                   expert_chunk_bytes=expert_chunk_bytes), sampling)
+    prefill = layer_working_set(shape, batch_size, T, max_len, s, base, attention,
+                                expert_chunk_bytes=expert_chunk_bytes) + batch_size * V * s
     return GenerationMemory(
         kv_cache=kv_cache_bytes(shape, batch_size, max_len, s),
         graph_buffers=graph_buffer_bytes(shape, batch_size, max_len, s),
@@ -239,7 +244,7 @@ def keeps_cache_between_steps(activation_plan: Any) -> bool:
 
 def generation_term(
     generation: GenerationMemory | Mapping[str, Any], shape: ModelShape, dtype_bytes: int, base: BaseFormat | bool,
-    attention: str, training_transients: int,
+    attention: str, training_transients: int, expert_chunk_bytes: int | None = None,
 ) -> tuple[int, dict[str, int]]:
     """Bytes a training step's estimate adds for generation alongside it, and their breakdown.
 
@@ -248,7 +253,7 @@ def generation_term(
     dtype, base format (``base``) and attention of the training estimate, plus ``keep_cache`` (default True: the
     cache, buffers and graph pool stay allocated through the training step; False: freed after each
     generate call). ``training_transients``: the step's activations, loss buffers and temporaries,
-    which a generate call never overlaps.
+    which a generate call never overlaps; ``expert_chunk_bytes`` as for the training estimate.
     """
     keep = True
     base = _as_format(base)
@@ -264,7 +269,7 @@ def generation_term(
         kwargs.setdefault("attention", attention)
         flags = {base.load_flag: True} if base.load_flag else {}
         generation = generation_memory(shape, kwargs.pop("batch_size", 1), kwargs.pop("max_len"), dtype_bytes,
-                                       **flags, **kwargs)
+                                       **flags, expert_chunk_bytes=expert_chunk_bytes, **kwargs)
     if not keep:
         beyond = max(0, generation.total - training_transients)
         key = "generation: generate call beyond the training step's transients (cache freed before training)"

@@ -77,7 +77,7 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from notebookkit.expert_chunks import decodes_in_chunks, grouped_mm_sizes, largest_decode
+from notebookkit.expert_chunks import chunk_ranges, decodes_in_chunks, grouped_mm_sizes, largest_decode
 from notebookkit.families import Family, for_model_type
 
 from .shapes import ModelShape
@@ -243,37 +243,54 @@ def sparse_block_saved_bytes(shape: ModelShape, *, tokens: int, s: int, ranks: d
     return {"router": router, "experts": experts}
 
 
-def expert_decode_chunk_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bool) -> int:
+def expert_decode_chunk_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bool,
+                              chunk_bytes: int | None = None) -> int:
     """The dense copy of one chunk of NF4 experts that a call of ``tokens`` tokens decodes before its GEMMs
-    (:mod:`notebookkit.expert_chunks`: whole experts widened to whole groups of nested scales): the largest
-    over the chunks of both stacked weights; 0 for 16-bit experts or a call that decodes in the kernel's weight
-    loads."""
+    (:mod:`notebookkit.expert_chunks`: whole experts widened to whole groups of nested scales, a chunk
+    budget of ``chunk_bytes``, ``None`` the least): the largest over the chunks of both stacked weights; 0 for
+    16-bit experts or a call that decodes in the kernel's weight loads."""
+    return max(_decoded_chunks(shape, tokens=tokens, s=s, nf4=nf4, chunk_bytes=chunk_bytes).values())
+
+
+def _decoded_chunks(shape: ModelShape, *, tokens: int, s: int, nf4: bool, chunk_bytes: int | None) -> dict[str, int]:
+    """:func:`expert_decode_chunk_bytes` of each stacked weight: ``{name: bytes}``."""
     E = shape.num_experts
-    if not nf4 or not decodes_in_chunks(tokens * shape.experts_per_token, E):
-        return 0
-    sizes = [fan_in * fan_out for fan_in, fan_out in shape.expert_shapes().values()]
-    return max(largest_decode(size, E, size * s) for size in sizes) * s
+    chunked = nf4 and decodes_in_chunks(tokens * shape.experts_per_token, E)
+    return {name: largest_decode(fan_in * fan_out, E, fan_in * fan_out * s, chunk_bytes=chunk_bytes) * s
+            if chunked else 0 for name, (fan_in, fan_out) in shape.expert_shapes().items()}
+
+
+def _in_one_chunk(shape: ModelShape, weight: str, s: int, chunk_bytes: int | None) -> bool:
+    """Whether every expert of stacked ``weight`` fits one decoded chunk (the grouped path's product is then
+    the output: no second output to copy chunks into)."""
+    fan_in, fan_out = shape.expert_shapes()[weight]
+    return len(chunk_ranges(shape.num_experts, fan_in * fan_out * s, chunk_bytes)) == 1
 
 
 def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
-                              nf4: bool = False, grouped: bool | None = False, adapter_bytes: int = 4) -> dict[str, int]:
+                              nf4: bool = False, grouped: bool | None = False, adapter_bytes: int = 4,
+                              chunk_bytes: int | None = None) -> dict[str, int]:
     """Transient bytes of a sparse block beyond what it saved: ``{"forward": ..., "backward": ...}`` (the
     incoming gradient ``dy`` not included); ``nf4``: the experts are NF4, so each GEMM may hold a decoded
-    chunk of them (:func:`expert_decode_chunk_bytes`); ``grouped`` and ``adapter_bytes`` (the LoRA factors'
-    element size) as :func:`sparse_block_saved_bytes`."""
+    chunk of them (:func:`expert_decode_chunk_bytes`, ``chunk_bytes`` its budget); ``grouped`` and
+    ``adapter_bytes`` (the LoRA factors' element size) as :func:`sparse_block_saved_bytes`."""
     if len(paths := _paths(grouped, shape, tokens, s, ranks)) > 1:
         both = [sparse_block_working_sets(shape, tokens=tokens, s=s, ranks=ranks, nf4=nf4, grouped=g,
-                                          adapter_bytes=adapter_bytes) for g in paths]
+                                          adapter_bytes=adapter_bytes, chunk_bytes=chunk_bytes) for g in paths]
         return {key: max(b[key] for b in both) for key in both[0]}
     grouped = paths[0]
     N, k, E, H, I = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     n = N * k
     r_gu, r_d = ranks.get("gate_up_proj", 0), ranks.get("down_proj", 0)
-    chunk = expert_decode_chunk_bytes(shape, tokens=N, s=s, nf4=nf4)  # held through each weight-reading kernel
+    # held through each weight-reading kernel
+    chunk = expert_decode_chunk_bytes(shape, tokens=N, s=s, nf4=nf4, chunk_bytes=chunk_bytes)
     rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
     if grouped:
-        return _grouped_working_sets(shape, n=n, N=N, s=s, r_gu=r_gu, r_d=r_d, chunk=chunk, rounded=rounded,
-                                     factor_bytes=_factor_elems(shape, ranks) * s, b_cast=adapter_bytes != s)
+        chunks = _decoded_chunks(shape, tokens=N, s=s, nf4=nf4, chunk_bytes=chunk_bytes)
+        whole = {w: _in_one_chunk(shape, w, s, chunk_bytes) for w in chunks}
+        return _grouped_working_sets(shape, n=n, N=N, s=s, r_gu=r_gu, r_d=r_d, chunks=chunks, rounded=rounded,
+                                     factor_bytes=_factor_elems(shape, ranks) * s, b_cast=adapter_bytes != s,
+                                     whole=whole)
     forward = max(n * (I + H) * s + chunk, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
     down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
@@ -286,23 +303,27 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     return {"forward": forward, "backward": max(in_kernel, phase_h, at_dx, at_sum, at_end)}
 
 
-def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: int, r_d: int, chunk: int,
-                          rounded: int, factor_bytes: int, b_cast: bool) -> dict[str, int]:
+def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: int, r_d: int, chunks: dict[str, int],
+                          rounded: int, factor_bytes: int, b_cast: bool, whole: dict[str, bool]) -> dict[str, int]:
     """:func:`sparse_block_working_sets` of :mod:`notebookkit.kernels.moe_experts_grouped` (module docstring of
-    that file: its order of allocations). With NF4 experts each chunk's GEMM also holds its rows' output before
-    they are copied into place: at most every row (``n out s``), the bound counted here. ``b_cast``: the LoRA
-    factors are cast to the compute dtype, ``B`` written contiguous by its cast; else (factors already in it)
-    the block makes contiguous copies of PEFT's strided ``B`` views, in the forward and again in the backward."""
+    that file: its order of allocations). A GEMM reading NF4 experts holds a decoded chunk of its weight
+    (``chunks``). With the weight in more than one chunk (``whole[weight]`` False) each chunk's GEMM also holds
+    its rows' output before they are copied into place: at most every row (``n out s``), the bound counted
+    here; a weight in one chunk has its product as the output. ``b_cast``: the
+    LoRA factors are cast to the compute dtype, ``B`` written contiguous by its cast; else (factors already in
+    it) the block makes contiguous copies of PEFT's strided ``B`` views, in the forward and again in the
+    backward."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     rows = n * H * s  # xs, o, the pairs' slots, dys, dxs: one row of H per pair
     b_gu, b_d = (0, 0) if b_cast else (E * 2 * I * r_gu * s, E * H * r_d * s)  # the B factors' contiguous copies
     b_copies = b_gu + b_d
     pending = n * (r_gu + r_d) * s  # saved products not yet made when the gate/up GEMM runs
-    res = (lambda out: n * out * s if chunk else 0)  # one chunk's rows before the copy (NF4)
+    gu_chunk, d_chunk = chunks["gate_up_proj"], chunks["down_proj"]
+    res = (lambda out, weight: n * out * s if chunks[weight] and not whole[weight] else 0)  # rows before the copy
     # (the chunks' grouped_mm offsets live in a buffer kept for the process, moe_experts_grouped._OFFSETS)
-    forward = max(b_copies + rows + chunk + res(2 * I) - pending,
+    forward = max(b_copies + rows + gu_chunk + res(2 * I, "gate_up_proj") - pending,
                   b_copies + rows + n * 2 * I * s - n * r_d * s if r_gu else 0,  # the gate/up adapter's product
-                  b_copies + n * I * s + rows + chunk + res(H),  # h, the down GEMM's output
+                  b_copies + n * I * s + rows + d_chunk + res(H, "down_proj"),  # h, the down GEMM's output
                   b_copies + 2 * rows if r_d else 0,  # o and the down adapter's product
                   2 * rows, rows + N * H * 4 + rounded)  # o, the slots; the slots, their fp32 sum, y
     part = 4 * n * math.ceil(I / min(1024, 2 ** math.ceil(math.log2(max(I, 16)))))
@@ -310,13 +331,13 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     d_grads = E * r_d * (H + I) * s
     backward = max(
         4 * n + rows,
-        rows + n * I * s + chunk + res(I),  # dys, G
+        rows + n * I * s + d_chunk + res(I, "down_proj"),  # dys, G
         rows + n * I * s + dyb + max(b_d, n * I * s) if r_d else 0,  # dy B, the adapter's product
         rows + n * I * s + dyb + n * 2 * I * s + h + part,  # dgu, h, the <G, h> partials
         rows + dyb + n * 2 * I * s + h + part + 8 * n,  # dw and its source
         rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + 6 * n * r_d,  # the down adapter's gradients
         n * 2 * I * s + 4 * n + d_grads + b_gu + n * r_gu * s,  # dgu B
-        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(chunk + res(H), rows),  # dxs, its adapter's
+        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(gu_chunk + res(H, "gate_up_proj"), rows),  # dxs, its adapter's
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * 4 + rounded,  # the slots, their sum, dx
         n * 2 * I * s + 4 * n + n * r_gu * s + N * H * s + factor_bytes + rows + E)  # every factor gradient, xs again
     return {"forward": forward, "backward": backward}
@@ -329,9 +350,11 @@ def router_loss_bytes(shape: ModelShape, *, tokens: int, s: int) -> int:
     return shape.num_layers * tokens * shape.num_experts * (s + 4)
 
 
-def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bool = False) -> int:
+def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int, nf4: bool = False,
+                                  chunk_bytes: int | None = None) -> int:
     """A sparse block's peak in a decode step or a prefill of ``tokens`` tokens (no autograd; module docstring,
-    Generation; ``nf4``: NF4 experts, decoded a chunk at a time from :mod:`notebookkit.expert_chunks`' rows)."""
+    Generation; ``nf4``: NF4 experts, decoded a chunk at a time from :mod:`notebookkit.expert_chunks`' rows,
+    ``chunk_bytes`` a chunk's budget)."""
     family = moe_family(shape)
     N, k, E, H = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size
     n = N * k
@@ -343,7 +366,7 @@ def sparse_block_generation_bytes(shape: ModelShape, *, tokens: int, s: int, nf4
         routing = logits + n * 12 + n * 4
     # the router logits (N E s), weights and indices (12 n), the kernel's int32 permutation, offsets and schedule
     experts = N * E * s + n * 12 + n * 4 + 8 * E + 12 * blocks
-    experts += sparse_block_working_sets(shape, tokens=N, s=s, ranks={}, nf4=nf4)["forward"]
+    experts += sparse_block_working_sets(shape, tokens=N, s=s, ranks={}, nf4=nf4, chunk_bytes=chunk_bytes)["forward"]
     return 2 * N * H * s + max(routing, experts)
 
 

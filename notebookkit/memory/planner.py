@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from notebookkit.base_formats import BASE_FORMATS
+from notebookkit.expert_chunks import decode_chunk_bytes, process_card_bytes
 from notebookkit.training_methods import TRAINING_METHODS
 
 from .base_weights import base_format_for, load_flags
@@ -214,6 +215,28 @@ def _per_process_cap(torch: Any, total: int) -> int | None:
         return None
     fraction = float(getter())
     return int(fraction * total) if fraction < 1.0 else None
+
+
+def _expert_chunk_bytes(card: Any, max_memory: Any) -> int:
+    """The NF4 experts' decode chunk budget of the card planned for (:func:`~notebookkit.expert_chunks.
+    decode_chunk_bytes`): a named card's memory (``card``, or ``max_memory`` naming one), else this process's
+    share of its GPU (the kernels' rule), else the least."""
+    named = card if isinstance(card, GPUCard) else None
+    for name in (card, max_memory):
+        if named is None and isinstance(name, str) and name != "auto":
+            try:
+                named = parse_card(name)
+            except ValueError:
+                pass
+    if named is not None:
+        return decode_chunk_bytes(named.memory_bytes)
+    try:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    except ImportError:
+        on_gpu = False
+    return decode_chunk_bytes(process_card_bytes("cuda") if on_gpu else None)
 
 
 def _card_rates(kw: dict[str, Any], card: GPUCard | None) -> tuple[float, float]:
@@ -415,6 +438,7 @@ def plan_activations(
         allow_offload = card_obj is not None or "no GPU" not in source
     if text.num_experts:  # a mixture of experts recomputes what would be offloaded (checkpointing's rule)
         allow_offload = False
+        estimate_kwargs.setdefault("expert_chunk_bytes", _expert_chunk_bytes(card, max_memory))
     if safety_margin is None:
         safety_margin = DEFAULT_SAFETY_MARGIN
     if margin_of not in ("budget", "step"):

@@ -111,15 +111,16 @@ def test_grouped_mm_is_not_chosen_off_hopper_or_in_fp16(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nf4", [False, True], ids=["16-bit", "nf4-chunks"])
+@pytest.mark.parametrize("nf4, per_chunk", [(False, 2), (True, 2), (True, E)],
+                         ids=["16-bit", "nf4-chunks", "nf4-one-chunk"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_grouped_path_on_the_gpu(family, nf4, monkeypatch):
+def test_grouped_path_on_the_gpu(family, nf4, per_chunk, monkeypatch):
     """bf16, 1,200 tokens (400 rows an expert): ``moe_expert_mlp`` takes ``grouped_mm`` on sm_90 and newer. Its
     error against the reference is within bf16's bound and at most twice the Triton kernels' (a few more
-    roundings: each GEMM's output rounds before the next addition)."""
+    roundings: each GEMM's output rounds before the next addition); NF4 experts two a chunk, or all in one."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("grouped_mm's fast path needs sm_90")
-    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", 2 * 2 * 128 * 256 * 2)
+    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", per_chunk * 2 * 128 * 256 * 2)
     c = _case(family, torch.bfloat16, nf4, tokens=1200, device="cuda", limit=7.0, hidden=256, inter=128, rank=R)
     assert grouped.grouped_mm_applies(c["x"], 1200 * K, E, (256, 128, R))
     calls = []

@@ -131,9 +131,10 @@ def test_widget_verdict_for_the_moe_shapes(name, card, dtype, nf4):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_nf4_experts_take_what_the_model_says(family, one_thread):
+def test_nf4_experts_take_what_the_model_says(family, monkeypatch, one_thread):
     """Loaded with load_in_4bit, the experts' and routers' bytes (codes, absmax codes, second-level scales,
-    offset, the two tables; routers in the compute dtype) are the memory model's, byte for byte."""
+    offset, the two tables; routers in the compute dtype) are the memory model's, byte for byte; the kernels'
+    view of them decodes chunks as large as the card holding them allows (an 80 GiB card's here)."""
     from notebookkit import FastLanguageModel
     from notebookkit.base_layers.nf4_experts import NF4ExpertParam
     from notebookkit.embedded.tiny import ensure_tiny_model
@@ -153,22 +154,51 @@ def test_nf4_experts_take_what_the_model_says(family, one_thread):
     weights = estimate_training_memory(model_shape(path), dtype=torch.float32, seq_len=T, load_in_4bit=True).details
     assert "base weights: experts (NF4)" in weights
     assert held == sum(v for k, v in weights.items() if "experts" in k or "routers" in k)
+    from notebookkit.families import for_model_type
+    from notebookkit.models.patching import patch_moe
+
+    monkeypatch.setattr(patch_moe, "process_card_bytes", lambda device: 80 * 2**30)
+    view, _ = patch_moe.experts_view(decoder_layers(model)[0].mlp.experts, for_model_type(family).moe)
+    assert view.gate_up.chunk_bytes == view.down.chunk_bytes == 320 * 2**20
 
 
-@pytest.mark.parametrize("dtype, nf4, grouped, adapters", [
-    (torch.float32, False, False, torch.float32), (torch.bfloat16, False, False, torch.float32),
-    (torch.bfloat16, True, False, torch.float32), (torch.bfloat16, False, True, torch.float32),
-    (torch.bfloat16, True, True, torch.float32), (torch.bfloat16, False, True, torch.bfloat16)],
+def test_the_decode_chunk_budget_grows_with_the_card():
+    """The least (128 MiB) up to 32 GiB, a 256th of the card above, at most 1 GiB; the planner and the widget
+    count the chunks of the card they plan for (a named card's; the verdicts above are a T4's and a 24 GiB
+    card's, which keep the least), and an 80 GiB card's chunk makes the step's peak larger than a T4's."""
+    from notebookkit.expert_chunks import DECODE_CHUNK_BYTES, decode_chunk_bytes
+    from notebookkit.memory import plan_activations
+    from notebookkit.memory.cards import CARDS
+
+    budgets = {key: decode_chunk_bytes(CARDS[key].memory_bytes) for key in ("t4", "rtx4090", "a100-40gb", "h100")}
+    assert budgets == {"t4": DECODE_CHUNK_BYTES, "rtx4090": DECODE_CHUNK_BYTES, "a100-40gb": 40536 * 2**20 // 256,
+                       "h100": 81000 * 2**20 // 256}
+    assert decode_chunk_bytes(None) == DECODE_CHUNK_BYTES and decode_chunk_bytes(2**40) == 2**30
+    shape = model_shape("Qwen/Qwen3-30B-A3B")
+    kw = dict(load_in_4bit=True, dtype="bfloat16", seq_len=2048)
+    plan = plan_activations(shape, card="h100", **kw)
+    at = {chunk: estimate_training_memory(shape, activation_plan=list(plan.modes), expert_chunk_bytes=chunk, **kw)
+          .peak_allocated for chunk in (None, budgets["h100"])}
+    assert plan.estimate.peak_allocated == at[budgets["h100"]] > at[None]
+
+
+@pytest.mark.parametrize("dtype, nf4, grouped, adapters, per_chunk", [
+    (torch.float32, False, False, torch.float32, 3), (torch.bfloat16, False, False, torch.float32, 3),
+    (torch.bfloat16, True, False, torch.float32, 3), (torch.bfloat16, False, True, torch.float32, 3),
+    (torch.bfloat16, True, True, torch.float32, 3), (torch.bfloat16, True, True, torch.float32, 8),
+    (torch.bfloat16, False, True, torch.bfloat16, 3)],
     ids=["float32", "bfloat16", "bfloat16-nf4-chunks", "bfloat16-grouped-mm", "bfloat16-nf4-grouped-mm",
-         "bfloat16-grouped-mm-bf16-adapters"])
-def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, adapters, monkeypatch, one_thread):
+         "bfloat16-nf4-grouped-mm-one-chunk", "bfloat16-grouped-mm-bf16-adapters"])
+def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, adapters, per_chunk, monkeypatch,
+                                                         one_thread):
     """One grouped call (Qwen3-MoE layout, adapters at ranks 2r / r, fp32 or in the compute dtype) under
     ``LiveBytes``, launch arguments released as a GPU would: what is alive after the forward is what it saved plus
     ``y``, and the forward's and the backward's peaks above that are
     :func:`~notebookkit.memory.moe.sparse_block_working_sets`, byte for byte. ``nf4-chunks``: NF4 experts decoded
     three at a time (16 rows an expert, the chunk made small), the decoded chunk counted by
-    :func:`~notebookkit.memory.moe.expert_decode_chunk_bytes`. ``bf16-adapters``: no cast, so the grouped path
-    copies PEFT's strided ``B`` views itself."""
+    :func:`~notebookkit.memory.moe.expert_decode_chunk_bytes`; ``one-chunk``: the budget holds every expert, so
+    each GEMM's product is its output. ``bf16-adapters``: no cast, so the grouped path copies PEFT's strided
+    ``B`` views itself."""
     import notebookkit.kernels.moe_experts as kernel
     from notebookkit import expert_chunks
     from notebookkit.export.nf4_quantize import quantize_nf4
@@ -182,7 +212,7 @@ def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, ad
     monkeypatch.setattr(kernel, "grouped_mm_applies", lambda *args: grouped)
     tokens, H, I, E, k, r = 128, 64, 96, 8, 2, 8 if grouped else 4  # grouped_mm: 16-byte strides
     s = dtype.itemsize
-    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", 3 * 2 * I * H * s)
+    monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", per_chunk * 2 * I * H * s)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, H, generator=g).to(dtype).requires_grad_()
     w, idx = torch.softmax(torch.randn(tokens, E, generator=g), -1).topk(k, -1)

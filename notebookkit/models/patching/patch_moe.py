@@ -31,6 +31,7 @@ import torch.nn as nn
 from notebookkit.base_layers.kernel_ops import kernel
 from notebookkit.base_layers.nf4_experts import is_nf4_expert_param
 from notebookkit.base_layers.rebinding import rebind
+from notebookkit.expert_chunks import decode_chunk_bytes, process_card_bytes
 from notebookkit.families import MoE
 
 from .lora_parts import lora_parts
@@ -98,9 +99,12 @@ def experts_view(
         nf4_stacked = kernel("nf4_stacked", "nf4_stacked")
         if nf4_stacked is None:
             return None, "notebookkit.kernels.nf4_stacked is unavailable"
-        # stored [E, in, out] (gpt-oss) is seen as [E, out, in] through the view's element strides
-        gate_up, down = (nf4_stacked(w.data, w.quant_state, transposed=moe.transposed) if is_nf4_expert_param(w)
-                         else (w.transpose(1, 2) if moe.transposed else w) for w in (gate_up, down))
+        # stored [E, in, out] (gpt-oss) is seen as [E, out, in] through the view's element strides; a
+        # training-sized call decodes chunks of experts as large as this card allows
+        chunk = decode_chunk_bytes(process_card_bytes(gate_up.device))
+        gate_up, down = (nf4_stacked(w.data, w.quant_state, transposed=moe.transposed, chunk_bytes=chunk)
+                         if is_nf4_expert_param(w) else (w.transpose(1, 2) if moe.transposed else w)
+                         for w in (gate_up, down))
     elif moe.transposed:  # stored [E, in, out]: the kernel reads the transposed views through their strides
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     biases = (base.gate_up_proj_bias, base.down_proj_bias) if moe.expert_bias else (None, None)
