@@ -117,8 +117,9 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_1_EXTRA := tests/export/test_moe_export_gpu.py
 # tmp_path_retention_policy=failed: a passing test's tmp_path is deleted (half 1 otherwise leaves ~28 GiB of
 # checkpoints under /tmp/pytest-of-$$USER, and half 2 then stops on the disk check: session 30); --durations: the
-# slowest tests in the log, where the suite's device time goes
-GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -rfEs -o tmp_path_retention_policy=failed --durations=25
+# slowest tests in the log, where the suite's device time goes; --dist loadgroup: the tests marked large_memory run
+# on one worker, one after another (tests/conftest.py)
+GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -rfEs -o tmp_path_retention_policy=failed --durations=25 --dist loadgroup
 # free disk the suite needs (scripts/check_free_disk.py says why), and the benchmark checkpoints that fill it
 GPU_DISK_GIB ?= 56
 GPU_DISK_CHECK := $(GPU_PY) scripts/check_free_disk.py $(GPU_DISK_GIB) $(HOME)/.cache/notebookkit/bench \

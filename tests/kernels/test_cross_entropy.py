@@ -220,6 +220,7 @@ def test_bad_inputs_explain_what_to_change():
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory
 @pytest.mark.parametrize("vocab", [128256, 262144])
 def test_large_vocab_cuda(vocab):
     # 8192 tokens; for V=262144 a few more, so the last rows start past element 2**31.

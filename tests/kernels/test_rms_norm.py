@@ -207,6 +207,7 @@ def test_large_shape_cuda(dtype, flavour):
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory
 def test_int64_offsets_cuda():
     dtype = torch.bfloat16
     rows, cols = 2**31 // 4096 + 3, 4096  # x.numel() > 2**31

@@ -203,6 +203,7 @@ def test_large_shape_cuda(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory
 def test_int64_offsets_cuda():
     dtype = torch.bfloat16
     hq, d = 32, 128

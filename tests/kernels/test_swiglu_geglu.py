@@ -251,6 +251,7 @@ def test_large_shape_cuda(op, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory
 @pytest.mark.parametrize("op", ["swiglu", "geglu_tanh"])
 def test_int64_offsets_cuda(op):
     dtype = torch.bfloat16
