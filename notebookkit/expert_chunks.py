@@ -14,10 +14,11 @@ the compute dtype, at least one, so the dense copy never exceeds the larger of t
 The budget grows with the card (:func:`decode_chunk_bytes`): each chunk costs a decode launch, a ``grouped_mm``
 (two launches) and a copy into the output, four times a layer (the forward's gate/up and down, the backward's
 two input gradients). Qwen3-30B-A3B's gate/up experts are 805 MB in bf16: seven chunks at 128 MiB, three at
-320 MiB (an 80 GiB card), two on an H200 (558 MiB). On a fast card, where a mixture-of-experts step waits on the host's
-launches (the H200: the GPU idle about two thirds of the step, ``benchmarks/results/*moe-s30.md``), fewer
-chunks are fewer launches; on a small card, where every MiB counts and the GPU is the bound, the budget stays
-at :data:`DECODE_CHUNK_BYTES`.
+320 MiB (an 80 GiB card), two on an H200 (558 MiB). On a fast card, where a mixture-of-experts step waits on
+the host's launches (the H200: the GPU idle about two thirds of the step, ``benchmarks/results/*moe-s30.md``),
+fewer chunks are fewer launches; on a small card, where every MiB counts and the GPU is the bound, the budget
+stays at :data:`DECODE_CHUNK_BYTES`. A weight whose experts all fit one chunk has that chunk's product as its
+output (no copy).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from __future__ import annotations
 import functools
 
 __all__ = ["DECODE_CHUNK_BYTES", "MAX_DECODE_CHUNK_BYTES", "CARD_SHARE", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP",
-           "decode_chunk_bytes", "process_card_bytes", "decodes_in_chunks", "experts_per_chunk", "chunk_ranges", "decoded_range",
-           "largest_decode", "grouped_mm_sizes"]
+           "decode_chunk_bytes", "process_card_bytes", "decodes_in_chunks", "experts_per_chunk", "chunk_ranges",
+           "decoded_range", "largest_decode", "grouped_mm_sizes"]
 
 #: bytes of one chunk of decoded experts (a transient of the GEMM that reads it) on a card of up to 32 GiB, and
 #: where the card is not known

@@ -94,8 +94,8 @@ Memory (per layer; ``b`` bytes an element of the compute dtype, ``N = T k`` pair
   products ``dy Bd`` and ``dgu Bgu``, the ``dx`` buffer (``N H b``), the ``<G, h>`` partials
   (``4 N cdiv(I, BLOCK_N)`` bytes);
 * NF4 experts (:class:`~notebookkit.kernels.nf4_stacked.NF4Stacked`) at training sizes: one decoded chunk of
-  experts at a time, held through the GEMM that reads it (:mod:`notebookkit.expert_chunks`: at most 128 MiB,
-  or one expert).
+  experts at a time, held through the GEMM that reads it (:mod:`notebookkit.expert_chunks`: at most the card's
+  chunk budget, 128 MiB up to 1 GiB, or one expert).
 
 NF4 experts: with few rows an expert (a decode step) the weight-reading kernels decode the tiles in their
 loads; from :data:`~notebookkit.expert_chunks.MIN_ROWS_PER_EXPERT` rows an expert on average they decode a

@@ -34,8 +34,9 @@ the next addition (Hugging Face's experts round the same way), where the Triton 
 accumulator per output tile: the two paths agree to bf16 rounding, not bit for bit.
 
 NF4 experts (:class:`~notebookkit.kernels.nf4_stacked.NF4Stacked`) are decoded a chunk of whole experts at a
-time (:mod:`notebookkit.expert_chunks`), each chunk's ``gmm`` over its experts' rows; an expert range without
-rows is not decoded. That needs the segment bounds on the host: one device-to-host copy of ``E + 1`` integers a
+time (:mod:`notebookkit.expert_chunks`, the view's ``chunk_bytes``: the card's budget), each chunk's ``gmm`` over
+its experts' rows copied into the output; an expert range without rows is not decoded. A weight whose experts
+all fit one chunk is decoded whole and its ``gmm`` is the output. That needs the segment bounds on the host: one device-to-host copy of ``E + 1`` integers a
 call (so this path never runs under CUDA-graph capture). The host then writes every chunk's ``grouped_mm``
 offsets and sends them in one copy a GEMM, and knows whether any expert is without rows (the weight gradients'
 zero mask is skipped when none is).
