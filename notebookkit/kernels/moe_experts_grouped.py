@@ -300,8 +300,9 @@ def _expert_gemm(a: torch.Tensor, w, sg: _Segments) -> torch.Tensor:
 
 
 def _routed(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
-    """``w_s a_s`` (fp32 product, one rounding to ``a``'s dtype) of a rank-sized ``[N, r]`` product."""
-    return (a * route[:, None]).to(a.dtype)  # a 16-bit a times fp32 weights: the product is taken in fp32
+    """``w_s a_s`` (fp32 product, one rounding to ``a``'s dtype) of a rank-sized ``[N, r]`` product: one launch
+    (a 16-bit ``a`` times fp32 weights is taken in fp32 and written in ``a``'s dtype, no fp32 temporary)."""
+    return torch.mul(a, route[:, None], out=torch.empty_like(a))
 
 
 def _to_slots(o: torch.Tensor, sg: _Segments, bias: Optional[torch.Tensor] = None,

@@ -335,7 +335,7 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
         rows + n * I * s + dyb + max(b_d, n * I * s) if r_d else 0,  # dy B, the adapter's product
         rows + n * I * s + dyb + n * 2 * I * s + h + part,  # dgu, h, the <G, h> partials
         rows + dyb + n * 2 * I * s + h + part + 8 * n,  # dw and its source
-        rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + 6 * n * r_d,  # the down adapter's gradients
+        rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + n * r_d * s,  # the down adapter's gradients, w dyb
         n * 2 * I * s + 4 * n + d_grads + b_gu + n * r_gu * s,  # dgu B
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(gu_chunk + res(H, "gate_up_proj"), rows),  # dxs, its adapter's
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * 4 + rounded,  # the slots, their sum, dx
