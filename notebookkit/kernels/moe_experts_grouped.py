@@ -112,8 +112,9 @@ def expert_segments(topk_idx: torch.Tensor, num_experts: int) -> ExpertSegments:
 
 
 def sum_slots(buf: torch.Tensor, tokens: int, topk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_j buf[t k + j]`` in fp32, one rounding: the deterministic gather-sum of the pairs' rows."""
-    return buf.view(tokens, topk, buf.shape[1]).sum(1, dtype=torch.float32).to(dtype)
+    """``sum_j buf[t k + j]`` accumulated in fp32, one rounding to ``dtype``: the deterministic gather-sum of the
+    pairs' rows, one launch (PyTorch's sum of 16-bit values accumulates in fp32 and writes the rounded sum)."""
+    return buf.view(tokens, topk, buf.shape[1]).sum(1, dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------------

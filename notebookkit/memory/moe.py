@@ -37,12 +37,12 @@ Saved for backward by a kept sparse block (the router in fp32, the grouped kerne
     q, k, v, its output and log-sum-exp as SDPA's, and the layer's boolean mask ``B T^2``).
 
 Working sets of a sparse block (beyond what it saved)
-    forward: ``h [n, I]`` and the pairs' output rows ``[n, H]``, or (``h`` freed) those rows, their fp32 sum
-    ``4 N H`` and ``y`` (``N H s``; none in fp32: the sum is ``y``);
+    forward: ``h [n, I]`` and the pairs' output rows ``[n, H]``, or (``h`` freed) those rows and their sum ``y``
+    (``N H s``: accumulated in fp32 inside the one reduction, no fp32 buffer);
     backward, the largest of three moments: ``dgu [n, 2I]``, ``dy Bd [n, r]``, ``h`` again (with a down
     adapter), the fp32 ``<G, h>`` partials ``4 n ceil(I / 64)``, ``dw`` and its source (``8 n``), the down adapter's
-    gradients; then ``dgu``, ``dgu Bgu [n, r]``, the partials, the scattered input gradient ``[n, H]``, its
-    fp32 sum and ``dx``; at the end ``dx`` and every factor gradient ``E s sum r_w (in_w + out_w)``.
+    gradients; then ``dgu``, ``dgu Bgu [n, r]``, the partials, the scattered input gradient ``[n, H]`` and
+    its sum ``dx``; at the end ``dx`` and every factor gradient ``E s sum r_w (in_w + out_w)``.
 
 Reference forward of a layer (DPO: adapters off, no autograd, on the training path;
 :func:`~notebookkit.memory.generation.layer_working_set` with ``training_path``): through the sparse block the layer's
@@ -60,7 +60,7 @@ Generation (:mod:`notebookkit.memory.generation`: a decode step or a prefill of 
     experts: the router logits ``N E s`` (held by the block until it returns), the routing's weights and
     indices ``12 n``, the kernel's int32 permutation ``4 n``, expert offsets ``8 E`` and block schedule
     ``12 M`` (the sort's keys and order are freed by then; the schedule is one kernel's, without temporaries), plus
-    the forward transients above (``h`` and the pairs' rows, or the rows, their fp32 sum and ``y``).
+    the forward transients above (``h`` and the pairs' rows, or the rows and their sum ``y``).
     The same peak is DPO's reference forward of a sparse block (adapters off, no gradient, so no ``gu``):
     measured on the CPU under the Triton interpreter, ``tests/memory/test_moe_memory.py``.
     NF4 experts are decoded in the kernel's tile loads (no dense copy) when an expert has few rows; from
@@ -284,27 +284,26 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     r_gu, r_d = ranks.get("gate_up_proj", 0), ranks.get("down_proj", 0)
     # held through each weight-reading kernel
     chunk = expert_decode_chunk_bytes(shape, tokens=N, s=s, nf4=nf4, chunk_bytes=chunk_bytes)
-    rounded = N * H * s if s != 4 else 0  # the fp32 sum's rounding to the compute dtype (none in fp32)
     if grouped:
         chunks = _decoded_chunks(shape, tokens=N, s=s, nf4=nf4, chunk_bytes=chunk_bytes)
         whole = {w: _in_one_chunk(shape, w, s, chunk_bytes) for w in chunks}
-        return _grouped_working_sets(shape, n=n, N=N, s=s, r_gu=r_gu, r_d=r_d, chunks=chunks, rounded=rounded,
+        return _grouped_working_sets(shape, n=n, N=N, s=s, r_gu=r_gu, r_d=r_d, chunks=chunks,
                                      factor_bytes=_factor_elems(shape, ranks) * s, b_cast=adapter_bytes != s,
                                      whole=whole)
-    forward = max(n * (I + H) * s + chunk, n * H * s + N * H * 4 + rounded)  # h is freed before the sum
+    forward = max(n * (I + H) * s + chunk, n * H * s + N * H * s)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
     down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
     in_kernel = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + 4 * n * math.ceil(I / BLOCK_N) + chunk
     phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads
     common = n * (2 * I + r_gu) * s + partials
     at_dx = common + n * H * s + down_grads + chunk  # the scattered dx rows, written a chunk of experts at a time
-    at_sum = common + n * H * s + N * H * 4 + rounded + down_grads  # the scattered dx rows and their sum
+    at_sum = common + n * H * s + N * H * s + down_grads  # the scattered dx rows and their sum
     at_end = common + N * H * s + _factor_elems(shape, ranks) * s  # dx and every factor gradient
     return {"forward": forward, "backward": max(in_kernel, phase_h, at_dx, at_sum, at_end)}
 
 
 def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: int, r_d: int, chunks: dict[str, int],
-                          rounded: int, factor_bytes: int, b_cast: bool, whole: dict[str, bool]) -> dict[str, int]:
+                          factor_bytes: int, b_cast: bool, whole: dict[str, bool]) -> dict[str, int]:
     """:func:`sparse_block_working_sets` of :mod:`notebookkit.kernels.moe_experts_grouped` (module docstring of
     that file: its order of allocations). A GEMM reading NF4 experts holds a decoded chunk of its weight
     (``chunks``). With the weight in more than one chunk (``whole[weight]`` False) each chunk's GEMM also holds
@@ -325,7 +324,7 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
                   b_copies + rows + n * 2 * I * s - n * r_d * s if r_gu else 0,  # the gate/up adapter's product
                   b_copies + n * I * s + rows + d_chunk + res(H, "down_proj"),  # h, the down GEMM's output
                   b_copies + 2 * rows if r_d else 0,  # o and the down adapter's product
-                  2 * rows, rows + N * H * 4 + rounded)  # o, the slots; the slots, their fp32 sum, y
+                  2 * rows, rows + N * H * s)  # o, the slots; the slots and y, their sum
     part = 4 * n * math.ceil(I / min(1024, 2 ** math.ceil(math.log2(max(I, 16)))))
     dyb, h = n * r_d * s, (n * I * s if r_d else 0)
     d_grads = E * r_d * (H + I) * s
@@ -338,7 +337,7 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
         rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + n * r_d * s,  # the down adapter's gradients, w dyb
         n * 2 * I * s + 4 * n + d_grads + b_gu + n * r_gu * s,  # dgu B
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(gu_chunk + res(H, "gate_up_proj"), rows),  # dxs, its adapter's
-        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * 4 + rounded,  # the slots, their sum, dx
+        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * s,  # the slots and dx, their sum
         n * 2 * I * s + 4 * n + n * r_gu * s + N * H * s + factor_bytes + rows + E)  # every factor gradient, xs again
     return {"forward": forward, "backward": backward}
 
