@@ -308,10 +308,9 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     that file: its order of allocations). A GEMM reading NF4 experts holds a decoded chunk of its weight
     (``chunks``). With the weight in more than one chunk (``whole[weight]`` False) each chunk's GEMM also holds
     its rows' output before they are copied into place: at most every row (``n out s``), the bound counted
-    here; a weight in one chunk has its product as the output. ``b_cast``: the
-    LoRA factors are cast to the compute dtype, ``B`` written contiguous by its cast; else (factors already in
-    it) the block makes contiguous copies of PEFT's strided ``B`` views, in the forward and again in the
-    backward."""
+    here; a weight in one chunk has its product as the output. ``b_cast``: the LoRA factors are cast to the
+    compute dtype, ``B`` written contiguous by its cast; else (factors already in it) the block makes contiguous
+    copies of PEFT's strided ``B`` views, in the forward and again in the backward."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     rows = n * H * s  # xs, o, the pairs' slots, dys, dxs: one row of H per pair
     b_gu, b_d = (0, 0) if b_cast else (E * 2 * I * r_gu * s, E * H * r_d * s)  # the B factors' contiguous copies
@@ -336,7 +335,8 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
         rows + dyb + n * 2 * I * s + h + part + 8 * n,  # dw and its source
         rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + n * r_d * s,  # the down adapter's gradients, w dyb
         n * 2 * I * s + 4 * n + d_grads + b_gu + n * r_gu * s,  # dgu B
-        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(gu_chunk + res(H, "gate_up_proj"), rows),  # dxs, its adapter's
+        # dxs, its adapter's product
+        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(gu_chunk + res(H, "gate_up_proj"), rows),
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * s,  # the slots and dx, their sum
         n * 2 * I * s + 4 * n + n * r_gu * s + N * H * s + factor_bytes + rows + E)  # every factor gradient, xs again
     return {"forward": forward, "backward": backward}

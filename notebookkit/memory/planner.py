@@ -218,9 +218,9 @@ def _per_process_cap(torch: Any, total: int) -> int | None:
 
 
 def _expert_chunk_bytes(card: Any, max_memory: Any) -> int:
-    """The NF4 experts' decode chunk budget of the card planned for (:func:`~notebookkit.expert_chunks.
-    decode_chunk_bytes`): a named card's memory (``card``, or ``max_memory`` naming one), else this process's
-    share of its GPU (the kernels' rule), else the least."""
+    """The NF4 experts' decode chunk budget of the card planned for
+    (:func:`~notebookkit.expert_chunks.decode_chunk_bytes`): a named card's memory (``card``, or ``max_memory``
+    naming one), else this process's share of its GPU (the kernels' rule), else the least."""
     named = card if isinstance(card, GPUCard) else None
     for name in (card, max_memory):
         if named is None and isinstance(name, str) and name != "auto":
