@@ -18,7 +18,9 @@ two input gradients). Qwen3-30B-A3B's gate/up experts are 805 MB in bf16: seven 
 the host's launches (the H200: the GPU idle about two thirds of the step, ``benchmarks/results/*moe-s30.md``),
 fewer chunks are fewer launches; on a small card, where every MiB counts and the GPU is the bound, the budget
 stays at :data:`DECODE_CHUNK_BYTES`. A weight whose experts all fit one chunk has that chunk's product as its
-output (no copy).
+output (no copy). "The card" is what the plan is for (:func:`chunk_budget`): an ``"auto"`` activation plan under
+``max_memory`` counts the cap's chunks and the kernels then decode with those, so a cap on a large card gets the
+chunks of a card that size.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import functools
 
 __all__ = ["DECODE_CHUNK_BYTES", "MAX_DECODE_CHUNK_BYTES", "CARD_SHARE", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP",
-           "decode_chunk_bytes", "process_card_bytes", "decodes_in_chunks", "experts_per_chunk", "chunk_ranges",
+           "decode_chunk_bytes", "process_card_bytes", "chunk_budget", "decodes_in_chunks", "experts_per_chunk", "chunk_ranges",
            "decoded_range", "largest_decode", "grouped_mm_sizes"]
 
 #: bytes of one chunk of decoded experts (a transient of the GEMM that reads it) on a card of up to 32 GiB, and
@@ -70,6 +72,13 @@ def process_card_bytes(device) -> int | None:
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = float(getter(index)) if getter is not None else 1.0
     return int(fraction * total) if fraction < 1.0 else total
+
+
+def chunk_budget(device, planned: int | None = None) -> int:
+    """The budget the kernels decode a model's NF4 experts with on ``device``: ``planned``, the one its activation
+    plan was sized for (``"auto"``: the cap's under ``max_memory``, a named card's, or this card's), else
+    :func:`decode_chunk_bytes` of this process's share of the card (:func:`process_card_bytes`)."""
+    return int(planned) if planned is not None else decode_chunk_bytes(process_card_bytes(device))
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,6 +27,9 @@ FUSED_LM_HEAD = "_notebookkit_fused_lm_head"
 HOST_EMBEDDING = "_notebookkit_host_embedding"
 #: causal LM: the format its frozen decoder projections are held in (a :mod:`notebookkit.base_formats` name)
 BASE_FORMAT = "_notebookkit_base_format"
+#: a mixture of experts' experts module (Hugging Face's, under PEFT's wrappers): the bytes of one chunk of its NF4
+#: experts decoded at a time, as the ``"auto"`` activation plan the model runs was sized for
+EXPERT_CHUNK_BUDGET = "_notebookkit_expert_chunk_budget"
 
 # ---- instance patching (base_layers/rebinding.py, models/patching/patcher.py) ------------------------
 #: patched module: ``(slot, original forward)``, what ``restore`` puts back

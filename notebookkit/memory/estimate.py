@@ -194,7 +194,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from notebookkit.base_formats import BASE_FORMATS, BaseFormat
-from notebookkit.expert_chunks import decode_chunk_bytes, process_card_bytes
+from notebookkit.expert_chunks import DECODE_CHUNK_BYTES, chunk_budget
 from notebookkit.families import for_model_type
 from notebookkit.sequence_tiles import mlp_tile_rows
 from notebookkit.training_methods import TRAINING_METHODS
@@ -202,7 +202,7 @@ from notebookkit.training_methods import TRAINING_METHODS
 from .base_weights import base_format_for, dense_copy_bytes, input_grad_buffer_bytes, projection_weight_bytes
 from .generation import generation_term, keeps_cache_between_steps, layer_working_set
 from .model_setup import (base_format_of, fp8_forward, fused_lm_head, held_decode_cache, host_embedding,
-                          recorded_activation_plan)
+                          recorded_activation_plan, recorded_expert_chunk_budget)
 from . import moe as moe_terms
 from .shapes import PROJECTIONS, ModelShape, model_shape, resolve_attention
 
@@ -521,13 +521,16 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
 
 def expert_chunk_budget(model: Any) -> int | None:
     """The budget of one chunk of NF4 experts decoded at a time on the GPU holding ``model`` (a mixture of
-    experts; :func:`~notebookkit.expert_chunks.decode_chunk_bytes` of this process's share of the card, the
-    kernels' own rule), or ``None``: a dense model, or no parameter on a GPU."""
+    experts): the kernels' own rule, :func:`~notebookkit.expert_chunks.chunk_budget` (the one its activation
+    plan recorded, else this process's share of the card), or ``None``: a dense model, or no parameter on a GPU."""
     spec = for_model_type(getattr(getattr(model, "config", None), "model_type", None))
     if spec is None or spec.moe is None:
         return None
     device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-    return None if device is None else decode_chunk_bytes(process_card_bytes(device))
+    if device is None:
+        return None
+    planned = next((b for m in model.modules() if (b := recorded_expert_chunk_budget(m)) is not None), None)
+    return chunk_budget(device, planned)
 
 
 def stacked_expert_ranks(model: Any, adapter: str) -> dict[str, int]:
@@ -830,7 +833,8 @@ def estimate_training_memory(
             expert adapters the MLP names of ``target_modules`` would make (:mod:`notebookkit.memory.moe`).
         expert_chunk_bytes: a mixture of experts' budget for one chunk of NF4 experts decoded at a time, which
             grows with the card (:func:`notebookkit.expert_chunks.decode_chunk_bytes` of the card's memory;
-            ``estimate_for_model`` and the planner take the GPU's); default the least, a T4's 128 MiB.
+            ``estimate_for_model`` takes the model's, the planner the budget's it plans for); default the least,
+            a T4's 128 MiB. The estimate's ``inputs`` name the one it counted.
         optimizer: ``"adamw"`` (any fp32 AdamW), ``"adamw_8bit"`` / ``"paged_adamw_8bit"``, ``"lion"``,
             ``"lion_8bit"``, ``"adafactor"``, ``"sgd"`` (Trainer ``optim`` names work).
         batch_size, seq_len: tokens per micro-batch are ``batch_size * seq_len`` (use the padded
@@ -955,6 +959,8 @@ def estimate_training_memory(
         generation=getattr(generation, "inputs", generation), method=method, rows=rows, scored_len=scored,
         **vision_inputs,
     )
+    if shape.num_experts:
+        inputs["expert_chunk_bytes"] = expert_chunk_bytes or DECODE_CHUNK_BYTES
     return MemoryEstimate(
         base_weights=int(base.bytes), adapters=int(adapters.bytes), activations=int(acts.bytes),
         logits_loss=int(loss.bytes), temporaries=int(temporaries.bytes), total=int(total),

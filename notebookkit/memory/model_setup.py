@@ -14,7 +14,10 @@ read off its config or its PEFT config:
 * whether the input embedding's table lives in pinned host memory (``offload_embedding=True``),
   flagged on the embedding module by ``offload_input_embedding``;
 * the static KV cache notebookkit's ``generate`` keeps between calls (an evaluation before training, GRPO),
-  held by the decode state on the causal LM: it stays allocated while the model trains.
+  held by the decode state on the causal LM: it stays allocated while the model trains;
+* a mixture of experts' decode chunk budget (:mod:`notebookkit.expert_chunks`) where its ``"auto"`` activation
+  plan chose one (under a memory cap, the cap's rather than the card's), recorded on each experts module, which
+  the kernels read on every forward.
 
 Why the marks are read and written here: memory/ sits below models/ (data flows down), so memory must
 not import models. Instead the layer that reads the marks owns them (their names are listed with every
@@ -31,6 +34,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 from notebookkit.marks import ACTIVATION_PLAN as _ACTIVATION_PLAN
 from notebookkit.marks import AUTO_PLAN_SIZE as _AUTO_PLAN_SIZE
 from notebookkit.marks import BASE_FORMAT as _BASE_FORMAT
+from notebookkit.marks import EXPERT_CHUNK_BUDGET as _EXPERT_CHUNK_BUDGET
 from notebookkit.marks import FP8_FORWARD as _FP8_FORWARD
 from notebookkit.marks import FUSED_LM_HEAD as _FUSED_LM_HEAD
 from notebookkit.marks import GENERATION_STATE as _GENERATION_STATE
@@ -143,3 +147,18 @@ def record_base_format(causal_lm: Any, name: str) -> None:
 def base_format_of(causal_lm: Any) -> Optional[str]:
     """The base format the loader recorded on ``causal_lm`` (``None``: not recorded; its config tells)."""
     return _marks(causal_lm).get(_BASE_FORMAT)
+
+
+def record_expert_chunk_budget(experts: Any, budget: Optional[int]) -> None:
+    """Record on a mixture of experts' experts module (Hugging Face's, unwrapped) the bytes of one chunk of NF4
+    experts decoded at a time that its model's activation plan was sized for (``None``: no plan chose one, the
+    kernels take the card's own, :func:`notebookkit.expert_chunks.chunk_budget`)."""
+    if budget is None:
+        _marks(experts).pop(_EXPERT_CHUNK_BUDGET, None)
+    else:
+        object.__setattr__(experts, _EXPERT_CHUNK_BUDGET, int(budget))
+
+
+def recorded_expert_chunk_budget(experts: Any) -> Optional[int]:
+    """The budget :func:`record_expert_chunk_budget` recorded on ``experts``, or ``None``."""
+    return _marks(experts).get(_EXPERT_CHUNK_BUDGET)

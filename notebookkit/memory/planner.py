@@ -217,19 +217,12 @@ def _per_process_cap(torch: Any, total: int) -> int | None:
     return int(fraction * total) if fraction < 1.0 else None
 
 
-def _expert_chunk_bytes(card: Any, max_memory: Any) -> int:
-    """The NF4 experts' decode chunk budget of the card planned for
-    (:func:`~notebookkit.expert_chunks.decode_chunk_bytes`): a named card's memory (``card``, or ``max_memory``
-    naming one), else this process's share of its GPU (the kernels' rule), else the least."""
-    named = card if isinstance(card, GPUCard) else None
-    for name in (card, max_memory):
-        if named is None and isinstance(name, str) and name != "auto":
-            try:
-                named = parse_card(name)
-            except ValueError:
-                pass
-    if named is not None:
-        return decode_chunk_bytes(named.memory_bytes)
+def _expert_chunk_bytes(planned_for: int | None) -> int:
+    """The NF4 experts' decode chunk budget of a plan (:func:`~notebookkit.expert_chunks.decode_chunk_bytes`):
+    of ``planned_for``, the bytes of a cap, a named card or a budget the caller gave, else of this process's share
+    of its GPU (the kernels' own rule when no plan recorded one), else the least."""
+    if planned_for is not None:
+        return decode_chunk_bytes(planned_for)
     try:
         import torch
 
@@ -425,6 +418,7 @@ def plan_activations(
         offloading every layer does not fit.
     """
     estimate_kwargs.pop("activation_plan", None)
+    chunk_given = estimate_kwargs.get("expert_chunk_bytes")
     if hasattr(model_config, "parameters") and hasattr(model_config, "config"):  # a loaded model
         from .estimate import estimate_kwargs_from_model
 
@@ -438,7 +432,8 @@ def plan_activations(
         allow_offload = card_obj is not None or "no GPU" not in source
     if text.num_experts:  # a mixture of experts recomputes what would be offloaded (checkpointing's rule)
         allow_offload = False
-        estimate_kwargs.setdefault("expert_chunk_bytes", _expert_chunk_bytes(card, max_memory))
+        given = budget_bytes is not None or max_memory is not None or card not in (None, "auto")
+        estimate_kwargs["expert_chunk_bytes"] = chunk_given or _expert_chunk_bytes(budget if given else None)
     if safety_margin is None:
         safety_margin = DEFAULT_SAFETY_MARGIN
     if margin_of not in ("budget", "step"):

@@ -134,7 +134,8 @@ def test_widget_verdict_for_the_moe_shapes(name, card, dtype, nf4):
 def test_nf4_experts_take_what_the_model_says(family, monkeypatch, one_thread):
     """Loaded with load_in_4bit, the experts' and routers' bytes (codes, absmax codes, second-level scales,
     offset, the two tables; routers in the compute dtype) are the memory model's, byte for byte; the kernels'
-    view of them decodes chunks as large as the card holding them allows (an 80 GiB card's here)."""
+    view of them decodes chunks as large as the card holding them allows (an 80 GiB card's here), or as the
+    ``"auto"`` plan counted (a cap's) until a mode chosen by hand; the Trainer's re-apply keeps the plan's."""
     from notebookkit import FastLanguageModel
     from notebookkit.base_layers.nf4_experts import NF4ExpertParam
     from notebookkit.embedded.tiny import ensure_tiny_model
@@ -154,12 +155,25 @@ def test_nf4_experts_take_what_the_model_says(family, monkeypatch, one_thread):
     weights = estimate_training_memory(model_shape(path), dtype=torch.float32, seq_len=T, load_in_4bit=True).details
     assert "base weights: experts (NF4)" in weights
     assert held == sum(v for k, v in weights.items() if "experts" in k or "routers" in k)
+    from notebookkit import expert_chunks
     from notebookkit.families import for_model_type
-    from notebookkit.models.patching import patch_moe
+    from notebookkit.models.patching import checkpointing, patch_moe
 
-    monkeypatch.setattr(patch_moe, "process_card_bytes", lambda device: 80 * 2**30)
-    view, _ = patch_moe.experts_view(decoder_layers(model)[0].mlp.experts, for_model_type(family).moe)
-    assert view.gate_up.chunk_bytes == view.down.chunk_bytes == 320 * 2**20
+    monkeypatch.setattr(expert_chunks, "process_card_bytes", lambda device: 80 * 2**30)
+
+    def chunks() -> set[int]:
+        views = [patch_moe.experts_view(layer.mlp.experts, for_model_type(family).moe)[0]
+                 for layer in decoder_layers(model)]
+        return {w.chunk_bytes for view in views for w in (view.gate_up, view.down)}
+
+    assert chunks() == {320 * 2**20}
+    layers = len(decoder_layers(model))
+    monkeypatch.setattr(checkpointing, "auto_plan", lambda *a, **k: (["recompute"] * layers, "planned", 200 * 2**20))
+    checkpointing.apply_checkpointing(model, "auto", seq_len=T)
+    model.gradient_checkpointing_enable()  # a Trainer's: re-applies the recorded plan
+    assert chunks() == {200 * 2**20}
+    checkpointing.apply_checkpointing(model, True)
+    assert chunks() == {320 * 2**20}
 
 
 def test_the_decode_chunk_budget_grows_with_the_card():
@@ -180,6 +194,10 @@ def test_the_decode_chunk_budget_grows_with_the_card():
     at = {chunk: estimate_training_memory(shape, activation_plan=list(plan.modes), expert_chunk_bytes=chunk, **kw)
           .peak_allocated for chunk in (None, budgets["h100"])}
     assert plan.estimate.peak_allocated == at[budgets["h100"]] > at[None]
+    assert plan.estimate.inputs["expert_chunk_bytes"] == budgets["h100"]
+    # a cap on that card plans the cap's chunks (the kernels then decode with the plan's: test above)
+    capped = plan_activations(shape, max_memory="40GiB", card="h100", **kw)
+    assert capped.estimate.inputs["expert_chunk_bytes"] == 40 * 2**30 // 256
 
 
 @pytest.mark.parametrize("dtype, nf4, grouped, adapters, per_chunk", [

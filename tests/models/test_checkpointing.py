@@ -355,7 +355,7 @@ def test_auto_plan_is_remade_for_a_larger_training_batch(monkeypatch, capsys):
     def fake_auto_plan(model, seq_len=None, batch_size=None, max_memory=None, padded=False, images_per_row=None):
         tokens = (seq_len or 2048) * (batch_size or 1)
         planned.append(tokens)
-        return ["keep" if tokens <= 64 else "recompute"] * 2, f"auto (fake) for {tokens}"
+        return ["keep" if tokens <= 64 else "recompute"] * 2, f"auto (fake) for {tokens}", None
 
     monkeypatch.setattr(ckpt, "auto_plan", fake_auto_plan)
     base = random_model("llama")

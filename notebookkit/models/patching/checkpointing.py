@@ -73,6 +73,7 @@ from notebookkit.memory.model_setup import (
 from notebookkit.memory.offload import HostMemoryError, PinnedBufferPool
 
 from . import forward_state
+from .patch_moe import record_chunk_budgets
 from ..common.architectures import lookup
 from ..common.decoder_layers import decoder_layers as _decoder_layers
 
@@ -103,11 +104,13 @@ def auto_plan(
     layer: the fastest plan predicted to fit in free VRAM, or in ``max_memory`` (``"16GB"``, a card
     name such as ``"t4"``, or bytes) when given, for ``batch_size`` rows (default 1) of ``seq_len``
     tokens (``padded``: with a padding mask; ``images_per_row`` for a vision-language model), its layers in
-    ``layout`` (the planner's ``"front"`` or ``"spread"``). Without a GPU it is no checkpointing.
+    ``layout`` (the planner's ``"front"`` or ``"spread"``). Without a GPU it is no checkpointing. A mixture of
+    experts' plan counts its NF4 experts decoded in chunks of the budget planned for (a cap's, a named card's or
+    this card's, :mod:`notebookkit.expert_chunks`): the kernels then decode with that one.
     """
     device = _model_device(model)
     if device.type != "cuda":
-        return "none", "auto on CPU: no checkpointing (host memory is not the limit; recompute costs time)"
+        return "none", "auto on CPU: no checkpointing (host memory is not the limit; recompute costs time)", None
     from notebookkit.memory.planner import DoesNotFitError
 
     try:
@@ -120,11 +123,11 @@ def auto_plan(
             kwargs["images_per_row"] = int(images_per_row)
         kwargs["kv_repeated"], kwargs["padded"] = kv_repeated(model, padded), padded
         plan = plan_activations(model, max_memory=max_memory, layout=layout, **kwargs)
-        return list(plan.modes), f"auto: {plan.summary()}"
+        return list(plan.modes), f"auto: {plan.summary()}", plan.estimate.inputs.get("expert_chunk_bytes")
     except DoesNotFitError:
         raise
     except Exception as exc:  # noqa: BLE001 - fall back to the safe choice
-        return "recompute", f"auto: memory planner failed ({type(exc).__name__}: {exc}); using recompute"
+        return "recompute", f"auto: memory planner failed ({type(exc).__name__}: {exc}); using recompute", None
 
 
 def kv_repeated(model: nn.Module, padded: bool) -> bool:
@@ -495,13 +498,15 @@ def apply_checkpointing(
         if mode == "auto":
             seq_len = seq_len or getattr(base, "max_seq_length", None)
             padded = (batch_size or 1) > 1 if padded is None else padded
-            planned, why = auto_plan(base, seq_len, batch_size, max_memory, padded, images_per_row)
+            planned, why, chunk_budget = auto_plan(base, seq_len, batch_size, max_memory, padded, images_per_row)
             modes = planned if isinstance(planned, list) else [{"none": "keep"}.get(planned, planned)] * len(layers)
             record_auto_plan_size(base, (seq_len or DEFAULT_PLAN_SEQ_LEN) * (batch_size or 1), max_memory, padded,
                                   (batch_size or 1) * (1 if images_per_row is None else images_per_row))
+            record_chunk_budgets(base, layers, chunk_budget)  # the experts decode in the chunks the plan counted
         else:
             modes = [{"none": "keep"}.get(mode, mode)] * len(layers)
             record_auto_plan_size(base, None)
+            record_chunk_budgets(base, layers, None)  # a mode chosen by hand: the card's own chunks
     if len(modes) != len(layers):
         raise ValueError(f"activation plan has {len(modes)} entries but the model has {len(layers)} decoder layers.")
     bad = set(modes) - set(LAYER_MODES)

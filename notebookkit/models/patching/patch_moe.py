@@ -31,9 +31,11 @@ import torch.nn as nn
 from notebookkit.base_layers.kernel_ops import kernel
 from notebookkit.base_layers.nf4_experts import is_nf4_expert_param
 from notebookkit.base_layers.rebinding import rebind
-from notebookkit.expert_chunks import decode_chunk_bytes, process_card_bytes
+from notebookkit.expert_chunks import chunk_budget
 from notebookkit.families import MoE
+from notebookkit.memory.model_setup import record_expert_chunk_budget, recorded_expert_chunk_budget
 
+from ..common.architectures import lookup
 from .lora_parts import lora_parts
 from .moe_routing import patch_router, router_ready
 
@@ -100,8 +102,8 @@ def experts_view(
         if nf4_stacked is None:
             return None, "notebookkit.kernels.nf4_stacked is unavailable"
         # stored [E, in, out] (gpt-oss) is seen as [E, out, in] through the view's element strides; a
-        # training-sized call decodes chunks of experts as large as this card allows
-        chunk = decode_chunk_bytes(process_card_bytes(gate_up.device))
+        # training-sized call decodes chunks of experts as large as the activation plan allows (else this card)
+        chunk = chunk_budget(gate_up.device, recorded_expert_chunk_budget(base))
         gate_up, down = (nf4_stacked(w.data, w.quant_state, transposed=moe.transposed, chunk_bytes=chunk)
                          if is_nf4_expert_param(w) else (w.transpose(1, 2) if moe.transposed else w)
                          for w in (gate_up, down))
@@ -172,6 +174,18 @@ def patch_moe(block: nn.Module, moe: MoE) -> None:
     """Rebind one sparse MoE block and its router."""
     patch_router(getattr(block, moe.router), moe.routing)
     rebind(block, make_moe_forward(moe), "moe")
+
+
+def record_chunk_budgets(model: nn.Module, layers: list[nn.Module], budget: Optional[int]) -> None:
+    """Record ``budget`` (bytes of NF4 experts decoded at a time, the one an ``"auto"`` activation plan counted;
+    ``None``: the card's own) on the experts of each sparse block among ``model``'s decoder ``layers``."""
+    spec = lookup(getattr(model, "config", None))
+    if spec is None or spec.moe is None:
+        return
+    for layer in layers:
+        block = getattr(layer, "mlp", None)
+        if is_moe_block(block, spec.moe):
+            record_expert_chunk_budget(unwrap_experts(getattr(block, spec.moe.experts))[0], budget)
 
 
 def experts_status(block: nn.Module, moe: MoE) -> Optional[str]:
