@@ -282,21 +282,21 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     N, k, E, H, I = tokens, shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     n = N * k
     r_gu, r_d = ranks.get("gate_up_proj", 0), ranks.get("down_proj", 0)
-    # held through each weight-reading kernel
-    chunk = expert_decode_chunk_bytes(shape, tokens=N, s=s, nf4=nf4, chunk_bytes=chunk_bytes)
+    # held through each weight-reading kernel: the largest decoded chunk of the weight it reads
+    chunks = _decoded_chunks(shape, tokens=N, s=s, nf4=nf4, chunk_bytes=chunk_bytes)
+    chunk_gu, chunk_d = chunks["gate_up_proj"], chunks["down_proj"]
     if grouped:
-        chunks = _decoded_chunks(shape, tokens=N, s=s, nf4=nf4, chunk_bytes=chunk_bytes)
         whole = {w: _in_one_chunk(shape, w, s, chunk_bytes) for w in chunks}
         return _grouped_working_sets(shape, n=n, N=N, s=s, r_gu=r_gu, r_d=r_d, chunks=chunks,
                                      factor_bytes=_factor_elems(shape, ranks) * s, b_cast=adapter_bytes != s,
                                      whole=whole)
-    forward = max(n * (I + H) * s + chunk, n * H * s + N * H * s)  # h is freed before the sum
+    forward = max(chunk_gu, n * (I + H) * s + chunk_d, n * H * s + N * H * s)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
     down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
-    in_kernel = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + 4 * n * math.ceil(I / BLOCK_N) + chunk
+    in_kernel = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + 4 * n * math.ceil(I / BLOCK_N) + chunk_d
     phase_h = n * (2 * I + r_d) * s + (n * I * s if r_d else 0) + partials + 4 * n + down_grads
     common = n * (2 * I + r_gu) * s + partials
-    at_dx = common + n * H * s + down_grads + chunk  # the scattered dx rows, written a chunk of experts at a time
+    at_dx = common + n * H * s + down_grads + chunk_gu  # the scattered dx rows, written a chunk of experts at a time
     at_sum = common + n * H * s + N * H * s + down_grads  # the scattered dx rows and their sum
     at_end = common + N * H * s + _factor_elems(shape, ranks) * s  # dx and every factor gradient
     return {"forward": forward, "backward": max(in_kernel, phase_h, at_dx, at_sum, at_end)}

@@ -98,8 +98,9 @@ def test_grouped_path_matches_the_reference(family, nf4, per_chunk, monkeypatch,
         if name[0] in "AB":  # the expert without rows: exact zeros, not an empty reduction's leftovers
             assert all(torch.count_nonzero(_expert_rows(got[name], name, e)) == 0 for e in EMPTY), name
     # NF4, each chunk once per GEMM that reads its weight (forward, and backward's G or dx): gate_up two experts a
-    # chunk, [2, 4) never decoded; down (half the size) four, [0, 4) and [4, 6); or every expert in one chunk
-    chunks = [(0, 2)] * 2 + [(0, 4)] * 2 + [(4, 6)] * 4 if per_chunk == 2 else [(0, E)] * 4
+    # chunk, [2, 4) never decoded; down (half the size) fits four a chunk, so two chunks filled evenly, [0, 3) and
+    # [3, 6); or every expert in one chunk
+    chunks = [(0, 2)] * 2 + [(0, 3)] * 2 + [(3, 6)] * 2 + [(4, 6)] * 2 if per_chunk == 2 else [(0, E)] * 4
     assert sorted(decoded) == (chunks if nf4 else [])
 
 
