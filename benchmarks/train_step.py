@@ -203,7 +203,7 @@ def spread_offloaded_layers(model, batch: int, seq: int, max_memory: str | None)
     ones, the share of them parked that the host link carries so: ``notebookkit.memory.planner``)."""
     from notebookkit.models.patching.checkpointing import apply_checkpointing, auto_plan
 
-    modes, why = auto_plan(model.get_base_model(), seq, batch, max_memory, padded=batch > 1, layout="spread")
+    modes, why, _ = auto_plan(model.get_base_model(), seq, batch, max_memory, padded=batch > 1, layout="spread")
     apply_checkpointing(model, modes)
     print(f"spread: {plan_counts(model)} ({why})", flush=True)
 

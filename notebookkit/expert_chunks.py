@@ -28,8 +28,8 @@ from __future__ import annotations
 import functools
 
 __all__ = ["DECODE_CHUNK_BYTES", "MAX_DECODE_CHUNK_BYTES", "CARD_SHARE", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP",
-           "decode_chunk_bytes", "process_card_bytes", "chunk_budget", "decodes_in_chunks", "experts_per_chunk", "chunk_ranges",
-           "decoded_range", "largest_decode", "grouped_mm_sizes"]
+           "decode_chunk_bytes", "process_card_bytes", "chunk_budget", "decodes_in_chunks", "experts_per_chunk",
+           "chunk_ranges", "decoded_range", "largest_decode", "grouped_mm_sizes"]
 
 #: bytes of one chunk of decoded experts (a transient of the GEMM that reads it) on a card of up to 32 GiB, and
 #: where the card is not known

@@ -833,8 +833,8 @@ def estimate_training_memory(
             expert adapters the MLP names of ``target_modules`` would make (:mod:`notebookkit.memory.moe`).
         expert_chunk_bytes: a mixture of experts' budget for one chunk of NF4 experts decoded at a time, which
             grows with the card (:func:`notebookkit.expert_chunks.decode_chunk_bytes` of the card's memory;
-            ``estimate_for_model`` takes the model's, the planner the budget's it plans for); default the least,
-            a T4's 128 MiB. The estimate's ``inputs`` name the one it counted.
+            ``estimate_for_model`` takes the model's, the planner that of the budget it plans for); default the
+            least, a T4's 128 MiB. The estimate's ``inputs`` name the one it counted.
         optimizer: ``"adamw"`` (any fp32 AdamW), ``"adamw_8bit"`` / ``"paged_adamw_8bit"``, ``"lion"``,
             ``"lion_8bit"``, ``"adafactor"``, ``"sgd"`` (Trainer ``optim`` names work).
         batch_size, seq_len: tokens per micro-batch are ``batch_size * seq_len`` (use the padded

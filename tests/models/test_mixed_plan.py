@@ -34,7 +34,7 @@ def _tiny_llama(plan, fp8: bool, monkeypatch):
     path = str(ensure_tiny_model("notebookkit/tiny-llama"))
     model, _ = FastLanguageModel.from_pretrained(path, max_seq_length=T, dtype=torch.bfloat16, load_in_4bit=False,
                                                  show_banner=False)
-    monkeypatch.setattr(checkpointing, "auto_plan", lambda *a, **k: (list(plan), "auto: plan given by the test"))
+    monkeypatch.setattr(checkpointing, "auto_plan", lambda *a, **k: (list(plan), "auto: plan given by the test", None))
     model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=8, use_gradient_checkpointing="auto",
                                              planning_batch_size=B,  # the batch it trains: no re-plan
                                              fp8_base_matmul=fp8, show_banner=False)
