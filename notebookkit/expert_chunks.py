@@ -14,7 +14,7 @@ the compute dtype, at least one, so the dense copy never exceeds the larger of t
 The budget grows with the card (:func:`decode_chunk_bytes`): each chunk costs a decode launch, a ``grouped_mm``
 (two launches) and a copy into the output, four times a layer (the forward's gate/up and down, the backward's
 two input gradients). Qwen3-30B-A3B's gate/up experts are 805 MB in bf16: seven chunks at 128 MiB, three at
-320 MiB (an 80 GiB card), two on an H200 (558 MiB). On a fast card, where a mixture-of-experts step waits on
+320 MiB (an 80 GiB card), two on an H200 (562 MiB). On a fast card, where a mixture-of-experts step waits on
 the host's launches (the H200: the GPU idle about two thirds of the step, ``benchmarks/results/*moe-s30.md``),
 fewer chunks are fewer launches; on a small card, where every MiB counts and the GPU is the bound, the budget
 stays at :data:`DECODE_CHUNK_BYTES`. A weight whose experts all fit one chunk has that chunk's product as its
@@ -51,8 +51,8 @@ def decode_chunk_bytes(card_bytes: int | None) -> int:
     """The chunk budget on a card whose process may use ``card_bytes`` (its memory, or the allocator's cap where
     one is set; ``None``: not known): ``clamp(card_bytes / CARD_SHARE, DECODE_CHUNK_BYTES,
     MAX_DECODE_CHUNK_BYTES)``: 128 MiB up to 32 GiB (a T4, a 24 GiB card: where memory is tightest and the
-    GPU, not the host, bounds the step), 160 MiB on 40 GiB, 320 MiB on 80 GiB, 558 MiB on an H200's
-    143,000 MiB, 1 GiB from 256 GiB."""
+    GPU, not the host, bounds the step), 160 MiB on 40 GiB, 320 MiB on 80 GiB, 562 MiB on an H200's
+    143,771 MiB, 1 GiB from 256 GiB."""
     if card_bytes is None:
         return DECODE_CHUNK_BYTES
     return max(DECODE_CHUNK_BYTES, min(MAX_DECODE_CHUNK_BYTES, int(card_bytes) // CARD_SHARE))

@@ -506,7 +506,7 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     if any(fp8_forward(m) for m in getattr(model, "modules", lambda: [])()):
         out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
     chunk = expert_chunk_budget(base)
-    if chunk is not None:  # a mixture of experts on a GPU: its NF4 experts decode in chunks this card allows
+    if chunk is not None:  # a mixture of experts on a GPU: its NF4 experts' chunks (its plan's, else this card's)
         out["expert_chunk_bytes"] = chunk
     held = held_decode_cache(base)
     if held is not None:  # generate's cache stays allocated through training: its share joins the estimate
