@@ -382,7 +382,8 @@ class _MoEGroupedFunction(torch.autograd.Function):
         k = topk_idx.shape[1]
         n, inter = T * k, gu.shape[1] // 2
         dy = dy.to(x.dtype)
-        dys = dy.index_select(0, perm // k)
+        token = perm // k  # each sorted row's token, read twice below
+        dys = dy.index_select(0, token)
         G = _expert_gemm(dys, down.transpose(1, 2), sg)  # dy_t Wd_e  [N, I]
         dyb = None
         if d_A is not None:
@@ -422,7 +423,7 @@ class _MoEGroupedFunction(torch.autograd.Function):
             dx = sum_slots(slots, T, k, x.dtype)
             del slots
         dB_gu = _gmm_t(dgu, xa, sg, gu_scale) if gu_B is not None and need[8] else None
-        dA_gu = _gmm_t(dgub, x.index_select(0, perm // k), sg, gu_scale) if gu_A is not None and need[7] else None
+        dA_gu = _gmm_t(dgub, x.index_select(0, token), sg, gu_scale) if gu_A is not None and need[7] else None
         return dx, None, d_topk_w, None, None, None, None, dA_gu, dB_gu, dA_d, dB_d, None
 
 
