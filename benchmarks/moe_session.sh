@@ -7,6 +7,8 @@
 # Rows run gpt-oss-20b's table, then its T4 emulation, then Qwen3-30B-A3B's; a row that would start after
 # BUDGET_S seconds (default 500, under the device tool's 10 minutes a command) is written as skipped, so the
 # table always comes back. Split a run that does not fit: e.g. `--shapes qwen3-30b-a3b --no-t4`.
+# Qwen3-30B-A3B with the same adapters in every row (Unsloth's: gate_up at r, not PEFT's 2r):
+#   `--shapes qwen3-30b-a3b --no-t4 --expert-adapters stacked --tag stacked`
 # Results: $OUT/moe/<date>-<gpu>-moe-step.json, .md and -logs/ (one log per row); copy them to benchmarks/results/.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT/moe"

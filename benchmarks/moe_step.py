@@ -31,6 +31,11 @@ per row:
                          it would cast those 16-bit experts to fp32; what it does otherwise (freeze,
                          checkpointing, input gradients) is done here.
 
+The experts' adapters differ by system at the Qwen3-30B-A3B shape: PEFT maps ``gate_proj`` + ``up_proj`` onto the
+stacked ``gate_up_proj`` at rank 2r (notebookkit and hf follow it: 82.9M trainable at 4 layers), Unsloth adapts it
+at r (53.5M). ``--expert-adapters stacked`` gives the notebookkit and hf rows Unsloth's adapters (the stacked
+weights at r, named as ``target_parameters``), so the three rows train the same parameters.
+
 Peak = ``torch.cuda.max_memory_allocated`` over the training steps (the weights resident); load peak =
 the same over loading (notebookkit quantises each stacked expert weight as transformers reads it: the load
 peak shows what that leaves). Predicted =
@@ -92,7 +97,12 @@ TINY = {"qwen3-30b-a3b": "notebookkit/tiny-qwen3_moe", "gpt-oss-20b": "notebookk
 SYSTEMS = ["unsloth", "notebookkit", "notebookkit-capped", "hf"]
 T4_SYSTEMS = ["notebookkit", "unsloth"]
 NEEDS = {"unsloth": "unsloth"}
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERT_ADAPTERS_NOTE = {  # --expert-adapters, as the table's header states it
+    "peft": "notebookkit and hf: PEFT's mapping of gate/up/down, Qwen3-MoE's gate_up at 2r; Unsloth: its own, at r",
+    "stacked": "every row: the two stacked expert weights at r, named as target_parameters",
+}
+TARGETS = ATTENTION_TARGETS + ["gate_proj", "up_proj", "down_proj"]
 R, ALPHA, SEED = 16, 16, 3407
 STREAM_SYMBOLS = 32  # token ids in the learnable cycle (learning_check.cycle_stream)
 FIRST_ROW_GRACE_S = {"unsloth": 120}  # Unsloth compiles its patched modules on its first import on a machine
@@ -140,18 +150,33 @@ def model_folder(shape: str, layers: int, tiny: bool) -> str:
 
 # ------------------------------------------------------------------------------------------ systems
 
+def stacked_adapter_targets(folder: str) -> dict:
+    """``--expert-adapters stacked``: LoRA at rank r on attention and on the experts' two stacked weights named
+    as ``target_parameters`` (what Unsloth trains), instead of PEFT's mapping of the MLP names (Qwen3-MoE's
+    gate_up at 2r: 55% more trainable parameters at the 30B-A3B shape). gpt-oss gets the same either way."""
+    from transformers import AutoConfig
+
+    from notebookkit.families import for_model_type
+
+    family = for_model_type(AutoConfig.from_pretrained(folder).model_type)
+    return dict(target_modules=ATTENTION_TARGETS, target_parameters=list(family.moe.lora_parameters))
+
+
 def load_system(system: str, folder: str, device: str, dtype, quant: str, seq: int, batch: int,
-                max_memory: str | None):
-    """``system``'s model with LoRA r=16 on attention and the experts, ready to train."""
+                max_memory: str | None, expert_adapters: str = "peft"):
+    """``system``'s model with LoRA r=16 on attention and the experts, ready to train (``expert_adapters``:
+    ``"peft"``, the seven names as each system maps them, or ``"stacked"``, :func:`stacked_adapter_targets`;
+    Unsloth always adapts the stacked weights at r)."""
     import torch
 
+    targets = stacked_adapter_targets(folder) if expert_adapters == "stacked" else {}
     if system == "notebookkit":
         from notebookkit import FastLanguageModel
 
         model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=seq, dtype=dtype, load_in_4bit=quant == "nf4")
         return FastLanguageModel.get_peft_model(
             model, r=R, lora_alpha=ALPHA, lora_dropout=0.0, bias="none", use_gradient_checkpointing="auto",
-            random_state=SEED, planning_batch_size=batch, max_memory=max_memory,
+            random_state=SEED, planning_batch_size=batch, max_memory=max_memory, **targets,
         )
     if system == "unsloth":
         from unsloth import FastLanguageModel as UnslothModel
@@ -182,10 +207,13 @@ def load_system(system: str, folder: str, device: str, dtype, quant: str, seq: i
         p.requires_grad_(False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
-    extra = {} if family.moe.peft_maps_mlp_targets else {"target_parameters": list(family.moe.lora_parameters)}
+    if not targets:
+        targets = dict(target_modules=TARGETS)
+        if not family.moe.peft_maps_mlp_targets:
+            targets["target_parameters"] = list(family.moe.lora_parameters)
     torch.manual_seed(SEED)
-    return get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, bias="none", target_modules=TARGETS,
-                                            task_type="CAUSAL_LM", **extra))
+    return get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                                            **targets))
 
 
 def expert_weights(model) -> dict:
@@ -269,7 +297,8 @@ def run_system(args) -> dict:
     with HostMemorySampler() as rss:
         t0 = time.time()
         try:
-            model = load_system(args.system, folder, device, dtype, args.quant, args.seq, args.batch, args.max_memory)
+            model = load_system(args.system, folder, device, dtype, args.quant, args.seq, args.batch, args.max_memory,
+                                args.expert_adapters)
         except Exception as exc:  # noqa: BLE001 - a system that refuses the setting is a row, not a crash
             import traceback
 
@@ -393,7 +422,7 @@ def child_command(system: str, shape: str, args, t4: bool = False, max_memory: s
     cmd = [sys.executable, os.path.abspath(__file__), "--system", base, "--label", system, "--shape", shape,
            "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch), "--quant", args.quant,
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr),
-           "--t4-cap-gib", str(args.t4_cap_gib), *extra]
+           "--t4-cap-gib", str(args.t4_cap_gib), "--expert-adapters", args.expert_adapters, *extra]
     if t4:
         cmd.append("--t4")
     if max_memory:
@@ -531,7 +560,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Versions: {', '.join(f'{k} {v}' for k, v in versions.items()) or '–'}.", "",
         f"Random-weight checkpoints of the public shapes with {meta.get('layers')} decoder layers (full widths), "
         f"{meta.get('quant')} base, {meta.get('seq')} tokens × {meta.get('batch')} row(s), LoRA r={R} alpha={ALPHA} on "
-        f"q/k/v/o and the experts, AdamW lr {meta.get('lr')}, {meta.get('warmup')} warm-up + {meta.get('steps')} timed steps, "
+        f"q/k/v/o and the experts ({EXPERT_ADAPTERS_NOTE[meta.get('expert_adapters', 'peft')]}), AdamW lr {meta.get('lr')}, {meta.get('warmup')} warm-up + {meta.get('steps')} timed steps, "
         "one process per row. tok/s and step ms: the median timed step (CUDA events); ratios use it. Peak: "
         "`torch.cuda.max_memory_allocated` over the training steps (weights resident); load peak: over loading. "
         "Predicted: notebookkit's memory model (`estimate_for_model`, the planner's function) for the model as set "
@@ -621,7 +650,7 @@ def run_all(args) -> tuple[list[dict], dict, str]:
     command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
     meta = dict(device=device, date=str(dt.date.today()), command=command,
                 layers=args.layers, seq=args.seq, batch=args.batch, quant=args.quant, lr=args.lr, warmup=args.warmup,
-                steps=args.steps, t4_cap_gib=args.t4_cap_gib, tiny=args.tiny)
+                steps=args.steps, t4_cap_gib=args.t4_cap_gib, tiny=args.tiny, expert_adapters=args.expert_adapters)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{meta['date']}-{device.replace(' ', '-')}-moe-step{'-tiny' if args.tiny else ''}"
                                   f"{('-' + args.tag) if args.tag else ''}")
@@ -699,6 +728,9 @@ def main() -> None:
     ap.add_argument("--t4-systems", default=",".join(T4_SYSTEMS))
     ap.add_argument("--t4-cap-gib", type=float, default=15.0)
     ap.add_argument("--max-memory", default=None, help="(child) notebookkit's max_memory")
+    ap.add_argument("--expert-adapters", default="peft", choices=["peft", "stacked"],
+                    help="the experts' LoRA in the notebookkit and hf rows: PEFT's mapping of the MLP names (Qwen3-MoE's "
+                         "gate_up at 2r) or the stacked weights at r, as Unsloth trains them")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per row (Unsloth's first row gets 120 more)")
     ap.add_argument("--budget-s", type=int, default=0, help="whole run: rows that would start after it are skipped")
     ap.add_argument("--tiny", action="store_true", help="embedded tiny models on the CPU, fp32 (checks the script)")

@@ -51,6 +51,29 @@ def test_tiny_run_writes_rows_and_tables(tmp_path):
     assert (tmp_path / result.name.replace(".json", "-logs") / "gpt-oss-20b-hf.log").exists()
 
 
+def test_stacked_expert_adapters_train_what_unsloth_trains():
+    """``--expert-adapters stacked`` on tiny Qwen3-MoE: notebookkit and hf adapt gate_up and down at rank r (Unsloth's
+    count, ``L E r (H + 2I + I + H)`` on the experts), where PEFT's mapping puts gate_up at 2r."""
+    import torch
+
+    folder = moe_step.model_folder("qwen3-30b-a3b", 2, tiny=True)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    L, E, H, I = (getattr(config, k) for k in ("num_hidden_layers", "num_experts", "hidden_size", "moe_intermediate_size"))
+    experts_at_r = L * E * moe_step.R * (H + 2 * I + I + H)
+
+    def trainable(system: str, adapters: str) -> int:
+        model = moe_step.load_system(system, folder, "cpu", torch.float32, "none", 32, 1, None, adapters)
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    stacked = trainable("notebookkit", "stacked")
+    assert stacked == trainable("hf", "stacked")
+    assert trainable("notebookkit", "peft") - stacked == L * E * moe_step.R * (H + 2 * I)  # gate_up's second r
+    attention = stacked - experts_at_r
+    assert 0 < attention < stacked / 2
+
+
 def _row(system: str, tok_s: float, peak: float, losses=(12.0, 11.0, 10.0), table: str = "gpt-oss-20b", **extra) -> dict:
     return dict(dict(table=table, system=system, status="ok", tok_s=tok_s, step_ms=2048 / tok_s * 1e3, peak_gib=peak,
                      losses=list(losses), loss_first=losses[0], loss_last=losses[-1], trainable=100, expert_gib=1.0,
@@ -87,7 +110,7 @@ def test_a_refusal_at_load_is_a_row_with_its_message(monkeypatch, tmp_path):
     monkeypatch.setattr(moe_step, "load_system", refuse)
     args = types.SimpleNamespace(system="notebookkit", label="unsloth", shape="gpt-oss-20b", layers=4, seq=32, batch=1,
                                  quant="none", t4=True, t4_cap_gib=15.0, max_memory=None, tiny=True, warmup=1, steps=2,
-                                 lr=1e-3)
+                                 lr=1e-3, expert_adapters="peft")
     row = moe_step.run_system(args)
     assert row["status"] == f"refused at load: NotImplementedError: {message}" and row["system"] == "unsloth"
     assert row["host_rss_peak_gib"] >= row["host_anon_peak_gib"] > 0
