@@ -19,6 +19,10 @@ next one yet (``profile_step.py`` counts those gaps). This script loads a system
         --checkpointing offload --fp8 --out DIR
     python benchmarks/host_profile.py --shape llama-3.1-8b --quant nf4 --seq 4096 --batch 1 \\
         --checkpointing auto --dtype float16 --memory-cap-gib 15 --out DIR      # the T4 emulation
+    python benchmarks/host_profile.py --shape qwen3-30b-a3b --quant nf4 --seq 2048 --batch 1 --out DIR
+
+A mixture-of-experts shape of ``moe_step.py`` (``qwen3-30b-a3b``, ``gpt-oss-20b``) loads as that script's
+``notebookkit`` row does: ``--layers`` decoder layers at full width, the ``"auto"`` plan, ``--expert-adapters``.
 
 Needs CUDA. cProfile slows Python down, so its times are larger than in a plain step; compare them
 with each other, not with the GPU's.
@@ -52,21 +56,34 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="float16 trains under autocast and a GradScaler (a T4's precision), as train_step.py")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="cap the allocator (15 with float16: a T4)")
+    ap.add_argument("--layers", type=int, default=4, help="a mixture-of-experts shape's decoder layers (moe_step.py)")
+    ap.add_argument("--expert-adapters", default="peft", choices=["peft", "stacked"], help="as moe_step.py's")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
 
     import torch
+    import moe_step
     import train_step
+    from learning_check import cycle_stream
 
-    folder = train_step.build_checkpoint(args.shape)
     if args.memory_cap_gib:
         train_step.cap_gpu_memory(args.memory_cap_gib)
-    model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, None, args.fp8,
-                                        dtype=getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    if args.shape in moe_step.SHAPES:
+        folder = moe_step.build_checkpoint(args.shape, args.layers)
+        model = moe_step.load_system("notebookkit", folder, "cuda", dtype, args.quant, args.seq, args.batch, None,
+                                     args.expert_adapters)
+        args.checkpointing = f"auto-{args.layers}-layers-{args.expert_adapters}"
+        vocab = moe_step.SHAPES[args.shape]["vocab_size"]
+        batches = cycle_stream(8, args.batch, args.seq, vocab, symbols=moe_step.STREAM_SYMBOLS, seed=0, device="cuda")
+    else:
+        folder = train_step.build_checkpoint(args.shape)
+        model = train_step.load_notebookkit(folder, args.quant, args.seq, args.batch, args.checkpointing, None, args.fp8,
+                                            dtype=dtype)
+        batches = train_step.token_batches(args.shape, args.batch, args.seq, 8)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-4, fused=True)
-    batches = train_step.token_batches(args.shape, args.batch, args.seq, 8)
     fp16 = args.dtype == "float16"
     scaler = torch.amp.GradScaler("cuda", init_scale=train_step.INITIAL_SCALE) if fp16 else None
     step = train_step.training_step(model, optimizer, scaler)
