@@ -327,8 +327,9 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     part = 4 * n * math.ceil(I / min(1024, 2 ** math.ceil(math.log2(max(I, 16)))))
     dyb, h = n * r_d * s, (n * I * s if r_d else 0)
     d_grads = E * r_d * (H + I) * s
-    backward = max(
-        4 * n + rows,
+    token = 4 * n  # each sorted row's token (int32), held from the first gather to the last
+    backward = token + max(
+        rows,
         rows + n * I * s + d_chunk + res(I, "down_proj"),  # dys, G
         rows + n * I * s + dyb + max(b_d, n * I * s) if r_d else 0,  # dy B, the adapter's product
         rows + n * I * s + dyb + n * 2 * I * s + h + part,  # dgu, h, the <G, h> partials
