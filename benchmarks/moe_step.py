@@ -391,19 +391,25 @@ def run_system(args) -> dict:
 
 def profile_one_step(args, row: dict, step) -> None:
     """(child, ``--profile DIR``) One more step under ``torch.profiler``: where its GPU time goes, written as
-    ``DIR/profile-<shape>-<system>[-t4].md`` by ``profile_step.render_report`` (kernel categories, top kernels)."""
+    ``DIR/profile-<shape>-<system>[-t4].md`` by ``profile_step.render_report`` (kernel categories, top kernels, and
+    the GPU's idle time split into waits for the host's launches and the rest: a host-bound step shows there)."""
     import torch
 
-    from profile_step import busy_us, device_kernels, profile_steps, render_report
+    from profile_step import busy_us, device_kernels, profile_steps, render_report, trace_facts
 
     prof, wall_ms = profile_steps([step])
     kernels, intervals = device_kernels(prof.events())
+    try:
+        gaps, _ = trace_facts(prof)
+    except Exception as exc:  # noqa: BLE001 - the gap split is extra information, never fatal
+        print(f"(no idle-gap analysis: {exc})", file=sys.stderr)
+        gaps = None
     name = f"profile-{args.shape}-{row['system']}{'-t4' if args.t4 else ''}.md"
     facts = [("GPU", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"),
              ("model", f"{args.shape} shape, {args.layers} layers, {args.quant}, {row['dtype']}"),
              ("activation plan", str(row.get("plan")))]
     text = render_report(f"One MoE training step of {row['system']}: {args.seq} tokens x {args.batch}", facts,
-                         wall_ms, busy_us(intervals) / 1e3, kernels, top=30)
+                         wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps, top=30)
     os.makedirs(args.profile, exist_ok=True)
     with open(os.path.join(args.profile, name), "w") as fh:
         fh.write(text)
