@@ -73,7 +73,7 @@ def main() -> None:
         folder = moe_step.build_checkpoint(args.shape, args.layers)
         model = moe_step.load_system("notebookkit", folder, "cuda", dtype, args.quant, args.seq, args.batch, None,
                                      args.expert_adapters)
-        args.checkpointing = f"auto-{args.layers}-layers-{args.expert_adapters}"
+        args.checkpointing = f"auto-{args.layers}-layers-{args.expert_adapters}"  # what the header and file name say
         vocab = moe_step.SHAPES[args.shape]["vocab_size"]
         batches = cycle_stream(8, args.batch, args.seq, vocab, symbols=moe_step.STREAM_SYMBOLS, seed=0, device="cuda")
     else:

@@ -566,7 +566,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Versions: {', '.join(f'{k} {v}' for k, v in versions.items()) or '–'}.", "",
         f"Random-weight checkpoints of the public shapes with {meta.get('layers')} decoder layers (full widths), "
         f"{meta.get('quant')} base, {meta.get('seq')} tokens × {meta.get('batch')} row(s), LoRA r={R} alpha={ALPHA} on "
-        f"q/k/v/o and the experts ({EXPERT_ADAPTERS_NOTE[meta.get('expert_adapters', 'peft')]}), AdamW lr {meta.get('lr')}, {meta.get('warmup')} warm-up + {meta.get('steps')} timed steps, "
+        f"q/k/v/o and the experts ({EXPERT_ADAPTERS_NOTE[meta.get('expert_adapters', 'peft')]}), "
+        f"AdamW lr {meta.get('lr')}, {meta.get('warmup')} warm-up + {meta.get('steps')} timed steps, "
         "one process per row. tok/s and step ms: the median timed step (CUDA events); ratios use it. Peak: "
         "`torch.cuda.max_memory_allocated` over the training steps (weights resident); load peak: over loading. "
         "Predicted: notebookkit's memory model (`estimate_for_model`, the planner's function) for the model as set "
