@@ -30,6 +30,32 @@ CONFIG = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_a
 B, T, R = 2, 64, 4
 
 
+def measured_step_peak(model, ids: torch.Tensor) -> int:
+    """The live bytes' peak of one AdamW training step on ``ids`` (CUDA paths), after a first step made the
+    optimizer states: everything the step allocates and holds at once."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with cuda_like(release_launch_args=True):
+        step()  # optimizer states now exist
+        probe = LiveBytes()
+        with probe:
+            step()
+    return probe.peak
+
+
+def predicted_step_bytes(est) -> tuple[int, int]:
+    """(the estimate's peak less what exists before a step: weights, LoRA weights, optimizer states; the LoRA
+    gradients it counts)."""
+    before_step = (est.base_weights + est.details["adapters + optimizer: LoRA weights"]
+                   + est.details["adapters + optimizer: optimizer states"])
+    return est.peak_allocated - before_step, est.details["adapters + optimizer: gradients"]
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -62,27 +88,12 @@ def test_step_working_set_matches_the_estimate(folder, mode, load_in_4bit, tile_
                                              show_banner=False).train()
     if isinstance(mode, list):  # a per-layer plan
         FastLanguageModel.for_training(model, mode)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, CONFIG["vocab_size"], (B, T))
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    with cuda_like(release_launch_args=True):
-        step()  # optimizer states now exist
-        probe = LiveBytes()
-        with probe:
-            step()
+    peak = measured_step_peak(model, torch.randint(0, CONFIG["vocab_size"], (B, T)))
     est = estimate_training_memory(dict(CONFIG, model_type="llama"), load_in_4bit=load_in_4bit, lora_r=R,
                                    batch_size=B, seq_len=T, activation_plan=mode, cuda_context_bytes=0)
-    before_step = (est.base_weights + est.details["adapters + optimizer: LoRA weights"]
-                   + est.details["adapters + optimizer: optimizer states"])
-    predicted = est.peak_allocated - before_step
-    grads = est.details["adapters + optimizer: gradients"]
-    print(f"{mode} nf4={load_in_4bit}: measured {probe.peak}, predicted {predicted} (LoRA grads {grads})")
-    assert probe.peak <= predicted <= probe.peak + grads + 0.03 * probe.peak
+    predicted, grads = predicted_step_bytes(est)
+    print(f"{mode} nf4={load_in_4bit}: measured {peak}, predicted {predicted} (LoRA grads {grads})")
+    assert peak <= predicted <= peak + grads + 0.03 * peak
 
 
 @pytest.mark.slow
@@ -98,26 +109,10 @@ def test_moe_step_working_set_matches_the_estimate(family, load_in_4bit, mode, m
                                                  load_in_4bit=load_in_4bit, show_banner=False)
     model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=8, use_gradient_checkpointing=mode,
                                              show_banner=False).train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(5, 900, (B, T // 2), generator=torch.Generator().manual_seed(0))
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    with cuda_like(release_launch_args=True):
-        step()  # optimizer states now exist
-        probe = LiveBytes()
-        with probe:
-            step()
-    est = estimate_for_model(model, batch_size=B, seq_len=T // 2)
-    before_step = (est.base_weights + est.details["adapters + optimizer: LoRA weights"]
-                   + est.details["adapters + optimizer: optimizer states"])
-    predicted = est.peak_allocated - before_step
-    grads = est.details["adapters + optimizer: gradients"]
-    print(f"{family} {mode} nf4={load_in_4bit}: measured {probe.peak}, predicted {predicted} (LoRA grads {grads})")
-    assert probe.peak <= predicted <= probe.peak + grads + 0.03 * probe.peak
+    peak = measured_step_peak(model, torch.randint(5, 900, (B, T // 2), generator=torch.Generator().manual_seed(0)))
+    predicted, grads = predicted_step_bytes(estimate_for_model(model, batch_size=B, seq_len=T // 2))
+    print(f"{family} {mode} nf4={load_in_4bit}: measured {peak}, predicted {predicted} (LoRA grads {grads})")
+    assert peak <= predicted <= peak + grads + 0.03 * peak
     if mode is False:  # every layer kept: the step peaks in the last layer's backward, one layer's gradients of L made
         layers = model.config.num_hidden_layers
-        assert probe.peak <= predicted - grads * (layers - 1) / layers
+        assert peak <= predicted - grads * (layers - 1) / layers
