@@ -9,6 +9,9 @@
 # table always comes back. Split a run that does not fit: e.g. `--shapes qwen3-30b-a3b --no-t4`.
 # Qwen3-30B-A3B with the same adapters in every row (Unsloth's: gate_up at r, not PEFT's 2r):
 #   `--shapes qwen3-30b-a3b --no-t4 --expert-adapters stacked --tag stacked`
+# Its step swings between processes (session 41: 36.8-63.2 ms): `--systems unsloth,notebookkit --repeats 3` runs
+# three rounds and reports each system's median process and the round-by-round ratios; `--profile "$OUT/moe"` adds
+# one profiled step a row (where the GPU waited on the host).
 # Results: $OUT/moe/<date>-<gpu>-moe-step.json, .md and -logs/ (one log per row); copy them to benchmarks/results/.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT/moe"

@@ -48,6 +48,13 @@ its initial scale 65536, ``torch.cuda.set_per_process_memory_fraction`` for ``--
 planned for that cap; skipped steps (the scaler found inf/NaN and halved its scale) counted, host RSS
 sampled every 0.1 s (resident and anonymous: ``notebookkit.memory.meters.process_memory``), and the memory model's prediction for the full-depth model (recompute) beside.
 
+A host-bound step's time swings between processes on one machine (session 41, Qwen3-30B-A3B on an H200:
+notebookkit's median step 36.8-63.2 ms over seven processes, each process's own steps within 15%):
+``--repeats N`` runs every step-table system N times in rounds (a process each), shows each system's median process
+in the table, and under it every process's median step and the round-by-round ratio to Unsloth. ``--profile DIR``
+profiles one more step of every row (``profile_step``'s report: GPU busy time, the idle split into waits for the
+host's launches and the rest).
+
 Writes ``<out>/<date>-<device>-moe-step.json`` and ``.md`` after every row; the table is printed last.
 """
 
@@ -404,7 +411,7 @@ def profile_one_step(args, row: dict, step) -> None:
     except Exception as exc:  # noqa: BLE001 - the gap split is extra information, never fatal
         print(f"(no idle-gap analysis: {exc})", file=sys.stderr)
         gaps = None
-    name = f"profile-{args.shape}-{row['system']}{'-t4' if args.t4 else ''}.md"
+    name = f"profile-{args.shape}-{row['system']}{'-t4' if args.t4 else ''}{f'-{args.repeat}' if args.repeat else ''}.md"
     facts = [("GPU", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"),
              ("model", f"{args.shape} shape, {args.layers} layers, {args.quant}, {row['dtype']}"),
              ("activation plan", str(row.get("plan")))]
@@ -423,16 +430,20 @@ def resolve(system: str) -> tuple[str, list[str]]:
     return ("notebookkit", []) if system == "notebookkit-capped" else (system, [])
 
 
-def child_command(system: str, shape: str, args, t4: bool = False, max_memory: str | None = None) -> list[str]:
+def child_command(system: str, shape: str, args, t4: bool = False, max_memory: str | None = None,
+                  repeat: int = 0) -> list[str]:
     base, extra = resolve(system)
     cmd = [sys.executable, os.path.abspath(__file__), "--system", base, "--label", system, "--shape", shape,
            "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch), "--quant", args.quant,
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr),
-           "--t4-cap-gib", str(args.t4_cap_gib), "--expert-adapters", args.expert_adapters, *extra]
+           "--t4-cap-gib", str(args.t4_cap_gib), "--expert-adapters", args.expert_adapters, "--repeat", str(repeat),
+           *extra]
     if t4:
         cmd.append("--t4")
     if max_memory:
         cmd += ["--max-memory", max_memory]
+    if getattr(args, "profile", None):
+        cmd += ["--profile", os.path.abspath(args.profile)]
     return cmd + (["--tiny"] if args.tiny else [])
 
 
@@ -447,13 +458,13 @@ def parse_child(stdout: str, stderr: str, returncode: int) -> dict:
 
 
 def run_child(system: str, shape: str, table: str, args, timeout: float, t4: bool = False,
-              max_memory: str | None = None) -> dict:
-    head = dict(table=table, system=system, shape=shape, layers=args.layers, t4=t4)
+              max_memory: str | None = None, repeat: int = 0) -> dict:
+    head = dict(table=table, system=system, shape=shape, layers=args.layers, t4=t4, repeat=repeat)
     need = NEEDS.get(resolve(system)[0])
     if need and importlib.util.find_spec(need) is None:
         return head | dict(status=f"not installed ({need})")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    cmd = child_command(system, shape, args, t4, max_memory)
+    cmd = child_command(system, shape, args, t4, max_memory, repeat)
     start = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=max(1.0, timeout))
@@ -461,7 +472,7 @@ def run_child(system: str, shape: str, table: str, args, timeout: float, t4: boo
     except subprocess.TimeoutExpired as exc:
         stdout, stderr, code = _text(exc.stdout), _text(exc.stderr), None
     if args.log_dir:
-        with open(os.path.join(args.log_dir, f"{table}-{system}.log"), "w") as fh:
+        with open(os.path.join(args.log_dir, f"{table}-{system}{f'-{repeat}' if repeat else ''}.log"), "w") as fh:
             fh.write(shlex.join(cmd) + "\n\n" + stdout + "\n--- stderr ---\n" + stderr)
     wall = dict(table=table, system=system, wall_s=round(time.time() - start, 1))
     if code is None and "RESULT " not in stdout:
@@ -500,8 +511,52 @@ def _num(value, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row a system for the table: of its ok rows (``--repeats``: a process each) the median process by step
+    time (the lower middle one of an even count: one process's own figures, never a blend), with every process's
+    median step in ``step_ms_runs``; rows not ok are kept as they are."""
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            runs.setdefault(r["system"], []).append(r)
+    out, placed = [], set()
+    for r in rows:
+        if r.get("status") != "ok":
+            out.append(r)
+        elif r["system"] not in placed:
+            placed.add(r["system"])
+            done = sorted(runs[r["system"]], key=lambda x: x["step_ms"])
+            out.append(dict(done[(len(done) - 1) // 2], step_ms_runs=[x["step_ms"] for x in runs[r["system"]]]))
+    return out
+
+
+def paired_ratios(rows: list[dict], system: str, peer: str = "unsloth") -> list[float]:
+    """``peer``'s step time over ``system``'s, each round of ``--repeats`` (the two processes ran one after the
+    other, so the machine's drift over the run cancels), in run order."""
+    times = {(r["system"], r.get("repeat", 0)): r["step_ms"] for r in rows if r.get("status") == "ok"}
+    return [times[peer, i] / times[system, i] for s, i in sorted(times, key=lambda k: k[1])
+            if s == system and (peer, i) in times]
+
+
+def process_spread(rows: list[dict]) -> list[str]:
+    """Under a table whose systems ran more than once: each process's median step, and the per-round ratios."""
+    collapsed = [r for r in median_rows(rows) if r.get("status") == "ok"]
+    if not any(len(r["step_ms_runs"]) > 1 for r in collapsed):
+        return []
+    lines = ["", "Each process's median step (ms), in run order: " + "; ".join(
+        f"{r['system']} {', '.join(f'{t:.1f}' for t in r['step_ms_runs'])}" for r in collapsed) + "."]
+    for r in collapsed:
+        ratios = paired_ratios(rows, r["system"]) if r["system"] != "unsloth" else []
+        if ratios:
+            lines.append(f"{r['system']} × unsloth, round by round: {', '.join(f'{x:.2f}' for x in ratios)} "
+                         f"(median {statistics.median(ratios):.2f}).")
+    return lines
+
+
 def step_table(rows: list[dict]) -> list[str]:
-    """One shape's step table: speed and peak, the ratios to Unsloth's and HF's rows of the same table."""
+    """One shape's step table: speed and peak, the ratios to Unsloth's and HF's rows of the same table (a system
+    that ran more than once: its median process, :func:`median_rows`)."""
+    rows = median_rows(rows)
     ok = {r["system"]: r for r in rows if r.get("status") == "ok"}
     uns, hf = ok.get("unsloth"), ok.get("hf")
     lines = ["| system | tok/s | step ms | × unsloth | × hf | peak GiB | peak × unsloth | predicted GiB | load peak GiB "
@@ -560,6 +615,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     versions = dict(first.get("versions", {}))
     for r in ok:  # Unsloth's own versions from its row
         versions.update({k: v for k, v in r.get("versions", {}).items() if k.startswith("unsloth")})
+    rpt = meta.get("repeats", 1)
     lines = [
         f"# Mixture-of-experts LoRA step, {meta.get('device', '?')}, {meta.get('date', dt.date.today())}", "",
         f"Command: `{meta.get('command', '?')}`", "",
@@ -568,7 +624,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"{meta.get('quant')} base, {meta.get('seq')} tokens × {meta.get('batch')} row(s), LoRA r={R} alpha={ALPHA} on "
         f"q/k/v/o and the experts ({EXPERT_ADAPTERS_NOTE[meta.get('expert_adapters', 'peft')]}), "
         f"AdamW lr {meta.get('lr')}, {meta.get('warmup')} warm-up + {meta.get('steps')} timed steps, "
-        "one process per row. tok/s and step ms: the median timed step (CUDA events); ratios use it. Peak: "
+        f"one process per row{f', every system {rpt} times in rounds (the table: its median process)' if rpt > 1 else ''}. "
+        "tok/s and step ms: the median timed step (CUDA events); ratios use it. Peak: "
         "`torch.cuda.max_memory_allocated` over the training steps (weights resident); load peak: over loading. "
         "Predicted: notebookkit's memory model (`estimate_for_model`, the planner's function) for the model as set "
         "up. `notebookkit-capped`: the planner's plan under `max_memory` = the `unsloth` row's peak "
@@ -583,7 +640,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         title = TINY[table] if meta.get("tiny") else f"{table} shape, {meta.get('layers')} layers"
         dtype = next((r["dtype"] for r in trs if r.get("dtype")), "?")
         lines += ["", f"## {title}: {meta.get('quant')} base, {dtype}, {meta.get('seq')} × {meta.get('batch')}", ""]
-        lines += step_table(trs)
+        lines += step_table(trs) + process_spread(trs)
     if any(r.get("table") != "t4" for r in rows):
         lines += ["", HF_NOTE]
     t4 = [r for r in rows if r.get("table") == "t4"]
@@ -618,14 +675,16 @@ def order_systems(systems: list[str]) -> list[str]:
     return systems
 
 
-def run_order(shapes: list[str], systems: list[str], t4_systems: list[str], t4_shape: str) -> list[tuple[str, str, bool]]:
-    """(shape, system, T4 emulation?) in the order they run: each shape's step rows (``order_systems``), the
-    T4 rows right after the step rows of ``t4_shape`` (so a run cut short by its budget loses the last shape's
-    rows, not the T4 table), or last when that shape has no step rows."""
+def run_order(shapes: list[str], systems: list[str], t4_systems: list[str], t4_shape: str,
+              repeats: int = 1) -> list[tuple[str, str, bool]]:
+    """(shape, system, T4 emulation?) in the order they run: each shape's step rows (``order_systems``) in
+    ``repeats`` rounds (every system once a round, so a drift of the machine's speed over the run reaches every
+    system alike), the T4 rows right after the step rows of ``t4_shape`` (so a run cut short by its budget loses
+    the last shape's rows, not the T4 table), or last when that shape has no step rows."""
     plan: list[tuple[str, str, bool]] = []
     t4 = [(t4_shape, s, True) for s in t4_systems]
     for shape in shapes:
-        plan += [(shape, s, False) for s in order_systems(systems)]
+        plan += [(shape, s, False) for _ in range(repeats) for s in order_systems(systems)]
         if shape == t4_shape:
             plan, t4 = plan + t4, []
     return plan + t4
@@ -657,7 +716,8 @@ def run_all(args) -> tuple[list[dict], dict, str]:
     command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
     meta = dict(device=device, date=str(dt.date.today()), command=command,
                 layers=args.layers, seq=args.seq, batch=args.batch, quant=args.quant, lr=args.lr, warmup=args.warmup,
-                steps=args.steps, t4_cap_gib=args.t4_cap_gib, tiny=args.tiny, expert_adapters=args.expert_adapters)
+                steps=args.steps, t4_cap_gib=args.t4_cap_gib, tiny=args.tiny, expert_adapters=args.expert_adapters,
+                repeats=args.repeats)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{meta['date']}-{device.replace(' ', '-')}-moe-step{'-tiny' if args.tiny else ''}"
                                   f"{('-' + args.tag) if args.tag else ''}")
@@ -682,10 +742,12 @@ def run_all(args) -> tuple[list[dict], dict, str]:
         write(rows, meta, stem)
 
     plan = run_order(args.shapes.split(","), args.systems.split(","), [] if args.no_t4 else args.t4_systems.split(","),
-                     args.t4_shape)
+                     args.t4_shape, args.repeats)
     prepared: set[str] = set()
+    runs: dict[tuple[str, str], int] = {}
     for shape, system, t4 in plan:
         table = "t4" if t4 else shape  # also in log file names: no spaces
+        repeat = runs[table, system] = runs.get((table, system), -1) + 1
         if not args.tiny and shape not in prepared:  # build the checkpoint in a process of its own
             prepared.add(shape)
             cmd = [sys.executable, os.path.abspath(__file__), "--prepare", "--shape", shape, "--layers", str(args.layers)]
@@ -703,14 +765,14 @@ def run_all(args) -> tuple[list[dict], dict, str]:
         elif system == "notebookkit-capped":
             max_memory, why = capped_memory([r for r in rows if r["table"] == table], args.cap_gib)
             if max_memory is None:
-                add(dict(table=table, system=system, shape=shape, layers=args.layers, t4=t4, status=why))
+                add(dict(table=table, system=system, shape=shape, layers=args.layers, t4=t4, repeat=repeat, status=why))
                 continue
         timeout = remaining(system)
         if timeout is None:
-            add(dict(table=table, system=system, shape=shape, layers=args.layers, t4=t4,
+            add(dict(table=table, system=system, shape=shape, layers=args.layers, t4=t4, repeat=repeat,
                      status=f"skipped: the session budget of {args.budget_s} s ran out"))
             continue
-        add(run_child(system, shape, table, args, timeout, t4=t4, max_memory=max_memory))
+        add(run_child(system, shape, table, args, timeout, t4=t4, max_memory=max_memory, repeat=repeat))
     return rows, meta, stem
 
 
@@ -744,7 +806,11 @@ def main() -> None:
     ap.add_argument("--prepare", action="store_true", help="only build the --shape checkpoint")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default="")
-    ap.add_argument("--profile", default=None, help="(child) profile one more step, report in this folder")
+    ap.add_argument("--profile", default=None,
+                    help="profile one more step of every row, a report each in this folder (profile_one_step)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="step tables: run every system's row this many times, a process each, in rounds")
+    ap.add_argument("--repeat", type=int, default=0, help="(child) which of the --repeats this row is")
     args = ap.parse_args()
     if args.tiny:
         args.quant = "none"

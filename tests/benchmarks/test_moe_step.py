@@ -100,6 +100,29 @@ def test_table_ratios_and_the_capped_rows_cap():
     assert "| notebookkit | 1,500 | 1365.3 | – | – | 10.00 | – |" in alone
 
 
+def test_repeated_rows_show_their_median_process_and_the_round_by_round_ratios():
+    order = moe_step.run_order(["qwen3-30b-a3b"], ["unsloth", "notebookkit"], [], "gpt-oss-20b", repeats=2)
+    assert [s for _, s, _ in order] == ["unsloth", "notebookkit", "unsloth", "notebookkit"]
+    rows = [_row("unsloth", 2048 / 0.050, 4.2, repeat=0), _row("notebookkit", 2048 / 0.040, 4.1, repeat=0),
+            _row("unsloth", 2048 / 0.048, 4.2, repeat=1), _row("notebookkit", 2048 / 0.060, 4.1, repeat=1),
+            _row("unsloth", 2048 / 0.052, 4.2, repeat=2), _row("notebookkit", 2048 / 0.044, 4.1, repeat=2),
+            dict(table="gpt-oss-20b", system="hf", status="failed (exit 1): boom", repeat=0)]
+    table = "\n".join(moe_step.step_table(rows))
+    # each system's median process (50 and 44 ms), not its fastest one or a blend of them
+    assert "| unsloth | 40,960 | 50.0 | 1.00 |" in table and "| notebookkit | 46,545 | 44.0 | 1.14 |" in table
+    assert table.count("| notebookkit |") == 1 and "failed (exit 1): boom" in table
+    assert moe_step.paired_ratios(rows, "notebookkit") == pytest.approx([50 / 40, 48 / 60, 52 / 44])
+    spread = "\n".join(moe_step.process_spread(rows))
+    assert "unsloth 50.0, 48.0, 52.0; notebookkit 40.0, 60.0, 44.0." in spread
+    assert "notebookkit × unsloth, round by round: 1.25, 0.80, 1.18 (median 1.18)." in spread
+    assert moe_step.process_spread(rows[:2]) == []  # one process a system: nothing to add
+    # the child is told its round and the profile folder (a parent's --profile reached no child before)
+    args = types.SimpleNamespace(layers=4, seq=2048, batch=1, quant="nf4", warmup=2, steps=5, lr=2e-4, t4_cap_gib=15.0,
+                                 expert_adapters="stacked", profile="prof", tiny=False)
+    cmd = moe_step.child_command("notebookkit", "qwen3-30b-a3b", args, repeat=2)
+    assert cmd[cmd.index("--repeat") + 1] == "2" and cmd[cmd.index("--profile") + 1] == os.path.abspath("prof")
+
+
 def test_a_refusal_at_load_is_a_row_with_its_message(monkeypatch, tmp_path):
     message = "Unsloth: this gpt-oss checkpoint stores fused experts, and in float16 its fused 4-bit experts would overflow."
 
