@@ -21,6 +21,13 @@ milliseconds at the wrong moment idles the GPU. This records, per step:
   ``torch.cuda.host_memory_stats``: ``num_host_alloc`` / ``num_host_free``, pinned blocks made or given back), only
   those that moved.
 
+* ``cpu_s``, ``preempted``, ``steal_s`` (:func:`host_contention`): the CPU time the process used in the step (every
+  thread; a CUDA wait that spins counts too), how often the kernel took a CPU from it against its will
+  (involuntary context switches), and the time the machine's virtual CPUs waited for their host's physical ones
+  (``steal`` of ``/proc/stat``, all CPUs, in ticks of 10 ms). A host-bound step that runs slower while ``steal_s``
+  or ``preempted`` rise was slowed by a machine shared with others, not by its own code (session 41: Qwen3-30B-A3B's
+  four-layer step took 37 ms in one process and 55-63 ms in the next, on one H200).
+
 Session 36 read the first three in call 4: the slow steps had no host wait at any of the 30 pacing points, so
 either the host issued the step slower, or it waited somewhere these do not see (a ``cudaFree`` of the allocator,
 the end of the step). ``read_s`` and ``counts`` tell those apart.
@@ -41,6 +48,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
+import resource
 import time
 from typing import Any, Callable, Iterator
 
@@ -64,18 +73,44 @@ def cuda_counters() -> dict[str, int]:
     return out
 
 
+def _steal_seconds() -> float | None:
+    """Seconds the machine's virtual CPUs have waited for a physical one since boot (``steal`` of ``/proc/stat``,
+    summed over the CPUs), or None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def host_contention() -> dict[str, float]:
+    """Cumulative counters of how much CPU the process had: ``cpu_s`` (its CPU time, every thread),
+    ``preempted`` (involuntary context switches), ``steal_s`` (the machine's, where Linux reports it)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"cpu_s": usage.ru_utime + usage.ru_stime, "preempted": float(usage.ru_nivcsw)}
+    steal = _steal_seconds()
+    if steal is not None:
+        out["steal_s"] = steal
+    return out
+
+
 class HostWaits:
     """Per-step host time, host waits on the GPU, reads at the step's end, garbage-collector pauses and the
     allocators' counters (module docstring)."""
 
     def __init__(self, waits: list[tuple[Any, str]] | None = None, reads: list[tuple[Any, str]] | None = None,
-                 counters: Callable[[], dict[str, int]] | None = None) -> None:
+                 counters: Callable[[], dict[str, int]] | None = None,
+                 contention: Callable[[], dict[str, float]] | None = host_contention) -> None:
         """``waits``: (owner, attribute name) of each wait function to time; ``reads``: the same for the reads of
         a GPU value; ``counters``: a function giving cumulative counters. Without ``waits``: the three CUDA waits,
-        ``GradScaler.get_scale`` (unless ``reads`` is given) and :func:`cuda_counters` (unless ``counters`` is)."""
+        ``GradScaler.get_scale`` (unless ``reads`` is given) and :func:`cuda_counters` (unless ``counters`` is).
+        ``contention``: cumulative host counters whose per-step change each step records as it is
+        (:func:`host_contention`; None: none)."""
         self.waits = waits
         self.reads = reads
         self.counters = counters
+        self.contention = contention
         self.steps: list[dict[str, Any]] = []
         self._current: dict[str, Any] | None = None
         self._undo: list[tuple[Any, str, Any]] = []
@@ -128,12 +163,15 @@ class HostWaits:
     def step(self) -> Iterator[None]:
         """Record one step's host time, waits, reads, collections and counters (read outside the timed part)."""
         before = self.counters() if self.counters else {}
+        host_before = self.contention() if self.contention else {}
         self._current = dict(host_s=0.0, sync_s=0.0, syncs=0, gc_s=0.0, gcs=[0, 0, 0], read_s=0.0)
         start = time.perf_counter()
         try:
             yield
         finally:
             self._current["host_s"] = time.perf_counter() - start
+            host_after = self.contention() if self.contention else {}
+            self._current.update({k: v - host_before[k] for k, v in host_after.items() if k in host_before})
             after = self.counters() if self.counters else {}
             self._current["counts"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
             self.steps.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in self._current.items()})

@@ -79,7 +79,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from max_context import OOM_MARKERS, is_out_of_memory  # noqa: E402  (this folder: pure helpers, no torch)
-from run import failure_reason  # noqa: E402
+from run import failure_reason, step_host_cell  # noqa: E402
 
 # Public configs (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b). Qwen3MoeConfig's defaults differ from 30B-A3B in
 # head_dim (None: hidden / heads = 64), layers (24), norm_topk_prob and rope theta; GptOssConfig's defaults are
@@ -281,6 +281,7 @@ def run_system(args) -> dict:
 
     import torch
 
+    from host_waits import HostWaits
     from learning_check import cycle_stream
     from train_step import INITIAL_SCALE, cap_gpu_memory, skipped_flags, skipped_steps, versions
 
@@ -351,9 +352,12 @@ def run_system(args) -> dict:
                 marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
                 start = time.time()
                 marks[0].record()
-                for i, ids in enumerate(batches[args.warmup:]):
-                    losses.append(step(ids))
-                    marks[i + 1].record()
+                with HostWaits() as waits:  # each step's host time, waits, collections and the host's contention
+                    for i, ids in enumerate(batches[args.warmup:]):
+                        with waits.step():
+                            losses.append(step(ids))
+                        marks[i + 1].record()
+                row["step_host"] = waits.steps
                 torch.cuda.synchronize()
                 elapsed = time.time() - start
                 step_s = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
@@ -538,6 +542,19 @@ def paired_ratios(rows: list[dict], system: str, peer: str = "unsloth") -> list[
             if s == system and (peer, i) in times]
 
 
+def step_host_lines(rows: list[dict]) -> list[str]:
+    """Each timed step of the rows that recorded their host (``host_waits``): its time, then its host waits on the
+    GPU, collections, the host's CPU time, involuntary context switches and the machine's steal time."""
+    out = []
+    for r in rows:
+        if r.get("status") == "ok" and r.get("step_host"):
+            run_no = f" (run {r['repeat'] + 1})" if r.get("repeat") else ""
+            out.append(f"- {r['system']}{run_no}: " + "; ".join(
+                f"{t:.1f} ms ({step_host_cell(h)})" for t, h in zip(r["step_ms_all"], r["step_host"])))
+    return ["", "Per timed step (host waits on the GPU, collections, the host's CPU time, involuntary context "
+                "switches, the machine's steal time, allocator counters):", *out] if out else []
+
+
 def process_spread(rows: list[dict]) -> list[str]:
     """Under a table whose systems ran more than once: each process's median step, and the per-round ratios."""
     collapsed = [r for r in median_rows(rows) if r.get("status") == "ok"]
@@ -640,7 +657,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         title = TINY[table] if meta.get("tiny") else f"{table} shape, {meta.get('layers')} layers"
         dtype = next((r["dtype"] for r in trs if r.get("dtype")), "?")
         lines += ["", f"## {title}: {meta.get('quant')} base, {dtype}, {meta.get('seq')} × {meta.get('batch')}", ""]
-        lines += step_table(trs) + process_spread(trs)
+        lines += step_table(trs) + process_spread(trs) + step_host_lines(trs)
     if any(r.get("table") != "t4" for r in rows):
         lines += ["", HF_NOTE]
     t4 = [r for r in rows if r.get("table") == "t4"]
@@ -738,7 +755,8 @@ def run_all(args) -> tuple[list[dict], dict, str]:
 
     def add(row: dict) -> None:
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("versions", "step_ms_all", "scales")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("versions", "step_ms_all", "scales", "step_host")}),
+              flush=True)
         write(rows, meta, stem)
 
     plan = run_order(args.shapes.split(","), args.systems.split(","), [] if args.no_t4 else args.t4_systems.split(","),

@@ -219,19 +219,24 @@ def step_lines(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         if r.get("status") == "ok" and r.get("step_host"):
-            cells = [f"{t:.3f} s ({_step_host_cell(h)})" for t, h in zip(r["step_s"], r["step_host"])]
+            cells = [f"{t:.3f} s ({step_host_cell(h)})" for t, h in zip(r["step_s"], r["step_host"])]
             out.append(f"- {r['config']} {r['system']}{' (gc off)' if r.get('no_gc') else ''}: " + "; ".join(cells))
     if not out:
         return []
     return ["", "Per timed step: the step's GPU time (host waits on the GPU, the read at the step's end, "
-            "garbage-collector pauses, allocator counters):", *out]
+            "garbage-collector pauses, the host's CPU time, involuntary context switches and the machine's steal "
+            "time, allocator counters):", *out]
 
 
-def _step_host_cell(h: dict) -> str:
+def step_host_cell(h: dict) -> str:
+    """One timed step's host record (``host_waits.HostWaits``) in a few words, in ms."""
     parts = [f"waits {h['sync_s'] * 1e3:.0f} ms in {h['syncs']}"]
     if "read_s" in h:
         parts.append(f"end read {h['read_s'] * 1e3:.0f} ms")
     parts.append(f"gc {h['gc_s'] * 1e3:.1f} ms")
+    if "cpu_s" in h:  # rows from session 41 on: the host's contention counters
+        parts.append(f"cpu {h['cpu_s'] * 1e3:.0f} ms, preempted {h['preempted']:.0f}"
+                     + (f", steal {h['steal_s'] * 1e3:.0f} ms" if "steal_s" in h else ""))
     parts += [f"{name} {n}" for name, n in sorted(h.get("counts", {}).items())]
     return ", ".join(parts)
 

@@ -902,14 +902,17 @@ def test_host_waits_times_each_steps_waits_and_collections_and_undoes_its_patche
         return seconds
 
     counter = {"num_alloc_retries": 3, "num_device_free": 5}  # cumulative: a step reports what it added
+    host = {"cpu_s": 10.0, "preempted": 7.0, "steal_s": 100.0}
     owner = types.SimpleNamespace(wait=wait, read=wait)
-    waits = host_waits.HostWaits([(owner, "wait")], reads=[(owner, "read")], counters=lambda: dict(counter))
+    waits = host_waits.HostWaits([(owner, "wait")], reads=[(owner, "read")], counters=lambda: dict(counter),
+                                 contention=lambda: dict(host))
     with waits:
         with waits.step():
             owner.wait(0.02)
             owner.wait(0.01)
             owner.read(0.015)
             counter["num_alloc_retries"] += 2  # a step that freed the allocator's cache twice
+            host.update(cpu_s=10.004, preempted=9.0, steal_s=100.03)  # a step on a shared machine
         with waits.step():
             gc.collect()  # a generation-2 collection, inside the step
         owner.wait(0.0)  # between steps: not counted
@@ -920,6 +923,22 @@ def test_host_waits_times_each_steps_waits_and_collections_and_undoes_its_patche
     assert first["gcs"] == [0, 0, 0] and first["gc_s"] == 0.0 and first["counts"] == {"num_alloc_retries": 2}
     assert second["syncs"] == 0 and second["gcs"] == [0, 0, 1] and 0.0 < second["gc_s"] <= second["host_s"] + 1e-4
     assert second["read_s"] == 0.0 and second["counts"] == {}
+    assert first["cpu_s"] == pytest.approx(0.004) and first["preempted"] == 2 and first["steal_s"] == pytest.approx(0.03)
+    assert second["cpu_s"] == second["preempted"] == second["steal_s"] == 0.0
+
+
+def test_host_contention_counts_this_process_cpu_time():
+    import time
+
+    import host_waits
+
+    before = host_waits.host_contention()
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # 50 ms of this process's CPU
+        pass
+    after = host_waits.host_contention()
+    assert after["cpu_s"] - before["cpu_s"] >= 0.04 and after["preempted"] >= before["preempted"]
+    assert ("steal_s" in after) == os.path.exists("/proc/stat")
 
 
 def test_the_table_lists_each_steps_host_waits_where_a_row_recorded_them():
@@ -927,11 +946,13 @@ def test_the_table_lists_each_steps_host_waits_where_a_row_recorded_them():
 
     row = dict(config="8b-nf4-4096x1-t4", system="notebookkit-spread", status="ok", step_s=[0.301, 0.355],
                step_host=[dict(sync_s=0.012, syncs=30, gc_s=0.0),  # session 35's rows: no read, no counters
-                          dict(sync_s=0.0604, syncs=30, gc_s=0.0021, read_s=0.0318,
-                               counts={"num_device_free": 3, "num_alloc_retries": 1})])
+                          dict(sync_s=0.0604, syncs=30, gc_s=0.0021, read_s=0.0318, cpu_s=0.3513, preempted=4,
+                               steal_s=0.02, counts={"num_device_free": 3, "num_alloc_retries": 1})])
     assert run.step_lines([row, dict(row, system="unsloth", step_host=None)]) == [
         "", "Per timed step: the step's GPU time (host waits on the GPU, the read at the step's end, "
-        "garbage-collector pauses, allocator counters):",
+        "garbage-collector pauses, the host's CPU time, involuntary context switches and the machine's steal time, "
+        "allocator counters):",
         "- 8b-nf4-4096x1-t4 notebookkit-spread: 0.301 s (waits 12 ms in 30, gc 0.0 ms); "
-        "0.355 s (waits 60 ms in 30, end read 32 ms, gc 2.1 ms, num_alloc_retries 1, num_device_free 3)"]
+        "0.355 s (waits 60 ms in 30, end read 32 ms, gc 2.1 ms, cpu 351 ms, preempted 4, steal 20 ms, "
+        "num_alloc_retries 1, num_device_free 3)"]
     assert run.step_lines([dict(row, step_host=None)]) == []

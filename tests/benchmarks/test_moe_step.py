@@ -116,6 +116,13 @@ def test_repeated_rows_show_their_median_process_and_the_round_by_round_ratios()
     assert "unsloth 50.0, 48.0, 52.0; notebookkit 40.0, 60.0, 44.0." in spread
     assert "notebookkit × unsloth, round by round: 1.25, 0.80, 1.18 (median 1.18)." in spread
     assert moe_step.process_spread(rows[:2]) == []  # one process a system: nothing to add
+    # each timed step with the host's record (host_waits), where the row kept one
+    host = dict(sync_s=0.0, syncs=0, gc_s=0.0, read_s=0.0, cpu_s=0.041, preempted=3, steal_s=0.01, counts={})
+    rows[3].update(step_ms_all=[60.0, 58.5], step_host=[host, dict(host, preempted=0)])
+    assert moe_step.step_host_lines(rows)[2] == (
+        "- notebookkit (run 2): 60.0 ms (waits 0 ms in 0, end read 0 ms, gc 0.0 ms, cpu 41 ms, preempted 3, steal 10 ms); "
+        "58.5 ms (waits 0 ms in 0, end read 0 ms, gc 0.0 ms, cpu 41 ms, preempted 0, steal 10 ms)")
+    assert len(moe_step.step_host_lines(rows)) == 3 and moe_step.step_host_lines(rows[:3]) == []
     # the child is told its round and the profile folder (a parent's --profile reached no child before)
     args = types.SimpleNamespace(layers=4, seq=2048, batch=1, quant="nf4", warmup=2, steps=5, lr=2e-4, t4_cap_gib=15.0,
                                  expert_adapters="stacked", profile="prof", tiny=False)
