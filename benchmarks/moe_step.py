@@ -411,16 +411,16 @@ def profile_one_step(args, row: dict, step) -> None:
     prof, wall_ms = profile_steps([step])
     kernels, intervals = device_kernels(prof.events())
     try:
-        gaps, _ = trace_facts(prof)
+        gaps, _, api = trace_facts(prof)
     except Exception as exc:  # noqa: BLE001 - the gap split is extra information, never fatal
         print(f"(no idle-gap analysis: {exc})", file=sys.stderr)
-        gaps = None
+        gaps, api = None, None
     name = f"profile-{args.shape}-{row['system']}{'-t4' if args.t4 else ''}{f'-{args.repeat}' if args.repeat else ''}.md"
     facts = [("GPU", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"),
              ("model", f"{args.shape} shape, {args.layers} layers, {args.quant}, {row['dtype']}"),
              ("activation plan", str(row.get("plan")))]
     text = render_report(f"One MoE training step of {row['system']}: {args.seq} tokens x {args.batch}", facts,
-                         wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps, top=30)
+                         wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps, top=30, api=api)
     os.makedirs(args.profile, exist_ok=True)
     with open(os.path.join(args.profile, name), "w") as fh:
         fh.write(text)

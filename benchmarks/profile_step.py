@@ -214,8 +214,10 @@ def _cell(name: str, width: int = 110) -> str:
 
 def render_report(title: str, facts: Sequence[tuple[str, str]], wall_ms: float, busy_ms: float,
                   kernels: Iterable[tuple[str, float, int]], top: int = 25, gaps: dict | None = None,
-                  steps: int = 1, unprofiled_ms: float | None = None, compute_busy_ms: float | None = None) -> str:
-    """The markdown report from a list of ``(kernel name, total_us, count)`` (``gaps``: :func:`idle_gaps`).
+                  steps: int = 1, unprofiled_ms: float | None = None, compute_busy_ms: float | None = None,
+                  api: list[dict] | None = None) -> str:
+    """The markdown report from a list of ``(kernel name, total_us, count)`` (``gaps``: :func:`idle_gaps`;
+    ``api``: :func:`host_api_calls`, its eight largest listed).
 
     ``unprofiled_ms``: the median step without the profiler. The profiler slows the host (it records every
     launch) but hardly the GPU's kernels, so the GPU busy time of a profiled step against an unprofiled
@@ -253,6 +255,12 @@ def render_report(title: str, facts: Sequence[tuple[str, str]], wall_ms: float, 
             f"{unprofiled_ms:.1f} ms = {busy_step / unprofiled_ms:.0%} (near 100%: the unprofiled step is GPU-bound, "
             "and the idle time above is mostly the profiler's own host overhead)"
         )
+    if api:
+        total = sum(r["ms"] for r in api)
+        lines += ["", f"Host time inside CUDA's API: {total:.1f} ms of the {wall_ms:.1f} ms wall time (the rest of a "
+                      "host-bound step is Python and PyTorch's dispatch):", "",
+                  "| API call | calls | ms | longest ms |", "|---|---:|---:|---:|"]
+        lines += [f"| {_cell(r['name'], 60)} | {r['calls']} | {r['ms']:.2f} | {r['max_ms']:.2f} |" for r in api[:8]]
     lines += [
         "",
         "| category | ms | % of GPU time | launches |",
@@ -390,10 +398,24 @@ def host_link_rates(trace_events: Iterable[dict], min_bytes: int = 1 << 20) -> d
     return out
 
 
-def trace_facts(prof, keep_as: str | None = None) -> tuple[dict | None, dict[str, dict]]:
-    """:func:`idle_gaps` (None without launch records) and :func:`host_link_rates` of a finished profile, read
-    from its Chrome trace, exported once: to ``keep_as`` when the caller wants to keep it, else to a temporary file.
-    """
+def host_api_calls(trace_events: Iterable[dict]) -> list[dict]:
+    """The host's time inside CUDA's API, by call (``cudaLaunchKernel``, ``cuLaunchKernelEx`` for Triton's launches,
+    ``cudaMemcpyAsync``, ``cudaStreamSynchronize``, ...), most time first: ``name``, ``calls``, ``ms`` and the
+    longest call's ``max_ms``. A launch costs the host a few µs; a copy to the host or a synchronisation lasts
+    until the GPU gets there, so a long one is the host waiting for the GPU, and a host-bound step with little
+    time here spends it in Python and PyTorch's dispatch."""
+    calls: dict[str, list[float]] = {}
+    for e in trace_events:
+        if e.get("ph") == "X" and e.get("cat") in _LAUNCH_CATS:
+            calls.setdefault(str(e.get("name", "?")), []).append(float(e.get("dur", 0.0)))
+    rows = [dict(name=name, calls=len(d), ms=sum(d) / 1e3, max_ms=max(d) / 1e3) for name, d in calls.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def trace_facts(prof, keep_as: str | None = None) -> tuple[dict | None, dict[str, dict], list[dict]]:
+    """:func:`idle_gaps` (None without launch records), :func:`host_link_rates` and :func:`host_api_calls` of a
+    finished profile, read from its Chrome trace, exported once: to ``keep_as`` when the caller wants to keep it,
+    else to a temporary file."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -402,7 +424,7 @@ def trace_facts(prof, keep_as: str | None = None) -> tuple[dict | None, dict[str
         with open(path) as fh:
             events = json.load(fh).get("traceEvents", [])
     device, launches = trace_device_and_launches(events)
-    return (idle_gaps(device, launches) if device and launches else None), host_link_rates(events)
+    return (idle_gaps(device, launches) if device and launches else None), host_link_rates(events), host_api_calls(events)
 
 
 def run(args) -> str:
@@ -435,10 +457,10 @@ def run(args) -> str:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, report_name(args.shape, args.quant, args.seq, args.batch, args.system, args.tag))
     try:
-        gaps, link = trace_facts(prof, keep_as=path[: -len(".md")] + ".trace.json" if args.trace else None)
+        gaps, link, api = trace_facts(prof, keep_as=path[: -len(".md")] + ".trace.json" if args.trace else None)
     except Exception as exc:  # noqa: BLE001 - the gap split is extra information, never fatal
         print(f"(no idle-gap analysis: {exc})", file=sys.stderr)
-        gaps, link = None, {}
+        gaps, link, api = None, {}, None
     if not kernels:
         print("WARNING: the profiler recorded no GPU kernels; try again with --with-cpu.", file=sys.stderr)
     facts = [
@@ -459,7 +481,7 @@ def run(args) -> str:
     title = f"{what} of {args.system}: {args.shape} {args.quant}, {args.seq} tokens × {args.batch}"
     text = render_report(title, facts, wall_ms, busy_us(intervals) / 1e3, kernels, gaps=gaps, steps=args.steps,
                          unprofiled_ms=unprofiled_ms if args.warmup > 1 else None,
-                         compute_busy_ms=busy_us(compute_intervals(prof.events())) / 1e3)
+                         compute_busy_ms=busy_us(compute_intervals(prof.events())) / 1e3, api=api)
     with open(path, "w") as fh:
         fh.write(text)
     with open(path[: -len(".md")] + ".json", "w") as fh:

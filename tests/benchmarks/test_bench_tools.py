@@ -359,7 +359,15 @@ def test_idle_gaps_tell_waiting_for_the_host_from_queued_work():
     gaps = profile_step.idle_gaps([(0, 10, 1), (40, 50, 2)], {1: 0.0, 2: 5.0})
     assert gaps["host_gaps"] == 1 and gaps["host_wait_ms"] == 0.030
     text = profile_step.render_report("t", [], 1.0, 0.5, [("k", 1.0, 1)], gaps=gaps)
-    assert "0.0 ms in 1 gaps waiting for the host" in text
+    assert "0.0 ms in 1 gaps waiting for the host" in text and "CUDA's API" not in text
+    # the host's time in CUDA's API by call: four 3 us launches, and a copy to the host that waited 900 us
+    api = profile_step.host_api_calls(trace + [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 600, "dur": 900, "args": {}}])
+    assert api == [dict(name="cudaMemcpyAsync", calls=1, ms=0.9, max_ms=0.9),
+                   dict(name="cudaLaunchKernel", calls=4, ms=0.012, max_ms=0.003)]
+    text = profile_step.render_report("t", [], 2.0, 0.5, [("k", 1.0, 1)], api=api)
+    assert "Host time inside CUDA's API: 0.9 ms of the 2.0 ms wall time" in text
+    assert "| `cudaMemcpyAsync` | 1 | 0.90 | 0.90 |" in text and "| `cudaLaunchKernel` | 4 | 0.01 | 0.00 |" in text
 
 
 def test_several_profiled_steps_get_their_own_report_name():
@@ -376,7 +384,7 @@ def test_trace_facts_reads_a_real_profiler_trace():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.ones(8, 8) @ torch.ones(8, 8)
     # CPU only: no device work, no launches, no gap split, no copies
-    assert profile_step.trace_facts(prof) == (None, {})
+    assert profile_step.trace_facts(prof) == (None, {}, [])
 
 
 def test_host_link_rates_per_direction_from_the_copies_of_a_trace():
