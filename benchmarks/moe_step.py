@@ -49,7 +49,7 @@ planned for that cap; skipped steps (the scaler found inf/NaN and halved its sca
 sampled every 0.1 s (resident and anonymous: ``notebookkit.memory.meters.process_memory``), and the memory model's prediction for the full-depth model (recompute) beside.
 
 A host-bound step's time swings between processes on one machine (session 41, Qwen3-30B-A3B on an H200:
-notebookkit's median step 36.8-63.2 ms over seven processes, each process's own steps within 15%):
+notebookkit's median step 36.8-63.2 ms over seven processes, Unsloth's 47.4-52.5 over four):
 ``--repeats N`` runs every step-table system N times in rounds (a process each), shows each system's median process
 in the table, and under it every process's median step and the round-by-round ratio to Unsloth. ``--profile DIR``
 profiles one more step of every row (``profile_step``'s report: GPU busy time, the idle split into waits for the
