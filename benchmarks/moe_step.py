@@ -79,6 +79,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from max_context import OOM_MARKERS, is_out_of_memory  # noqa: E402  (this folder: pure helpers, no torch)
+from process_rounds import median_rows, rounds, spread_lines  # noqa: E402
 from run import failure_reason, step_host_cell  # noqa: E402
 
 # Public configs (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b). Qwen3MoeConfig's defaults differ from 30B-A3B in
@@ -515,33 +516,6 @@ def _num(value, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def median_rows(rows: list[dict]) -> list[dict]:
-    """One row a system for the table: of its ok rows (``--repeats``: a process each) the median process by step
-    time (the lower middle one of an even count: one process's own figures, never a blend), with every process's
-    median step in ``step_ms_runs``; rows not ok are kept as they are."""
-    runs: dict[str, list[dict]] = {}
-    for r in rows:
-        if r.get("status") == "ok":
-            runs.setdefault(r["system"], []).append(r)
-    out, placed = [], set()
-    for r in rows:
-        if r.get("status") != "ok":
-            out.append(r)
-        elif r["system"] not in placed:
-            placed.add(r["system"])
-            done = sorted(runs[r["system"]], key=lambda x: x["step_ms"])
-            out.append(dict(done[(len(done) - 1) // 2], step_ms_runs=[x["step_ms"] for x in runs[r["system"]]]))
-    return out
-
-
-def paired_ratios(rows: list[dict], system: str, peer: str = "unsloth") -> list[float]:
-    """``peer``'s step time over ``system``'s, each round of ``--repeats`` (the two processes ran one after the
-    other, so the machine's drift over the run cancels), in run order."""
-    times = {(r["system"], r.get("repeat", 0)): r["step_ms"] for r in rows if r.get("status") == "ok"}
-    return [times[peer, i] / times[system, i] for s, i in sorted(times, key=lambda k: k[1])
-            if s == system and (peer, i) in times]
-
-
 def step_host_lines(rows: list[dict]) -> list[str]:
     """Each timed step of the rows that recorded their host (``host_waits``): its time, then its host waits on the
     GPU, collections, the host's CPU time, involuntary context switches and the machine's steal time."""
@@ -555,25 +529,10 @@ def step_host_lines(rows: list[dict]) -> list[str]:
                 "switches, the machine's steal time, allocator counters):", *out] if out else []
 
 
-def process_spread(rows: list[dict]) -> list[str]:
-    """Under a table whose systems ran more than once: each process's median step, and the per-round ratios."""
-    collapsed = [r for r in median_rows(rows) if r.get("status") == "ok"]
-    if not any(len(r["step_ms_runs"]) > 1 for r in collapsed):
-        return []
-    lines = ["", "Each process's median step (ms), in run order: " + "; ".join(
-        f"{r['system']} {', '.join(f'{t:.1f}' for t in r['step_ms_runs'])}" for r in collapsed) + "."]
-    for r in collapsed:
-        ratios = paired_ratios(rows, r["system"]) if r["system"] != "unsloth" else []
-        if ratios:
-            lines.append(f"{r['system']} × unsloth, round by round: {', '.join(f'{x:.2f}' for x in ratios)} "
-                         f"(median {statistics.median(ratios):.2f}).")
-    return lines
-
-
 def step_table(rows: list[dict]) -> list[str]:
     """One shape's step table: speed and peak, the ratios to Unsloth's and HF's rows of the same table (a system
-    that ran more than once: its median process, :func:`median_rows`)."""
-    rows = median_rows(rows)
+    that ran more than once: its median process, :func:`process_rounds.median_rows`)."""
+    rows = median_rows(rows, "step_ms")
     ok = {r["system"]: r for r in rows if r.get("status") == "ok"}
     uns, hf = ok.get("unsloth"), ok.get("hf")
     lines = ["| system | tok/s | step ms | × unsloth | × hf | peak GiB | peak × unsloth | predicted GiB | load peak GiB "
@@ -657,7 +616,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         title = TINY[table] if meta.get("tiny") else f"{table} shape, {meta.get('layers')} layers"
         dtype = next((r["dtype"] for r in trs if r.get("dtype")), "?")
         lines += ["", f"## {title}: {meta.get('quant')} base, {dtype}, {meta.get('seq')} × {meta.get('batch')}", ""]
-        lines += step_table(trs) + process_spread(trs) + step_host_lines(trs)
+        lines += step_table(trs) + spread_lines(trs, "step_ms", "unsloth", "ms") + step_host_lines(trs)
     if any(r.get("table") != "t4" for r in rows):
         lines += ["", HF_NOTE]
     t4 = [r for r in rows if r.get("table") == "t4"]
@@ -701,7 +660,7 @@ def run_order(shapes: list[str], systems: list[str], t4_systems: list[str], t4_s
     plan: list[tuple[str, str, bool]] = []
     t4 = [(t4_shape, s, True) for s in t4_systems]
     for shape in shapes:
-        plan += [(shape, s, False) for _ in range(repeats) for s in order_systems(systems)]
+        plan += [(shape, s, False) for s, _ in rounds(order_systems(systems), repeats)]
         if shape == t4_shape:
             plan, t4 = plan + t4, []
     return plan + t4

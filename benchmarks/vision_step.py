@@ -55,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+from process_rounds import median_rows, rounds, spread_lines  # noqa: E402
 from train_step import plan_counts, versions  # noqa: E402  (this folder: the row's plan and package versions)
 
 from notebookkit.memory.vision_shapes import VLM_CONFIGS  # noqa: E402
@@ -483,8 +484,8 @@ def child_command(system: str, args) -> list[str]:
 def run_all(args) -> list[dict]:
     rows = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    for system in args.systems.split(","):
-        row = run_one(system, args, env)
+    for system, repeat in rounds(args.systems.split(","), args.repeats):
+        row = dict(run_one(system, args, env), repeat=repeat)
         rows.append(row)
         print(f"{system}: {row['status']}" + (f", {row['s_step']} s/step, peak {row['peak_gib']} GiB"
                                                if row["status"] == "ok" else ""), flush=True)
@@ -515,6 +516,12 @@ def run_one(system: str, args, env: dict) -> dict:
 
 
 def markdown(rows: list[dict], args) -> str:
+    """The table: one row a system (its median process where ``--repeats`` ran it more than once), then each
+    process's step and the round-by-round ratio to Unsloth (or HF, without an Unsloth row)."""
+    runs = rows
+    rows = median_rows(rows, "s_step")
+    repeats = getattr(args, "repeats", 1)
+    repeated = f"; every system {repeats} times, a process each, in rounds (its median process shown)" if repeats > 1 else ""
     ok = [r for r in rows if r.get("status") == "ok"]
     first = ok[0] if ok else {}
     hf = next((r for r in ok if r["system"] == "hf"), None)
@@ -525,7 +532,7 @@ def markdown(rows: list[dict], args) -> str:
         f"Device {first.get('device', '?')}; {first.get('seq', '?')} tokens per row "
         f"({first.get('image_tokens', '?')} image tokens in the batch); LoRA r={R} on every attention and MLP "
         f"projection of the vision tower and the decoder; {args.warmup} warm-up + {args.steps} timed steps "
-        "(median shown). Peak: allocated CUDA memory over the run (CPU: max RSS); predicted: notebookkit's memory "
+        f"(median shown){repeated}. Peak: allocated CUDA memory over the run (CPU: max RSS); predicted: notebookkit's memory "
         "model for the step as set up (allocated peak, CUDA context left out).",
         "",
         "| system | s / step | x hf | peak GiB | predicted GiB | decoder plan | trainable | first loss | status |",
@@ -540,7 +547,8 @@ def markdown(rows: list[dict], args) -> str:
         lines.append(f"| {r['system']} | {r['s_step']:.3f} | {speed} | {r['peak_gib']:.2f} | {predicted} | "
                      f"{r.get('plan') or ''} | {r['trainable']:,} | "
                      f"{r['losses'][0]:.4f} | ok |")
-    return "\n".join(lines) + "\n"
+    peer = "unsloth" if any(r["system"] == "unsloth" for r in ok) else "hf"
+    return "\n".join(lines + spread_lines(runs, "s_step", peer, "s", ".3f")) + "\n"
 
 
 def combine_runs(prefix: str, args) -> str | None:
@@ -579,6 +587,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048, help="max_seq_length given to the systems")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every system this many times, a process each, in rounds (a host-bound step swings "
+                         "between processes): the table shows each system's median process")
     ap.add_argument("--tiny", action="store_true", help="the tiny Qwen2.5-VL on the CPU, fp32 (checks the script)")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint")
     ap.add_argument("--timeout", type=int, default=1800)

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import moe_step  # noqa: E402
+import process_rounds  # noqa: E402
 
 
 def test_tiny_run_writes_rows_and_tables(tmp_path):
@@ -111,11 +112,12 @@ def test_repeated_rows_show_their_median_process_and_the_round_by_round_ratios()
     # each system's median process (50 and 44 ms), not its fastest one or a blend of them
     assert "| unsloth | 40,960 | 50.0 | 1.00 |" in table and "| notebookkit | 46,545 | 44.0 | 1.14 |" in table
     assert table.count("| notebookkit |") == 1 and "failed (exit 1): boom" in table
-    assert moe_step.paired_ratios(rows, "notebookkit") == pytest.approx([50 / 40, 48 / 60, 52 / 44])
-    spread = "\n".join(moe_step.process_spread(rows))
+    assert process_rounds.paired_ratios(rows, "notebookkit", "unsloth", "step_ms") == pytest.approx([50 / 40, 48 / 60, 52 / 44])
+    spread = moe_step.markdown(rows, dict(repeats=3, expert_adapters="stacked", layers=4))
+    assert "one process per row, every system 3 times in rounds (the table: its median process)." in spread
     assert "unsloth 50.0, 48.0, 52.0; notebookkit 40.0, 60.0, 44.0." in spread
     assert "notebookkit × unsloth, round by round: 1.25, 0.80, 1.18 (median 1.18)." in spread
-    assert moe_step.process_spread(rows[:2]) == []  # one process a system: nothing to add
+    assert process_rounds.spread_lines(rows[:2], "step_ms", "unsloth", "ms") == []  # one process a system
     # each timed step with the host's record (host_waits), where the row kept one
     host = dict(sync_s=0.0, syncs=0, gc_s=0.0, read_s=0.0, cpu_s=0.041, preempted=3, steal_s=0.01, counts={})
     rows[3].update(step_ms_all=[60.0, 58.5], step_host=[host, dict(host, preempted=0)])

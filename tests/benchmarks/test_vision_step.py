@@ -71,6 +71,25 @@ def test_runs_split_over_calls_are_combined(tmp_path):
     assert vision_step.combine_runs(str(tmp_path / "other"), args) is None
 
 
+def test_repeated_systems_show_their_median_process_and_the_ratio_to_unsloth_round_by_round():
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import vision_step
+
+    row = dict(shape="qwen2.5-vl-7b", device="GPU", seq=300, image_tokens=1024, trainable=1, losses=[1.0], peak_gib=6.1,
+               status="ok")
+    steps = {"notebookkit-lean": (0.72, 1.09, 0.80), "unsloth": (0.84, 0.86, 0.83)}  # s / step, rounds 1-3
+    rows = [dict(row, system=s, s_step=steps[s][i], repeat=i) for i in range(3) for s in ("notebookkit-lean", "unsloth")]
+    args = types.SimpleNamespace(shape="qwen2.5-vl-7b", quant="nf4", batch=4, image_size=448, warmup=2, steps=3,
+                                 repeats=3)
+    table = vision_step.markdown(rows, args)
+    assert "| notebookkit-lean | 0.800 |" in table and "| unsloth | 0.840 |" in table  # each one's median process
+    assert table.count("| notebookkit-lean |") == 1 and "every system 3 times, a process each, in rounds" in table
+    assert "notebookkit-lean 0.720, 1.090, 0.800; unsloth 0.840, 0.860, 0.830." in table
+    assert "notebookkit-lean × unsloth, round by round: 1.17, 0.79, 1.04 (median 1.04)." in table
+
+
 def test_capped_rows_name_the_planner_cap():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import argparse
