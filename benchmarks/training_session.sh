@@ -27,6 +27,9 @@
 #   vision-qwen   Qwen2.5-VL-7B NF4, 4 images of 448^2: notebookkit-lean planned under a 9 GiB cap (the fastest plan
 #                 at about Unsloth's 7.76 GiB peak), Unsloth, notebookkit-lean (checkpoint built first, untimed)
 #   vision-gemma  Gemma-3-4B NF4, 4 images of 896^2: the same
+#                 VISION_SYSTEMS=a,b,... runs other rows; VISION_REPEATS=N runs them in N rounds, a process each (the
+#                 host-bound lean step swung 0.72-1.09 s between calls): the table shows each one's median process
+#                 and the round-by-round ratio to Unsloth (benchmarks/process_rounds.py)
 # A part that would start after BUDGET_S seconds (default 540, under the device tool's 10 minutes a command) is
 # skipped with a line saying so. Results: $OUT/<part>/ (the scripts' JSON and markdown, one log a part); copy
 # them to benchmarks/results/. Remove the checkpoints with `rm -rf ~/.cache/notebookkit/bench` before the GPU suite.
@@ -61,7 +64,7 @@ for part in "$@"; do
       shape=$([ "$part" = vision-qwen ] && echo qwen2.5-vl-7b || echo gemma-3-4b)
       python3 benchmarks/vision_step.py --shape "$shape" --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/vision_step.py --shape "$shape" --steps 5 --timeout 240 --out "$OUT/$part" \
-        --systems notebookkit-lean-9GiB,unsloth,notebookkit-lean ;;
+        --systems "${VISION_SYSTEMS:-notebookkit-lean-9GiB,unsloth,notebookkit-lean}" --repeats "${VISION_REPEATS:-1}" ;;
     *) echo "unknown part $part (train, t4, t4-profile, t4-host, vision-qwen, vision-gemma)"; continue ;;
   esac > "$OUT/$part/$part.log" 2>&1
   echo "$part: exit $? after $(( $(date +%s) - START )) s"; tail -12 "$OUT/$part/$part.log"
