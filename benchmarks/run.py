@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from learning_check import loss_drop, update_difference  # noqa: E402  (this folder, also when imported)
+from process_rounds import median_rows, rounds, spread_lines  # noqa: E402
 
 # name -> (shape, quant, seq, batch)
 CONFIGS: dict[str, tuple[str, str, int, int]] = {
@@ -189,7 +190,17 @@ NF4_HF_NOTE = ("† NF4 rows: `hf` (and `compile`, `liger`) run PEFT's `prepare_
                "includes the cost of those fp32 layers.")
 
 
+def median_processes(rows: list[dict]) -> list[dict]:
+    """One row a (configuration, system): its median process by step time where ``--repeats`` ran it more than once
+    (:func:`process_rounds.median_rows`), configurations in their order."""
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    return [row for c in configs for row in median_rows([r for r in rows if r["config"] == c], "s_step")]
+
+
 def markdown(rows: list[dict]) -> str:
+    """The table (a row a configuration and system: its median process when it ran in several rounds), then each
+    repeated configuration's process times and round-by-round ratios, then each timed step's host record."""
+    runs, rows = rows, median_processes(rows)
     lines = ["| config | system | tokens/s | median step tok/s | × hf | × unsloth | peak GiB | predicted GiB | activation plan "
              "| loss first → last | loss fall | lora_B vs hf | learning check | status |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -209,7 +220,10 @@ def markdown(rows: list[dict]) -> str:
         )
     if any(r.get("quant") == "nf4" and r.get("status") == "ok" for r in rows):
         lines += ["", NF4_HF_NOTE]
-    return "\n".join(lines + step_lines(rows))
+    for config in dict.fromkeys(r["config"] for r in runs):
+        spread = spread_lines([r for r in runs if r["config"] == config], "s_step", "unsloth", "s", ".3f")
+        lines += [spread[0], f"{config}: {spread[1]}", *spread[2:]] if spread else []
+    return "\n".join(lines + step_lines(runs))
 
 
 def step_lines(rows: list[dict]) -> list[str]:
@@ -220,7 +234,8 @@ def step_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("status") == "ok" and r.get("step_host"):
             cells = [f"{t:.3f} s ({step_host_cell(h)})" for t, h in zip(r["step_s"], r["step_host"])]
-            out.append(f"- {r['config']} {r['system']}{' (gc off)' if r.get('no_gc') else ''}: " + "; ".join(cells))
+            run_no = f" (run {r['repeat'] + 1})" if r.get("repeat") else ""
+            out.append(f"- {r['config']} {r['system']}{run_no}{' (gc off)' if r.get('no_gc') else ''}: " + "; ".join(cells))
     if not out:
         return []
     return ["", "Per timed step: the step's GPU time (host waits on the GPU, the read at the step's end, "
@@ -243,7 +258,8 @@ def step_host_cell(h: dict) -> str:
 
 def compare_lora_with_hf(rows: list[dict], paths: dict[str, str]) -> None:
     """Add ``lora_b_vs_hf`` (rel_err, cosine, worst tensor, same_init) to each ok row of one
-    configuration whose final lora_B was saved (``paths``: system -> .pt file), against the hf row's."""
+    configuration whose final lora_B was saved (``paths``: system -> .pt file, the first round's), against the hf
+    row's."""
     import torch
 
     hf = next((r for r in rows if r["system"] == "hf" and r.get("status") == "ok"), None)
@@ -251,7 +267,7 @@ def compare_lora_with_hf(rows: list[dict], paths: dict[str, str]) -> None:
         return
     ref = torch.load(paths["hf"])
     for r in rows:
-        if r is hf or r.get("status") != "ok" or not os.path.exists(paths.get(r["system"], "")):
+        if r is hf or r.get("status") != "ok" or r.get("repeat", 0) or not os.path.exists(paths.get(r["system"], "")):
             continue
         ours = torch.load(paths[r["system"]])
         if ours.keys() != ref.keys():
@@ -313,7 +329,7 @@ def write_results(rows: list[dict], stem: str) -> str:
         json.dump(rows, fh, indent=1)
     with open(stem + ".md", "w") as fh:
         fh.write(table + "\n")
-    bar_chart(rows, stem + ".png")
+    bar_chart(median_processes(rows), stem + ".png")
     return table
 
 
@@ -324,6 +340,10 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configuration names")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every system this many times, a process each, in rounds (benchmarks/process_rounds.py): "
+                         "the table shows each one's median process, and under it every process and the ratio to "
+                         "Unsloth round by round")
     ap.add_argument("--timeout", type=int, default=300,
                     help="seconds per row (a system's first row gets FIRST_ROW_GRACE_S more)")
     ap.add_argument("--tag", default="")
@@ -344,12 +364,14 @@ def main() -> None:
     for config in args.only.split(","):
         config_rows, paths = [], {}
         os.makedirs(lora_dir, exist_ok=True)
-        for system in args.systems.split(","):
+        for system, repeat in rounds(args.systems.split(","), args.repeats):
             base = resolve_system(system)[0]  # the first row of a system compiles its patches
             grace = 0 if base in started else FIRST_ROW_GRACE_S.get(base, 0)
             started.add(base)
-            paths[system] = os.path.join(lora_dir, f"{config}-{system}.pt")
-            row = run_row(config, system, args.steps, args.timeout + grace, extra, lora_b_path=paths[system])
+            if repeat == 0:  # the first round's adapters are compared with hf's
+                paths[system] = os.path.join(lora_dir, f"{config}-{system}.pt")
+            row = run_row(config, system, args.steps, args.timeout + grace, extra,
+                          lora_b_path=paths[system] if repeat == 0 else None) | dict(repeat=repeat)
             config_rows.append(row)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -18,7 +18,9 @@
 #                 those do not look (the allocator freeing its cache under the cap). The next question:
 #                 T4_STEPS=10 T4_SYSTEMS=notebookkit-spread,notebookkit-spread-14GiB,notebookkit-spread+expandable,unsloth
 #                 (each step's end read and allocator counters are in the table: benchmarks/host_waits.py; a
-#                 num_alloc_retries in the slow steps only says the allocator; -14GiB plans with a GiB of headroom)
+#                 num_alloc_retries in the slow steps only says the allocator; -14GiB plans with a GiB of headroom;
+#                 each step's CPU time, involuntary context switches and the machine's steal time too: a shared
+#                 machine's slow window). T4_REPEATS=N runs the rows in N rounds, a process each (run.py --repeats)
 #   t4-profile    two profiled steps of the T4 row: "auto", "auto" with layout="spread", and Unsloth
 #                 (benchmarks/profile_step.py: where each spends its GPU time; the front plan runs 11% under its
 #                 matmul ceiling, benchmarks/step_flops.py; the host link's rate a copy, per direction, tells a
@@ -51,7 +53,7 @@ for part in "$@"; do
     t4)
       python3 benchmarks/train_step.py --system notebookkit --shape llama-3.1-8b --prepare >/dev/null
       timeout "$(left)" python3 benchmarks/run.py --out "$OUT/$part" --only 8b-nf4-4096x1-t4 --steps "${T4_STEPS:-5}" --timeout 150 \
-        --systems "${T4_SYSTEMS:-notebookkit,notebookkit-spread,notebookkit-lean-mlp,unsloth}" ;;
+        --systems "${T4_SYSTEMS:-notebookkit,notebookkit-spread,notebookkit-lean-mlp,unsloth}" --repeats "${T4_REPEATS:-1}" ;;
     t4-profile)
       for extra in "--system notebookkit" "--system notebookkit --spread" "--system unsloth"; do
         timeout "$(left)" python3 benchmarks/profile_step.py $extra --shape llama-3.1-8b --seq 4096 --batch 1 \

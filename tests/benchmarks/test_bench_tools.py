@@ -486,6 +486,32 @@ def test_first_row_of_a_compiling_system_gets_extra_time(monkeypatch, tmp_path):
                     ("1b-bf16-2048x8", "unsloth", 50), ("1b-bf16-2048x8", "hf", 50)]
 
 
+def test_repeated_rows_run_in_rounds_and_show_their_median_process(monkeypatch, tmp_path):
+    import run
+
+    seen, tables = [], []
+    step = {"unsloth": [0.42, 0.41, 0.43], "notebookkit-spread": [0.31, 0.36, 0.30]}  # s a step, rounds 1-3
+
+    def row(c, s, steps, timeout, extra, lora_b_path=None):
+        seen.append((s, lora_b_path is not None))
+        i = sum(1 for x, _ in seen if x == s) - 1
+        return _train_row(s, LEARNED, config=c, tok_s=4096 / step[s][i]) | dict(s_step=step[s][i])
+
+    monkeypatch.setattr(run, "run_row", row)
+    monkeypatch.setattr(run, "compare_lora_with_hf", lambda rows, paths: None)
+    monkeypatch.setattr(run, "write_results", lambda rows, stem: tables.append(run.markdown(rows)) or "table")
+    monkeypatch.setattr(sys, "argv", ["run.py", "--out", str(tmp_path), "--only", "8b-nf4-4096x1-t4",
+                                      "--systems", "unsloth,notebookkit-spread", "--repeats", "3"])
+    run.main()
+    # every system once a round; only the first round saves its adapters for the comparison with hf's
+    assert seen == [("unsloth", True), ("notebookkit-spread", True)] + [("unsloth", False), ("notebookkit-spread", False)] * 2
+    table = tables[-1]
+    assert table.count("| notebookkit-spread |") == 1 and "| 8b-nf4-4096x1-t4 | notebookkit-spread | 13,213 |" in table
+    assert "8b-nf4-4096x1-t4: Each process's median step (s), in run order: unsloth 0.420, 0.410, 0.430; " \
+           "notebookkit-spread 0.310, 0.360, 0.300." in table
+    assert "notebookkit-spread × unsloth, round by round: 1.35, 1.14, 1.43 (median 1.35)." in table
+
+
 def test_system_names_resolve_to_train_step_arguments():
     import run
 
@@ -517,9 +543,10 @@ def test_train_table_shows_the_median_step_and_ratios_of_the_window_throughput()
     import run
 
     base = dict(config="1b-bf16-2048x8", peak_gib=4.0, loss_first=12.0, loss_last=11.9, status="ok")
-    rows = [base | dict(system="unsloth", tok_s=50_000.0, tok_s_median=52_000.0),
-            base | dict(system="notebookkit", tok_s=60_000.0, tok_s_median=61_234.0, predicted_gib=3.9, plan="16 offload"),
-            base | dict(system="hf", tok_s=25_000.0),  # a row from before the median was recorded
+    rows = [base | dict(system="unsloth", tok_s=50_000.0, s_step=0.328, tok_s_median=52_000.0),
+            base | dict(system="notebookkit", tok_s=60_000.0, s_step=0.273, tok_s_median=61_234.0, predicted_gib=3.9,
+                        plan="16 offload"),
+            base | dict(system="hf", tok_s=25_000.0, s_step=0.655),  # a row from before the median was recorded
             dict(config="1b-bf16-2048x8", system="compile", status="timed out after 300s")]
     lines = run.markdown(rows).splitlines()
     assert lines[0].count("|") == lines[1].count("|") == 15
@@ -571,8 +598,9 @@ def test_gpu_sampler_without_nvml_records_nothing():
 
 
 def _train_row(system, losses, quant="bf16", **extra):
-    return dict(config="1b-bf16-2048x8", system=system, quant=quant, tok_s=1000.0, peak_gib=4.0, status="ok",
-                losses=losses, loss_first=losses[0], loss_last=losses[-1], token_stream="cycle of 32 ids") | extra
+    row = dict(config="1b-bf16-2048x8", system=system, quant=quant, tok_s=1000.0, peak_gib=4.0, status="ok",
+               losses=losses, loss_first=losses[0], loss_last=losses[-1], token_stream="cycle of 32 ids") | extra
+    return row | dict(s_step=16384 / row["tok_s"])  # a timed step of 2048 x 8 tokens
 
 
 LEARNED = [12.2, 11.9, 11.3, 10.6, 9.9, 9.2]  # the shape of a 6-step run on the cycle stream
