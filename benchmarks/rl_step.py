@@ -48,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+from process_rounds import median_rows, rounds, spread_lines  # noqa: E402  (this folder: plain Python)
 
 SYSTEMS = ("notebookkit", "notebookkit-offload", "notebookkit-lean", "trl", "unsloth", "unsloth-lean")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -393,6 +394,8 @@ def _cell(value, spec: str = ".2f") -> str:
 
 
 def markdown(rows: list[dict]) -> str:
+    """The GRPO and DPO tables (a row a system: its median process by step time where ``--repeats`` ran it more than
+    once, :mod:`process_rounds`), each followed by its processes' times and round-by-round ratios to Unsloth."""
     ok = [r for r in rows if r.get("status") == "ok"]
     gpu = ok[0]["gpu"] if ok else "?"
     lines = [f"# RL step benchmark, {gpu}, {dt.date.today()}", "",
@@ -401,9 +404,10 @@ def markdown(rows: list[dict]) -> str:
              "generation = the model's `generate` call(s) of the step, rest = scoring + forward + backward + "
              "optimizer. Versions per row in the JSON.", ""]
     for task in ("grpo", "dpo"):
-        task_rows = [r for r in rows if r["task"] == task]
-        if not task_rows:
+        runs = [r for r in rows if r["task"] == task]
+        if not runs:
             continue
+        task_rows = median_rows(runs, "step_s")
         t = task_rows[0]
         if task == "grpo":
             lines += [f"## GRPO: {t['shape']} {t['quant']}, {t['prompts']} prompts x {t['generations']} generations of "
@@ -427,7 +431,7 @@ def markdown(rows: list[dict]) -> str:
                          else "–")
                 lines.append(f"| {r['system']} | {_cell(r.get('step_s'))} | {_cell(r.get('peak_gib'))} | "
                              f"{_cell(r.get('predicted_gib'))} | {ratio} | {speed} | {r['status']} |")
-        lines.append("")
+        lines += spread_lines(runs, "step_s", "unsloth", "s", ".2f")[1:] + [""]
     lines.append("Targets (issue 22): GRPO at least 2x Unsloth's step speed at no more than its peak; DPO at most half "
                  "the plain TRL peak and at least 1.3x Unsloth's speed.")
     return "\n".join(lines) + "\n"
@@ -442,6 +446,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per row")
     ap.add_argument("--unsloth-site", default=None, help="folder with Unsloth and TRL 1.15 for the unsloth rows")
     ap.add_argument("--tag", default="", help="added to the result file names (runs split over several calls)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every system this many times, a process each, in rounds (benchmarks/process_rounds.py)")
     ap.add_argument("--prepare", action="store_true", help="only build the random checkpoints (one call, before the rows)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
@@ -467,8 +473,8 @@ def main() -> None:
                                   f"{('-' + args.tag) if args.tag else ''}")
     rows = []
     for task in args.tasks.split(","):
-        for system in args.systems.split(","):
-            row = run_row(system, task, args.tiny, args.out, args.timeout, args.unsloth_site)
+        for system, repeat in rounds(args.systems.split(","), args.repeats):
+            row = run_row(system, task, args.tiny, args.out, args.timeout, args.unsloth_site) | dict(repeat=repeat)
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(stem + ".json", "w") as fh:

@@ -112,7 +112,8 @@ def test_repeated_rows_show_their_median_process_and_the_round_by_round_ratios()
     # each system's median process (50 and 44 ms), not its fastest one or a blend of them
     assert "| unsloth | 40,960 | 50.0 | 1.00 |" in table and "| notebookkit | 46,545 | 44.0 | 1.14 |" in table
     assert table.count("| notebookkit |") == 1 and "failed (exit 1): boom" in table
-    assert process_rounds.paired_ratios(rows, "notebookkit", "unsloth", "step_ms") == pytest.approx([50 / 40, 48 / 60, 52 / 44])
+    ratios = process_rounds.paired_ratios(rows, "notebookkit", "unsloth", "step_ms")
+    assert ratios == pytest.approx([50 / 40, 48 / 60, 52 / 44])
     spread = moe_step.markdown(rows, dict(repeats=3, expert_adapters="stacked", layers=4))
     assert "one process per row, every system 3 times in rounds (the table: its median process)." in spread
     assert "unsloth 50.0, 48.0, 52.0; notebookkit 40.0, 60.0, 44.0." in spread

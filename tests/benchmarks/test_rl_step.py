@@ -58,3 +58,17 @@ def test_table_ratios():
     assert "| notebookkit | 2.00 | 1.50 | 0.50 | 10.00 | – | 2.50 | ok |" in table
     assert "| notebookkit | 1.00 | 6.00 | – | 0.40 | 1.50 | ok |" in table
     assert "| trl | 2.00 | 15.00 | – | 1.00 | 0.75 | ok |" in table
+
+
+def test_repeated_rows_show_their_median_process_and_the_ratio_round_by_round():
+    base = dict(shape="s", quant="bf16", prompts=2, generations=8, new_tokens=512, gpu="G", status="ok", task="grpo",
+                generate_s=1.0, rest_s=0.5, peak_gib=3.6)
+    steps = {"notebookkit-lean": (2.46, 1.90, 2.10), "unsloth": (4.42, 4.60, 4.30)}  # s a step, rounds 1-3
+    rows = [dict(base, system=s, step_s=steps[s][i], repeat=i) for i in range(3) for s in steps]
+    table = rl_step.markdown(rows)
+    # each one's median process (2.10 and 4.42 s), the ratio between them: 4.42 / 2.10
+    assert table.count("| notebookkit-lean |") == 1
+    assert "| notebookkit-lean | 2.10 | 1.00 | 0.50 | 3.60 | – | 2.10 | ok |" in table
+    assert "| unsloth | 4.42 | 1.00 | 0.50 | 3.60 | – | 1.00 | ok |" in table
+    assert "notebookkit-lean 2.46, 1.90, 2.10; unsloth 4.42, 4.60, 4.30." in table
+    assert "notebookkit-lean × unsloth, round by round: 1.80, 2.42, 2.05 (median 2.05)." in table
