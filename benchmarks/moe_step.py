@@ -79,7 +79,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from max_context import OOM_MARKERS, is_out_of_memory  # noqa: E402  (this folder: pure helpers, no torch)
-from process_rounds import median_rows, rounds, spread_lines  # noqa: E402
+from process_rounds import median_rows, rounds, row_timeout, spread_lines  # noqa: E402
 from run import failure_reason, step_host_cell  # noqa: E402
 
 # Public configs (Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b). Qwen3MoeConfig's defaults differ from 30B-A3B in
@@ -706,11 +706,7 @@ def run_all(args) -> tuple[list[dict], dict, str]:
     def remaining(system: str) -> float | None:
         grace = 0 if system in started else FIRST_ROW_GRACE_S.get(system, 0)
         started.add(system)
-        timeout = args.timeout + grace
-        if deadline is not None:
-            left = deadline - time.time()
-            return None if left < 30 else min(timeout, left)
-        return timeout
+        return row_timeout(args.timeout + grace, deadline, time.time())
 
     def add(row: dict) -> None:
         rows.append(row)

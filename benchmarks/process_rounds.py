@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["rounds", "median_rows", "paired_ratios", "spread_lines"]
+__all__ = ["rounds", "median_rows", "paired_ratios", "spread_lines", "row_timeout"]
 
 
 def rounds(systems: list[str], repeats: int) -> list[tuple[str, int]]:
     """``(system, round)`` in the order they run: every system once a round, ``repeats`` rounds."""
     return [(system, i) for i in range(repeats) for system in systems]
+
+
+def row_timeout(timeout: float, deadline: float | None, now: float, floor: float = 30.0) -> float | None:
+    """Seconds the next row's process may run: ``timeout``, cut to what is left of the run's budget (``deadline``, a
+    ``time.time()``; None: no budget); None when less than ``floor`` seconds are left, and the row is written as
+    skipped: a run that would outlast a device call's limit still brings its table back."""
+    if deadline is None:
+        return timeout
+    left = deadline - now
+    return None if left < floor else min(timeout, left)
 
 
 def median_rows(rows: list[dict], key: str) -> list[dict]:

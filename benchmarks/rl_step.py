@@ -30,7 +30,9 @@ the timed step. A missing package is reported as "not installed", never dropped.
 notebookkit's rows record ``fused_path``: LM-head module forwards outside generation (0: the loss ran on
 the chunked log-prob path, never ``[B, T, V]`` logits) and any setting that fell back to TRL's loss.
 
-Writes ``<out>/<date>-<gpu>-rl-step.json`` and ``.md``; the markdown table is printed last.
+Writes ``<out>/<date>-<gpu>-rl-step.json`` and ``.md`` after every row (a run cut short keeps its table); the
+markdown table is printed last. ``--budget-s`` keeps a run inside a device call's limit: rows that would start after
+it are written as skipped (session 42's ``--repeats 2`` call ran past 560 s and lost Unsloth's second round).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from process_rounds import median_rows, rounds, spread_lines  # noqa: E402  (this folder: plain Python)
+from process_rounds import median_rows, rounds, row_timeout, spread_lines  # noqa: E402  (this folder: plain Python)
 
 SYSTEMS = ("notebookkit", "notebookkit-offload", "notebookkit-lean", "trl", "unsloth", "unsloth-lean")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -431,7 +433,7 @@ def markdown(rows: list[dict]) -> str:
                          else "–")
                 lines.append(f"| {r['system']} | {_cell(r.get('step_s'))} | {_cell(r.get('peak_gib'))} | "
                              f"{_cell(r.get('predicted_gib'))} | {ratio} | {speed} | {r['status']} |")
-        lines += spread_lines(runs, "step_s", "unsloth", "s", ".2f")[1:] + [""]
+        lines += spread_lines(runs, "step_s", "unsloth", "s", ".2f") + [""]  # its leading blank line ends the table
     lines.append("Targets (issue 22): GRPO at least 2x Unsloth's step speed at no more than its peak; DPO at most half "
                  "the plain TRL peak and at least 1.3x Unsloth's speed.")
     return "\n".join(lines) + "\n"
@@ -444,6 +446,9 @@ def main() -> None:
     ap.add_argument("--tasks", default="grpo,dpo")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized rows on a 2-layer Llama (checks the script)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per row")
+    ap.add_argument("--budget-s", type=int, default=0,
+                    help="seconds for the whole run (under a device call's limit): rows that would start after it "
+                         "are written as skipped")
     ap.add_argument("--unsloth-site", default=None, help="folder with Unsloth and TRL 1.15 for the unsloth rows")
     ap.add_argument("--tag", default="", help="added to the result file names (runs split over several calls)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -471,18 +476,30 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "cpu"
     stem = os.path.join(args.out, f"{dt.date.today()}-{gpu}-rl-step{'-tiny' if args.tiny else ''}"
                                   f"{('-' + args.tag) if args.tag else ''}")
-    rows = []
+    print(markdown(run_all(args, stem)))
+
+
+def run_all(args, stem: str, run=run_row, clock=time.time) -> list[dict]:
+    """Every (task, system) row in rounds, a process each; ``<stem>.json`` and ``.md`` rewritten after every row, so
+    a run cut short keeps its table. With ``--budget-s``, a row that would start with less than 30 s of the run's
+    budget left is written as skipped, and a row's process gets no more than what is left."""
+    deadline = clock() + args.budget_s if args.budget_s else None
+    rows: list[dict] = []
     for task in args.tasks.split(","):
         for system, repeat in rounds(args.systems.split(","), args.repeats):
-            row = run_row(system, task, args.tiny, args.out, args.timeout, args.unsloth_site) | dict(repeat=repeat)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            timeout = row_timeout(args.timeout, deadline, clock())
+            if timeout is None:
+                row = dict(task=task, system=system, **(TINY if args.tiny else TASKS)[task],
+                           status=f"skipped: the run's budget of {args.budget_s} s ran out")
+            else:
+                row = run(system, task, args.tiny, args.out, int(timeout), args.unsloth_site)
+            rows.append(row | dict(repeat=repeat))
+            print(json.dumps(rows[-1]), flush=True)
             with open(stem + ".json", "w") as fh:
                 json.dump(rows, fh, indent=1)
-    table = markdown(rows)
-    with open(stem + ".md", "w") as fh:
-        fh.write(table)
-    print(table)
+            with open(stem + ".md", "w") as fh:
+                fh.write(markdown(rows))
+    return rows
 
 
 if __name__ == "__main__":

@@ -574,6 +574,12 @@ def combine_runs(prefix: str, args) -> str | None:
     return table
 
 
+def systems_tag(rows: list[dict]) -> str:
+    """The result files' name for a run's rows: each system once, in run order (``--repeats`` runs a system several
+    times), joined by ``_`` (the names hold ``-``; the device tool refuses ``+`` in a file name)."""
+    return "_".join(dict.fromkeys(r["system"] for r in rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--system", default=None, type=system_name, help="(child) run one system in this process")
@@ -613,10 +619,9 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         device = next((r["device"] for r in rows if r.get("status") == "ok"), "none").replace(" ", "-")
-        # systems joined by "_" (their names hold "-"; the device tool refuses "+" in a file name)
         prefix = os.path.join(args.out, f"{dt.date.today().isoformat()}-{device}-vision-"
                                         f"{'tiny' if args.tiny else args.shape}")
-        stem = prefix + "-" + "_".join(r["system"] for r in rows)
+        stem = prefix + "-" + systems_tag(rows)
         json.dump({"config": vars(args), "rows": rows}, open(stem + ".json", "w"), indent=2)
         open(stem + ".md", "w").write(table)
         print(f"wrote {stem}.json and .md")

@@ -72,3 +72,30 @@ def test_repeated_rows_show_their_median_process_and_the_ratio_round_by_round():
     assert "| unsloth | 4.42 | 1.00 | 0.50 | 3.60 | – | 1.00 | ok |" in table
     assert "notebookkit-lean 2.46, 1.90, 2.10; unsloth 4.42, 4.60, 4.30." in table
     assert "notebookkit-lean × unsloth, round by round: 1.80, 2.42, 2.05 (median 2.05)." in table
+
+
+def test_a_run_past_its_budget_skips_the_rest_and_keeps_its_table(tmp_path):
+    import types
+
+    now = [0.0]
+
+    def run(system, task, tiny, out, timeout, site):  # each row's process takes 50 s of the clock
+        given.append(timeout)
+        tables.append((tmp_path / "run.md").exists())  # the rows before this one already in the table
+        now[0] += 50
+        return dict(task=task, system=system, shape="s", quant="bf16", prompts=2, generations=8, new_tokens=512,
+                    gpu="G", status="ok", step_s=2.0 if system == "notebookkit-lean" else 5.0, generate_s=1.0,
+                    rest_s=0.5, peak_gib=3.6)
+
+    given: list[int] = []
+    tables: list[bool] = []
+    args = types.SimpleNamespace(tasks="grpo", systems="notebookkit-lean,unsloth", repeats=2, budget_s=130,
+                                 timeout=900, tiny=False, out=str(tmp_path), unsloth_site=None)
+    rows = rl_step.run_all(args, str(tmp_path / "run"), run=run, clock=lambda: now[0])
+    # 130 s: rows start at 0, 50 and 100 s (30 s left: the third gets only those); the fourth finds none left
+    assert given == [130, 80, 30] and tables == [False, True, True]
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "skipped: the run's budget of 130 s ran out"]
+    assert [r["repeat"] for r in rows] == [0, 0, 1, 1]
+    table = (tmp_path / "run.md").read_text()  # written after every row, the last one included
+    assert "| unsloth | – | – | – | – | – | – | skipped: the run's budget of 130 s ran out |" in table
+    assert "|\n\nEach process's median step (s)" in table  # a blank line ends the table before the spread

@@ -88,6 +88,7 @@ def test_repeated_systems_show_their_median_process_and_the_ratio_to_unsloth_rou
     assert table.count("| notebookkit-lean |") == 1 and "every system 3 times, a process each, in rounds" in table
     assert "notebookkit-lean 0.720, 1.090, 0.800; unsloth 0.840, 0.860, 0.830." in table
     assert "notebookkit-lean × unsloth, round by round: 1.17, 0.79, 1.04 (median 1.04)." in table
+    assert vision_step.systems_tag(rows) == "notebookkit-lean_unsloth"  # the result files name each system once
 
 
 def test_capped_rows_name_the_planner_cap():
