@@ -412,6 +412,22 @@ def host_api_calls(trace_events: Iterable[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])
 
 
+def trace_kernels(trace_events: Iterable[dict]) -> list[tuple[str, float, int]]:
+    """``(name, total_us, count)`` of every device kernel, copy and memset of a Chrome trace (:func:`aggregate`d)."""
+    return aggregate((str(e.get("name", "?")), float(e.get("dur", 0.0)), 1) for e in trace_events
+                     if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATS)
+
+
+def trace_report(title: str, facts: Sequence[tuple[str, str]], trace_events: list[dict], wall_ms: float,
+                 top: int = 20) -> str:
+    """:func:`render_report` of a Chrome trace's events alone (a window of a profile: the GPU's busy time, its
+    idle gaps split into waits for the host and the rest, the host's time in CUDA's API, the kernels)."""
+    device, launches = trace_device_and_launches(trace_events)
+    gaps = idle_gaps(device, launches) if device and launches else None
+    return render_report(title, facts, wall_ms, busy_us((lo, hi) for lo, hi, _ in device) / 1e3,
+                         trace_kernels(trace_events), top=top, gaps=gaps, api=host_api_calls(trace_events))
+
+
 def trace_facts(prof, keep_as: str | None = None) -> tuple[dict | None, dict[str, dict], list[dict]]:
     """:func:`idle_gaps` (None without launch records), :func:`host_link_rates` and :func:`host_api_calls` of a
     finished profile, read from its Chrome trace, exported once: to ``keep_as`` when the caller wants to keep it,

@@ -4,6 +4,8 @@
     python benchmarks/rl_step.py --out benchmarks/results --unsloth-site .site-unsloth
     python benchmarks/rl_step.py --tiny --out /tmp/rl-step                         # CPU: checks this script
     python benchmarks/rl_step.py --prepare                                         # build the checkpoints only
+    python benchmarks/rl_step.py --tasks grpo --systems notebookkit-lean,unsloth --repeats 3 --budget-s 480 \
+        --profile "$OUT/prof" --unsloth-site .site-unsloth      # rounds inside one device call, training halves profiled
 
 Rows (the issue's configurations):
 
@@ -218,6 +220,78 @@ class StepClock:
         return _Clock()
 
 
+class StepProfile:
+    """A ``TrainerCallback`` running ``torch.profiler`` over the training half of one step (``--profile``): the step
+    after the timed one, so the timed step pays none of the profiler's host overhead; for GRPO from the end of its
+    generation (:func:`time_generate` calls :meth:`around_generate`) to the step's end: the scoring, forward,
+    backward and optimizer, #35's "rest". Its report (``profile_step.trace_report``): the GPU's busy time, its idle
+    gaps split into waits for the host and the rest, the host's time in CUDA's API, the kernels. Generation is
+    left out: a peer's 512 decode steps are hundreds of thousands of launches, a trace too large to export."""
+
+    def __init__(self, step: int, after_generate: bool):
+        self.step, self.after_generate = step, after_generate
+        self.active = False  # inside the profiled step
+        self.prof = None
+        self.wall_ms = 0.0
+        self._start = 0.0
+
+    def _begin(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        _sync()
+        self.prof = profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU])
+        self.prof.start()
+        self._start = time.perf_counter()
+
+    def around_generate(self, starting: bool) -> None:
+        """Before a generate call of the profiled step: drop a profile already running (the window starts after
+        the step's last generation); after it: start one."""
+        if not (self.active and self.after_generate):
+            return
+        if starting and self.prof is not None:
+            self.prof.stop()
+            self.prof = None
+        elif not starting:
+            self._begin()
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class _Profile(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step + 1 == clock.step:
+                    clock.active = True
+                    if not clock.after_generate:
+                        clock._begin()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == clock.step and clock.prof is not None:
+                    _sync()
+                    clock.wall_ms = (time.perf_counter() - clock._start) * 1e3
+                    clock.prof.stop()
+                    clock.active = False
+
+        return _Profile()
+
+    def report(self, title: str, facts: list[tuple[str, str]]) -> str:
+        """The markdown report of the profiled window (empty when nothing was profiled)."""
+        import tempfile
+
+        from profile_step import trace_report
+
+        if self.prof is None:
+            return ""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            self.prof.export_chrome_trace(path)
+            with open(path) as fh:
+                events = json.load(fh).get("traceEvents", [])
+        return trace_report(title, facts, events, self.wall_ms)
+
+
 def _sync() -> None:
     import torch
 
@@ -257,12 +331,15 @@ def watch_fused_path(model, calls: list) -> dict:
     return seen
 
 
-def time_generate(model, flags: dict | None = None) -> list[tuple[int, float]]:
-    """Wrap ``model.generate`` (the instance's) to record (global call index, seconds) per call."""
+def time_generate(model, flags: dict | None = None, profiled: StepProfile | None = None) -> list[tuple[int, float]]:
+    """Wrap ``model.generate`` (the instance's) to record (global call index, seconds) per call, synchronised at
+    both ends (``profiled``: told before and after each call, :meth:`StepProfile.around_generate`)."""
     calls: list[tuple[int, float]] = []
     generate = model.generate
 
     def timed(*args, **kwargs):
+        if profiled is not None:
+            profiled.around_generate(starting=True)
         _sync()
         start = time.perf_counter()
         if flags is not None:
@@ -274,13 +351,18 @@ def time_generate(model, flags: dict | None = None) -> list[tuple[int, float]]:
                 flags["in_generate"] = False
         _sync()
         calls.append((len(calls), time.perf_counter() - start))
+        if profiled is not None:
+            profiled.around_generate(starting=False)
         return out
 
     model.generate = timed
     return calls
 
 
-def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
+def run_child(system: str, task_name: str, task: dict, out_dir: str, profile: str | None = None,
+              repeat: int = 0) -> dict:
+    """One row in this process: a warm-up step, the timed step and, with ``profile`` (a folder), one more step
+    under the profiler (:class:`StepProfile`), reported as ``profile-<task>-<system>[-<repeat>].md`` there."""
     import torch
     from datasets import Dataset
     from train_step import SHAPES, versions
@@ -292,11 +374,13 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
     gradient_checkpointing = cuda
     model, tokenizer = load_model(system, folder, task["quant"], seq, gradient_checkpointing)
     config_class, trainer_class = trainer_classes(system, task_name)
-    common = dict(output_dir=os.path.join(out_dir, f"{task_name}-{system}"), max_steps=2, learning_rate=1e-5,
+    steps = 3 if profile else 2
+    common = dict(output_dir=os.path.join(out_dir, f"{task_name}-{system}"), max_steps=steps, learning_rate=1e-5,
                   logging_steps=1, report_to="none", save_strategy="no", use_cpu=not cuda, bf16=cuda, fp16=False,
                   optim="adamw_torch", seed=0, dataloader_num_workers=0, disable_tqdm=True,
                   gradient_checkpointing=gradient_checkpointing and system == "trl")
     clock = StepClock(timed_step=2)
+    profiled = StepProfile(step=3, after_generate=task_name == "grpo") if profile else None
     fused = watch_fused_path(model, []) if system.startswith("notebookkit") else None
     if task_name == "grpo":
         batch = task["prompts"] * task["generations"]
@@ -306,7 +390,7 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
         data = Dataset.from_list(grpo_rows(task, vocab, 2 * task["prompts"]))
         trainer = trainer_class(model=model, reward_funcs=length_reward, args=args, train_dataset=data,
                                 processing_class=tokenizer)
-        calls = time_generate(model, fused)
+        calls = time_generate(model, fused, profiled)
     else:
         args = config_class(**common, per_device_train_batch_size=task["pairs"], beta=0.1,
                             max_length=task["prompt_len"] + task["answer_len"])
@@ -314,6 +398,8 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
         trainer = trainer_class(model=model, ref_model=None, args=args, train_dataset=data, processing_class=tokenizer)
         calls = []
     trainer.add_callback(clock.callback())
+    if profiled is not None:
+        trainer.add_callback(profiled.callback())
     trainer.train()
     step_s = clock.step_s.get(2)
     row = dict(status="ok", step_s=round(step_s, 3), warmup_step_s=round(clock.step_s.get(1, float("nan")), 3),
@@ -324,7 +410,8 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
                                  fallbacks=sorted(trainer.__dict__.get("_notebookkit_fallbacks", ())))
         row["predicted_gib"] = predicted_peak_gib(model, trainer, task_name, task)
     if task_name == "grpo":
-        timed = [s for i, s in calls if i >= len(calls) // 2]  # the second step's generation (one call per step)
+        per_step = len(calls) // steps
+        timed = [s for _, s in calls[per_step:2 * per_step]]  # the timed (second) step's generation
         generate_s = sum(timed) if calls else None
         row |= dict(generate_s=None if generate_s is None else round(generate_s, 3),
                     rest_s=None if generate_s is None else round(step_s - generate_s, 3),
@@ -333,6 +420,16 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str) -> dict:
         logged = [h for h in trainer.state.log_history if "time/generation" in h]
         if logged:  # notebookkit's own split of the step
             row["logged_times"] = {k: round(logged[-1][k], 3) for k in ("time/generation", "time/scoring", "time/training")}
+    if profiled is not None:
+        name = f"profile-{task_name}-{system}{f'-{repeat}' if repeat else ''}.md"
+        facts = [("device", row["gpu"]), ("task", json.dumps(task)), ("timed step s (unprofiled)", f"{step_s:.3f}")]
+        if row.get("rest_s") is not None:
+            facts.append(("its training half s (unprofiled: the step less its generation)", f"{row['rest_s']:.3f}"))
+        os.makedirs(profile, exist_ok=True)
+        with open(os.path.join(profile, name), "w") as fh:
+            fh.write(profiled.report(f"{task_name.upper()} step of {system}: the training half, profiled (the step "
+                                     "after the timed one; GRPO's from the end of its generation)", facts))
+        row["profile"] = name
     return row
 
 
@@ -364,7 +461,9 @@ def _trl_version() -> dict:
 
 # ---------------------------------------------------------------------------------------- the table
 
-def run_row(system: str, task_name: str, tiny: bool, out_dir: str, timeout: int, unsloth_site: str | None) -> dict:
+def run_row(system: str, task_name: str, tiny: bool, out_dir: str, timeout: int, unsloth_site: str | None,
+            child_args: tuple[str, ...] = ()) -> dict:
+    """One (task, system) row in a process of its own (``child_args``: more of the child's options)."""
     task = (TINY if tiny else TASKS)[task_name]
     row = dict(task=task_name, system=system, **task)
     env = dict(os.environ)
@@ -376,7 +475,7 @@ def run_row(system: str, task_name: str, tiny: bool, out_dir: str, timeout: int,
             return row | dict(status="not installed (pass --unsloth-site, see ../shared/tools/gpu_site.sh --unsloth)")
     env["PYTHONPATH"] = os.pathsep.join(path + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system, "--task", task_name,
-           "--out", out_dir] + (["--tiny"] if tiny else [])
+           "--out", out_dir] + (["--tiny"] if tiny else []) + list(child_args)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -454,7 +553,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every system this many times, a process each, in rounds (benchmarks/process_rounds.py)")
     ap.add_argument("--prepare", action="store_true", help="only build the random checkpoints (one call, before the rows)")
+    ap.add_argument("--profile", default=None,
+                    help="folder: one more step a row, its training half under the profiler (GRPO's after its "
+                         "generation), reported there: GPU busy, waits for the host, CUDA API time, kernels")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--task", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -463,7 +566,8 @@ def main() -> None:
         if args.system.startswith("unsloth"):
             import unsloth  # noqa: F401  (before transformers and TRL: it patches them on import)
         task = (TINY if args.tiny else TASKS)[args.task]
-        print("RESULT " + json.dumps(run_child(args.system, args.task, task, args.out)), flush=True)
+        print("RESULT " + json.dumps(run_child(args.system, args.task, task, args.out, args.profile, args.repeat)),
+              flush=True)
         return
     if args.prepare:
         for name in args.tasks.split(","):
@@ -492,7 +596,8 @@ def run_all(args, stem: str, run=run_row, clock=time.time) -> list[dict]:
                 row = dict(task=task, system=system, **(TINY if args.tiny else TASKS)[task],
                            status=f"skipped: the run's budget of {args.budget_s} s ran out")
             else:
-                row = run(system, task, args.tiny, args.out, int(timeout), args.unsloth_site)
+                more = ("--profile", args.profile, "--repeat", str(repeat)) if args.profile else ()
+                row = run(system, task, args.tiny, args.out, int(timeout), args.unsloth_site, more)
             rows.append(row | dict(repeat=repeat))
             print(json.dumps(rows[-1]), flush=True)
             with open(stem + ".json", "w") as fh:

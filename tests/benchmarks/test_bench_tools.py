@@ -370,6 +370,23 @@ def test_idle_gaps_tell_waiting_for_the_host_from_queued_work():
     assert "| `cudaMemcpyAsync` | 1 | 0.90 | 0.90 |" in text and "| `cudaLaunchKernel` | 4 | 0.01 | 0.00 |" in text
 
 
+def test_a_report_straight_from_a_traces_events():
+    # rl_step's profile of a GRPO step's training half: a window of a Chrome trace, no profiler object
+    def ev(cat, ts, dur, corr=None, name="k"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    trace = [ev("cpu_op", 1000, 500, name="aten::mm"),
+             ev("cuda_runtime", 1100, 5, 2, "cudaLaunchKernel"), ev("kernel", 1105, 100, 2, "nvjet_fwd"),
+             ev("cuda_runtime", 1400, 5, 3, "cudaLaunchKernel"), ev("kernel", 1405, 50, 3, "nvjet_bwd"),
+             ev("gpu_memcpy", 1460, 10, 4, "Memcpy DtoH (Device -> Pinned)")]
+    assert profile_step.trace_kernels(trace) == [("nvjet_fwd", 100.0, 1), ("nvjet_bwd", 50.0, 1),
+                                                 ("Memcpy DtoH (Device -> Pinned)", 10.0, 1)]
+    text = profile_step.trace_report("rest", [], trace, 0.5)
+    # 160 us busy of 500; the GPU waited 200 us for the host's second launch (idle 1205 -> 1405, launched at 1400)
+    assert "GPU busy (union over streams): 0.2 ms; idle: 0.3 ms" in text and "0.2 ms in 1 gaps waiting" in text
+    assert "| `cudaLaunchKernel` | 2 | 0.01 |" in text and "| GEMM | 0.15 |" in text
+
+
 def test_several_profiled_steps_get_their_own_report_name():
     args = types.SimpleNamespace(system="notebookkit", checkpointing="offload", max_memory=None, fp8=True, steps=5)
     assert profile_step.default_tag(args) == "gc-offload-fp8-5steps"

@@ -1,5 +1,5 @@
-"""benchmarks/rl_step.py on a CPU: the --tiny run writes one row per (task, system) with its times and peak,
-reports a missing Unsloth instead of dropping it, and the table's ratios come from the rows."""
+"""benchmarks/rl_step.py on a CPU: the --tiny run writes one row per (task, system) with its times, peak and
+profile, reports a missing Unsloth instead of dropping it, and the table's ratios come from the rows."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import rl_step  # noqa: E402
 def test_tiny_run_writes_rows_and_table(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rl_step.py"), "--tiny", "--out", str(tmp_path),
-                           "--systems", "notebookkit,trl,unsloth"], capture_output=True, text=True, env=env, timeout=900)
+                           "--systems", "notebookkit,trl,unsloth", "--profile", str(tmp_path / "prof")],
+                          capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(next(tmp_path.glob("*-rl-step-tiny.json")).read_text())
     assert [(r["task"], r["system"]) for r in rows] == [
@@ -29,9 +30,11 @@ def test_tiny_run_writes_rows_and_table(tmp_path):
             assert row["status"].startswith("not installed"), row
             continue
         assert row["status"] == "ok", row
-        assert row["step_s"] > 0 and row["peak_gib"] > 0 and len(row["losses"]) == 2
+        assert row["step_s"] > 0 and row["peak_gib"] > 0 and len(row["losses"]) == 3  # warm-up, timed, profiled
+        report = (tmp_path / "prof" / row["profile"]).read_text()
+        assert f"# {row['task'].upper()} step of {row['system']}: the training half, profiled" in report
         if row["task"] == "grpo":
-            assert row["generate_calls"] == 2 and 0 < row["generate_s"] < row["step_s"]
+            assert row["generate_calls"] == 3 and 0 < row["generate_s"] < row["step_s"]
             assert abs(row["generate_s"] + row["rest_s"] - row["step_s"]) < 2e-3
             assert row["completion_tokens"] == 2 * 4 * 16
     assert "logged_times" in rows[0]  # notebookkit's own split of the step
@@ -79,8 +82,9 @@ def test_a_run_past_its_budget_skips_the_rest_and_keeps_its_table(tmp_path):
 
     now = [0.0]
 
-    def run(system, task, tiny, out, timeout, site):  # each row's process takes 50 s of the clock
+    def run(system, task, tiny, out, timeout, site, child_args):  # each row's process takes 50 s of the clock
         given.append(timeout)
+        assert child_args == ()  # no --profile
         tables.append((tmp_path / "run.md").exists())  # the rows before this one already in the table
         now[0] += 50
         return dict(task=task, system=system, shape="s", quant="bf16", prompts=2, generations=8, new_tokens=512,
@@ -90,7 +94,7 @@ def test_a_run_past_its_budget_skips_the_rest_and_keeps_its_table(tmp_path):
     given: list[int] = []
     tables: list[bool] = []
     args = types.SimpleNamespace(tasks="grpo", systems="notebookkit-lean,unsloth", repeats=2, budget_s=130,
-                                 timeout=900, tiny=False, out=str(tmp_path), unsloth_site=None)
+                                 timeout=900, tiny=False, out=str(tmp_path), unsloth_site=None, profile=None)
     rows = rl_step.run_all(args, str(tmp_path / "run"), run=run, clock=lambda: now[0])
     # 130 s: rows start at 0, 50 and 100 s (30 s left: the third gets only those); the fourth finds none left
     assert given == [130, 80, 30] and tables == [False, True, True]
@@ -99,3 +103,37 @@ def test_a_run_past_its_budget_skips_the_rest_and_keeps_its_table(tmp_path):
     table = (tmp_path / "run.md").read_text()  # written after every row, the last one included
     assert "| unsloth | – | – | – | – | – | – | skipped: the run's budget of 130 s ran out |" in table
     assert "|\n\nEach process's median step (s)" in table  # a blank line ends the table before the spread
+
+
+def test_the_profile_covers_the_profiled_steps_training_half_only(monkeypatch):
+    import types
+
+    class FakeProfile:
+        def __init__(self, log):
+            self.log = log
+            log.append("start")
+
+        def stop(self):
+            self.log.append("stop")
+
+    def run_steps(after_generate: bool) -> tuple[list[str], bool]:
+        log: list[str] = []
+        profiled = rl_step.StepProfile(step=3, after_generate=after_generate)
+        monkeypatch.setattr(profiled, "_begin", lambda: (log.append("begin"), setattr(profiled, "prof", FakeProfile(log))))
+        callback = profiled.callback()
+        for step in (1, 2, 3):
+            callback.on_step_begin(None, types.SimpleNamespace(global_step=step - 1), None)
+            for _ in range(2 if after_generate else 0):  # two generate calls in each GRPO step
+                profiled.around_generate(starting=True)
+                log.append(f"generate {step}")
+                profiled.around_generate(starting=False)
+            log.append(f"train {step}")
+            callback.on_step_end(None, types.SimpleNamespace(global_step=step), None)
+        return log, profiled.active
+
+    log, active = run_steps(after_generate=True)
+    # only step 3, from the end of its last generation: the profile begun after the first is dropped
+    assert log == ["generate 1", "generate 1", "train 1", "generate 2", "generate 2", "train 2", "generate 3", "begin",
+                   "start", "stop", "generate 3", "begin", "start", "train 3", "stop"] and not active
+    log, _ = run_steps(after_generate=False)  # DPO: step 3 whole
+    assert log == ["train 1", "train 2", "begin", "start", "train 3", "stop"]
