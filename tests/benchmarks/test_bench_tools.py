@@ -537,6 +537,7 @@ def test_system_names_resolve_to_train_step_arguments():
     assert run.resolve_system("notebookkit-10GiB") == ("notebookkit", ["--max-memory", "10GiB"])
     assert run.resolve_system("notebookkit-fp8-4.79GiB") == ("notebookkit", ["--fp8", "--max-memory", "4.79GiB"])
     assert run.resolve_system("notebookkit-spread-14GiB") == ("notebookkit", ["--spread", "--max-memory", "14GiB"])
+    assert run.resolve_system("notebookkit-lean-7GiB") == ("notebookkit", ["--offload-embedding", "--max-memory", "7GiB"])
     assert run.resolve_system("unsloth") == ("unsloth", [])
     assert run.resolve_system("notebookkit-spread+nogc") == ("notebookkit", ["--spread", "--no-gc"])
     assert run.resolve_system("unsloth+nogc") == ("unsloth", ["--no-gc"])
