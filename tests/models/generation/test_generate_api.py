@@ -273,13 +273,24 @@ def test_a_call_after_drop_cache_runs_one_decode_graph_for_its_whole_request(pai
         out = fast.generate(input_ids=ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=PAD)
         return out, sorted(set(lengths))
 
+    def dropped_and_unreferenced() -> bool:  # the cache freed, nothing left holding its tensors (no collector run)
+        keys = weakref.ref(generation_state(fast).cache.keys[0])
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            drop_cache(fast)
+            return generation_state(fast).cache is None and keys() is None
+        finally:
+            if enabled:
+                gc.enable()
+
     release(fast)
     bucketed, buckets = call()
     assert buckets == [16, 32, 64]  # the power-of-two buckets up to 11 + 30 = 41 slots (the cache has 256)
-    drop_cache(fast)
-    assert generation_state(fast).cache is None
-    single, one = call()
-    assert one == [48] and torch.equal(single, bucketed)  # 11 + 30 slots, rounded up to 16
+    for _ in range(2):  # GRPO's loop: free the cache (the bucketed call's, then the whole-request call's), generate
+        assert dropped_and_unreferenced()
+        single, one = call()
+        assert one == [48] and torch.equal(single, bucketed)  # 11 + 30 slots, rounded up to 16
     kept, again = call()
     assert again == buckets and torch.equal(kept, bucketed)
 

@@ -13,7 +13,7 @@
   for_training -> step -> for_inference) changes the next generation without a recapture;
 * release gives the cache's memory back;
 * a call after drop_cache (GRPO when memory is short) captures one graph for its whole request, with the
-  tokens of the bucketed graphs.
+  tokens of the bucketed graphs; drop_cache gives the cache's memory back, as release does.
 """
 
 from __future__ import annotations
@@ -248,7 +248,13 @@ def test_a_call_after_drop_cache_captures_one_graph_with_the_same_tokens():
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     bucketed = fast.generate(**kw)
     for _ in range(2):  # GRPO's loop: generate, free the cache, generate again
-        drop_cache(fast)
+        # the cache's memory goes back to the allocator, after the bucketed graphs and after the whole-request one
+        # (the memory model counts none of it in a lean GRPO step's training half)
+        torch.cuda.synchronize()
+        held, cache_bytes = torch.cuda.memory_allocated(), generation_state(fast).cache.nbytes
+        assert drop_cache(fast) == cache_bytes > 0
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= held - cache_bytes
         runner = generation_state(fast).runner
         assert len(runner) == 0  # the graphs went with the cache
         captures, replays = runner.captures, runner.replays
