@@ -331,9 +331,12 @@ def watch_fused_path(model, calls: list) -> dict:
     return seen
 
 
-def time_generate(model, flags: dict | None = None, profiled: StepProfile | None = None) -> list[tuple[int, float]]:
+def time_generate(model, flags: dict | None = None, profiled: StepProfile | None = None,
+                  peaks: list | None = None) -> list[tuple[int, float]]:
     """Wrap ``model.generate`` (the instance's) to record (global call index, seconds) per call, synchronised at
-    both ends (``profiled``: told before and after each call, :meth:`StepProfile.around_generate`)."""
+    both ends (``profiled``: told before and after each call, :meth:`StepProfile.around_generate`). ``peaks``: each
+    call's peak memory in GiB (:func:`_peak_gib`, the counter then reset, so the step's end reads the peak of what
+    followed the generation: which half of a GRPO step sets its peak)."""
     calls: list[tuple[int, float]] = []
     generate = model.generate
 
@@ -351,6 +354,9 @@ def time_generate(model, flags: dict | None = None, profiled: StepProfile | None
                 flags["in_generate"] = False
         _sync()
         calls.append((len(calls), time.perf_counter() - start))
+        if peaks is not None:
+            peaks.append(_peak_gib())
+            _reset_peak()
         if profiled is not None:
             profiled.around_generate(starting=False)
         return out
@@ -390,7 +396,8 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str, profile: st
         data = Dataset.from_list(grpo_rows(task, vocab, 2 * task["prompts"]))
         trainer = trainer_class(model=model, reward_funcs=length_reward, args=args, train_dataset=data,
                                 processing_class=tokenizer)
-        calls = time_generate(model, fused, profiled)
+        generate_peaks: list = []
+        calls = time_generate(model, fused, profiled, generate_peaks)
     else:
         args = config_class(**common, per_device_train_batch_size=task["pairs"], beta=0.1,
                             max_length=task["prompt_len"] + task["answer_len"])
@@ -413,6 +420,8 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str, profile: st
         per_step = len(calls) // steps
         timed = [s for _, s in calls[per_step:2 * per_step]]  # the timed (second) step's generation
         generate_s = sum(timed) if calls else None
+        if calls:
+            row |= split_peak(row["peak_gib"], generate_peaks[per_step:2 * per_step])
         row |= dict(generate_s=None if generate_s is None else round(generate_s, 3),
                     rest_s=None if generate_s is None else round(step_s - generate_s, 3),
                     generate_calls=len(calls),
@@ -494,6 +503,19 @@ def _cell(value, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+def split_peak(rest_peak_gib: float | None, generate_peaks_gib: list) -> dict:
+    """A GRPO step's peak from its parts: its generate calls' peaks and the peak read at the step's end (what
+    followed the last generation, :func:`time_generate` having reset the counter), whichever is higher."""
+    generation = max(generate_peaks_gib)
+    return dict(generate_peak_gib=generation, rest_peak_gib=rest_peak_gib, peak_gib=max(generation, rest_peak_gib))
+
+
+def _peak_cell(row: dict) -> str:
+    """A GRPO row's peak, with its generation's and the rest's where the row measured them apart."""
+    split = row.get("generate_peak_gib"), row.get("rest_peak_gib")
+    return _cell(row.get("peak_gib")) + (f" ({split[0]:.2f} / {split[1]:.2f})" if None not in split else "")
+
+
 def markdown(rows: list[dict]) -> str:
     """The GRPO and DPO tables (a row a system: its median process by step time where ``--repeats`` ran it more than
     once, :mod:`process_rounds`), each followed by its processes' times and round-by-round ratios to Unsloth."""
@@ -501,7 +523,8 @@ def markdown(rows: list[dict]) -> str:
     gpu = ok[0]["gpu"] if ok else "?"
     lines = [f"# RL step benchmark, {gpu}, {dt.date.today()}", "",
              "One process per row; LoRA r=16 alpha=16 on all 7 projections, AdamW, bf16, one warm-up step then the "
-             "timed step; peak = `torch.cuda.max_memory_allocated` over the timed step (host RSS on CPU). GRPO: "
+             "timed step; peak = `torch.cuda.max_memory_allocated` over the timed step (host RSS on CPU; GRPO's in brackets: "
+             "its generation's / the rest's). GRPO: "
              "generation = the model's `generate` call(s) of the step, rest = scoring + forward + backward + "
              "optimizer. Versions per row in the JSON.", ""]
     for task in ("grpo", "dpo"):
@@ -513,7 +536,8 @@ def markdown(rows: list[dict]) -> str:
         if task == "grpo":
             lines += [f"## GRPO: {t['shape']} {t['quant']}, {t['prompts']} prompts x {t['generations']} generations of "
                       f"{t['new_tokens']} tokens", "",
-                      "| system | step s | generation s | rest s | peak GiB | predicted GiB | x unsloth speed | status |",
+                      "| system | step s | generation s | rest s | peak GiB (generation / rest) | predicted GiB | "
+                      "x unsloth speed | status |",
                       "|---|---|---|---|---|---|---|---|"]
         else:
             lines += [f"## DPO: {t['shape']} {t['quant']}, {t['pairs']} pairs x {t['prompt_len'] + t['answer_len']} tokens",
@@ -525,7 +549,7 @@ def markdown(rows: list[dict]) -> str:
             speed = (f"{by['unsloth']['step_s'] / r['step_s']:.2f}" if ok_row and "unsloth" in by else "–")
             if task == "grpo":
                 lines.append(f"| {r['system']} | {_cell(r.get('step_s'))} | {_cell(r.get('generate_s'))} | "
-                             f"{_cell(r.get('rest_s'))} | {_cell(r.get('peak_gib'))} | {_cell(r.get('predicted_gib'))} | "
+                             f"{_cell(r.get('rest_s'))} | {_peak_cell(r)} | {_cell(r.get('predicted_gib'))} | "
                              f"{speed} | {r['status']} |")
             else:
                 ratio = (f"{r['peak_gib'] / by['trl']['peak_gib']:.2f}" if ok_row and "trl" in by and r.get("peak_gib")

@@ -35,6 +35,8 @@ def test_tiny_run_writes_rows_and_table(tmp_path):
         assert f"# {row['task'].upper()} step of {row['system']}: the training half, profiled" in report
         if row["task"] == "grpo":
             assert row["generate_calls"] == 3 and 0 < row["generate_s"] < row["step_s"]
+            # the step's peak: its generation's or the rest's (host RSS here), whichever is higher
+            assert row["peak_gib"] == max(row["generate_peak_gib"], row["rest_peak_gib"]) > 0
             assert abs(row["generate_s"] + row["rest_s"] - row["step_s"]) < 2e-3
             assert row["completion_tokens"] == 2 * 4 * 16
     assert "logged_times" in rows[0]  # notebookkit's own split of the step
@@ -59,6 +61,9 @@ def test_table_ratios():
     ]
     table = rl_step.markdown(rows)
     assert "| notebookkit | 2.00 | 1.50 | 0.50 | 10.00 | – | 2.50 | ok |" in table
+    assert rl_step.split_peak(3.2, [2.9, 3.5]) == dict(generate_peak_gib=3.5, rest_peak_gib=3.2, peak_gib=3.5)
+    rows[0] |= dict(generate_peak_gib=7.5, rest_peak_gib=10.0)  # which half of the step set its peak
+    assert "| notebookkit | 2.00 | 1.50 | 0.50 | 10.00 (7.50 / 10.00) | – | 2.50 | ok |" in rl_step.markdown(rows)
     assert "| notebookkit | 1.00 | 6.00 | – | 0.40 | 1.50 | ok |" in table
     assert "| trl | 2.00 | 15.00 | – | 1.00 | 0.75 | ok |" in table
 
@@ -137,3 +142,17 @@ def test_the_profile_covers_the_profiled_steps_training_half_only(monkeypatch):
                    "start", "stop", "generate 3", "begin", "start", "train 3", "stop"] and not active
     log, _ = run_steps(after_generate=False)  # DPO: step 3 whole
     assert log == ["train 1", "train 2", "begin", "start", "train 3", "stop"]
+
+
+def test_each_generate_call_records_its_peak_and_resets_the_counter(monkeypatch):
+    import types
+
+    events: list[str] = []
+    monkeypatch.setattr(rl_step, "_peak_gib", lambda: events.append("read") or 2.5)
+    monkeypatch.setattr(rl_step, "_reset_peak", lambda: events.append("reset"))
+    model = types.SimpleNamespace(generate=lambda **kw: events.append("generate") or "ids")
+    peaks: list = []
+    calls = rl_step.time_generate(model, peaks=peaks)
+    assert model.generate(max_new_tokens=4) == "ids" and model.generate() == "ids"
+    # read after each call, then reset: the step's end reads only what followed the generation
+    assert events == ["generate", "read", "reset"] * 2 and peaks == [2.5, 2.5] and len(calls) == 2
