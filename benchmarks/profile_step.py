@@ -422,25 +422,36 @@ def trace_report(title: str, facts: Sequence[tuple[str, str]], trace_events: lis
                  top: int = 20) -> str:
     """:func:`render_report` of a Chrome trace's events alone (a window of a profile: the GPU's busy time, its
     idle gaps split into waits for the host and the rest, the host's time in CUDA's API, the kernels)."""
-    device, launches = trace_device_and_launches(trace_events)
-    gaps = idle_gaps(device, launches) if device and launches else None
+    device, _ = trace_device_and_launches(trace_events)
     return render_report(title, facts, wall_ms, busy_us((lo, hi) for lo, hi, _ in device) / 1e3,
-                         trace_kernels(trace_events), top=top, gaps=gaps, api=host_api_calls(trace_events))
+                         trace_kernels(trace_events), top=top, gaps=trace_gaps(trace_events),
+                         api=host_api_calls(trace_events))
 
 
-def trace_facts(prof, keep_as: str | None = None) -> tuple[dict | None, dict[str, dict], list[dict]]:
-    """:func:`idle_gaps` (None without launch records), :func:`host_link_rates` and :func:`host_api_calls` of a
-    finished profile, read from its Chrome trace, exported once: to ``keep_as`` when the caller wants to keep it,
-    else to a temporary file."""
+def trace_gaps(trace_events: list[dict]) -> dict | None:
+    """:func:`idle_gaps` of a Chrome trace's events (None without device work or launch records)."""
+    device, launches = trace_device_and_launches(trace_events)
+    return idle_gaps(device, launches) if device and launches else None
+
+
+def trace_events(prof, keep_as: str | None = None) -> list[dict]:
+    """The ``traceEvents`` of a finished profile's Chrome trace, exported once: to ``keep_as`` when the caller
+    wants to keep the file, else to a temporary one."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         path = keep_as or os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as fh:
-            events = json.load(fh).get("traceEvents", [])
-    device, launches = trace_device_and_launches(events)
-    return (idle_gaps(device, launches) if device and launches else None), host_link_rates(events), host_api_calls(events)
+            return json.load(fh).get("traceEvents", [])
+
+
+def trace_facts(prof, keep_as: str | None = None) -> tuple[dict | None, dict[str, dict], list[dict]]:
+    """:func:`idle_gaps` (None without launch records), :func:`host_link_rates` and :func:`host_api_calls` of a
+    finished profile, read from its Chrome trace, exported once: to ``keep_as`` when the caller wants to keep it,
+    else to a temporary file (:func:`trace_events`)."""
+    events = trace_events(prof, keep_as)
+    return trace_gaps(events), host_link_rates(events), host_api_calls(events)
 
 
 def run(args) -> str:

@@ -278,18 +278,11 @@ class StepProfile:
 
     def report(self, title: str, facts: list[tuple[str, str]]) -> str:
         """The markdown report of the profiled window (empty when nothing was profiled)."""
-        import tempfile
-
-        from profile_step import trace_report
+        from profile_step import trace_events, trace_report
 
         if self.prof is None:
             return ""
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trace.json")
-            self.prof.export_chrome_trace(path)
-            with open(path) as fh:
-                events = json.load(fh).get("traceEvents", [])
-        return trace_report(title, facts, events, self.wall_ms)
+        return trace_report(title, facts, trace_events(self.prof), self.wall_ms)
 
 
 def _sync() -> None:
