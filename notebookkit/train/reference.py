@@ -107,10 +107,11 @@ def describe_reference(trainer: Any) -> str:
 @contextlib.contextmanager
 def _checkpointing_off(model: Any, kwargs: dict | None) -> Iterator[None]:
     """Hugging Face's gradient checkpointing off for the block, then back on (what TRL's
-    ``disable_gradient_checkpointing`` does, reading the flag under its current name)."""
+    ``disable_gradient_checkpointing`` does, reading the flag under its current name on the model a PEFT model
+    wraps: left on, an offloaded plan would copy every layer input of the no-grad reference forward to the host)."""
     from notebookkit.compat import is_checkpointing
 
-    was_on = is_checkpointing(model)
+    was_on = is_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model)
     if was_on:
         model.gradient_checkpointing_disable()
     try:

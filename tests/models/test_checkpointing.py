@@ -210,12 +210,14 @@ def test_pinned_buffers_go_back_to_the_host_before_an_export_and_on_a_replan(tmp
 
 def test_the_same_plan_applied_again_keeps_its_pinned_buffers(monkeypatch):
     """TRL turns checkpointing off around every generation and every scoring forward of a GRPO step and back on
-    (``trl.models.utils.disable_gradient_checkpointing``), and the guard re-applies the recorded plan. The same plan
+    (``trl.models.utils.disable_gradient_checkpointing``), as DPO's reference forward does
+    (``notebookkit.train.reference``), and the guard re-applies the recorded plan. The same plan
     keeps its offload state and pooled pinned buffers: giving them back each step cost GRPO's training half about
     0.5 s in ``cudaHostAlloc`` / ``cudaFreeHost`` (1B on an H100, session 43)."""
     from trl.models.utils import disable_gradient_checkpointing
 
     from notebookkit import FastLanguageModel
+    from notebookkit.train.reference import _checkpointing_off
 
     emptied = []
     monkeypatch.setattr(compat, "empty_pinned_host_cache", lambda: emptied.append(True))
@@ -225,8 +227,8 @@ def test_the_same_plan_applied_again_keeps_its_pinned_buffers(monkeypatch):
     state, plan = ckpt._offload_states[base], ckpt.recorded_activation_plan(base)
     pool = ckpt._pool(state)
     pool.release(pool.acquire((1024,), torch.float32))
-    for _ in range(2):
-        with compat.quiet_checkpointing_flag_deprecation(), disable_gradient_checkpointing(model, None):
+    for off in (lambda: disable_gradient_checkpointing(model, None), lambda: _checkpointing_off(model, None)):
+        with compat.quiet_checkpointing_flag_deprecation(), off():
             assert not compat.is_checkpointing(base)
         assert compat.is_checkpointing(base) and ckpt.recorded_activation_plan(base) == plan
         assert ckpt._offload_states[base] is state and pool.held_bytes >= 4096 and not emptied
