@@ -80,6 +80,14 @@ def capped(system: str) -> tuple[str, str | None]:
     return system, None
 
 
+def setup_max_memory(cap: str | None, max_memory: str | None) -> str | None:
+    """The cap ``get_peft_model`` plans under. A capped row (:func:`capped`) is planned later for its batch's own
+    rows and length, so its setup plans without the cap: under it, the setup's plan for ``max_seq_length`` tokens
+    a row can refuse a cap the batch fits (Gemma-3-4B at 6 GiB: 4 rows of 2,048 tokens need 6.11 GiB, its 4 rows
+    of 307 plan at 5.48; session 43's call 4 was refused so). ``--max-memory`` alone plans at setup."""
+    return None if cap else max_memory
+
+
 def system_name(system: str) -> str:
     """argparse type of ``--system``: one of SYSTEMS or a capped notebookkit row (:func:`capped`)."""
     if system not in SYSTEMS and capped(system)[1] is None:
@@ -255,8 +263,8 @@ def run_system(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     system, cap = capped(args.system)
-    model, processor = load_system(system, folder, args.quant, args.seq, args.batch, device, cap or args.max_memory,
-                                   args.dtype)
+    model, processor = load_system(system, folder, args.quant, args.seq, args.batch, device,
+                                   setup_max_memory(cap, args.max_memory), args.dtype)
     load_s = time.time() - t0
     model.train()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

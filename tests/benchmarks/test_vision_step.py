@@ -104,3 +104,6 @@ def test_capped_rows_name_the_planner_cap():
     assert vision_step.capped("unsloth-9GiB") == ("unsloth-9GiB", None)  # only our rows take a cap
     with pytest.raises(argparse.ArgumentTypeError, match="unknown system"):
         vision_step.system_name("notebookkit-lean-manyGiB")
+    # a capped row is planned for its batch, after a setup without the cap; --max-memory alone plans at setup
+    assert vision_step.setup_max_memory("6GiB", None) is None
+    assert vision_step.setup_max_memory(None, "7GiB") == "7GiB"
