@@ -6,6 +6,8 @@
     python benchmarks/rl_step.py --prepare                                         # build the checkpoints only
     python benchmarks/rl_step.py --tasks grpo --systems notebookkit-lean,unsloth --repeats 3 --budget-s 480 \
         --profile "$OUT/prof" --unsloth-site .site-unsloth      # rounds inside one device call, training halves profiled
+    python benchmarks/rl_step.py --tasks grpo --systems notebookkit-lean --profile "$OUT/prof" --memory-history
+                                 # and one more step: where the blocks alive at the training half's peak come from
 
 Rows (the issue's configurations):
 
@@ -250,7 +252,7 @@ class StepProfile:
         if not (self.active and self.after_generate):
             return
         if starting and self.prof is not None:
-            self.prof.stop()
+            self.prof.stop()  # dropped
             self.prof = None
         elif not starting:
             self._begin()
@@ -283,6 +285,23 @@ class StepProfile:
         if self.prof is None:
             return ""
         return trace_report(title, facts, trace_events(self.prof), self.wall_ms)
+
+
+class StepMemory(StepProfile):
+    """:class:`StepProfile`'s window in a step of its own (``--memory-history``), under the allocator's history
+    instead of the profiler (``memory_history.Recording``: every allocation's stack, which costs host time).
+    Its report: the window's peak replayed, and where the blocks alive at it were allocated (#35's GRPO rest
+    peaked 0.31 GiB over the memory model)."""
+
+    def _begin(self) -> None:
+        from memory_history import Recording
+
+        self.prof = Recording()
+        self.prof.start()
+        self._start = time.perf_counter()
+
+    def report(self, title: str, facts: list[tuple[str, str]]) -> str:
+        return "" if self.prof is None else self.prof.report(title, facts)
 
 
 def _sync() -> None:
@@ -324,18 +343,18 @@ def watch_fused_path(model, calls: list) -> dict:
     return seen
 
 
-def time_generate(model, flags: dict | None = None, profiled: StepProfile | None = None,
+def time_generate(model, flags: dict | None = None, windows: tuple[StepProfile, ...] = (),
                   peaks: list | None = None) -> list[tuple[int, float]]:
     """Wrap ``model.generate`` (the instance's) to record (global call index, seconds) per call, synchronised at
-    both ends (``profiled``: told before and after each call, :meth:`StepProfile.around_generate`). ``peaks``: each
+    both ends (``windows``: told before and after each call, :meth:`StepProfile.around_generate`). ``peaks``: each
     call's peak memory in GiB (:func:`_peak_gib`, the counter then reset, so the step's end reads the peak of what
     followed the generation: which half of a GRPO step sets its peak)."""
     calls: list[tuple[int, float]] = []
     generate = model.generate
 
     def timed(*args, **kwargs):
-        if profiled is not None:
-            profiled.around_generate(starting=True)
+        for window in windows:
+            window.around_generate(starting=True)
         _sync()
         start = time.perf_counter()
         if flags is not None:
@@ -350,8 +369,8 @@ def time_generate(model, flags: dict | None = None, profiled: StepProfile | None
         if peaks is not None:
             peaks.append(_peak_gib())
             _reset_peak()
-        if profiled is not None:
-            profiled.around_generate(starting=False)
+        for window in windows:
+            window.around_generate(starting=False)
         return out
 
     model.generate = timed
@@ -359,9 +378,10 @@ def time_generate(model, flags: dict | None = None, profiled: StepProfile | None
 
 
 def run_child(system: str, task_name: str, task: dict, out_dir: str, profile: str | None = None,
-              repeat: int = 0) -> dict:
+              repeat: int = 0, memory_history: bool = False) -> dict:
     """One row in this process: a warm-up step, the timed step and, with ``profile`` (a folder), one more step
-    under the profiler (:class:`StepProfile`), reported as ``profile-<task>-<system>[-<repeat>].md`` there."""
+    under the profiler (:class:`StepProfile`), reported as ``profile-<task>-<system>[-<repeat>].md`` there; with
+    ``memory_history`` too, one more under the allocator's history (:class:`StepMemory`), ``memory-...md``."""
     import torch
     from datasets import Dataset
     from train_step import SHAPES, versions
@@ -373,13 +393,13 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str, profile: st
     gradient_checkpointing = cuda
     model, tokenizer = load_model(system, folder, task["quant"], seq, gradient_checkpointing)
     config_class, trainer_class = trainer_classes(system, task_name)
-    steps = 3 if profile else 2
+    windows = step_windows(task_name, profile, memory_history)
+    steps = 2 + len(windows)
     common = dict(output_dir=os.path.join(out_dir, f"{task_name}-{system}"), max_steps=steps, learning_rate=1e-5,
                   logging_steps=1, report_to="none", save_strategy="no", use_cpu=not cuda, bf16=cuda, fp16=False,
                   optim="adamw_torch", seed=0, dataloader_num_workers=0, disable_tqdm=True,
                   gradient_checkpointing=gradient_checkpointing and system == "trl")
     clock = StepClock(timed_step=2)
-    profiled = StepProfile(step=3, after_generate=task_name == "grpo") if profile else None
     fused = watch_fused_path(model, []) if system.startswith("notebookkit") else None
     if task_name == "grpo":
         batch = task["prompts"] * task["generations"]
@@ -390,7 +410,7 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str, profile: st
         trainer = trainer_class(model=model, reward_funcs=length_reward, args=args, train_dataset=data,
                                 processing_class=tokenizer)
         generate_peaks: list = []
-        calls = time_generate(model, fused, profiled, generate_peaks)
+        calls = time_generate(model, fused, tuple(windows.values()), generate_peaks)
     else:
         args = config_class(**common, per_device_train_batch_size=task["pairs"], beta=0.1,
                             max_length=task["prompt_len"] + task["answer_len"])
@@ -398,8 +418,8 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str, profile: st
         trainer = trainer_class(model=model, ref_model=None, args=args, train_dataset=data, processing_class=tokenizer)
         calls = []
     trainer.add_callback(clock.callback())
-    if profiled is not None:
-        trainer.add_callback(profiled.callback())
+    for window in windows.values():
+        trainer.add_callback(window.callback())
     trainer.train()
     step_s = clock.step_s.get(2)
     row = dict(status="ok", step_s=round(step_s, 3), warmup_step_s=round(clock.step_s.get(1, float("nan")), 3),
@@ -422,17 +442,32 @@ def run_child(system: str, task_name: str, task: dict, out_dir: str, profile: st
         logged = [h for h in trainer.state.log_history if "time/generation" in h]
         if logged:  # notebookkit's own split of the step
             row["logged_times"] = {k: round(logged[-1][k], 3) for k in ("time/generation", "time/scoring", "time/training")}
-    if profiled is not None:
-        name = f"profile-{task_name}-{system}{f'-{repeat}' if repeat else ''}.md"
-        facts = [("device", row["gpu"]), ("task", json.dumps(task)), ("timed step s (unprofiled)", f"{step_s:.3f}")]
-        if row.get("rest_s") is not None:
-            facts.append(("its training half s (unprofiled: the step less its generation)", f"{row['rest_s']:.3f}"))
+    facts = [("device", row["gpu"]), ("task", json.dumps(task)), ("timed step s (unprofiled)", f"{step_s:.3f}")]
+    if row.get("rest_s") is not None:
+        facts.append(("its training half s (unprofiled: the step less its generation)", f"{row['rest_s']:.3f}"))
+    if row.get("predicted_gib") is not None:
+        facts.append(("the memory model's peak GiB / the timed step's", f"{row['predicted_gib']} / {row['peak_gib']}"))
+    for kind, window in windows.items():
+        name = f"{kind}-{task_name}-{system}{f'-{repeat}' if repeat else ''}.md"
+        what = {"profile": "profiled", "memory": "under the allocator's history"}[kind]
         os.makedirs(profile, exist_ok=True)
         with open(os.path.join(profile, name), "w") as fh:
-            fh.write(profiled.report(f"{task_name.upper()} step of {system}: the training half, profiled (the step "
-                                     "after the timed one; GRPO's from the end of its generation)", facts))
-        row["profile"] = name
+            fh.write(window.report(f"{task_name.upper()} step of {system}: the training half, {what} (step "
+                                   f"{window.step}, after the timed one; GRPO's from the end of its generation)", facts))
+        row[kind] = name
     return row
+
+
+def step_windows(task_name: str, profile: str | None, memory_history: bool) -> dict[str, StepProfile]:
+    """The extra steps after the timed one (step 2), each a window of its own: the profiler's (``--profile``) in
+    step 3, the allocator's history (``--memory-history``, which needs ``--profile``'s folder) in the next."""
+    windows: dict[str, StepProfile] = {}
+    after_generate = task_name == "grpo"
+    if profile:
+        windows["profile"] = StepProfile(step=3, after_generate=after_generate)
+        if memory_history:
+            windows["memory"] = StepMemory(step=4, after_generate=after_generate)
+    return windows
 
 
 def predicted_peak_gib(model, trainer, task_name: str, task: dict) -> float:
@@ -573,6 +608,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None,
                     help="folder: one more step a row, its training half under the profiler (GRPO's after its "
                          "generation), reported there: GPU busy, waits for the host, CUDA API time, kernels")
+    ap.add_argument("--memory-history", action="store_true",
+                    help="with --profile: one more step a row, its training half under the allocator's history; "
+                         "the report there says where the blocks alive at its peak were allocated")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
@@ -583,8 +621,8 @@ def main() -> None:
         if args.system.startswith("unsloth"):
             import unsloth  # noqa: F401  (before transformers and TRL: it patches them on import)
         task = (TINY if args.tiny else TASKS)[args.task]
-        print("RESULT " + json.dumps(run_child(args.system, args.task, task, args.out, args.profile, args.repeat)),
-              flush=True)
+        print("RESULT " + json.dumps(run_child(args.system, args.task, task, args.out, args.profile, args.repeat,
+                                               args.memory_history)), flush=True)
         return
     if args.prepare:
         for name in args.tasks.split(","):
@@ -613,7 +651,8 @@ def run_all(args, stem: str, run=run_row, clock=time.time) -> list[dict]:
                 row = dict(task=task, system=system, **(TINY if args.tiny else TASKS)[task],
                            status=f"skipped: the run's budget of {args.budget_s} s ran out")
             else:
-                more = ("--profile", args.profile, "--repeat", str(repeat)) if args.profile else ()
+                more = ("--profile", args.profile, "--repeat", str(repeat)) + (
+                    ("--memory-history",) if args.memory_history else ()) if args.profile else ()
                 row = run(system, task, args.tiny, args.out, int(timeout), args.unsloth_site, more)
             rows.append(row | dict(repeat=repeat))
             print(json.dumps(rows[-1]), flush=True)

@@ -19,7 +19,8 @@ import rl_step  # noqa: E402
 def test_tiny_run_writes_rows_and_table(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rl_step.py"), "--tiny", "--out", str(tmp_path),
-                           "--systems", "notebookkit,trl,unsloth", "--profile", str(tmp_path / "prof")],
+                           "--systems", "notebookkit,trl,unsloth", "--profile", str(tmp_path / "prof"),
+                           "--memory-history"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(next(tmp_path.glob("*-rl-step-tiny.json")).read_text())
@@ -30,11 +31,14 @@ def test_tiny_run_writes_rows_and_table(tmp_path):
             assert row["status"].startswith("not installed"), row
             continue
         assert row["status"] == "ok", row
-        assert row["step_s"] > 0 and row["peak_gib"] > 0 and len(row["losses"]) == 3  # warm-up, timed, profiled
+        # warm-up, timed, profiled, under the allocator's history
+        assert row["step_s"] > 0 and row["peak_gib"] > 0 and len(row["losses"]) == 4
         report = (tmp_path / "prof" / row["profile"]).read_text()
-        assert f"# {row['task'].upper()} step of {row['system']}: the training half, profiled" in report
+        assert f"# {row['task'].upper()} step of {row['system']}: the training half, profiled (step 3" in report
+        memory = (tmp_path / "prof" / row["memory"]).read_text()
+        assert "under the allocator's history (step 4" in memory and "no CUDA here" in memory
         if row["task"] == "grpo":
-            assert row["generate_calls"] == 3 and 0 < row["generate_s"] < row["step_s"]
+            assert row["generate_calls"] == 4 and 0 < row["generate_s"] < row["step_s"]
             # the step's peak: its generation's or the rest's (host RSS here), whichever is higher
             assert row["peak_gib"] == max(row["generate_peak_gib"], row["rest_peak_gib"]) > 0
             assert abs(row["generate_s"] + row["rest_s"] - row["step_s"]) < 2e-3
@@ -156,3 +160,43 @@ def test_each_generate_call_records_its_peak_and_resets_the_counter(monkeypatch)
     assert model.generate(max_new_tokens=4) == "ids" and model.generate() == "ids"
     # read after each call, then reset: the step's end reads only what followed the generation
     assert events == ["generate", "read", "reset"] * 2 and peaks == [2.5, 2.5] and len(calls) == 2
+
+
+def test_the_memory_window_follows_the_profile_and_needs_its_folder():
+    windows = rl_step.step_windows("grpo", "prof", memory_history=True)
+    assert [(k, type(w).__name__, w.step, w.after_generate) for k, w in windows.items()] == [
+        ("profile", "StepProfile", 3, True), ("memory", "StepMemory", 4, True)]
+    assert list(rl_step.step_windows("dpo", "prof", memory_history=False)) == ["profile"]
+    assert rl_step.step_windows("dpo", None, memory_history=True) == {}
+
+
+def test_the_peak_is_replayed_from_the_allocators_history():
+    import memory_history as mh
+
+    def frames(*files):
+        return [{"filename": f, "line": 7, "name": "f"} for f in files]
+
+    mib = 2**20
+    here = "/x/site-packages/trl/grpo_trainer.py"
+    kernel = "/work/main/notebookkit/kernels/linear_logprobs.py"
+    trace = [
+        dict(action="alloc", addr=1, size=100 * mib, frames=frames("/x/site-packages/torch/nn/modules/linear.py", here)),
+        dict(action="alloc", addr=2, size=50 * mib, frames=frames(kernel)),
+        dict(action="free_requested", addr=1, size=100 * mib),  # counted until the free completes
+        dict(action="alloc", addr=3, size=30 * mib, frames=frames(kernel)),
+        dict(action="free_completed", addr=1, size=100 * mib),
+        dict(action="free_completed", addr=9, size=200 * mib),  # a block from before the window
+        dict(action="alloc", addr=4, size=250 * mib, frames=[]),
+    ]
+    # baseline 1000, +100 +50 +30 = 1180 (the peak), -100 -200 +250 = 1130
+    peak, before, blocks = mh.peak_of(trace, baseline=1000 * mib)
+    assert (peak, before) == (1180 * mib, 1000 * mib) and sorted(b["addr"] for b in blocks) == [1, 2, 3]
+    trace.append(dict(action="alloc", addr=5, size=60 * mib, frames=frames(kernel)))  # 1190: a later, higher peak
+    peak, before, blocks = mh.peak_of(trace, baseline=1000 * mib)
+    assert (peak, before) == (1190 * mib, 800 * mib) and sorted(b["addr"] for b in blocks) == [2, 3, 4, 5]
+    assert mh.origin(trace[0]["frames"]) == "trl/grpo_trainer.py:7 (f)"  # torch's module machinery skipped
+    assert mh.origin(trace[1]["frames"]) == "notebookkit/kernels/linear_logprobs.py:7 (f)"
+    report = mh.peak_report("t", [], trace, 1000 * mib, counter_peak=1190 * mib)
+    assert "its peak, replayed: 1.162 GiB (the allocator's peak counter: 1.162 GiB)" in report
+    assert "| `(no Python stack)` | 250.0 | 1 |" in report
+    assert "| `notebookkit/kernels/linear_logprobs.py:7 (f)` | 140.0 | 3 |" in report
