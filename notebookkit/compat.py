@@ -116,6 +116,15 @@ def is_checkpointing(model: Any) -> bool:
     return False
 
 
+def checkpointing_switches(model: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(disable, enable)``: Hugging Face's checkpointing switches of ``model`` under their current names
+    (``activation_checkpointing_*`` where it has them; the ``gradient_checkpointing_*`` aliases warn that they go
+    in transformers v6)."""
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    return disable, enable
+
+
 def quiet_checkpointing_flag_deprecation():
     """Context manager: ignore the FutureWarning another library's read of ``is_gradient_checkpointing`` raises."""
     import warnings

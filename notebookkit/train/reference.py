@@ -109,16 +109,18 @@ def _checkpointing_off(model: Any, kwargs: dict | None) -> Iterator[None]:
     """Hugging Face's gradient checkpointing off for the block, then back on (what TRL's
     ``disable_gradient_checkpointing`` does, reading the flag under its current name on the model a PEFT model
     wraps: left on, an offloaded plan would copy every layer input of the no-grad reference forward to the host)."""
-    from notebookkit.compat import is_checkpointing
+    from notebookkit.compat import checkpointing_switches, is_checkpointing
 
-    was_on = is_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    was_on = is_checkpointing(base)
+    disable, enable = checkpointing_switches(base)
     if was_on:
-        model.gradient_checkpointing_disable()
+        disable()
     try:
         yield
     finally:
         if was_on:
-            model.gradient_checkpointing_enable(kwargs)
+            enable(kwargs)
 
 
 @contextlib.contextmanager

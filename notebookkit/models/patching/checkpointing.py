@@ -542,8 +542,7 @@ def apply_checkpointing(
         release_host_buffers(base)
     if all(m == "keep" for m in modes) or not layers:
         if _is_checkpointing(base):
-            disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
-            disable()
+            compat.checkpointing_switches(base)[0]()
         record_activation_plan(base, None)
         _guard_trainer_override(base)  # TRL's default gradient_checkpointing=True must not turn it back on
         if banner is not None:
