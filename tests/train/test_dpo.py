@@ -141,6 +141,41 @@ def test_a_trained_adapter_keeps_trl_frozen_copy(tmp_path, capsys):
     assert "reference: a frozen copy of the trained adapter (adapter 'ref')" in capsys.readouterr().out
 
 
+def test_an_offloaded_plan_scores_the_reference_without_checkpointing_and_keeps_its_state(tmp_path, monkeypatch):
+    """DPO's reference forward (no gradient) runs with checkpointing off; the policy's runs with the plan back on
+    and the same offload state (its pinned buffers on a GPU); the losses are those of a run without checkpointing."""
+    import contextlib
+
+    from notebookkit import FastLanguageModel, compat
+    from notebookkit.models.patching import checkpointing as ckpt
+    from notebookkit.train import dpo as dpo_module
+
+    losses = {}
+    for mode in (False, "offload"):  # "offload" recomputes on a CPU
+        model, tok = _model()
+        FastLanguageModel.for_training(model, mode)
+        base = model.get_base_model()
+        state = ckpt._offload_states.get(base)
+        seen = []
+        real = dpo_module.reference_policy
+
+        @contextlib.contextmanager
+        def spy(trainer, real=real, base=base, seen=seen):
+            with real(trainer) as reference:
+                seen.append(compat.is_checkpointing(base))
+                yield reference
+
+        monkeypatch.setattr(dpo_module, "reference_policy", spy)
+        trainer = FastDPOTrainer(model=model, ref_model=None, args=_dpo_config(tmp_path / str(mode)),
+                                 train_dataset=Dataset.from_list(PAIRS), processing_class=tok, show_banner=False)
+        trainer.train()
+        losses[mode] = _logged(trainer, "loss")
+        assert seen and not any(seen)  # every reference pass ran with checkpointing off
+        if mode:
+            assert compat.is_checkpointing(base) and ckpt._offload_states[base] is state
+    assert losses["offload"] == pytest.approx(losses[False], rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------- losses
 
 def test_ipo_trains_through_the_loss_seam(tmp_path, monkeypatch):
@@ -179,3 +214,4 @@ def test_orpo_without_a_config_says_where_the_class_lives(tmp_path):
     model, tok = _model()
     with pytest.raises(TypeError, match=r"needs args=ORPOConfig\(\.\.\.\)"):
         FastORPOTrainer(model=model, train_dataset=Dataset.from_list(PAIRS), processing_class=tok)
+
