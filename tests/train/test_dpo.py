@@ -150,14 +150,13 @@ def test_an_offloaded_plan_scores_the_reference_without_checkpointing_and_keeps_
     from notebookkit.models.patching import checkpointing as ckpt
     from notebookkit.train import dpo as dpo_module
 
-    losses = {}
+    losses, real = {}, dpo_module.reference_policy
     for mode in (False, "offload"):  # "offload" recomputes on a CPU
         model, tok = _model()
         FastLanguageModel.for_training(model, mode)
         base = model.get_base_model()
         state = ckpt._offload_states.get(base)
         seen = []
-        real = dpo_module.reference_policy
 
         @contextlib.contextmanager
         def spy(trainer, real=real, base=base, seen=seen):
