@@ -638,6 +638,13 @@ def main() -> None:
     print(markdown(run_all(args, stem)))
 
 
+def window_args(args, repeat: int) -> tuple[str, ...]:
+    """A row's child options for its extra steps (:func:`step_windows`): none without ``--profile``."""
+    if not args.profile:
+        return ()
+    return ("--profile", args.profile, "--repeat", str(repeat)) + (("--memory-history",) if args.memory_history else ())
+
+
 def run_all(args, stem: str, run=run_row, clock=time.time) -> list[dict]:
     """Every (task, system) row in rounds, a process each; ``<stem>.json`` and ``.md`` rewritten after every row, so
     a run cut short keeps its table. With ``--budget-s``, a row that would start with less than 30 s of the run's
@@ -651,9 +658,7 @@ def run_all(args, stem: str, run=run_row, clock=time.time) -> list[dict]:
                 row = dict(task=task, system=system, **(TINY if args.tiny else TASKS)[task],
                            status=f"skipped: the run's budget of {args.budget_s} s ran out")
             else:
-                more = ("--profile", args.profile, "--repeat", str(repeat)) + (
-                    ("--memory-history",) if args.memory_history else ()) if args.profile else ()
-                row = run(system, task, args.tiny, args.out, int(timeout), args.unsloth_site, more)
+                row = run(system, task, args.tiny, args.out, int(timeout), args.unsloth_site, window_args(args, repeat))
             rows.append(row | dict(repeat=repeat))
             print(json.dumps(rows[-1]), flush=True)
             with open(stem + ".json", "w") as fh:
