@@ -8,12 +8,19 @@ however many layers and kernels the step has.
 On CUDA, :meth:`GraphRunner.run` captures the step the first time it sees a key (batch size, cache
 length bucket, sampling settings, stop ids; the caller builds the key):
 
-1. warm-up: the step runs once on a side stream (Triton compiles, cuBLAS and the SDPA backend
-   initialise), then the small state tensors it advanced are put back (the KV cache write of the
-   warm-up is the one the real step makes again);
-2. capture into a memory pool shared by this runner's graphs (their temporaries never outlive a
-   replay, and graphs are replayed one at a time, so they can share it);
+1. warm-up: the step runs once on the device's capture stream (Triton compiles, cuBLAS and the SDPA
+   backend initialise), then the small state tensors it advanced are put back (the KV cache write of
+   the warm-up is the one the real step makes again);
+2. capture on that same stream into a memory pool shared by this runner's graphs (their temporaries
+   never outlive a replay, and graphs are replayed one at a time, so they can share it);
 3. replay, now and for every later step with that key.
+
+One capture stream a device (:func:`capture_stream`), for every runner and every capture: PyTorch gives
+each (cuBLAS handle, stream) pair its own cuBLAS workspace from the caching allocator and keeps it for the
+life of the process (32 MiB on an H100 or H200, about 8 MiB on a T4). A new stream a capture (PyTorch's pool
+hands out 32 in turn) left one more workspace allocated at every capture: a GRPO run that frees the cache
+captures again every step, so its allocated memory grew by a workspace a step, up to 32 of them. With one
+stream the decode path holds one workspace beside the default stream's, however often it captures.
 
 A step that cannot be captured (an operation the installed PyTorch does not allow in a graph) runs
 eagerly for that key from then on, and a warning says why, once: slower, never wrong.
@@ -33,14 +40,25 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-__all__ = ["GraphRunner", "graphs_enabled"]
+__all__ = ["GraphRunner", "capture_stream", "graphs_enabled"]
 
 _EAGER = object()  # a key whose step could not be captured
+_CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
 
 def graphs_enabled(device: torch.device) -> bool:
     """Whether steps on ``device`` are captured (CUDA, unless ``NOTEBOOKKIT_CUDA_GRAPHS=0``)."""
     return device.type == "cuda" and os.environ.get("NOTEBOOKKIT_CUDA_GRAPHS", "1") not in ("0", "false", "False")
+
+
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream every decode-step warm-up and capture on ``device`` runs on, made once a device (see the
+    module docstring: a stream of its own each capture would leave a cuBLAS workspace allocated each time)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 class GraphRunner:
@@ -90,7 +108,7 @@ class GraphRunner:
                  state_tensors: Sequence[torch.Tensor]) -> "torch.cuda.CUDAGraph":
         saved = [t.clone() for t in state_tensors]
         rng = torch.cuda.get_rng_state(device)  # the warm-up's draws must not shift the seeded sequence
-        side = torch.cuda.Stream(device)
+        side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             step()
@@ -100,7 +118,7 @@ class GraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             step()
         torch.cuda.set_rng_state(rng, device)
         self.captures += 1

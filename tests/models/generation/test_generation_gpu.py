@@ -260,3 +260,33 @@ def test_a_call_after_drop_cache_captures_one_graph_with_the_same_tokens():
         captures, replays = runner.captures, runner.replays
         assert torch.equal(fast.generate(**kw), bucketed)
         assert (runner.captures - captures, runner.replays - replays, runner.failures) == (1, 39, 0)
+
+
+def test_captures_after_drop_cache_leave_no_memory_behind(monkeypatch):
+    """GRPO with the cache freed captures the decode step again every step. Every capture runs on the device's one
+    capture stream, so a round of generate and drop_cache leaves the same memory allocated each time. A new stream a
+    capture (PyTorch hands out 32 in turn) left one more cuBLAS workspace allocated per capture (32 MiB on an H100 or
+    H200): the streams made during the rounds are counted too, since in a process whose earlier tests already drew all
+    32 of PyTorch's pooled streams the memory alone would not move."""
+    from notebookkit.models.generation.state import drop_cache
+
+    made = []
+
+    class CountedStream(torch.cuda.Stream):
+        def __new__(cls, *args, **kwargs):
+            made.append(1)
+            return super().__new__(cls, *args, **kwargs)
+
+    fast = fast_copy(lora_model("llama")).to("cuda", torch.bfloat16)
+    ids, mask = _cuda(*left_padded_prompts())
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    monkeypatch.setattr(torch.cuda, "Stream", CountedStream)
+    held = []
+    for _ in range(4):
+        fast.generate(**kw)
+        drop_cache(fast)
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    assert generation_state(fast).runner.captures >= 4  # each round captured (drop_cache took the graphs)
+    assert held[1] == held[2] == held[3], held
+    assert len(made) <= 1, f"{len(made)} streams made in 4 rounds of captures"
