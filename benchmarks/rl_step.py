@@ -616,6 +616,8 @@ def main() -> None:
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--task", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_history and not args.profile:
+        ap.error("--memory-history writes its report into --profile's folder: add --profile DIR.")
     os.makedirs(args.out, exist_ok=True)
     if args.child:
         if args.system.startswith("unsloth"):

@@ -170,6 +170,13 @@ def test_the_memory_window_follows_the_profile_and_needs_its_folder():
     assert rl_step.step_windows("dpo", None, memory_history=True) == {}
 
 
+def test_memory_history_without_a_profile_folder_is_refused_with_what_to_add(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rl_step.py"), "--tiny", "--out", str(tmp_path),
+                           "--memory-history"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "add --profile DIR" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # refused before any row ran
+
+
 def test_the_peak_is_replayed_from_the_allocators_history():
     import memory_history as mh
 
