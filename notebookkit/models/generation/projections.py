@@ -12,6 +12,9 @@ one rounding. For one row (batch-1 decode) the projections of a group share that
 (:func:`~notebookkit.kernels.nf4_matvec.nf4_matvec_group`: q/k/v one, gate/up one). Per decoder layer that is
 4 matvec launches and 4 thin products (:mod:`~notebookkit.kernels.skinny_matmul`) at batch 1 (7 matvecs at
 larger batches), where a matvec, an ``addmm`` per projection and a concatenation per group made 20.
+16-bit bases at batch 1 go the same way through :func:`~notebookkit.kernels.dense_matvec.dense_matvec_group`
+(a group's base products, biases and adapter terms in one launch): 8 launches a layer where the training path's
+products made 18; more rows keep those products (cuBLAS at a batch's width).
 2-bit and ternary bases (:mod:`notebookkit.models.low_bit`) never dequantise their whole weight: a decode
 batch of at most ``low_bit_matvec.MAX_ROWS`` rows reads their codes in
 :func:`notebookkit.kernels.low_bit_matvec.low_bit_matvec` (no ``tl.dot``), more rows go
@@ -221,6 +224,26 @@ def _nf4_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection], biase
     return [matvec(x2d, (p.weight, p.quant_state), bias, lora=lora) for p, bias, lora in zip(projs, biases, loras)]
 
 
+def _dense_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
+                         biases: Sequence[Optional[torch.Tensor]],
+                         casts: Optional[AdapterCasts]) -> Optional[list[torch.Tensor]]:
+    """``X W_i^T + b_i + s_i U_i B_i^T`` of 16-bit projections read by one row (batch-1 decode), a group in one
+    launch of :func:`~notebookkit.kernels.dense_matvec.dense_matvec_group` with the biases and the adapters'
+    terms inside (``U_i`` from :func:`_adapter_inputs`); ``None`` where the kernel does not take them (then the
+    caller runs the training path's products)."""
+    group = kernel("dense_matvec", "dense_matvec_group")
+    supported = kernel("dense_matvec", "dense_matvec_supported")
+    if group is None or supported is None or any(p.quantized for p in projs):
+        return None
+    if len({b is None for b in biases}) > 1 or not supported(x2d, [p.weight for p in projs]):
+        return None
+    dtype = x2d.dtype
+    loras = [None if u is None else
+             (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
+             for p, u in zip(projs, _adapter_inputs(x2d, projs, casts))]
+    return group(x2d, [p.weight for p in projs], list(biases), loras)
+
+
 def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[AdapterCasts] = None) -> list[torch.Tensor]:
     """Outputs ``[N, out_i]`` of the linear ``modules`` (plain, 4-bit or PEFT LoRA) that all read ``x2d [N, in]``.
 
@@ -231,6 +254,8 @@ def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[Ada
     if found is None:
         return [module(x2d) for module in modules]
     fused = _nf4_with_adapters(x2d, [v.projection for v in found], [v.bias for v in found], casts)
+    if fused is None:
+        fused = _dense_with_adapters(x2d, [v.projection for v in found], [v.bias for v in found], casts)
     if fused is not None:
         return fused
     projs = tuple(_with_casts(v.projection, x2d.dtype, casts) for v in found)

@@ -151,6 +151,37 @@ def test_first_64_greedy_tokens_match_hugging_face(dtype, load_in_4bit, monkeypa
     assert same >= min(AGREEMENT * total, floor_same - 1), (same, floor_same, total)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_batch_one_16bit_decode_runs_the_dense_matvec_and_agrees_with_hugging_face(dtype, monkeypatch):
+    """One prompt at a time on a 16-bit base: the decode step's projections are ``dense_matvec`` launches (a group
+    each), the captured step replays what the eager one computes, and where the greedy tokens part from Hugging
+    Face's, its own top two were a near tie."""
+    from notebookkit.kernels import dense_matvec as dense_matvec_module
+    from tests.kernel_launches import spy_launches
+
+    model, tokenizer = _tiny(dtype)
+    reference = copy.deepcopy(model)
+    FastLanguageModel.unpatch(reference)
+    reference.eval()
+    FastLanguageModel.for_inference(model)
+    seen = spy_launches(monkeypatch, dense_matvec_module, "_dense_matvec_group_kernel")
+    pad = model.generation_config.pad_token_id
+    gaps, same, total = [], 0, 0
+    for batch in list(_prompt_batches(tokenizer, batch=1))[:8]:
+        kw = dict(max_new_tokens=32, do_sample=False)
+        want = reference.generate(**batch, **kw)
+        got = model.generate(**batch, **kw)
+        assert torch.equal(got, _eager(monkeypatch, lambda: model.generate(**batch, **kw)))
+        prompt = batch["input_ids"].shape[1]
+        same += int((_new_tokens(got, prompt, pad, 32) == _new_tokens(want, prompt, pad, 32)).all())
+        total += 1
+        gaps += _divergence_gaps(reference, batch, _new_tokens(want, prompt, pad, 32),
+                                 _new_tokens(got, prompt, pad, 32))
+    print(f"\n{dtype} 16-bit, batch 1: {same}/{total} prompts with identical greedy tokens")
+    assert {kwargs["SEGMENTS"] for _, _, kwargs in seen} == {1, 2, 3}  # q/k/v, gate/up, o and down
+    assert all(g <= t for g, t in gaps), gaps
+
+
 def test_another_batch_size_recaptures_and_the_same_one_replays(monkeypatch):
     fast = fast_copy(lora_model("llama")).to("cuda", torch.bfloat16)
     runner = generation_state(fast).runner
