@@ -638,6 +638,7 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
                 min(ours, key=lambda r: r["ms"])["fastest_config"] = True
             rows += shape_rows
     rows += group_rows(dtype, bench, copy_gbps)
+    rows += dense_group_rows(dtype, bench, copy_gbps)
     for r in rows:
         r["copy_gbps"] = copy_gbps
     return rows
@@ -654,7 +655,6 @@ def group_rows(dtype, bench, copy_gbps: float, groups: dict = GROUP_SHAPES, devi
     import torch
 
     from notebookkit.kernels.nf4_matvec import ROWS_IN_THREAD_CONFIG, nf4_matvec, nf4_matvec_group, nf4_matvec_reference
-    from notebookkit.kernels.testing import rel_err
 
     rows = []
     for name, shapes in groups.items():
@@ -667,21 +667,69 @@ def group_rows(dtype, bench, copy_gbps: float, groups: dict = GROUP_SHAPES, devi
         impls = {f"nf4_matvec x{len(shapes)} (a launch each)": lambda: [nf4_matvec(x, w) for w in weights],
                  "nf4_matvec_group (one launch)": lambda: nf4_matvec_group(x, weights),
                  "nf4_matvec_group rows-in-thread": lambda: nf4_matvec_group(x, weights, config=ROWS_IN_THREAD_CONFIG)}
-        for impl, fn in impls.items():
-            row = dict(shape=f"{name} " + "+".join(f"{n}" for n, _ in shapes) + f"x{shapes[0][1]}", m=1,
-                       impl=impl, config="", nf4_bytes=nbytes)
-            try:
-                err = rel_err(torch.cat(fn(), dim=-1), ref)
-                ms, row["timing"] = bench._bench(fn)
-                row.update(ms=round(ms, 5), gbps=round(nbytes / (ms * 1e-3) / 1e9, 1),
-                           of_copy=round(nbytes / (ms * 1e-3) / 1e9 / copy_gbps, 3), rel_err=err,
-                           status="ok" if err <= 2e-2 else "wrong")
-            except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
-                row.update(status=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-                if device == "cuda":
-                    torch.cuda.synchronize()
-            rows.append(row)
-            print("ROW " + json.dumps(row), flush=True)
+        rows += timed_group_rows(f"{name} " + "+".join(f"{n}" for n, _ in shapes) + f"x{shapes[0][1]}", impls, ref,
+                                 nbytes, bench, copy_gbps)
+        del weights
+    return rows
+
+
+def timed_group_rows(shape: str, impls: dict, ref, nbytes: int, bench, copy_gbps: float) -> list[dict]:
+    """One row a way of computing a group's outputs (``impls``: name -> a function returning the list of them),
+    checked against ``ref`` (their concatenation) and timed by ``bench._bench``; GB/s from ``nbytes`` read."""
+    import torch
+
+    from notebookkit.kernels.testing import rel_err
+
+    rows = []
+    for impl, fn in impls.items():
+        row = dict(shape=shape, m=1, impl=impl, config="", nf4_bytes=nbytes)
+        try:
+            err = rel_err(torch.cat(fn(), dim=-1), ref)
+            ms, row["timing"] = bench._bench(fn)
+            row.update(ms=round(ms, 5), gbps=round(nbytes / (ms * 1e-3) / 1e9, 1),
+                       of_copy=round(nbytes / (ms * 1e-3) / 1e9 / copy_gbps, 3), rel_err=err,
+                       status="ok" if err <= 2e-2 else "wrong")
+        except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
+            row.update(status=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+            if ref.is_cuda:
+                torch.cuda.synchronize()
+        rows.append(row)
+        print("ROW " + json.dumps(row), flush=True)
+    return rows
+
+
+# a batch-1 decode layer of the Llama-3.2-1B shape on a 16-bit base, LoRA r = 16 on every projection (GRPO's model)
+DENSE_GROUP_SHAPES = {"1B q/k/v": [(2048, 2048), (512, 2048), (512, 2048)], "1B gate/up": [(8192, 2048), (8192, 2048)],
+                      "1B o": [(2048, 2048)], "1B down": [(2048, 8192)]}
+
+
+def dense_group_rows(dtype, bench, copy_gbps: float, groups: dict = DENSE_GROUP_SHAPES, rank: int = 16,
+                     device: str = "cuda") -> list[dict]:
+    """A 16-bit group with its LoRA terms at M = 1: the training path's products (a base GEMM and an ``addmm`` of
+    ``s U B^T`` a projection, what batch-1 decode ran before ``dense_matvec``) against ``dense_matvec_group``'s one
+    launch; ``U = x A^T`` is given to both (the rank-space product is the same launch either way)."""
+    import torch
+
+    from notebookkit.kernels.dense_matvec import dense_matvec_group, dense_matvec_reference
+
+    rows = []
+    for name, shapes in groups.items():
+        k = shapes[0][1]
+        weights = [(torch.randn(n, k, device=device) * 0.02).to(dtype) for n, _ in shapes]
+        loras = [(torch.randn(1, rank, device=device).to(dtype), (torch.randn(n, rank, device=device) * 0.02).to(dtype),
+                  2.0) for n, _ in shapes]
+        nbytes = sum(w.numel() * w.element_size() + lora[1].numel() * lora[1].element_size()
+                     for w, lora in zip(weights, loras))
+        x = torch.randn(1, k, device=device, dtype=dtype)
+        ref = torch.cat([dense_matvec_reference(x, w, None, lora) for w, lora in zip(weights, loras)], dim=-1)
+
+        def separate():
+            return [torch.addmm(x @ w.t(), u, b.t(), alpha=s) for w, (u, b, s) in zip(weights, loras)]
+
+        impls = {f"mm + addmm x{len(shapes)} (cuBLAS, {2 * len(shapes)} launches)": separate,
+                 "dense_matvec_group (one launch)": lambda: dense_matvec_group(x, weights, [None] * len(weights), loras)}
+        rows += timed_group_rows(f"{name} " + "+".join(f"{n}" for n, _ in shapes) + f"x{k}", impls, ref, nbytes,
+                                 bench, copy_gbps)
         del weights
     return rows
 
@@ -689,8 +737,9 @@ def group_rows(dtype, bench, copy_gbps: float, groups: dict = GROUP_SHAPES, devi
 def kernels_markdown(rows: list[dict], meta: dict) -> str:
     copy = rows[0]["copy_gbps"] if rows else None
     lines = [f"# nf4_matvec at the Llama-3.1-8B shapes, {meta.get('gpu')}, {meta.get('date')}", "",
-             f"Command: `{meta.get('command')}`. Device copy bandwidth: {_num(copy, ',.0f')} GB/s. GB/s = (NF4 bytes + "
-             "absmax + nested statistics) / median time, replayed from a CUDA graph; % = of the copy bandwidth. "
+             f"Command: `{meta.get('command')}`. Device copy bandwidth: {_num(copy, ',.0f')} GB/s. GB/s = bytes read "
+             "(NF4 rows: codes + absmax + nested statistics; the 1B rows: the 16-bit weights and LoRA B) / median "
+             "time, replayed from a CUDA graph; % = of the copy bandwidth. "
              "Error = ‖out − reference‖ / ‖reference‖ (reference: decode in x's dtype, fp32 matmul).", "",
              "| shape N×K | M | impl | config | µs | GB/s | % of copy | rel err | status |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -194,6 +194,22 @@ def test_benchmarks_kernels_module_loads_under_its_other_name():
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
+def test_dense_group_rows_time_cublas_against_the_one_launch():
+    """``--kernels``' 16-bit rows on the CPU (tiny shapes, the kernel under the interpreter, a fake timer): the
+    training path's products and ``dense_matvec_group``, each checked against the reference, their bandwidth from
+    the weights' and adapters' bytes."""
+    from notebookkit.kernels.runtime import use_triton
+
+    bench = types.SimpleNamespace(_bench=lambda fn: (fn(), (0.5, "fake"))[1])
+    with use_triton(True):
+        rows = generate.dense_group_rows(torch.float16, bench, 100.0, {"q/k/v": [(40, 128), (8, 128), (8, 128)]},
+                                         rank=4, device="cpu")
+    assert [r["impl"] for r in rows] == ["mm + addmm x3 (cuBLAS, 6 launches)", "dense_matvec_group (one launch)"]
+    assert all(r["status"] == "ok" and r["rel_err"] <= 2e-2 and r["shape"] == "q/k/v 40+8+8x128" for r in rows)
+    assert rows[0]["nf4_bytes"] == rows[1]["nf4_bytes"] == (56 * 128 + 56 * 4) * 2 and rows[0]["gbps"] == rows[1]["gbps"]
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
 def test_group_rows_time_both_ways_and_check_the_outputs():
     """``--kernels``' group rows on the CPU (tiny shapes, the kernels under the interpreter, a fake timer): a row
     for the separate launches and one for each grouped launch (the default tiling, rows in thread), each checked
