@@ -37,13 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import should_use_triton
+from .runtime import should_use_triton, sm_count
 
 __all__ = ["MAX_GROUP", "dense_matvec_group", "dense_matvec_reference", "dense_matvec_supported", "AOT_SPECS"]
 
 MAX_GROUP = 3  # weights one launch takes (a decode layer's q/k/v)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SM_COUNTS: dict[torch.device, int] = {}
 # elements of one program's weight tile per step: 4 KiB of a 16-bit weight, 16 bytes a thread of 4 warps, twice
 _TILE_ELEMENTS = 2048
 
@@ -119,15 +118,6 @@ def _dense_matvec_group_kernel(
 # --------------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------------
-
-
-def _sm_count(device: torch.device) -> int:
-    """The SM count of a CUDA device (an H200's 132 for the interpreter), read once a device."""
-    count = _SM_COUNTS.get(device)
-    if count is None:
-        count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        _SM_COUNTS[device] = count
-    return count
 
 
 def _blocks(rows: int, k: int, sm_count: int) -> tuple[int, int]:
@@ -210,7 +200,7 @@ def dense_matvec_group(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     _check_group(x, weights, biases, loras)
     k = x.shape[1]
     rows = sum(int(w.shape[0]) for w in weights)
-    block_n, block_k = _blocks(rows, k, _sm_count(x.device))
+    block_n, block_k = _blocks(rows, k, sm_count(x.device))
     has_bias = biases[0] is not None
     has_lora = any(lora is not None for lora in loras)
     rank = max((int(lora[1].shape[1]) for lora in loras if lora is not None), default=0)

@@ -70,7 +70,7 @@ import triton.language as tl
 
 from .nf4 import (dequantize_nf4, dequantize_nf4_reference, nf4_kernel_operands, program_rows, read_nf4_state,
                   unwrap_nf4_weight)
-from .runtime import interpreter_on, should_use_triton
+from .runtime import interpreter_on, should_use_triton, sm_count
 
 __all__ = [
     "MAX_GROUP", "MAX_ROWS", "ROWS_IN_THREAD_CONFIG", "LoRATerm", "MatvecConfig", "matvec_config", "nf4_matvec",
@@ -84,7 +84,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # X_KIND of the kernel: how x's words hold two values, and the rounding of w and y
 _X_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _WORDS = {torch.float32: torch.int64, torch.float16: torch.int32, torch.bfloat16: torch.int32}
-_SM_COUNTS: dict[torch.device, int] = {}
 
 
 class LoRATerm(NamedTuple):
@@ -93,15 +92,6 @@ class LoRATerm(NamedTuple):
     u: torch.Tensor  # [M, r], x's dtype
     lora_B: torch.Tensor  # [N, r], x's dtype
     scaling: float
-
-
-def _sm_count(device: torch.device) -> int:
-    """The SM count of a CUDA device (an H200's 132 for the interpreter), read once a device."""
-    count = _SM_COUNTS.get(device)
-    if count is None:
-        count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        _SM_COUNTS[device] = count
-    return count
 
 
 # --------------------------------------------------------------------------------------------------
@@ -775,9 +765,8 @@ def nf4_matvec(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*x.shape[:-1], n)
-    sm_count = _sm_count(x.device)
     if config is None:
-        config = matvec_config(m, n, k, st.blocksize, sm_count)
+        config = matvec_config(m, n, k, st.blocksize, sm_count(x.device))
     half = st.blocksize // 2
     if config.use_dot and half * config.step_blocks < 16:
         raise ValueError(f"tl.dot needs at least 16 bytes a row per step: step_blocks={config.step_blocks} is too few.")
@@ -896,7 +885,7 @@ def nf4_matvec_group(
     total = sum(n for n, *_ in segments)
     st = segments[0][2]
     if config is None:
-        config = matvec_config(1, total, k, st.blocksize, _sm_count(x.device))
+        config = matvec_config(1, total, k, st.blocksize, sm_count(x.device))
     if config.use_dot:
         raise ValueError("nf4_matvec_group runs the row kernel: give a MatvecConfig with use_dot=False.")
     words = _as_words(x.reshape(1, k))

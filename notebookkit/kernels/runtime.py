@@ -75,3 +75,16 @@ def mark_written(*tensors: torch.Tensor) -> None:
     if bump is not None:
         for t in tensors:
             bump(t)
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device, read once a device; an H200's 132 elsewhere (the interpreter), so a launch
+    rule sized to the SMs picks under the interpreter what it picks on that card."""
+    count = _SM_COUNTS.get(device)
+    if count is None:
+        count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        _SM_COUNTS[device] = count
+    return count
