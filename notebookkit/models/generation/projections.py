@@ -206,6 +206,16 @@ def _adapter_inputs(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
             else None for p in projs]
 
 
+def _lora_terms(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
+                casts: Optional[AdapterCasts]) -> list[Optional[tuple[torch.Tensor, torch.Tensor, float]]]:
+    """Each projection's adapter term for a decode kernel, ``(U_i, B_i, s_i)`` in ``x2d``'s dtype (``U_i`` from
+    :func:`_adapter_inputs`, ``B_i`` kept by ``casts``), or ``None`` without an adapter."""
+    dtype = x2d.dtype
+    return [None if u is None else
+            (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
+            for p, u in zip(projs, _adapter_inputs(x2d, projs, casts))]
+
+
 def _nf4_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection], biases: Sequence[Optional[torch.Tensor]],
                        casts: Optional[AdapterCasts]) -> Optional[list[torch.Tensor]]:
     """``X W_i^T + b_i + s_i U_i B_i^T`` of NF4 projections, each in one launch of the decode matvec with its
@@ -213,10 +223,7 @@ def _nf4_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection], biase
     not take every projection (then the caller adds the low-rank parts itself)."""
     if not all(p.quantized for p in projs) or not _nf4_takes(x2d, projs):
         return None
-    dtype = x2d.dtype
-    loras = [None if u is None else
-             (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
-             for p, u in zip(projs, _adapter_inputs(x2d, projs, casts))]
+    loras = _lora_terms(x2d, projs, casts)
     group = kernel("nf4_matvec", "nf4_matvec_group")
     if group is not None and len(projs) > 1:  # one launch for q/k/v, one for gate/up, where the kernel takes them
         return group(x2d, [(p.weight, p.quant_state) for p in projs], list(biases), loras=loras)
@@ -237,10 +244,7 @@ def _dense_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
         return None
     if len({b is None for b in biases}) > 1 or not supported(x2d, [p.weight for p in projs]):
         return None
-    dtype = x2d.dtype
-    loras = [None if u is None else
-             (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
-             for p, u in zip(projs, _adapter_inputs(x2d, projs, casts))]
+    loras = _lora_terms(x2d, projs, casts)
     return group(x2d, [p.weight for p in projs], list(biases), loras)
 
 
@@ -253,15 +257,16 @@ def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[Ada
     found, _ = views(*modules)
     if found is None:
         return [module(x2d) for module in modules]
-    fused = _nf4_with_adapters(x2d, [v.projection for v in found], [v.bias for v in found], casts)
+    originals = [v.projection for v in found]
+    biases = [v.bias for v in found]  # added by the base GEMMs (or into a matvec's output), not after
+    fused = _nf4_with_adapters(x2d, originals, biases, casts)
     if fused is None:
-        fused = _dense_with_adapters(x2d, [v.projection for v in found], [v.bias for v in found], casts)
+        fused = _dense_with_adapters(x2d, originals, biases, casts)
     if fused is not None:
         return fused
-    projs = tuple(_with_casts(v.projection, x2d.dtype, casts) for v in found)
+    projs = tuple(_with_casts(p, x2d.dtype, casts) for p in originals)
     if casts is not None:
-        _kept_group(projs, [v.projection for v in found], x2d.dtype, casts)
-    biases = [v.bias for v in found]  # added by the base GEMMs (or into a matvec's output), not after
+        _kept_group(projs, originals, x2d.dtype, casts)
     bases = _nf4_bases(x2d, projs)
     if bases is None:
         return shared_input_forward(x2d, projs, biases)[0]
