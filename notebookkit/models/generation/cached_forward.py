@@ -88,7 +88,7 @@ from ..patching.patch_mlp import activation_kernel
 from ..patching.patch_moe import check_stock_experts, experts_view
 from .cache_attention import cache_attention, slot_bias, slot_mask
 from .decoder_plan import DecoderPlan, FusedNorm, LayerPlan
-from .projections import AdapterCasts, fused_views, project
+from .projections import AdapterCasts, fused_views, project, shared_a_cat
 from .state import decoder_plan, generation_state
 from .static_cache import StaticKVCache
 
@@ -151,6 +151,7 @@ def cached_forward(
 
     hidden = _embed(plan, input_ids)
     x = plan.layers[0].layer.input_layernorm(hidden)  # nothing is added before the first layer
+    u_qkv = None  # x A_cat^T of the layer's q/k/v adapters, when the norm before them made it
     last = None
     for i, lp in enumerate(plan.layers):
         visible = masks[lp.window]
@@ -159,16 +160,17 @@ def cached_forward(
             if key not in biases:
                 biases[key] = slot_bias(visible, plan.hidden_dtype(), key[1])
             visible = biases[key]
-        attn_out = _attention(lp, x, cache, start_slot, kv_length, visible, ropes[lp.rope_key], casts)
-        hidden, mlp_in = _add_and_norm(hidden, attn_out, lp.pre_mlp_norm, lp.mlp_norm)
-        mlp_out = _sparse_block(lp, mlp_in, casts) if lp.moe is not None else _mlp(lp, mlp_in, casts)
+        attn_out = _attention(lp, x, cache, start_slot, kv_length, visible, ropes[lp.rope_key], casts, u_qkv)
+        hidden, mlp_in, u_mlp = _add_and_norm(hidden, attn_out, lp.pre_mlp_norm, lp.mlp_norm, _mlp_inputs(lp), casts)
+        mlp_out = _sparse_block(lp, mlp_in, casts) if lp.moe is not None else _mlp(lp, mlp_in, casts, u_mlp)
         if lp.sandwich:
             mlp_out = lp.layer.post_feedforward_layernorm(mlp_out)
         if i + 1 < len(plan.layers):
             following = plan.layers[i + 1]
-            hidden, x = _add_and_norm(hidden, mlp_out, following.layer.input_layernorm, following.input_norm)
+            hidden, x, u_qkv = _add_and_norm(hidden, mlp_out, following.layer.input_layernorm, following.input_norm,
+                                             _qkv(following), casts)
         elif length == 1:
-            hidden, normed = _add_and_norm(hidden, mlp_out, plan.final_norm, plan.final_fused)
+            hidden, normed, _ = _add_and_norm(hidden, mlp_out, plan.final_norm, plan.final_fused)
             last = normed[:, -1]
         else:
             hidden = hidden + mlp_out
@@ -178,15 +180,40 @@ def cached_forward(
     return logits
 
 
-def _add_and_norm(hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module,
-                  fused: Optional[FusedNorm]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h + a, norm(h + a))``: one kernel when the plan fuses ``norm`` (module docstring), else the add and the
-    model's own norm module."""
+def _add_and_norm(hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module, fused: Optional[FusedNorm],
+                  readers: tuple = (), casts: Optional[AdapterCasts] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(h + a, norm(h + a), U_cat)``: one kernel when the plan fuses ``norm`` (module docstring), else the add and
+    the model's own norm module. For one row whose ``readers`` (the projections that read the norm's output) share
+    an ``A_cat`` (:func:`.projections.shared_a_cat`), the same launch gives ``U_cat = norm(h + a) A_cat^T``
+    (:mod:`notebookkit.kernels.add_rms_norm_low_rank`); otherwise ``U_cat`` is ``None`` and :func:`.projections.project`
+    computes it."""
     add_rms_norm = kernel("add_rms_norm", "add_rms_norm") if fused is not None else None
     if add_rms_norm is None:
         hidden = hidden + delta
-        return hidden, norm(hidden)
-    return add_rms_norm(hidden, delta, fused.module.weight, fused.eps, flavour=fused.flavour)
+        return hidden, norm(hidden), None
+    weight = fused.module.weight
+    with_low_rank = kernel("add_rms_norm_low_rank", "add_rms_norm_low_rank") if readers else None
+    a_cat = shared_a_cat(readers, hidden.dtype, casts) if with_low_rank is not None and hidden.numel() == \
+        hidden.shape[-1] else None
+    supported = kernel("add_rms_norm_low_rank", "add_rms_norm_low_rank_supported")
+    if a_cat is None or not supported(hidden, delta, weight, fused.flavour, a_cat):
+        return (*add_rms_norm(hidden, delta, weight, fused.eps, flavour=fused.flavour), None)
+    return with_low_rank(hidden, delta, weight, fused.eps, fused.flavour, a_cat)
+
+
+def _qkv(lp: LayerPlan) -> tuple:
+    """The projections that read a layer's input norm."""
+    attn = lp.attn
+    return attn.q_proj, attn.k_proj, attn.v_proj
+
+
+def _mlp_inputs(lp: LayerPlan) -> tuple:
+    """The projections that read a layer's pre-MLP norm on the fused MLP path (:func:`_mlp`), none otherwise."""
+    mlp = lp.layer.mlp
+    if lp.moe is not None or lp.activation is None or not hasattr(mlp, "gate_proj"):
+        return ()
+    return mlp.gate_proj, mlp.up_proj
 
 
 def _embed(plan: DecoderPlan, input_ids: torch.Tensor) -> torch.Tensor:
@@ -198,10 +225,10 @@ def _embed(plan: DecoderPlan, input_ids: torch.Tensor) -> torch.Tensor:
 
 def _attention(lp: LayerPlan, x: torch.Tensor, cache: StaticKVCache, start_slot: Union[int, torch.Tensor],
                kv_length: int, visible: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               casts: AdapterCasts) -> torch.Tensor:
+               casts: AdapterCasts, u_qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
     batch, length, _ = x.shape
     attn = lp.attn
-    q, k, v = project(x.reshape(batch * length, -1), (attn.q_proj, attn.k_proj, attn.v_proj), casts)
+    q, k, v = project(x.reshape(batch * length, -1), _qkv(lp), casts, u_qkv)
     q = q.reshape(batch, length, lp.heads, lp.head_dim)
     k = k.reshape(batch, length, lp.kv_heads, lp.head_dim)
     v = v.reshape(batch, length, lp.kv_heads, lp.head_dim).transpose(1, 2)
@@ -220,13 +247,13 @@ def _attention(lp: LayerPlan, x: torch.Tensor, cache: StaticKVCache, start_slot:
     return lp.layer.post_attention_layernorm(y) if lp.sandwich else y
 
 
-def _mlp(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts) -> torch.Tensor:
+def _mlp(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts, u_cat: Optional[torch.Tensor] = None) -> torch.Tensor:
     mlp = lp.layer.mlp
     act = activation_kernel(lp.activation) if lp.activation is not None else None
     if act is None or not fused_views((mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
         return mlp(x)
     x2d = x.reshape(-1, x.shape[-1])
-    gate, up = project(x2d, (mlp.gate_proj, mlp.up_proj), casts)
+    gate, up = project(x2d, (mlp.gate_proj, mlp.up_proj), casts, u_cat)
     (y,) = project(act(gate, up), (mlp.down_proj,), casts)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -59,7 +59,7 @@ from notebookkit.kernels.lora_projection import (
 
 from ..patching.lora_fast_path import views
 
-__all__ = ["AdapterCasts", "project", "fused_views"]
+__all__ = ["AdapterCasts", "project", "fused_views", "shared_a_cat"]
 
 
 class AdapterCasts:
@@ -183,47 +183,68 @@ def _kept_group(projs: Sequence[LoRAProjection], originals: Sequence[LoRAProject
     projs[0]._group_cast = (dtype, factors, tuple(f._version for f in factors), a_cat)
 
 
-def _adapter_inputs(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
-                    casts: Optional[AdapterCasts]) -> list[Optional[torch.Tensor]]:
+def _shares_a_cat(adapted: Sequence[LoRAProjection]) -> bool:
+    """Whether the adapters of a group's projections are one product ``X A_cat^T``: two or more of one rank and
+    one dtype."""
+    return len(adapted) >= 2 and len({p.rank for p in adapted}) == 1 and len({p.lora_A.dtype for p in adapted}) == 1
+
+
+def shared_a_cat(modules: Sequence[nn.Module], dtype: torch.dtype, casts: AdapterCasts) -> Optional[torch.Tensor]:
+    """The kept ``A_cat`` (``[sum r_i, in]`` in ``dtype``) that a batch-1 step of ``modules`` multiplies its row by
+    (:func:`_adapter_inputs`' one product), or ``None`` where it has none: a projection off the fused path, fewer
+    than two adapters, ranks or dtypes that differ. The decode step computes ``U_cat`` with the norm before the
+    projections (:mod:`notebookkit.kernels.add_rms_norm_low_rank`) and hands it to :func:`project`."""
+    found, _ = views(*modules)
+    if found is None:
+        return None
+    adapted = [v.projection for v in found if v.projection.has_adapter]
+    if not _shares_a_cat(adapted):
+        return None
+    return casts.concatenated(tuple(p.lora_A for p in adapted), dtype)
+
+
+def _adapter_inputs(x2d: torch.Tensor, projs: Sequence[LoRAProjection], casts: Optional[AdapterCasts],
+                    u_cat: Optional[torch.Tensor] = None) -> list[Optional[torch.Tensor]]:
     """``U_i = X A_i^T`` of each projection's adapter (``None`` without one), from one product
     ``X A_cat^T`` when two or more adapters share a rank (``A_cat`` kept by ``casts``); for one row the products run
-    in :mod:`notebookkit.kernels.skinny_matmul` (one launch sized to these thin shapes, not cuBLAS's GEMV)."""
+    in :mod:`notebookkit.kernels.skinny_matmul` (one launch sized to these thin shapes, not cuBLAS's GEMV).
+    ``u_cat``: that product, already computed (:func:`shared_a_cat`)."""
     dtype = x2d.dtype
     # one row (batch-1 decode): the thin kernel (session 24's 8B step: 0.57 ms of GEMM where cuBLAS took 1.00);
     # at batch 8 it walked K in dependent steps and cuBLAS was faster (1.01 against 1.19 ms)
     skinny = kernel("skinny_matmul", "skinny_matmul") if x2d.shape[0] == 1 else None
     product = skinny or (lambda x, a: x @ a.t())
     adapted = [p for p in projs if p.has_adapter]
-    ranks = {p.rank for p in adapted}
-    if len(adapted) >= 2 and len(ranks) == 1 and len({p.lora_A.dtype for p in adapted}) == 1:
-        As = tuple(p.lora_A for p in adapted)
-        a_cat = casts.concatenated(As, dtype) if casts is not None else concat_adapters(As, dtype)
-        u_cat = product(x2d, a_cat)
-        r = ranks.pop()
+    if _shares_a_cat(adapted):
+        if u_cat is None:
+            As = tuple(p.lora_A for p in adapted)
+            a_cat = casts.concatenated(As, dtype) if casts is not None else concat_adapters(As, dtype)
+            u_cat = product(x2d, a_cat)
+        r = adapted[0].rank
         joined = iter(u_cat[:, i * r:(i + 1) * r] for i in range(len(adapted)))
         return [next(joined) if p.has_adapter else None for p in projs]
     return [product(x2d, casts(p.lora_A, dtype) if casts is not None else p.adapters(dtype)[0]) if p.has_adapter
             else None for p in projs]
 
 
-def _lora_terms(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
-                casts: Optional[AdapterCasts]) -> list[Optional[tuple[torch.Tensor, torch.Tensor, float]]]:
+def _lora_terms(x2d: torch.Tensor, projs: Sequence[LoRAProjection], casts: Optional[AdapterCasts],
+                u_cat: Optional[torch.Tensor] = None) -> list[Optional[tuple[torch.Tensor, torch.Tensor, float]]]:
     """Each projection's adapter term for a decode kernel, ``(U_i, B_i, s_i)`` in ``x2d``'s dtype (``U_i`` from
     :func:`_adapter_inputs`, ``B_i`` kept by ``casts``), or ``None`` without an adapter."""
     dtype = x2d.dtype
     return [None if u is None else
             (u, casts(p.lora_B, dtype) if casts is not None else p.lora_B_in(dtype), p.scaling)
-            for p, u in zip(projs, _adapter_inputs(x2d, projs, casts))]
+            for p, u in zip(projs, _adapter_inputs(x2d, projs, casts, u_cat))]
 
 
 def _nf4_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection], biases: Sequence[Optional[torch.Tensor]],
-                       casts: Optional[AdapterCasts]) -> Optional[list[torch.Tensor]]:
+                       casts: Optional[AdapterCasts], u_cat: Optional[torch.Tensor] = None) -> Optional[list[torch.Tensor]]:
     """``X W_i^T + b_i + s_i U_i B_i^T`` of NF4 projections, each in one launch of the decode matvec with its
     bias and its adapter's term inside (``U_i`` from :func:`_adapter_inputs`); ``None`` where the kernel does
     not take every projection (then the caller adds the low-rank parts itself)."""
     if not all(p.quantized for p in projs) or not _nf4_takes(x2d, projs):
         return None
-    loras = _lora_terms(x2d, projs, casts)
+    loras = _lora_terms(x2d, projs, casts, u_cat)
     group = kernel("nf4_matvec", "nf4_matvec_group")
     if group is not None and len(projs) > 1:  # one launch for q/k/v, one for gate/up, where the kernel takes them
         return group(x2d, [(p.weight, p.quant_state) for p in projs], list(biases), loras=loras)
@@ -232,8 +253,8 @@ def _nf4_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection], biase
 
 
 def _dense_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
-                         biases: Sequence[Optional[torch.Tensor]],
-                         casts: Optional[AdapterCasts]) -> Optional[list[torch.Tensor]]:
+                         biases: Sequence[Optional[torch.Tensor]], casts: Optional[AdapterCasts],
+                         u_cat: Optional[torch.Tensor] = None) -> Optional[list[torch.Tensor]]:
     """``X W_i^T + b_i + s_i U_i B_i^T`` of 16-bit projections read by one row (batch-1 decode), a group in one
     launch of :func:`~notebookkit.kernels.dense_matvec.dense_matvec_group` with the biases and the adapters'
     terms inside (``U_i`` from :func:`_adapter_inputs`); ``None`` where the kernel does not take them (then the
@@ -244,24 +265,26 @@ def _dense_with_adapters(x2d: torch.Tensor, projs: Sequence[LoRAProjection],
         return None
     if len({b is None for b in biases}) > 1 or not supported(x2d, [p.weight for p in projs]):
         return None
-    loras = _lora_terms(x2d, projs, casts)
+    loras = _lora_terms(x2d, projs, casts, u_cat)
     return group(x2d, [p.weight for p in projs], list(biases), loras)
 
 
-def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[AdapterCasts] = None) -> list[torch.Tensor]:
+def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[AdapterCasts] = None,
+            u_cat: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """Outputs ``[N, out_i]`` of the linear ``modules`` (plain, 4-bit or PEFT LoRA) that all read ``x2d [N, in]``.
 
     ``casts``: where adapters in another dtype are read from (:class:`AdapterCasts`); ``None`` casts
-    them on each call, as the training path does.
+    them on each call, as the training path does. ``u_cat``: ``x2d A_cat^T`` for the ``A_cat`` of
+    :func:`shared_a_cat`, already computed (the decode kernels read it instead of computing it again).
     """
     found, _ = views(*modules)
     if found is None:
         return [module(x2d) for module in modules]
     originals = [v.projection for v in found]
     biases = [v.bias for v in found]  # added by the base GEMMs (or into a matvec's output), not after
-    fused = _nf4_with_adapters(x2d, originals, biases, casts)
+    fused = _nf4_with_adapters(x2d, originals, biases, casts, u_cat)
     if fused is None:
-        fused = _dense_with_adapters(x2d, originals, biases, casts)
+        fused = _dense_with_adapters(x2d, originals, biases, casts, u_cat)
     if fused is not None:
         return fused
     projs = tuple(_with_casts(p, x2d.dtype, casts) for p in originals)
