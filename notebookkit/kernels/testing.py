@@ -34,3 +34,22 @@ def poisoned(shape, dtype: torch.dtype, device) -> torch.Tensor:
 def devices() -> list[str]:
     """Devices to test on: CPU (interpreter) always, CUDA when present."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+#: a unit in the last place, relative, of each dtype's rounding to nearest
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def assert_within_one_rounding(out: torch.Tensor, ref: torch.Tensor, size: torch.Tensor, count: int, what: str = "") -> None:
+    """Assert that ``out`` (16- or 32-bit) is one fp32 sum of ``count`` terms rounded once to its dtype: ``ref`` the
+    exact sum (float64), ``size`` the sum of the terms' magnitudes, elementwise
+    ``|out - ref| <= u |ref| + (1 + u) g size + tiny`` with ``g = count 2^-24 / (1 - count 2^-24)`` (the fp32 sum's
+    error in any order) and ``u`` the dtype's unit roundoff; two units for bf16 off CUDA (the interpreter's final
+    cast truncates where the GPU rounds to nearest)."""
+    dtype = out.dtype
+    g = count * 2.0**-24 / (1 - count * 2.0**-24)
+    unit = UNIT_ROUNDOFF[dtype] * (2 if dtype == torch.bfloat16 and not out.is_cuda else 1)
+    ref, size = ref.to(torch.float64).flatten(), size.to(torch.float64).flatten()
+    bound = unit * ref.abs() + (1 + unit) * g * size + torch.finfo(dtype).tiny
+    excess = (out.flatten().double().to(ref.device) - ref).abs() - bound
+    assert (excess <= 0).all(), f"{what}{int((excess > 0).sum())} of {ref.numel()} beyond the rounding bound"

@@ -12,10 +12,10 @@ import torch
 from notebookkit.kernels.add_rms_norm import add_rms_norm
 from notebookkit.kernels.add_rms_norm_low_rank import add_rms_norm_low_rank, add_rms_norm_low_rank_supported
 from notebookkit.kernels.runtime import interpreter_on, use_triton
+from notebookkit.kernels.testing import assert_within_one_rounding
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1"))
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
-UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
 def _inputs(n, r, dtype, device, weight_dtype=None, seed=0):
@@ -31,13 +31,8 @@ def _inputs(n, r, dtype, device, weight_dtype=None, seed=0):
 def assert_u_within_rounding(u, x, a_cat):
     """``U`` against the float64 product of the rounded ``x`` (one fp32 sum of ``N`` products, one rounding)."""
     products = x.reshape(1, -1).double() * a_cat.double()  # [R, N]
-    ref, size, count = products.sum(1), products.abs().sum(1), x.shape[-1]
-    g = count * 2.0**-24 / (1 - count * 2.0**-24)
-    unit = UNIT[x.dtype] * (2 if x.dtype == torch.bfloat16 and not u.is_cuda else 1)
-    bound = unit * ref.abs() + (1 + unit) * g * size + torch.finfo(x.dtype).tiny
     assert u.dtype == x.dtype and u.shape == (1, a_cat.shape[0])
-    excess = (u[0].double() - ref).abs() - bound
-    assert (excess <= 0).all(), f"{int((excess > 0).sum())} of {a_cat.shape[0]} beyond the rounding bound"
+    assert_within_one_rounding(u, products.sum(1), products.abs().sum(1), x.shape[-1])
 
 
 CASES = [  # (N, R, dtype, flavour, weight dtype): odd widths (masked columns), q/k/v's three ranks, a lone rank
