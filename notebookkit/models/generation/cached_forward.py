@@ -88,7 +88,7 @@ from ..patching.patch_mlp import activation_kernel
 from ..patching.patch_moe import check_stock_experts, experts_view
 from .cache_attention import cache_attention, slot_bias, slot_mask
 from .decoder_plan import DecoderPlan, FusedNorm, LayerPlan
-from .projections import AdapterCasts, fused_views, project, shared_a_cat
+from .projections import AdapterCasts, fused_views, project, rank_factor
 from .state import decoder_plan, generation_state
 from .static_cache import StaticKVCache
 
@@ -185,7 +185,7 @@ def _add_and_norm(hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module, fu
                   ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(h + a, norm(h + a), U_cat)``: one kernel when the plan fuses ``norm`` (module docstring), else the add and
     the model's own norm module. For one row whose ``readers`` (the projections that read the norm's output) share
-    an ``A_cat`` (:func:`.projections.shared_a_cat`), the same launch gives ``U_cat = norm(h + a) A_cat^T``
+    an ``A_cat`` (:func:`.projections.rank_factor`), the same launch gives ``U_cat = norm(h + a) A_cat^T``
     (:mod:`notebookkit.kernels.add_rms_norm_low_rank`); otherwise ``U_cat`` is ``None`` and :func:`.projections.project`
     computes it."""
     add_rms_norm = kernel("add_rms_norm", "add_rms_norm") if fused is not None else None
@@ -194,7 +194,7 @@ def _add_and_norm(hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module, fu
         return hidden, norm(hidden), None
     weight = fused.module.weight
     with_low_rank = kernel("add_rms_norm_low_rank", "add_rms_norm_low_rank") if readers else None
-    a_cat = shared_a_cat(readers, hidden.dtype, casts) if with_low_rank is not None and hidden.numel() == \
+    a_cat = rank_factor(readers, hidden.dtype, casts) if with_low_rank is not None and hidden.numel() == \
         hidden.shape[-1] else None
     supported = kernel("add_rms_norm_low_rank", "add_rms_norm_low_rank_supported")
     if a_cat is None or not supported(hidden, delta, weight, fused.flavour, a_cat):
@@ -254,8 +254,22 @@ def _mlp(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts, u_cat: Optional[to
         return mlp(x)
     x2d = x.reshape(-1, x.shape[-1])
     gate, up = project(x2d, (mlp.gate_proj, mlp.up_proj), casts, u_cat)
-    (y,) = project(act(gate, up), (mlp.down_proj,), casts)
+    h, u_down = _gate(lp, gate, up, casts, act)
+    (y,) = project(h, (mlp.down_proj,), casts, u_down)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _gate(lp: LayerPlan, gate: torch.Tensor, up: torch.Tensor, casts: AdapterCasts,
+          act) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(h, U)``: ``h = act(gate) * up`` and, for one row whose down projection has an adapter, ``U = h A_down^T`` from
+    the same launch (:mod:`notebookkit.kernels.gated_low_rank`); else ``act``'s kernel and ``U`` ``None``
+    (:func:`.projections.project` computes it)."""
+    with_low_rank = kernel("gated_low_rank", "gated_low_rank") if gate.shape[0] == 1 else None
+    a_down = rank_factor((lp.layer.mlp.down_proj,), gate.dtype, casts) if with_low_rank is not None else None
+    supported = kernel("gated_low_rank", "gated_low_rank_supported")
+    if a_down is None or not supported(gate, up, a_down, lp.activation):
+        return act(gate, up), None
+    return with_low_rank(gate, up, a_down, lp.activation)
 
 
 def _sparse_block(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts) -> torch.Tensor:

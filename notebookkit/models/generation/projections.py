@@ -59,7 +59,7 @@ from notebookkit.kernels.lora_projection import (
 
 from ..patching.lora_fast_path import views
 
-__all__ = ["AdapterCasts", "project", "fused_views", "shared_a_cat"]
+__all__ = ["AdapterCasts", "project", "fused_views", "rank_factor"]
 
 
 class AdapterCasts:
@@ -189,15 +189,19 @@ def _shares_a_cat(adapted: Sequence[LoRAProjection]) -> bool:
     return len(adapted) >= 2 and len({p.rank for p in adapted}) == 1 and len({p.lora_A.dtype for p in adapted}) == 1
 
 
-def shared_a_cat(modules: Sequence[nn.Module], dtype: torch.dtype, casts: AdapterCasts) -> Optional[torch.Tensor]:
-    """The kept ``A_cat`` (``[sum r_i, in]`` in ``dtype``) that a batch-1 step of ``modules`` multiplies its row by
-    (:func:`_adapter_inputs`' one product), or ``None`` where it has none: a projection off the fused path, fewer
-    than two adapters, ranks or dtypes that differ. The decode step computes ``U_cat`` with the norm before the
-    projections (:mod:`notebookkit.kernels.add_rms_norm_low_rank`) and hands it to :func:`project`."""
+def rank_factor(modules: Sequence[nn.Module], dtype: torch.dtype, casts: AdapterCasts) -> Optional[torch.Tensor]:
+    """The matrix a batch-1 step of ``modules`` multiplies its row by for the adapters' rank-space inputs
+    (:func:`_adapter_inputs`): a lone adapter's ``A`` or a group's ``A_cat`` (``[sum r_i, in]``), in ``dtype``, kept
+    by ``casts``; ``None`` where there is no one product (a projection off the fused path, no adapter, ranks or
+    dtypes that differ). The decode step computes ``U = x A^T`` with the op before the projections
+    (:mod:`notebookkit.kernels.add_rms_norm_low_rank`, :mod:`notebookkit.kernels.gated_low_rank`) and hands it to
+    :func:`project`."""
     found, _ = views(*modules)
     if found is None:
         return None
     adapted = [v.projection for v in found if v.projection.has_adapter]
+    if len(adapted) == 1:
+        return casts(adapted[0].lora_A, dtype)
     if not _shares_a_cat(adapted):
         return None
     return casts.concatenated(tuple(p.lora_A for p in adapted), dtype)
@@ -208,13 +212,15 @@ def _adapter_inputs(x2d: torch.Tensor, projs: Sequence[LoRAProjection], casts: O
     """``U_i = X A_i^T`` of each projection's adapter (``None`` without one), from one product
     ``X A_cat^T`` when two or more adapters share a rank (``A_cat`` kept by ``casts``); for one row the products run
     in :mod:`notebookkit.kernels.skinny_matmul` (one launch sized to these thin shapes, not cuBLAS's GEMV).
-    ``u_cat``: that product, already computed (:func:`shared_a_cat`)."""
+    ``u_cat``: the product with :func:`rank_factor`'s matrix, already computed."""
     dtype = x2d.dtype
     # one row (batch-1 decode): the thin kernel (session 24's 8B step: 0.57 ms of GEMM where cuBLAS took 1.00);
     # at batch 8 it walked K in dependent steps and cuBLAS was faster (1.01 against 1.19 ms)
     skinny = kernel("skinny_matmul", "skinny_matmul") if x2d.shape[0] == 1 else None
     product = skinny or (lambda x, a: x @ a.t())
     adapted = [p for p in projs if p.has_adapter]
+    if u_cat is not None and len(adapted) == 1:
+        return [u_cat if p.has_adapter else None for p in projs]
     if _shares_a_cat(adapted):
         if u_cat is None:
             As = tuple(p.lora_A for p in adapted)
@@ -274,8 +280,8 @@ def project(x2d: torch.Tensor, modules: Sequence[nn.Module], casts: Optional[Ada
     """Outputs ``[N, out_i]`` of the linear ``modules`` (plain, 4-bit or PEFT LoRA) that all read ``x2d [N, in]``.
 
     ``casts``: where adapters in another dtype are read from (:class:`AdapterCasts`); ``None`` casts
-    them on each call, as the training path does. ``u_cat``: ``x2d A_cat^T`` for the ``A_cat`` of
-    :func:`shared_a_cat`, already computed (the decode kernels read it instead of computing it again).
+    them on each call, as the training path does. ``u_cat``: ``x2d A^T`` for :func:`rank_factor`'s ``A``,
+    already computed (the decode kernels read it instead of computing it again).
     """
     found, _ = views(*modules)
     if found is None:

@@ -1,9 +1,11 @@
-"""A batch-1 decode step computes each shared ``U_cat = x A_cat^T`` with the norm before its projections
-(``kernels.add_rms_norm_low_rank``) and the projections read it instead of computing it again: under the
-interpreter (``use_triton(True)``), one decode step of a Llama LoRA model (fp32, 16-bit path) launches the fused
-kernel for every norm whose readers share an ``A_cat`` (each layer's pre-MLP norm, every input norm but layer 0's),
-runs no thin product for q/k/v and gate/up (o and down keep theirs), and gives the logits and cache of the step
-without it (``NOTEBOOKKIT_DISABLE_KERNELS=add_rms_norm_low_rank``) up to the order of fp32 additions."""
+"""A batch-1 decode step computes the adapters' rank-space inputs ``U = x A^T`` with the op before their projections
+and the projections read them instead of computing them again: q/k/v's and gate/up's ``U_cat`` with the norm
+(``kernels.add_rms_norm_low_rank``), down's ``U`` with the gated activation (``kernels.gated_low_rank``). Under the
+interpreter (``use_triton(True)``) one decode step of a Llama LoRA model (fp32, 16-bit path) launches the first for
+every norm whose readers have adapters (each layer's pre-MLP norm, every input norm but layer 0's) and the second
+once a layer, runs a thin product only for layer 0's q/k/v and each layer's o, and gives the logits and cache of
+the step without them (``NOTEBOOKKIT_DISABLE_KERNELS=add_rms_norm_low_rank,gated_low_rank``) up to the order of
+fp32 additions."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from notebookkit.kernels import add_rms_norm_low_rank as low_rank_module
+from notebookkit.kernels import gated_low_rank as gated_module
 from notebookkit.kernels import skinny_matmul as skinny_module
 from notebookkit.kernels.runtime import interpreter_on, use_triton
 from notebookkit.kernels.testing import rel_err
@@ -22,7 +25,7 @@ from .common import PROMPT, fast_copy, lora_model
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
-def test_a_batch_one_step_computes_the_shared_rank_products_with_its_norms(monkeypatch, one_thread):
+def test_a_batch_one_step_computes_the_rank_products_with_the_ops_before_them(monkeypatch, one_thread):
     model = fast_copy(lora_model("llama"))
     n_layers = len(decoder_plan(model).layers)
     plan = decoder_plan(model)
@@ -38,18 +41,19 @@ def test_a_batch_one_step_computes_the_shared_rank_products_with_its_norms(monke
                                         kv_length=32)
         return logits, cache
 
-    fused_seen = spy_launches(monkeypatch, low_rank_module, "_add_rms_norm_low_rank_kernel")
+    norm_seen = spy_launches(monkeypatch, low_rank_module, "_add_rms_norm_low_rank_kernel")
+    gated_seen = spy_launches(monkeypatch, gated_module, "_gated_low_rank_kernel")
     skinny_seen = spy_launches(monkeypatch, skinny_module, "_skinny_matmul_kernel")
     logits, cache = step()
-    fused, skinny = len(fused_seen), len(skinny_seen)
-    fused_seen.clear()
-    skinny_seen.clear()
-    monkeypatch.setenv("NOTEBOOKKIT_DISABLE_KERNELS", "add_rms_norm_low_rank")
+    counts = len(norm_seen), len(gated_seen), len(skinny_seen)
+    for seen in (norm_seen, gated_seen, skinny_seen):
+        seen.clear()
+    monkeypatch.setenv("NOTEBOOKKIT_DISABLE_KERNELS", "add_rms_norm_low_rank,gated_low_rank")
     plain_logits, plain_cache = step()
 
-    assert fused == 2 * n_layers - 1 and not fused_seen
-    # with it: o and down's products, and layer 0's q/k/v; without it: four a layer
-    assert skinny == 2 * n_layers + 1 and len(skinny_seen) == 4 * n_layers
+    # with them: layer 0's q/k/v and each o keep a thin product; without them: four a layer
+    assert counts == (2 * n_layers - 1, n_layers, n_layers + 1)
+    assert not norm_seen and not gated_seen and len(skinny_seen) == 4 * n_layers
     assert torch.isfinite(logits).all()
     assert rel_err(logits, plain_logits) <= 1e-5
     for layer in range(n_layers):
