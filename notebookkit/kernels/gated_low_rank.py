@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from notebookkit.kernels.geglu import _gelu_and_grad, geglu
+from notebookkit.kernels.geglu import gelu_and_grad, geglu
 from notebookkit.kernels.runtime import should_use_triton
 from notebookkit.kernels.skinny_matmul import MAX_OUT, skinny_matmul
 from notebookkit.kernels.swiglu import swiglu
@@ -53,7 +53,7 @@ def _gated_low_rank_kernel(E, G, H, LA, U, n_cols, stride_la, ACT: tl.constexpr,
         if ACT == 0:
             a = e * tl.sigmoid(e)
         else:
-            a, _ = _gelu_and_grad(e, ACT == 2)
+            a, _ = gelu_and_grad(e, ACT == 2)
         h = (a * g).to(H.dtype.element_ty)
         if j == 0:
             tl.store(H + k, h, mask=ok)

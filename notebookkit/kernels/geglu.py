@@ -37,7 +37,7 @@ import triton.language as tl
 from notebookkit.kernels import gated_activation as gated
 from notebookkit.kernels.runtime import should_use_triton
 
-__all__ = ["geglu", "geglu_reference", "geglu_backward_", "geglu_forward", "geglu_backward_launch"]
+__all__ = ["geglu", "geglu_reference", "geglu_backward_", "geglu_forward", "geglu_backward_launch", "gelu_and_grad"]
 
 _APPROX = {"none": 0, "tanh": 1}
 
@@ -46,8 +46,8 @@ _APPROX = {"none": 0, "tanh": 1}
 # Triton kernels
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _gelu_and_grad(e, APPROX_TANH: tl.constexpr):
-    """(gelu(e), d gelu / de) in fp32."""
+def gelu_and_grad(e, APPROX_TANH: tl.constexpr):
+    """(gelu(e), d gelu / de) in fp32 (a device function, also compiled into :mod:`.gated_low_rank`'s kernel)."""
     if APPROX_TANH:
         k0 = 0.7978845608028654  # sqrt(2 / pi)
         k1 = 0.044715
@@ -68,7 +68,7 @@ def _geglu_fwd_kernel(E, G, H, n_elements, n_cols, stride_eg, APPROX_TANH: tl.co
                       EG_STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask, eg, e, g = gated.load_gate_inputs(E, G, offs, n_elements, n_cols, stride_eg, EG_STRIDED)
-    a, _ = _gelu_and_grad(e, APPROX_TANH)
+    a, _ = gelu_and_grad(e, APPROX_TANH)
     tl.store(H + offs, (a * g).to(H.dtype.element_ty), mask=mask)
 
 
@@ -80,7 +80,7 @@ def _geglu_bwd_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask, eg, e, g = gated.load_gate_inputs(E, G, offs, n_elements, n_cols, stride_eg, EG_STRIDED)
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
-    a, da = _gelu_and_grad(e, APPROX_TANH)
+    a, da = gelu_and_grad(e, APPROX_TANH)
     if STORE_H:
         tl.store(H_OUT + offs, (a * g).to(H_OUT.dtype.element_ty), mask=mask)
     tl.store(DE_OUT + eg, (dh * g * da).to(DE_OUT.dtype.element_ty), mask=mask)

@@ -26,6 +26,11 @@ Fused on the way (forward only: decoding runs without gradients), each a kernel 
   where the plan allows it (:class:`.decoder_plan.FusedNorm`: plain RMSNorms, no sandwich norms); the last
   layer's MLP residual with the final norm only when ``T == 1`` (a prompt
   normalises only its last position, as before);
+* for one row (batch-1 decode), the adapters' rank-space inputs ``U = x A^T`` of the projections that read an op's
+  output, made by that op's launch (:func:`.projections.rank_factor`): q/k/v's and gate/up's ``U_cat`` by the fused
+  norm before them (:mod:`notebookkit.kernels.add_rms_norm_low_rank`), down's ``U`` by the gated activation
+  (:mod:`notebookkit.kernels.gated_low_rank`); o's stays a thin product of its own (the attention before it is
+  SDPA's);
 * RoPE of q and k + the cache write of k and v, for the decode step (``T == 1``, device-tensor slot:
   :meth:`.static_cache.StaticKVCache.write_rotated`); the prompt keeps ``apply_rope`` and a slice copy.
   Qwen3 / Gemma 3's q/k norms come before RoPE and stay where they are; the fused kernel takes their outputs.
@@ -35,7 +40,8 @@ Fused on the way (forward only: decoding runs without gradients), each a kernel 
   sink layers keep the boolean mask).
 
 Each fused op is looked up like every kernel of the model layer: ``NOTEBOOKKIT_DISABLE_KERNELS=add_rms_norm,
-rope_cache_write`` (or a module that does not import) gives the unfused step, computing the same function.
+rope_cache_write,add_rms_norm_low_rank,gated_low_rank`` (or a module that does not import) gives the unfused step,
+computing the same function.
 
 With ``start_slot`` a one-element device tensor and ``kv_length`` fixed, every shape is static and
 nothing reads the device from the host, so the ``T = 1`` step can be captured as a CUDA graph
@@ -193,9 +199,9 @@ def _add_and_norm(hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module, fu
         hidden = hidden + delta
         return hidden, norm(hidden), None
     weight = fused.module.weight
-    with_low_rank = kernel("add_rms_norm_low_rank", "add_rms_norm_low_rank") if readers else None
-    a_cat = rank_factor(readers, hidden.dtype, casts) if with_low_rank is not None and hidden.numel() == \
-        hidden.shape[-1] else None
+    one_row = hidden.numel() == hidden.shape[-1]
+    with_low_rank = kernel("add_rms_norm_low_rank", "add_rms_norm_low_rank") if readers and one_row else None
+    a_cat = rank_factor(readers, hidden.dtype, casts) if with_low_rank is not None else None
     supported = kernel("add_rms_norm_low_rank", "add_rms_norm_low_rank_supported")
     if a_cat is None or not supported(hidden, delta, weight, fused.flavour, a_cat):
         return (*add_rms_norm(hidden, delta, weight, fused.eps, flavour=fused.flavour), None)

@@ -11,7 +11,9 @@ group's ``A_cat`` kept between steps: :meth:`AdapterCasts.concatenated`) into th
 one rounding. For one row (batch-1 decode) the projections of a group share that launch
 (:func:`~notebookkit.kernels.nf4_matvec.nf4_matvec_group`: q/k/v one, gate/up one). Per decoder layer that is
 4 matvec launches and 4 thin products (:mod:`~notebookkit.kernels.skinny_matmul`) at batch 1 (7 matvecs at
-larger batches), where a matvec, an ``addmm`` per projection and a concatenation per group made 20.
+larger batches), where a matvec, an ``addmm`` per projection and a concatenation per group made 20. The decode
+step makes three of the four products in the launch before them and hands them in (``project(..., u_cat=)``,
+:func:`rank_factor`): one thin product a layer is left, o's.
 16-bit bases at batch 1 go the same way through :func:`~notebookkit.kernels.dense_matvec.dense_matvec_group`
 (a group's base products, biases and adapter terms in one launch): 8 launches a layer where the training path's
 products made 18; more rows keep those products (cuBLAS at a batch's width).
