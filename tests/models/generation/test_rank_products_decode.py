@@ -1,7 +1,7 @@
 """A batch-1 decode step computes the adapters' rank-space inputs ``U = x A^T`` with the op before their projections
 and the projections read them instead of computing them again: q/k/v's and gate/up's ``U_cat`` with the norm
 (``kernels.add_rms_norm_low_rank``), down's ``U`` with the gated activation (``kernels.gated_low_rank``). Under the
-interpreter (``use_triton(True)``) one decode step of a Llama LoRA model (fp32, 16-bit path) launches the first for
+interpreter (``use_triton(True)``) one decode step of a Llama and of a Gemma LoRA model (fp32, 16-bit path) launches the first for
 every norm whose readers have adapters (each layer's pre-MLP norm, every input norm but layer 0's) and the second
 once a layer, runs a thin product only for layer 0's q/k/v and each layer's o, and gives the logits and cache of
 the step without them (``NOTEBOOKKIT_DISABLE_KERNELS=add_rms_norm_low_rank,gated_low_rank``) up to the order of
@@ -25,8 +25,9 @@ from .common import PROMPT, fast_copy, lora_model
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
-def test_a_batch_one_step_computes_the_rank_products_with_the_ops_before_them(monkeypatch, one_thread):
-    model = fast_copy(lora_model("llama"))
+@pytest.mark.parametrize("family", ["llama", "gemma"])  # SwiGLU and Llama's norm; GeGLU (tanh) and Gemma's 1 + w
+def test_a_batch_one_step_computes_the_rank_products_with_the_ops_before_them(family, monkeypatch, one_thread):
+    model = fast_copy(lora_model(family))
     n_layers = len(decoder_plan(model).layers)
     plan = decoder_plan(model)
     prompt = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(0))
