@@ -40,6 +40,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _give_back_cached_gpu_memory(request):
+    """After a GPU test, hand its cached blocks back to the driver. The suite's xdist workers share one card, and
+    PyTorch's allocator otherwise keeps a test's peak reserved for the rest of the worker's life: at -n 8 on an
+    80 GiB H100, workers holding 22 and 29 GiB of cache ran the tests beside them out of memory (session 46: 52
+    failures)."""
+    yield
+    if _HAS_CUDA and "gpu" in request.keywords:
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def one_thread():
     """Run a test with one intra-op thread: the tiny models' matmuls are small, and on a shared 2-core CI
