@@ -16,6 +16,25 @@ from dataclasses import dataclass
 
 GiB = 1024**3
 MiB = 1024**2
+KiB = 1024
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
+    """PyTorch's cuBLAS workspace for one (handle, stream) pair on a card of ``compute_capability``.
+
+    PyTorch allocates it through its caching allocator at the first matmul on a stream and keeps it for the life
+    of the process, so it counts in ``torch.cuda.max_memory_allocated`` and in every measured peak: 32 MiB on sm_90
+    (``benchmarks/cublas_workspace.py`` on an H100, session 46: +32.00 MiB for the first ``mm`` on a stream),
+    ``4096 * 2 + 16 * 8`` KiB (8.125 MiB) on the other cards, by PyTorch's source. ``CUBLAS_WORKSPACE_CONFIG``
+    changes it; that is not modelled.
+    """
+    if tuple(compute_capability)[:1] == (9,):
+        return 32 * MiB
+    return (4096 * 2 + 16 * 8) * KiB
+
+
+# Where no card is known (the estimate's default): every card but sm_90's, a T4's among them.
+DEFAULT_CUBLAS_WORKSPACE_BYTES = cublas_workspace_bytes((7, 5))
 
 
 @dataclass(frozen=True)
@@ -36,6 +55,11 @@ class GPUCard:
 
     def label(self) -> str:
         return f"{self.name} ({self.memory_gib:.1f} GiB)"
+
+    @property
+    def cublas_workspace_bytes(self) -> int:
+        """One stream's cuBLAS workspace on this card (:func:`cublas_workspace_bytes`)."""
+        return cublas_workspace_bytes(self.compute_capability)
 
 
 CARDS: dict[str, GPUCard] = {

@@ -121,7 +121,9 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
       16-bit weight is added). The fp32 scales (4 bytes per token and per output row) are left out.
     The LoRA gradients (in "adapters + optimizer") are counted as alive throughout.
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
-    so :attr:`MemoryEstimate.peak_allocated` leaves it out.
+    so :attr:`MemoryEstimate.peak_allocated` leaves it out. PyTorch's cuBLAS workspace for the training
+    stream (``cublas_workspace_bytes``: 32 MiB on sm_90, 8.125 MiB on other cards,
+    :func:`~notebookkit.memory.cards.cublas_workspace_bytes`) is allocated at the first matmul and kept: it is.
 
 Preference and RL steps (``method=``, a row of :mod:`notebookkit.training_methods`: rows per example,
 log-prob loss, reference pass, completion-only loss, generation alongside)
@@ -199,6 +201,8 @@ from notebookkit.families import for_model_type
 from notebookkit.sequence_tiles import mlp_tile_rows
 from notebookkit.training_methods import TRAINING_METHODS
 
+from . import cards
+from .cards import DEFAULT_CUBLAS_WORKSPACE_BYTES
 from .base_weights import base_format_for, dense_copy_bytes, input_grad_buffer_bytes, projection_weight_bytes
 from .generation import generation_term, keeps_cache_between_steps, layer_working_set
 from .model_setup import (base_format_of, fp8_forward, fused_lm_head, held_decode_cache, host_embedding,
@@ -352,7 +356,8 @@ class MemoryEstimate:
 
     ``total`` is what must fit on the card (CUDA context included);
     ``peak_allocated`` is the same without the context, comparable to
-    ``torch.cuda.max_memory_allocated()``. ``details`` breaks each part down further;
+    ``torch.cuda.max_memory_allocated()``; ``cublas_workspace`` is the training stream's cuBLAS workspace, inside
+    ``temporaries`` and the peak. ``details`` breaks each part down further;
     ``host_offload`` is pinned host memory used by offloaded layers (and by the input embedding
     under ``offload_embedding``).
     """
@@ -364,6 +369,7 @@ class MemoryEstimate:
     temporaries: int
     total: int
     cuda_context: int = 0
+    cublas_workspace: int = 0
     host_offload: int = 0
     generation: int = 0
     per_layer_activations: tuple[int, ...] = ()
@@ -406,6 +412,7 @@ class MemoryEstimate:
             "base_weights": self.base_weights, "adapters": self.adapters, "activations": self.activations,
             "logits_loss": self.logits_loss, "temporaries": self.temporaries, "total": self.total,
             "peak_allocated": self.peak_allocated, "cuda_context": self.cuda_context,
+            "cublas_workspace": self.cublas_workspace,
             "host_offload": self.host_offload, "generation": self.generation, "plan": list(self.plan), "details": dict(self.details),
             "inputs": dict(self.inputs),
         }
@@ -505,6 +512,13 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
         out["lora_dropout"] = float(getattr(pc, "lora_dropout", 0.0) or 0.0)
     if any(fp8_forward(m) for m in getattr(model, "modules", lambda: [])()):
         out["fp8_forward"] = True  # set by get_peft_model(fp8_base_matmul=True) on the base linears
+    device = _cuda_device_of(model)
+    if device is not None:  # the training stream's cuBLAS workspace on the card the model is on
+        import torch
+
+        out["cublas_workspace_bytes"] = cards.cublas_workspace_bytes(torch.cuda.get_device_capability(device))
+    elif hasattr(model, "parameters"):  # a model on a CPU: no cuBLAS
+        out["cublas_workspace_bytes"] = 0
     chunk = expert_chunk_budget(base)
     if chunk is not None:  # a mixture of experts on a GPU: its NF4 experts' chunks (its plan's, else this card's)
         out["expert_chunk_bytes"] = chunk
@@ -519,6 +533,12 @@ def estimate_kwargs_from_model(model: Any) -> dict[str, Any]:
     return out
 
 
+def _cuda_device_of(model: Any) -> Any:
+    """The CUDA device of ``model``'s first parameter there, or None (on a CPU, or no parameters)."""
+    parameters = getattr(model, "parameters", None)
+    return next((p.device for p in parameters() if p.device.type == "cuda"), None) if parameters else None
+
+
 def expert_chunk_budget(model: Any) -> int | None:
     """The budget of one chunk of NF4 experts decoded at a time on the GPU holding ``model`` (a mixture of
     experts): the kernels' own rule, :func:`~notebookkit.expert_chunks.chunk_budget` (the one its activation
@@ -526,7 +546,7 @@ def expert_chunk_budget(model: Any) -> int | None:
     spec = for_model_type(getattr(getattr(model, "config", None), "model_type", None))
     if spec is None or spec.moe is None:
         return None
-    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    device = _cuda_device_of(model)
     if device is None:
         return None
     planned = next((b for m in model.modules() if (b := recorded_expert_chunk_budget(m)) is not None), None)
@@ -805,6 +825,7 @@ def estimate_training_memory(
     method: str = "sft",
     completion_len: int | None = None,
     cuda_context_bytes: int = 400 * 2**20,
+    cublas_workspace_bytes: int = DEFAULT_CUBLAS_WORKSPACE_BYTES,
     images_per_row: int = 1,
     image_size: Any = None,
     finetune_vision_layers: bool = True,
@@ -861,6 +882,9 @@ def estimate_training_memory(
             loss over ``completion_len`` positions per row; generation held alongside). Module notes.
         completion_len: GRPO's completion tokens per row (``max_completion_length``); default ``seq_len``.
         cuda_context_bytes: memory the CUDA context and libraries take outside PyTorch's allocator.
+        cublas_workspace_bytes: PyTorch's cuBLAS workspace of the training stream, inside its allocator: the
+            card's (:attr:`GPUCard.cublas_workspace_bytes`; the planner and ``estimate_for_model`` pass it),
+            default that of every card but sm_90 (8.125 MiB).
         images_per_row, image_size, finetune_vision_layers: for a vision-language model (a Qwen2.5-VL /
             Gemma 3 config, model, folder, ``VLMShape`` or curated VLM name): images per row, their
             side in pixels (or ``(h, w)``; default: the processor's, 448 for Qwen2.5-VL) and whether
@@ -933,10 +957,11 @@ def estimate_training_memory(
                                        **({fmt.load_flag: True} if fmt.load_flag else {}))
     reference = (_reference_pass(shape, rows, seq_len, s, fmt, attention, expert_chunk_bytes)
                  if record.reference_pass else _Part(0))
-    temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes, reference.bytes)
+    temporaries = _temporaries(plan, acts, loss.bytes, working_set, cuda_context_bytes, cublas_workspace_bytes,
+                               reference.bytes)
     gen_bytes, gen_details = 0, {}
     if generation is not None:
-        transients = acts.bytes + loss.bytes + temporaries.bytes - cuda_context_bytes
+        transients = acts.bytes + loss.bytes + temporaries.bytes - cuda_context_bytes - cublas_workspace_bytes
         gen_bytes, gen_details = generation_term(generation, shape, s, fmt, attention, transients,
                                                  expert_chunk_bytes)
 
@@ -954,6 +979,7 @@ def estimate_training_memory(
         target_modules=targets, target_parameters=target_parameters, optimizer=opt, batch_size=batch_size,
         seq_len=seq_len,
         fused_loss=fused_loss, double_quant=double_quant, adapter_dtype=adapter_dtype,
+        cublas_workspace_bytes=int(cublas_workspace_bytes),
         lora_dropout=lora_dropout, attention=attention, lora_params=p_lora, fp8_forward=bool(fp8_forward),
         offload_embedding=bool(host_embedding_bytes), kv_repeated=bool(kv_repeated), padded=bool(padded),
         generation=getattr(generation, "inputs", generation), method=method, rows=rows, scored_len=scored,
@@ -964,7 +990,7 @@ def estimate_training_memory(
     return MemoryEstimate(
         base_weights=int(base.bytes), adapters=int(adapters.bytes), activations=int(acts.bytes),
         logits_loss=int(loss.bytes), temporaries=int(temporaries.bytes), total=int(total),
-        cuda_context=int(cuda_context_bytes), host_offload=int(acts.host_offload + host_embedding_bytes),
+        cuda_context=int(cuda_context_bytes), cublas_workspace=int(cublas_workspace_bytes), host_offload=int(acts.host_offload + host_embedding_bytes),
         generation=int(gen_bytes),
         per_layer_activations=acts.per_layer, plan=plan, details={k: int(v) for k, v in details.items()},
         inputs=inputs, notes=notes, shape=shape,
@@ -1260,9 +1286,10 @@ def _reference_pass(shape: ModelShape, rows: int, seq_len: int, s: int, fmt: Bas
 
 def _temporaries(
     plan: tuple[str, ...], acts: _Activations, logits_loss: float, working_set: dict[str, int], cuda_context_bytes: int,
-    forward_extra: float = 0,
+    cublas_workspace_bytes: int, forward_extra: float = 0,
 ) -> _Part:
-    """The backward's working set beyond the (by then freed) loss buffers, and the CUDA context.
+    """The backward's working set beyond the (by then freed) loss buffers, the cuBLAS workspace and the CUDA
+    context.
 
     Two candidate high-water marks (beyond weights and adapters). The backward runs from the last
     layer down, so kept layers *after* the last recomputed/offloaded one have freed their
@@ -1302,5 +1329,6 @@ def _temporaries(
         peak_in_reference = forward_extra and reference_end > policy_end and reference_end >= first_recompute
         details["temporaries: " + ("DPO reference pass (no grad) beyond the loss buffers" if peak_in_reference
                                    else "backward working set beyond the loss buffers")] = over
+    details["temporaries: cuBLAS workspace (the training stream's)"] = cublas_workspace_bytes
     details["temporaries: CUDA context"] = cuda_context_bytes
-    return _Part(over + cuda_context_bytes, details)
+    return _Part(over + cublas_workspace_bytes + cuda_context_bytes, details)

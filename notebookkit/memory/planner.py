@@ -419,6 +419,7 @@ def plan_activations(
     """
     estimate_kwargs.pop("activation_plan", None)
     chunk_given = estimate_kwargs.get("expert_chunk_bytes")
+    workspace_given = "cublas_workspace_bytes" in estimate_kwargs
     if hasattr(model_config, "parameters") and hasattr(model_config, "config"):  # a loaded model
         from .estimate import estimate_kwargs_from_model
 
@@ -428,6 +429,8 @@ def plan_activations(
     shape: Any = vlm_shape(model_config) if is_vlm(model_config) else model_shape(model_config)
     text = text_shape(shape)  # the decoder layers are what the plan is for
     budget, with_context, source, card_obj = _resolve_budget(budget_bytes, max_memory, card)
+    if card_obj is not None and not workspace_given:  # the card planned for, whichever card the model is on
+        estimate_kwargs["cublas_workspace_bytes"] = card_obj.cublas_workspace_bytes
     if allow_offload is None:
         allow_offload = card_obj is not None or "no GPU" not in source
     if text.num_experts:  # a mixture of experts recomputes what would be offloaded (checkpointing's rule)

@@ -9,7 +9,8 @@ from notebookkit.memory.estimate import default_loss_chunk
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
             tie_word_embeddings=True)
-KW = dict(dtype="bfloat16", lora_r=4, optimizer="adamw", batch_size=2, seq_len=32, cuda_context_bytes=0)
+KW = dict(dtype="bfloat16", lora_r=4, optimizer="adamw", batch_size=2, seq_len=32, cuda_context_bytes=0,
+          cublas_workspace_bytes=0)
 
 
 def test_tiny_config_matches_hand_computed_sizes_keep():
@@ -40,6 +41,32 @@ def test_tiny_config_matches_hand_computed_sizes_keep():
     assert est.temporaries == 0
     assert est.total == 180864 + 147456 + 189440 + 58368 == 576128
     assert est.peak_allocated == est.total
+
+
+def test_the_cublas_workspace_of_the_card_joins_the_peak():
+    """PyTorch's cuBLAS workspace for the training stream (32 MiB on sm_90, measured on an H100 in session 46;
+    8.125 MiB on other cards) is allocated at the first matmul and kept: it joins the temporaries and the peak
+    that ``max_memory_allocated`` sees, the planner counts the card it plans for, and a model on a CPU has none."""
+    from notebookkit.memory import plan_activations
+    from notebookkit.memory.cards import CARDS, DEFAULT_CUBLAS_WORKSPACE_BYTES, cublas_workspace_bytes
+    from notebookkit.memory.estimate import estimate_kwargs_from_model
+
+    assert cublas_workspace_bytes((9, 0)) == CARDS["h200"].cublas_workspace_bytes == 32 * 2**20
+    assert cublas_workspace_bytes((7, 5)) == CARDS["t4"].cublas_workspace_bytes == CARDS["a100-80gb"].cublas_workspace_bytes
+    assert DEFAULT_CUBLAS_WORKSPACE_BYTES == (4096 * 2 + 16 * 8) * 1024  # 8.125 MiB
+    none = estimate_training_memory(TINY, activation_plan="keep", **KW)
+    kw = dict(KW, cublas_workspace_bytes=32 * 2**20)
+    hopper = estimate_training_memory(TINY, activation_plan="keep", **kw)
+    assert hopper.peak_allocated - none.peak_allocated == hopper.total - none.total == 32 * 2**20
+    assert hopper.temporaries - none.temporaries == hopper.cublas_workspace == 32 * 2**20
+    assert hopper.details["temporaries: cuBLAS workspace (the training stream's)"] == 32 * 2**20
+    default = dict(KW)
+    del default["cublas_workspace_bytes"]
+    assert estimate_training_memory(TINY, activation_plan="keep", **default).cublas_workspace == DEFAULT_CUBLAS_WORKSPACE_BYTES
+    for card in ("t4", "h100"):
+        assert plan_activations(TINY, card=card, **default).estimate.cublas_workspace == CARDS[card].cublas_workspace_bytes
+    torch = pytest.importorskip("torch")
+    assert estimate_kwargs_from_model(torch.nn.Linear(2, 2))["cublas_workspace_bytes"] == 0
 
 
 def test_tiny_config_adapters_in_the_compute_dtype_keep_only_the_grouped_a_copies():

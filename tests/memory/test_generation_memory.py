@@ -29,7 +29,8 @@ USABLE = 1.0 - DEFAULT_SAFETY_MARGIN
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
             tie_word_embeddings=True)
-KW = dict(dtype="bfloat16", lora_r=4, optimizer="adamw", batch_size=2, seq_len=32, cuda_context_bytes=0)
+KW = dict(dtype="bfloat16", lora_r=4, optimizer="adamw", batch_size=2, seq_len=32, cuda_context_bytes=0,
+          cublas_workspace_bytes=0)
 LLAMA8B = "meta-llama/Llama-3.1-8B-Instruct"
 QLORA = dict(load_in_4bit=True, dtype="float16", batch_size=2, seq_len=4096, host_memory_bytes=64 * GiB)
 

@@ -84,16 +84,17 @@ def test_kept_moe_layer_saves_exactly_what_the_model_says(family, dtype, monkeyp
 
 
 VERDICTS = {  # (model, card, dtype, load_in_4bit): what the panel's headline says, with its predicted peak
+    # (the 24 GiB rows rose 0.01 GiB in session 46: the training stream's cuBLAS workspace, 8.125 MiB off sm_90)
     ("Qwen/Qwen3-30B-A3B", "t4", "float16", True): "26.66 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
-    ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16", True): "26.78 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",  # bf16: the larger of the Triton and grouped_mm paths (the estimate does not know the card)
+    ("Qwen/Qwen3-30B-A3B", "rtx4090", "bfloat16", True): "26.79 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",  # bf16: the larger of the Triton and grouped_mm paths (the estimate does not know the card)
     # gpt-oss: attention with sinks on the fused kernels (Hugging Face's eager one gave 18.79, 21.93 and 46.06 GiB:
     # its [B, heads, T, T + 1] probabilities and their gradients); and its norms on the fused kernel (Hugging
     # Face's saved fp32 inputs: 15.12, 22.42 and 42.46 GiB); its boolean masks shared by the layers (one a layer:
     # 15.08, 22.55 and 42.41 GiB, without Hugging Face's masks that the recompute's checkpoints hold)
     ("openai/gpt-oss-20b", "t4", "float16", True): "15.12 GiB of 14.75 GiB (Tesla T4 16GB) — does not fit",
-    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "22.43 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
+    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", True): "22.44 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — fits",
     # 16-bit experts (before NF4 experts, load_in_4bit gave 45.21 GiB here: NF4 attention, 16-bit experts)
-    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "42.45 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
+    ("openai/gpt-oss-20b", "rtx4090", "bfloat16", False): "42.46 GiB of 23.64 GiB (GeForce RTX 4090 24GB) — does not fit",
 }
 
 
@@ -191,8 +192,10 @@ def test_the_decode_chunk_budget_grows_with_the_card():
     shape = model_shape("Qwen/Qwen3-30B-A3B")
     kw = dict(load_in_4bit=True, dtype="bfloat16", seq_len=2048)
     plan = plan_activations(shape, card="h100", **kw)
-    at = {chunk: estimate_training_memory(shape, activation_plan=list(plan.modes), expert_chunk_bytes=chunk, **kw)
-          .peak_allocated for chunk in (None, budgets["h100"])}
+    assert plan.estimate.cublas_workspace == CARDS["h100"].cublas_workspace_bytes == 32 * 2**20  # the card's too
+    at = {chunk: estimate_training_memory(shape, activation_plan=list(plan.modes), expert_chunk_bytes=chunk,
+                                          cublas_workspace_bytes=32 * 2**20, **kw).peak_allocated
+          for chunk in (None, budgets["h100"])}
     assert plan.estimate.peak_allocated == at[budgets["h100"]] > at[None]
     assert plan.estimate.inputs["expert_chunk_bytes"] == budgets["h100"]
     # a cap on that card plans the cap's chunks (the kernels then decode with the plan's: test above)
@@ -372,7 +375,7 @@ def test_dpo_and_grpo_estimates_for_the_moe_shapes(name):
     dpo = estimate_training_memory(name, method="dpo", **kw)
     reference = layer_working_set(shape, 2, 1024, 1024, 2, True, "auto", training_path=True)
     assert reference > moe_terms.sparse_block_generation_bytes(shape, tokens=2048, s=2)
-    over = lambda e: e.temporaries - e.cuda_context  # noqa: E731
+    over = lambda e: e.temporaries - e.cuda_context - e.cublas_workspace  # noqa: E731
     assert over(dpo) == max(over(orpo), reference) and dpo.total - orpo.total == max(0, reference - over(orpo))
     assert any("DPOConfig(router_aux_loss_coef=0.0)" in n for n in dpo.notes)
     grpo = estimate_training_memory(name, method="grpo", completion_len=256, **kw)
