@@ -876,7 +876,8 @@ def estimate_training_memory(
             length, whether the cache stays allocated through training) or a
             :class:`~notebookkit.memory.generation.GenerationMemory` (kept); adds its KV cache, CUDA
             graph buffers and decode step, and what its prefill needs beyond the training step's
-            transients (freed cache: only the generate call's peak beyond those transients).
+            transients (freed cache: only the generate call's peak beyond those transients), and the cuBLAS
+            workspace its capture stream keeps (``cublas_workspace_bytes`` again).
         method: ``"sft"``, ``"dpo"`` / ``"orpo"`` (``batch_size`` counts pairs: ``2 * batch_size``
             rows; DPO adds its reference pass) or ``"grpo"`` (``batch_size`` counts completions; the
             loss over ``completion_len`` positions per row; generation held alongside). Module notes.
@@ -963,7 +964,7 @@ def estimate_training_memory(
     if generation is not None:
         transients = acts.bytes + loss.bytes + temporaries.bytes - cuda_context_bytes - cublas_workspace_bytes
         gen_bytes, gen_details = generation_term(generation, shape, s, fmt, attention, transients,
-                                                 expert_chunk_bytes)
+                                                 expert_chunk_bytes, cublas_workspace_bytes)
 
     notes = list(loss.notes) + moe_notes
     if lora_dropout and lora_dropout > 0:

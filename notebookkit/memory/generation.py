@@ -56,7 +56,12 @@ estimate adds, with ``held = kv_cache + graph_buffers + decode_step``:
 
 * cache kept: ``held + max(0, prefill - training transients)``;
 * cache freed: ``max(0, held + prefill - training transients)`` (the generate call's peak and the
-  training step's are apart in time; only the larger counts).
+  training step's are apart in time; only the larger counts);
+
+plus, either way, the cuBLAS workspace of the stream the decode graphs are captured on
+(:func:`notebookkit.models.generation.graph_runner.capture_stream`): PyTorch keeps one a (handle, stream)
+pair for the life of the process, so the first capture's stays through every training step (32 MiB on
+sm_90: session 46 planted a new stream a capture and saw the allocated memory grow by exactly 32 MiB a capture).
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ __all__ = [
 # keys and order, and radix-sort scratch). Measured on an H200 (torch 2.11, the GPU test in
 # tests/memory/test_generation_memory.py): 48.9 bytes per logit at [8, 128256], 48.2 at [16, 151936].
 SAMPLING_BYTES_PER_LOGIT = 50
+CAPTURE_WORKSPACE_KEY = "generation: cuBLAS workspace of the decode graphs' capture stream"
 GRAPH_INTS_PER_ROW = 8
 
 
@@ -245,6 +251,7 @@ def keeps_cache_between_steps(activation_plan: Any) -> bool:
 def generation_term(
     generation: GenerationMemory | Mapping[str, Any], shape: ModelShape, dtype_bytes: int, base: BaseFormat | bool,
     attention: str, training_transients: int, expert_chunk_bytes: int | None = None,
+    cublas_workspace_bytes: int = 0,
 ) -> tuple[int, dict[str, int]]:
     """Bytes a training step's estimate adds for generation alongside it, and their breakdown.
 
@@ -253,7 +260,8 @@ def generation_term(
     dtype, base format (``base``) and attention of the training estimate, plus ``keep_cache`` (default True: the
     cache, buffers and graph pool stay allocated through the training step; False: freed after each
     generate call). ``training_transients``: the step's activations, loss buffers and temporaries,
-    which a generate call never overlaps; ``expert_chunk_bytes`` as for the training estimate.
+    which a generate call never overlaps; ``expert_chunk_bytes`` as for the training estimate;
+    ``cublas_workspace_bytes``: the card's cuBLAS workspace, which the capture stream keeps (module docstring).
     """
     keep = True
     base = _as_format(base)
@@ -270,12 +278,13 @@ def generation_term(
         flags = {base.load_flag: True} if base.load_flag else {}
         generation = generation_memory(shape, kwargs.pop("batch_size", 1), kwargs.pop("max_len"), dtype_bytes,
                                        **flags, expert_chunk_bytes=expert_chunk_bytes, **kwargs)
+    workspace = {CAPTURE_WORKSPACE_KEY: cublas_workspace_bytes} if cublas_workspace_bytes else {}
     if not keep:
         beyond = max(0, generation.total - training_transients)
         key = "generation: generate call beyond the training step's transients (cache freed before training)"
-        return beyond, ({key: beyond} if beyond else {})
+        return beyond + cublas_workspace_bytes, ({key: beyond} if beyond else {}) | workspace
     extra_prefill = max(0, generation.prefill - training_transients)
     details = {k: v for k, v in generation.details().items() if k != "generation: prefill"}
     if extra_prefill:
         details["generation: prefill beyond the training step's transients"] = extra_prefill
-    return generation.held + extra_prefill, details
+    return generation.held + extra_prefill + cublas_workspace_bytes, details | workspace

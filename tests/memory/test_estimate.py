@@ -60,6 +60,13 @@ def test_the_cublas_workspace_of_the_card_joins_the_peak():
     assert hopper.peak_allocated - none.peak_allocated == hopper.total - none.total == 32 * 2**20
     assert hopper.temporaries - none.temporaries == hopper.cublas_workspace == 32 * 2**20
     assert hopper.details["temporaries: cuBLAS workspace (the training stream's)"] == 32 * 2**20
+    # generation alongside (GRPO): the decode graphs' capture stream keeps one more, cache kept or freed
+    for keep in (True, False):
+        rl = dict(kw, method="grpo", generation=dict(batch_size=4, max_len=48, prompt_len=16, keep_cache=keep))
+        with_rl, without = (estimate_training_memory(TINY, activation_plan="keep", **a) for a in
+                            (rl, dict(rl, cublas_workspace_bytes=0)))
+        assert with_rl.total - without.total == 2 * 32 * 2**20 and with_rl.generation - without.generation == 32 * 2**20
+        assert with_rl.details["generation: cuBLAS workspace of the decode graphs' capture stream"] == 32 * 2**20
     default = dict(KW)
     del default["cublas_workspace_bytes"]
     assert estimate_training_memory(TINY, activation_plan="keep", **default).cublas_workspace == DEFAULT_CUBLAS_WORKSPACE_BYTES
