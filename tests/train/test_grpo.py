@@ -211,7 +211,9 @@ def test_an_offloaded_plan_keeps_its_pinned_buffers_across_steps(tmp_path, devic
 
     class PinnedBlocks(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            pinned.append(torch.cuda.host_memory_stats()["num_host_alloc"] if cuda else 0)
+            pool = ckpt._offload_states[base].get("pool")
+            pinned.append((torch.cuda.host_memory_stats()["num_host_alloc"], getattr(pool, "allocations", None))
+                          if cuda else (0, None))
 
     flags = dict(use_cpu=False, bf16=True, max_steps=3) if cuda else {}
     trainer = _trainer(tmp_path, [format_reward], model=(model, tok), **flags)
@@ -219,7 +221,9 @@ def test_an_offloaded_plan_keeps_its_pinned_buffers_across_steps(tmp_path, devic
     trainer.train()
     assert ckpt._offload_states[base] is state
     if cuda:
-        assert pinned[-1] == pinned[-2], pinned  # the last step made no pinned block
+        # the last step made no pinned block: neither torch's count of cudaHostAlloc calls nor the offload pool's
+        # allocations grew (session 46 saw the first grow by 3 a step, one a layer input offloaded; not yet told apart)
+        assert pinned[-1] == pinned[-2], f"(cudaHostAlloc calls, pool allocations) after each step: {pinned}"
 
 
 def test_the_cache_rule_follows_the_activation_plan(tmp_path):
