@@ -123,7 +123,8 @@ Temporaries (the backward's working set, when it exceeds the loss buffers, which
     The CUDA context (``cuda_context_bytes``) is not part of ``torch.cuda.max_memory_allocated``,
     so :attr:`MemoryEstimate.peak_allocated` leaves it out. PyTorch's cuBLAS workspace for the training
     stream (``cublas_workspace_bytes``: 32 MiB on sm_90, 8.125 MiB on other cards,
-    :func:`~notebookkit.memory.cards.cublas_workspace_bytes`) is allocated at the first matmul and kept: it is.
+    :func:`~notebookkit.memory.cards.cublas_workspace_bytes`) is allocated at the first matmul and kept, so
+    it is counted in the temporaries and in the peak.
 
 Preference and RL steps (``method=``, a row of :mod:`notebookkit.training_methods`: rows per example,
 log-prob loss, reference pass, completion-only loss, generation alongside)
@@ -991,7 +992,8 @@ def estimate_training_memory(
     return MemoryEstimate(
         base_weights=int(base.bytes), adapters=int(adapters.bytes), activations=int(acts.bytes),
         logits_loss=int(loss.bytes), temporaries=int(temporaries.bytes), total=int(total),
-        cuda_context=int(cuda_context_bytes), cublas_workspace=int(cublas_workspace_bytes), host_offload=int(acts.host_offload + host_embedding_bytes),
+        cuda_context=int(cuda_context_bytes), cublas_workspace=int(cublas_workspace_bytes),
+        host_offload=int(acts.host_offload + host_embedding_bytes),
         generation=int(gen_bytes),
         per_layer_activations=acts.per_layer, plan=plan, details={k: int(v) for k, v in details.items()},
         inputs=inputs, notes=notes, shape=shape,

@@ -88,8 +88,9 @@ __all__ = [
 # keys and order, and radix-sort scratch). Measured on an H200 (torch 2.11, the GPU test in
 # tests/memory/test_generation_memory.py): 48.9 bytes per logit at [8, 128256], 48.2 at [16, 151936].
 SAMPLING_BYTES_PER_LOGIT = 50
-CAPTURE_WORKSPACE_KEY = "generation: cuBLAS workspace of the decode graphs' capture stream"
 GRAPH_INTS_PER_ROW = 8
+# the part of generation_term that the capture stream's cuBLAS workspace is shown under (module docstring)
+CAPTURE_WORKSPACE_KEY = "generation: cuBLAS workspace of the decode graphs' capture stream"
 
 
 @dataclass(frozen=True)

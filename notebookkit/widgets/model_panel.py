@@ -30,7 +30,7 @@ import ipywidgets as W
 from notebookkit.base_formats import BASE_FORMATS
 from notebookkit.expert_chunks import decode_chunk_bytes
 from notebookkit.memory.base_weights import base_format_for, load_flags
-from notebookkit.memory.cards import DEFAULT_CUBLAS_WORKSPACE_BYTES, GPUCard
+from notebookkit.memory.cards import GPUCard
 from notebookkit.memory.context import longest_sequence
 from notebookkit.memory.estimate import MemoryEstimate, estimate_training_memory
 from notebookkit.memory.planner import DEFAULT_SAFETY_MARGIN, ActivationPlan, DoesNotFitError, plan_activations
@@ -159,7 +159,7 @@ def compute_estimate(model: ModelChoice, lora: Any = None, training: Any = None)
         method=str(getattr(training, "method", "sft") or "sft"),
         offload_embedding=bool(model.offload_embedding) and card is not None,
         cuda_context_bytes=400 * 2**20 if card is not None else 0,
-        cublas_workspace_bytes=card.cublas_workspace_bytes if card is not None else DEFAULT_CUBLAS_WORKSPACE_BYTES,
+        cublas_workspace_bytes=card.cublas_workspace_bytes if card is not None else 0,
         expert_chunk_bytes=decode_chunk_bytes(card.memory_bytes if card is not None else None),
     )
     try:
