@@ -1,6 +1,6 @@
 """What PyTorch's cuBLAS workspaces add to ``torch.cuda.memory_allocated`` on this GPU (issue #35's memory term).
 
-    python benchmarks/cublas_workspace.py            # one line: the card and the three deltas, MiB
+    python benchmarks/cublas_workspace.py     # the card, the three deltas (MiB) and the memory model's term
 
 PyTorch keeps one cuBLAS workspace per (handle, stream) pair for the life of the process, allocated through its
 caching allocator (so it counts in ``memory_allocated`` and in every measured peak): by its source 32 MiB on
@@ -12,7 +12,10 @@ training step has the default stream's; a decode step captured as a CUDA graph a
 * the first ``mm`` on a new stream, less its output;
 * a capture of one ``mm`` on another new stream (the graph pool's block for its output included).
 
-The memory model has no such term yet; these numbers size it.
+The memory model counts one workspace for the training stream and one for the decode graphs' capture stream
+(:func:`notebookkit.memory.cards.cublas_workspace_bytes`): the first two deltas must equal it (exit 1 otherwise;
+``tests/memory/test_cublas_workspace_gpu.py`` runs this in a fresh process). Session 46 on an H100: 32.000, 32.000
+and 32.008 MiB.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from notebookkit.memory.cards import cublas_workspace_bytes
 
 
 def main() -> int:
@@ -51,7 +56,13 @@ def main() -> int:
           f"first mm on a new stream +{(after_side - after_first - out_bytes) / mib:.3f} MiB; "
           f"a capture on another new stream +{(after_capture - after_side) / mib:.3f} MiB "
           f"(outputs {on_side.shape}, {captured.shape})")
-    return 0
+    modelled = cublas_workspace_bytes((major, minor))
+    measured = {"first mm": after_first - before - out_bytes,
+                "first mm on a new stream": after_side - after_first - out_bytes}
+    wrong = {what: delta for what, delta in measured.items() if delta != modelled}
+    print(f"memory model (notebookkit.memory.cards.cublas_workspace_bytes): {modelled / mib:.3f} MiB a stream: "
+          + ("matches" if not wrong else "differs from " + ", ".join(f"{k} {v / mib:.3f} MiB" for k, v in wrong.items())))
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
