@@ -118,8 +118,9 @@ GPU_1_EXTRA := tests/export/test_moe_export_gpu.py
 # tmp_path_retention_policy=failed: a passing test's tmp_path is deleted (half 1 otherwise leaves ~28 GiB of
 # checkpoints under /tmp/pytest-of-$$USER, and half 2 then stops on the disk check: session 30); --durations: the
 # slowest tests in the log, where the suite's device time goes; --dist loadgroup: the tests marked large_memory run
-# on one worker, one after another (tests/conftest.py)
-GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -rfEs -o tmp_path_retention_policy=failed --durations=25 --dist loadgroup
+# on one worker, one after another (tests/conftest.py); scripts/pytest_failure_log.py: each failure's traceback in
+# runs/gpu-failures-N.log as it comes (an xdist INTERNALERROR loses the summary)
+GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -p scripts.pytest_failure_log -rfEs -o tmp_path_retention_policy=failed --durations=25 --dist loadgroup
 # free disk the suite needs (scripts/check_free_disk.py says why), and the benchmark checkpoints that fill it
 GPU_DISK_GIB ?= 56
 GPU_DISK_CHECK := $(GPU_PY) scripts/check_free_disk.py $(GPU_DISK_GIB) $(HOME)/.cache/notebookkit/bench \
@@ -128,11 +129,13 @@ test-gpu: test-gpu-1 test-gpu-2
 
 test-gpu-1:
 	@$(GPU_DISK_CHECK)
-	@mkdir -p runs; set -o pipefail; $(GPU_PYTEST) -n 8 --timeout 420 tests/kernels tests/models tests/memory $(GPU_1_EXTRA) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-1.log
+	@mkdir -p runs; rm -f runs/gpu-failures-1.log; set -o pipefail; NOTEBOOKKIT_FAILURE_LOG=runs/gpu-failures-1.log \
+	  $(GPU_PYTEST) -n 8 --timeout 420 tests/kernels tests/models tests/memory $(GPU_1_EXTRA) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-1.log
 
 test-gpu-2:
 	@$(GPU_DISK_CHECK)
-	@mkdir -p runs; set -o pipefail; $(GPU_PYTEST) -n 6 --timeout 540 tests/train tests/export tests/notebooks tests/benchmarks $(GPU_1_EXTRA:%=--ignore=%) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-2.log
+	@mkdir -p runs; rm -f runs/gpu-failures-2.log; set -o pipefail; NOTEBOOKKIT_FAILURE_LOG=runs/gpu-failures-2.log \
+	  $(GPU_PYTEST) -n 6 --timeout 540 tests/train tests/export tests/notebooks tests/benchmarks $(GPU_1_EXTRA:%=--ignore=%) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-2.log
 
 lock:
 	$(PIP) freeze --exclude-editable | grep -v '^-e ' > constraints/ci-cpu.txt
