@@ -14,9 +14,18 @@ from __future__ import annotations
 import os
 
 
+_in_a_worker = {"now": False}  # set per process by pytest_configure
+
+
+def pytest_configure(config) -> None:
+    # an xdist worker's config has workerinput (its environment would not do: a pytest run inside a worker's test
+    # inherits PYTEST_XDIST_WORKER)
+    _in_a_worker["now"] = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report) -> None:
     path = os.environ.get("NOTEBOOKKIT_FAILURE_LOG")
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or not report.failed or _in_a_worker["now"]:
         return
     with open(path, "a", encoding="utf-8") as log:
         log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
