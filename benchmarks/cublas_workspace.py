@@ -60,8 +60,9 @@ def main() -> int:
     measured = {"first mm": after_first - before - out_bytes,
                 "first mm on a new stream": after_side - after_first - out_bytes}
     wrong = {what: delta for what, delta in measured.items() if delta != modelled}
+    differs = ", ".join(f"{what} {delta / mib:.3f} MiB" for what, delta in wrong.items())
     print(f"memory model (notebookkit.memory.cards.cublas_workspace_bytes): {modelled / mib:.3f} MiB a stream: "
-          + ("matches" if not wrong else "differs from " + ", ".join(f"{k} {v / mib:.3f} MiB" for k, v in wrong.items())))
+          + (f"differs from {differs}" if wrong else "matches"))
     return 1 if wrong else 0
 
 
