@@ -4,7 +4,8 @@ Reduced-layer, random-weight versions of the benchmark rows (Llama-3.2-1B shape 
 Llama-3.1-8B shape with 2 layers), loaded through FastLanguageModel, LoRA r=16 on all seven
 projections, AdamW, random tokens. Each case starts from a clean allocator and measures
 ``torch.cuda.max_memory_allocated`` above the pre-load baseline over a step taken after the
-optimizer states exist; ``estimate_for_model(...).peak_allocated`` must be within 15% (the issue's
+optimizer states exist (the cuBLAS workspaces cleared first, so the step allocates its own, as in a fresh
+process); ``estimate_for_model(...).peak_allocated`` must be within 15% (the issue's
 bound for benchmark rows). Each case also checks that ``del model`` gives the memory back, so one
 case cannot leak into the next.
 """
@@ -69,6 +70,10 @@ def _measure(folder, mode, load_in_4bit, batch, seq, steps=3):
     from notebookkit.memory.estimate import estimate_for_model
 
     gc.collect()
+    # A worker's earlier tests left the training stream's cuBLAS workspace allocated; a user's fresh process pays
+    # it inside the step, and the estimate counts it there (session 47: 32 MiB on sm_90 tipped the 8B offload_mlp
+    # case to a ratio of 1.1508 against a baseline that held it already).
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
