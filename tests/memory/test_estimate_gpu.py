@@ -11,6 +11,7 @@ case cannot leak into the next.
 """
 
 import gc
+import shutil
 
 import pytest
 
@@ -60,7 +61,9 @@ def folders(tmp_path_factory):
         gc.collect()
         torch.cuda.empty_cache()
         out[name] = path
-    return out
+    yield out
+    for path in out.values():  # module folders otherwise stay to the session's end (session 47: the disk filled)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _measure(folder, mode, load_in_4bit, batch, seq, steps=3):

@@ -7,6 +7,7 @@ context the cap also covers) must stay under the cap.
 """
 
 import gc
+import shutil
 
 import pytest
 
@@ -34,7 +35,8 @@ def folder(tmp_path_factory):
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    return path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _train(folder, max_memory):

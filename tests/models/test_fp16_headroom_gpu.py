@@ -12,6 +12,8 @@ Run on the GPU machine: ``pytest -m gpu tests/models/test_fp16_headroom_gpu.py -
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -40,7 +42,8 @@ def folder(tmp_path_factory):
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
-    return str(path)
+    yield str(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -56,11 +57,14 @@ def llama_1b_folder(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("llama-1b-shaped")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(llama_1b_config(), dtype=torch.bfloat16)
+    with torch.device("cuda"):  # its random init on the CPU took 47 s of each worker's setup (session 47)
+        model = AutoModelForCausalLM.from_config(llama_1b_config(), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     del model
-    return str(folder)
+    torch.cuda.empty_cache()
+    yield str(folder)
+    shutil.rmtree(folder, ignore_errors=True)  # 2.5 GB a worker: module folders otherwise stay to the session's end
 
 
 def _batches(n, batch, seq, vocab=128256, seed=0):

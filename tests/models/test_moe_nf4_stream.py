@@ -154,7 +154,8 @@ def _many_experts_folder(family, root) -> str:
 @pytest.fixture(scope="module")
 def many_experts(tmp_path_factory):
     root = tmp_path_factory.mktemp("many-experts")
-    return {family: _many_experts_folder(family, root) for family in MOE_FAMILIES}
+    yield {family: _many_experts_folder(family, root) for family in MOE_FAMILIES}
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
