@@ -115,12 +115,15 @@ test-fast: setup
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 # GPU test files of half 2's folders that run in half 1, the shorter one (s24: 252 s against 301 s)
 GPU_1_EXTRA := tests/export/test_moe_export_gpu.py
+# Each half's temporary folders, removed when the next half starts (session 47: half 1 failed once and left 39 GiB
+# under pytest's default folder, which it keeps after a failed run, so half 2 stopped on the disk check)
+GPU_BASETEMP := $(or $(TMPDIR),/tmp)/notebookkit-gpu-suite
 # tmp_path_retention_policy=failed: a passing test's tmp_path is deleted (half 1 otherwise leaves ~28 GiB of
-# checkpoints under /tmp/pytest-of-$$USER, and half 2 then stops on the disk check: session 30); --durations: the
+# checkpoints in its temporary folder, and half 2 then stops on the disk check: session 30); --durations: the
 # slowest tests in the log, where the suite's device time goes; --dist loadgroup: the tests marked large_memory run
 # on one worker, one after another (tests/conftest.py); scripts/pytest_failure_log.py: each failure's traceback in
 # runs/gpu-failures-N.log as it comes (an xdist INTERNALERROR loses the summary)
-GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider -p scripts.pytest_failure_log -rfEs -o tmp_path_retention_policy=failed --durations=25 --dist loadgroup
+GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider --basetemp=$(GPU_BASETEMP) -p scripts.pytest_failure_log -rfEs -o tmp_path_retention_policy=failed --durations=25 --dist loadgroup
 # free disk the suite needs (scripts/check_free_disk.py says why), and the benchmark checkpoints that fill it
 GPU_DISK_GIB ?= 56
 GPU_DISK_CHECK := $(GPU_PY) scripts/check_free_disk.py $(GPU_DISK_GIB) $(HOME)/.cache/notebookkit/bench \
@@ -128,12 +131,12 @@ GPU_DISK_CHECK := $(GPU_PY) scripts/check_free_disk.py $(GPU_DISK_GIB) $(HOME)/.
 test-gpu: test-gpu-1 test-gpu-2
 
 test-gpu-1:
-	@$(GPU_DISK_CHECK)
+	@rm -rf $(GPU_BASETEMP); $(GPU_DISK_CHECK)
 	@mkdir -p runs; rm -f runs/gpu-failures-1.log; set -o pipefail; NOTEBOOKKIT_FAILURE_LOG=runs/gpu-failures-1.log \
 	  $(GPU_PYTEST) -n 8 --timeout 420 tests/kernels tests/models tests/memory $(GPU_1_EXTRA) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-1.log
 
 test-gpu-2:
-	@$(GPU_DISK_CHECK)
+	@rm -rf $(GPU_BASETEMP); $(GPU_DISK_CHECK)
 	@mkdir -p runs; rm -f runs/gpu-failures-2.log; set -o pipefail; NOTEBOOKKIT_FAILURE_LOG=runs/gpu-failures-2.log \
 	  $(GPU_PYTEST) -n 6 --timeout 540 tests/train tests/export tests/notebooks tests/benchmarks $(GPU_1_EXTRA:%=--ignore=%) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-2.log
 
