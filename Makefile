@@ -122,7 +122,9 @@ GPU_BASETEMP := $(or $(TMPDIR),/tmp)/notebookkit-gpu-suite
 # checkpoints in its temporary folder, and half 2 then stops on the disk check: session 30); --durations: the
 # slowest tests in the log, where the suite's device time goes; --dist loadgroup: the tests marked large_memory run
 # on one worker, one after another (tests/conftest.py); scripts/pytest_failure_log.py: each failure's traceback in
-# runs/gpu-failures-N.log as it comes (an xdist INTERNALERROR loses the summary)
+# runs/gpu-failures-N.log as it comes (an xdist INTERNALERROR loses the summary), and each test's start and outcome
+# in runs/gpu-progress-N.log (`python scripts/pytest_failure_log.py runs/gpu-progress-N.log` names the tests a half
+# killed at its time limit cut off)
 GPU_PYTEST := $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider --basetemp=$(GPU_BASETEMP) -p scripts.pytest_failure_log -rfEs -o tmp_path_retention_policy=failed --durations=25 --dist loadgroup
 # free disk the suite needs (scripts/check_free_disk.py says why), and the benchmark checkpoints that fill it
 GPU_DISK_GIB ?= 56
@@ -132,12 +134,14 @@ test-gpu: test-gpu-1 test-gpu-2
 
 test-gpu-1:
 	@rm -rf $(GPU_BASETEMP); $(GPU_DISK_CHECK)
-	@mkdir -p runs; rm -f runs/gpu-failures-1.log; set -o pipefail; NOTEBOOKKIT_FAILURE_LOG=runs/gpu-failures-1.log \
+	@mkdir -p runs; rm -f runs/gpu-failures-1.log runs/gpu-progress-1.log; set -o pipefail; \
+	  NOTEBOOKKIT_FAILURE_LOG=runs/gpu-failures-1.log NOTEBOOKKIT_PROGRESS_LOG=runs/gpu-progress-1.log \
 	  $(GPU_PYTEST) -n 8 --timeout 420 tests/kernels tests/models tests/memory $(GPU_1_EXTRA) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-1.log
 
 test-gpu-2:
 	@rm -rf $(GPU_BASETEMP); $(GPU_DISK_CHECK)
-	@mkdir -p runs; rm -f runs/gpu-failures-2.log; set -o pipefail; NOTEBOOKKIT_FAILURE_LOG=runs/gpu-failures-2.log \
+	@mkdir -p runs; rm -f runs/gpu-failures-2.log runs/gpu-progress-2.log; set -o pipefail; \
+	  NOTEBOOKKIT_FAILURE_LOG=runs/gpu-failures-2.log NOTEBOOKKIT_PROGRESS_LOG=runs/gpu-progress-2.log \
 	  $(GPU_PYTEST) -n 6 --timeout 540 tests/train tests/export tests/notebooks tests/benchmarks $(GPU_1_EXTRA:%=--ignore=%) $(PYTEST_ARGS) 2>&1 | tee runs/gpu-suite-2.log
 
 lock:
