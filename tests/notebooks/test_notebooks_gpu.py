@@ -63,6 +63,7 @@ T4_TINY_RUNS = {
 
 
 @pytest.mark.gpu
+@pytest.mark.long  # the vision case alone took 188 s on the H200 (session 18)
 @pytest.mark.parametrize("kind", sorted(T4_TINY_RUNS))
 def test_rl_and_vision_notebooks_t4_emulation_fp16(tmp_path, monkeypatch, kind):
     """Each notebook's own learning-signal cell passes under fp16 (GradScaler) with 4-bit weights and the
