@@ -63,14 +63,15 @@ Activations saved for backward, per decoder layer, by mode (checked tensor by te
     recompute: the layer input only, ``N * H * s``.
     offload:   nothing on the GPU (the input lives in pinned host memory, ``N * H * s`` there),
                except the last decoder layer, whose input stays on the GPU when it is offloaded.
-    Offloading adds two layer inputs in flight (the one fetched and the one prefetched; the last
-    layer's input is one of them when it stays on the GPU) in the backward of the offloaded layers:
-    they join that phase's peak (the first recompute, under Temporaries), not the end of the forward's.
+    Offloading adds layer inputs in flight in the backward of the layers on the host: each fetches its
+    own and prefetches the previous such layer's (two inputs, one fewer net once the last layer's, kept
+    on the GPU, is freed; one where no layer before it went to the host): :func:`in_flight_bytes`. They
+    join that phase's peak (the first recompute, under Temporaries), not the end of the forward's.
     offload_mlp: as offload, and a layer whose MLP is deferred (below) parks its gate/up outputs in pinned
                host memory too (``2 * N * I * s`` there, the last layer excepted, which keeps its input on
-               the GPU and recomputes). On the GPU the previous layer's parked ``e, g`` are prefetched
-               while a layer's MLP backward runs on its own: one ``[t, 2 I]`` tile in flight (two when a
-               layer has several tiles), :func:`parked_mlp_bytes`, with the inputs in flight above.
+               the GPU and recomputes). On the GPU the previous parked layer's first ``[t, 2 I]`` tile is
+               prefetched while a layer's MLP backward runs, and a layer of several tiles prefetches its
+               own next one: :func:`parked_mlp_bytes`, :func:`in_flight_bytes`.
     Masks the layers share (gpt-oss only, :func:`shared_mask_bytes`): the attention with sinks saves a
     boolean ``B * T^2`` mask made once per forward for each of Hugging Face's two masks (full layers,
     sliding-window layers), whatever the modes; where a layer is recomputed, its checkpoint also holds
@@ -1191,11 +1192,7 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
         details["activations: inputs of recomputed layers"] = counts["recompute"] * X
     if last_offloaded:
         details["activations: input of the last (offloaded) layer"] = X
-    # In the backward of the offloaded layers: one input being fetched and the next prefetched (an on-GPU
-    # last-layer input is one of them), and a parked layer's gate/up tile prefetched. Not saved activations:
-    # they join the peak of that phase only (_temporaries), not the end of the forward's.
     offloaded = counts["offload"] + counts["offload_mlp"]
-    in_flight = (X if last_offloaded else 2 * X) if offloaded else 0
     deferred = mlp_deferred(shape, layer_kw.get("lora_dropout", 0.0))
     N = layer_kw["batch_size"] * layer_kw["seq_len"]
     # a deferred MLP saves neither e, g nor gate/up's rank-space inputs: its backward makes them a tile at a time
@@ -1204,11 +1201,13 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     recomputed = keep_layer - (2 * N * shape.intermediate_size * layer_kw["dtype_bytes"] + gate_up_low_rank
                                if deferred else 0)
     parked_layers = counts["offload_mlp"] - (plan[-1] == "offload_mlp") if deferred else 0
-    parked = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"]) if parked_layers > 0 else (0, 0)
-    in_flight += parked[1]
+    parked_host, tile, tiles = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"])
+    # Not saved activations: they join the peak of the backward's phase only (_temporaries), and the end of the
+    # forward's while its copies to the host may still run.
+    in_flight = in_flight_bytes(plan, X, tile if deferred else 0, tiles)
     total = sum(per_layer) + sum(shared.values())
     return _Activations(total, details, per_layer=tuple(per_layer), keep_layer=keep_layer, layer_input=X,
-                        host_offload=offloaded * X + max(parked_layers, 0) * parked[0],
+                        host_offload=offloaded * X + max(parked_layers, 0) * parked_host,
                         recomputed_layer=recomputed, mlp_deferred=deferred, in_flight=in_flight)
 
 
@@ -1228,17 +1227,36 @@ def shared_mask_bytes(shape: ModelShape, plan: tuple[str, ...], batch_size: int,
     return out
 
 
-def parked_mlp_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> tuple[int, int]:
-    """``(host bytes of one layer, device bytes in flight)`` of an ``"offload_mlp"`` layer's parked gate/up
-    outputs (``models.patching.checkpointing``): ``e, g`` of every token, ``2 N I s``, in pinned host memory;
-    on the GPU the next parked layer's first tile, prefetched while this one's MLP backward runs on its own
-    (a layer of several tiles also prefetches its next tile: two tiles), ``[rows, 2 I]`` each
-    (``rows = min(N, mlp_tile_rows)``). The forward copies one layer's ``e, g`` to the host while the next
-    layer runs (the next parked layer waits for it), no more than that backward moment holds."""
+def parked_mlp_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> tuple[int, int, int]:
+    """``(host bytes of one layer, device bytes of one tile, tiles a layer)`` of an ``"offload_mlp"`` layer's
+    parked gate/up outputs (``models.patching.checkpointing``): ``e, g`` of every token, ``2 N I s``, in pinned
+    host memory, brought back a ``[rows, 2 I]`` tile at a time (``rows = min(N, mlp_tile_rows)``)."""
     I, s = shape.intermediate_size, dtype_bytes
     rows = min(tokens, mlp_tile_rows(I, s))
-    tiles_in_flight = 1 if tokens <= rows else 2
-    return 2 * tokens * I * s, tiles_in_flight * 2 * rows * I * s
+    return 2 * tokens * I * s, 2 * rows * I * s, -(-tokens // rows)
+
+
+def in_flight_bytes(plan: Sequence[str], layer_input: int, tile: int, tiles: int) -> int:
+    """Device bytes the offloaded layers' copies add in the backward, beyond what is saved, at their largest.
+
+    A layer whose input went to the host (every offloaded layer but the last one, whose input stays on the
+    GPU: ``models.patching.checkpointing``) fetches it back in its backward and prefetches the previous such
+    layer's input, with that layer's first parked ``[rows, 2 I]`` tile (``tile`` bytes; 0 where the MLPs are
+    not deferred, so nothing is parked); a parked layer of several ``tiles`` also prefetches its own next tile.
+    By then the last layer's input, when it stayed on the GPU, is freed: one input less. The last layer's own
+    backward prefetches nothing. So a plan with one layer on the host has no previous layer to prefetch (session
+    47: the 8B shape with 2 layers at 16,384 tokens was predicted 0.70 GiB over the measured peak, one input and
+    one tile too many)."""
+    last = len(plan) - 1
+    on_host = [i for i, mode in enumerate(plan) if mode in OFFLOADING and i != last]
+    most = 0
+    for before, layer in zip([None] + on_host, on_host):
+        inputs = 1 + (before is not None)
+        parked_tiles = (before is not None and plan[before] == "offload_mlp") + (
+            plan[layer] == "offload_mlp" and tiles > 1)
+        most = max(most, inputs * layer_input + parked_tiles * tile)
+    freed = layer_input if plan and plan[last] in OFFLOADING else 0
+    return max(0, most - freed)
 
 
 def mlp_deferred(shape: ModelShape, lora_dropout: float = 0.0) -> bool:

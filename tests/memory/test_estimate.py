@@ -110,33 +110,34 @@ def test_tiny_config_matches_hand_computed_sizes_recompute_and_nf4():
     assert q.temporaries == est.temporaries + 16384
     off = estimate_training_memory(TINY, activation_plan="offload", **KW)
     assert off.host_offload == 2 * 8192
-    # The last layer's input stays on the GPU (saved); in the backward of layer 0 the one being prefetched
-    # joins it: two inputs then, the second counted with that phase's temporaries.
+    # The last layer's input stays on the GPU (saved) and its backward prefetches nothing; by layer 0's backward
+    # it is freed and layer 0's own input has come back in its place, with no layer before it to prefetch: no
+    # input in flight beyond the saved one (until session 47 one more was counted).
     assert off.per_layer_activations == (0, 8192)
     assert off.activations == 8192
-    assert off.temporaries == 8192 + (94720 - 1024 - 8192) + 32768 + 8192 - 8192 - 58368
+    assert off.temporaries == 8192 + (94720 - 1024 - 8192) + 32768 - 8192 - 58368
 
 
 def test_inputs_in_flight_join_the_end_of_the_forward_only_when_its_copies_may_still_run():
     # Plan (offload, keep, keep) of a 3-layer TINY: the end of the forward holds two kept layers' 2 * 94720 B
-    # and the loss buffers 58368 (247808). Layer 0's input and the one prefetched (16384) are in flight in
-    # layer 0's backward, after layers 1 and 2 freed theirs: recompute 94720 - 1024 - 8192 + working set 32768
-    # + 16384 = 134656 < 247808, and its copy to the host ended while the two kept layers ran their
-    # forward: not part of the peak (until session 32 they were added to it).
+    # and the loss buffers 58368 (247808). Layer 0's input (8192), fetched back, is in flight in its backward,
+    # after layers 1 and 2 freed theirs (no layer before it to prefetch): recompute 94720 - 1024 - 8192 + working
+    # set 32768 + 8192 = 126464 < 247808, and its copy to the host ended while the two kept layers ran their
+    # forward: not part of the peak (until session 32 it was added to it).
     est = estimate_training_memory({**TINY, "num_hidden_layers": 3}, activation_plan=["offload", "keep", "keep"], **KW)
     assert est.activations == 2 * 94720 and est.temporaries == 0
     assert est.total == est.base_weights + est.adapters + 2 * 94720 + 58368
-    # Plan (offload, keep): one kept layer's forward may not outlast layer 0's copy: counted at the end of the
-    # forward, 94720 + 58368 + 16384 = 169472 > the recompute of layer 0 (134656).
+    # Plan (offload, keep): one kept layer's forward may not outlast layer 0's copy: its input counted at the end
+    # of the forward, 94720 + 58368 + 8192 = 161280 > the recompute of layer 0 (126464).
     one = estimate_training_memory(TINY, activation_plan=["offload", "keep"], **KW)
-    assert one.activations == 94720 and one.temporaries == 16384
-    assert one.total == 180864 + 147456 + 94720 + 58368 + 16384
-    # Plan (keep, offload): layer 0's activations are still saved during layer 1's backward, whose input
-    # (kept on the GPU: the last layer) and the one prefetched for layer 0 are then in flight:
-    # 94720 + 8192 + (94720 - 1024 - 8192) + 32768 = 221184 and 8192 more in flight beyond its saved input.
+    assert one.activations == 94720 and one.temporaries == 8192
+    assert one.total == 180864 + 147456 + 94720 + 58368 + 8192
+    # Plan (keep, offload): layer 0's activations are still saved during layer 1's backward, whose input stayed
+    # on the GPU (the last layer) and which has no host copy to prefetch (layer 0 is kept):
+    # 94720 + 8192 + (94720 - 1024 - 8192) + 32768 = 221184, nothing in flight.
     late = estimate_training_memory(TINY, activation_plan=["keep", "offload"], **KW)
     assert late.activations == 94720 + 8192
-    assert late.temporaries == 94720 + 8192 + 85504 + 32768 + 8192 - late.activations - 58368
+    assert late.temporaries == 94720 + 8192 + 85504 + 32768 - late.activations - 58368
 
 
 def test_kept_last_layers_are_freed_before_the_first_recompute():
@@ -243,6 +244,26 @@ def test_fp8_forward_working_set_is_the_one_byte_copies_of_the_largest_product()
     plain = estimate_training_memory(TINY, activation_plan="recompute", **KW)
     fp8 = estimate_training_memory(TINY, activation_plan="recompute", fp8_forward=True, **KW)
     assert fp8.total >= plain.total and fp8.inputs["fp8_forward"] is True
+
+
+def test_what_is_in_flight_follows_the_layers_on_the_host():
+    """In the backward a layer whose input went to the host fetches it and prefetches the previous such layer's
+    input and first parked tile, and its own next tile when it has several; the last layer's input stays on the
+    GPU and is freed by then (session 47: a 2-layer 8B shape at 16,384 tokens was predicted 0.70 GiB over)."""
+    from notebookkit.memory.estimate import in_flight_bytes
+
+    X, T = 100, 7
+    om, off, keep = "offload_mlp", "offload", "keep"
+    assert in_flight_bytes((om,) * 32, X, T, tiles=2) == X + 2 * T  # layer 30: 2 inputs, 2 tiles, less layer 31's
+    assert in_flight_bytes((om,) * 32, X, T, tiles=1) == X + T
+    assert in_flight_bytes((om, om), X, T, tiles=2) == T  # layer 0: nothing before it to prefetch
+    assert in_flight_bytes((om, om), X, T, tiles=1) == 0
+    assert in_flight_bytes((off, off), X, T, tiles=2) == 0
+    assert in_flight_bytes((off, keep), X, T, tiles=2) == X  # layer 0's own input, the last layer's kept
+    assert in_flight_bytes((keep, off), X, T, tiles=2) == 0  # no layer on the host
+    assert in_flight_bytes((om, keep, om, keep), X, T, tiles=2) == 2 * X + 2 * T  # the chain skips kept layers
+    assert in_flight_bytes((off, om, off, off), X, T, tiles=2) == X + T  # layer 1 its next tile, layer 2 layer 1's first
+    assert in_flight_bytes((om, om, om), X, 0, tiles=2) == X  # MLPs not deferred: nothing parked
 
 
 def test_offload_mlp_parks_gate_up_on_the_host():

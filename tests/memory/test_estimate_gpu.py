@@ -37,7 +37,7 @@ CASES = [
     ("llama-1b-4l", "offload-keep-last", False, 8, 2048),  # a planner-style mix: 3 offload, the last kept
     ("llama-1b-4l", "offload_mlp", False, 8, 2048),  # 3 layers park their MLPs' e, g on the host
     ("llama-1b-4l", "interleaved", False, 8, 2048),  # parked layers between kept ones (layout="spread")
-    ("llama-8b-2l", "offload_mlp", True, 1, 16384),  # two MLP tiles: the next tile prefetched too
+    ("llama-8b-2l", "offload_mlp", True, 1, 16384),  # two MLP tiles, one layer on the host: its next tile in flight
 ]
 
 
