@@ -44,7 +44,8 @@ def pytest_runtest_logreport(report) -> None:
     # a test's outcome: its call's, or its setup's where that failed or skipped, or its teardown's failure
     if report.when == "call" or (report.when == "setup" and not report.passed) or (report.when == "teardown"
                                                                                     and report.failed):
-        _append("NOTEBOOKKIT_PROGRESS_LOG", f"{report.outcome} {report.nodeid} {report.duration:.1f}s ({report.when})\n")
+        line = f"{report.outcome} {report.nodeid} {report.duration:.1f}s ({report.when})\n"
+        _append("NOTEBOOKKIT_PROGRESS_LOG", line)
 
 
 def unfinished(progress_log: str) -> list[str]:

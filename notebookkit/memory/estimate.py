@@ -1201,10 +1201,10 @@ def _activations(shape: ModelShape, plan: tuple[str, ...], **layer_kw: Any) -> _
     recomputed = keep_layer - (2 * N * shape.intermediate_size * layer_kw["dtype_bytes"] + gate_up_low_rank
                                if deferred else 0)
     parked_layers = counts["offload_mlp"] - (plan[-1] == "offload_mlp") if deferred else 0
-    parked_host, tile, tiles = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"])
+    parked_host, tile, tiles = parked_mlp_bytes(shape, N, layer_kw["dtype_bytes"]) if parked_layers > 0 else (0, 0, 1)
     # Not saved activations: they join the peak of the backward's phase only (_temporaries), and the end of the
     # forward's while its copies to the host may still run.
-    in_flight = in_flight_bytes(plan, X, tile if deferred else 0, tiles)
+    in_flight = in_flight_bytes(plan, X, tile, tiles)
     total = sum(per_layer) + sum(shared.values())
     return _Activations(total, details, per_layer=tuple(per_layer), keep_layer=keep_layer, layer_input=X,
                         host_offload=offloaded * X + max(parked_layers, 0) * parked_host,

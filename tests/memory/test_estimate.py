@@ -262,7 +262,8 @@ def test_what_is_in_flight_follows_the_layers_on_the_host():
     assert in_flight_bytes((off, keep), X, T, tiles=2) == X  # layer 0's own input, the last layer's kept
     assert in_flight_bytes((keep, off), X, T, tiles=2) == 0  # no layer on the host
     assert in_flight_bytes((om, keep, om, keep), X, T, tiles=2) == 2 * X + 2 * T  # the chain skips kept layers
-    assert in_flight_bytes((off, om, off, off), X, T, tiles=2) == X + T  # layer 1 its next tile, layer 2 layer 1's first
+    # layer 1 prefetches its own next tile, layer 2 layer 1's first one
+    assert in_flight_bytes((off, om, off, off), X, T, tiles=2) == X + T
     assert in_flight_bytes((om, om, om), X, 0, tiles=2) == X  # MLPs not deferred: nothing parked
 
 
