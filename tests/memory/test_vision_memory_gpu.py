@@ -21,7 +21,10 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.par
 @pytest.mark.parametrize("shape", ["qwen2.5-vl-7b", "gemma-3-4b"])
 def test_predicted_peak_of_the_vision_benchmark_rows(shape, tmp_path):
     # the repository first, keeping the PYTHONPATH that may provide the packages (the GPU recipe's .site)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    # the random-weight checkpoints (~12 GiB a shape) in tmp_path, deleted when the test passes: in the benchmark's
+    # default ~/.cache folder they stayed and half 2 of the GPU suite stopped on its disk check (session 48)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               NOTEBOOKKIT_BENCH_CKPT=str(tmp_path / "checkpoints"))
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "vision_step.py"), "--shape", shape,
          "--systems", "notebookkit,notebookkit-offload", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)],

@@ -28,8 +28,14 @@ eagerly for that key from then on, and a warning says why, once: slower, never w
 Sampling draws its uniforms with ``torch.rand`` on the default CUDA generator inside the graph;
 PyTorch advances the generator's offset at each replay, so ``torch.manual_seed`` before
 ``generate`` makes a run reproducible; the generator's state from before the warm-up run is put back
-after a capture, so the call that captures draws the same numbers as a later one that only replays. Elsewhere (CPU), or with ``NOTEBOOKKIT_CUDA_GRAPHS=0``, the
-step runs eagerly.
+after a capture, so the call that captures draws the same numbers as a later one that only replays.
+A replay reads the generator's seed and offset from two device tensors that it fills first, on the stream
+it runs on; a capture also fills them (seed, offset 0), for real, on the capture stream, just before the
+capture begins. The current stream therefore waits for the capture stream after each capture: without that
+wait, on a busy GPU the capture stream's late "offset 0" could land after the first replay's own fill, and
+that replay drew other numbers than the same seed draws later (session 48: under load, 10 to 24 of 24
+seeded runs that captured differed from the runs that only replayed; none once the wait was added).
+Elsewhere (CPU), or with ``NOTEBOOKKIT_CUDA_GRAPHS=0``, the step runs eagerly.
 """
 
 from __future__ import annotations
@@ -120,6 +126,9 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             step()
+        # the generator's capture prologue ran for real on the capture stream (module docstring): the replays
+        # on the current stream must not start before it has
+        torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.set_rng_state(rng, device)
         self.captures += 1
         return graph
