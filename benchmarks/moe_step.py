@@ -689,7 +689,11 @@ def gpu_name() -> str:
 
 def run_all(args) -> tuple[list[dict], dict, str]:
     device = "CPU" if args.tiny else gpu_name()
-    command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
+    # the library's A/B switches set for the run (NOTEBOOKKIT_MOE_DEVICE_BOUNDS, ...), which every child inherits
+    switches = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                        if k.startswith("NOTEBOOKKIT_") and k != "NOTEBOOKKIT_BENCH_CKPT")
+    command = (switches + " " if switches else "") + "python " + shlex.join(
+        [os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
     meta = dict(device=device, date=str(dt.date.today()), command=command,
                 layers=args.layers, seq=args.seq, batch=args.batch, quant=args.quant, lr=args.lr, warmup=args.warmup,
                 steps=args.steps, t4_cap_gib=args.t4_cap_gib, tiny=args.tiny, expert_adapters=args.expert_adapters,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 
 __all__ = ["DECODE_CHUNK_BYTES", "MAX_DECODE_CHUNK_BYTES", "CARD_SHARE", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP",
-           "decode_chunk_bytes", "process_card_bytes", "chunk_budget", "decodes_in_chunks", "experts_per_chunk",
+           "device_bounds", "decode_chunk_bytes", "process_card_bytes", "chunk_budget", "decodes_in_chunks", "experts_per_chunk",
            "chunk_ranges", "decoded_range", "largest_decode", "grouped_mm_sizes"]
 
 #: bytes of one chunk of decoded experts (a transient of the GEMM that reads it) on a card of up to 32 GiB, and
@@ -45,6 +45,18 @@ MIN_ROWS_PER_EXPERT = 16
 #: elements under one second-level scale of a nested NF4 weight (blocks of 64, 256 blocks a scale): a decoded
 #: range starts and ends on such a group, so the sliced scales keep their indices
 NF4_SCALE_GROUP = 64 * 256
+
+
+def device_bounds() -> bool:
+    """Whether the ``grouped_mm`` path keeps an MoE call's expert segment bounds on the device when it decodes NF4
+    experts in several chunks (``NOTEBOOKKIT_MOE_DEVICE_BOUNDS=1``; off by default until timed on the GPU). With the
+    bounds on the host (the default) each call waits once for the GPU to copy ``E + 1`` integers, which drains the
+    queue the host had built: on a fast card a mixture-of-experts step waits on the host. On the device, each chunk
+    gathers all ``N`` rows from its first and copies its product back (``N`` rows in and out a chunk, every chunk
+    decoded: :func:`notebookkit.kernels.moe_experts_grouped._chunks_by_device_bounds`), no synchronisation."""
+    import os
+
+    return os.environ.get("NOTEBOOKKIT_MOE_DEVICE_BOUNDS", "0") == "1"
 
 
 def decode_chunk_bytes(card_bytes: int | None) -> int:

@@ -36,10 +36,12 @@ accumulator per output tile: the two paths agree to bf16 rounding, not bit for b
 NF4 experts (:class:`~notebookkit.kernels.nf4_stacked.NF4Stacked`) are decoded a chunk of whole experts at a
 time (:mod:`notebookkit.expert_chunks`, the view's ``chunk_bytes``: the card's budget), each chunk's ``gmm`` over
 its experts' rows copied into the output; an expert range without rows is not decoded. A weight whose experts
-all fit one chunk is decoded whole and its ``gmm`` is the output. That needs the segment bounds on the host: one device-to-host copy of ``E + 1`` integers a
-call (so this path never runs under CUDA-graph capture). The host then writes every chunk's ``grouped_mm``
-offsets and sends them in one copy a GEMM, and knows whether any expert is without rows (the weight gradients'
-zero mask is skipped when none is).
+all fit one chunk is decoded whole and its ``gmm`` is the output. The chunks need the segment bounds on the host:
+one device-to-host copy of ``E + 1`` integers a call (so this path never runs under CUDA-graph capture). The host
+then writes every chunk's ``grouped_mm`` offsets and sends them in one copy a GEMM, and knows whether any expert
+is without rows (the weight gradients' zero mask is skipped when none is). With
+``NOTEBOOKKIT_MOE_DEVICE_BOUNDS=1`` (:func:`~notebookkit.expert_chunks.device_bounds`) the bounds stay on the
+device and each chunk reads a gathered copy of the rows from its first (:func:`_chunks_by_device_bounds`).
 
 Memory (``n = T k``): it saves the Triton path's activations (``gu``, ``xa``, ``ha``) and its own bookkeeping
 (the fp32 routing weights, int32 ``perm`` and expert ids per sorted row, the int32 offsets: ``12 n + 4 E``
@@ -58,7 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..expert_chunks import chunk_ranges, grouped_mm_sizes
+from ..expert_chunks import chunk_ranges, device_bounds, grouped_mm_sizes
 from .lora_projection import scale_
 from .nf4_stacked import NF4Stacked
 
@@ -279,13 +281,16 @@ def _chunk_offsets(bounds: list[int], ranges: list[tuple[int, int]], device: tor
 def _expert_gemm(a: torch.Tensor, w, sg: _Segments) -> torch.Tensor:
     """``a_s W_{e(s)}^T`` for every sorted row (``[N, out]``), ``w`` an ``[E, out, in]`` view: a tensor (one
     ``grouped_mm``), or NF4 experts decoded a chunk at a time (``w.chunk_bytes``), each chunk's ``grouped_mm``
-    over its rows copied into the output; every expert in one chunk: that chunk's ``grouped_mm`` is the output."""
+    over its rows copied into the output (with the host's bounds, or :func:`_chunks_by_device_bounds`); every
+    expert in one chunk: that chunk's ``grouped_mm`` is the output."""
     if not isinstance(w, NF4Stacked):
         return _grouped_mm(a, w.transpose(1, 2), offs=sg.ends32)
     E, n_out, n_in = w.shape
     chunks = chunk_ranges(E, n_out * n_in * a.element_size(), w.chunk_bytes)
     if len(chunks) == 1:
         return _grouped_mm(a, w.decode_experts(0, E, a.dtype).transpose(1, 2), offs=sg.ends32)
+    if sg.bounds is None:
+        return _chunks_by_device_bounds(a, w, chunks, sg.ends32)
     out = a.new_empty((a.shape[0], n_out))
     bounds = sg.bounds
     ranges = [(lo, hi) for lo, hi in chunks if bounds[lo] != bounds[hi]]  # experts without rows are not decoded
@@ -297,6 +302,40 @@ def _expert_gemm(a: torch.Tensor, w, sg: _Segments) -> torch.Tensor:
         out[r0:r1] = _grouped_mm(a[r0:r1], chunk.transpose(1, 2), offs=offsets[at:at + hi - lo])
         at += hi - lo
         del chunk
+    return out
+
+
+def _chunks_by_device_bounds(a: torch.Tensor, w: NF4Stacked, chunks: list[tuple[int, int]],
+                             ends32: torch.Tensor) -> torch.Tensor:
+    """:func:`_expert_gemm` of NF4 experts in several chunks with the segment bounds left on the device (no host
+    synchronisation; :func:`~notebookkit.expert_chunks.device_bounds`). ``grouped_mm`` multiplies rows from its
+    input's first row, so chunk ``c`` (experts ``[lo, hi)``, sorted rows ``[f_c, l_c)``, known only on the device)
+    reads a gathered copy ``a_c[i] = a[min(f_c + i, N - 1)]`` of ``N`` rows with the offsets ``ends[lo:hi] - f_c``:
+    its ``grouped_mm`` computes the chunk's ``l_c - f_c`` rows and leaves the others unwritten. Those are set to
+    zero and the product is added into the zeroed output at rows ``(f_c + i) mod N``: each output row gets its own
+    chunk's value and exact zeros from the others, so the sum is that value whatever the order of the additions.
+    Every chunk is decoded, rows or not; each costs an ``[N, in]`` gather and an ``[N, out]`` addition more than
+    with the host's bounds."""
+    n, n_out = a.shape[0], w.shape[1]
+    device = a.device
+    per, experts = chunks[0][1], chunks[-1][1]  # chunk_ranges: `per` experts a chunk, the last may hold fewer
+    # made on the device (a copy from the host would wait for it): [E + 1] expert e's first sorted row, N last
+    segment_starts = torch.cat([ends32.new_zeros(1), ends32]).long()
+    los = torch.arange(0, experts, per, device=device)
+    firsts, lasts = segment_starts[los], segment_starts[(los + per).clamp_(max=experts)]  # [C] each
+    offsets = ends32 - firsts[torch.arange(experts, device=device) // per].to(ends32.dtype)  # [E] from each f_c
+    rows = firsts[:, None] + torch.arange(n, device=device)  # [C, N]: chunk c's i-th row in sorted order
+    outside = rows >= lasts[:, None]  # past the chunk's rows: unwritten by its grouped_mm
+    del segment_starts, los, firsts, lasts
+    targets = rows % n
+    sources = rows.clamp_(max=n - 1)
+    out = a.new_zeros((n, n_out))
+    for c, (lo, hi) in enumerate(chunks):
+        chunk = w.decode_experts(lo, hi, a.dtype)
+        part = _grouped_mm(a.index_select(0, sources[c]), chunk.transpose(1, 2), offs=offsets[lo:hi])
+        del chunk
+        out.index_add_(0, targets[c], part.masked_fill_(outside[c, :, None], 0.0))
+        del part
     return out
 
 
@@ -319,8 +358,10 @@ def _to_slots(o: torch.Tensor, sg: _Segments, bias: Optional[torch.Tensor] = Non
 
 
 def _segments(topk_idx: torch.Tensor, num_experts: int, nf4: bool) -> _Segments:
+    """The sorted rows' bookkeeping; the segment bounds copied to the host for NF4 experts (one synchronisation),
+    unless :func:`~notebookkit.expert_chunks.device_bounds` keeps them on the device."""
     perm, expert, starts, ends = expert_segments(topk_idx, num_experts)
-    bounds = starts.tolist() + [topk_idx.numel()] if nf4 else None
+    bounds = starts.tolist() + [topk_idx.numel()] if nf4 and not device_bounds() else None
     i32 = torch.int32
     return _Segments(perm.to(i32), expert.to(i32), ends.to(i32), bounds)
 

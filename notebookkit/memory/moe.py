@@ -77,7 +77,7 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from notebookkit.expert_chunks import chunk_ranges, decodes_in_chunks, grouped_mm_sizes, largest_decode
+from notebookkit.expert_chunks import chunk_ranges, decodes_in_chunks, device_bounds, grouped_mm_sizes, largest_decode
 from notebookkit.families import Family, for_model_type
 
 from .shapes import ModelShape
@@ -260,11 +260,11 @@ def _decoded_chunks(shape: ModelShape, *, tokens: int, s: int, nf4: bool, chunk_
             if chunked else 0 for name, (fan_in, fan_out) in shape.expert_shapes().items()}
 
 
-def _in_one_chunk(shape: ModelShape, weight: str, s: int, chunk_bytes: int | None) -> bool:
-    """Whether every expert of stacked ``weight`` fits one decoded chunk (the grouped path's product is then
-    the output: no second output to copy chunks into)."""
+def _chunk_count(shape: ModelShape, weight: str, s: int, chunk_bytes: int | None) -> int:
+    """How many decoded chunks stacked ``weight`` takes (one: the grouped path's product is the output, no second
+    output to copy chunks into)."""
     fan_in, fan_out = shape.expert_shapes()[weight]
-    return len(chunk_ranges(shape.num_experts, fan_in * fan_out * s, chunk_bytes)) == 1
+    return len(chunk_ranges(shape.num_experts, fan_in * fan_out * s, chunk_bytes))
 
 
 def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: dict[str, int],
@@ -286,10 +286,10 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
     chunks = _decoded_chunks(shape, tokens=N, s=s, nf4=nf4, chunk_bytes=chunk_bytes)
     chunk_gu, chunk_d = chunks["gate_up_proj"], chunks["down_proj"]
     if grouped:
-        whole = {w: _in_one_chunk(shape, w, s, chunk_bytes) for w in chunks}
+        counts = {w: _chunk_count(shape, w, s, chunk_bytes) for w in chunks}
         return _grouped_working_sets(shape, n=n, N=N, s=s, r_gu=r_gu, r_d=r_d, chunks=chunks,
                                      factor_bytes=_factor_elems(shape, ranks) * s, b_cast=adapter_bytes != s,
-                                     whole=whole)
+                                     counts=counts)
     forward = max(chunk_gu, n * (I + H) * s + chunk_d, n * H * s + N * H * s)  # h is freed before the sum
     partials = 4 * n * math.ceil(I / BLOCK_N) + 4 * n  # <G, h> per column tile, dw
     down_grads = E * r_d * sum(shape.expert_shapes()["down_proj"]) * s
@@ -303,12 +303,15 @@ def sparse_block_working_sets(shape: ModelShape, *, tokens: int, s: int, ranks: 
 
 
 def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: int, r_d: int, chunks: dict[str, int],
-                          factor_bytes: int, b_cast: bool, whole: dict[str, bool]) -> dict[str, int]:
+                          factor_bytes: int, b_cast: bool, counts: dict[str, int]) -> dict[str, int]:
     """:func:`sparse_block_working_sets` of :mod:`notebookkit.kernels.moe_experts_grouped` (module docstring of
     that file: its order of allocations). A GEMM reading NF4 experts holds a decoded chunk of its weight
-    (``chunks``). With the weight in more than one chunk (``whole[weight]`` False) each chunk's GEMM also holds
+    (``chunks``). With the weight in more than one chunk (``counts[weight]`` of them) each chunk's GEMM also holds
     its rows' output before they are copied into place: at most every row (``n out s``), the bound counted
-    here; a weight in one chunk has its product as the output. ``b_cast``: the LoRA factors are cast to the
+    here; a weight in one chunk has its product as the output. With the segment bounds on the device
+    (:func:`~notebookkit.expert_chunks.device_bounds`) each chunk's GEMM reads a gathered copy of every row
+    (``n in s``), and the call holds the rows' int64 sources and targets and which are past the chunk's own, for
+    every chunk (``17 n`` bytes a chunk), and each expert's int32 offset (``4 E``). ``b_cast``: the LoRA factors are cast to the
     compute dtype, ``B`` written contiguous by its cast; else (factors already in it) the block makes contiguous
     copies of PEFT's strided ``B`` views, in the forward and again in the backward."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
@@ -317,11 +320,19 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     b_copies = b_gu + b_d
     pending = n * (r_gu + r_d) * s  # saved products not yet made when the gate/up GEMM runs
     gu_chunk, d_chunk = chunks["gate_up_proj"], chunks["down_proj"]
-    res = (lambda out, weight: n * out * s if chunks[weight] and not whole[weight] else 0)  # rows before the copy
+    on_device = device_bounds()
+
+    def res(out: int, weight: str, fan_in: int) -> int:
+        """What a GEMM holds beside its weight's decoded chunk: its rows before the copy (and their gathered input
+        and indices with the bounds on the device)."""
+        if not chunks[weight] or counts[weight] == 1:
+            return 0
+        return n * out * s + (n * fan_in * s + 17 * n * counts[weight] + 4 * E if on_device else 0)
+
     # (the chunks' grouped_mm offsets live in a buffer kept for the process, moe_experts_grouped._OFFSETS)
-    forward = max(b_copies + rows + gu_chunk + res(2 * I, "gate_up_proj") - pending,
+    forward = max(b_copies + rows + gu_chunk + res(2 * I, "gate_up_proj", H) - pending,
                   b_copies + rows + n * 2 * I * s - n * r_d * s if r_gu else 0,  # the gate/up adapter's product
-                  b_copies + n * I * s + rows + d_chunk + res(H, "down_proj"),  # h, the down GEMM's output
+                  b_copies + n * I * s + rows + d_chunk + res(H, "down_proj", I),  # h, the down GEMM's output
                   b_copies + 2 * rows if r_d else 0,  # o and the down adapter's product
                   2 * rows, rows + N * H * s)  # o, the slots; the slots and y, their sum
     part = 4 * n * math.ceil(I / min(1024, 2 ** math.ceil(math.log2(max(I, 16)))))
@@ -330,14 +341,14 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     token = 4 * n  # each sorted row's token (int32), held from the first gather to the last
     backward = token + max(
         rows,
-        rows + n * I * s + d_chunk + res(I, "down_proj"),  # dys, G
+        rows + n * I * s + d_chunk + res(I, "down_proj", H),  # dys, G
         rows + n * I * s + dyb + max(b_d, n * I * s) if r_d else 0,  # dy B, the adapter's product
         rows + n * I * s + dyb + n * 2 * I * s + h + part,  # dgu, h, the <G, h> partials
         rows + dyb + n * 2 * I * s + h + part + 8 * n,  # dw and its source
         rows + dyb + n * 2 * I * s + h + 4 * n + d_grads + n * r_d * s,  # the down adapter's gradients, w dyb
         n * 2 * I * s + 4 * n + d_grads + b_gu + n * r_gu * s,  # dgu B
         # dxs, its adapter's product
-        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(gu_chunk + res(H, "gate_up_proj"), rows),
+        n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + max(gu_chunk + res(H, "gate_up_proj", 2 * I), rows),
         n * 2 * I * s + 4 * n + d_grads + n * r_gu * s + rows + N * H * s,  # the slots and dx, their sum
         n * 2 * I * s + 4 * n + n * r_gu * s + N * H * s + factor_bytes + rows + E)  # every factor gradient, xs again
     return {"forward": forward, "backward": backward}

@@ -1,8 +1,9 @@
 """The experts on PyTorch's ``grouped_mm`` (``notebookkit.kernels.moe_experts_grouped``) against the reference
 path (``moe_expert_mlp_reference``), forward and every gradient (``x``, the routing weights, the four LoRA
 factors in PEFT's layout): Qwen3-MoE's layout (SwiGLU, ``[gate; up]``) and gpt-oss's (interleaved, transposed
-weights, biases, clamps at 0.5 so they bind), 16-bit and NF4 experts (decoded two experts a chunk), two
-experts without rows (their factors' gradients exact zeros, their NF4 chunk never decoded).
+weights, biases, clamps at 0.5 so they bind), 16-bit and NF4 experts (decoded two experts a chunk, with the segment
+bounds read on the host or kept on the device), two experts without rows (their factors' gradients exact zeros,
+their NF4 chunk never decoded when the host has the bounds).
 
 CPU: fp32, ``grouped_mm``'s CPU loop and the row kernels under the interpreter. GPU: bf16 on sm_90 at training
 size through ``moe_expert_mlp`` itself, which must pick this path (and the Triton kernels with the switch off),
@@ -76,19 +77,25 @@ def _expert_rows(grad: torch.Tensor, name: str, e: int) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("nf4, per_chunk", [(False, 2), (True, 2), (True, E)],
-                         ids=["16-bit", "nf4-chunks", "nf4-one-chunk"])
+@pytest.mark.parametrize("nf4, per_chunk, on_device", [(False, 2, False), (True, 2, False), (True, 2, True),
+                                                       (True, E, False)],
+                         ids=["16-bit", "nf4-chunks", "nf4-chunks-device-bounds", "nf4-one-chunk"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_grouped_path_matches_the_reference(family, nf4, per_chunk, monkeypatch, one_thread):
+def test_grouped_path_matches_the_reference(family, nf4, per_chunk, on_device, monkeypatch, one_thread):
     monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", per_chunk * 2 * I * H * 4)  # experts a chunk (gate_up)
-    decoded = []
+    monkeypatch.setenv("NOTEBOOKKIT_MOE_DEVICE_BOUNDS", "1" if on_device else "0")
+    decoded, host_reads = [], []
     real = NF4Stacked.decode_experts
     monkeypatch.setattr(NF4Stacked, "decode_experts",
                         lambda self, lo, hi, dtype: decoded.append((lo, hi)) or real(self, lo, hi, dtype))
     c = _case(family, torch.float32, nf4, tokens=67)
     want = _grads(c, moe_expert_mlp_reference)
     decoded.clear()
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: host_reads.append(self.shape) or tolist(self))
     got = _grads(c, _grouped_fn)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    assert bool(host_reads) == (nf4 and not on_device)  # the segment bounds read on the host, or not at all
     if family == "gpt_oss":  # the clamps bind
         assert (c["x"].detach() @ c["gate_up"].dequantize(torch.float32)[0].t() if nf4 else
                 c["x"].detach() @ c["gate_up"][0].t()).abs().max() > c["limit"]
@@ -101,6 +108,8 @@ def test_grouped_path_matches_the_reference(family, nf4, per_chunk, monkeypatch,
     # chunk, [2, 4) never decoded; down (half the size) fits four a chunk, so two chunks filled evenly, [0, 3) and
     # [3, 6); or every expert in one chunk
     chunks = [(0, 2)] * 2 + [(0, 3)] * 2 + [(3, 6)] * 2 + [(4, 6)] * 2 if per_chunk == 2 else [(0, E)] * 4
+    if on_device:  # without the host's bounds every chunk is decoded, rows or not
+        chunks = sorted(chunks + [(2, 4)] * 2)
     assert sorted(decoded) == (chunks if nf4 else [])
 
 
@@ -112,16 +121,19 @@ def test_grouped_mm_is_not_chosen_off_hopper_or_in_fp16(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nf4, per_chunk", [(False, 2), (True, 2), (True, E)],
-                         ids=["16-bit", "nf4-chunks", "nf4-one-chunk"])
+@pytest.mark.parametrize("nf4, per_chunk, on_device", [(False, 2, False), (True, 2, False), (True, 2, True),
+                                                       (True, E, False)],
+                         ids=["16-bit", "nf4-chunks", "nf4-chunks-device-bounds", "nf4-one-chunk"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_grouped_path_on_the_gpu(family, nf4, per_chunk, monkeypatch):
+def test_grouped_path_on_the_gpu(family, nf4, per_chunk, on_device, monkeypatch):
     """bf16, 1,200 tokens (400 rows an expert): ``moe_expert_mlp`` takes ``grouped_mm`` on sm_90 and newer. Its
     error against the reference is within bf16's bound and at most twice the Triton kernels' (a few more
-    roundings: each GEMM's output rounds before the next addition); NF4 experts two a chunk, or all in one."""
+    roundings: each GEMM's output rounds before the next addition); NF4 experts two a chunk (the segment bounds
+    read on the host or kept on the device), or all in one."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("grouped_mm's fast path needs sm_90")
     monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", per_chunk * 2 * 128 * 256 * 2)
+    monkeypatch.setenv("NOTEBOOKKIT_MOE_DEVICE_BOUNDS", "1" if on_device else "0")
     c = _case(family, torch.bfloat16, nf4, tokens=1200, device="cuda", limit=7.0, hidden=256, inter=128, rank=R)
     assert grouped.grouped_mm_applies(c["x"], 1200 * K, E, (256, 128, R))
     calls = []

@@ -203,23 +203,24 @@ def test_the_decode_chunk_budget_grows_with_the_card():
     assert capped.estimate.inputs["expert_chunk_bytes"] == 40 * 2**30 // 256
 
 
-@pytest.mark.parametrize("dtype, nf4, grouped, adapters, per_chunk", [
-    (torch.float32, False, False, torch.float32, 3), (torch.bfloat16, False, False, torch.float32, 3),
-    (torch.bfloat16, True, False, torch.float32, 3), (torch.bfloat16, False, True, torch.float32, 3),
-    (torch.bfloat16, True, True, torch.float32, 3), (torch.bfloat16, True, True, torch.float32, 8),
-    (torch.bfloat16, False, True, torch.bfloat16, 3)],
+@pytest.mark.parametrize("dtype, nf4, grouped, adapters, per_chunk, on_device", [
+    (torch.float32, False, False, torch.float32, 3, False), (torch.bfloat16, False, False, torch.float32, 3, False),
+    (torch.bfloat16, True, False, torch.float32, 3, False), (torch.bfloat16, False, True, torch.float32, 3, False),
+    (torch.bfloat16, True, True, torch.float32, 3, False), (torch.bfloat16, True, True, torch.float32, 3, True),
+    (torch.bfloat16, True, True, torch.float32, 8, False), (torch.bfloat16, False, True, torch.bfloat16, 3, False)],
     ids=["float32", "bfloat16", "bfloat16-nf4-chunks", "bfloat16-grouped-mm", "bfloat16-nf4-grouped-mm",
-         "bfloat16-nf4-grouped-mm-one-chunk", "bfloat16-grouped-mm-bf16-adapters"])
-def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, adapters, per_chunk, monkeypatch,
-                                                         one_thread):
+         "bfloat16-nf4-grouped-mm-device-bounds", "bfloat16-nf4-grouped-mm-one-chunk",
+         "bfloat16-grouped-mm-bf16-adapters"])
+def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, adapters, per_chunk, on_device,
+                                                         monkeypatch, one_thread):
     """One grouped call (Qwen3-MoE layout, adapters at ranks 2r / r, fp32 or in the compute dtype) under
     ``LiveBytes``, launch arguments released as a GPU would: what is alive after the forward is what it saved plus
     ``y``, and the forward's and the backward's peaks above that are
     :func:`~notebookkit.memory.moe.sparse_block_working_sets`, byte for byte. ``nf4-chunks``: NF4 experts decoded
     three at a time (16 rows an expert, the chunk made small), the decoded chunk counted by
     :func:`~notebookkit.memory.moe.expert_decode_chunk_bytes`; ``one-chunk``: the budget holds every expert, so
-    each GEMM's product is its output. ``bf16-adapters``: no cast, so the grouped path copies PEFT's strided
-    ``B`` views itself."""
+    each GEMM's product is its output; ``device-bounds``: the chunks read gathered rows, the segment bounds kept on
+    the device. ``bf16-adapters``: no cast, so the grouped path copies PEFT's strided ``B`` views itself."""
     import notebookkit.kernels.moe_experts as kernel
     from notebookkit import expert_chunks
     from notebookkit.export.nf4_quantize import quantize_nf4
@@ -231,6 +232,7 @@ def test_sparse_block_working_sets_are_what_it_allocates(dtype, nf4, grouped, ad
     monkeypatch.setattr(kernel, "_config", lambda device, pairs=0, experts=1, quantised=False: kernel._CUDA_CONFIG
                         ._replace(chunked=quantised and expert_chunks.decodes_in_chunks(pairs, experts)))
     monkeypatch.setattr(kernel, "grouped_mm_applies", lambda *args: grouped)
+    monkeypatch.setenv("NOTEBOOKKIT_MOE_DEVICE_BOUNDS", "1" if on_device else "0")
     tokens, H, I, E, k, r = 128, 64, 96, 8, 2, 8 if grouped else 4  # grouped_mm: 16-byte strides
     s = dtype.itemsize
     monkeypatch.setattr(expert_chunks, "DECODE_CHUNK_BYTES", per_chunk * 2 * I * H * s)
