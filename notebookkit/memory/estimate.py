@@ -217,9 +217,9 @@ GiB = 1024**3
 MODES = ("keep", "recompute", "offload", "offload_mlp")
 #: the modes whose layer input goes to pinned host memory (offload_mlp: with its MLP's gate/up outputs)
 OFFLOADING = ("offload", "offload_mlp")
-#: kept layers whose forwards outlast the copies to the host of the offloaded layer before them (its input and
-#: parked gate/up outputs): with fewer after the last offloaded layer, those copies may still run at the end of
-#: the forward (_temporaries); the planner's spread layout ends on this many kept layers
+#: layers (kept or recomputed) whose forwards outlast the copies to the host of the offloaded layer before them (its
+#: input and parked gate/up outputs): with fewer after the last offloaded layer, those copies may still run at the
+#: end of the forward (_temporaries); the planner's spread layout ends on this many kept layers
 KEPT_LAYERS_AFTER_COPIES = 2
 # gpt-oss alternates sliding-window and full layers: Hugging Face builds one attention mask for each kind
 SINKS_MASK_KINDS = 2
@@ -1322,10 +1322,12 @@ def _temporaries(
       offloaded inputs and parked gate/up tiles in flight (``acts.in_flight``).
 
     The buffers in flight join the first mark only while the forward's copies to the host may still
-    run: when fewer than two kept layers follow the last offloaded one (two kept layers' forwards outlast
-    the copy of one layer's input and parked outputs). Until session 32 they always did, and the T4
-    plan that keeps its last 16 layers was predicted 0.28 GiB higher for them (0.37 GiB above the
-    measured peak; 0.08 GiB now).
+    run: when fewer than two layers follow the last offloaded one (two layers' forwards, kept or
+    recomputed, outlast the copy of one layer's input and parked outputs). Until session 32 they always
+    did, and the T4 plan that keeps its last 16 layers was predicted 0.28 GiB higher for them (0.37 GiB
+    above the measured peak; 0.08 GiB now); until session 48 only kept layers counted, and the 8B plan
+    at 65,536 tokens that recomputes 10 layers after its 21 offloaded ones was predicted 1.07 GiB over
+    its measured peak (+5.2%; now +0.3%).
     """
     ws_max = max(working_set["mlp"], working_set["attention"], working_set["fp8_forward"])
     ws_recompute = max(working_set["mlp_deferred"], working_set["attention_after_deferred"],
@@ -1335,12 +1337,13 @@ def _temporaries(
     reference_end = activations + logits_loss + forward_extra
     end_of_forward = max(policy_end, reference_end)
     non_kept = [i for i, m in enumerate(plan) if m != "keep"]
+    to_host = [i for i, m in enumerate(plan) if m in OFFLOADING]
     in_flight = acts.in_flight
     if non_kept:
         kept_after = len(plan) - 1 - non_kept[-1]
         first_recompute = (activations - kept_after * keep_layer + (acts.recomputed_layer - acts.layer_input)
                            + ws_recompute + in_flight)
-        if kept_after < KEPT_LAYERS_AFTER_COPIES:  # the forward's last copies to the host may still run
+        if to_host and len(plan) - 1 - to_host[-1] < KEPT_LAYERS_AFTER_COPIES:  # the last copies may still run
             end_of_forward += in_flight
     else:
         first_recompute = 0

@@ -132,6 +132,14 @@ def test_inputs_in_flight_join_the_end_of_the_forward_only_when_its_copies_may_s
     one = estimate_training_memory(TINY, activation_plan=["offload", "keep"], **KW)
     assert one.activations == 94720 and one.temporaries == 8192
     assert one.total == 180864 + 147456 + 94720 + 58368 + 8192
+    # Plan (offload, recompute, keep): a recomputed layer's forward covers the copy as a kept one's does (two
+    # layers follow the offloaded one): 8192 + 94720 saved and the loss buffers, nothing in flight; the recompute
+    # of layer 1 (8192 + 85504 + 32768 + 8192 = 134656) stays below. Until session 48 only kept layers were
+    # counted, so the copy was added (the 8B shape at 65,536 tokens with 21 offloaded, 10 recomputed and 1 kept
+    # layer was predicted 21.65 GiB against 20.58 measured; now 20.65).
+    mixed = estimate_training_memory({**TINY, "num_hidden_layers": 3}, activation_plan=["offload", "recompute", "keep"],
+                                     **KW)
+    assert mixed.activations == 8192 + 94720 and mixed.temporaries == 0
     # Plan (keep, offload): layer 0's activations are still saved during layer 1's backward, whose input stayed
     # on the GPU (the last layer) and which has no host copy to prefetch (layer 0 is kept):
     # 94720 + 8192 + (94720 - 1024 - 8192) + 32768 = 221184, nothing in flight.
