@@ -1,7 +1,8 @@
 """Session 48: does the seeded sampling test flip under a busy GPU? One process: LOOPS times the test's three
 seeded runs (seeds 1, 1, 2) on a fresh fast copy of the tiny llama; prints how often runs 0 and 1 differ.
 Env picks the variant (NOTEBOOKKIT_CUDA_GRAPHS, CUBLAS_WORKSPACE_CONFIG). With argument 'load': big bf16
-matmuls for the given seconds instead (the other workers of the suite)."""
+matmuls for the given seconds instead (the other workers of the suite). After the calls ran, the two capture
+variants were given one shared helper (_capture_only): the same calls in the same order."""
 import os
 import sys
 import time
@@ -33,6 +34,18 @@ def capture_synced(self, step, device, state_tensors):
     return graph
 
 
+def _capture_only(self, step, device):
+    """Capture ``step`` on the capture stream into the runner's pool (no warm-up, no wait after it)."""
+    if self._pool is None:
+        self._pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=self._pool, stream=graph_runner.capture_stream(device),
+                          capture_error_mode="thread_local"):
+        step()
+    self.captures += 1
+    return graph
+
+
 def capture_warm_on_current(self, step, device, state_tensors):
     """The runner's capture with its warm-up on the current stream instead of the capture stream."""
     saved = [t.clone() for t in state_tensors]
@@ -40,28 +53,16 @@ def capture_warm_on_current(self, step, device, state_tensors):
     step()
     for tensor, value in zip(state_tensors, saved):
         tensor.copy_(value)
-    if self._pool is None:
-        self._pool = torch.cuda.graph_pool_handle()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=self._pool, stream=graph_runner.capture_stream(device),
-                          capture_error_mode="thread_local"):
-        step()
+    graph = _capture_only(self, step, device)
     torch.cuda.set_rng_state(rng, device)
-    self.captures += 1
     return graph
 
 
 def capture_no_warmup(self, step, device, state_tensors):
     """The runner's capture without the eager warm-up run."""
     rng = torch.cuda.get_rng_state(device)
-    if self._pool is None:
-        self._pool = torch.cuda.graph_pool_handle()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=self._pool, stream=graph_runner.capture_stream(device),
-                          capture_error_mode="thread_local"):
-        step()
+    graph = _capture_only(self, step, device)
     torch.cuda.set_rng_state(rng, device)
-    self.captures += 1
     return graph
 
 
