@@ -26,10 +26,11 @@ chunks of a card that size.
 from __future__ import annotations
 
 import functools
+import os
 
 __all__ = ["DECODE_CHUNK_BYTES", "MAX_DECODE_CHUNK_BYTES", "CARD_SHARE", "MIN_ROWS_PER_EXPERT", "NF4_SCALE_GROUP",
-           "device_bounds", "decode_chunk_bytes", "process_card_bytes", "chunk_budget", "decodes_in_chunks", "experts_per_chunk",
-           "chunk_ranges", "decoded_range", "largest_decode", "grouped_mm_sizes"]
+           "device_bounds", "decode_chunk_bytes", "process_card_bytes", "chunk_budget", "decodes_in_chunks",
+           "experts_per_chunk", "chunk_ranges", "decoded_range", "largest_decode", "grouped_mm_sizes"]
 
 #: bytes of one chunk of decoded experts (a transient of the GEMM that reads it) on a card of up to 32 GiB, and
 #: where the card is not known
@@ -52,10 +53,8 @@ def device_bounds() -> bool:
     experts in several chunks (``NOTEBOOKKIT_MOE_DEVICE_BOUNDS=1``; off by default until timed on the GPU). With the
     bounds on the host (the default) each call waits once for the GPU to copy ``E + 1`` integers, which drains the
     queue the host had built: on a fast card a mixture-of-experts step waits on the host. On the device, each chunk
-    gathers all ``N`` rows from its first and copies its product back (``N`` rows in and out a chunk, every chunk
-    decoded: :func:`notebookkit.kernels.moe_experts_grouped._chunks_by_device_bounds`), no synchronisation."""
-    import os
-
+    gathers all ``N`` rows from its first and adds its product into the output (``N`` rows in and out a chunk, every
+    chunk decoded: :func:`notebookkit.kernels.moe_experts_grouped._chunks_by_device_bounds`), no synchronisation."""
     return os.environ.get("NOTEBOOKKIT_MOE_DEVICE_BOUNDS", "0") == "1"
 
 

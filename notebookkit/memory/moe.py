@@ -311,9 +311,9 @@ def _grouped_working_sets(shape: ModelShape, *, n: int, N: int, s: int, r_gu: in
     here; a weight in one chunk has its product as the output. With the segment bounds on the device
     (:func:`~notebookkit.expert_chunks.device_bounds`) each chunk's GEMM reads a gathered copy of every row
     (``n in s``), and the call holds the rows' int64 sources and targets and which are past the chunk's own, for
-    every chunk (``17 n`` bytes a chunk), and each expert's int32 offset (``4 E``). ``b_cast``: the LoRA factors are cast to the
-    compute dtype, ``B`` written contiguous by its cast; else (factors already in it) the block makes contiguous
-    copies of PEFT's strided ``B`` views, in the forward and again in the backward."""
+    every chunk (``17 n`` bytes a chunk), and each expert's int32 offset (``4 E``). ``b_cast``: the LoRA factors
+    are cast to the compute dtype, ``B`` written contiguous by its cast; else (factors already in it) the block
+    makes contiguous copies of PEFT's strided ``B`` views, in the forward and again in the backward."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
     rows = n * H * s  # xs, o, the pairs' slots, dys, dxs: one row of H per pair
     b_gu, b_d = (0, 0) if b_cast else (E * 2 * I * r_gu * s, E * H * r_d * s)  # the B factors' contiguous copies
