@@ -54,8 +54,10 @@ def unfinished(progress_log: str) -> list[str]:
     with open(progress_log, encoding="utf-8") as log:
         for line in log:
             word, _, rest = line.rstrip("\n").partition(" ")
-            nodeid = rest.rsplit(" ", 2)[0] if word != "start" else rest
-            (started.append(nodeid) if word == "start" else ended.add(nodeid))
+            if word == "start":
+                started.append(rest)
+            else:  # "<outcome> <nodeid> <seconds>s (<when>)"
+                ended.add(rest.rsplit(" ", 2)[0])
     return [nodeid for nodeid in started if nodeid not in ended]
 
 
