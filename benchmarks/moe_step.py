@@ -22,6 +22,8 @@ per row:
 * ``notebookkit``        FastLanguageModel ``load_in_4bit=True`` + ``get_peft_model`` with the default targets
                          (attention and the stacked experts, as the README's "Mixtures of experts" says),
                          ``use_gradient_checkpointing="auto"`` (the planner fits free VRAM);
+* ``notebookkit-device-bounds`` the same with ``NOTEBOOKKIT_MOE_DEVICE_BOUNDS=1`` in its process only (the NF4
+                         experts' chunks without a host read, ``SWITCHED``): an A/B in the same rounds;
 * ``notebookkit-capped`` the same with ``max_memory`` = the ``unsloth`` row's measured peak (``--cap-gib``
                          instead when given): the planner's fastest activation plan at <= the peer's peak;
 * ``hf``                 transformers + bitsandbytes NF4 + PEFT (``target_parameters`` for gpt-oss's experts,
@@ -103,6 +105,9 @@ SHAPES: dict[str, dict] = {
 }
 TINY = {"qwen3-30b-a3b": "notebookkit/tiny-qwen3_moe", "gpt-oss-20b": "notebookkit/tiny-gpt_oss"}
 SYSTEMS = ["unsloth", "notebookkit", "notebookkit-capped", "hf"]
+#: systems run as notebookkit with one of the library's A/B switches set in their own process only, so that both
+#: sides of an A/B alternate in one run's rounds (``--systems unsloth,notebookkit,notebookkit-device-bounds``)
+SWITCHED = {"notebookkit-device-bounds": {"NOTEBOOKKIT_MOE_DEVICE_BOUNDS": "1"}}
 T4_SYSTEMS = ["notebookkit", "unsloth"]
 NEEDS = {"unsloth": "unsloth"}
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -432,7 +437,7 @@ def profile_one_step(args, row: dict, step) -> None:
 
 def resolve(system: str) -> tuple[str, list[str]]:
     """(child --system, extra child arguments) of a table's system name."""
-    return ("notebookkit", []) if system == "notebookkit-capped" else (system, [])
+    return ("notebookkit", []) if system == "notebookkit-capped" or system in SWITCHED else (system, [])
 
 
 def child_command(system: str, shape: str, args, t4: bool = False, max_memory: str | None = None,
@@ -468,7 +473,8 @@ def run_child(system: str, shape: str, table: str, args, timeout: float, t4: boo
     need = NEEDS.get(resolve(system)[0])
     if need and importlib.util.find_spec(need) is None:
         return head | dict(status=f"not installed ({need})")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               **SWITCHED.get(system, {}))
     cmd = child_command(system, shape, args, t4, max_memory, repeat)
     start = time.time()
     try:

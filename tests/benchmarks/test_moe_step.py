@@ -133,6 +133,22 @@ def test_repeated_rows_show_their_median_process_and_the_round_by_round_ratios()
     assert cmd[cmd.index("--repeat") + 1] == "2" and cmd[cmd.index("--profile") + 1] == os.path.abspath("prof")
 
 
+def test_a_switched_system_sets_its_switch_in_its_own_process_only(monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, env, **_kwargs):
+        seen[cmd[cmd.index("--label") + 1]] = (cmd[cmd.index("--system") + 1], env.get("NOTEBOOKKIT_MOE_DEVICE_BOUNDS"))
+        return types.SimpleNamespace(stdout='RESULT {"status": "ok"}', stderr="", returncode=0)
+
+    monkeypatch.delenv("NOTEBOOKKIT_MOE_DEVICE_BOUNDS", raising=False)
+    monkeypatch.setattr(moe_step.subprocess, "run", fake_run)
+    args = types.SimpleNamespace(layers=4, seq=2048, batch=1, quant="nf4", warmup=2, steps=5, lr=2e-4, t4_cap_gib=15.0,
+                                 expert_adapters="stacked", profile=None, tiny=False, log_dir=None)
+    for system in ("notebookkit-device-bounds", "notebookkit"):
+        assert moe_step.run_child(system, "qwen3-30b-a3b", "qwen3-30b-a3b", args, 60.0)["status"] == "ok"
+    assert seen == {"notebookkit-device-bounds": ("notebookkit", "1"), "notebookkit": ("notebookkit", None)}
+
+
 def test_a_refusal_at_load_is_a_row_with_its_message(monkeypatch, tmp_path):
     message = "Unsloth: this gpt-oss checkpoint stores fused experts, and in float16 its fused 4-bit experts would overflow."
 
