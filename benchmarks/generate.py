@@ -24,7 +24,8 @@ Per batch size: the same random prompts for every system (``--prompt`` tokens, 1
 ``max_new_tokens = min_new_tokens = --new`` (256) so that no row stops early (the count is checked),
 one warm-up call, then ``--repeats`` (3) timed calls: tok/s = new tokens x batch / median time. Peak
 memory = ``torch.cuda.max_memory_allocated`` over the timed calls (the model included). Prefill alone
-(``max_new_tokens=1``, median of the repeats) gives the decode-only rate. One decode step is profiled
+(``max_new_tokens=1``, median of the repeats) gives the decode-only rate, and its profiled call the prefill's
+profile (same columns as the step's). One decode step is profiled
 (``torch.profiler``, CPU + CUDA) as the difference between a call of ``1 + S`` and one of 1 new
 tokens, divided by ``S``: wall time, GPU kernel time (sum) and busy time (union), kernels run, host
 launch calls, GPU idle time waiting for the host (``profile_step.idle_gaps``), the top kernel
@@ -280,6 +281,16 @@ def per_step(short: dict, long: dict, steps: int) -> dict:
     )
 
 
+#: a call that ran nothing: :func:`per_step` of it and one call is that call's own totals
+NO_CALL = dict(wall_ms=0.0, busy_ms=0.0, launches=0, graph_launches=0, host_wait_ms=0.0, kernels=[])
+
+
+def call_profile(totals: dict) -> dict:
+    """One profiled call's totals in :func:`per_step`'s form: the prefill's, from the call of one new token (a
+    forward over the prompt and one sampling step)."""
+    return per_step(NO_CALL, totals, 1)
+
+
 def bench_kernels_module():
     """``benchmarks/kernels.py`` (its copy bandwidth and CUDA-graph timing), loaded under another name:
     ``kernels`` is also the name of a package that bitsandbytes looks for."""
@@ -364,6 +375,7 @@ def measure_batch(model, batch: int, vocab: int, pad_id: int, device: str, args)
         peak_gib=round(peak / 2**30, 3) if peak is not None else None,
         model_gib=round(before / 2**30, 3) if device == "cuda" else None,
         step_profile=per_step(short, long, args.profile_steps), profile_steps=args.profile_steps,
+        prefill_profile=call_profile(short),
         tokens=tokens,
     )
 
@@ -513,11 +525,25 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"| {_num(r.get('prefill_ms'))} | {_num(r.get('peak_gib'), '.2f')} | {_num(r.get('model_gib'), '.2f')} "
                      f"| {_num(r['weight_bytes'] / 1e9 if r.get('weight_bytes') else None, '.3f')} | {agree_cell} "
                      f"| {r.get('status')} |")
-    lines += ["", f"One decode step (profiled: a call of 1 + S new tokens minus one of 1, divided by S):", "",
-              "| config | system | batch | wall ms | GPU kernel ms | GPU busy ms | GPU idle | kernels | launch calls "
-              "| graph launches | host-wait ms | top categories (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += profile_table(rows, "step_profile",
+                           "One decode step (profiled: a call of 1 + S new tokens minus one of 1, divided by S):")
+    lines += profile_table(rows, "prefill_profile", "The prefill (profiled: the call of 1 new token, the prompt's "
+                                                    "forward and one sampling step):")
+    copies = sorted({r["copy_gbps"] for r in rows if r.get("copy_gbps")})
+    if copies:
+        lines += ["", f"Device-to-device copy bandwidth measured in the rows' processes: "
+                      f"{', '.join(f'{c:,.0f}' for c in copies)} GB/s."]
+    return "\n".join(lines) + "\n"
+
+
+def profile_table(rows: list[dict], key: str, title: str) -> list[str]:
+    """The rows' profiles under ``key`` (:func:`per_step`'s form) as a table headed by ``title``; nothing when no
+    row has one."""
+    lines = ["", title, "", "| config | system | batch | wall ms | GPU kernel ms | GPU busy ms | GPU idle | kernels "
+             "| launch calls | graph launches | host-wait ms | top categories (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        p = r.get("step_profile")
+        p = r.get(key)
         if not p:
             continue
         top = ", ".join(f"{c} {ms:.2f}" for c, ms in p["top_categories"]) or "–"
@@ -526,11 +552,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"| {_num(p['gpu_kernel_ms'], '.2f')} | {_num(p['gpu_busy_ms'], '.2f')} | {idle} | {_num(p['kernels'], '.0f')} "
                      f"| {_num(p['launch_calls'], '.0f')} | {_num(p['graph_launches'], '.1f')} | {_num(p['host_wait_ms'], '.2f')} "
                      f"| {top} |")
-    copies = sorted({r["copy_gbps"] for r in rows if r.get("copy_gbps")})
-    if copies:
-        lines += ["", f"Device-to-device copy bandwidth measured in the rows' processes: "
-                      f"{', '.join(f'{c:,.0f}' for c in copies)} GB/s."]
-    return "\n".join(lines) + "\n"
+    return lines if len(lines) > 5 else []
 
 
 def meta_for(rows: list[dict], argv: list[str]) -> dict:

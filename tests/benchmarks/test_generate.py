@@ -107,6 +107,15 @@ def test_per_step_profile_is_the_difference_per_step():
     assert p["gpu_kernel_ms"] == pytest.approx((8000 + 800) / 4 / 1e3)
     assert p["kernels"] == 22.0 and p["launch_calls"] == 100.0 and p["graph_launches"] == 1.0 and p["host_wait_ms"] == 10.0
     assert p["top_categories"][0][1] >= p["top_categories"][-1][1]
+    # the prefill's profile: the one-token call's own totals
+    pre = generate.call_profile(short)
+    assert pre["wall_ms"] == 100.0 and pre["gpu_busy_ms"] == 10.0 and pre["gpu_idle_share"] == 0.9
+    assert pre["kernels"] == 14.0 and pre["launch_calls"] == 50.0 and pre["host_wait_ms"] == 5.0
+    assert pre["gpu_kernel_ms"] == pytest.approx(1.2)
+    table = generate.profile_table([dict(config="8b-nf4", system="notebookkit", batch=1, prefill_profile=pre)],
+                                   "prefill_profile", "The prefill:")
+    assert table[1] == "The prefill:" and table[-1].startswith("| 8b-nf4 | notebookkit | 1 | 100.00 | 1.20 | 10.00 | 90% | 14 | 50 |")
+    assert generate.profile_table([dict(config="8b-nf4", system="hf", batch=1)], "prefill_profile", "x") == []
 
 
 def test_launch_counts():
