@@ -256,7 +256,8 @@ def _attention(lp: LayerPlan, x: torch.Tensor, cache: StaticKVCache, start_slot:
 def _mlp(lp: LayerPlan, x: torch.Tensor, casts: AdapterCasts, u_cat: Optional[torch.Tensor] = None) -> torch.Tensor:
     mlp = lp.layer.mlp
     act = activation_kernel(lp.activation) if lp.activation is not None else None
-    if act is None or not fused_views((mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+    # the groups project() runs below: their views are the ones kept for it (lora_fast_path.views)
+    if act is None or not (fused_views((mlp.gate_proj, mlp.up_proj)) and fused_views((mlp.down_proj,))):
         return mlp(x)
     x2d = x.reshape(-1, x.shape[-1])
     gate, up = project(x2d, (mlp.gate_proj, mlp.up_proj), casts, u_cat)

@@ -53,6 +53,7 @@ from notebookkit.compat import prepare_generation_config
 from notebookkit.marks import PREPARE_PROMPT
 
 from ..common.banner import get_banner
+from ..patching import forward_state
 from .cached_forward import cached_forward
 from .decoder_plan import DecoderPlan, causal_lm_of
 from .graph_runner import graphs_enabled
@@ -200,7 +201,9 @@ def generate(
     if isinstance(request, str):
         _warn_once(self, state, request)
         return type(self).generate(self, inputs, generation_config, streamer=streamer, **hf_only, **kwargs)
-    with torch.no_grad():
+    # the call's forwards (prefill, captures) in the state's pass: the LoRA views stay from call to call while
+    # the signature _request just checked holds (state.GenerationState.views_pass)
+    with torch.no_grad(), forward_state.resumed(state.views_pass):
         return _decode(self, state, request, streamer, split[0])
 
 
@@ -290,9 +293,8 @@ def _request(model: nn.Module, state: GenerationState, inputs: Any, generation_c
             return f"num_return_sequences={copies} without sampling"
         input_ids = input_ids.repeat_interleave(copies, dim=0)
         attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(copies, dim=0)
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        return f"the model is spread over {len(devices)} devices"
+    if len(state.devices) > 1:  # read with the signature (state.refresh above)
+        return f"the model is spread over {len(state.devices)} devices"
     if input_ids.device != plan.device():
         return f"input_ids are on {input_ids.device} but the model is on {plan.device()}"
     prompt = input_ids.shape[1]

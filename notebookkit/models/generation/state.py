@@ -26,6 +26,7 @@ import torch.nn as nn
 from notebookkit.base_layers.rebinding import DroppedOnCopy
 from notebookkit.marks import GENERATION_STATE
 
+from ..patching.forward_state import ForwardPass
 from .decoder_plan import DecoderPlan, causal_lm_of, plan_for
 from .graph_runner import GraphRunner
 from .projections import AdapterCasts
@@ -42,6 +43,10 @@ class GenerationState(DroppedOnCopy):
     def __init__(self) -> None:
         self.plan: Union[DecoderPlan, str, None] = None
         self.signature: Optional[tuple] = None
+        self.devices: frozenset = frozenset()  # the devices of the parameters, read with the signature
+        # the forward pass a generate call's forwards run in (_decode): the LoRA views its prefill and captures build
+        # are kept from call to call (lora_fast_path.views) and a new pass starts when the signature changes
+        self.views_pass = ForwardPass()
         self.cache: Optional[StaticKVCache] = None
         self.buffers: dict[int, Any] = {}  # batch size -> the decode loop's buffers (generate.DecodeBuffers)
         self.runner = GraphRunner()
@@ -55,10 +60,12 @@ class GenerationState(DroppedOnCopy):
         """The current plan of ``causal_lm`` (or why it has none), rebuilt and with the graphs dropped
         when :func:`model_signature` changed."""
         signature = model_signature(causal_lm)
+        self.devices = frozenset(device for *_, device in signature[1])
         if signature != self.signature or self.plan is None:
             self.plan = plan_for(causal_lm)
             self.runner.clear()
             self.casts.clear()
+            self.views_pass = ForwardPass()
             self.signature = signature
         return self.plan
 
@@ -77,6 +84,7 @@ class GenerationState(DroppedOnCopy):
         if isinstance(self.plan, DecoderPlan):
             self.plan.rope.release()
         self.plan, self.signature = None, None
+        self.views_pass = ForwardPass()
 
 
 
@@ -131,17 +139,35 @@ def _free(model: nn.Module, how, dropped: bool = False) -> int:
 _ADAPTER_FLAGS = ("merged", "disable_adapters")
 
 
+def _modules_once(root: nn.Module) -> list[nn.Module]:
+    """Every module under ``root`` (itself included) once, in ``root.modules()``'s order: a walk of the ``_modules``
+    dictionaries without the generators of ``named_modules`` (an 8B model with LoRA has about 2,700 modules, and
+    ``generate`` reads them all on every call)."""
+    out, seen, stack = [], set(), [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append(module)
+        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
+    return out
+
+
 def model_signature(causal_lm: nn.Module) -> tuple:
-    """What the plan and the captured graphs depend on: every module's identity and adapter state
-    (merged, disabled, active adapters, scaling) and every parameter's storage, dtype and shape."""
-    modules = []
-    for module in causal_lm.modules():
+    """What the plan, the captured graphs and the kept LoRA views depend on: every module's identity and adapter
+    state (merged, disabled, active adapters, scaling) and every parameter's storage, dtype, shape and device."""
+    modules, params, seen = [], [], set()
+    for module in _modules_once(causal_lm):
         entry: tuple = (id(module),)
-        if hasattr(module, "lora_A"):
+        if "lora_A" in module._modules or "lora_A" in module._parameters or "lora_A" in module.__dict__:
             flags = tuple(bool(getattr(module, name, False)) for name in _ADAPTER_FLAGS)
             active = tuple(getattr(module, "active_adapters", None) or ())
             scaling = tuple(sorted((getattr(module, "scaling", None) or {}).items()))
             entry += (flags, active, scaling)
         modules.append(entry)
-    params = tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for p in causal_lm.parameters())
-    return tuple(modules), params
+        for p in module._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append((p.data_ptr(), p.dtype, tuple(p.shape), p.device))
+    return tuple(modules), tuple(params)
