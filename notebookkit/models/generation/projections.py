@@ -99,20 +99,24 @@ class AdapterCasts:
         """Re-cast the adapters changed in place since they were cast, and re-join the concatenations
         holding one (``every``: all of them, for updates that did not move the version counter); returns
         how many casts and concatenations were renewed."""
+        targets, sources = [], []
         stale = [entry for entry in self._kept.values() if every or entry[0]._version != entry[1]]
-        if stale:  # one foreach launch for them all (an 8B model with LoRA on every projection keeps 448 casts)
-            torch._foreach_copy_([cast for _, _, cast in stale], [adapter.detach() for adapter, _, _ in stale])
         for entry in stale:
+            targets.append(entry[2])
+            sources.append(entry[0].detach())
             entry[1] = entry[0]._version
-        changed = len(stale)
-        for entry in self._joined.values():
-            adapters, versions, joined = entry
-            now = tuple(a._version for a in adapters)
-            if every or now != versions:
-                torch.cat([a.detach() for a in adapters], out=joined)
-                entry[1] = now
-                changed += 1
-        return changed
+        stale_joins = [entry for entry in self._joined.values()
+                       if every or tuple(a._version for a in entry[0]) != entry[1]]
+        for entry in stale_joins:  # each adapter into its rows of the concatenation
+            start = 0
+            for adapter in entry[0]:
+                targets.append(entry[2][start:start + adapter.shape[0]])
+                sources.append(adapter.detach())
+                start += adapter.shape[0]
+            entry[1] = tuple(a._version for a in entry[0])
+        if targets:  # one foreach copy for them all (an 8B model with LoRA everywhere: 448 casts, 64 joins)
+            torch._foreach_copy_(targets, sources)
+        return len(stale) + len(stale_joins)
 
     def clear(self) -> None:
         self._kept.clear()
