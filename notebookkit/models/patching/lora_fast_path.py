@@ -30,7 +30,9 @@ patched backbone opens one per model forward; checkpointing resumes it for the r
 recompute, so the recompute and the backward reuse the forward's adapter casts. Outside a pass,
 views are built on every call.
 A pass id is never reused, so nothing outlives the pass it was built for: a model changed between
-two steps (merged, another adapter, eval mode, new weights) gets new views at its next forward. The views'
+two steps (merged, another adapter, eval mode, new weights) gets new views at its next forward. ``generate`` runs
+every call in one pass of its generation state, which a new one replaces when the model's signature changes
+(:mod:`notebookkit.models.generation.state`), so its views last from call to call. The views'
 adapter casts of a pass opened by a patched backbone are made in one batch (:mod:`.adapter_casts`).
 """
 
