@@ -29,9 +29,19 @@ def kernel(module: str, name: str) -> Optional[Callable[..., Any]]:
     return obj
 
 
-def disabled() -> set[str]:
+_DISABLED_ENV = "NOTEBOOKKIT_DISABLE_KERNELS"
+# (the variable's text, its modules) as last read: a forward looks kernels up hundreds of times (an 8B model's
+# prefill about 700), and the text is parsed again only when it changed
+_disabled_read: tuple[str, frozenset[str]] = ("", frozenset())
+
+
+def disabled() -> frozenset[str]:
     """Kernel modules switched off by ``NOTEBOOKKIT_DISABLE_KERNELS=lora_mlp,rope`` (debugging aid)."""
-    return {m.strip() for m in os.environ.get("NOTEBOOKKIT_DISABLE_KERNELS", "").split(",") if m.strip()}
+    global _disabled_read
+    text = os.environ.get(_DISABLED_ENV, "")
+    if text != _disabled_read[0]:
+        _disabled_read = (text, frozenset(m.strip() for m in text.split(",") if m.strip()))
+    return _disabled_read[1]
 
 
 def why_missing(module: str, name: str) -> Optional[str]:
