@@ -47,7 +47,7 @@ def test_tiny_run_end_to_end(tmp_path):
         if importlib_missing("unsloth"):
             assert rows[("unsloth", batch)]["status"] == "not installed"
     text = json_path.with_suffix(".md").read_text()
-    assert "| tiny | 1 |" in text and "Targets (issue 21)" in text and "One decode step" in text
+    assert "| tiny | 1 |" in text and "Targets (issue 35)" in text and "One decode step" in text
     assert "python benchmarks/generate.py --tiny" in text
 
 
@@ -149,18 +149,22 @@ def test_agreement_and_targets():
     assert rows[0]["agree_with_hf"] == dict(mean_prefix=2.0, identical=0.0)
     assert rows[2]["agree_with_hf"]["mean_prefix"] == 2.0 and "agree_with_hf" not in rows[1]
     verdicts = {(v["kind"].split(",")[0], v["config"], v["batch"]): v for v in generate.target_verdicts(rows)}
-    assert verdicts[("3x Unsloth", "8b-nf4", 1)]["met"] is True  # 80 / 22.8 = 3.5
-    assert verdicts[("3x Unsloth", "8b-nf4", 8)]["met"] is False  # 400 / 187 = 2.1
-    assert verdicts[("3x Unsloth", "1b-bf16", 1)]["met"] is None  # no Unsloth row
-    stretch = verdicts[("40% of the bound (stretch)", "8b-nf4", 1)]
-    assert stretch["met"] is False and stretch["value"] == round(80 / (4250 / 4.5), 3)
+    assert verdicts[("5x Unsloth", "8b-nf4", 8)]["met"] is False  # 400 / 187 = 2.1
+    assert ("5x Unsloth", "8b-nf4", 1) not in verdicts  # issue 35 asks a ratio at batch 8 only
+    bound = verdicts[("40% of the bound", "8b-nf4", 1)]
+    assert bound["met"] is False and bound["value"] == round(80 / (4250 / 4.5), 3)
+    assert verdicts[("40% of the bound", "1b-bf16", 1)]["met"] is True  # 500 / 944 = 53%
+    rows.append(_row("1b-bf16", "notebookkit", 8, 1000.0))
+    verdicts = {(v["kind"], v["config"], v["batch"]): v for v in generate.target_verdicts(rows)}
+    assert verdicts[("5x Unsloth", "1b-bf16", 8)]["met"] is None  # no Unsloth row
 
 
 def test_markdown_report():
     text = generate.markdown([dict(r) for r in ROWS], dict(gpu="NVIDIA H200", date="2026-12-02", command="python x",
                                                          versions={"torch": "2.11"}, commit="abc1234"))
-    assert "| 8b-nf4 | 1 | 80.0 | 9.0 | 22.8 | 8.89 | 3.51 | **met** | 944.4 | 8.5% |" in text
-    assert "| 8b-nf4 | 8 | 400.0 | 70.0 | 187.0 | 5.71 | 2.14 | **missed** |" in text
+    assert "| 8b-nf4 | 1 | 80.0 | 9.0 | 22.8 | 8.89 | 3.51 | – | 944.4 | 8.5% |" in text
+    assert "| 8b-nf4 | 8 | 400.0 | 70.0 | 187.0 | 5.71 | 2.14 | ≥5×: **missed** |" in text
+    assert "- 40% of the bound, 8b-nf4 batch 1: 0.09 → **missed**" in text and "- 5x Unsloth, 8b-nf4 batch 8: 2.14" in text
     assert "| 1b-bf16 | 1 | 500.0 | not run | not installed |" in text
     assert "T4 emulation" in text and "| 8b-nf4-fp16-15gib | notebookkit | 1 | 60.0 |" in text
     assert "torch 2.11" in text and "abc1234" in text and "`python x`" in text
