@@ -10,6 +10,7 @@
 #               program gets 4 rows); alternate with new[N] for an A/B in one call
 #   sweep       nf4_matvec's launch configurations at the 8B shapes (generate.py --kernels --sweep), bf16, for at
 #               most SWEEP_S seconds (400): each row is printed as it is measured (ROW lines of sweep.log)
+#   sweep8      the same for the tl.dot kernel alone (M = 8, --kernel-batches 8): the batch-8 step's matvec
 #   tests       the GPU tests of the decode path (matvec, graph replay, greedy agreement) and of the NF4 experts
 # Old and new rows alternate in one call so that both see the same machine. Logs and tables go to $OUT.
 set -uo pipefail
@@ -31,6 +32,8 @@ for step in "$@"; do
     rit*)  NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1 rows "$PWD" "$step" 8b-nf4 ;;
     sweep) timeout "${SWEEP_S:-400}" python3 benchmarks/generate.py --kernels --sweep --out "$OUT" --tag sweep \
              > "$OUT/sweep.log" 2>&1; grep -c "^ROW" "$OUT/sweep.log"; grep -E "^\| " "$OUT/sweep.log" | head -n 60 ;;
+    sweep8) timeout "${SWEEP_S:-400}" python3 benchmarks/generate.py --kernels --sweep --kernel-batches 8 --out "$OUT" \
+             --tag sweep8 > "$OUT/sweep8.log" 2>&1; grep -c "^ROW" "$OUT/sweep8.log"; grep -E "^\| " "$OUT/sweep8.log" | head -n 60 ;;
     tests) timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/kernels/test_nf4_matvec.py \
              tests/models/generation/test_generation_gpu.py tests/kernels/test_moe_experts_nf4.py \
              tests/models/test_moe_gpu.py 2>&1 | tail -n 15 | tee "$OUT/tests.log" ;;

@@ -4,6 +4,7 @@
     python benchmarks/generate.py --only 8b-nf4 --systems notebookkit,unsloth --out DIR
     python benchmarks/generate.py --merge DIR/a.json DIR/b.json --out DIR  # one table from several runs
     python benchmarks/generate.py --kernels --out DIR                       # nf4_matvec vs HBM bandwidth
+    python benchmarks/generate.py --kernels --sweep --kernel-batches 8 --out DIR   # the tl.dot kernel's sweep alone
     python benchmarks/generate.py --tiny --out /tmp/generate                # CPU: checks this script
 
 Each (configuration, system) runs in its own process (``--child``), as ``benchmarks/run.py`` does, on
@@ -609,7 +610,9 @@ def sweep_configs(m: int):
     return configs
 
 
-def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
+def kernel_rows(sweep: bool, dtype_name: str = "bf16", batches: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """The ``--kernels`` rows: each shape at each M of ``batches`` (M = 1 first), then, with M = 1, the layer's groups
+    of one launch (``--kernel-batches 8``: the ``tl.dot`` rows alone, a shorter sweep)."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbF
     import torch
@@ -629,7 +632,7 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
         w = (torch.randn(n, k, device="cuda") * 0.02).to(dtype)
         weights[n, k] = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
         del w
-    for m in (1, 8):  # every shape at M = 1 first: a sweep cut short by its time limit still has them
+    for m in sorted(batches):  # every shape at M = 1 first: a sweep cut short by its time limit still has them
         for (n, k), (packed, qs) in weights.items():
             nbytes = sum(t.numel() * t.element_size() for t in (packed, qs.absmax, qs.state2.absmax, qs.state2.code))
             x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -663,8 +666,9 @@ def kernel_rows(sweep: bool, dtype_name: str = "bf16") -> list[dict]:
             if ours:
                 min(ours, key=lambda r: r["ms"])["fastest_config"] = True
             rows += shape_rows
-    rows += group_rows(dtype, bench, copy_gbps)
-    rows += dense_group_rows(dtype, bench, copy_gbps)
+    if 1 in batches:
+        rows += group_rows(dtype, bench, copy_gbps)
+        rows += dense_group_rows(dtype, bench, copy_gbps)
     for r in rows:
         r["copy_gbps"] = copy_gbps
     return rows
@@ -799,6 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", action="store_true", help="nf4_matvec, dequantise+matmul and bitsandbytes at 8B shapes")
     ap.add_argument("--sweep", action="store_true", help="with --kernels: a row per launch configuration")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="with --kernels")
+    ap.add_argument("--kernel-batches", default="1,8", help="with --kernels: the rows of x (M) to time, e.g. 8")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
@@ -823,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels:
         if not torch.cuda.is_available():
             raise SystemExit("--kernels needs a CUDA GPU.")
-        rows = kernel_rows(args.sweep, args.dtype)
+        rows = kernel_rows(args.sweep, args.dtype, tuple(int(b) for b in args.kernel_batches.split(",")))
         meta = dict(gpu=torch.cuda.get_device_name(0), date=str(dt.date.today()),
                     command="python benchmarks/generate.py " + " ".join(argv))
         stem = os.path.join(args.out, f"{dt.date.today()}-{meta['gpu'].replace(' ', '-')}-nf4-matvec{suffix}")
