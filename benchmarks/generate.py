@@ -607,6 +607,9 @@ def sweep_configs(m: int):
     for block_n in (16, 32, 64, 128):
         for step in (1, 2, 4):
             configs += [MatvecConfig(block_n, step, True, w) for w in (1, 2, 4, 8) if w * 16 <= block_n * 2]
+    # split along K: more programs for the few row blocks of a batch of 8 (a 4096-row weight: 128 at 32 rows)
+    for block_n, warps in ((16, 1), (16, 2), (32, 2), (64, 4)):
+        configs += [MatvecConfig(block_n, 2, True, warps, split_k=split) for split in (2, 4, 8)]
     return configs
 
 

@@ -24,7 +24,10 @@ Layout (bitsandbytes' NF4, see :mod:`notebookkit.kernels.nf4`): the flat weight 
 two 4-bit codes a byte (element ``2i`` in the high nibble), one scale per ``B`` consecutive elements
 (64). With ``K`` a multiple of ``B`` every row is ``K / B`` whole blocks; a program owns ``BLOCK_N``
 whole rows of ``W`` (no split over ``K``, one launch, no workspace, the same result every run) and
-walks along them ``STEP_BLOCKS`` blocks at a time. ``x`` is read as 32-bit words of two 16-bit values
+walks along them ``STEP_BLOCKS`` blocks at a time. The ``tl.dot`` kernel can also split ``K``
+(``MatvecConfig.split_k``, not :func:`matvec_config`'s choice until it is timed): its programs store fp32 sums
+of their share of the steps and a second launch adds them in a fixed order, so the result is still the same
+every run. ``x`` is read as 32-bit words of two 16-bit values
 (64-bit for fp32): word ``t`` is the pair ``(x[2t], x[2t + 1])`` that code byte ``t`` multiplies.
 
 The NF4 level of a code: on a GPU each lane of a warp holds ``NF4[lane % 16]`` and a warp shuffle
@@ -52,8 +55,8 @@ instead of 7.
 
 Weights whose rows are not whole NF4 blocks (``K % B != 0``: blocks straddle rows) are not run by
 the kernels: :func:`nf4_matvec_supported` says ``False`` and :func:`nf4_matvec` decodes the weight
-(``dequantize_nf4``) and multiplies. Graph-safe: no host synchronisation, the only allocation is ``y``
-(its size from the shapes). The kernels compile without FMA contraction (``enable_fp_fusion=False``:
+(``dequantize_nf4``) and multiplies. Graph-safe: no host synchronisation, the only allocations are ``y``
+and, split along K, the splits' fp32 sums (their sizes from the shapes). The kernels compile without FMA contraction (``enable_fp_fusion=False``:
 the nested absmax is a product and a sum, two roundings, as in bitsandbytes); the accumulation uses
 explicit ``tl.fma``.
 """
@@ -458,6 +461,7 @@ def _nf4_matvec_dot_kernel(
     u_ptr,  # x's dtype, [M, rank] rows stride_u apart: X A^T of a LoRA adapter (HAS_LORA only)
     lora_b_ptr,  # x's dtype, [N, rank] contiguous: its B (HAS_LORA only)
     y_ptr,  # x's dtype, [M, N] contiguous
+    part_ptr,  # fp32 [SPLIT_K, M, N]: each split's sum (SPLIT_K > 1 only; y_ptr stands in otherwise)
     M,
     N,
     blocks_per_row,  # K // BLOCKSIZE
@@ -465,6 +469,7 @@ def _nf4_matvec_dot_kernel(
     stride_u,
     rank,
     lora_scale,  # fp32 s
+    steps_per_split,  # loop steps of one split of K (all of them when SPLIT_K == 1)
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
@@ -479,7 +484,13 @@ def _nf4_matvec_dot_kernel(
     LANE_TABLE: tl.constexpr,  # NF4 levels by warp shuffle (GPU), else by table loads (interpreter)
     BF16_BY_HAND: tl.constexpr,  # round to bf16 with integer ops (the interpreter truncates a cast)
     INT64: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs along K (axis 1 of the grid); > 1: fp32 sums to part_ptr, summed after
 ):
+    """Rows ``[p BLOCK_N, (p + 1) BLOCK_N)`` of ``y`` (``p``: axis 0 of the grid) for all rows of ``x``: the NF4 tile
+    decoded to ``x``'s dtype and multiplied on the tensor cores, fp32 sums. With ``SPLIT_K > 1`` program ``(p, s)``
+    sums the loop steps ``[s, s + 1) steps_per_split`` only and stores that sum, unrounded (split 0 with the bias
+    and the LoRA term), in ``part[s]``; :func:`_split_sum_kernel` adds the splits in order and rounds once. A batch
+    of 8 rows has few programs otherwise (``N / BLOCK_N``: 128 for a 4096-row weight on a 132-SM card)."""
     HALF: tl.constexpr = BLOCKSIZE // 2
     rows = program_rows(BLOCK_N, INT64)
     row_ok = rows < N
@@ -488,8 +499,11 @@ def _nf4_matvec_dot_kernel(
     m_ok = ms < M
     lane_level = _lane_level(table_ptr, LANE_TABLE)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    split = tl.program_id(1)
+    first_step = split * steps_per_split
+    last_step = tl.minimum(first_step + steps_per_split, tl.cdiv(blocks_per_row, STEP_BLOCKS))
 
-    for step in range(0, tl.cdiv(blocks_per_row, STEP_BLOCKS)):
+    for step in range(first_step, last_step):
         byte, absmax, _, _ = _code_tile(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, first_block, row_ok,
                                         step, blocks_per_row, BLOCKSIZE2, NESTED, MASKED, STEP_BLOCKS, HALF)
         hi = _nf4_level(lane_level, table_ptr, byte >> 4, LANE_TABLE) * absmax[:, :, None]
@@ -512,14 +526,41 @@ def _nf4_matvec_dot_kernel(
             acc = tl.dot(w_hi, x_even, acc)
             acc = tl.dot(w_lo, x_odd, acc)
 
-    y = acc  # [BLOCK_N, BLOCK_M]
+    at = ms[None, :] * N + rows[:, None]  # [BLOCK_N, BLOCK_M] of y
+    if SPLIT_K == 1:
+        y = _with_terms(acc, rows, row_ok, ms, m_ok, bias_ptr, u_ptr, lora_b_ptr, stride_u, rank, lora_scale, HAS_BIAS,
+                        HAS_LORA, RANK)
+        y = _round_one(y, X_KIND, BF16_BY_HAND)
+        tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+    else:
+        if split == 0:
+            acc = _with_terms(acc, rows, row_ok, ms, m_ok, bias_ptr, u_ptr, lora_b_ptr, stride_u, rank, lora_scale,
+                              HAS_BIAS, HAS_LORA, RANK)
+        tl.store(part_ptr + split * M * N + at, acc, mask=row_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _with_terms(acc, rows, row_ok, ms, m_ok, bias_ptr, u_ptr, lora_b_ptr, stride_u, rank, lora_scale,
+                HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr):
+    """``acc + b[rows] + s (U B^T)[rows]`` in fp32, ``acc`` ``[BLOCK_N, BLOCK_M]`` (rows of ``W``, rows of ``x``)."""
     if HAS_BIAS:
-        y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        acc = acc + tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     if HAS_LORA:
-        y = y + lora_scale * _low_rank(u_ptr, lora_b_ptr, rows, row_ok, ms, m_ok, stride_u, rank, RANK)
-    y = _round_one(y, X_KIND, BF16_BY_HAND)
-    tl.store(y_ptr + ms[None, :] * N + rows[:, None], y.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & m_ok[None, :])
+        acc = acc + lora_scale * _low_rank(u_ptr, lora_b_ptr, rows, row_ok, ms, m_ok, stride_u, rank, RANK)
+    return acc
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, y_ptr, count, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, X_KIND: tl.constexpr,
+                      BF16_BY_HAND: tl.constexpr):
+    """``y = round(part[0] + part[1] + ... + part[SPLIT_K - 1])`` over ``count`` elements, the splits added in order
+    (the same bits every run): the second pass of :func:`_nf4_matvec_dot_kernel` split along K."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = at < count
+    total = tl.load(part_ptr + at, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):
+        total = total + tl.load(part_ptr + split * count + at, mask=ok, other=0.0)
+    tl.store(y_ptr + at, _round_one(total, X_KIND, BF16_BY_HAND).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -539,9 +580,10 @@ class MatvecConfig:
     num_stages: int | None = None  # Triton's software pipelining depth; None: Triton's default
     prefetch: bool = False  # the row kernel loads a step's tile one step ahead (two tiles in flight)
     rows_in_thread: bool = False  # the row kernel's four rows a program held in each thread (_row_products_in_thread)
+    split_k: int = 1  # the tl.dot kernel's programs along K, summed by a second launch (_split_sum_kernel)
 
     def __post_init__(self):
-        for name in ("block_n", "step_blocks", "num_warps"):
+        for name in ("block_n", "step_blocks", "num_warps", "split_k"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"MatvecConfig.{name} must be a power of two, got {value}.")
@@ -553,8 +595,12 @@ class MatvecConfig:
             raise ValueError("MatvecConfig.prefetch is the row kernel's (use_dot=False).")
         if self.rows_in_thread and (self.use_dot or self.prefetch or self.block_n != 4):
             raise ValueError("MatvecConfig.rows_in_thread is the row kernel's with block_n=4, without prefetch.")
+        if self.split_k > 1 and not self.use_dot:
+            raise ValueError("MatvecConfig.split_k is the tl.dot kernel's (use_dot=True).")
 
 
+# elements of y a program of the split-K sum adds up
+_SPLIT_SUM_BLOCK = 1024
 # NF4 bytes of one program's tile per loop step at M = 1: 16 per thread with 4 warps (one 128-bit load).
 _ROW_TILE_BYTES = 2048
 #: the rows-in-thread body's launch (16 bytes of each of its 4 rows a thread a step, 4 warps): slower than
@@ -800,10 +846,17 @@ def nf4_matvec(
     bias_or_y = bias.reshape(-1) if bias is not None else y
     grid = (triton.cdiv(n, config.block_n),)
     if config.use_dot:
-        _nf4_matvec_dot_kernel[grid](
-            words, packed, absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y,
-            m, n, blocks_per_row, words.stride(0), u.stride(0), lora_b.shape[-1], scaling,
-            BLOCK_M=MAX_ROWS, **common)
+        steps = triton.cdiv(blocks_per_row, config.step_blocks)
+        split = min(config.split_k, steps)  # no split without a step of its own
+        parts = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        _nf4_matvec_dot_kernel[(grid[0], split)](
+            words, packed, absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y, parts,
+            m, n, blocks_per_row, words.stride(0), u.stride(0), lora_b.shape[-1], scaling, triton.cdiv(steps, split),
+            BLOCK_M=MAX_ROWS, SPLIT_K=split, **common)
+        if split > 1:
+            _split_sum_kernel[(triton.cdiv(m * n, _SPLIT_SUM_BLOCK),)](
+                parts, y, m * n, SPLIT_K=split, BLOCK=_SPLIT_SUM_BLOCK, X_KIND=_X_KINDS[x.dtype],
+                BF16_BY_HAND=common["BF16_BY_HAND"])
     else:
         _nf4_matvec_row_kernel[grid](
             words, packed, absmax, table, code2, absmax2, offset, bias_or_y, u, lora_b, y,
@@ -970,12 +1023,12 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
                 specs.append((_nf4_matvec_row_kernel, signature,
                               {**constexprs, "PREFETCH": not nested, "ROWS_IN_THREAD": False}, options))
                 continue
-            signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands, "M": "i32", "N": "i32",
-                         "blocks_per_row": "i32", "stride_xw": "i32", "stride_u": "i32", "rank": "i32",
-                         "lora_scale": "fp32"}
+            signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands, "part_ptr": f"*{x_ty}", "M": "i32",
+                         "N": "i32", "blocks_per_row": "i32", "stride_xw": "i32", "stride_u": "i32", "rank": "i32",
+                         "lora_scale": "fp32", "steps_per_split": "i32"}
             if x_ty == "bf16":
                 options["targets"] = [80, 86, 89, 90]
-            specs.append((_nf4_matvec_dot_kernel, signature, {**constexprs, "BLOCK_M": MAX_ROWS}, options))
+            specs.append((_nf4_matvec_dot_kernel, signature, {**constexprs, "BLOCK_M": MAX_ROWS, "SPLIT_K": 1}, options))
         # the grouped row kernel: q/k/v (3 weights, 6144 rows) nested with LoRA; gate/up (2) plain with bias, masked
         for segments, nested, bias, masked, lora in ((3, True, False, False, True), (2, False, True, True, False)):
             config = matvec_config(1, 6144, 4096)
@@ -1002,6 +1055,12 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
         specs.append((kernel, signature, {**constexprs, "ROWS_IN_THREAD": True, "PREFETCH": False, "BLOCK_N": 4,
                                           "STEP_BLOCKS": ROWS_IN_THREAD_CONFIG.step_blocks},
                       {**options, "num_warps": ROWS_IN_THREAD_CONFIG.num_warps}))
+    # split along K (MatvecConfig.split_k), last so that the indices above stay: the tl.dot kernel's fp32 sums and
+    # their sum, fp16 (every target)
+    dot = next(sp for sp in specs if sp[0] is _nf4_matvec_dot_kernel)
+    specs.append((dot[0], {**dot[1], "part_ptr": "*fp32"}, {**dot[2], "SPLIT_K": 4}, dot[3]))
+    specs.append((_split_sum_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp16", "count": "i32"},
+                  {"SPLIT_K": 4, "BLOCK": _SPLIT_SUM_BLOCK, "X_KIND": 1, "BF16_BY_HAND": False}, {"num_warps": 4}))
     return specs
 
 

@@ -178,6 +178,21 @@ def test_lora_term_joins_the_sum(m, dtype, rank):
         assert_within_rounding(_kernel(x, packed, qs, bias), x, packed, qs, bias, lora=lora, exact_w=m == 1)
 
 
+@needs_interpreter
+def test_split_along_k_adds_the_bias_and_the_lora_term_once():
+    """Split along K, the first split's sum carries the bias and the LoRA term and the second launch adds the splits:
+    the same function as one program a row block (five rows of x, three of the four splits with steps, one empty)."""
+    n, k, m = 37, 320, 5
+    packed, qs = _nf4_weight(n, k, torch.float16, nested=True, seed=13)
+    x, bias = _inputs(m, n, k, torch.float16, with_bias=True, seed=14)
+    lora = _lora_term(m, n, 4, torch.float16)
+    config = MatvecConfig(block_n=16, step_blocks=1, use_dot=True, num_warps=1, split_k=4)
+    y = _kernel(x, packed, qs, bias, config, lora)
+    assert_within_rounding(y, x, packed, qs, bias, "split 4", lora=lora, exact_w=False)
+    ref = nf4_matvec_reference(x, (packed, qs), bias, lora=lora)
+    assert rel_err(y, ref) <= 2 * UNIT_ROUNDOFF[torch.float16] + TOLERANCE[torch.float32]
+
+
 def _group(ns, k, dtype, nested, with_bias, with_lora, seed=21, device="cpu", rank=8):
     """Weights ``[n_i, k]`` that read one ``x [1, k]``, their biases and LoRA terms (``U_i`` the columns of one
     ``X A_cat^T``, as a decode layer's q/k/v)."""
@@ -275,12 +290,14 @@ CONFIGS = [
     MatvecConfig(block_n=16, step_blocks=1, use_dot=True, num_warps=1),
     MatvecConfig(block_n=32, step_blocks=2, use_dot=True, num_warps=2),
     MatvecConfig(block_n=64, step_blocks=4, use_dot=True),
+    MatvecConfig(block_n=16, step_blocks=1, use_dot=True, num_warps=1, split_k=4),  # 5 or 4 steps: a split left empty
+    MatvecConfig(block_n=32, step_blocks=2, use_dot=True, num_warps=2, split_k=2),  # a partial last step in a split
 ]
 
 
 def _config_id(c: MatvecConfig) -> str:
     return (f"n{c.block_n}-s{c.step_blocks}-{'dot' if c.use_dot else 'fma'}-w{c.num_warps}" + ("-prefetch" * c.prefetch)
-            + ("-rows-in-thread" * c.rows_in_thread))
+            + ("-rows-in-thread" * c.rows_in_thread) + (f"-split{c.split_k}" if c.split_k > 1 else ""))
 
 
 @needs_interpreter
@@ -457,6 +474,10 @@ def test_errors_speak_to_the_user():
         MatvecConfig(block_n=16, step_blocks=1, use_dot=True, prefetch=True)
     with pytest.raises(ValueError, match="rows_in_thread is the row kernel's with block_n=4"):
         MatvecConfig(block_n=2, step_blocks=1, use_dot=False, rows_in_thread=True)
+    with pytest.raises(ValueError, match="split_k is the tl.dot kernel's"):
+        MatvecConfig(block_n=4, step_blocks=1, use_dot=False, split_k=2)
+    with pytest.raises(ValueError, match="split_k must be a power of two"):
+        MatvecConfig(block_n=16, step_blocks=1, use_dot=True, split_k=3)
     if interpreter_on():
         with use_triton(True), pytest.raises(ValueError, match="one row of x"):
             nf4_matvec(torch.randn(2, 128).half(), (packed, qs), config=MatvecConfig(4, 1, use_dot=False))
@@ -527,6 +548,7 @@ def test_gpu_lora_term(m, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [MatvecConfig(8, 8, False), MatvecConfig(4, 16, False, prefetch=True),
                                     MatvecConfig(32, 2, True, 2), MatvecConfig(64, 2, True),
+                                    MatvecConfig(32, 2, True, 2, split_k=8),
                                     MatvecConfig(16, 4, True, 1), ROWS_IN_THREAD_CONFIG], ids=_config_id)
 def test_gpu_configs_plain_absmax(config):
     packed, qs = _nf4_weight(4096, 4096, torch.bfloat16, nested=False, device="cuda")
