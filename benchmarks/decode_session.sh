@@ -33,7 +33,8 @@ for step in "$@"; do
     sweep) timeout "${SWEEP_S:-400}" python3 benchmarks/generate.py --kernels --sweep --out "$OUT" --tag sweep \
              > "$OUT/sweep.log" 2>&1; grep -c "^ROW" "$OUT/sweep.log"; grep -E "^\| " "$OUT/sweep.log" | head -n 60 ;;
     sweep8) timeout "${SWEEP_S:-400}" python3 benchmarks/generate.py --kernels --sweep --kernel-batches 8 --out "$OUT" \
-             --tag sweep8 > "$OUT/sweep8.log" 2>&1; grep -c "^ROW" "$OUT/sweep8.log"; grep -E "^\| " "$OUT/sweep8.log" | head -n 60 ;;
+             --tag sweep8 > "$OUT/sweep8.log" 2>&1
+            grep -c "^ROW" "$OUT/sweep8.log"; grep -E "^\| " "$OUT/sweep8.log" | head -n 60 ;;
     tests) timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/kernels/test_nf4_matvec.py \
              tests/models/generation/test_generation_gpu.py tests/kernels/test_moe_experts_nf4.py \
              tests/models/test_moe_gpu.py 2>&1 | tail -n 15 | tee "$OUT/tests.log" ;;

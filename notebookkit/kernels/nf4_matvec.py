@@ -56,9 +56,9 @@ instead of 7.
 Weights whose rows are not whole NF4 blocks (``K % B != 0``: blocks straddle rows) are not run by
 the kernels: :func:`nf4_matvec_supported` says ``False`` and :func:`nf4_matvec` decodes the weight
 (``dequantize_nf4``) and multiplies. Graph-safe: no host synchronisation, the only allocations are ``y``
-and, split along K, the splits' fp32 sums (their sizes from the shapes). The kernels compile without FMA contraction (``enable_fp_fusion=False``:
-the nested absmax is a product and a sum, two roundings, as in bitsandbytes); the accumulation uses
-explicit ``tl.fma``.
+and, split along K, the splits' fp32 sums (their sizes from the shapes). The kernels compile without FMA
+contraction (``enable_fp_fusion=False``: the nested absmax is a product and a sum, two roundings, as in
+bitsandbytes); the accumulation uses explicit ``tl.fma``.
 """
 
 from __future__ import annotations
@@ -488,8 +488,8 @@ def _nf4_matvec_dot_kernel(
 ):
     """Rows ``[p BLOCK_N, (p + 1) BLOCK_N)`` of ``y`` (``p``: axis 0 of the grid) for all rows of ``x``: the NF4 tile
     decoded to ``x``'s dtype and multiplied on the tensor cores, fp32 sums. With ``SPLIT_K > 1`` program ``(p, s)``
-    sums the loop steps ``[s, s + 1) steps_per_split`` only and stores that sum, unrounded (split 0 with the bias
-    and the LoRA term), in ``part[s]``; :func:`_split_sum_kernel` adds the splits in order and rounds once. A batch
+    sums only the loop steps from ``s steps_per_split`` to ``(s + 1) steps_per_split`` and stores that sum,
+    unrounded (split 0 with the bias and the LoRA term), in ``part[s]``; :func:`_split_sum_kernel` adds the splits in order and rounds once. A batch
     of 8 rows has few programs otherwise (``N / BLOCK_N``: 128 for a 4096-row weight on a 132-SM card)."""
     HALF: tl.constexpr = BLOCKSIZE // 2
     rows = program_rows(BLOCK_N, INT64)
@@ -1028,7 +1028,8 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
                          "lora_scale": "fp32", "steps_per_split": "i32"}
             if x_ty == "bf16":
                 options["targets"] = [80, 86, 89, 90]
-            specs.append((_nf4_matvec_dot_kernel, signature, {**constexprs, "BLOCK_M": MAX_ROWS, "SPLIT_K": 1}, options))
+            specs.append((_nf4_matvec_dot_kernel, signature, {**constexprs, "BLOCK_M": MAX_ROWS, "SPLIT_K": 1},
+                          options))
         # the grouped row kernel: q/k/v (3 weights, 6144 rows) nested with LoRA; gate/up (2) plain with bias, masked
         for segments, nested, bias, masked, lora in ((3, True, False, False, True), (2, False, True, True, False)):
             config = matvec_config(1, 6144, 4096)
