@@ -492,7 +492,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                    "device copy bandwidth / bytes of the weights read per step.").format(
                        p=rows[0].get("prompt", "?") if rows else "?", n=rows[0].get("new", "?") if rows else "?"), ""]
     lines += ["| shape | batch | notebookkit tok/s | HF+PEFT | Unsloth | × HF | × Unsloth | × Unsloth target "
-              "| bound tok/s | notebookkit % of bound | peak GiB (nbk / hf / unsloth) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| bound tok/s | notebookkit % of bound | peak GiB (nbk / hf / unsloth) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for config in [c for c in ("8b-nf4", "1b-bf16", "tiny") if any(r["config"] == c for r in rows)]:
         for batch in sorted({r["batch"] for r in rows if r["config"] == config}):
             got = {s: _find(rows, config, s, batch) for s in SYSTEMS}

@@ -489,8 +489,9 @@ def _nf4_matvec_dot_kernel(
     """Rows ``[p BLOCK_N, (p + 1) BLOCK_N)`` of ``y`` (``p``: axis 0 of the grid) for all rows of ``x``: the NF4 tile
     decoded to ``x``'s dtype and multiplied on the tensor cores, fp32 sums. With ``SPLIT_K > 1`` program ``(p, s)``
     sums only the loop steps from ``s steps_per_split`` to ``(s + 1) steps_per_split`` and stores that sum,
-    unrounded (split 0 with the bias and the LoRA term), in ``part[s]``; :func:`_split_sum_kernel` adds the splits in order and rounds once. A batch
-    of 8 rows has few programs otherwise (``N / BLOCK_N``: 128 for a 4096-row weight on a 132-SM card)."""
+    unrounded (split 0 with the bias and the LoRA term), in ``part[s]``; :func:`_split_sum_kernel` adds the splits
+    in order and rounds once. A batch of 8 rows has few programs otherwise (``N / BLOCK_N``: 128 for a 4096-row
+    weight on a 132-SM card)."""
     HALF: tl.constexpr = BLOCKSIZE // 2
     rows = program_rows(BLOCK_N, INT64)
     row_ok = rows < N

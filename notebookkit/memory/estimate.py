@@ -220,7 +220,7 @@ OFFLOADING = ("offload", "offload_mlp")
 #: layers (kept or recomputed) whose forwards outlast the copies to the host of the offloaded layer before them (its
 #: input and parked gate/up outputs): with fewer after the last offloaded layer, those copies may still run at the
 #: end of the forward (_temporaries); the planner's spread layout ends on this many kept layers
-KEPT_LAYERS_AFTER_COPIES = 2
+LAYERS_AFTER_COPIES = 2
 # gpt-oss alternates sliding-window and full layers: Hugging Face builds one attention mask for each kind
 SINKS_MASK_KINDS = 2
 METHODS = tuple(TRAINING_METHODS)
@@ -1343,7 +1343,7 @@ def _temporaries(
         kept_after = len(plan) - 1 - non_kept[-1]
         first_recompute = (activations - kept_after * keep_layer + (acts.recomputed_layer - acts.layer_input)
                            + ws_recompute + in_flight)
-        if to_host and len(plan) - 1 - to_host[-1] < KEPT_LAYERS_AFTER_COPIES:  # the last copies may still run
+        if to_host and len(plan) - 1 - to_host[-1] < LAYERS_AFTER_COPIES:  # the last copies may still run
             end_of_forward += in_flight
     else:
         first_recompute = 0

@@ -76,7 +76,7 @@ from notebookkit.training_methods import TRAINING_METHODS
 
 from .base_weights import base_format_for, load_flags
 from .cards import GPUCard, detect_card, parse_card, parse_memory
-from .estimate import (KEPT_LAYERS_AFTER_COPIES, MODES, OFFLOADING, MemoryEstimate, bytes_of_dtype,
+from .estimate import (LAYERS_AFTER_COPIES, MODES, OFFLOADING, MemoryEstimate, bytes_of_dtype,
                        estimate_training_memory, lora_param_count, lora_targets, parked_mlp_bytes, readable_bytes)
 from .meters import HOST_RESERVE_BYTES
 from .moe import expert_lora_param_count, expert_lora_ranks
@@ -306,7 +306,7 @@ def park_offloaded_mlps(modes: Sequence[str], fraction: float, most: int | None 
 
 
 #: kept layers a spread plan leaves at its end: their forwards cover the last offloaded layer's copies to the host
-SPREAD_TAIL = KEPT_LAYERS_AFTER_COPIES
+SPREAD_TAIL = LAYERS_AFTER_COPIES
 
 
 def spread_offloaded(modes: Sequence[str]) -> tuple[str, ...]:
