@@ -22,13 +22,13 @@ decode projection is one launch). There is no backward: decoding runs without gr
 
 Layout (bitsandbytes' NF4, see :mod:`notebookkit.kernels.nf4`): the flat weight in row-major order,
 two 4-bit codes a byte (element ``2i`` in the high nibble), one scale per ``B`` consecutive elements
-(64). With ``K`` a multiple of ``B`` every row is ``K / B`` whole blocks; a program owns ``BLOCK_N``
-whole rows of ``W`` (no split over ``K``, one launch, no workspace, the same result every run) and
-walks along them ``STEP_BLOCKS`` blocks at a time. The ``tl.dot`` kernel can also split ``K``
-(``MatvecConfig.split_k``, not :func:`matvec_config`'s choice until it is timed): its programs store fp32 sums
-of their share of the steps and a second launch adds them in a fixed order, so the result is still the same
-every run. ``x`` is read as 32-bit words of two 16-bit values
-(64-bit for fp32): word ``t`` is the pair ``(x[2t], x[2t + 1])`` that code byte ``t`` multiplies.
+(64). With ``K`` a multiple of ``B`` every row is ``K / B`` whole blocks; a program of the row kernel
+(one row of ``x``) owns ``BLOCK_N`` whole rows of ``W`` (one launch, no workspace, the same result every
+run) and walks along them ``STEP_BLOCKS`` blocks at a time. The ``tl.dot`` kernel (two to 16 rows of
+``x``) also splits ``K`` (``MatvecConfig.split_k``, :func:`dot_split_k`): its programs store fp32 sums of
+their share of the steps and a second launch adds them in a fixed order, so the result is still the same
+every run. ``x`` is read as 32-bit words of two 16-bit values (64-bit for fp32): word ``t`` is the pair
+``(x[2t], x[2t + 1])`` that code byte ``t`` multiplies.
 
 The NF4 level of a code: on a GPU each lane of a warp holds ``NF4[lane % 16]`` and a warp shuffle
 (``shfl.sync.idx``, the lane from the low 5 bits of the index) fetches any level in one instruction,
@@ -76,8 +76,8 @@ from .nf4 import (dequantize_nf4, dequantize_nf4_reference, nf4_kernel_operands,
 from .runtime import interpreter_on, should_use_triton, sm_count
 
 __all__ = [
-    "MAX_GROUP", "MAX_ROWS", "ROWS_IN_THREAD_CONFIG", "LoRATerm", "MatvecConfig", "matvec_config", "nf4_matvec",
-    "nf4_matvec_group",
+    "MAX_GROUP", "MAX_ROWS", "ROWS_IN_THREAD_CONFIG", "LoRATerm", "MatvecConfig", "dot_split_k", "matvec_config",
+    "nf4_matvec", "nf4_matvec_group",
     "nf4_matvec_reference", "nf4_matvec_supported",
     "AOT_SPECS",
 ]
@@ -602,6 +602,11 @@ class MatvecConfig:
 
 # elements of y a program of the split-K sum adds up
 _SPLIT_SUM_BLOCK = 1024
+# the tl.dot kernel's rows a program, and its split along K: at most this many splits, each loop at most this
+# many inputs where the programs already fill the card (dot_split_k)
+_DOT_ROWS = 32
+_MAX_SPLIT_K = 8
+_SPLIT_K_INPUTS = 2048
 # NF4 bytes of one program's tile per loop step at M = 1: 16 per thread with 4 warps (one 128-bit load).
 _ROW_TILE_BYTES = 2048
 #: the rows-in-thread body's launch (16 bytes of each of its 4 rows a thread a step, 4 warps): slower than
@@ -616,14 +621,15 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
 
     ``m == 1``: fused multiply-adds, the most rows per program up to 4 that still leave two programs
     per SM, steps of ``_ROW_TILE_BYTES``, 4 warps (8 with fewer than 4 rows a program). ``m >= 2``:
-    ``tl.dot``, 32 rows and 2 warps per program (64 rows and 4 warps, one warpgroup MMA, once ``n``
-    gives two programs per SM even so; 16 rows for ``n`` under ``16 sm_count``), steps of 64 bytes a
-    row (at least 16: ``tl.dot``'s smallest inner size). Steps never exceed a row.
+    ``tl.dot``, 32 rows and 2 warps per program, steps of 64 bytes a row (at least 16: ``tl.dot``'s
+    smallest inner size), split along K (:func:`dot_split_k`). Steps never exceed a row.
 
     The sweep on an H200 (``benchmarks/generate.py --kernels --sweep``, bf16, the Llama-3.1-8B shapes) put
-    these first or within 3% of the first. Session 25, the row kernel: 4096 x 4096 (4, 16) 7.13 us (best
-    7.07), 14336 x 4096 (4, 16) 20.0 us (the best; session 24's kernel: 22.0), 4096 x 14336 20.1 (19.9),
-    1024 x 4096 (2, 32, 8 warps) 3.25 (3.16). Session 24, M = 8: 1024 x 4096 16 rows, 16.2 against 18.4 us.
+    the row kernel's choices first or within 3% of the first. Session 25, the row kernel: 4096 x 4096 (4, 16)
+    7.13 us (best 7.07), 14336 x 4096 (4, 16) 20.0 us (the best; session 24's kernel: 22.0), 4096 x 14336 20.1
+    (19.9), 1024 x 4096 (2, 32, 8 warps) 3.25 (3.16). The ``tl.dot`` kernel at M = 8 on an H100 (session 50,
+    ``--kernel-batches 8``): 64 rows a program ran 1.3-3.8x slower than 32 at every shape, the LM head's
+    included, and 16 rows (split or not) lost to 32 at 1024 x 4096.
 
     With ``NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1`` in the environment, a one-row call that gets 4 rows a program runs the
     rows-in-thread body instead (:data:`ROWS_IN_THREAD_CONFIG`, its steps no longer than a row): an A/B switch for
@@ -639,10 +645,24 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
             return replace(ROWS_IN_THREAD_CONFIG, step_blocks=min(ROWS_IN_THREAD_CONFIG.step_blocks, row_blocks))
         step_blocks = max(1, min(_ROW_TILE_BYTES // (block_n * half), row_blocks))
         return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=False, num_warps=4 if block_n >= 4 else 8)
-    wide = triton.cdiv(n, 64) >= 2 * sm_count
-    block_n, num_warps = (64, 4) if wide else (32, 2) if n >= 16 * sm_count else (16, 2)
     step_blocks = max(triton.cdiv(16, half), min(triton.cdiv(64, half), row_blocks))
-    return MatvecConfig(block_n=block_n, step_blocks=step_blocks, use_dot=True, num_warps=num_warps)
+    split_k = dot_split_k(triton.cdiv(n, _DOT_ROWS), k, sm_count)
+    return MatvecConfig(block_n=_DOT_ROWS, step_blocks=step_blocks, use_dot=True, num_warps=2, split_k=split_k)
+
+
+def dot_split_k(row_programs: int, k: int, sm_count: int) -> int:
+    """Splits along K for the ``tl.dot`` kernel: the fewest (a power of two, at most ``_MAX_SPLIT_K``) that
+    give at least three programs per SM and at most ``_SPLIT_K_INPUTS`` inputs to each program's loop.
+
+    At M = 8 a weight has few row blocks (128 for 4096 rows at 32 a program on a 132-SM card), so without a
+    split most SMs hold one program walking the whole row. Session 50's sweep on an H100 (bf16, M = 8, the
+    fp32 sums added by a second launch, its time included): 4096 x 4096 17.6 -> 11.6 us (split 4, the best),
+    1024 x 4096 17.5 -> 7.0 (8, the best), 14336 x 4096 33.0 -> 29.5 (2, the best), 4096 x 14336 58.0 -> 29.8
+    (8: 29.1, the best)."""
+    split = 1
+    while split < _MAX_SPLIT_K and (row_programs * split < 3 * sm_count or k > split * _SPLIT_K_INPUTS):
+        split *= 2
+    return split
 
 
 def _check_x(x: torch.Tensor, k: int, where: str) -> None:
@@ -1024,13 +1044,14 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
                 specs.append((_nf4_matvec_row_kernel, signature,
                               {**constexprs, "PREFETCH": not nested, "ROWS_IN_THREAD": False}, options))
                 continue
-            signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands, "part_ptr": f"*{x_ty}", "M": "i32",
+            part = "*fp32" if config.split_k > 1 else f"*{x_ty}"
+            signature = {"x_words_ptr": "*i32", "packed_ptr": "*u8", **operands, "part_ptr": part, "M": "i32",
                          "N": "i32", "blocks_per_row": "i32", "stride_xw": "i32", "stride_u": "i32", "rank": "i32",
                          "lora_scale": "fp32", "steps_per_split": "i32"}
             if x_ty == "bf16":
                 options["targets"] = [80, 86, 89, 90]
-            specs.append((_nf4_matvec_dot_kernel, signature, {**constexprs, "BLOCK_M": MAX_ROWS, "SPLIT_K": 1},
-                          options))
+            specs.append((_nf4_matvec_dot_kernel, signature,
+                          {**constexprs, "BLOCK_M": MAX_ROWS, "SPLIT_K": config.split_k}, options))
         # the grouped row kernel: q/k/v (3 weights, 6144 rows) nested with LoRA; gate/up (2) plain with bias, masked
         for segments, nested, bias, masked, lora in ((3, True, False, False, True), (2, False, True, True, False)):
             config = matvec_config(1, 6144, 4096)
@@ -1057,12 +1078,13 @@ def _aot_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, An
         specs.append((kernel, signature, {**constexprs, "ROWS_IN_THREAD": True, "PREFETCH": False, "BLOCK_N": 4,
                                           "STEP_BLOCKS": ROWS_IN_THREAD_CONFIG.step_blocks},
                       {**options, "num_warps": ROWS_IN_THREAD_CONFIG.num_warps}))
-    # split along K (MatvecConfig.split_k), last so that the indices above stay: the tl.dot kernel's fp32 sums and
-    # their sum, fp16 (every target)
+    # last so that the indices above stay: the tl.dot kernel without a split along K (a weight that fills the card
+    # with short rows), and the sum of matvec_config's splits at K = 4096, fp16 (every target)
     dot = next(sp for sp in specs if sp[0] is _nf4_matvec_dot_kernel)
-    specs.append((dot[0], {**dot[1], "part_ptr": "*fp32"}, {**dot[2], "SPLIT_K": 4}, dot[3]))
+    split = dot[2]["SPLIT_K"]
+    specs.append((dot[0], {**dot[1], "part_ptr": "*fp16"}, {**dot[2], "SPLIT_K": 1}, dot[3]))
     specs.append((_split_sum_kernel, {"part_ptr": "*fp32", "y_ptr": "*fp16", "count": "i32"},
-                  {"SPLIT_K": 4, "BLOCK": _SPLIT_SUM_BLOCK, "X_KIND": 1, "BF16_BY_HAND": False}, {"num_warps": 4}))
+                  {"SPLIT_K": split, "BLOCK": _SPLIT_SUM_BLOCK, "X_KIND": 1, "BF16_BY_HAND": False}, {"num_warps": 4}))
     return specs
 
 

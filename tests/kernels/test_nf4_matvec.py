@@ -450,6 +450,16 @@ def test_matvec_config_choices(n, k, monkeypatch):
     for m in (2, 8, 16):
         many = matvec_config(m, n, k, 64, sm_count=132)
         assert many.use_dot and many.block_n >= 16 and many.step_blocks * 32 >= 16
+        programs = -(-n // many.block_n) * many.split_k
+        assert many.split_k == 8 or (programs >= 3 * 132 and k <= 2048 * many.split_k), "the card left short"
+        assert many.split_k == 1 or -(-n // many.block_n) * many.split_k // 2 < 3 * 132 or k > 1024 * many.split_k
+
+
+@pytest.mark.parametrize("n,k,split", [(4096, 4096, 4), (1024, 4096, 8), (14336, 4096, 2), (4096, 14336, 8)])
+def test_batch_8_takes_the_sweeps_split_along_k(n, k, split):
+    """Session 50's sweep on an H100 (M = 8, bf16): the fastest or within 3% of it at each 8B decode shape."""
+    config = matvec_config(8, n, k, 64, sm_count=132)
+    assert (config.block_n, config.num_warps, config.split_k) == (32, 2, split)
 
 
 def triton_next_pow2(v: int) -> int:
