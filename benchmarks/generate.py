@@ -257,7 +257,12 @@ def profile_call(model, ids, new: int, device: str, pad_id: int) -> dict:
 
 
 def per_step(short: dict, long: dict, steps: int) -> dict:
-    """One decode step: (long call - short call) / steps, for every total of :func:`profile_call`."""
+    """One decode step: (long call - short call) / steps, for every total of :func:`profile_call`.
+
+    The wall time is the difference of two processes' calls, each with its own prefill on the host: where it comes
+    out below the step's GPU busy time (a replayed step cannot finish before its kernels; the 1B bf16 step of
+    session 50 read -0.002 ms against 1.51 busy) the host's noise swamped the steps, and the wall time, the idle
+    share and the host wait are left out (``None``, "–" in the tables) rather than printed as numbers."""
     import profile_step
 
     by_name: dict[str, list[float]] = {}
@@ -271,13 +276,16 @@ def per_step(short: dict, long: dict, steps: int) -> dict:
     diff = lambda key: None if long[key] is None or short[key] is None else (long[key] - short[key]) / steps  # noqa: E731
     wall = diff("wall_ms")
     busy = diff("busy_ms")
+    noisy = kernels and wall is not None and busy is not None and wall < busy
+    if noisy:
+        wall = None
     return dict(
-        wall_ms=round(wall, 3), gpu_kernel_ms=round(gpu_ms, 3) if kernels else None,
+        wall_ms=None if wall is None else round(wall, 3), gpu_kernel_ms=round(gpu_ms, 3) if kernels else None,
         gpu_busy_ms=round(busy, 3) if kernels else None,
         gpu_idle_share=round(max(0.0, 1 - busy / wall), 3) if kernels and wall else None,
         kernels=round(sum(c for _, _, c in kernels), 1) if kernels else None,
         launch_calls=round(diff("launches"), 1), graph_launches=round(diff("graph_launches"), 2),
-        host_wait_ms=None if diff("host_wait_ms") is None else round(diff("host_wait_ms"), 3),
+        host_wait_ms=None if noisy or diff("host_wait_ms") is None else round(diff("host_wait_ms"), 3),
         top_categories=[(r["category"], round(r["ms"], 3)) for r in profile_step.category_table(kernels)[:4]],
     )
 

@@ -107,6 +107,13 @@ def test_per_step_profile_is_the_difference_per_step():
     assert p["gpu_kernel_ms"] == pytest.approx((8000 + 800) / 4 / 1e3)
     assert p["kernels"] == 22.0 and p["launch_calls"] == 100.0 and p["graph_launches"] == 1.0 and p["host_wait_ms"] == 10.0
     assert p["top_categories"][0][1] >= p["top_categories"][-1][1]
+    # a wall difference under the GPU's busy time is host noise (session 50's 1B row): no wall, idle or wait numbers
+    noisy = generate.per_step(dict(short, wall_ms=290.0), long, steps=4)
+    assert noisy["wall_ms"] is None and noisy["gpu_idle_share"] is None and noisy["host_wait_ms"] is None
+    assert noisy["gpu_busy_ms"] == 10.0 and noisy["kernels"] == 22.0
+    table = generate.profile_table([dict(config="1b-bf16", system="notebookkit", batch=1, step_profile=noisy)],
+                                   "step_profile", "x")
+    assert table[-1].startswith("| 1b-bf16 | notebookkit | 1 | – | 2.20 | 10.00 | – | 22 |")
     # the prefill's profile: the one-token call's own totals
     pre = generate.call_profile(short)
     assert pre["wall_ms"] == 100.0 and pre["gpu_busy_ms"] == 10.0 and pre["gpu_idle_share"] == 0.9
