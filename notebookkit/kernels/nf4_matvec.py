@@ -628,8 +628,8 @@ def matvec_config(m: int, n: int, k: int, blocksize: int = 64, sm_count: int = 1
     the row kernel's choices first or within 3% of the first. Session 25, the row kernel: 4096 x 4096 (4, 16)
     7.13 us (best 7.07), 14336 x 4096 (4, 16) 20.0 us (the best; session 24's kernel: 22.0), 4096 x 14336 20.1
     (19.9), 1024 x 4096 (2, 32, 8 warps) 3.25 (3.16). The ``tl.dot`` kernel at M = 8 on an H100 (session 50,
-    ``--kernel-batches 8``): 64 rows a program ran 1.3-3.8x slower than 32 at every shape, the LM head's
-    included, and 16 rows (split or not) lost to 32 at 1024 x 4096.
+    ``--kernel-batches 8``): 64 rows a program ran 1.05-1.6x slower than 32 at every shape (1.3x at the LM head),
+    and 16 rows lost to 32 at every shape once split.
 
     With ``NOTEBOOKKIT_NF4_ROWS_IN_THREAD=1`` in the environment, a one-row call that gets 4 rows a program runs the
     rows-in-thread body instead (:data:`ROWS_IN_THREAD_CONFIG`, its steps no longer than a row): an A/B switch for
