@@ -656,9 +656,9 @@ def dot_split_k(row_programs: int, k: int, sm_count: int) -> int:
 
     At M = 8 a weight has few row blocks (128 for 4096 rows at 32 a program on a 132-SM card), so without a
     split most SMs hold one program walking the whole row. Session 50's sweep on an H100 (bf16, M = 8, the
-    fp32 sums added by a second launch, its time included): 4096 x 4096 17.6 -> 11.6 us (split 4, the best),
-    1024 x 4096 17.5 -> 7.0 (8, the best), 14336 x 4096 33.0 -> 29.5 (2, the best), 4096 x 14336 58.0 -> 29.8
-    (8: 29.1, the best)."""
+    fp32 sums added by a second launch, its time included), the previous rule's launch against this one's:
+    4096 x 4096 17.6 -> 11.6 us (split 4), 1024 x 4096 16.8 -> 7.0 (8), 14336 x 4096 33.0 -> 29.5 (2),
+    4096 x 14336 58.0 -> 29.1 (8); each the best of the shape's configurations."""
     split = 1
     while split < _MAX_SPLIT_K and (row_programs * split < 3 * sm_count or k > split * _SPLIT_K_INPUTS):
         split *= 2

@@ -452,6 +452,7 @@ def test_matvec_config_choices(n, k, monkeypatch):
         assert many.use_dot and many.block_n >= 16 and many.step_blocks * 32 >= 16
         programs = -(-n // many.block_n) * many.split_k
         assert many.split_k == 8 or (programs >= 3 * 132 and k <= 2048 * many.split_k), "the card left short"
+        # the fewest such splits: half as many would leave the card short or a loop too long
         assert many.split_k == 1 or -(-n // many.block_n) * many.split_k // 2 < 3 * 132 or k > 1024 * many.split_k
 
 
