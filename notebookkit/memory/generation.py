@@ -43,6 +43,9 @@ One decoder layer's working set for ``N`` tokens attending over ``M`` slots, wit
     schedule and transients for ``N`` tokens and ``N k`` (token, expert) pairs, the selected experts' weights
     read in place (NF4 ones decoded in the kernel's tiles, no dense copy), as
     :func:`notebookkit.memory.moe.sparse_block_generation_bytes` counts them;
+    a decode step's split attention (:mod:`notebookkit.kernels.decode_attention`) adds its fp32 partial sums, at
+    most ``B * nk * 64 * 16 * (D + 2) * 4`` bytes (4.3 MB at batch 1 of an 8B model), left out: the sampling
+    temporaries are larger at every batch size;
     attention with sinks (gpt-oss) forms its scores explicitly in fp32, with the query heads grouped onto their
     key/value head (no repeated K, V): ``B * nh * T' * M * (2s + 12)`` (scores, their exponentials and
     probabilities in fp32, the probabilities in ``s``) and the mask repeated to each group's rows
