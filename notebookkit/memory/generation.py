@@ -12,8 +12,7 @@ CUDA graph buffers (the captured step's static inputs and outputs, alive as long
     fp32 logits ``[B, V]`` (4 bytes each), the seen-token mask ``[B, V]`` (1), the uniforms
     ``[B, V]`` (4), the hidden state ``[B, H]`` (``s``), the token ids by slot ``[B, M]`` (int64),
     and a few int64 numbers per row (next token, position, padding, finished flag:
-    ``GRAPH_INTS_PER_ROW * 8`` bytes); a captured prefill's padded prompt (at most ``PREFILL_GRAPH_TOKENS``
-    int64, 8 KiB) is left out.
+    ``GRAPH_INTS_PER_ROW * 8`` bytes).
 
 Decode step (the graph's private memory pool: what one step allocates is kept between replays):
     the larger of one decoder layer's working set for ``N = B`` tokens and the LM head's output
@@ -21,14 +20,9 @@ Decode step (the graph's private memory pool: what one step allocates is kept be
     (:mod:`notebookkit.models.generation.sampling` with every filter on: the sorted logits and
     their int64 order for top-p, probabilities, cumulative sums, masks, the Gumbel noise).
 
-Prefill (one forward over the prompt; its temporaries freed when it ends):
+Prefill (eager, one forward over the prompt; freed when it ends):
     one decoder layer's working set for ``N = B * T`` tokens, plus the last position's logits
-    ``[B, V]`` (``s``). On a GPU a prompt of ``T0`` tokens is padded on the right to ``T = prefill_length(B, T0,
-    M)`` slots (:func:`length_bucket`: the smallest power of two, at least 16, capped at ``M``) when ``B * T <=
-    PREFILL_GRAPH_TOKENS``, and that prefill is captured as a CUDA graph into the decode graphs' pool
-    (:mod:`notebookkit.models.generation.generate`); its temporaries are then the pool's, which the graphs share
-    (they are replayed one at a time), so a call's peak, ``kv_cache + graph_buffers + max(decode, prefill)``, stays
-    within ``total`` below. Longer prompts run eagerly as they are (``T = T0``).
+    ``[B, V]`` (``s``).
 
 One decoder layer's working set for ``N`` tokens attending over ``M`` slots, without autograd
 (each tensor is freed after its last reader):
@@ -43,9 +37,6 @@ One decoder layer's working set for ``N`` tokens attending over ``M`` slots, wit
     schedule and transients for ``N`` tokens and ``N k`` (token, expert) pairs, the selected experts' weights
     read in place (NF4 ones decoded in the kernel's tiles, no dense copy), as
     :func:`notebookkit.memory.moe.sparse_block_generation_bytes` counts them;
-    a decode step's split attention (:mod:`notebookkit.kernels.decode_attention`) adds its fp32 partial sums, at
-    most ``B * nk * 64 * 16 * (D + 2) * 4`` bytes (4.3 MB at batch 1 of an 8B model), left out: the sampling
-    temporaries are larger at every batch size;
     attention with sinks (gpt-oss) forms its scores explicitly in fp32, with the query heads grouped onto their
     key/value head (no repeated K, V): ``B * nh * T' * M * (2s + 12)`` (scores, their exponentials and
     probabilities in fp32, the probabilities in ``s``) and the mask repeated to each group's rows
@@ -87,8 +78,8 @@ from .shapes import ModelShape, resolve_attention
 
 __all__ = [
     "GenerationMemory", "generation_memory", "generation_bytes", "kv_cache_bytes", "graph_buffer_bytes",
-    "generation_term", "keeps_cache_between_steps", "layer_working_set", "length_bucket", "prefill_length",
-    "SAMPLING_BYTES_PER_LOGIT", "GRAPH_INTS_PER_ROW", "PREFILL_GRAPH_TOKENS",
+    "generation_term", "keeps_cache_between_steps", "layer_working_set", "SAMPLING_BYTES_PER_LOGIT",
+    "GRAPH_INTS_PER_ROW",
 ]
 
 # Peak temporaries of filter_logits + choose_next per logit, every filter on: top-p holds the
@@ -98,8 +89,6 @@ __all__ = [
 # tests/memory/test_generation_memory.py): 48.9 bytes per logit at [8, 128256], 48.2 at [16, 151936].
 SAMPLING_BYTES_PER_LOGIT = 50
 GRAPH_INTS_PER_ROW = 8
-PREFILL_GRAPH_TOKENS = 1024  # rows x padded prompt length of the largest prefill padded and captured (module docstring)
-MIN_LENGTH_BUCKET = 16
 # the part of generation_term that the capture stream's cuBLAS workspace is shown under (module docstring)
 CAPTURE_WORKSPACE_KEY = "generation: cuBLAS workspace of the decode graphs' capture stream"
 
@@ -131,20 +120,6 @@ class GenerationMemory:
             "generation: decode step (graph pool)": self.decode_step,
             "generation: prefill": self.prefill,
         }
-
-
-def length_bucket(length: int, slots: int) -> int:
-    """The smallest power of two (at least ``MIN_LENGTH_BUCKET``) covering ``length``, capped at ``slots``: the cache
-    slots a decode step reads, and the length a short prompt is padded to."""
-    return min(slots, max(MIN_LENGTH_BUCKET, 1 << max(0, (length - 1).bit_length())))
-
-
-def prefill_length(batch_size: int, prompt_len: int, slots: int) -> int | None:
-    """The padded length of a GPU prefill of ``batch_size`` prompts of ``prompt_len`` tokens in a cache of ``slots``
-    (:func:`length_bucket`), or ``None`` when ``batch_size`` rows of it exceed ``PREFILL_GRAPH_TOKENS`` (a longer
-    prefill is GPU-bound, so it runs eagerly on the prompt as it is, and its temporaries leave no graph pool)."""
-    bucket = length_bucket(prompt_len, slots)
-    return bucket if batch_size * bucket <= PREFILL_GRAPH_TOKENS else None
 
 
 def kv_cache_bytes(shape: ModelShape, batch_size: int, max_len: int, dtype_bytes: int = 2) -> int:
@@ -227,8 +202,7 @@ def generation_memory(
         batch_size: rows generated at once (GRPO: prompts x completions per prompt).
         max_len: cache slots per row, the longest prompt plus ``max_new_tokens``.
         dtype_bytes: bytes of the compute dtype (2 for fp16/bf16, 4 for fp32).
-        prompt_len: the (left-padded) prompt length of the prefill; default ``max_len`` (the most it can be). The
-            prefill's working set is counted at :func:`prefill_length`'s padded length where that applies.
+        prompt_len: the (padded) prompt length of the prefill; default ``max_len`` (the most it can be).
         load_in_4bit, load_in_2bit, load_in_ternary: the base format (``from_pretrained``'s flags): NF4
             adds one dequantised projection to the working sets; 2-bit and ternary dequantise inside the
             GEMM and the decode matvec, which write only their outputs (:mod:`.base_weights`).
@@ -249,8 +223,7 @@ def generation_memory(
     sampling = batch_size * V * (s + SAMPLING_BYTES_PER_LOGIT)
     decode = max(layer_working_set(shape, batch_size, 1, max_len, s, base, attention,
                                    expert_chunk_bytes=expert_chunk_bytes), sampling)
-    padded = prefill_length(batch_size, T, max_len) or T
-    prefill = layer_working_set(shape, batch_size, padded, max_len, s, base, attention,
+    prefill = layer_working_set(shape, batch_size, T, max_len, s, base, attention,
                                 expert_chunk_bytes=expert_chunk_bytes) + batch_size * V * s
     return GenerationMemory(
         kv_cache=kv_cache_bytes(shape, batch_size, max_len, s),

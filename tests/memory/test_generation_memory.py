@@ -44,10 +44,9 @@ def test_tiny_config_matches_hand_computed_sizes():
     # Decode (3 tokens over 40 slots): attention 3 * 2 * (2H + 2(dq + 2dk) + dq) = 2688 + mask 3*40*2 = 2928,
     # MLP 3 * 2 * (2H + 3I) = 3072; the LM head's bf16 logits and the sampling temporaries are more.
     assert g.decode_step == 3 * 256 * (2 + SAMPLING_BYTES_PER_LOGIT)
-    # Prefill (the 24-token prompts padded to 32 slots, a captured prefill: 96 tokens over 40 slots): attention
-    # 96 * 2 * 448 = 86016 + mask 3*32*40*2 = 7680 + K, V repeated to 4 heads 2*3*4*40*16*2 = 30720 -> 124416
-    # > MLP 96 * 2 * 512 = 98304; + logits 3*256*2.
-    assert g.prefill == 124416 + 1536
+    # Prefill (72 tokens over 40 slots): attention 72 * 2 * 448 = 64512 + mask 3*24*40*2 = 5760 + K, V
+    # repeated to 4 heads 2*3*4*40*16*2 = 30720 -> 100992 > MLP 72 * 2 * 512 = 73728; + logits 3*256*2.
+    assert g.prefill == 100992 + 1536
     assert g.held == 30720 + 8448 + g.decode_step and g.total == g.held + g.prefill
     assert generation_bytes(model_shape(TINY), 3, 40, 2, prompt_len=24) == g.total
 
@@ -58,24 +57,10 @@ def test_nf4_and_soft_capped_attention_add_their_working_sets():
     nf4 = generation_memory(shape, 3, 40, 2, prompt_len=24, load_in_4bit=True)
     assert nf4.prefill - plain.prefill == 64 * 128 * 2  # the largest projection, dequantised
     eager = generation_memory(shape, 3, 40, 2, prompt_len=24, attention="eager")
-    assert eager.prefill - plain.prefill == 3 * 4 * 32 * 40 * (2 * 2 + 4)  # explicit scores of 4 heads (32 slots)
+    assert eager.prefill - plain.prefill == 3 * 4 * 24 * 40 * (2 * 2 + 4)  # explicit scores of 4 heads
     gemma2 = model_shape("google/gemma-2-2b-it")
     assert generation_memory(gemma2, 1, 4096).prefill > generation_memory(gemma2, 1, 4096, attention="sdpa").prefill
     assert plain.kv_cache == nf4.kv_cache == eager.kv_cache
-
-
-def test_a_short_prompt_is_counted_at_its_padded_length_a_long_one_as_it_is():
-    """A GPU prefill pads a prompt of up to PREFILL_GRAPH_TOKENS rows x bucket to its bucket (generate's captured
-    prefill); a longer one runs as it is."""
-    shape = model_shape(TINY)
-
-    def prefill(batch, prompt, slots):
-        return generation_memory(shape, batch, slots, prompt_len=prompt).prefill
-
-    assert prefill(3, 17, 100) == prefill(3, 32, 100) > prefill(3, 16, 100)  # 17 -> 32 slots
-    assert prefill(3, 40, 40) == prefill(3, 33, 40)  # capped at the cache's slots
-    assert prefill(2, 300, 1024) == prefill(2, 512, 1024)  # 2 x 512 = PREFILL_GRAPH_TOKENS: padded
-    assert prefill(3, 300, 1024) < prefill(3, 512, 1024)  # 3 x 512 is more: as it is
 
 
 def test_default_prompt_is_the_whole_cache_and_bad_lengths_are_explained():

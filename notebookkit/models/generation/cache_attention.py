@@ -17,12 +17,7 @@ Then::
 
     S = scaling * Q K^T                          [B, Hkv, rep, kv_length]
     S = c * tanh(S / c)                          attention soft-cap (Gemma 2), explicit fp32 softmax
-    O = softmax(S masked) V                      without soft-cap: on a GPU the split kernel of
-                                                 notebookkit.kernels.decode_attention, else PyTorch SDPA
-
-SDPA runs one program per (row, key/value head) for a single query: eight programs reading every slot at
-batch 1 of an 8B model. The split kernel cuts the slots into enough splits for two programs an SM and combines
-their softmax sums in a second launch.
+    O = softmax(S masked) V                      PyTorch SDPA when there is no soft-cap
 
 The prompt (``T > 1``) runs the training path's attention
 (:func:`notebookkit.models.patching.patch_attention.attend`: the same scores, the mask broadcast over heads),
@@ -52,8 +47,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-from notebookkit.base_layers.kernel_ops import kernel
 
 from ..patching.patch_attention import attend
 
@@ -114,12 +107,6 @@ def cache_attention(
     kv_heads, kv_length = keys.shape[1], keys.shape[2]
     rep = heads // kv_heads
     q = q.reshape(batch, kv_heads, rep, head_dim)
-    split = kernel("decode_attention", "decode_attention") if softcap is None and q.is_cuda and rep <= 16 else None
-    if split is not None:  # flash-decoding: the slots split over many programs (notebookkit.kernels.decode_attention)
-        row = visible[:, 0, 0, :]
-        bias = row if row.dtype != torch.bool else \
-            torch.zeros(row.shape, dtype=q.dtype, device=q.device).masked_fill_(~row, float("-inf"))
-        return split(q, keys, values, bias, scaling).reshape(batch, heads, 1, head_dim)
     mask = visible.expand(batch, 1, rep, kv_length)
     if mask.dtype != torch.bool and mask.dtype != q.dtype:  # SDPA takes an additive mask in the query's dtype
         mask = mask.to(q.dtype)

@@ -17,8 +17,7 @@ For ``T`` new tokens per row (``T = P`` for the prompt, ``T = 1`` per decode ste
       h    = h + m
     logits = lm_head(norm(h[:, -1]))    (c * tanh(logits / c): final soft-cap, Gemma 2)
 
-Only the last position (or ``last_slot``'s, for a prompt padded on the right) reaches the norm and the LM head
-(``[B, V]``, never ``[B, T, V]``).
+Only the last position reaches the norm and the LM head (``[B, V]``, never ``[B, T, V]``).
 
 Fused on the way (forward only: decoding runs without gradients), each a kernel instead of several small ones:
 
@@ -110,10 +109,8 @@ def cached_forward(
     pad_lengths: torch.Tensor,
     kv_length: Optional[int] = None,
     position_offsets: Optional[torch.Tensor] = None,
-    last_slot: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Logits ``[B, V]`` of the last position of ``input_ids`` ``[B, T]`` (or of ``last_slot``'s), written into
-    ``cache`` on the way.
+    """Logits ``[B, V]`` of the last position of ``input_ids`` ``[B, T]``, written into ``cache`` on the way.
 
     Args:
         model: a causal LM of a family in notebookkit's table (PEFT-wrapped or not; see
@@ -128,9 +125,6 @@ def cached_forward(
         position_offsets: ``[B]`` added to each row's RoPE positions (``slot - pad + offset``): Qwen2.5-VL's
             ``rope_deltas`` after an image prompt, whose (t, h, w) grid positions advance slower than the
             slots; ``None`` adds nothing.
-        last_slot: a one-element device tensor, the position in ``input_ids`` whose logits are returned, for a
-            prompt padded on the right to a fixed length (the captured prefill, :mod:`.generate`): the slots after it are computed and
-            written to the cache too, and nothing before them reads them (the causal mask). ``None``: the last.
     """
     plan = decoder_plan(model)
     casts = generation_state(model).casts
@@ -186,8 +180,6 @@ def cached_forward(
             last = normed[:, -1]
         else:
             hidden = hidden + mlp_out
-            if last_slot is not None:
-                hidden = hidden.index_select(1, last_slot.reshape(1))
     logits = plan.lm_head(plan.final_norm(hidden[:, -1]) if last is None else last)
     if plan.final_softcap is not None:
         logits = torch.tanh(logits / plan.final_softcap) * plan.final_softcap

@@ -8,7 +8,7 @@ the new ones, ``[B, P + N]``, a row that stopped padded with ``pad_token_id``.
 
 The loop, for a batch left-padded to ``P`` columns (``pad[b]`` leading padding slots in row ``b``)::
 
-    logits = cached_forward(prompt, slots 0 .. P-1)              the prefill on the fused kernels (below)
+    logits = cached_forward(prompt, slots 0 .. P-1)              eager prefill on the fused kernels
     next   = choose(filter(logits))                              sampling.py (HF's processors, greedy or sampled)
     repeat until N tokens or every row stopped:
         one decode step (a CUDA graph per batch size and cache-length bucket, :mod:`.graph_runner`):
@@ -26,17 +26,6 @@ step reads the slots of the later buckets from the start (hidden by the mask, as
 are: the same tokens). A call that finds its cache kept uses the buckets again. The
 host reads the device only every few steps (every step with a streamer, or on the CPU), to stop
 when all rows are done; the ids of extra steps are never returned.
-
-The prefill on a GPU: a short prompt's forward is mostly the host's launches (an 8B model at 128 tokens, session
-49: 1,564 launches, 100-130 ms of wall time for 16 ms of GPU work), so it is captured too. The prompt is padded on
-the right to its bucket (:func:`notebookkit.memory.generation.prefill_length`: the decode step's bucket of its
-length; token 0 fills the pad) and the logits are read at its last real slot (``cached_forward(..., last_slot=)``):
-the padded slots come after every real one, so the causal mask hides them from the prompt, and the decode steps
-overwrite them before any query may see them. One graph per (batch size, bucket, sampling settings), replayed
-while the cache is kept; at most ``PREFILL_GRAPH_TOKENS`` rows x bucket tokens (a longer prefill is GPU-bound, and
-its temporaries would stay in the graphs' pool). On a GPU the prompt is padded whether or not the graph is captured
-(``NOTEBOOKKIT_CUDA_GRAPHS=0``; a call after ``drop_cache`` runs it once, eagerly), so the tokens never depend on
-capturing. On the CPU, and for longer prompts, the prefill runs eagerly on the prompt as it is.
 
 A model whose prompt is more than token ids (a vision-language model's images) carries its own prompt
 preparation (:func:`set_prompt_preparation`, set by its loader): it says whether the fast path can
@@ -62,7 +51,6 @@ import torch.nn as nn
 from notebookkit.base_layers.rebinding import WeakBoundMethod
 from notebookkit.compat import prepare_generation_config
 from notebookkit.marks import PREPARE_PROMPT
-from notebookkit.memory.generation import MIN_LENGTH_BUCKET, PREFILL_GRAPH_TOKENS, length_bucket, prefill_length
 
 from ..common.banner import get_banner
 from ..patching import forward_state
@@ -76,6 +64,7 @@ from .static_cache import StaticKVCache
 __all__ = ["generate", "bind_generate", "unbind_generate", "is_bound", "describe_generation", "cache_capacity",
            "bucket_for", "left_pad_lengths", "set_prompt_preparation", "SamplingSettings"]
 
+MIN_BUCKET = 16
 CACHE_ROUNDING = 256  # cache slots are allocated in multiples of this
 CHECK_EVERY_GPU = 8  # decode steps between host reads of "every row stopped" on a GPU
 _FAST_MODES = ("greedy_search", "sample")
@@ -155,8 +144,7 @@ def describe_generation(model: nn.Module, banner: Any, bound: bool) -> None:
         return
     plan = state.plan
     device = plan.device()
-    how = (f"the decode step replayed as a CUDA graph per batch size and cache-length bucket, and the prefill per "
-           f"prompt-length bucket up to {PREFILL_GRAPH_TOKENS} tokens"
+    how = ("the decode step replayed as a CUDA graph per batch size and cache-length bucket"
            if graphs_enabled(device) else f"the decode step run eagerly on {device.type.upper()} (graphs need CUDA)")
     banner.feature(
         "fast generation", True,
@@ -393,19 +381,18 @@ def _check_length(model: nn.Module, prompt: int, max_new: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def bucket_for(length: int, capacity: int) -> int:
     """Cache slots the decode step reads when slots ``0 .. length - 1`` are in use: the smallest power
-    of two (at least 16) covering them, capped at ``capacity`` (:func:`notebookkit.memory.generation.length_bucket`)."""
-    return length_bucket(length, capacity)
-
-
-def _pads_prompt(device: torch.device) -> bool:
-    """Whether a prefill on ``device`` pads its prompt to a bucket: on CUDA, graphs captured or not (module docstring)."""
-    return device.type == "cuda"
+    of two (at least ``MIN_BUCKET``) covering them, capped at ``capacity``."""
+    return min(capacity, max(MIN_BUCKET, _next_power_of_two(length)))
 
 
 def cache_capacity(need: int, limit: int, current: int = 0) -> int:
@@ -444,22 +431,7 @@ class DecodeBuffers:
         self.ids = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # prompt + new tokens, by slot
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # for the repetition penalty
         self.min_slot = torch.zeros(1, dtype=torch.long, device=device)  # EOS banned while slot < min_slot
-        self.last = torch.zeros(1, dtype=torch.long, device=device)  # a padded prompt's last real slot
         self._stops: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._prompts: dict[int, torch.Tensor] = {}
-
-    def padded_prompt(self, input_ids: torch.Tensor, bucket: int) -> torch.Tensor:
-        """``input_ids`` ``[B, P]`` in the kept ``[B, bucket]`` tensor a captured prefill reads, padded on the
-        right with token 0; :attr:`last` set to ``P - 1``."""
-        ids = self._prompts.get(bucket)
-        if ids is None:
-            ids = self._prompts[bucket] = torch.zeros(self.tokens.shape[0], bucket, dtype=torch.long,
-                                                      device=self.tokens.device)
-        prompt = input_ids.shape[1]
-        ids[:, :prompt].copy_(input_ids)
-        ids[:, prompt:].zero_()
-        self.last.fill_(prompt - 1)
-        return ids
 
     def stop_tensors(self, eos_ids: tuple[int, ...], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Device tensors of the EOS ids and the pad id (kept: captured steps read them)."""
@@ -536,30 +508,15 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    bucket = prefill_length(batch, prompt, cache.capacity) if prefill is None and _pads_prompt(cache.device) else None
-    step_offsets = None
-    if bucket is not None:  # the prompt padded to its bucket, its prefill a graph (module docstring)
-        padded = buffers.padded_prompt(input_ids, bucket)
-
-        def prefill_step() -> None:
-            logits = cached_forward(model, padded, cache, 0, buffers.pad, last_slot=buffers.last)
-            _advance(buffers, logits, settings, eos, pad, ban_eos)
-
-        if one_graph:  # after drop_cache: a graph would not outlive this call
-            prefill_step()
-        else:
-            key = ("prefill", batch, bucket, settings, request.eos_ids, request.pad_id, ban_eos)
-            state.runner.run(key, prefill_step, cache.device, buffers.advanced())
-    else:
-        if prefill is None:
-            logits, offsets = cached_forward(model, input_ids, cache, 0, buffers.pad), None
-        else:  # the model's own prefill (a vision-language prompt: its forward), and the RoPE offsets it leaves
-            logits, offsets = prefill(model, input_ids, cache, 0, buffers.pad)
-        if offsets is not None:
-            buffers.offset.copy_(offsets)
-            step_offsets = buffers.offset
-        _advance(buffers, logits, settings, eos, pad, ban_eos)
-        del logits
+    if prefill is None:
+        logits, offsets = cached_forward(model, input_ids, cache, 0, buffers.pad), None
+    else:  # the model's own prefill (a vision-language prompt: its forward), and the RoPE offsets it leaves (or None)
+        logits, offsets = prefill(model, input_ids, cache, 0, buffers.pad)
+    if offsets is not None:
+        buffers.offset.copy_(offsets)
+    step_offsets = buffers.offset if offsets is not None else None
+    _advance(buffers, logits, settings, eos, pad, ban_eos)
+    del logits
     if streamer is not None:
         streamer.put(buffers.ids[:, prompt].cpu())
 
@@ -576,7 +533,7 @@ def _decode(model: nn.Module, state: GenerationState, request: _Request, streame
         if i % check_every == 0 and request.eos_ids and not bool(buffers.unfinished.any()):
             break
         slot = prompt + i - 1
-        kv_length = min(cache.capacity, _round_up(need, MIN_LENGTH_BUCKET)) if one_graph else \
+        kv_length = min(cache.capacity, _round_up(need, MIN_BUCKET)) if one_graph else \
             bucket_for(slot + 1, cache.capacity)
         key = (batch, kv_length, settings, request.eos_ids, request.pad_id, ban_eos, step_offsets is not None)
         state.runner.run(key, step(kv_length), cache.device, buffers.advanced())

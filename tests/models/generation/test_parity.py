@@ -14,7 +14,6 @@ or ``FastLanguageModel.unpatch`` on a copy of a notebookkit model).
 from __future__ import annotations
 
 import copy
-import importlib
 import warnings
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 
 from notebookkit.models import FastLanguageModel
 
-from ..helpers import FAMILIES, MOE_FAMILIES
+from ..helpers import FAMILIES
 from .common import PAD, PROMPT, fast_copy, left_padded_prompts, lora_model
 
 NEW = 24
@@ -60,26 +59,6 @@ def test_greedy_tokens_equal_hugging_face_with_left_padding_and_stops(family):
     assert set(new[0][stop_a + 1:]) <= {PAD} and set(new[2][stop_b + 1:]) <= {PAD}
     assert len(new[1]) == NEW and eos_a not in new[1] and eos_b not in new[1]
     assert new[1] == free[1, PROMPT:].tolist()
-
-
-@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
-def test_a_prompt_padded_to_its_bucket_gives_hugging_faces_tokens(family, monkeypatch):
-    """The GPU's prefill pads the prompt on the right to its bucket (11 -> 16 slots here) and reads the logits at the
-    last real slot, so that it can be captured as a CUDA graph; here forced on the CPU, where it runs eagerly: the
-    padded slots, computed and written to the cache, change no token."""
-    generate_module = importlib.import_module("notebookkit.models.generation.generate")
-    stock = lora_model(family)
-    fast = fast_copy(stock)
-    ids, mask = left_padded_prompts()
-    shapes = []
-    forward = generate_module.cached_forward
-    monkeypatch.setattr(generate_module, "_pads_prompt", lambda device: True)
-    monkeypatch.setattr(generate_module, "cached_forward",
-                        lambda model, input_ids, *a, **k: shapes.append(tuple(input_ids.shape)) or
-                        forward(model, input_ids, *a, **k))
-    base = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
-    assert torch.equal(fast.generate(input_ids=ids, **base), stock.generate(input_ids=ids, **base))
-    assert shapes[0] == (3, 16) and set(shapes[1:]) == {(3, 1)}
 
 
 def test_a_batch_where_every_row_stops_returns_hugging_faces_length():
